@@ -1,0 +1,175 @@
+"""The algorithm interface: a state and four functions (DESIGN.md "An algorithm is three functions").
+
+    plan(state, rnd, clients)        -> Plan     what each sampled client starts from + its objective
+    client_update(plan, trainer)     -> Update   local work; default: the engine trains plan.start
+    aggregate(state, rnd, update)    -> records  the server step (mutates state), returns loggables
+    model_for(state, clients)        -> [n, P]   the model each client would use for inference now
+
+Everything is batched over the cohort: `Plan.start` is an `[n, P]` matrix, `Update.params` too,
+so the vectorized engine trains a cohort at once and Flower can send row i to node i. The state is a
+dict of tensors / numpy arrays / plain Python values, checkpointed with `torch.save`.
+
+Algorithms never see the engine's loop: `client_update` receives a `Trainer` with `train(plan)`,
+`evaluate(...)`, `logits(...)` and `features(...)`, which run one client or a whole cohort.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Protocol
+
+import numpy as np
+import torch
+
+from fedprism.errors import ConfigError
+from fedprism.hparams import Param
+from fedprism.params import ParamSpec
+
+
+@dataclass
+class Context:
+    """What an algorithm may know about the federation (no raw data)."""
+
+    num_clients: int
+    num_classes: int
+    spec: ParamSpec
+    init: torch.Tensor                 # [P] initial parameters (same seed -> same vector)
+    n_train: np.ndarray                # [N] train samples per client
+    label_hist: np.ndarray             # [N, classes] train label counts (for PSI-style methods)
+    seed: int
+    rounds: int
+    fraction: float
+
+
+@dataclass
+class Plan:
+    """What the sampled clients do this round. Row i of every tensor belongs to clients[i]."""
+
+    clients: np.ndarray                                   # [n] client ids
+    start: torch.Tensor                                   # [n, P] start parameters (exact vector sent)
+    objective: str = "ce"                                 # name in fedprism.objectives.OBJECTIVES
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)   # per-client [n, ...] tensors
+    train_mask: torch.Tensor | None = None                # [P] 1 where parameters train (None: all)
+    epochs: int | None = None                             # override the experiment's local_epochs
+    down_floats: int | None = None                        # floats sent to each client (default P)
+
+
+@dataclass
+class Update:
+    """What came back. `params` are the trained vectors; `start` the vectors that were sent."""
+
+    clients: np.ndarray
+    params: torch.Tensor                                  # [n, P]
+    start: torch.Tensor                                   # [n, P]
+    n_samples: torch.Tensor                               # [n] float64 train samples
+    extras: dict[str, Any] = field(default_factory=dict)  # e.g. losses, prototypes, label counts
+    up_floats: int | None = None                          # floats sent back per client (default P)
+    rejected: dict[int, str] = field(default_factory=dict)  # client id -> reason (filled by the runner)
+
+    @property
+    def delta(self) -> torch.Tensor:
+        return self.params - self.start
+
+    def select(self, keep: np.ndarray) -> "Update":
+        """The rows where `keep` is True (used to drop rejected clients)."""
+        t = torch.as_tensor(keep)
+        ex = {k: (v[t] if isinstance(v, torch.Tensor) and v.shape[:1] == (len(keep),) else v)
+              for k, v in self.extras.items()}
+        return Update(self.clients[keep], self.params[t], self.start[t], self.n_samples[t], ex,
+                      self.up_floats, dict(self.rejected))
+
+
+class Trainer(Protocol):
+    """The engine as an algorithm sees it."""
+
+    def train(self, plan: Plan, rnd: int) -> Update: ...
+
+    def evaluate(self, params: torch.Tensor, clients: np.ndarray, split: str) -> "EvalResult": ...
+
+    def logits(self, params: torch.Tensor, x: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass
+class EvalResult:
+    """Per-model evaluation sums. `confusion[i]` is model i's [classes, classes] count matrix."""
+
+    correct: torch.Tensor      # [n] int64
+    loss_sum: torch.Tensor     # [n] float64
+    count: torch.Tensor        # [n] int64
+    confusion: torch.Tensor    # [n, C, C] int64 (rows: true, cols: predicted)
+
+    @property
+    def accuracy(self) -> torch.Tensor:
+        return self.correct.double() / self.count.clamp(min=1).double()
+
+
+class Algorithm:
+    """Base class. Subclasses set `name`, `params` and override the four functions."""
+
+    name: ClassVar[str] = ""
+    paper: ClassVar[str] = ""
+    params: ClassVar[dict[str, Param]] = {}
+    personalized: ClassVar[bool] = True   # False: one shared model (global acc computed once)
+
+    def __init__(self, ctx: Context, **hp: Any):
+        self.ctx = ctx
+        self.hp = self.resolve(hp)
+
+    @classmethod
+    def resolve(cls, hp: dict[str, Any]) -> dict[str, Any]:
+        """Validate method parameters (keys without the method prefix); fill defaults."""
+        out = {}
+        for k in hp:
+            if k not in cls.params:
+                allowed = ", ".join(f"{cls.name}.{p}" for p in cls.params) or "none"
+                raise ConfigError(f"{cls.name}.{k}", hp[k], f"unknown parameter; {cls.name} takes {allowed}")
+        for k, p in cls.params.items():
+            out[k] = p.validate(f"{cls.name}.{k}", hp[k]) if k in hp else p.default
+        cls.check_params(out)
+        return out
+
+    @classmethod
+    def check_params(cls, hp: dict[str, Any]) -> None:
+        """Cross-parameter checks (e.g. m <= K); raise ConfigError."""
+
+    # -- the four functions --------------------------------------------------------------------
+    def init_state(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def plan(self, state: dict[str, Any], rnd: int, clients: np.ndarray) -> Plan:
+        raise NotImplementedError
+
+    def client_update(self, plan: Plan, trainer: Trainer, rnd: int) -> Update:
+        return trainer.train(plan, rnd)
+
+    def aggregate(self, state: dict[str, Any], rnd: int, update: Update) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def model_for(self, state: dict[str, Any], clients: np.ndarray) -> torch.Tensor:
+        raise NotImplementedError
+
+    # -- optional hooks --------------------------------------------------------------------------
+    def evaluate(self, state: dict[str, Any], trainer: Trainer, clients: np.ndarray, split: str) -> EvalResult | None:
+        """Custom evaluation (e.g. dual-stream routing); None means: evaluate `model_for` rows."""
+        return None
+
+    def extra_models(self, state: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Extra shared models to score on the global test set (e.g. {'global': w_g})."""
+        return {}
+
+
+REGISTRY: dict[str, type[Algorithm]] = {}
+
+
+def register(cls: type[Algorithm]) -> type[Algorithm]:
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def weighted_mean(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """sum_k w_k x_k / sum_k w_k over rows, accumulated in float64 (specs 0.1). w must sum > 0."""
+    w64 = w.to(torch.float64)
+    s = w64.sum()
+    if not s > 0:
+        raise ValueError("weights sum to zero; the caller must keep the previous value")
+    return ((w64 / s) @ x.to(torch.float64)).to(x.dtype)
