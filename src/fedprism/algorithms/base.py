@@ -53,6 +53,14 @@ class Plan:
     epochs: int | None = None                             # override the experiment's local_epochs
     down_floats: int | None = None                        # floats sent to each client (default P)
 
+    def subset(self, rows: np.ndarray) -> "Plan":
+        """The plan for rows `rows` only (e.g. to retry clients one by one after a failure)."""
+        t = torch.as_tensor(rows)
+        n = len(self.clients)
+        ex = {k: (v[t] if v.shape[:1] == (n,) else v) for k, v in self.extras.items()}
+        return Plan(self.clients[rows], self.start[t], self.objective, ex, self.train_mask, self.epochs,
+                    self.down_floats)
+
 
 @dataclass
 class Update:
@@ -65,6 +73,21 @@ class Update:
     extras: dict[str, Any] = field(default_factory=dict)  # e.g. losses, prototypes, label counts
     up_floats: int | None = None                          # floats sent back per client (default P)
     rejected: dict[int, str] = field(default_factory=dict)  # client id -> reason (filled by the runner)
+
+    @staticmethod
+    def concat(parts: list["Update"], like: "Update | None" = None) -> "Update":
+        """Row-wise concatenation of updates from the same plan (tensor extras concatenated)."""
+        if not parts:
+            raise ValueError("no updates to concatenate")
+        ex: dict[str, Any] = {}
+        for k, v in parts[0].extras.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                ex[k] = torch.cat([p.extras[k] for p in parts])
+            else:
+                ex[k] = v
+        return Update(np.concatenate([p.clients for p in parts]), torch.cat([p.params for p in parts]),
+                      torch.cat([p.start for p in parts]), torch.cat([p.n_samples for p in parts]), ex,
+                      parts[0].up_floats)
 
     @property
     def delta(self) -> torch.Tensor:

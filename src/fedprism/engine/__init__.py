@@ -1,0 +1,37 @@
+"""Engines run client work: `sequential` (the reference) and `vectorized` (many clients at once)."""
+
+from __future__ import annotations
+
+import torch
+
+from fedprism.engine.base import EngineBase, LocalConfig
+from fedprism.engine.sequential import SequentialEngine
+from fedprism.errors import ConfigError
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device", device, "cpu or auto (no CUDA device is available here)")
+    return device
+
+
+def make_engine(name: str, fed, model, cfg: LocalConfig, seed: int, device: str = "auto",
+                compile: str | bool = "auto", rounds: int = 1) -> EngineBase:
+    """Build an engine; `auto` picks the vectorized one when it is available."""
+    dev = resolve_device(device)
+    if name in ("auto", "vectorized"):
+        try:
+            from fedprism.engine.vectorized import VectorizedEngine
+        except ImportError:
+            if name == "vectorized":
+                raise
+        else:
+            return VectorizedEngine(fed, model, cfg, seed, dev, compile=compile, rounds=rounds)
+    if name in ("auto", "sequential"):
+        return SequentialEngine(fed, model, cfg, seed, dev)
+    raise ConfigError("engine", name, "auto, sequential or vectorized")
+
+
+__all__ = ["EngineBase", "LocalConfig", "SequentialEngine", "make_engine", "resolve_device"]

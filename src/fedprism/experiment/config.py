@@ -1,0 +1,180 @@
+"""Experiment configuration: one flat namespace of keys plus dotted method / partition / data keys.
+
+Keys come from a TOML file (tables are flattened: `[fedprism] k = 5` is `fedprism.k`) and from
+`key=value` arguments (values parsed as TOML literals: `0.1`, `true`, `"x"` or a bare word).
+Every key is validated; unknown keys, wrong types and out-of-range values raise `ConfigError`
+naming the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fedprism.errors import ConfigError
+from fedprism.hparams import Param
+
+_pos = lambda v: v > 0  # noqa: E731
+_nonneg = lambda v: v >= 0  # noqa: E731
+
+#: experiment keys (not method- or partition-specific)
+KEYS: dict[str, Param] = {
+    "method": Param("fedprism", "algorithm (see `fedprism methods`)"),
+    "name": Param("", "free-form label stored with the run (not part of its id)"),
+    "dataset": Param("digits", "fmnist, mnist, cifar10, cifar100, svhn, digits, synthetic"),
+    "data.root": Param("", "directory to look for dataset files first"),
+    "data.download": Param(False, "download missing dataset files (network)"),
+    "data.pad32": Param("auto", "pad 28x28 images to 32x32 (auto: when the model needs 32x32)",
+                        choices=("auto", "true", "false", True, False)),
+    "model": Param("auto", "lenet5, mlp, cnn, or auto (lenet5 for images >= 28px, else mlp)",
+                   choices=("auto", "lenet5", "mlp", "cnn")),
+    "partition": Param("dirichlet", "how the data is split across clients (see `fedprism partition --help`)"),
+    "clients": Param(100, "number of clients N", _pos, "an integer >= 1"),
+    "rounds": Param(100, "communication rounds T", _pos, "an integer >= 1"),
+    "fraction": Param(0.1, "client sampling rate R per round", lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "local_epochs": Param(10, "local epochs E", _nonneg, "an integer >= 0"),
+    "batch_size": Param(32, "local batch size B", _pos, "an integer >= 1"),
+    "lr": Param(0.01, "client SGD learning rate", lambda v: v > 0 and math.isfinite(v), "a finite number > 0"),
+    "momentum": Param(0.9, "client SGD momentum", lambda v: 0 <= v < 1, "a number in [0, 1)"),
+    "weight_decay": Param(0.0, "client SGD weight decay", _nonneg, "a number >= 0"),
+    "seed": Param(0, "run seed (partition, init, sampling, shuffling)", _nonneg, "an integer >= 0"),
+    "eval_every": Param(1, "evaluate every this many rounds (and at the end)", _pos, "an integer >= 1"),
+    "eval.global": Param(True, "score every client's model on the full global test set"),
+    "device": Param("auto", "auto, cpu or cuda", choices=("auto", "cpu", "cuda")),
+    "engine": Param("auto", "auto, sequential or vectorized", choices=("auto", "sequential", "vectorized")),
+    "compile": Param("auto", "torch.compile the vectorized kernels (auto: on for long runs)",
+                     choices=("auto", "true", "false", True, False)),
+}
+
+#: parameters every partition takes (minimum samples per client)
+PARTITION_COMMON: dict[str, Param] = {
+    "min_train": Param(10, "minimum train samples per client", _pos, "an integer >= 1"),
+    "min_test": Param(1, "minimum local test samples per client", _nonneg, "an integer >= 0"),
+}
+
+#: keys that change how a run executes but not its numbers (excluded from the run id)
+EXECUTION_KEYS = frozenset({"name", "device", "engine", "compile", "data.root", "data.download"})
+
+
+def parse_value(text: str) -> Any:
+    """A command-line value: a TOML literal if it parses, else the bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError("config file", str(p), "an existing TOML file")
+    try:
+        return flatten(tomllib.loads(p.read_text()))
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError("config file", str(p), f"valid TOML ({e})") from None
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    out = {}
+    for a in args:
+        if "=" not in a:
+            raise ConfigError("argument", a, "key=value (e.g. rounds=20 fedprism.k=5)")
+        k, v = a.split("=", 1)
+        out[k.strip()] = parse_value(v.strip())
+    return out
+
+
+@dataclass(frozen=True)
+class Config:
+    """A resolved, validated configuration. `values` holds every key with its final value."""
+
+    values: dict[str, Any]
+
+    def __getitem__(self, key: str) -> Any:
+        return self.values[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.values.get(key, default)
+
+    @property
+    def method_params(self) -> dict[str, Any]:
+        p = f"{self['method']}."
+        return {k[len(p):]: v for k, v in self.values.items() if k.startswith(p)}
+
+    @property
+    def partition_params(self) -> dict[str, Any]:
+        return {k[len("partition."):]: v for k, v in self.values.items() if k.startswith("partition.")}
+
+    @property
+    def identity(self) -> dict[str, Any]:
+        return {k: v for k, v in sorted(self.values.items()) if k not in EXECUTION_KEYS}
+
+    @property
+    def run_id(self) -> str:
+        """Hash of the resolved config (seed included); execution-only keys excluded."""
+        blob = json.dumps(self.identity, sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def with_(self, **kw: Any) -> "Config":
+        return resolve({**self.values, **{k.replace("__", "."): v for k, v in kw.items()}})
+
+
+def resolve(raw: dict[str, Any]) -> Config:
+    """Validate `raw` (flat keys) and fill defaults for the experiment, the method and the partition."""
+    from fedprism.algorithms import REGISTRY
+    from fedprism.data.partition import PARTITIONS
+
+    raw = dict(raw)
+    method = raw.get("method", KEYS["method"].default)
+    if method not in REGISTRY:
+        raise ConfigError("method", method, f"one of {', '.join(sorted(REGISTRY))}")
+    part = raw.get("partition", KEYS["partition"].default)
+    if part not in PARTITIONS:
+        raise ConfigError("partition", part, f"one of {', '.join(sorted(PARTITIONS))}")
+    from fedprism.data.datasets import DATASETS
+    ds = raw.get("dataset", KEYS["dataset"].default)
+    if ds not in DATASETS:
+        raise ConfigError("dataset", ds, f"one of {', '.join(DATASETS)}")
+
+    out: dict[str, Any] = {}
+    for k, p in KEYS.items():
+        out[k] = p.validate(k, raw.pop(k)) if k in raw else p.default
+    part_params = {**PARTITION_COMMON, **PARTITIONS[part]}
+    for k, p in part_params.items():
+        key = f"partition.{k}"
+        out[key] = p.validate(key, raw.pop(key)) if key in raw else p.default
+    mp = {k[len(method) + 1:]: raw.pop(k) for k in list(raw) if k.startswith(method + ".")}
+    for k, v in REGISTRY[method].resolve(mp).items():
+        out[f"{method}.{k}"] = v
+    if raw:
+        k = sorted(raw)[0]
+        if k.startswith("partition."):
+            allowed = ", ".join(f"partition.{p}" for p in part_params)
+            raise ConfigError(k, raw[k], f"unknown key for partition={part}; it takes {allowed}")
+        other = k.split(".")[0]
+        if other in REGISTRY:
+            raise ConfigError(k, raw[k], f"a {other} parameter, but method={method}")
+        raise ConfigError(k, raw[k], f"unknown key; known keys: {', '.join(KEYS)} and {method}.*, partition.*")
+    if out["clients"] * out["fraction"] < 1 - 1e-12:
+        pass  # m_t = max(floor(qN), 1): still one client per round
+    return Config(out)
+
+
+def describe_keys() -> list[tuple[str, Any, str]]:
+    return [(k, p.default, p.help) for k, p in KEYS.items()]

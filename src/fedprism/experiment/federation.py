@@ -1,0 +1,64 @@
+"""Config -> Federation: load the dataset, partition it, apply domain transforms (domain_mix)."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from fedprism.experiment.config import Config
+from fedprism.federation import Federation
+
+
+def resolve_model_name(model: str, input_shape: tuple[int, ...]) -> str:
+    """`auto`: LeNet-5 for images of at least 28 pixels, an MLP for everything else."""
+    if model != "auto":
+        return model
+    return "lenet5" if len(input_shape) == 3 and input_shape[-1] >= 28 else "mlp"
+
+
+def _pad32(cfg: Config, dataset: str) -> bool:
+    v = cfg["data.pad32"]
+    if v in (True, "true"):
+        return True
+    if v in (False, "false"):
+        return False
+    return dataset in ("fmnist", "mnist") and cfg["model"] in ("auto", "lenet5", "cnn")
+
+
+@lru_cache(maxsize=4)
+def _federation(dataset: str, root: str, download: bool, pad32: bool, partition: str,
+                part_items: tuple, clients: int, seed: int) -> Federation:
+    from fedprism.data.datasets import load_dataset
+    from fedprism.data.partition import make_partition
+
+    ds = load_dataset(dataset, root=root or None, download=download, pad32=pad32)
+    params = dict(part_items)
+    part = make_partition(partition, ds.y_train.numpy(), ds.y_test.numpy(), clients, seed, **params)
+    x_tr, y_tr, x_te, y_te = ds.x_train, ds.y_train, ds.x_test, ds.y_test
+    train_idx, test_idx = list(part.train), list(part.test)
+    if part.domains is not None:
+        from fedprism.data.domains import apply_domain
+        doms = sorted(set(int(d) for d in part.domains))
+        n_tr, n_te = len(y_tr), len(y_te)
+        x_tr = torch.cat([torch.as_tensor(apply_domain(ds.x_train.numpy(), d, seed=seed)) for d in doms])
+        x_te = torch.cat([torch.as_tensor(apply_domain(ds.x_test.numpy(), d, seed=seed + 1)) for d in doms])
+        y_tr, y_te = ds.y_train.repeat(len(doms)), ds.y_test.repeat(len(doms))
+        slot = {d: k for k, d in enumerate(doms)}
+        train_idx = [i + slot[int(d)] * n_tr for i, d in zip(train_idx, part.domains)]
+        test_idx = [i + slot[int(d)] * n_te for i, d in zip(test_idx, part.domains)]
+    return Federation(x_tr.float().contiguous(), y_tr.long(), x_te.float().contiguous(), y_te.long(),
+                      [np.asarray(i, dtype=np.int64) for i in train_idx],
+                      [np.asarray(i, dtype=np.int64) for i in test_idx],
+                      num_classes=len(ds.classes), class_names=list(ds.classes), name=dataset,
+                      meta={"partition": partition, **params, **dict(part.meta)})
+
+
+def build_federation(cfg: Config) -> Federation:
+    """The federation a config describes; cached, so every method of a sweep shares one partition."""
+    params = tuple(sorted(cfg.partition_params.items()))
+    fed = _federation(cfg["dataset"], cfg["data.root"], bool(cfg["data.download"]), _pad32(cfg, cfg["dataset"]),
+                      cfg["partition"], params, cfg["clients"], cfg["seed"])
+    return Federation(fed.x_train, fed.y_train, fed.x_test, fed.y_test, fed.train_idx, fed.test_idx,
+                      fed.num_classes, fed.class_names, fed.name, dict(fed.meta))

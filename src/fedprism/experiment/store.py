@@ -1,0 +1,203 @@
+"""The results store: one SQLite file, every run, every round, every client (DESIGN.md).
+
+Tables
+    runs            one row per run: id (hash of resolved config), config, seed, code version, status
+    rounds          per-round metrics (JSON object) and wall time
+    client_metrics  per-round, per-client accuracies and losses
+    records         method- and runner-specific records (cluster assignments, rejected updates, ...)
+
+Writes are transactional per round (WAL mode), so a crash never leaves half a round. Checkpoints of
+the algorithm state (weights) are NOT stored here: they live beside the database in `<db>.ckpt/`
+and are deleted when the run finishes, so a committed database holds metrics only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sqlite3
+import subprocess
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY, name TEXT, method TEXT, dataset TEXT, seed INTEGER,
+    config TEXT NOT NULL, code_version TEXT, status TEXT NOT NULL,
+    rounds_done INTEGER NOT NULL DEFAULT 0, final TEXT, created REAL, updated REAL, sweep TEXT
+);
+CREATE TABLE IF NOT EXISTS rounds (
+    run_id TEXT NOT NULL, round INTEGER NOT NULL, metrics TEXT NOT NULL, wall_s REAL,
+    PRIMARY KEY (run_id, round)
+);
+CREATE TABLE IF NOT EXISTS client_metrics (
+    run_id TEXT NOT NULL, round INTEGER NOT NULL, client INTEGER NOT NULL,
+    local_acc REAL, local_loss REAL, global_acc REAL, n_test INTEGER, local_f1 REAL,
+    PRIMARY KEY (run_id, round, client)
+);
+CREATE TABLE IF NOT EXISTS records (
+    run_id TEXT NOT NULL, round INTEGER NOT NULL, kind TEXT NOT NULL, client INTEGER, data TEXT
+);
+CREATE INDEX IF NOT EXISTS records_run ON records (run_id, kind, round);
+"""
+
+
+def code_version() -> str:
+    from fedprism import __version__
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).parent, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        sha = ""
+    return f"{__version__}+{sha}" if sha else __version__
+
+
+def _clean(x: Any) -> Any:
+    """JSON-safe: tensors/arrays to lists, NaN/Inf to None."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().tolist()
+    if hasattr(x, "tolist") and not isinstance(x, (str, bytes)):
+        x = x.tolist()
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {str(k): _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def dumps(x: Any) -> str:
+    return json.dumps(_clean(x), sort_keys=True, separators=(",", ":"))
+
+
+class Store:
+    def __init__(self, path: str | Path = "fedprism-results.db"):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(str(self.path), timeout=60, isolation_level=None)
+        self.db.row_factory = sqlite3.Row
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self.db.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self.db
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
+
+    # -- runs ---------------------------------------------------------------------------------------
+    def run(self, run_id: str) -> sqlite3.Row | None:
+        return self.db.execute("SELECT * FROM runs WHERE run_id=?", (run_id,)).fetchone()
+
+    def start_run(self, run_id: str, config: dict, sweep: str | None = None) -> sqlite3.Row:
+        """Create the run if new; return its row (status 'running' unless already finished)."""
+        now = time.time()
+        with self.transaction() as db:
+            row = db.execute("SELECT * FROM runs WHERE run_id=?", (run_id,)).fetchone()
+            if row is None:
+                db.execute(
+                    "INSERT INTO runs (run_id, name, method, dataset, seed, config, code_version, status,"
+                    " created, updated, sweep) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                    (run_id, config.get("name", ""), config["method"], config["dataset"], config["seed"],
+                     dumps(config), code_version(), "running", now, now, sweep))
+            elif row["status"] != "finished":
+                db.execute("UPDATE runs SET status='running', updated=?, code_version=? WHERE run_id=?",
+                           (now, code_version(), run_id))
+        return self.run(run_id)
+
+    def truncate(self, run_id: str, after_round: int) -> None:
+        """Drop rows of rounds > after_round (rounds redone after resuming from a checkpoint)."""
+        with self.transaction() as db:
+            for t in ("rounds", "client_metrics", "records"):
+                db.execute(f"DELETE FROM {t} WHERE run_id=? AND round>?", (run_id, after_round))
+            db.execute("UPDATE runs SET rounds_done=? WHERE run_id=?", (after_round + 1, run_id))
+
+    def write_round(self, run_id: str, rnd: int, metrics: dict | None, clients: list[tuple] | None,
+                    records: list[tuple[str, int | None, Any]], wall_s: float) -> None:
+        """One transaction: round metrics, per-client rows, records, progress counter."""
+        with self.transaction() as db:
+            if metrics is not None:
+                db.execute("INSERT OR REPLACE INTO rounds VALUES (?,?,?,?)", (run_id, rnd, dumps(metrics), wall_s))
+            if clients:
+                db.executemany("INSERT OR REPLACE INTO client_metrics VALUES (?,?,?,?,?,?,?,?)",
+                               [(run_id, rnd, *map(_clean, c)) for c in clients])
+            if records:
+                db.executemany("INSERT INTO records VALUES (?,?,?,?,?)",
+                               [(run_id, rnd, k, c, dumps(d)) for k, c, d in records])
+            db.execute("UPDATE runs SET rounds_done=?, updated=? WHERE run_id=?", (rnd + 1, time.time(), run_id))
+
+    def finish(self, run_id: str, final: dict, status: str = "finished") -> None:
+        with self.transaction() as db:
+            db.execute("UPDATE runs SET status=?, final=?, updated=? WHERE run_id=?",
+                       (status, dumps(final), time.time(), run_id))
+
+    def mark(self, run_id: str, status: str) -> None:
+        with self.transaction() as db:
+            db.execute("UPDATE runs SET status=?, updated=? WHERE run_id=?", (status, time.time(), run_id))
+
+    # -- reading -----------------------------------------------------------------------------------
+    def runs(self, **where: Any) -> list[sqlite3.Row]:
+        q = "SELECT * FROM runs"
+        if where:
+            q += " WHERE " + " AND ".join(f"{k}=?" for k in where)
+        return self.db.execute(q + " ORDER BY created", tuple(where.values())).fetchall()
+
+    def round_metrics(self, run_id: str) -> list[dict]:
+        rows = self.db.execute("SELECT round, metrics, wall_s FROM rounds WHERE run_id=? ORDER BY round",
+                               (run_id,)).fetchall()
+        return [{"round": r["round"], "wall_s": r["wall_s"], **json.loads(r["metrics"])} for r in rows]
+
+    def client_rows(self, run_id: str, rnd: int | None = None) -> list[sqlite3.Row]:
+        if rnd is None:
+            rnd = self.db.execute("SELECT MAX(round) FROM client_metrics WHERE run_id=?", (run_id,)).fetchone()[0]
+        return self.db.execute("SELECT * FROM client_metrics WHERE run_id=? AND round=? ORDER BY client",
+                               (run_id, rnd)).fetchall()
+
+    def records(self, run_id: str, kind: str | None = None) -> list[dict]:
+        q, args = "SELECT round, kind, client, data FROM records WHERE run_id=?", [run_id]
+        if kind:
+            q += " AND kind=?"
+            args.append(kind)
+        return [{"round": r[0], "kind": r[1], "client": r[2], "data": json.loads(r[3])}
+                for r in self.db.execute(q + " ORDER BY rowid", args)]
+
+    # -- checkpoints (beside the db, never inside) -------------------------------------------------
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.path.with_name(self.path.name + ".ckpt")
+
+    def save_checkpoint(self, run_id: str, payload: dict) -> None:
+        self.ckpt_dir.mkdir(exist_ok=True)
+        tmp = self.ckpt_dir / f"{run_id}.pt.tmp"
+        torch.save(payload, tmp)
+        os.replace(tmp, self.ckpt_dir / f"{run_id}.pt")
+
+    def load_checkpoint(self, run_id: str) -> dict | None:
+        p = self.ckpt_dir / f"{run_id}.pt"
+        if not p.exists():
+            return None
+        try:
+            return torch.load(p, weights_only=False)
+        except Exception:  # a torn or corrupt checkpoint: start the run again rather than trust it
+            return None
+
+    def drop_checkpoint(self, run_id: str) -> None:
+        (self.ckpt_dir / f"{run_id}.pt").unlink(missing_ok=True)
+        try:
+            self.ckpt_dir.rmdir()
+        except OSError:
+            pass
