@@ -1,0 +1,111 @@
+"""Choosing the number of clusters.
+
+- :func:`choose_k_silhouette` — Clust-PSI-PFL (specs/algorithms.md section 12): K-Means for every
+  tau in 2..n-1, keep the largest silhouette; strict ``>`` so the smallest tau wins ties.
+- :func:`choose_k_davies_bouldin` — FedSub (specs/algorithms.md section 13): K-Means for every K
+  in 2..n-1, keep the lowest Davies-Bouldin index (smallest K on ties).
+
+Both score in Euclidean distance on the given features, so only the Euclidean methods
+(kmeans, ward, average, single) are accepted. A candidate k for which clustering is impossible
+(fewer distinct points than k) or that yields fewer than k non-empty clusters is skipped (its score
+is not recorded).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fedprism.clustering.hard import TooFewPoints, as_features, euclidean_embedding, euclidean_labels
+from fedprism.errors import ConfigError
+
+EUCLIDEAN_METHODS = ("kmeans", "ward", "average", "single")
+
+
+def _candidates(features: np.ndarray, k_range, method: str, seed: int):
+    """Yield (k, labels, embedding) for every feasible k in ``k_range`` (default 2..n-1).
+
+    Clustering and scoring both run on :func:`euclidean_embedding` (same distances, n columns).
+    """
+    if method not in EUCLIDEAN_METHODS:
+        raise ConfigError("clustering.method", method, f"one of {EUCLIDEAN_METHODS} for choosing K")
+    n = features.shape[0]
+    ks = range(2, n) if k_range is None else k_range
+    n_distinct = int(np.unique(features, axis=0).shape[0])
+    emb = euclidean_embedding(features)
+    for k in ks:
+        k = int(k)
+        if not 2 <= k <= n - 1 or k > n_distinct:  # scores are undefined for k = 1 and k = n
+            continue
+        labels = euclidean_labels(emb, k, method, seed, n_features=features.shape[1])
+        if len(np.unique(labels)) == k:
+            yield k, labels, emb
+
+
+def choose_k_silhouette(
+    features,
+    k_range=None,
+    method: str = "kmeans",
+    seed: int = 0,
+    allow_single_cluster: bool = False,
+) -> tuple[int, dict[int, float]]:
+    """Number of clusters with the largest silhouette (Clust-PSI-PFL, specs/algorithms.md 12).
+
+    Args:
+        features: [n, d] (Clust-PSI-PFL: z-scored PSI features; standardising is the caller's job).
+        k_range: candidate k (default ``range(2, n)``, i.e. tau in 2..n-1 as in the paper).
+            Values outside 2..n-1 are ignored.
+        method: ``"kmeans"`` (the paper) or another Euclidean method of :func:`hard_cluster`.
+        seed: K-Means ``random_state``.
+        allow_single_cluster: the authors' code fallback: k = 1 takes part with score 0, so one
+            cluster is returned unless some silhouette is strictly positive.
+
+    Returns:
+        ``(k, scores)`` with ``scores[k]`` the silhouette of every feasible candidate.
+
+    Raises:
+        TooFewPoints: no feasible candidate and ``allow_single_cluster`` is False.
+    """
+    from sklearn.metrics import silhouette_score
+
+    x = as_features(features)
+    scores: dict[int, float] = {}
+    best_k, best = (1, 0.0) if allow_single_cluster else (None, -np.inf)
+    for k, labels, emb in _candidates(x, k_range, method, seed):
+        scores[k] = float(silhouette_score(emb, labels, metric="euclidean"))
+        if scores[k] > best:
+            best_k, best = k, scores[k]
+    if best_k is None:
+        n = x.shape[0]
+        raise TooFewPoints(
+            n, int(np.unique(x, axis=0).shape[0]), 2, method,
+            reason=f"no k in the candidates gives a silhouette (needs 2 <= k <= n-1 = {n - 1} "
+            "and k distinct points)",
+        )
+    return best_k, scores
+
+
+def choose_k_davies_bouldin(
+    features,
+    k_range=None,
+    method: str = "kmeans",
+    seed: int = 0,
+) -> tuple[int, dict[int, float]]:
+    """Number of clusters with the lowest Davies-Bouldin index (FedSub, specs/algorithms.md 13).
+
+    Candidates are K in 2..n-1 (sklearn refuses K = n; specs/algorithms.md 13 pitfall). When no
+    candidate is feasible (``n <= 2`` or all points identical) the answer is one cluster:
+    ``(1, {})``, as recommended for FedSub.
+
+    Returns:
+        ``(k, scores)`` with ``scores[k]`` the Davies-Bouldin index of every feasible candidate.
+    """
+    from sklearn.metrics import davies_bouldin_score
+
+    x = as_features(features)
+    scores: dict[int, float] = {}
+    best_k, best = 1, np.inf
+    for k, labels, emb in _candidates(x, k_range, method, seed):
+        scores[k] = float(davies_bouldin_score(emb, labels))
+        if scores[k] < best:
+            best_k, best = k, scores[k]
+    return best_k, scores
