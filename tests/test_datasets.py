@@ -1,0 +1,449 @@
+"""Dataset loaders and downloads: exact round trips on tiny fake files, clear errors, cache, checksums."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from _fakedata import (
+    FMNIST_CLASSES,
+    idx_bytes,
+    isolate,
+    write_cifar,
+    write_fake,
+    write_idx,
+    write_idx_dataset,
+    write_svhn,
+)
+
+from fedprism.data import datasets
+from fedprism.data import download as dl
+from fedprism.data.datasets import DATASETS, NORMALIZATION, load_dataset, read_idx, search_paths
+from fedprism.errors import ConfigError, DataError
+
+
+@pytest.fixture(autouse=True)
+def _isolated(monkeypatch, tmp_path):
+    """No test reads or writes the real ~/.cache, $FEDPRISM_DATA or Debian's dataset folder."""
+    isolate(monkeypatch, tmp_path)
+
+
+def _pixels(ds, x: torch.Tensor) -> np.ndarray:
+    """Normalised images back to the uint8 pixels they came from."""
+    return torch.round(ds.denormalize(x) * 255).to(torch.int64).numpy()
+
+
+def _assert_same(ds, fake, shape: tuple[int, ...]) -> None:
+    assert ds.x_train.dtype == torch.float32 and ds.y_train.dtype == torch.int64
+    assert ds.input_shape == shape
+    np.testing.assert_array_equal(_pixels(ds, ds.x_train), fake.x_train)
+    np.testing.assert_array_equal(_pixels(ds, ds.x_test), fake.x_test)
+    np.testing.assert_array_equal(ds.y_train.numpy(), fake.y_train)
+    np.testing.assert_array_equal(ds.y_test.numpy(), fake.y_test)
+    assert ds.classes == fake.classes
+
+
+# ----------------------------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("name", ["fmnist", "mnist"])
+@pytest.mark.parametrize("gz", [True, False])
+def test_idx_round_trip(tmp_path, name, gz):
+    fake = write_fake(name, tmp_path / "d", gz=gz)
+    ds = load_dataset(name, root=tmp_path / "d")
+    _assert_same(ds, fake, (1, 28, 28))
+    assert ds.num_classes == 10 and ds.groups is None
+    assert ds.mean == NORMALIZATION[name][0] and ds.std == NORMALIZATION[name][1]
+    expected = (fake.x_train[:, :, 0, 0] / 255 - ds.mean[0]) / ds.std[0]
+    np.testing.assert_allclose(ds.x_train[:, :, 0, 0].numpy(), expected, rtol=1e-6, atol=1e-6)
+    if name == "fmnist":
+        assert ds.classes == FMNIST_CLASSES
+
+
+@pytest.mark.parametrize("name", ["cifar10", "cifar100"])
+@pytest.mark.parametrize("archive", [False, True])
+def test_cifar_round_trip(tmp_path, name, archive):
+    fake = write_cifar(tmp_path / "d", name, archive=archive)
+    ds = load_dataset(name, root=tmp_path / "d", cache_dir=tmp_path / "c")
+    _assert_same(ds, fake, (3, 32, 32))
+    assert ds.num_classes == (10 if name == "cifar10" else 100)
+    if name == "cifar10":
+        assert ds.classes[:2] == ["airplane", "automobile"]
+    # the archive was extracted into the cache only for decoding: just the decoded .npz stays
+    assert [p.name for p in (tmp_path / "c").iterdir()] == ["decoded"]
+
+
+def test_cifar_folder_given_directly(tmp_path):
+    fake = write_cifar(tmp_path / "d", "cifar10")
+    ds = load_dataset("cifar10", root=tmp_path / "d" / "cifar-10-batches-py")
+    _assert_same(ds, fake, (3, 32, 32))
+
+
+def test_svhn_round_trip_maps_label_10_to_0(tmp_path):
+    fake = write_svhn(tmp_path / "d")
+    assert (fake.y_train == 0).any()  # stored as 10 in the .mat file
+    ds = load_dataset("svhn", root=tmp_path / "d")
+    _assert_same(ds, fake, (3, 32, 32))
+
+
+def test_pad32_pads_raw_zero_then_normalises(tmp_path):
+    fake = write_fake("fmnist", tmp_path / "d")
+    plain = load_dataset("fmnist", root=tmp_path / "d")
+    padded = load_dataset("fmnist", root=tmp_path / "d", pad32=True)
+    assert padded.input_shape == (1, 32, 32)
+    assert torch.equal(padded.x_train[:, :, 2:30, 2:30], plain.x_train)
+    background = -padded.mean[0] / padded.std[0]
+    border = torch.cat([padded.x_train[:, :, :2].flatten(), padded.x_train[:, :, -2:].flatten(),
+                        padded.x_train[:, :, :, :2].flatten(), padded.x_train[:, :, :, -2:].flatten()])
+    assert torch.allclose(border, torch.full_like(border, background), rtol=0, atol=1e-6)
+    assert _pixels(padded, padded.x_test)[:, :, 2:30, 2:30].tolist() == fake.x_test.tolist()
+
+
+# ---------------------------------------------------------------------------------- corrupt files
+
+
+def test_truncated_idx_raw_and_gz(tmp_path):
+    write_idx_dataset(tmp_path / "raw", gz=False)
+    p = tmp_path / "raw" / "train-images-idx3-ubyte"
+    p.write_bytes(p.read_bytes()[:-100])
+    with pytest.raises(DataError, match="truncated") as e:
+        load_dataset("mnist", root=tmp_path / "raw")
+    assert str(p) in str(e.value) and "need" in str(e.value)
+
+    write_idx_dataset(tmp_path / "gz")
+    q = tmp_path / "gz" / "t10k-images-idx3-ubyte.gz"
+    q.write_bytes(q.read_bytes()[:-30])  # cut inside the gzip stream
+    with pytest.raises(DataError, match="gzip") as e:
+        load_dataset("mnist", root=tmp_path / "gz")
+    assert str(q) in str(e.value)
+
+
+def test_idx_wrong_magic_and_trailing_bytes(tmp_path):
+    write_idx_dataset(tmp_path / "d")
+    p = tmp_path / "d" / "train-labels-idx1-ubyte.gz"
+    write_idx(p, np.zeros((30, 28, 28), np.uint8))  # an image file where labels belong
+    with pytest.raises(DataError, match="magic number 0x00000803") as e:
+        load_dataset("mnist", root=tmp_path / "d")
+    assert str(p) in str(e.value) and "expected 0x00000801" in str(e.value)
+
+    raw = tmp_path / "x.idx"
+    raw.write_bytes(idx_bytes(np.arange(5, dtype=np.uint8)) + b"junk")
+    with pytest.raises(DataError, match="4 unexpected bytes"):
+        read_idx(raw, ndim=1)
+    raw.write_bytes(b"\x00\x00")
+    with pytest.raises(DataError, match="truncated"):
+        read_idx(raw)
+
+
+def test_idx_label_count_mismatch(tmp_path):
+    write_idx_dataset(tmp_path / "d", n_train=30)
+    lab = tmp_path / "d" / "train-labels-idx1-ubyte.gz"
+    write_idx(lab, np.zeros(29, np.uint8))
+    with pytest.raises(DataError, match="29 labels but .* has 30 images") as e:
+        load_dataset("fmnist", root=tmp_path / "d")
+    assert str(lab) in str(e.value)
+
+
+def test_label_out_of_range(tmp_path):
+    write_idx_dataset(tmp_path / "d")
+    write_idx(tmp_path / "d" / "t10k-labels-idx1-ubyte.gz", np.full(12, 10, np.uint8))
+    with pytest.raises(DataError, match=r"labels must lie in 0\.\.9"):
+        load_dataset("mnist", root=tmp_path / "d")
+
+
+def test_truncated_and_hostile_pickles(tmp_path):
+    write_cifar(tmp_path / "d", "cifar10")
+    p = tmp_path / "d" / "cifar-10-batches-py" / "data_batch_3"
+    p.write_bytes(p.read_bytes()[: len(p.read_bytes()) // 2])
+    with pytest.raises(DataError, match="cannot unpickle") as e:
+        load_dataset("cifar10", root=tmp_path / "d")
+    assert str(p) in str(e.value) and "truncated" in str(e.value)
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    p.write_bytes(pickle.dumps({b"data": Evil()}, protocol=2))
+    with pytest.raises(DataError, match="refusing global"):
+        load_dataset("cifar10", root=tmp_path / "d")
+
+
+def test_corrupt_cifar_archive(tmp_path):
+    write_cifar(tmp_path / "d", "cifar100", archive=True)
+    tar = tmp_path / "d" / "cifar-100-python.tar.gz"
+    tar.write_bytes(tar.read_bytes()[:200])
+    with pytest.raises(DataError, match="cannot read the archive") as e:
+        load_dataset("cifar100", root=tmp_path / "d", cache_dir=tmp_path / "c")
+    assert str(tar) in str(e.value)
+    assert not any((tmp_path / "c").glob("cifar-100-python-*"))  # no extraction left behind
+
+
+def test_corrupt_mat(tmp_path):
+    write_svhn(tmp_path / "d")
+    p = tmp_path / "d" / "test_32x32.mat"
+    p.write_bytes(p.read_bytes()[:300])
+    with pytest.raises(DataError, match="cannot read MATLAB file") as e:
+        load_dataset("svhn", root=tmp_path / "d")
+    assert str(p) in str(e.value)
+
+
+# ------------------------------------------------------------------------------ missing, search
+
+
+def test_search_paths_order(tmp_path, monkeypatch):
+    monkeypatch.setenv("FEDPRISM_DATA", str(tmp_path / "data"))
+    paths = search_paths("fmnist", root=tmp_path / "r")
+    assert paths == [tmp_path / "r", tmp_path / "data" / "fmnist", tmp_path / "data",
+                     datasets.DEBIAN_FMNIST, tmp_path / "cache" / "data" / "fmnist"]
+    assert datasets.DEBIAN_FMNIST not in search_paths("mnist")
+
+
+def test_missing_lists_every_place_and_the_command(tmp_path, monkeypatch):
+    monkeypatch.setenv("FEDPRISM_DATA", str(tmp_path / "data"))
+    (tmp_path / "data").mkdir()
+    write_idx(tmp_path / "r" / "train-images-idx3-ubyte.gz", np.zeros((2, 28, 28), np.uint8))
+    with pytest.raises(DataError) as e:
+        load_dataset("fmnist", root=tmp_path / "r")
+    msg = str(e.value)
+    for p in search_paths("fmnist", root=tmp_path / "r"):
+        assert str(p) in msg
+    assert "fedprism data download fmnist" in msg
+    assert "apt-get install dataset-fashion-mnist" in msg
+    assert "incomplete: missing train-labels-idx1-ubyte[.gz]" in msg
+    with pytest.raises(DataError, match="fedprism data download svhn") as e:
+        load_dataset("svhn")
+    assert "apt-get" not in str(e.value) and "train_32x32.mat" in str(e.value)
+
+
+def test_fedprism_data_env_is_searched(tmp_path, monkeypatch):
+    fake = write_fake("mnist", tmp_path / "data" / "mnist")
+    monkeypatch.setenv("FEDPRISM_DATA", str(tmp_path / "data"))
+    ds = load_dataset("mnist")
+    np.testing.assert_array_equal(ds.y_train.numpy(), fake.y_train)
+    assert ds.source == str(tmp_path / "data" / "mnist")
+
+
+def test_bad_arguments(tmp_path):
+    with pytest.raises(ConfigError, match="dataset"):
+        load_dataset("imagenet")
+    with pytest.raises(ConfigError, match="no extra options"):
+        load_dataset("mnist", root=tmp_path, alpha=1)
+    with pytest.raises(ConfigError, match="pad32"):
+        load_dataset("synthetic", pad32=True)
+    with pytest.raises(ConfigError, match="alpha"):
+        load_dataset("synthetic", alpha=-1)
+    with pytest.raises(ConfigError, match="num_devices"):
+        load_dataset("synthetic", num_devices=0)
+    with pytest.raises(ConfigError, match="test_fraction"):
+        load_dataset("digits", test_fraction=1.0)
+    assert set(DATASETS) == {"fmnist", "mnist", "cifar10", "cifar100", "svhn", "digits", "synthetic"}
+
+
+# ------------------------------------------------------------------------------------------ cache
+
+
+def test_second_load_reads_the_cache(tmp_path, monkeypatch):
+    write_fake("fmnist", tmp_path / "d")
+    first = load_dataset("fmnist", root=tmp_path / "d")
+    assert len(list((tmp_path / "cache" / "decoded").glob("fmnist-*.npz"))) == 1
+
+    def boom(*a, **k):
+        raise AssertionError("the parser must not run on a cache hit")
+
+    monkeypatch.setattr(datasets, "read_idx", boom)
+    second = load_dataset("fmnist", root=tmp_path / "d")
+    assert torch.equal(second.x_train, first.x_train)
+    assert torch.equal(second.y_test, first.y_test)
+    assert second.classes == first.classes
+
+
+def test_cache_follows_source_changes(tmp_path):
+    write_fake("mnist", tmp_path / "d", seed=0)
+    load_dataset("mnist", root=tmp_path / "d")
+    fake = write_fake("mnist", tmp_path / "d", n_train=40, seed=1)  # new files: new sizes and mtimes
+    ds = load_dataset("mnist", root=tmp_path / "d")
+    np.testing.assert_array_equal(ds.y_train.numpy(), fake.y_train)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncate", "tamper"])
+def test_corrupt_cache_is_rebuilt(tmp_path, damage):
+    fake = write_cifar(tmp_path / "d", "cifar10")
+    load_dataset("cifar10", root=tmp_path / "d")
+    (cache,) = (tmp_path / "cache" / "decoded").glob("cifar10-*.npz")
+    if damage == "garbage":
+        cache.write_bytes(b"not a zip file")
+    elif damage == "truncate":
+        cache.write_bytes(cache.read_bytes()[:1000])
+    else:  # a well-formed npz whose arrays no longer match their recorded digest
+        with np.load(cache) as z:
+            arrays = dict(z)
+        arrays["y_train"] = (arrays["y_train"] + 1) % 10
+        with open(cache, "wb") as f:
+            np.savez(f, **arrays)
+    with pytest.warns(RuntimeWarning, match="ignoring corrupt dataset cache"):
+        ds = load_dataset("cifar10", root=tmp_path / "d")
+    _assert_same(ds, fake, (3, 32, 32))
+    with np.load(cache) as z:  # rebuilt and valid again
+        np.testing.assert_array_equal(z["y_train"], fake.y_train)
+
+
+def test_cache_can_be_disabled(tmp_path):
+    write_fake("svhn", tmp_path / "d")
+    load_dataset("svhn", root=tmp_path / "d", cache_dir=False)
+    assert not (tmp_path / "cache").exists()
+
+
+# --------------------------------------------------------------------------------------- download
+
+
+def _remote(tmp_path, payload: bytes, sha256: str | None = None, md5: str | None = None,
+            name: str = "blob.bin") -> dl.RemoteFile:
+    src = tmp_path / "server" / name
+    src.parent.mkdir(parents=True, exist_ok=True)
+    src.write_bytes(payload)
+    return dl.RemoteFile(name, (src.as_uri(),), sha256=sha256, md5=md5)
+
+
+def test_download_verifies_sha256_and_md5(tmp_path):
+    payload = os.urandom(3000)
+    good = _remote(tmp_path, payload, hashlib.sha256(payload).hexdigest(), hashlib.md5(payload).hexdigest())
+    dest = dl.download("mnist", tmp_path / "dest", files=[good])
+    assert (dest / "blob.bin").read_bytes() == payload
+    assert sorted(p.name for p in dest.iterdir()) == ["blob.bin"]  # no .part left
+
+
+@pytest.mark.parametrize("algo", ["sha256", "md5"])
+def test_download_checksum_mismatch_leaves_nothing(tmp_path, algo):
+    payload = b"tampered content"
+    bad = _remote(tmp_path, payload, **{algo: "0" * (64 if algo == "sha256" else 32)})
+    with pytest.raises(DataError, match=f"{algo.upper()} mismatch") as e:
+        dl.download("mnist", tmp_path / "dest", files=[bad])
+    assert "blob.bin" in str(e.value) and bad.urls[0] in str(e.value)
+    assert list((tmp_path / "dest").iterdir()) == []
+
+
+def test_download_tries_the_next_mirror(tmp_path):
+    payload = b"x" * 100
+    good = _remote(tmp_path, payload, hashlib.sha256(payload).hexdigest())
+    broken = (tmp_path / "server" / "missing.bin").as_uri()
+    remote = dl.RemoteFile("blob.bin", (broken, good.urls[0]), sha256=good.sha256)
+    calls = []
+
+    def opener(url, timeout):
+        calls.append(url)
+        return dl._default_opener(url, timeout)
+
+    path = dl.fetch(remote, tmp_path / "dest", opener=opener)
+    assert path.read_bytes() == payload and calls == [broken, good.urls[0]]
+    dl.fetch(remote, tmp_path / "dest", opener=opener)  # already there and verified: no new request
+    assert len(calls) == 2
+    # a stale file that fails verification is replaced by a verified download
+    path.write_bytes(b"stale")
+    dl.fetch(remote, tmp_path / "dest", opener=opener)
+    assert path.read_bytes() == payload
+
+
+def test_download_all_mirrors_fail(tmp_path):
+    remote = dl.RemoteFile("a.bin", ((tmp_path / "nope1").as_uri(), (tmp_path / "nope2").as_uri()))
+    with pytest.raises(DataError) as e:
+        dl.fetch(remote, tmp_path / "dest")
+    assert "nope1" in str(e.value) and "nope2" in str(e.value)
+
+
+def test_download_default_destination_and_registry(tmp_path):
+    assert dl.download_dir("mnist") == tmp_path / "cache" / "data" / "mnist"
+    assert search_paths("mnist")[-1] == dl.download_dir("mnist")
+    assert set(dl.REMOTE) == {"fmnist", "mnist", "cifar10", "cifar100", "svhn"}
+    for files in dl.REMOTE.values():
+        for f in files:
+            assert len(f.sha256) == 64 and len(f.md5) == 32 and int(f.sha256, 16) >= 0 and int(f.md5, 16) >= 0
+            assert all(u.startswith(("https://", "http://")) and u.endswith("/" + f.filename) for u in f.urls)
+    with pytest.raises(ConfigError):
+        dl.download("digits")
+
+
+def test_load_with_download_fetches_then_loads(tmp_path, monkeypatch):
+    got = {}
+
+    def fake_download(name, dest=None, **kw):
+        got["name"] = name
+        got["fake"] = write_fake(name, dl.download_dir(name))
+        return dl.download_dir(name)
+
+    monkeypatch.setattr(dl, "download", fake_download)
+    with pytest.raises(DataError):
+        load_dataset("mnist")  # download=False never fetches
+    assert not got
+    ds = load_dataset("mnist", download=True)
+    assert got["name"] == "mnist"
+    np.testing.assert_array_equal(ds.y_test.numpy(), got["fake"].y_test)
+
+
+# ------------------------------------------------------------------------------ digits, synthetic
+
+
+def test_digits_deterministic_stratified():
+    a, b = load_dataset("digits"), load_dataset("digits", seed=0)
+    c = load_dataset("digits", seed=1)
+    assert torch.equal(a.x_train, b.x_train)
+    assert not torch.equal(a.y_train, c.y_train)
+    assert a.input_shape == (1, 8, 8) and len(a.y_train) + len(a.y_test) == 1797
+    assert len(a.y_test) == 450  # 25 %
+    tr = np.bincount(a.y_train.numpy(), minlength=10) / len(a.y_train)
+    te = np.bincount(a.y_test.numpy(), minlength=10) / len(a.y_test)
+    assert np.abs(tr - te).max() < 0.01
+    raw = torch.round(a.denormalize(a.x_train) * 16)
+    assert raw.min() == 0 and raw.max() == 16
+    assert abs(float(a.x_train.mean())) < 0.05 and abs(float(a.x_train.std()) - 1) < 0.05
+    assert a.groups is None
+    assert load_dataset("digits", pad32=True).input_shape == (1, 32, 32)
+
+
+def test_synthetic_deterministic_shapes_and_devices():
+    a = load_dataset("synthetic", alpha=1.0, beta=1.0, seed=0)
+    b = load_dataset("synthetic", alpha=1.0, beta=1.0, seed=0)
+    c = load_dataset("synthetic", alpha=1.0, beta=1.0, seed=1)
+    assert torch.equal(a.x_train, b.x_train)
+    assert torch.equal(a.y_test, b.y_test) and np.array_equal(a.groups, b.groups)
+    assert a.x_train.shape != c.x_train.shape or not torch.equal(a.x_train, c.x_train)
+    assert a.num_classes == 10 and a.input_shape == (60,) and a.x_train.dtype == torch.float32
+    assert set(np.unique(a.groups)) == set(range(30)) and len(a.test_groups) == len(a.y_test)
+    sizes = np.bincount(a.groups, minlength=30) + np.bincount(a.test_groups, minlength=30)
+    assert sizes.min() >= 50
+    np.testing.assert_allclose(np.bincount(a.test_groups, minlength=30), np.round(0.2 * sizes), atol=0)
+    assert int(a.y_train.max()) <= 9 and int(a.y_train.min()) >= 0
+
+    small = load_dataset("synthetic", num_devices=5, seed=0, test_fraction=0.5, iid=True)
+    assert set(np.unique(small.groups)) == set(range(5))
+    # non-IID devices disagree on their label distributions far more than IID ones (alpha = beta = 1)
+    def spread(ds):
+        hist = np.stack([np.bincount(ds.y_train.numpy()[ds.groups == g], minlength=10) for g in range(10)])
+        p = hist / hist.sum(1, keepdims=True)
+        return np.abs(p - p.mean(0)).sum(1).mean()
+
+    iid = load_dataset("synthetic", num_devices=10, seed=0, iid=True, alpha=0.0, beta=0.0)
+    noniid = load_dataset("synthetic", num_devices=10, seed=0, alpha=1.0, beta=1.0)
+    assert spread(noniid) > spread(iid)
+
+
+# -------------------------------------------------------------------------------- real FMNIST
+
+
+@pytest.mark.skipif(not (Path("/usr/share/datasets/fashion-mnist") / "train-images-idx3-ubyte.gz").is_file(),
+                    reason="Debian's dataset-fashion-mnist is not installed")
+def test_real_fashion_mnist(tmp_path, monkeypatch):
+    monkeypatch.setattr(datasets, "DEBIAN_FMNIST", Path("/usr/share/datasets/fashion-mnist"))
+    ds = load_dataset("fmnist", pad32=True, cache_dir=False)
+    assert ds.source == "/usr/share/datasets/fashion-mnist" and ds.classes[0] == "T-shirt/top"
+    assert ds.x_train.shape == (60000, 1, 32, 32) and ds.x_test.shape == (10000, 1, 32, 32)
+    assert np.bincount(ds.y_train.numpy()).tolist() == [6000] * 10
+    assert np.bincount(ds.y_test.numpy()).tolist() == [1000] * 10
+    inner = ds.x_train[:, :, 2:30, 2:30]  # the 28x28 images; their stats define the constants
+    assert abs(float(inner.mean())) < 0.01 and abs(float(inner.std()) - 1) < 0.01
+    background = -ds.mean[0] / ds.std[0]
+    assert float(ds.x_train[:, :, :2].max()) == pytest.approx(background, abs=1e-6)
