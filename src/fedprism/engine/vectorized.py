@@ -1,0 +1,439 @@
+"""The vectorized engine: many clients (training) and many models (evaluation) at once.
+
+Same numbers as `SequentialEngine` for the same seed (to float tolerance), computed differently:
+
+* **Training** runs `vmap(grad(objective))` over a `[W, P]` matrix of flat parameter vectors, one row
+  per *slot*. Clients of unequal size are packed into the W slots with longest-processing-time-first
+  scheduling (specs/performance.md B.4): `W = floor(sum steps / max steps)`, and when a slot's client
+  finishes the slot is reloaded with the next client's start vector and a zeroed momentum buffer.
+  Only the tail (slots whose queue is empty) is masked. Every client sees exactly the batch sequence
+  `batch_order(...)` of the sequential engine; the last partial batch is padded and weighted 0/1.
+* **Evaluation** scores stacked models: on the global test set all models share one input chunk
+  (`vmap(f, in_dims=(0, None))`, which turns conv1 of all models into one wide conv); on per-client
+  splits each row carries its own padded input chunk. Correct counts, loss sums and confusion
+  matrices are computed inside the same (compiled) function. Chunks have fixed shapes (the last one
+  is padded and masked) so `torch.compile(dynamic=False)` compiles few graphs.
+* **compile**: `torch.compile` of the vmapped step and evaluation functions. On this project's 2-core
+  CPU a cold compile costs ~20 s per training graph and ~12 s per evaluation graph (~4 s with a warm
+  inductor cache), and the eager vmap is no faster than the sequential loop, so `"auto"` compiles when
+  the run has at least `AUTO_COMPILE_ROUNDS` rounds (and a C++ compiler exists on CPU). If compiling
+  fails, the engine warns once and continues eagerly.
+
+BatchNorm models (batch statistics, `fedprism.params`) cannot be padded without changing the
+statistics: their partial training batches run unpadded outside the vmap, their global evaluation
+uses the sequential engine's chunk boundaries, and their per-client evaluation uses the reference loop.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from collections import defaultdict
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import grad_and_value, vmap
+
+from fedprism.algorithms.base import EvalResult, Plan, Update
+from fedprism.engine.base import EngineBase, LocalConfig, sgd_step
+from fedprism.federation import Federation
+
+AUTO_COMPILE_ROUNDS = 20
+"""compile="auto" turns compilation on for runs with at least this many rounds."""
+
+_SLOT_STEPS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+"""Slot counts used when compiling (the ideal count is rounded down to one of these: few graphs)."""
+
+
+def parse_compile(compile: str | bool) -> str:
+    """Normalise the `compile` option to 'auto', 'true' or 'false'."""
+    if isinstance(compile, bool):
+        return "true" if compile else "false"
+    c = str(compile).strip().lower()
+    if c in ("auto", "true", "false"):
+        return c
+    if c in ("1", "yes", "on"):
+        return "true"
+    if c in ("0", "no", "off"):
+        return "false"
+    raise ValueError(f"compile must be auto, true or false, got {compile!r}")
+
+
+def lpt_slots(steps: list[int], slots: int) -> list[list[int]]:
+    """Longest-processing-time-first assignment of jobs (step counts) to `slots` queues.
+
+    Jobs are taken longest first (ties: lower index first) and appended to the least-loaded queue
+    (ties: lower queue index). Returns the job indices of each queue in execution order."""
+    queues: list[list[int]] = [[] for _ in range(slots)]
+    load = [0] * slots
+    for j in sorted(range(len(steps)), key=lambda i: (-steps[i], i)):
+        s = min(range(slots), key=lambda q: (load[q], q))
+        queues[s].append(j)
+        load[s] += steps[j]
+    return queues
+
+
+def ideal_slots(steps: list[int]) -> int:
+    """W = floor(sum steps / max steps), clamped to [1, number of clients] (specs B.4)."""
+    if not steps:
+        return 1
+    m = max(steps)
+    w = sum(steps) // m if m > 0 else len(steps)
+    return max(1, min(len(steps), w))
+
+
+def _has_batchnorm(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def _max_activation(model: nn.Module, input_shape: tuple[int, ...], device: torch.device) -> int:
+    """Largest per-sample output (floats) of any leaf module: the unit of the evaluation memory budget."""
+    sizes: list[int] = []
+    hooks = [m.register_forward_hook(lambda _m, _i, o: sizes.append(o[0].numel() if o.dim() else 1))
+             for m in model.modules() if not list(m.children())]
+    try:
+        with torch.no_grad():
+            model(torch.zeros((2, *input_shape), device=device))
+    finally:
+        for h in hooks:
+            h.remove()
+    return max(sizes) if sizes else 1
+
+
+def _bump_recompile_limit(n: int = 64) -> None:
+    """Distinct shapes (slot counts, model counts, objectives) each need a graph; allow enough."""
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name) and getattr(cfg, name) < n:
+            setattr(cfg, name, n)
+
+
+class _MaybeCompiled:
+    """`fn`, compiled with torch.compile(dynamic=False) when enabled; falls back to eager on failure."""
+
+    _warned = False
+
+    def __init__(self, fn, enabled: bool):
+        self.fn = fn
+        self.cfn = torch.compile(fn, dynamic=False) if enabled else None
+
+    def __call__(self, *args):
+        if self.cfn is not None:
+            try:
+                return self.cfn(*args)
+            except Exception as e:  # noqa: BLE001 - any compiler failure: the eager function is exact
+                if not _MaybeCompiled._warned:
+                    warnings.warn(f"torch.compile failed ({type(e).__name__}: {str(e)[:200]}); "
+                                  "the vectorized engine continues without compiling", RuntimeWarning,
+                                  stacklevel=2)
+                    _MaybeCompiled._warned = True
+                self.cfn = None
+        return self.fn(*args)
+
+
+class VectorizedEngine(EngineBase):
+    """Trains a cohort with vmapped SGD over LPT slots and evaluates stacked models in batches.
+
+    Parameters beyond EngineBase:
+      compile      "auto" | "true" | "false" | bool (see the module docstring);
+      rounds       length of the run, used by compile="auto";
+      max_slots    cap on training slots (default: 16 on CPU, 256 on CUDA);
+      eval_models  most models scored at once (default 100);
+      eval_samples samples per evaluation chunk on the shared test set (default: from eval_memory);
+      eval_memory  activation budget in bytes for one evaluation chunk (default 512 MiB on CPU,
+                   4 GiB on CUDA).
+    """
+
+    name = "vectorized"
+
+    def __init__(self, fed: Federation, model: nn.Module, cfg: LocalConfig, seed: int,
+                 device: str | torch.device = "cpu", compile: str | bool = "auto", rounds: int = 1,
+                 max_slots: int | None = None, eval_models: int = 100, eval_samples: int | None = None,
+                 eval_memory: int | None = None):
+        super().__init__(fed, model, cfg, seed, device)
+        mode = parse_compile(compile)
+        cuda = self.device.type == "cuda"
+        if mode == "auto":
+            have_cc = cuda or shutil.which(os.environ.get("CXX", "g++")) is not None or shutil.which("c++")
+            self.compiled = bool(have_cc) and int(rounds) >= AUTO_COMPILE_ROUNDS
+        else:
+            self.compiled = mode == "true"
+        if self.compiled:
+            _bump_recompile_limit()
+        self.max_slots = int(max_slots) if max_slots else (256 if cuda else 16)
+        if self.max_slots < 1 or eval_models < 1:
+            raise ValueError("max_slots and eval_models must be >= 1")
+        self.batchnorm = _has_batchnorm(self.model)
+        self.num_classes = fed.num_classes
+        self.eval_models = int(eval_models)
+        budget = eval_memory or ((4 << 30) if cuda else (512 << 20))
+        act = _max_activation(self.model, fed.input_shape, self.device)
+        if self.batchnorm:
+            self.eval_samples = cfg.eval_chunk           # must match the reference chunks exactly
+        elif eval_samples:
+            self.eval_samples = int(eval_samples)
+        else:
+            s = budget // (2 * 4 * act * self.eval_models)
+            self.eval_samples = int(max(16, min(1000, s)))
+        # own-input rows (local / train splits): short chunks, many rows
+        self.own_samples = 64 if not cuda else 256
+        self.own_rows = int(max(1, min(1024, budget // (2 * 4 * act * self.own_samples))))
+        self._train_idx_np = [np.asarray(i, dtype=np.int64) for i in fed.train_idx]
+        self._steps: dict[str, _MaybeCompiled] = {}
+        self._eval_shared = _MaybeCompiled(self._eval_shared_fn, self.compiled)
+        self._eval_own = _MaybeCompiled(self._eval_own_fn, self.compiled)
+
+    # -- training -------------------------------------------------------------------------------
+    def _step_fn(self, objective: str) -> _MaybeCompiled:
+        if objective not in self._steps:
+            obj = self.objective(objective)
+            f, cfg = self.f, self.cfg
+
+            def loss(flat, x, y, wt, extras):
+                return obj(f, flat, x, y, wt, extras)
+
+            vg = vmap(grad_and_value(loss))
+
+            def step(w, buf, x, y, wt, extras, active, mask):
+                g, lv = vg(w, x, y, wt, extras)
+                if cfg.weight_decay:
+                    g = g + cfg.weight_decay * w
+                if mask is not None:
+                    g = g * mask
+                a = active.unsqueeze(1)
+                if cfg.momentum:
+                    buf = torch.where(a, buf * cfg.momentum + g, buf)
+                    g = buf
+                w = torch.where(a, w - cfg.lr * g, w)
+                return w, buf, lv
+
+            self._steps[objective] = _MaybeCompiled(step, self.compiled)
+        return self._steps[objective]
+
+    def slots_for(self, steps: list[int]) -> int:
+        """Number of vmap slots for a cohort with these step counts."""
+        w = min(ideal_slots(steps), self.max_slots)
+        if self.compiled:      # few distinct graphs: round down to a coarse ladder
+            w = max(s for s in _SLOT_STEPS if s <= w) if w <= _SLOT_STEPS[-1] else w
+        return w
+
+    def train(self, plan: Plan, rnd: int) -> Update:
+        dev, B = self.device, self.cfg.batch_size
+        n = len(plan.clients)
+        start = plan.start.to(dev, torch.float32)
+        mask = None if plan.train_mask is None else plan.train_mask.to(dev, start.dtype)
+        extras = {k: v.to(dev) for k, v in plan.extras.items()}
+        for k, v in extras.items():
+            if v.dim() == 0 or v.shape[0] != n:
+                raise ValueError(f"Plan.extras[{k!r}] must have one row per client ({n}), got shape "
+                                 f"{tuple(v.shape)}")
+        losses = torch.zeros(n, dtype=torch.float64)
+        if n == 0:
+            return self._update(plan, plan.start.clone(), {"train_loss": losses})
+        orders = self._orders(plan, rnd)
+        steps = [len(o) for o in orders]
+        W = self.slots_for(steps)
+        queues = lpt_slots(steps, W)
+        T = max(sum(steps[k] for k in q) for q in queues)
+
+        # the whole round's schedule, built on the CPU and moved once
+        idx = torch.zeros(T, W, B, dtype=torch.long)
+        wt = torch.zeros(T, W, B)
+        owner = torch.full((T, W), -1, dtype=torch.long)
+        starts: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        ends: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        partial: dict[int, list[tuple[int, int, torch.Tensor]]] = defaultdict(list)
+        for s, q in enumerate(queues):
+            t = 0
+            for k in q:
+                gidx = torch.from_numpy(self._train_idx_np[int(plan.clients[k])])
+                o = orders[k]
+                starts[t].append((s, k))
+                for j, b in enumerate(o):
+                    m = len(b)
+                    if self.batchnorm and m < B:
+                        partial[t + j].append((s, k, gidx[b]))   # run unpadded, outside the vmap
+                    else:
+                        idx[t + j, s, :m] = gidx[b]
+                        wt[t + j, s, :m] = 1.0
+                    owner[t + j, s] = k
+                t += len(o)
+                ends[t - 1].append((s, k))
+        counts = torch.tensor([sum(len(b) for b in o) for o in orders], dtype=torch.float64)
+        active = owner >= 0
+        for t, lst in partial.items():
+            for s, _, _ in lst:
+                active[t, s] = False
+        idx, wt, active = idx.to(dev), wt.to(dev), active.to(dev)
+
+        step = self._step_fn(plan.objective)
+        w = torch.zeros(W, start.shape[1], device=dev, dtype=start.dtype)
+        buf = torch.zeros_like(w)
+        ex = {k: torch.zeros((W, *v.shape[1:]), device=dev, dtype=v.dtype) for k, v in extras.items()}
+        out = torch.empty_like(start)
+        lvals = torch.zeros(T, W, device=dev, dtype=torch.float64)
+        xtr, ytr = self.fed.x_train, self.fed.y_train
+        for t in range(T):
+            for s, k in starts.get(t, ()):
+                w[s] = start[k]
+                buf[s] = 0
+                for name, v in extras.items():
+                    ex[name][s] = v[k]
+            it = idx[t]
+            w, buf, lv = step(w, buf, xtr[it], ytr[it], wt[t], ex, active[t], mask)
+            lvals[t] = lv
+            for s, k, bi in partial.get(t, ()):
+                lvals[t, s] = self._single_step(plan.objective, w, buf, s, k, bi.to(dev), extras, mask)
+            for s, k in ends.get(t, ()):
+                out[k] = w[s]
+        # per-client mean loss, weighted by batch sizes (as the sequential engine)
+        bsz = torch.zeros(T, W, dtype=torch.float64)
+        for s, q in enumerate(queues):
+            t = 0
+            for k in q:
+                for j, b in enumerate(orders[k]):
+                    bsz[t + j, s] = len(b)
+                t += len(orders[k])
+        lv_cpu = lvals.cpu() * bsz
+        own = owner.clone()
+        sel = own >= 0
+        losses.index_add_(0, own[sel], lv_cpu[sel])
+        losses /= counts.clamp(min=1)
+        self.samples_trained += int(counts.sum())
+        return self._update(plan, out.to(plan.start.device), {"train_loss": losses})
+
+    def _single_step(self, objective, w, buf, s, k, bi, extras, mask) -> torch.Tensor:
+        """One unpadded step of slot s (BatchNorm models' partial batches), in place."""
+        obj = self.objective(objective)
+        ex = {n: v[k] for n, v in extras.items()}
+        x, y = self.fed.x_train[bi], self.fed.y_train[bi]
+        ones = torch.ones(len(y), device=self.device)
+        g, lv = grad_and_value(lambda p: obj(self.f, p, x, y, ones, ex))(w[s].clone())
+        ws, bs = w[s].clone(), buf[s].clone()
+        sgd_step(ws, g, bs, self.cfg, mask)
+        w[s], buf[s] = ws, bs
+        return lv.detach().double()
+
+    # -- evaluation -----------------------------------------------------------------------------
+    def _metrics(self, out, y, valid):
+        c = self.num_classes
+        pred = out.argmax(-1)
+        correct = ((pred == y).to(out.dtype) * valid).sum(-1)
+        ce = F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="none").view_as(valid)
+        loss = (ce * valid).sum(-1)
+        conf = torch.einsum("msc,msd->mcd", F.one_hot(y, c).to(out.dtype) * valid.unsqueeze(-1),
+                            F.one_hot(pred, c).to(out.dtype))
+        return correct, loss, conf
+
+    def _eval_shared_fn(self, params, x, y, valid):
+        out = vmap(self.f, in_dims=(0, None))(params, x)
+        m = params.shape[0]
+        return self._metrics(out, y.expand(m, -1), valid.expand(m, -1))
+
+    def _eval_own_fn(self, params, x, y, valid):
+        return self._metrics(vmap(self.f)(params, x), y, valid)
+
+    def _empty_result(self, n: int) -> EvalResult:
+        c = self.num_classes
+        return EvalResult(torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.float64),
+                          torch.zeros(n, dtype=torch.long), torch.zeros(n, c, c, dtype=torch.long))
+
+    @torch.no_grad()
+    def evaluate(self, params: torch.Tensor, clients: np.ndarray, split: str) -> EvalResult:
+        """Model row i scored on client clients[i]'s split ('local', 'train') or on the global test set."""
+        if split not in ("local", "global", "train"):
+            raise ValueError(f"split must be local, global or train, got {split!r}")
+        clients = np.asarray(clients)
+        n = len(clients)
+        if params.dim() != 2 or params.shape[0] != n:
+            raise ValueError(f"params must be [len(clients), P] = [{n}, P], got {tuple(params.shape)}")
+        if n == 0:
+            return self._empty_result(0)
+        params = params.to(self.device, torch.float32)
+        if split == "global":
+            return self._evaluate_shared(params, self.fed.x_test, self.fed.y_test)
+        if self.batchnorm:
+            return super().evaluate(params, clients, split)
+        idx = self._test_idx if split == "local" else self._train_idx
+        x_all, y_all = (self.fed.x_test, self.fed.y_test) if split == "local" else \
+            (self.fed.x_train, self.fed.y_train)
+        return self._evaluate_own(params, [idx[int(c)] for c in clients], x_all, y_all)
+
+    def _evaluate_shared(self, params, x, y) -> EvalResult:
+        n, dev, c = params.shape[0], self.device, self.num_classes
+        N = len(y)
+        M = min(n, self.eval_models)
+        S = self.eval_samples
+        correct = torch.zeros(n, device=dev, dtype=torch.float64)
+        loss = torch.zeros(n, device=dev, dtype=torch.float64)
+        conf = torch.zeros(n, c, c, device=dev, dtype=torch.float64)
+        for g0 in range(0, n, M):
+            m = min(M, n - g0)
+            p = params[g0 : g0 + m]
+            if m < M:   # pad the last model group: one graph per width
+                p = torch.cat([p, p[:1].expand(M - m, -1)])
+            for s0 in range(0, N, S):
+                xs, ys = x[s0 : s0 + S], y[s0 : s0 + S]
+                k = len(ys)
+                valid = torch.ones(k, device=dev)
+                if k < S and not self.batchnorm:   # pad the last sample chunk (masked)
+                    xs = torch.cat([xs, xs[:1].expand(S - k, *xs.shape[1:])])
+                    ys = torch.cat([ys, ys[:1].expand(S - k)])
+                    valid = torch.cat([valid, torch.zeros(S - k, device=dev)])
+                cr, ls, cf = self._eval_shared(p, xs, ys, valid)
+                correct[g0 : g0 + m] += cr[:m]
+                loss[g0 : g0 + m] += ls[:m]
+                conf[g0 : g0 + m] += cf[:m]
+        return EvalResult(correct.round().long().cpu(), loss.cpu(), torch.full((n,), N, dtype=torch.long),
+                          conf.round().long().cpu())
+
+    def _evaluate_own(self, params, idx_list: list[torch.Tensor], x_all, y_all) -> EvalResult:
+        """Each model on its own samples: rows of (model, <= S sample indices), padded and masked."""
+        n, dev, c = params.shape[0], self.device, self.num_classes
+        S, R = self.own_samples, self.own_rows
+        row_model, row_idx, row_len = [], [], []
+        for i, ix in enumerate(idx_list):
+            ix = ix.cpu()
+            for s0 in range(0, len(ix), S):
+                row_model.append(i)
+                row_idx.append(ix[s0 : s0 + S])
+                row_len.append(min(S, len(ix) - s0))
+        counts = torch.tensor([len(ix) for ix in idx_list], dtype=torch.long)
+        correct = torch.zeros(n, device=dev, dtype=torch.float64)
+        loss = torch.zeros(n, device=dev, dtype=torch.float64)
+        conf = torch.zeros(n, c, c, device=dev, dtype=torch.float64)
+        nr = len(row_model)
+        if nr:
+            R = min(R, nr)
+            total = -(-nr // R) * R
+            rm = torch.zeros(total, dtype=torch.long)
+            rm[:nr] = torch.tensor(row_model)
+            ri = torch.zeros(total, S, dtype=torch.long)
+            rv = torch.zeros(total, S)
+            for r, (ix, m) in enumerate(zip(row_idx, row_len)):
+                ri[r, :m] = ix
+                rv[r, :m] = 1.0
+            rm, ri, rv = rm.to(dev), ri.to(dev), rv.to(dev)
+            for r0 in range(0, total, R):
+                mm, ii = rm[r0 : r0 + R], ri[r0 : r0 + R]
+                cr, ls, cf = self._eval_own(params[mm], x_all[ii], y_all[ii], rv[r0 : r0 + R])
+                correct.index_add_(0, mm, cr.double())
+                loss.index_add_(0, mm, ls.double())
+                conf.index_add_(0, mm, cf.double())
+        return EvalResult(correct.round().long().cpu(), loss.cpu(), counts, conf.round().long().cpu())
+
+    @torch.no_grad()
+    def logits(self, params: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """[n, B, classes] logits of n models on one shared input batch (models in chunks)."""
+        params = params.to(self.device, torch.float32)
+        x = x.to(self.device)
+        fwd = vmap(self.f, in_dims=(0, None))
+        return torch.cat([fwd(params[i : i + self.eval_models], x)
+                          for i in range(0, params.shape[0], self.eval_models)]) if len(params) else \
+            torch.zeros(0, len(x), self.num_classes, device=self.device)
+
+
+__all__ = ["VectorizedEngine", "lpt_slots", "ideal_slots", "parse_compile", "AUTO_COMPILE_ROUNDS"]

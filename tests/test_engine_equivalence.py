@@ -1,0 +1,237 @@
+"""The vectorized engine gives the sequential engine's numbers (DESIGN.md "Two engines, one answer").
+
+Small federations with unequal client sizes (partial last batches, LPT slot reloads), momentum and
+weight decay; the `prox` objective with per-client extras; a train mask; evaluation on local, train
+and global splits; FedAvg and Local end to end. compile=False throughout (compiling is too slow here).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fedprism.algorithms.base import Context, Plan
+from fedprism.algorithms.fedavg import FedAvg
+from fedprism.algorithms.local import Local
+from fedprism.engine.base import LocalConfig
+from fedprism.engine.sequential import SequentialEngine
+from fedprism.engine.vectorized import VectorizedEngine, ideal_slots, lpt_slots, parse_compile
+from fedprism.federation import Federation
+from fedprism.models import build_model
+from fedprism.params import flatten
+
+SIZES = (7, 20, 33, 50, 64, 90)
+CFG = LocalConfig(epochs=2, batch_size=8, lr=0.05, momentum=0.9, weight_decay=1e-4)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny ops on a shared 2-core machine: one intra-op thread is faster and steadier."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_fed(shape: tuple[int, ...], sizes=SIZES, n_test=(5, 11, 0, 17, 9, 30), classes=10, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ntr, nte = sum(sizes), 120
+    y_tr = torch.randint(0, classes, (ntr,), generator=g)
+    y_te = torch.randint(0, classes, (nte,), generator=g)
+    # class-dependent means so that models actually learn something
+    mu = torch.randn(classes, *shape, generator=g)
+    x_tr = mu[y_tr] + torch.randn(ntr, *shape, generator=g)
+    x_te = mu[y_te] + torch.randn(nte, *shape, generator=g)
+    perm = torch.randperm(ntr, generator=g).numpy()
+    cuts = np.cumsum((0,) + tuple(sizes))
+    train_idx = [perm[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+    rng = np.random.default_rng(seed)
+    test_idx = [rng.choice(nte, size=k, replace=False) for k in n_test[: len(sizes)]]
+    return Federation(x_tr, y_tr, x_te, y_te, train_idx, test_idx, classes)
+
+
+def engines(fed, model, cfg=CFG, seed=3):
+    return (SequentialEngine(fed, model, cfg, seed, "cpu"),
+            VectorizedEngine(fed, model, cfg, seed, "cpu", compile=False))
+
+
+def starts(model, n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    w0 = flatten(model)
+    return w0 + 0.05 * torch.randn(n, w0.numel(), generator=g)
+
+
+def assert_close(a, b):
+    scale = max(1.0, float(a.abs().max()))
+    torch.testing.assert_close(a, b, atol=1e-4 * scale, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def mlp_setup():
+    fed = make_fed((64,))
+    return fed, build_model("mlp", (64,), 10, seed=0)
+
+
+@pytest.fixture(scope="module")
+def lenet_setup():
+    fed = make_fed((1, 32, 32), sizes=(5, 12, 21, 30, 41, 9), n_test=(4, 7, 13, 0, 21, 3))
+    return fed, build_model("lenet5", (1, 32, 32), 10, seed=0)
+
+
+def test_lpt_slots_balance_and_cover():
+    steps = [12, 3, 9, 30, 7, 7, 1, 20]
+    w = ideal_slots(steps)
+    assert w == sum(steps) // max(steps) == 2
+    q = lpt_slots(steps, w)
+    assert sorted(j for s in q for j in s) == list(range(len(steps)))
+    loads = [sum(steps[j] for j in s) for s in q]
+    assert max(loads) - min(loads) <= max(steps)
+    assert q[0][0] == 3                       # the longest job starts first
+    assert ideal_slots([5]) == 1 and ideal_slots([4, 4, 4]) == 3 and ideal_slots([]) == 1
+
+
+def test_parse_compile():
+    assert parse_compile(True) == "true" and parse_compile("False") == "false"
+    assert parse_compile("auto") == "auto"
+    with pytest.raises(ValueError, match="compile"):
+        parse_compile("sometimes")
+
+
+@pytest.mark.parametrize("setup", ["mlp_setup", "lenet_setup"])
+def test_train_matches_sequential(setup, request):
+    fed, model = request.getfixturevalue(setup)
+    seq, vec = engines(fed, model)
+    clients = np.array([4, 0, 2, 5, 1, 3])
+    plan = Plan(clients, starts(model, len(clients)))
+    a, b = seq.train(plan, rnd=2), vec.train(plan, rnd=2)
+    assert np.array_equal(a.clients, b.clients)
+    assert_close(a.params, b.params)
+    assert not torch.allclose(a.params, plan.start)              # training moved the models
+    torch.testing.assert_close(a.extras["train_loss"], b.extras["train_loss"], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(a.n_samples, b.n_samples)
+    assert seq.samples_trained == vec.samples_trained == 2 * sum(len(fed.train_idx[c]) for c in clients)
+
+
+def test_train_subset_cohort_and_epoch_override(mlp_setup):
+    fed, model = mlp_setup
+    seq, vec = engines(fed, model)
+    clients = np.array([5, 3])
+    plan = Plan(clients, starts(model, 2, seed=7), epochs=3)
+    a, b = seq.train(plan, rnd=0), vec.train(plan, rnd=0)
+    assert_close(a.params, b.params)
+    # a single client (the runner retries failed clients one by one)
+    one = plan.subset(np.array([1]))
+    assert_close(seq.train(one, 0).params, vec.train(one, 0).params)
+    assert_close(vec.train(one, 0).params[0], b.params[1])      # independent of the cohort
+
+
+def test_prox_objective_with_extras(mlp_setup):
+    fed, model = mlp_setup
+    seq, vec = engines(fed, model)
+    clients = np.array([0, 1, 2, 3, 4, 5])
+    s = starts(model, 6, seed=2)
+    extras = {"anchor": starts(model, 6, seed=9), "mu": torch.tensor([0.0, 0.1, 0.5, 1.0, 2.0, 0.3])}
+    plan = Plan(clients, s, objective="prox", extras=extras)
+    a, b = seq.train(plan, rnd=1), vec.train(plan, rnd=1)
+    assert_close(a.params, b.params)
+    torch.testing.assert_close(a.extras["train_loss"], b.extras["train_loss"], atol=1e-4, rtol=1e-4)
+    # the proximal term matters: the same plan with ce gives different parameters
+    c = vec.train(Plan(clients, s), rnd=1)
+    assert (c.params[4] - b.params[4]).abs().max() > 1e-3
+
+
+def test_train_mask(lenet_setup):
+    fed, model = lenet_setup
+    seq, vec = engines(fed, model)
+    spec = vec.spec
+    mask = torch.zeros(spec.size)
+    mask[spec.head] = 1.0
+    clients = np.array([1, 3, 4])
+    plan = Plan(clients, starts(model, 3, seed=4), train_mask=mask)
+    a, b = seq.train(plan, rnd=5), vec.train(plan, rnd=5)
+    assert_close(a.params, b.params)
+    torch.testing.assert_close(b.params[:, spec.body], plan.start[:, spec.body])   # body frozen
+    assert (b.params[:, spec.head] - plan.start[:, spec.head]).abs().max() > 1e-4
+
+
+def test_slot_cap_and_order_do_not_change_results(mlp_setup):
+    fed, model = mlp_setup
+    clients = np.array([0, 1, 2, 3, 4, 5])
+    plan = Plan(clients, starts(model, 6, seed=5))
+    ref = VectorizedEngine(fed, model, CFG, 3, "cpu", compile=False).train(plan, 4).params
+    for cap in (1, 2, 5):
+        got = VectorizedEngine(fed, model, CFG, 3, "cpu", compile=False, max_slots=cap).train(plan, 4).params
+        assert_close(ref, got)
+
+
+@pytest.mark.parametrize("setup", ["mlp_setup", "lenet_setup"])
+def test_evaluate_matches_sequential(setup, request):
+    fed, model = request.getfixturevalue(setup)
+    seq, vec = engines(fed, model)
+    # distinct, partly trained models so predictions differ between rows
+    clients = np.array([0, 1, 2, 3, 4, 5])
+    params = seq.train(Plan(clients, starts(model, 6, seed=6)), rnd=0).params
+    for split in ("local", "global", "train"):
+        a, b = seq.evaluate(params, clients, split), vec.evaluate(params, clients, split)
+        assert torch.equal(a.count, b.count), split
+        assert torch.equal(a.correct, b.correct), split
+        assert torch.equal(a.confusion, b.confusion), split
+        torch.testing.assert_close(a.loss_sum, b.loss_sum, rtol=1e-4, atol=1e-3)
+        assert b.confusion.sum((1, 2)).tolist() == b.count.tolist()
+    # a permuted / repeated client list, and small chunks that force padding of the last chunk
+    small = VectorizedEngine(fed, model, CFG, 3, "cpu", compile=False, eval_models=4, eval_samples=7)
+    small.own_samples, small.own_rows = 5, 3
+    cl = np.array([5, 5, 2, 0, 1])
+    p = params[torch.tensor([0, 3, 2, 1, 4])]
+    for split in ("local", "global"):
+        a, b = seq.evaluate(p, cl, split), small.evaluate(p, cl, split)
+        assert torch.equal(a.correct, b.correct) and torch.equal(a.confusion, b.confusion), split
+        torch.testing.assert_close(a.loss_sum, b.loss_sum, rtol=1e-4, atol=1e-3)
+    assert small.evaluate(p[:0], cl[:0], "global").count.numel() == 0
+
+
+def test_logits_match(mlp_setup):
+    fed, model = mlp_setup
+    seq, vec = engines(fed, model)
+    p = starts(model, 3)
+    torch.testing.assert_close(seq.logits(p, fed.x_test[:10]), vec.logits(p, fed.x_test[:10]),
+                               atol=1e-5, rtol=1e-4)
+
+
+def test_batchnorm_model_matches():
+    fed = make_fed((3, 32, 32), sizes=(5, 19, 10), n_test=(6, 0, 9))
+    model = build_model("cnn", (3, 32, 32), 10, seed=0)
+    cfg = LocalConfig(epochs=1, batch_size=8, lr=0.05, momentum=0.9, weight_decay=1e-4, eval_chunk=50)
+    seq, vec = engines(fed, model, cfg)
+    clients = np.array([0, 1, 2])
+    plan = Plan(clients, starts(model, 3, seed=8))
+    a, b = seq.train(plan, 0), vec.train(plan, 0)
+    assert_close(a.params, b.params)
+    for split in ("local", "global"):
+        ea, eb = seq.evaluate(a.params, clients, split), vec.evaluate(a.params, clients, split)
+        assert torch.equal(ea.correct, eb.correct) and torch.equal(ea.confusion, eb.confusion)
+
+
+def _context(fed, model, seed=0):
+    return Context(num_clients=fed.num_clients, num_classes=fed.num_classes, spec=VectorizedEngine(
+        fed, model, CFG, seed, "cpu", compile=False).spec, init=flatten(model), n_train=fed.n_train,
+        label_hist=fed.label_hist(), seed=seed, rounds=3, fraction=0.5)
+
+
+@pytest.mark.parametrize("algo_cls", [FedAvg, Local])
+def test_algorithms_three_rounds(algo_cls, mlp_setup):
+    fed, model = mlp_setup
+    ctx = _context(fed, model)
+    finals = []
+    for eng in engines(fed, model):
+        algo = algo_cls(ctx)
+        state = algo.init_state()
+        rng = np.random.default_rng(0)
+        for rnd in range(3):
+            clients = np.sort(rng.choice(fed.num_clients, size=3, replace=False))
+            plan = algo.plan(state, rnd, clients)
+            algo.aggregate(state, rnd, algo.client_update(plan, eng, rnd))
+        finals.append(algo.model_for(state, np.arange(fed.num_clients)).clone())
+    assert_close(finals[0], finals[1])
+    assert not torch.allclose(finals[0], flatten(model).expand_as(finals[0]))
