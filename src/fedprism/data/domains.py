@@ -1,0 +1,118 @@
+"""Fixed image "domains" for the mixed feature + label skew protocol (``domain_mix``, PFPL seed 003).
+
+PFPL draws each client's data from one of several real domains (MNIST / USPS / SVHN / SYN). To get the
+same feature shift on any single image dataset, each domain here is a fixed, deterministic transform
+of an image batch ``[N, C, H, W]`` (any leading dimensions work; the last two are H and W):
+
+== ========== ==========================================================================================
+0  identity   unchanged
+1  rot90      rotation by 90 degrees (counter-clockwise); non-square images are rotated by 180 degrees so
+              the shape is kept
+2  invert     colour inversion ``lo + hi - x`` over the value range
+3  blur       3x3 box blur per channel, edges replicated
+4  noise      additive Gaussian noise, std ``NOISE_STD * (hi - lo)``, clipped to the range, drawn from a
+              ``numpy.random.default_rng(seed)`` stream
+== ========== ==========================================================================================
+
+The value range ``(lo, hi)`` defaults to ``(0, 255)`` for integer arrays and to the array's own
+``(min, max)`` for floats (so already mean/std-normalised data is inverted onto itself and noise is
+clipped to the data's range); pass ``value_range`` (e.g. ``(0, 1)``) to make ``invert`` and ``noise``
+independent of which images are in the array. ``rot90`` and ``blur`` always act on each image
+independently; ``noise`` is deterministic for a given ``(x, seed)``, so apply the domains once to a
+domain's whole subset (preprocessing), not per mini-batch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["DOMAINS", "NOISE_STD", "apply_domain", "apply_domains"]
+
+DOMAINS: tuple[str, ...] = ("identity", "rot90", "invert", "blur", "noise")
+NOISE_STD = 0.1  # relative to the value range
+
+
+def _value_range(x: np.ndarray, value_range: tuple[float, float] | None) -> tuple[float, float]:
+    if value_range is not None:
+        lo, hi = float(value_range[0]), float(value_range[1])
+        if not hi > lo:
+            raise ValueError(f"value_range = {value_range!r} is not valid: (lo, hi) with hi > lo")
+        return lo, hi
+    if np.issubdtype(x.dtype, np.integer):
+        return 0.0, 255.0
+    if x.size:
+        lo, hi = float(x.min()), float(x.max())
+        if hi > lo:
+            return lo, hi
+    return 0.0, 1.0
+
+
+def _cast_back(y: np.ndarray, like: np.ndarray, lo: float, hi: float) -> np.ndarray:
+    """Return ``y`` in ``like``'s dtype (rounded and clipped for integer images)."""
+    if np.issubdtype(like.dtype, np.integer):
+        return np.clip(np.rint(y), lo, hi).astype(like.dtype)
+    return y.astype(like.dtype, copy=False)
+
+
+def _box_blur(x: np.ndarray) -> np.ndarray:
+    """3x3 mean filter over the last two axes with edge replication (same shape)."""
+    xf = x.astype(np.float64 if x.dtype == np.float64 else np.float32)
+    pad = [(0, 0)] * (x.ndim - 2) + [(1, 1), (1, 1)]
+    p = np.pad(xf, pad, mode="edge")
+    h, w = x.shape[-2:]
+    out = np.zeros_like(xf)
+    for dy in range(3):
+        for dx in range(3):
+            out += p[..., dy:dy + h, dx:dx + w]
+    return out / 9.0
+
+
+def apply_domain(x: np.ndarray, domain: int, seed: int = 0,
+                 value_range: tuple[float, float] | None = None) -> np.ndarray:
+    """Apply the fixed transform of ``domain`` (0..4, see ``DOMAINS``) to images ``x`` [..., H, W].
+
+    Returns a new array with ``x``'s shape and dtype. Deterministic: the same input, domain and seed
+    always give the same output.
+    """
+    x = np.asarray(x)
+    if x.ndim < 2:
+        raise ValueError(f"x must have at least 2 dimensions [..., H, W], got shape {x.shape}")
+    valid = isinstance(domain, (int, np.integer)) and not isinstance(domain, bool)
+    if not valid or not 0 <= domain < len(DOMAINS):
+        raise ValueError(f"domain = {domain!r} is not valid: an integer in [0, {len(DOMAINS) - 1}] "
+                         f"({', '.join(f'{i}={d}' for i, d in enumerate(DOMAINS))})")
+    lo, hi = _value_range(x, value_range)
+    kind = DOMAINS[int(domain)]
+    if kind == "identity":
+        return x.copy()
+    if kind == "rot90":
+        k = 1 if x.shape[-1] == x.shape[-2] else 2
+        return np.ascontiguousarray(np.rot90(x, k=k, axes=(-2, -1)))
+    if kind == "invert":
+        return _cast_back((lo + hi) - x.astype(np.float64), x, lo, hi)
+    if kind == "blur":
+        return _cast_back(_box_blur(x), x, lo, hi)
+    # noise
+    rng = np.random.default_rng(seed)
+    noise = rng.standard_normal(x.shape) * (NOISE_STD * (hi - lo))
+    return _cast_back(np.clip(x + noise, lo, hi), x, lo, hi)
+
+
+def apply_domains(x: np.ndarray, domain_ids: np.ndarray, seed: int = 0,
+                  value_range: tuple[float, float] | None = None) -> np.ndarray:
+    """Transform each image ``x[j]`` with domain ``domain_ids[j]`` (-1 leaves it unchanged).
+
+    One call per domain on that domain's subset; domain ``d`` uses noise seed ``seed + d``.
+    ``Partition.train_sample_domains`` gives ``domain_ids`` for a ``domain_mix`` partition.
+    """
+    x = np.asarray(x)
+    domain_ids = np.asarray(domain_ids)
+    if domain_ids.shape != x.shape[:1]:
+        raise ValueError(f"domain_ids must have shape {x.shape[:1]} (one per image), got {domain_ids.shape}")
+    out = x.copy()
+    for d in np.unique(domain_ids):
+        if d < 0:
+            continue
+        sel = np.flatnonzero(domain_ids == d)
+        out[sel] = apply_domain(x[sel], int(d), seed=seed + int(d), value_range=value_range)
+    return out
