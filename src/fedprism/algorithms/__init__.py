@@ -2,6 +2,6 @@
 
 from fedprism.algorithms.base import REGISTRY, Algorithm, Context, EvalResult, Plan, Update, register
 
-from fedprism.algorithms import fedavg, local  # noqa: F401  (registration)
+from fedprism.algorithms import fedavg, fedclust, fedprism, local  # noqa: F401  (registration)
 
 __all__ = ["REGISTRY", "Algorithm", "Context", "EvalResult", "Plan", "Update", "register"]

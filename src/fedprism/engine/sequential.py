@@ -30,7 +30,7 @@ class SequentialEngine(EngineBase):
                 (g,) = torch.autograd.grad(loss, wr)
                 with torch.no_grad():
                     sgd_step(w, g, buf, self.cfg, mask)
-                total += float(loss) * len(y)
+                total += float(loss.detach()) * len(y)
                 self.samples_trained += len(y)
             out[k] = w.to(out.device)
             losses[k] = total / max(1, sum(len(b) for b in order))

@@ -29,22 +29,29 @@ def _pad32(cfg: Config, dataset: str) -> bool:
 
 @lru_cache(maxsize=4)
 def _federation(dataset: str, root: str, download: bool, pad32: bool, partition: str,
-                part_items: tuple, clients: int, seed: int) -> Federation:
+                part_items: tuple, clients: int, seed: int, train_subset: int = 0, test_subset: int = 0) -> Federation:
     from fedprism.data.datasets import load_dataset
     from fedprism.data.partition import make_partition
 
     ds = load_dataset(dataset, root=root or None, download=download, pad32=pad32)
-    params = dict(part_items)
-    part = make_partition(partition, ds.y_train.numpy(), ds.y_test.numpy(), clients, seed, **params)
     x_tr, y_tr, x_te, y_te = ds.x_train, ds.y_train, ds.x_test, ds.y_test
+    rng = np.random.default_rng([seed, 0xDA7A])
+    if 0 < train_subset < len(y_tr):
+        keep = torch.as_tensor(np.sort(rng.permutation(len(y_tr))[:train_subset]))
+        x_tr, y_tr = x_tr[keep], y_tr[keep]
+    if 0 < test_subset < len(y_te):
+        keep = torch.as_tensor(np.sort(rng.permutation(len(y_te))[:test_subset]))
+        x_te, y_te = x_te[keep], y_te[keep]
+    params = dict(part_items)
+    part = make_partition(partition, y_tr.numpy(), y_te.numpy(), clients, seed, **params)
     train_idx, test_idx = list(part.train), list(part.test)
     if part.domains is not None:
         from fedprism.data.domains import apply_domain
         doms = sorted(set(int(d) for d in part.domains))
         n_tr, n_te = len(y_tr), len(y_te)
-        x_tr = torch.cat([torch.as_tensor(apply_domain(ds.x_train.numpy(), d, seed=seed)) for d in doms])
-        x_te = torch.cat([torch.as_tensor(apply_domain(ds.x_test.numpy(), d, seed=seed + 1)) for d in doms])
-        y_tr, y_te = ds.y_train.repeat(len(doms)), ds.y_test.repeat(len(doms))
+        x_tr = torch.cat([torch.as_tensor(apply_domain(x_tr.numpy(), d, seed=seed)) for d in doms])
+        x_te = torch.cat([torch.as_tensor(apply_domain(x_te.numpy(), d, seed=seed + 1)) for d in doms])
+        y_tr, y_te = y_tr.repeat(len(doms)), y_te.repeat(len(doms))
         slot = {d: k for k, d in enumerate(doms)}
         train_idx = [i + slot[int(d)] * n_tr for i, d in zip(train_idx, part.domains)]
         test_idx = [i + slot[int(d)] * n_te for i, d in zip(test_idx, part.domains)]
@@ -59,6 +66,7 @@ def build_federation(cfg: Config) -> Federation:
     """The federation a config describes; cached, so every method of a sweep shares one partition."""
     params = tuple(sorted(cfg.partition_params.items()))
     fed = _federation(cfg["dataset"], cfg["data.root"], bool(cfg["data.download"]), _pad32(cfg, cfg["dataset"]),
-                      cfg["partition"], params, cfg["clients"], cfg["seed"])
+                      cfg["partition"], params, cfg["clients"], cfg["seed"], cfg["data.train_subset"],
+                      cfg["data.test_subset"])
     return Federation(fed.x_train, fed.y_train, fed.x_test, fed.y_test, fed.train_idx, fed.test_idx,
                       fed.num_classes, fed.class_names, fed.name, dict(fed.meta))

@@ -201,6 +201,7 @@ class Experiment:
         except BaseException:
             store.mark(run_id, "failed")
             raise
+        self.state = state
         history = store.round_metrics(run_id)
         final = final_metrics(history, elapsed)
         store.finish(run_id, final)

@@ -1,0 +1,187 @@
+"""Fed-PRISM server, as in technical report 002 (sections 1-4).
+
+State: global model w_g, K cluster models w_c, soft-assignment map W [N, K].
+
+Round t (002 section 2):
+    w_pers_i = a w_g + (1 - a) sum_c W[i,c] w_c                           (section 4, sent to i in S_t)
+    Delta_i  = w_local_i - w_pers_i                                        (step 2)
+    w_g     += 1/|S_t| sum_i Delta_i                                       (step 3a; `global_weighting`)
+    w_c     += sum_i W[i,c] Delta_i / sum_i W[i,c]   for clusters with sum_i W[i,c] > 0      (step 3b)
+    if t mod C == 0: UpdateClusters(S_t)                                   (step 4, section 3)
+
+UpdateClusters (section 3): features Theta_i = w_local_i (kmeans, ward, average, single) or
+Delta_i (covariance); hard clusters; centroids = member means; Sim = cos(feature, centroid);
+W[i] = softmax over the top-m similarities, 0 elsewhere.
+
+Decisions where 002 is silent (README "Fed-PRISM decisions"; specs/fedprism.md):
+  * Before the first clustering W is uniform (1/K) and every w_c is a copy of w_g. Rounds count from
+    0, so the first clustering happens at the end of round 0 (0 mod C == 0) and personalization
+    starts at once.
+  * Clients never clustered keep the uniform row; clients not in S_t keep their last row.
+  * Fewer reporting clients than K, or fewer distinct features: the re-clustering is skipped and
+    recorded (`kind=cluster_skipped`).
+  * Cluster identity: new hard clusters are matched to the existing cluster models with the
+    Hungarian algorithm on the members' previous weights (cost[j,c] = -sum_{i in j} W_old[i,c]);
+    when the members carry no previous assignment (all uniform) the cost is the distance between
+    the hard cluster's mean local model and each cluster model (in the clustering feature space).
+  * Covariance: affinity (1 + R)/2 of the normalised update correlation R (anti-correlated tasks
+    get affinity ~0, the graph stays connected); `fedprism.affinity=clip` uses max(R, 0).
+
+Options for the FedPrism paper's variant of the same server (000 Algorithm 2), defaults = 002:
+`global_weighting=samples`, `temperature` (softmax of Sim/T), `m=K` (all clusters),
+`cluster_lr` (w_c moves by cluster_lr times its soft-weighted mean update), `features=last_layer`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from fedprism.algorithms.base import Algorithm, Plan, Update, register
+from fedprism.clustering import TooFewPoints, hard_cluster, soft_assign
+from fedprism.clustering.matching import match_clusters, overlap_cost
+from fedprism.errors import ConfigError
+from fedprism.hparams import Param
+
+CLUSTERINGS = ("kmeans", "ward", "average", "single", "covariance")
+
+
+def personalize(w_g: torch.Tensor, w_c: torch.Tensor, W: torch.Tensor, alpha: float) -> torch.Tensor:
+    """w_pers = a w_g + (1 - a) W @ w_c for a block of rows of W (002 section 4), float64 mixing."""
+    mix = W.to(torch.float64) @ w_c.to(torch.float64)
+    return (alpha * w_g.to(torch.float64) + (1 - alpha) * mix).to(w_g.dtype)
+
+
+def soft_cluster_step(w_c: torch.Tensor, W_S: torch.Tensor, vec: torch.Tensor, lr: float = 1.0,
+                      toward: bool = False) -> torch.Tensor:
+    """Soft-weighted cluster update (002 step 3b), only for clusters with Z_c = sum_i W[i,c] > 0.
+
+    toward=False: w_c += lr * (W_S^T vec) / Z      (vec = Delta: the report's update)
+    toward=True : w_c += lr * ((W_S^T vec) / Z - w_c)   (vec = returned models: 000 Algorithm 2)
+    """
+    Z = W_S.to(torch.float64).sum(0)
+    live = Z > 0
+    if not live.any():
+        return w_c
+    mean = (W_S.to(torch.float64).T[live] @ vec.to(torch.float64)) / Z[live, None]
+    out = w_c.clone()
+    step = mean - w_c[live].to(torch.float64) if toward else mean
+    out[live] = (w_c[live].to(torch.float64) + lr * step).to(w_c.dtype)
+    return out
+
+
+def recluster(features: np.ndarray, W_old: np.ndarray, models: np.ndarray, k: int, m: int, method: str,
+              seed: int, temperature: float = 1.0, affinity: str = "shifted") -> tuple[np.ndarray, np.ndarray, dict]:
+    """002 section 3 for the reporting clients: hard clusters, Hungarian matching, soft top-m rows.
+
+    `models` [K, d] are the cluster models in the feature space (used to match when the members carry
+    no previous assignment). Returns (W_new rows [n, K], hard labels mapped to model indices, info).
+    Raises TooFewPoints when there are fewer (distinct) points than K.
+    """
+    cl = hard_cluster(features, k, method, seed=seed, affinity=affinity)
+    W_soft = soft_assign(features, cl.centroids, m, temperature)          # columns = hard clusters
+    informative = np.abs(W_old - 1.0 / k).sum() > 1e-9
+    if informative:
+        cost = overlap_cost(cl.labels, W_old)
+        how = "overlap"
+    else:
+        cost = ((cl.centroids[:, None, :] - models[None, :, :]) ** 2).sum(-1)
+        how = "centroid"
+    perm = match_clusters(cost)                                            # hard cluster j -> model perm[j]
+    W_new = np.zeros_like(W_soft)
+    W_new[:, perm] = W_soft
+    return W_new, perm[cl.labels], {"matching": how, **cl.info}
+
+
+@register
+class FedPrism(Algorithm):
+    name = "fedprism"
+    paper = "technical report 002 (sections 1-4)"
+    params = {
+        "k": Param(5, "number of cluster models K", lambda v: v >= 1, "an integer >= 1"),
+        "m": Param(2, "clusters each client is softly assigned to (1 <= m <= K)", lambda v: v >= 1,
+                   "an integer >= 1"),
+        "every": Param(10, "re-cluster every C rounds (t mod C == 0)", lambda v: v >= 1, "an integer >= 1"),
+        "alpha": Param(0.5, "ensemble coefficient a on the global model", lambda v: 0 <= v <= 1,
+                       "a number in [0, 1]"),
+        "clustering": Param("kmeans", "hard clustering method", choices=CLUSTERINGS),
+        "global_weighting": Param("uniform", "global step: 1/|S_t| (002) or n_i/N_t (000)",
+                                  choices=("uniform", "samples")),
+        "temperature": Param(1.0, "softmax temperature T over the top-m cosine similarities",
+                             lambda v: v > 0, "a number > 0"),
+        "cluster_lr": Param(1.0, "cluster learning rate (1 = report 002)", lambda v: 0 < v <= 1,
+                            "a number in (0, 1]"),
+        "update": Param("delta", "delta: w += mean Delta (002); model: average returned models (000)",
+                        choices=("delta", "model")),
+        "features": Param("full", "clustering features: full vector (002) or last layer (000)",
+                          choices=("full", "last_layer")),
+        "affinity": Param("shifted", "covariance affinity: (1+R)/2 or max(R,0)", choices=("shifted", "clip")),
+    }
+
+    @classmethod
+    def check_params(cls, hp: dict) -> None:
+        if hp["m"] > hp["k"]:
+            raise ConfigError("fedprism.m", hp["m"], f"an integer in [1, fedprism.k={hp['k']}]")
+
+    # -- state -----------------------------------------------------------------------------------
+    def init_state(self) -> dict:
+        K, N = self.hp["k"], self.ctx.num_clients
+        w_g = self.ctx.init.clone()
+        return {
+            "w_g": w_g,
+            "w_c": w_g.expand(K, -1).clone(),
+            "W": torch.full((N, K), 1.0 / K, dtype=torch.float64),
+            "clustered": torch.zeros(N, dtype=torch.bool),
+        }
+
+    def _feature_slice(self) -> slice:
+        return self.ctx.spec.last_layer if self.hp["features"] == "last_layer" else slice(None)
+
+    # -- the four functions --------------------------------------------------------------------------
+    def plan(self, state: dict, rnd: int, clients: np.ndarray) -> Plan:
+        rows = state["W"][torch.as_tensor(clients)]
+        return Plan(clients, personalize(state["w_g"], state["w_c"], rows, self.hp["alpha"]))
+
+    def aggregate(self, state: dict, rnd: int, update: Update) -> dict:
+        hp, records = self.hp, {}
+        if len(update.clients) == 0:
+            return records
+        S = torch.as_tensor(update.clients)
+        delta = update.delta
+        w = update.n_samples if hp["global_weighting"] == "samples" else torch.ones(len(S), dtype=torch.float64)
+        w = (w / w.sum()).to(torch.float64)
+        if hp["update"] == "delta":
+            state["w_g"] = (state["w_g"].double() + w @ delta.double()).float()
+            state["w_c"] = soft_cluster_step(state["w_c"], state["W"][S], delta, hp["cluster_lr"])
+        else:
+            state["w_g"] = (w @ update.params.double()).float()
+            state["w_c"] = soft_cluster_step(state["w_c"], state["W"][S], update.params, hp["cluster_lr"], toward=True)
+        if rnd % hp["every"] == 0:
+            records.update(self._update_clusters(state, rnd, update))
+        return records
+
+    def _update_clusters(self, state: dict, rnd: int, update: Update) -> dict:
+        hp = self.hp
+        sl = self._feature_slice()
+        base = update.delta if hp["clustering"] == "covariance" else update.params
+        feats = base[:, sl].double().cpu().numpy()
+        models = state["w_c"][:, sl].double().cpu().numpy()
+        if hp["clustering"] == "covariance":
+            models = models - state["w_g"][sl].double().cpu().numpy()
+        S = torch.as_tensor(update.clients)
+        try:
+            W_new, labels, info = recluster(feats, state["W"][S].numpy(), models, hp["k"], hp["m"],
+                                            hp["clustering"], seed=self.ctx.seed * 100_003 + rnd,
+                                            temperature=hp["temperature"], affinity=hp["affinity"])
+        except TooFewPoints as e:
+            return {"cluster_skipped": {"reason": str(e), "clients": update.clients}}
+        state["W"][S] = torch.as_tensor(W_new, dtype=torch.float64)
+        state["clustered"][S] = True
+        return {"clusters": {"clients": update.clients, "labels": labels, "W": W_new.round(6), **info}}
+
+    def model_for(self, state: dict, clients: np.ndarray) -> torch.Tensor:
+        rows = state["W"][torch.as_tensor(clients)]
+        return personalize(state["w_g"], state["w_c"], rows, self.hp["alpha"])
+
+    def extra_models(self, state: dict) -> dict[str, torch.Tensor]:
+        return {"global": state["w_g"]}

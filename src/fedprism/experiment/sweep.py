@@ -1,0 +1,92 @@
+"""Sweeps: a grid of runs from one TOML file, resumable (finished runs are skipped).
+
+    name = "fedprism_clustering"          # stored with every run (`fedprism report --sweep NAME`)
+    [base]                                 # keys shared by every run
+    dataset = "fmnist"
+    [grid]                                 # cartesian product over these keys
+    seed = [0, 1, 2]
+    [[runs]]                               # the variants; `label` names the table row
+    label = "Fed-PRISM kmeans"
+    method = "fedprism"
+    fedprism.clustering = "kmeans"
+    [quick]                                # overrides for `--quick` (CI-sized)
+    rounds = 3
+
+Every run of a sweep with the same data keys shares one partition and, through the seeded sampler,
+one cohort sequence.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from fedprism.errors import ConfigError
+from fedprism.experiment.config import Config, flatten, resolve
+
+
+def load_sweep(path: str | Path, quick: bool = False) -> tuple[str, list[Config]]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError("sweep file", str(p), "an existing TOML file")
+    try:
+        doc = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError("sweep file", str(p), f"valid TOML ({e})") from None
+    unknown = set(doc) - {"name", "base", "grid", "runs", "quick", "description"}
+    if unknown:
+        raise ConfigError(f"{p.name}: {sorted(unknown)[0]}", "", "sweep files have name, description, base, grid, runs, quick")
+    name = doc.get("name", p.stem)
+    base = flatten(doc.get("base", {}))
+    grid = flatten(doc.get("grid", {}))
+    for k, v in grid.items():
+        if not isinstance(v, list) or not v:
+            raise ConfigError(f"grid.{k}", v, "a non-empty list of values")
+    runs = doc.get("runs") or [{}]
+    quick_over = flatten(doc.get("quick", {})) if quick else {}
+    configs = []
+    for variant in runs:
+        variant = flatten(variant)
+        label = variant.pop("label", None)
+        for values in itertools.product(*grid.values()) if grid else [()]:
+            raw = {**base, **variant, **dict(zip(grid.keys(), values)), **quick_over}
+            raw["name"] = label or raw.get("name") or raw.get("method", "run")
+            configs.append(resolve(raw))
+    return name, configs
+
+
+def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, progress: bool = True,
+              limit: int | None = None) -> int:
+    from fedprism.experiment.runner import Experiment
+    from fedprism.experiment.store import Store
+
+    name, configs = load_sweep(path, quick)
+    if only:
+        configs = [c for c in configs if only in c["name"]]
+    store = Store(db)
+    done = skipped = 0
+    t0 = time.time()
+    for i, cfg in enumerate(configs):
+        if limit is not None and done >= limit:
+            break
+        row = store.run(cfg.run_id)
+        tag = f"[{i + 1}/{len(configs)}] {cfg['name']} seed={cfg['seed']}"
+        if row is not None and row["status"] == "finished":
+            skipped += 1
+            print(f"{tag}: finished earlier, skipped", file=sys.stderr)
+            continue
+        res = Experiment(cfg, store, progress=progress, sweep=name).run()
+        done += 1
+        f = res.final
+        print(f"{tag}: global {f.get('global_acc', float('nan')):.4f} local {f.get('local_acc', float('nan')):.4f}"
+              f" ({f.get('seconds', 0):.0f}s)", file=sys.stderr)
+    print(f"sweep {name}: {done} run, {skipped} already finished, {time.time() - t0:.0f}s", file=sys.stderr)
+    return 0
+
+
+def sweep_summary(configs: list[Config]) -> list[dict[str, Any]]:
+    return [{"name": c["name"], "run_id": c.run_id, "seed": c["seed"]} for c in configs]

@@ -1,0 +1,56 @@
+"""`fedprism export`: the store as flat tables (CSV, or Parquet when pandas + pyarrow are installed)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from fedprism.errors import FedPrismError
+from fedprism.experiment.store import Store
+
+
+def _tables(store: Store) -> dict[str, tuple[list[str], list[list]]]:
+    runs = store.runs()
+    t: dict[str, tuple[list[str], list[list]]] = {}
+    ckeys = sorted({k for r in runs for k in json.loads(r["config"])})
+    fkeys = sorted({k for r in runs for k in json.loads(r["final"] or "{}")})
+    t["runs"] = (["run_id", "status", "code_version", "sweep"] + ckeys + [f"final.{k}" for k in fkeys],
+                 [[r["run_id"], r["status"], r["code_version"], r["sweep"]]
+                  + [json.loads(r["config"]).get(k) for k in ckeys]
+                  + [json.loads(r["final"] or "{}").get(k) for k in fkeys] for r in runs])
+    rr = store.db.execute("SELECT run_id, round, metrics, wall_s FROM rounds ORDER BY run_id, round").fetchall()
+    mkeys = sorted({k for r in rr for k in json.loads(r["metrics"])})
+    t["rounds"] = (["run_id", "round", "wall_s"] + mkeys,
+                   [[r["run_id"], r["round"], r["wall_s"]] + [json.loads(r["metrics"]).get(k) for k in mkeys] for r in rr])
+    cm = store.db.execute("SELECT * FROM client_metrics ORDER BY run_id, round, client").fetchall()
+    t["client_metrics"] = (list(cm[0].keys()) if cm else ["run_id"], [list(r) for r in cm])
+    rec = store.db.execute("SELECT * FROM records ORDER BY rowid").fetchall()
+    t["records"] = (["run_id", "round", "kind", "client", "data"], [list(r) for r in rec])
+    return t
+
+
+def export(db: str, out: str, fmt: str = "csv") -> list[Path]:
+    store = Store(db)
+    outdir = Path(out)
+    outdir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, (header, rows) in _tables(store).items():
+        if fmt == "csv":
+            p = outdir / f"{name}.csv"
+            with open(p, "w", newline="") as f:
+                w = csv.writer(f, lineterminator="\n")
+                w.writerow(header)
+                w.writerows(rows)
+        else:
+            try:
+                import pandas as pd
+            except ImportError:
+                raise FedPrismError("parquet export needs pandas and pyarrow: pip install pandas pyarrow") from None
+            p = outdir / f"{name}.parquet"
+            try:
+                pd.DataFrame(rows, columns=header).to_parquet(p)
+            except ImportError as e:
+                raise FedPrismError(f"parquet export needs pyarrow: pip install pyarrow ({e})") from None
+        paths.append(p)
+    return paths
