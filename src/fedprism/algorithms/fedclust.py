@@ -6,7 +6,8 @@ variant=periodic (default; report 002 "2nd algorithm", and the FedPrism paper's 
     match the new labels to the existing cluster models (Hungarian), then
     w_c = sum_{k in C_c} n_k / N_c w_k                                   (002 Step 3)
     and each client receives its cluster's model (Step 4). Clients never clustered receive the
-    global model w_g = n_k-weighted mean of all uploads.
+    global model w_g = n_k-weighted mean of all uploads; a client that reports between two
+    clusterings without an assignment joins the cluster whose model is nearest to its upload.
 variant=original (Islam et al. 2024; specs/algorithms.md section 7 (1)):
     round 0 is a one-shot setup: all N clients train from theta_0, upload their final-layer
     weights p_k; agglomerative clustering (average linkage, Euclidean) with a distance threshold
@@ -108,6 +109,15 @@ class FedClust(Algorithm):
                 perm = match_clusters(cost)
                 state["assign"][S] = torch.as_tensor(perm[cl.labels])
                 records["clusters"] = {"clients": update.clients, "labels": perm[cl.labels]}
+        new = (state["assign"][S] < 0).numpy()
+        if new.any() and (state["assign"] >= 0).any():    # newcomers between clusterings: nearest model
+            k = len(state["w_c"])
+            d = ((self._features(update.params[torch.as_tensor(new)])[:, None]
+                  - self._features(state["w_c"])[None]) ** 2).sum(-1)
+            live = np.isin(np.arange(k), state["assign"][state["assign"] >= 0].numpy())
+            d[:, ~live] = np.inf
+            state["assign"][S[torch.as_tensor(new)]] = torch.as_tensor(d.argmin(1))
+            records["joined"] = {"clients": update.clients[new], "labels": d.argmin(1)}
         a = state["assign"][S]
         for c in torch.unique(a[a >= 0]).tolist():
             sel = a == c

@@ -1,0 +1,160 @@
+"""Round loop, results store, resume, bad updates, failing clients, config validation."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from fedprism.errors import ConfigError
+from fedprism.experiment.config import parse_overrides, resolve
+from fedprism.experiment.runner import Experiment, sample_clients
+from fedprism.experiment.store import Store
+
+SMALL = dict(dataset="digits", clients=8, rounds=4, fraction=0.5, local_epochs=1, batch_size=16, lr=0.05,
+             partition="dirichlet", **{"partition.alpha": 0.5}, engine="sequential")
+
+
+def cfg(**kw):
+    return resolve({**SMALL, **{k.replace("__", "."): v for k, v in kw.items()}})
+
+
+def test_sampling_is_shared_and_deterministic():
+    a = sample_clients(3, 7, 100, 0.1)
+    assert len(a) == 10 and len(set(a)) == 10
+    assert np.array_equal(a, sample_clients(3, 7, 100, 0.1))
+    assert not np.array_equal(a, sample_clients(3, 8, 100, 0.1))
+    assert len(sample_clients(0, 0, 5, 0.01)) == 1          # m_t = max(floor(qN), 1)
+
+
+def test_run_stores_everything_and_second_run_is_a_noop(tmp_path):
+    store = Store(tmp_path / "r.db")
+    c = cfg(method="fedprism", fedprism__k=2, fedprism__m=1, fedprism__every=2)
+    res = Experiment(c, store).run()
+    assert res.status == "finished" and 0 <= res.final["local_acc"] <= 1
+    assert len(store.round_metrics(c.run_id)) == 4
+    rows = store.client_rows(c.run_id)
+    assert len(rows) == 8 and all(r["n_test"] >= 1 for r in rows)
+    assert store.records(c.run_id, "clusters")
+    again = Experiment(c, store).run()
+    assert again.final == res.final and len(store.round_metrics(c.run_id)) == 4
+    assert not store.ckpt_dir.exists() or not any(store.ckpt_dir.iterdir())
+
+
+@pytest.mark.parametrize("method", ["fedprism", "local"])
+def test_resumed_run_equals_uninterrupted(tmp_path, method):
+    c = cfg(method=method)
+    full = Experiment(c, Store(tmp_path / "a.db")).run()
+    s = Store(tmp_path / "b.db")
+    part = Experiment(c, s).run(stop_after=2)
+    assert part.status == "interrupted" and s.run(c.run_id)["status"] == "interrupted"
+    resumed = Experiment(c, s).run()
+    assert resumed.resumed_from == 1
+    for k in ("local_acc", "global_acc", "sdad"):
+        assert resumed.final[k] == pytest.approx(full.final[k], abs=1e-9)
+    assert [h["local_acc"] for h in s.round_metrics(c.run_id)] == \
+        pytest.approx([h["local_acc"] for h in Store(tmp_path / "a.db").round_metrics(c.run_id)])
+
+
+def test_torn_checkpoint_restarts_cleanly(tmp_path):
+    c = cfg(method="fedavg")
+    s = Store(tmp_path / "c.db")
+    Experiment(c, s).run(stop_after=2)
+    (s.ckpt_dir / f"{c.run_id}.pt").write_bytes(b"garbage")
+    res = Experiment(c, s).run()
+    assert res.status == "finished" and res.resumed_from is None
+    assert len(s.round_metrics(c.run_id)) == 4
+
+
+def test_nan_update_is_rejected_and_the_round_goes_on(tmp_path, monkeypatch):
+    c = cfg(method="fedavg", rounds=2)
+    exp = Experiment(c, Store(tmp_path / "n.db"))
+    real = exp.engine.train
+
+    def poisoned(plan, rnd):
+        up = real(plan, rnd)
+        up.params[0, 3] = float("nan")
+        return up
+
+    monkeypatch.setattr(exp.engine, "train", poisoned)
+    res = exp.run()
+    assert res.status == "finished"
+    assert np.isfinite(res.final["local_acc"])
+    recs = exp.store.records(c.run_id, "rejected")
+    assert len(recs) == 2 and "NaN" in recs[0]["data"]["reason"]
+    assert torch.isfinite(exp.state["w"]).all()
+
+
+def test_failing_client_is_recorded_and_others_aggregate(tmp_path, monkeypatch):
+    c = cfg(method="fedprism", rounds=2)
+    exp = Experiment(c, Store(tmp_path / "f.db"))
+    real = exp.engine.train
+    victim = int(sample_clients(c["seed"], 0, 8, 0.5)[1])
+
+    def flaky(plan, rnd):
+        if victim in plan.clients.tolist():
+            raise RuntimeError("client crashed")
+        return real(plan, rnd)
+
+    monkeypatch.setattr(exp.engine, "train", flaky)
+    res = exp.run()
+    assert res.status == "finished"
+    fails = exp.store.records(c.run_id, "failure")
+    assert fails and fails[0]["client"] == victim and "crashed" in fails[0]["data"]["reason"]
+    r0 = exp.store.round_metrics(c.run_id)[0]
+    assert r0["accepted"] == r0["clients"] - 1
+
+
+def test_store_is_transactional(tmp_path):
+    s = Store(tmp_path / "t.db")
+    s.start_run("x", {"method": "fedavg", "dataset": "digits", "seed": 0})
+    with pytest.raises(TypeError):     # the record cannot be serialised: fails after the metrics insert
+        s.write_round("x", 0, {"a": 1}, [(0, 0.5, 1.0, 0.4, 10, 0.3)], [("bad", None, object())], 0.1)
+    assert s.round_metrics("x") == []          # nothing of the failed round was kept
+    assert s.client_rows("x", 0) == []
+    assert s.run("x")["rounds_done"] == 0
+
+
+@pytest.mark.parametrize("raw,key", [
+    ({"rounds": 0}, "rounds"), ({"fraction": 1.5}, "fraction"), ({"fraction": 0}, "fraction"),
+    ({"lr": -1}, "lr"), ({"clients": "many"}, "clients"), ({"method": "fedsgd"}, "method"),
+    ({"dataset": "imagenet"}, "dataset"), ({"partition": "weird"}, "partition"),
+    ({"bogus": 1}, "bogus"), ({"fedprism.k": 0}, "fedprism.k"), ({"fedprism.m": 9}, "fedprism.m"),
+    ({"fedprism.clustering": "dbscan"}, "fedprism.clustering"), ({"partition.alpha": 0}, "partition.alpha"),
+    ({"fedavg.weighting": "samples"}, "fedavg.weighting"), ({"partition.s": 0.5}, "partition.s"),
+])
+def test_config_errors_name_key_value_and_allowed(raw, key):
+    with pytest.raises(Exception) as e:
+        r = resolve({"method": "fedprism", **raw})
+        Experiment(r, None)  # partition-level checks happen when the federation is built
+    msg = str(e.value)
+    assert key in msg, msg
+    assert isinstance(e.value, (ConfigError, ValueError))
+
+
+def test_overrides_parse_toml_literals():
+    o = parse_overrides(["rounds=5", "lr=0.1", "eval.global=false", "dataset=fmnist", 'name="a b"'])
+    assert o == {"rounds": 5, "lr": 0.1, "eval.global": False, "dataset": "fmnist", "name": "a b"}
+    with pytest.raises(ConfigError):
+        parse_overrides(["rounds"])
+
+
+def test_run_id_ignores_execution_keys_only():
+    a, b = cfg(method="fedavg"), cfg(method="fedavg", engine="vectorized", name="x")
+    assert a.run_id == b.run_id
+    assert a.run_id != cfg(method="fedavg", seed=1).run_id
+
+
+def test_cli_run_json_and_error_exit(tmp_path, capsys):
+    from fedprism.cli import main
+
+    db = str(tmp_path / "cli.db")
+    assert main(["run", "--db", db, "dataset=digits", "method=fedavg", "clients=6", "rounds=2",
+                 "local_epochs=1", "fraction=0.5", "engine=sequential", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(out) >= {"global_acc", "local_acc", "ad", "sdad", "seconds"}
+    assert main(["run", "--db", db, "rounds=-3"]) == 2
+    err = capsys.readouterr().err
+    assert "rounds" in err and "-3" in err
