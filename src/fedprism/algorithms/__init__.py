@@ -2,6 +2,6 @@
 
 from fedprism.algorithms.base import REGISTRY, Algorithm, Context, EvalResult, Plan, Update, register
 
-from fedprism.algorithms import fedavg, fedclust, fedprism, local  # noqa: F401  (registration)
+from fedprism.algorithms import cfl, fedamp, fedavg, fedclust, fedprism, ifca, local  # noqa: F401 (registers)
 
 __all__ = ["REGISTRY", "Algorithm", "Context", "EvalResult", "Plan", "Update", "register"]

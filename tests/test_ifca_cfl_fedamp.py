@@ -1,0 +1,277 @@
+"""IFCA, CFL and FedAMP: planted-group recovery, equivalences with FedAvg / Local, invariants."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import planted_federation, same
+from sklearn.metrics import adjusted_rand_score
+
+from fedprism.algorithms import REGISTRY
+from fedprism.algorithms.base import Context, Update
+from fedprism.algorithms.cfl import CFL
+from fedprism.algorithms.fedamp import FedAMP
+from fedprism.algorithms.ifca import IFCA, choose, permuted_inits
+from fedprism.engine import LocalConfig, SequentialEngine
+from fedprism.errors import ConfigError
+from fedprism.experiment.runner import sample_clients
+from fedprism.federation import Federation
+from fedprism.models import build_model
+from fedprism.params import ParamSpec, flatten
+
+LOCAL = LocalConfig(epochs=1, batch_size=16, lr=0.05, momentum=0.9)
+SPLIT = {"eps1": 0.35, "eps2": 0.6, "warmup": 3}     # measured on these federations (record `cfl`)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def setup(fed, method, seed=0, **hp):
+    model = build_model("mlp", fed.input_shape, fed.num_classes, seed=seed)
+    ctx = Context(fed.num_clients, fed.num_classes, ParamSpec.of(model), flatten(model), fed.n_train,
+                  fed.label_hist(), seed, 10, 1.0)
+    return REGISTRY[method](ctx, **hp), SequentialEngine(fed, model, LOCAL, seed)
+
+
+def drive(algo, engine, rounds, fraction=1.0, seed=0, on_round=None):
+    state = algo.init_state()
+    for t in range(rounds):
+        plan = algo.plan(state, t, sample_clients(seed, t, algo.ctx.num_clients, fraction))
+        before = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
+        rec = algo.aggregate(state, t, algo.client_update(plan, engine, t))
+        if on_round:
+            on_round(t, state, plan, rec, before)
+    return state
+
+
+def iid_federation(ds, clients=10, per_class=6, seed=0) -> Federation:
+    """Every client holds per_class samples of every class (equal label mixes)."""
+    rng = np.random.default_rng(seed)
+    y, yt = ds.y_train.numpy(), ds.y_test.numpy()
+    train, test = [[] for _ in range(clients)], [[] for _ in range(clients)]
+    for c in range(ds.num_classes):
+        p, pt = rng.permutation(np.flatnonzero(y == c)), rng.permutation(np.flatnonzero(yt == c))
+        for i in range(clients):
+            train[i] += list(p[i * per_class:(i + 1) * per_class])
+            test[i] += list(pt[i * 2:(i + 1) * 2])
+    return Federation(ds.x_train, ds.y_train, ds.x_test, ds.y_test, [np.sort(t) for t in train],
+                      [np.sort(t) for t in test], ds.num_classes, list(ds.classes), "digits-iid")
+
+
+@pytest.fixture(scope="module")
+def planted5(digits):
+    return planted_federation(digits, clients_per_group=5, per_client=60)
+
+
+# -- IFCA -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("init,seed,rounds", [("random", 0, 3), ("warmup", 0, 5)])
+def test_ifca_recovers_planted_groups(planted5, init, seed, rounds):
+    fed, truth = planted5
+    algo, eng = setup(fed, "ifca", seed=seed, k=2, init=init, warmup_rounds=2)
+    P = algo.ctx.spec.size
+    seen = []
+
+    def on_round(t, state, plan, rec, before):
+        warm = init == "warmup" and t < 2
+        assert plan.down_floats == (P if warm else 2 * P)
+        if warm:
+            assert "clusters" not in rec and torch.equal(state["w"][0], state["w"][1])
+        else:
+            seen.append(rec["clusters"]["labels"])
+            for c in set(range(2)) - set(rec["clusters"]["labels"].tolist()):   # chosen by nobody
+                assert torch.equal(state["w"][c], before["w"][c])
+
+    state = drive(algo, eng, rounds, seed=seed, on_round=on_round)
+    assert adjusted_rand_score(truth, seen[-1]) == 1.0
+    assert adjusted_rand_score(truth, state["assign"].numpy()) == 1.0
+
+
+def test_ifca_k1_equals_fedavg(planted5):
+    fed, _ = planted5
+    a, e = setup(fed, "ifca", k=1)
+    b, e2 = setup(fed, "fedavg")
+    sa, sb = drive(a, e, 3, fraction=0.5), drive(b, e2, 3, fraction=0.5)
+    assert same(sa["w"][0], sb["w"]) and not same(sb["w"], b.ctx.init)
+
+
+def test_ifca_random_inits_are_independent_permutations(planted5):
+    fed, _ = planted5
+    algo, _ = setup(fed, "ifca", k=3)
+    w, spec = algo.init_state()["w"], algo.ctx.spec
+    assert torch.equal(w[0], algo.ctx.init)
+    assert not torch.equal(w[1], w[0]) and not torch.equal(w[2], w[1])
+    for a, b in zip(spec.offsets[:-1], spec.offsets[1:]):          # same values, tensor by tensor
+        assert torch.equal(w[1, a:b].sort().values, w[0, a:b].sort().values)
+    assert torch.equal(permuted_inits(algo.ctx.init, spec, 3, 0), w)   # seeded
+
+
+def test_ifca_ties_are_broken_by_the_seeded_rng():
+    clients = np.arange(40)
+    losses = np.ones((40, 3))
+    a, b = choose(losses, clients, [0, 1]), choose(losses, clients, [0, 1])
+    assert np.array_equal(a, b) and set(a.tolist()) == {0, 1, 2}          # not always index 0
+    assert not np.array_equal(a, choose(losses, clients, [0, 2]))         # another round, other picks
+    losses[:, 2] = 0.5
+    assert (choose(losses, clients, [0, 1]) == 2).all()
+
+
+def test_ifca_never_sampled_clients_pick_by_train_loss(planted5):
+    fed, truth = planted5
+    algo, eng = setup(fed, "ifca", k=2)
+    state = drive(algo, eng, 3)
+    clients = np.arange(fed.num_clients)
+    expect = eng.evaluate(algo.model_for(state, clients), clients, "local")
+    assert algo.evaluate(state, eng, clients, "local") is None             # everybody chose: model_for
+    state["assign"][[0, 7]] = -1                                            # as if never sampled
+    got = algo.evaluate(state, eng, clients, "local")
+    assert torch.equal(got.correct, expect.correct)                         # they pick their group's model
+
+
+# -- CFL ------------------------------------------------------------------------------------------
+def test_cfl_splits_planted_groups_once(planted5):
+    fed, truth = planted5
+    algo, eng = setup(fed, "cfl", **SPLIT)
+    splits = []
+
+    def on_round(t, state, plan, rec, before):
+        assert len(rec["cfl"]["mean_norm"]) == len(rec["cfl"]["cluster"])
+        splits.extend(rec.get("cfl_split", []))
+        if "cfl_split" in rec:
+            assert t >= SPLIT["warmup"] and rec["cfl_split"][0]["gamma_max"] > 0.5
+
+    state = drive(algo, eng, 10, on_round=on_round)
+    assert len(splits) == 1 and len(state["w"]) == 2
+    assert adjusted_rand_score(truth, state["assign"].numpy()) == 1.0
+    assert not torch.equal(state["w"][0], state["w"][1])
+
+
+def test_cfl_does_not_split_an_iid_federation(digits):
+    fed = iid_federation(digits)
+    algo, eng = setup(fed, "cfl", **SPLIT)
+    state = drive(algo, eng, 10)
+    assert len(state["w"]) == 1 and (state["assign"] == 0).all()
+    # forced trigger: the gamma certificate alone refuses to split an IID federation
+    algo, eng = setup(fed, "cfl", eps1=100.0, eps2=0.0, warmup=1, gamma=0.5)
+    assert len(drive(algo, eng, 3)["w"]) == 1
+
+
+def _ctx(N, P):
+    return Context(N, 2, None, torch.zeros(P), np.full(N, 10), np.zeros((N, 2)), 0, 10, 1.0)
+
+
+def test_cfl_opposite_updates_split_exactly():
+    """Specs section 5 test: updates +u, +u, -u, -u: mean ~ 0 < eps1, max = ||u|| > eps2."""
+    torch.manual_seed(0)
+    u = torch.randn(6)
+    delta = torch.stack([u, u, -u, -u]) + 1e-4 * torch.randn(4, 6)
+    algo = CFL(_ctx(4, 6), eps1=0.1, eps2=0.5 * float(u.norm()), warmup=0)
+    state = algo.init_state()
+    up = Update(np.arange(4), delta.clone(), torch.zeros(4, 6), torch.full((4,), 10.0, dtype=torch.float64))
+    rec = algo.aggregate(state, 0, up)
+    (s,) = rec["cfl_split"]
+    assert s["left"].tolist() == [0, 1] and s["right"].tolist() == [2, 3]
+    assert abs(s["gamma_max"] - 1.0) < 1e-6
+    assert torch.allclose(state["w"][0], delta[:2].mean(0), atol=1e-6)     # children average their own
+    assert torch.allclose(state["w"][1], delta[2:].mean(0), atol=1e-6)
+    # next round only cluster 1 participates: cluster 0 stays bit-identical
+    w0 = state["w"][0].clone()
+    up = Update(np.array([2, 3]), delta[2:] * 2, delta[2:], torch.full((2,), 10.0, dtype=torch.float64))
+    algo.aggregate(state, 1, up)
+    assert torch.equal(state["w"][0], w0)
+
+
+# -- FedAMP ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("hp", [{"attention": "cosine", "self_weight": 1.0}, {"alpha_k": 0.0, "sigma": 1.0}])
+def test_fedamp_self_weight_one_is_local_training(planted5, hp):
+    fed, _ = planted5
+    a, e = setup(fed, "fedamp", mu=0.0, **hp)
+    b, e2 = setup(fed, "local")
+    sa, sb = drive(a, e, 3, fraction=0.5), drive(b, e2, 3, fraction=0.5)
+    assert torch.equal(sa["w"], sb["w"])
+
+
+def test_fedamp_uniform_attention_is_fedavg(planted5):
+    fed, _ = planted5
+    N = fed.num_clients
+    a, e = setup(fed, "fedamp", attention="cosine", sigma=0.0, self_weight=1.0 / N, mu=0.0)
+    b, e2 = setup(fed, "fedavg", weighting="uniform")
+    sa, sb = drive(a, e, 3), drive(b, e2, 3)
+    assert same(sa["w"].double().mean(0).float(), sb["w"])
+    assert not same(sa["w"][0], sa["w"][N - 1])                        # models stay personalized
+
+
+@pytest.mark.parametrize("attention", ["distance", "cosine"])
+def test_fedamp_attention_rows_and_auto_sigma(planted5, attention):
+    fed, truth = planted5
+    algo, eng = setup(fed, "fedamp", attention=attention)
+    recs = []
+    state = drive(algo, eng, 3, on_round=lambda t, s, p, rec, b: recs.append(rec))
+    assert recs[0]["fedamp"]["sigma"] == state["sigma"] > 0                # set once, at round 0
+    assert all("fedamp" not in r for r in recs[1:])
+    clients = np.arange(fed.num_clients)
+    xi, peers = algo.attention(state, clients)
+    assert np.array_equal(peers, clients) and (xi >= 0).all() and np.allclose(xi.sum(1), 1.0)
+    same_group = truth[:, None] == truth[None, :]
+    off = ~np.eye(len(clients), dtype=bool)
+    assert xi[off & same_group].mean() > 10 * xi[off & ~same_group].mean()   # attends to its own group
+    assert np.diag(xi).max() < 0.99                                          # not Local training
+    # all client vectors equal -> u_i = w_i
+    state["w"][:] = state["w"][0]
+    xi, _ = algo.attention(state, clients)
+    u = torch.as_tensor(xi) @ state["w"].double()
+    assert torch.allclose(u.float(), state["w"])
+
+
+def test_fedamp_plan_uses_prox_to_the_cloud_model(planted5):
+    fed, _ = planted5
+    algo, eng = setup(fed, "fedamp", mu=0.5)
+    state = drive(algo, eng, 1)
+    plan = algo.plan(state, 1, np.arange(4))
+    assert plan.objective == "prox" and torch.equal(plan.extras["anchor"], plan.start)
+    assert torch.equal(plan.extras["mu"], torch.full((4,), 0.5))
+
+
+# -- parameters -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cls,bad,key", [
+    (IFCA, {"k": 0}, "ifca.k"), (IFCA, {"init": "kmeans"}, "ifca.init"),
+    (IFCA, {"warmup_rounds": 0}, "ifca.warmup_rounds"), (IFCA, {"weighting": "x"}, "ifca.weighting"),
+    (IFCA, {"kk": 2}, "ifca.kk"),
+    (CFL, {"eps1": -1}, "cfl.eps1"), (CFL, {"eps2": "big"}, "cfl.eps2"), (CFL, {"gamma": 1.0}, "cfl.gamma"),
+    (CFL, {"min_size": 1}, "cfl.min_size"), (CFL, {"bipartition": "single"}, "cfl.bipartition"),
+    (FedAMP, {"self_weight": 1.5}, "fedamp.self_weight"), (FedAMP, {"sigma": "big"}, "fedamp.sigma"),
+    (FedAMP, {"sigma": 0.0}, "fedamp.sigma"), (FedAMP, {"alpha_k": -1}, "fedamp.alpha_k"),
+    (FedAMP, {"mu": -0.1}, "fedamp.mu"), (FedAMP, {"attention": "dot"}, "fedamp.attention"),
+])
+def test_invalid_parameters_name_the_key(cls, bad, key):
+    with pytest.raises(ConfigError) as e:
+        cls.resolve(bad)
+    assert f"'{key}'" in str(e.value)
+
+
+def test_fedamp_alpha_k_bound_needs_the_federation():
+    assert FedAMP(_ctx(11, 3), sigma=1.0, alpha_k=0.1).hp["alpha_k"] == 0.1      # = sigma/(N-1)
+    with pytest.raises(ConfigError) as e:
+        FedAMP(_ctx(11, 3), sigma=1.0, alpha_k=0.2)
+    assert "'fedamp.alpha_k'" in str(e.value) and "sigma/(N-1)" in str(e.value)
+    assert FedAMP(_ctx(11, 3), sigma="auto", alpha_k=5.0).hp["alpha_k"] == 5.0    # capped once sigma known
+
+
+@pytest.mark.parametrize("method,hp", [("ifca", {"k": 2}), ("cfl", {"eps1": 10.0, "eps2": 0.0, "warmup": 1}),
+                                       ("fedamp", {"mu": 0.5})])
+def test_vectorized_engine_gives_the_same_states(planted5, method, hp):
+    from fedprism.engine.vectorized import VectorizedEngine
+
+    fed, _ = planted5
+    algo, seq = setup(fed, method, **hp)
+    vec = VectorizedEngine(fed, build_model("mlp", fed.input_shape, fed.num_classes, seed=0), LOCAL, 0, "cpu",
+                           compile=False)
+    a, b = drive(algo, seq, 3, fraction=0.5), drive(algo, vec, 3, fraction=0.5)
+    for k, v in a.items():
+        if isinstance(v, torch.Tensor):
+            assert v.shape == b[k].shape and same(v.float(), b[k].float(), atol=1e-4), k
