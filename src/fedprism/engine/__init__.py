@@ -19,7 +19,8 @@ def resolve_device(device: str) -> str:
 
 def make_engine(name: str, fed, model, cfg: LocalConfig, seed: int, device: str = "auto",
                 compile: str | bool = "auto", rounds: int = 1) -> EngineBase:
-    """Build an engine; `auto` picks the vectorized one when it is available."""
+    """Build an engine. `auto`: vectorized on GPU, and on CPU when its kernels are compiled (long
+    runs); otherwise the sequential loop, which is faster than an eager vmap on CPU."""
     dev = resolve_device(device)
     if name in ("auto", "vectorized"):
         try:
@@ -28,7 +29,12 @@ def make_engine(name: str, fed, model, cfg: LocalConfig, seed: int, device: str 
             if name == "vectorized":
                 raise
         else:
-            return VectorizedEngine(fed, model, cfg, seed, dev, compile=compile, rounds=rounds)
+            eng = VectorizedEngine(fed, model, cfg, seed, dev, compile=compile, rounds=rounds)
+            # On CPU an uncompiled vmap is slower than the plain loop (specs/performance.md B.3):
+            # `auto` keeps the vectorized engine only where it pays.
+            if name == "vectorized" or eng.compiled or dev != "cpu":
+                return eng
+
     if name in ("auto", "sequential"):
         return SequentialEngine(fed, model, cfg, seed, dev)
     raise ConfigError("engine", name, "auto, sequential or vectorized")
