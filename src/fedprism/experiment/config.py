@@ -1,6 +1,8 @@
 """Experiment configuration: one flat namespace of keys plus dotted method / partition / data keys.
 
-Keys come from a TOML file (tables are flattened: `[fedprism] k = 5` is `fedprism.k`) and from
+Keys come from a TOML file (tables are flattened: `[fedprism] k = 5` is `fedprism.k`; TOML cannot
+hold both `partition = "x"` and `partition.alpha`, so write `partition = { name = "dirichlet",
+alpha = 0.1 }` or quote the key, `"partition.alpha" = 0.1`) and from
 `key=value` arguments (values parsed as TOML literals: `0.1`, `true`, `"x"` or a bare word).
 Every key is validated; unknown keys, wrong types and out-of-range values raise `ConfigError`
 naming the key, the value and what is allowed.
@@ -145,6 +147,8 @@ def resolve(raw: dict[str, Any]) -> Config:
     from fedprism.data.partition import PARTITIONS
 
     raw = dict(raw)
+    if "partition.name" in raw:        # TOML: [partition] name = "dirichlet", alpha = 0.1
+        raw["partition"] = raw.pop("partition.name")
     method = raw.get("method", KEYS["method"].default)
     if method not in REGISTRY:
         raise ConfigError("method", method, f"one of {', '.join(sorted(REGISTRY))}")

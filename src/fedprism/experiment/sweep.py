@@ -12,6 +12,8 @@
     [quick]                                # overrides for `--quick` (CI-sized)
     rounds = 3
 
+Method keys in [base] or [quick] (`fedprism.k`) apply only to the runs of that method.
+
 Every run of a sweep with the same data keys shares one partition and, through the seeded sampler,
 one cohort sequence.
 """
@@ -25,6 +27,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from fedprism.algorithms import REGISTRY
 from fedprism.errors import ConfigError
 from fedprism.experiment.config import Config, flatten, resolve
 
@@ -53,7 +56,13 @@ def load_sweep(path: str | Path, quick: bool = False) -> tuple[str, list[Config]
         variant = flatten(variant)
         label = variant.pop("label", None)
         for values in itertools.product(*grid.values()) if grid else [()]:
+            method = variant.get("method", base.get("method", "fedprism"))
+            shared = {**base, **quick_over}
+            # keys of *other* methods in [base] / [quick] apply only to runs of those methods
+            shared = {k: v for k, v in shared.items()
+                      if k.split(".")[0] not in REGISTRY or k.split(".")[0] == method}
             raw = {**base, **variant, **dict(zip(grid.keys(), values)), **quick_over}
+            raw = {k: v for k, v in raw.items() if k in shared or k in variant or k in grid}
             raw["name"] = label or raw.get("name") or raw.get("method", "run")
             configs.append(resolve(raw))
     return name, configs

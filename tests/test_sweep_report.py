@@ -1,0 +1,41 @@
+"""The clustering sweep at CI size, its resumption, and the report rendered from the store."""
+
+from __future__ import annotations
+
+import csv
+
+from fedprism.experiment.store import Store
+from fedprism.experiment.sweep import load_sweep, run_sweep
+from fedprism.report import write_report
+
+SWEEP = "sweeps/fedprism_clustering.toml"
+
+
+def test_quick_clustering_sweep_stores_all_and_reports(tmp_path, monkeypatch):
+    monkeypatch.chdir(__import__("pathlib").Path(__file__).parents[1])
+    db = str(tmp_path / "s.db")
+    name, configs = load_sweep(SWEEP, quick=True)
+    labels = {c["name"] for c in configs}
+    assert {"Fed-PRISM kmeans", "Fed-PRISM ward", "Fed-PRISM average", "Fed-PRISM single",
+            "Fed-PRISM covariance", "FedClust", "FedAvg", "Local"} <= labels
+    # one shared partition: every run of a seed has the same data keys
+    assert len({(c["dataset"], c["partition"], c["partition.alpha"], c["clients"], c["seed"]) for c in configs}) == 2
+    run_sweep(SWEEP, db, quick=True, progress=False, limit=3)
+    store = Store(db)
+    assert sum(r["status"] == "finished" for r in store.runs()) == 3
+    run_sweep(SWEEP, db, quick=True, progress=False)          # resumes: the 3 finished are skipped
+    runs = store.runs()
+    assert len(runs) == len(configs) and all(r["status"] == "finished" for r in runs)
+    assert all(r["sweep"] == name for r in runs)
+    out = tmp_path / "rep"
+    paths = write_report(db, str(out), sweep=name)
+    md = (out / "results.md").read_text()
+    for label in labels:
+        assert f"| {label} | 2 |" in md
+    rows = list(csv.DictReader(open(out / "results.csv")))
+    assert len(rows) == len(configs)
+    assert any(p.name.endswith("-clusters.png") for p in paths)
+    assert any(p.name.endswith("-accuracy.png") for p in paths)
+    before = {p: p.read_bytes() for p in paths}
+    write_report(db, str(out), sweep=name)                    # byte-for-byte reproducible
+    assert all(p.read_bytes() == b for p, b in before.items())
