@@ -26,8 +26,16 @@ def _config(args) -> "Config":  # noqa: F821
     return resolve(raw)
 
 
+def _fmt(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.4f}" if v == 0 or abs(v) >= 1e-3 else f"{v:.3g}"
+    return str(v)
+
+
 def _table(rows: list[list], header: list[str]) -> str:
-    cells = [header] + [[("" if v is None else (f"{v:.4f}" if isinstance(v, float) else str(v))) for v in r] for r in rows]
+    cells = [header] + [[_fmt(v) for v in r] for r in rows]
     w = [max(len(r[i]) for r in cells) for i in range(len(header))]
     line = lambda r: "  ".join(c.ljust(w[i]) for i, c in enumerate(r))  # noqa: E731
     return "\n".join([line(cells[0]), "  ".join("-" * x for x in w)] + [line(r) for r in cells[1:]])
@@ -102,15 +110,14 @@ def cmd_partition(args) -> int:
     import numpy as np
 
     from fedprism.data import heterogeneity
-    from fedprism.data.partition import summarize
+    from fedprism.data.partition import Partition, summarize
     from fedprism.data.plots import plot_class_distribution
     from fedprism.experiment.federation import build_federation
 
     cfg = _config(args)
     fed = build_federation(cfg)
     hist = fed.label_hist()
-    rows = summarize_rows = summarize(
-        type("P", (), {"train": fed.train_idx, "test": fed.test_idx})(), fed.y_train.numpy(), fed.num_classes)
+    rows = summarize(Partition(fed.train_idx, fed.test_idx), fed.y_train.numpy(), fed.num_classes)
     show = rows if args.all else rows[:20]
     print(_table([[r.get(k) for k in show[0]] for r in show], list(show[0])))
     if len(rows) > len(show):
@@ -125,7 +132,6 @@ def cmd_partition(args) -> int:
     plot_class_distribution(hist, out, first=20,
                             title=f"{cfg['dataset']} {cfg['partition']} {cfg.partition_params}")
     print(f"class distribution of the first 20 clients: {out}")
-    del summarize_rows
     return 0
 
 
