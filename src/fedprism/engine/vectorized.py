@@ -44,8 +44,21 @@ from fedprism.federation import Federation
 AUTO_COMPILE_ROUNDS = 20
 """compile="auto" turns compilation on for runs with at least this many rounds."""
 
-_SLOT_STEPS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-"""Slot counts used when compiling (the ideal count is rounded down to one of these: few graphs)."""
+_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+"""Widths (models or rows per evaluation call) used when compiling: at most 1.5x padding, few graphs."""
+
+
+def _bucket(n: int, cap: int) -> int:
+    """Smallest ladder width >= n, at most `cap` (compiled graphs are per width)."""
+    for b in _LADDER:
+        if b >= n:
+            return min(b, cap)
+    return cap
+
+
+def lpt_makespan(steps: list[int], slots: int) -> int:
+    """Steps the slowest of `slots` LPT queues runs."""
+    return max(sum(steps[j] for j in q) for q in lpt_slots(steps, slots)) if steps else 0
 
 
 def parse_compile(compile: str | bool) -> str:
@@ -182,6 +195,8 @@ class VectorizedEngine(EngineBase):
         self.own_samples = 64 if not cuda else 256
         self.own_rows = int(max(1, min(1024, budget // (2 * 4 * act * self.own_samples))))
         self._train_idx_np = [np.asarray(i, dtype=np.int64) for i in fed.train_idx]
+        self.step_overhead = 32.0 if cuda else 1.0   # fixed cost of a step, in units of one slot's work
+        self._slot_graphs: set[int] = set()
         self._steps: dict[str, _MaybeCompiled] = {}
         self._eval_shared = _MaybeCompiled(self._eval_shared_fn, self.compiled)
         self._eval_own = _MaybeCompiled(self._eval_own_fn, self.compiled)
@@ -214,10 +229,25 @@ class VectorizedEngine(EngineBase):
         return self._steps[objective]
 
     def slots_for(self, steps: list[int]) -> int:
-        """Number of vmap slots for a cohort with these step counts."""
+        """Number of vmap slots for a cohort with these step counts.
+
+        The LPT ideal `floor(sum/max)` (capped by max_slots). When compiling, a slot count that already
+        has a graph is reused if its estimated time, makespan x (slots + step_overhead), is within 15%
+        of the ideal's: a new graph costs ~20 s on CPU."""
         w = min(ideal_slots(steps), self.max_slots)
-        if self.compiled:      # few distinct graphs: round down to a coarse ladder
-            w = max(s for s in _SLOT_STEPS if s <= w) if w <= _SLOT_STEPS[-1] else w
+        if not self.compiled or w in self._slot_graphs:
+            self._slot_graphs.add(w)
+            return w
+
+        def cost(k: int) -> float:
+            return lpt_makespan(steps, k) * (k + self.step_overhead)
+
+        known = sorted(self._slot_graphs)
+        if known:
+            best = min(known, key=cost)
+            if cost(best) <= 1.15 * cost(w):
+                return best
+        self._slot_graphs.add(w)
         return w
 
     def train(self, plan: Plan, rnd: int) -> Update:
@@ -365,7 +395,7 @@ class VectorizedEngine(EngineBase):
     def _evaluate_shared(self, params, x, y) -> EvalResult:
         n, dev, c = params.shape[0], self.device, self.num_classes
         N = len(y)
-        M = min(n, self.eval_models)
+        M = _bucket(n, self.eval_models) if self.compiled else min(n, self.eval_models)
         S = self.eval_samples
         correct = torch.zeros(n, device=dev, dtype=torch.float64)
         loss = torch.zeros(n, device=dev, dtype=torch.float64)
@@ -407,7 +437,7 @@ class VectorizedEngine(EngineBase):
         conf = torch.zeros(n, c, c, device=dev, dtype=torch.float64)
         nr = len(row_model)
         if nr:
-            R = min(R, nr)
+            R = _bucket(nr, R) if self.compiled else min(R, nr)
             total = -(-nr // R) * R
             rm = torch.zeros(total, dtype=torch.long)
             rm[:nr] = torch.tensor(row_model)
