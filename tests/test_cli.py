@@ -1,0 +1,51 @@
+"""The command line: help, methods, partition, demo (quick, on digits), export, report."""
+
+from __future__ import annotations
+
+import pytest
+
+from fedprism.cli import main
+
+
+def test_help_of_every_subcommand(capsys):
+    for sub in ("run", "demo", "sweep", "report", "partition", "methods", "export", "data"):
+        with pytest.raises(SystemExit) as e:
+            main([sub, "--help"])
+        assert e.value.code == 0
+        assert "usage: fedprism " + sub in capsys.readouterr().out
+
+
+def test_methods_lists_parameters(capsys):
+    assert main(["methods"]) == 0
+    out = capsys.readouterr().out
+    for key in ("fedprism.k", "fedprism.m", "fedprism.every", "fedprism.alpha", "fedprism.clustering",
+                "fedclust.variant", "local.participation", "partition.alpha", "fraction"):
+        assert key in out
+
+
+def test_partition_prints_summary_metrics_and_png(tmp_path, capsys):
+    png = tmp_path / "p.png"
+    assert main(["partition", "dataset=digits", "partition=dirichlet", "partition.alpha=0.1", "clients=20",
+                 "seed=0", "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "wpsi" in out and "hellinger" in out and "n_train" in out
+    assert png.exists() and png.stat().st_size > 1000
+
+
+def test_impossible_partition_is_a_clear_error(capsys):
+    assert main(["partition", "dataset=digits", "clients=5000"]) == 2
+    err = capsys.readouterr().err
+    assert "fedprism: error" in err and ("clients" in err or "num_clients" in err)
+
+
+def test_quick_demo_on_digits_then_report_and_export(tmp_path, capsys):
+    db = str(tmp_path / "demo.db")
+    assert main(["demo", "--quick", "--db", db, "dataset=digits"]) == 0
+    out = capsys.readouterr().out
+    for label in ("Fed-PRISM kmeans", "Fed-PRISM covariance", "FedClust", "FedAvg", "Local"):
+        assert label in out
+    assert main(["report", "--db", db, "--out", str(tmp_path / "rep"), "--no-plots"]) == 0
+    assert "| FedAvg | 1 |" in (tmp_path / "rep" / "results.md").read_text()
+    assert main(["export", "--db", db, "--out", str(tmp_path / "exp")]) == 0
+    header = (tmp_path / "exp" / "rounds.csv").read_text().splitlines()[0]
+    assert "local_acc" in header and "bytes_down" in header
