@@ -46,10 +46,20 @@ from fedprism.hparams import Param
 CLUSTERINGS = ("kmeans", "ward", "average", "single", "covariance")
 
 
-def personalize(w_g: torch.Tensor, w_c: torch.Tensor, W: torch.Tensor, alpha: float) -> torch.Tensor:
-    """w_pers = a w_g + (1 - a) W @ w_c for a block of rows of W (002 section 4), float64 mixing."""
+def personalize(w_g: torch.Tensor, w_c: torch.Tensor, W: torch.Tensor, alpha: float | torch.Tensor,
+                beta: float | torch.Tensor | None = None) -> torch.Tensor:
+    """w_pers = a w_g + (1 - a) W @ w_c for a block of rows of W (002 section 4), float64 mixing.
+
+    `alpha` may be a per-row tensor [n]; `beta` (default 1 - alpha) replaces the cluster coefficient,
+    so the FedPrism paper's shared part a_i G + beta sum_k w_ik C_k (Eq. 1 without P_i) is the same call.
+    """
     mix = W.to(torch.float64) @ w_c.to(torch.float64)
-    return (alpha * w_g.to(torch.float64) + (1 - alpha) * mix).to(w_g.dtype)
+    a = alpha.to(torch.float64)[:, None] if isinstance(alpha, torch.Tensor) else alpha
+    if beta is None:
+        b = 1 - a
+    else:
+        b = beta.to(torch.float64)[:, None] if isinstance(beta, torch.Tensor) else beta
+    return (a * w_g.to(torch.float64) + b * mix).to(w_g.dtype)
 
 
 def soft_cluster_step(w_c: torch.Tensor, W_S: torch.Tensor, vec: torch.Tensor, lr: float = 1.0,
@@ -143,41 +153,55 @@ class FedPrism(Algorithm):
         return Plan(clients, personalize(state["w_g"], state["w_c"], rows, self.hp["alpha"]))
 
     def aggregate(self, state: dict, rnd: int, update: Update) -> dict:
-        hp, records = self.hp, {}
+        records: dict = {}
         if len(update.clients) == 0:
             return records
+        self._server_step(state, update)
+        if self._recluster_due(rnd):
+            records.update(self._update_clusters(state, rnd, update))
+        return records
+
+    def _server_step(self, state: dict, update: Update) -> None:
+        """Global step (3a) and soft-weighted cluster step (3b) with the rows of W used this round."""
+        hp = self.hp
         S = torch.as_tensor(update.clients)
-        delta = update.delta
         w = update.n_samples if hp["global_weighting"] == "samples" else torch.ones(len(S), dtype=torch.float64)
         w = (w / w.sum()).to(torch.float64)
         if hp["update"] == "delta":
+            delta = update.delta
             state["w_g"] = (state["w_g"].double() + w @ delta.double()).float()
             state["w_c"] = soft_cluster_step(state["w_c"], state["W"][S], delta, hp["cluster_lr"])
         else:
             state["w_g"] = (w @ update.params.double()).float()
             state["w_c"] = soft_cluster_step(state["w_c"], state["W"][S], update.params, hp["cluster_lr"], toward=True)
-        if rnd % hp["every"] == 0:
-            records.update(self._update_clusters(state, rnd, update))
-        return records
+
+    def _recluster_due(self, rnd: int) -> bool:
+        """002 step 4: UpdateClusters when t mod C == 0 (rounds count from 0)."""
+        return rnd % self.hp["every"] == 0
+
+    def _cluster_features(self, state: dict, update: Update) -> tuple[np.ndarray, np.ndarray]:
+        """(clients, features [n, d]) that UpdateClusters runs on: the reporting clients (002)."""
+        sl = self._feature_slice()
+        base = update.delta if self.hp["clustering"] == "covariance" else update.params
+        return update.clients, base[:, sl].double().cpu().numpy()
 
     def _update_clusters(self, state: dict, rnd: int, update: Update) -> dict:
         hp = self.hp
         sl = self._feature_slice()
-        base = update.delta if hp["clustering"] == "covariance" else update.params
-        feats = base[:, sl].double().cpu().numpy()
+        clients, feats = self._cluster_features(state, update)
         models = state["w_c"][:, sl].double().cpu().numpy()
         if hp["clustering"] == "covariance":
             models = models - state["w_g"][sl].double().cpu().numpy()
-        S = torch.as_tensor(update.clients)
+        S = torch.as_tensor(clients)
         try:
             W_new, labels, info = recluster(feats, state["W"][S].numpy(), models, hp["k"], hp["m"],
                                             hp["clustering"], seed=self.ctx.seed * 100_003 + rnd,
                                             temperature=hp["temperature"], affinity=hp["affinity"])
         except TooFewPoints as e:
-            return {"cluster_skipped": {"reason": str(e), "clients": update.clients}}
+            return {"cluster_skipped": {"reason": str(e), "clients": clients}}
         state["W"][S] = torch.as_tensor(W_new, dtype=torch.float64)
         state["clustered"][S] = True
-        return {"clusters": {"clients": update.clients, "labels": labels, "W": W_new.round(6), **info}}
+        return {"clusters": {"clients": clients, "labels": labels, "W": W_new.round(6), **info}}
 
     def model_for(self, state: dict, clients: np.ndarray) -> torch.Tensor:
         rows = state["W"][torch.as_tensor(clients)]

@@ -1,0 +1,279 @@
+"""FedPrism paper method (fedprism_dual): FedAvg equivalence, routing limits, privacy of P_i / L_i,
+alpha bounds and mixing rows, components, engines, runner (bytes, resume)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import planted_federation, same, unequal_federation
+from sklearn.metrics import adjusted_rand_score
+
+from fedprism.algorithms import REGISTRY
+from fedprism.algorithms.base import Context, Plan
+from fedprism.algorithms.fedprism_dual import COMPONENTS, EXPERT_STREAM, PRIVATE_STREAM, FedPrismDual, route
+from fedprism.engine import LocalConfig, SequentialEngine
+from fedprism.engine.vectorized import VectorizedEngine
+from fedprism.errors import ConfigError
+from fedprism.experiment.config import resolve
+from fedprism.experiment.runner import Experiment, sample_clients
+from fedprism.experiment.store import Store
+from fedprism.models import build_model
+from fedprism.params import ParamSpec, flatten
+
+LOCAL = LocalConfig(epochs=1, batch_size=16, lr=0.05, momentum=0.9)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny ops on a shared 2-core machine: one intra-op thread is faster and steadier."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def setup(fed, method="fedprism_dual", seed=0, engine="sequential", **hp):
+    model = build_model("mlp", fed.input_shape, fed.num_classes, seed=seed)
+    ctx = Context(fed.num_clients, fed.num_classes, ParamSpec.of(model), flatten(model), fed.n_train,
+                  fed.label_hist(), seed, 5, 1.0)
+    algo = REGISTRY[method](ctx, **hp)
+    eng = SequentialEngine(fed, model, LOCAL, seed) if engine == "sequential" else \
+        VectorizedEngine(fed, model, LOCAL, seed, "cpu", compile=False)
+    return algo, eng
+
+
+def drive(algo, engine, rounds, fraction=1.0, seed=0, on_round=None):
+    state = algo.init_state()
+    for t in range(rounds):
+        clients = sample_clients(seed, t, algo.ctx.num_clients, fraction)
+        plan = algo.plan(state, t, clients)
+        update = algo.client_update(plan, engine, t)
+        rec = algo.aggregate(state, t, update)
+        if on_round:
+            on_round(t, state, plan, update, rec)
+    return state
+
+
+@pytest.fixture(scope="module")
+def unequal(digits):
+    return unequal_federation(digits)
+
+
+@pytest.fixture(scope="module")
+def trained(unequal):
+    """Default fedprism_dual after 2 rounds (shared by the read-only tests)."""
+    algo, eng = setup(unequal, k=2, every=1)
+    return algo, eng, drive(algo, eng, 2)
+
+
+def test_beta0_fixed_alpha1_backbone_is_fedavg(unequal):
+    a, e = setup(unequal, alpha=1.0, beta=0.0, alpha_mode="fixed", k=2, every=1)
+    b, e2 = setup(unequal, "fedavg", weighting="samples")
+    starts = []
+    sa = drive(a, e, 3, fraction=0.5, on_round=lambda t, s, p, u, r: starts.append(p.start.clone()))
+    sb = drive(b, e2, 3, fraction=0.5)
+    assert torch.equal(sa["w_g"], sb["w"])
+    assert torch.equal(a.model_for(sa, np.arange(6)), sb["w"].expand(6, -1))
+    assert not same(sb["w"], b.ctx.init)                      # something was trained
+    assert not a.uses_private                                 # P_i has weight 0 forever: not trained
+    assert torch.equal(sa["private"], a.ctx.init.expand(6, -1))
+
+
+def test_fixed_inference_weight_0_is_the_backbone_and_1_the_expert(trained):
+    algo, eng, state = trained
+    clients = np.arange(algo.ctx.num_clients)
+    refs = {0.0: algo.model_for(state, clients), 1.0: state["expert"]}
+    try:
+        for w, params in refs.items():
+            algo.hp["inference_weight"] = w
+            for split in ("local", "global"):
+                got, ref = algo.evaluate(state, eng, clients, split), eng.evaluate(params, clients, split)
+                assert torch.equal(got.correct, ref.correct) and torch.equal(got.count, ref.count)
+                assert torch.equal(got.confusion, ref.confusion)
+                assert torch.allclose(got.loss_sum, ref.loss_sum, rtol=1e-4, atol=1e-3)
+        # the two streams really differ here, so the test above can tell them apart
+        assert not torch.equal(eng.evaluate(refs[0.0], clients, "global").confusion,
+                               eng.evaluate(refs[1.0], clients, "global").confusion)
+    finally:
+        algo.hp["inference_weight"] = None
+
+
+def test_global_expert_logit_cache_is_exact(unequal):
+    algo, eng = setup(unequal, k=2, every=1)
+    state = drive(algo, eng, 1)
+    clients = np.arange(6)
+    algo.evaluate(state, eng, clients, "global")                          # fills the cache
+    sub = np.array([1, 4])
+    algo.aggregate(state, 1, algo.client_update(algo.plan(state, 1, sub), eng, 1))   # 2 specialists change
+    cached = algo.evaluate(state, eng, clients, "global")
+    algo.EXPERT_CACHE_BYTES = 0                                           # no cache: everything recomputed
+    fresh = algo.evaluate(state, eng, clients, "global")
+    assert torch.equal(cached.correct, fresh.correct) and torch.equal(cached.confusion, fresh.confusion)
+    assert torch.allclose(cached.loss_sum, fresh.loss_sum, rtol=1e-6)
+
+
+def test_confidence_routing_formula():
+    torch.manual_seed(0)
+    z_e, z_b = torch.randn(3, 7, 4), torch.randn(3, 7, 4)
+    lam = torch.softmax(z_e / 2.0, -1).max(-1, keepdim=True).values
+    assert torch.allclose(route(z_e, z_b, None, 2.0), lam * z_e + (1 - lam) * z_b)
+    assert ((lam >= 0.25) & (lam <= 1)).all()
+    assert torch.equal(route(None, z_b, 0.0), z_b) and torch.equal(route(z_e, None, 1.0), z_e)
+    assert torch.allclose(route(z_e, z_b, 0.2), 0.2 * z_e + 0.8 * z_b)
+
+
+def test_private_and_expert_never_travel(unequal):
+    algo, eng = setup(unequal, alpha=0.5, beta=0.2, k=2, every=1)       # gamma = 0.3 > 0
+    P, n = algo.ctx.spec.size, unequal.num_clients
+    state = drive(algo, eng, 1)                                           # P_i, L_i now trained
+    clients = np.array([0, 2, 3, 5])
+    S = torch.as_tensor(clients)
+    plan = algo.plan(state, 1, clients)
+    assert plan.down_floats == P + 1 and set(plan.extras) == {"gamma"} and plan.extras["gamma"].shape == (4,)
+    # the message does not depend on the client-side store at all
+    saved = {k: state[k].clone() for k in ("private", "expert")}
+    state["private"][S] = torch.randn(4, P)
+    state["expert"][S] = torch.randn(4, P)
+    again = algo.plan(state, 1, clients)
+    assert torch.equal(again.start, plan.start) and torch.equal(again.extras["gamma"], plan.extras["gamma"])
+    for k in saved:
+        state[k].copy_(saved[k])
+    a, b, g = algo.mixing(state["alpha"][S])
+    assert torch.allclose(plan.extras["gamma"].double(), g.float().double())
+    mix = state["W"][S] @ state["w_c"].double()
+    shared = (a[:, None] * state["w_g"].double() + b[:, None] * mix).float()
+    assert torch.allclose(plan.start, shared, atol=1e-6)
+
+    update = algo.client_update(plan, eng, 1)
+    assert update.up_floats == P and update.params.shape == (4, P) and set(update.extras) <= {"train_loss"}
+    assert torch.equal(update.start, plan.start)
+    # Update.params are the trained backbones, built from the new P_i (trained on its own stream)
+    new_p = eng.train(Plan(clients, saved["private"][S].clone()), 1 + PRIVATE_STREAM).params
+    new_l = eng.train(Plan(clients, saved["expert"][S].clone()), 1 + EXPERT_STREAM).params
+    assert torch.equal(state["private"][S], new_p) and torch.equal(state["expert"][S], new_l)
+    start = (plan.start.double() + plan.extras["gamma"].double()[:, None] * new_p.double()).float()
+    assert torch.equal(update.params, eng.train(Plan(clients, start), 1).params)
+    for rows in (state["private"][S], state["expert"][S], saved["private"][S], saved["expert"][S]):
+        assert (torch.cdist(update.params, rows) > 1e-3).all()
+        assert (torch.cdist(plan.start, rows) > 1e-3).all()
+    assert n == 6
+
+
+def test_alpha_clipped_and_every_mixing_row_sums_to_one(planted):
+    fed, _ = planted
+    beta = 0.2
+    algo, eng = setup(fed, alpha=0.7, beta=beta, k=3, every=1, alpha_lr=50.0, alpha_signal="raw")
+    seen = []
+
+    def check(t, state, plan, update, rec):
+        al = state["alpha"]
+        assert ((al >= 0) & (al <= 1 - beta + 1e-12)).all()
+        W = state["W"]
+        assert torch.allclose(W.sum(1), torch.ones(len(W), dtype=W.dtype)) and (W >= 0).all()
+        a, b, g = algo.mixing(al)
+        rows = torch.cat([a[:, None], b[:, None] * W, g[:, None]], 1)
+        assert (rows >= 0).all() and torch.allclose(rows.sum(1), torch.ones(len(rows), dtype=rows.dtype))
+        seen.append(rec["alpha"]["alpha"])
+
+    drive(algo, eng, 3, fraction=0.5, on_round=check)
+    vals = np.concatenate(seen)
+    assert vals.min() == 0.0 or vals.max() == pytest.approx(1 - beta)   # the clip did work
+
+
+@pytest.mark.parametrize("components", COMPONENTS)
+def test_components_mix_what_they_say(unequal, components):
+    algo, eng = setup(unequal, components=components, alpha=0.6, beta=0.1, k=2, every=1, m=1)
+    state = drive(algo, eng, 1)
+    clients = np.arange(6)
+    S = torch.as_tensor(clients)
+    W_c = (state["W"] @ state["w_c"].double()).float()
+    expect = {
+        "full": None,
+        "pure_global": state["w_g"].expand(6, -1),
+        "global_cluster": (0.6 * state["w_g"].double() + 0.4 * W_c.double()).float(),
+        "pure_cluster": W_c,
+        "pure_private": state["private"][S],
+    }[components]
+    got = algo.model_for(state, clients)
+    if expect is None:
+        a, b, g = algo.mixing(state["alpha"])
+        expect = (a[:, None] * state["w_g"].double() + b[:, None] * W_c.double()
+                  + g[:, None] * state["private"].double())
+    assert torch.allclose(got, expect.float(), atol=1e-5)
+    assert algo.uses_private == (components in ("full", "pure_private"))
+    assert ((state["W"] > 0).sum(1) == 1).all()                  # m = 1 after the round-0 clustering
+
+
+def test_planted_groups_clustered_on_last_layer(digits):
+    fed, truth = planted_federation(digits, clients_per_group=4, per_client=60)
+    algo, eng = setup(fed, k=2, every=1, m=1)
+    labels = []
+    drive(algo, eng, 2, on_round=lambda t, s, p, u, r: labels.append(np.asarray(r["clusters"]["labels"])))
+    assert all(adjusted_rand_score(truth, lab) == 1.0 for lab in labels)
+    assert np.array_equal(labels[0], labels[1])                  # identity kept (002 Hungarian matching)
+
+
+def test_warmup_every_and_seen_cache(planted):
+    fed, _ = planted
+    algo, eng = setup(fed, k=2, every=2, warmup=1, cluster_on="seen")
+    assert [t for t in range(7) if algo._recluster_due(t)] == [1, 3, 5]
+    got = {}
+    drive(algo, eng, 2, fraction=0.5, on_round=lambda t, s, p, u, r: got.update({t: r}))
+    assert "clusters" not in got[0] and "clusters" in got[1]
+    seen = set(sample_clients(0, 0, 12, 0.5)) | set(sample_clients(0, 1, 12, 0.5))
+    assert set(got[1]["clusters"]["clients"]) == seen            # every client seen so far
+
+
+def test_vectorized_engine_matches_sequential(unequal):
+    out = []
+    for engine in ("sequential", "vectorized"):
+        algo, eng = setup(unequal, engine=engine, k=2, every=1, alpha=0.6, beta=0.2)
+        state = drive(algo, eng, 2, fraction=0.5)
+        out.append((state, algo.evaluate(state, eng, np.arange(6), "local"),
+                    algo.evaluate(state, eng, np.arange(6), "global")))
+    (s1, l1, g1), (s2, l2, g2) = out
+    for k in ("w_g", "w_c", "private", "expert", "alpha", "W"):
+        assert same(s1[k].float(), s2[k].float(), atol=1e-4), k
+    for a, b in ((l1, l2), (g1, g2)):
+        assert (a.correct - b.correct).abs().max() <= 1
+        assert torch.allclose(a.loss_sum, b.loss_sum, rtol=1e-3, atol=1e-2)
+
+
+def test_runner_bytes_records_and_resume(tmp_path):
+    raw = dict(dataset="digits", clients=6, rounds=3, fraction=0.5, local_epochs=1, batch_size=16, lr=0.05,
+               partition="dirichlet", engine="sequential", method="fedprism_dual",
+               **{"partition.alpha": 0.5, "fedprism_dual.k": 2, "fedprism_dual.every": 1,
+                  "fedprism_dual.inference_weight": "auto"})
+    c = resolve(raw)
+    assert c["fedprism_dual.inference_weight"] is None
+    full_store = Store(tmp_path / "a.db")
+    full = Experiment(c, full_store).run()
+    P = Experiment(c, Store(tmp_path / "x.db")).ctx.spec.size
+    hist = full_store.round_metrics(c.run_id)
+    assert all(h["bytes_down"] == 4 * (P + 1) * 3 and h["bytes_up"] == 4 * P * 3 for h in hist)
+    assert full_store.records(c.run_id, "alpha") and full_store.records(c.run_id, "clusters")
+    assert 0 <= full.final["local_acc"] <= 1 and "global_model_acc" in hist[-1]
+    s = Store(tmp_path / "b.db")
+    assert Experiment(c, s).run(stop_after=1).status == "interrupted"
+    resumed = Experiment(c, s).run()
+    assert resumed.resumed_from == 0
+    for k in ("local_acc", "global_acc", "global_model_acc"):
+        assert resumed.final[k] == pytest.approx(full.final[k], abs=1e-9)
+
+
+@pytest.mark.parametrize("bad,key", [({"alpha": 0.95, "beta": 0.1}, "alpha"), ({"m": 3, "k": 2}, "m"),
+                                     ({"inference_weight": 1.5}, "inference_weight"),
+                                     ({"clustering": "covariance"}, "clustering"),
+                                     ({"components": "pure"}, "components"), ({"alpha_lr": -1}, "alpha_lr")])
+def test_invalid_parameters_name_the_key(bad, key):
+    with pytest.raises(ConfigError) as e:
+        FedPrismDual.resolve(bad)
+    assert f"fedprism_dual.{key}" in str(e.value)
+
+
+def test_parameter_normalisation():
+    assert FedPrismDual.resolve({"inference_weight": "auto"})["inference_weight"] is None
+    assert FedPrismDual.resolve({"inference_weight": 1})["inference_weight"] == 1.0
+    # global_cluster mixes (alpha, 1 - alpha, 0): beta is unused, so alpha + beta > 1 is fine
+    assert FedPrismDual.resolve({"components": "global_cluster", "alpha": 0.95})["alpha"] == 0.95
