@@ -100,32 +100,77 @@ def _local_work(algo: Algorithm, plan: Plan, engine, rnd: int) -> tuple[Update |
     return (Update.concat(parts) if parts else None), failed
 
 
+def local_config(cfg: Config) -> LocalConfig:
+    """The client-side training settings of a config."""
+    return LocalConfig(epochs=cfg["local_epochs"], batch_size=cfg["batch_size"], lr=cfg["lr"],
+                       momentum=cfg["momentum"], weight_decay=cfg["weight_decay"])
+
+
+def make_model(cfg: Config, input_shape: tuple[int, ...], num_classes: int) -> torch.nn.Module:
+    """The config's model, initialised from the run seed (same seed -> same initial vector)."""
+    return build_model(resolve_model_name(cfg["model"], input_shape), input_shape, num_classes, seed=cfg["seed"])
+
+
+def make_context(cfg: Config, model: torch.nn.Module, n_train: np.ndarray, label_hist: np.ndarray) -> Context:
+    """The algorithm's view of the federation (sizes and label counts, no raw data). `spec` is
+    filled in by the caller once the engine (or a `Functional`) has laid the parameters out."""
+    return Context(num_clients=len(n_train), num_classes=int(label_hist.shape[1]), spec=None, init=flatten(model),
+                   n_train=n_train, label_hist=label_hist, seed=cfg["seed"], rounds=cfg["rounds"],
+                   fraction=cfg["fraction"])
+
+
+def make_algorithm(cfg: Config, ctx: Context) -> Algorithm:
+    return REGISTRY[cfg["method"]](ctx, **cfg.method_params)
+
+
 class Experiment:
-    """One configured run. `run()` executes or resumes it and stores everything."""
+    """One configured run. `run()` executes or resumes it and stores everything.
+
+    `run()` uses only `cfg`, `store`, `sweep`, `progress`, `run_id`, `ctx`, `engine` (any Trainer) and
+    `algo`, plus the hooks `local_work`, `extra_records` and `evaluate_round`: the Flower ServerApp
+    (`fedprism.flower`) subclasses it with remote clients and no data on the server.
+    """
 
     def __init__(self, cfg: Config, store: Store, fed: Federation | None = None, progress: bool = False,
                  sweep: str | None = None):
         self.cfg, self.store, self.sweep = cfg, store, sweep
         self.progress = progress
+        self.run_id = cfg.run_id
         self.fed = fed if fed is not None else build_federation(cfg)
-        model_name = resolve_model_name(cfg["model"], self.fed.input_shape)
-        self.model = build_model(model_name, self.fed.input_shape, self.fed.num_classes, seed=cfg["seed"])
-        init = flatten(self.model)
-        self.ctx = Context(
-            num_clients=self.fed.num_clients, num_classes=self.fed.num_classes, spec=None, init=init,
-            n_train=self.fed.n_train, label_hist=self.fed.label_hist(), seed=cfg["seed"], rounds=cfg["rounds"],
-            fraction=cfg["fraction"])
-        local = LocalConfig(epochs=cfg["local_epochs"], batch_size=cfg["batch_size"], lr=cfg["lr"],
-                            momentum=cfg["momentum"], weight_decay=cfg["weight_decay"])
-        self.engine = make_engine(cfg["engine"], self.fed, self.model, local, cfg["seed"], cfg["device"],
+        self.model = make_model(cfg, self.fed.input_shape, self.fed.num_classes)
+        self.ctx = make_context(cfg, self.model, self.fed.n_train, self.fed.label_hist())
+        self.engine = make_engine(cfg["engine"], self.fed, self.model, local_config(cfg), cfg["seed"], cfg["device"],
                                   compile=cfg["compile"], rounds=cfg["rounds"])
         self.ctx.spec = self.engine.spec
-        self.algo: Algorithm = REGISTRY[cfg["method"]](self.ctx, **cfg.method_params)
+        self.algo: Algorithm = make_algorithm(cfg, self.ctx)
+
+    # -- hooks (overridden by the Flower ServerApp) -------------------------------------------------
+    def local_work(self, plan: Plan, rnd: int) -> tuple[Update | None, dict[int, str]]:
+        """The sampled clients' work: (update of the clients that succeeded, failed client -> reason)."""
+        return _local_work(self.algo, plan, self.engine, rnd)
+
+    def extra_records(self, rnd: int) -> list[tuple[str, int | None, Any]]:
+        """Further (kind, client, data) records to store with round `rnd`."""
+        return []
+
+    def evaluate_round(self, evaluator: Evaluator, state: dict) -> tuple[dict, list[tuple]]:
+        """Round metrics and per-client rows of one evaluation."""
+        t_eval = time.time()
+        scores = evaluator(self.algo, state)
+        metrics = summarize(scores)
+        for name, w in self.algo.extra_models(state).items():
+            r = self.engine.evaluate(w.unsqueeze(0), np.array([0]), "global")
+            metrics[f"{name}_model_acc"] = float(r.accuracy[0])
+        metrics["eval_s"] = time.time() - t_eval
+        metrics["models_evaluated"] = scores.evaluated
+        client_rows = [(int(c), scores.local_acc[c], scores.local_loss[c], scores.global_acc[c],
+                        int(scores.n_test[c]), scores.local_f1[c]) for c in range(self.ctx.num_clients)]
+        return metrics, client_rows
 
     def run(self, stop_after: int | None = None) -> RunResult:
         """Run to the end (or for `stop_after` more rounds, for tests of resumption)."""
         cfg, store = self.cfg, self.store
-        run_id = cfg.run_id
+        run_id = self.run_id
         row = store.start_run(run_id, cfg.values, self.sweep)
         if row["status"] == "finished":
             return RunResult(run_id, "finished", _json(row["final"]), store.round_metrics(run_id))
@@ -136,8 +181,8 @@ class Experiment:
         else:
             state, start, resumed, elapsed = self.algo.init_state(), 0, None, 0.0
         store.truncate(run_id, start - 1)
-        evaluator = Evaluator(self.engine, self.fed.num_clients, cfg["eval.global"])
-        seen = np.zeros(self.fed.num_clients, bool)
+        evaluator = Evaluator(self.engine, self.ctx.num_clients, cfg["eval.global"])
+        seen = np.zeros(self.ctx.num_clients, bool)
         if ckpt is not None and "seen" in ckpt:
             seen = ckpt["seen"]
         bar = Progress(cfg["rounds"], self.progress, cfg.get("name") or cfg["method"])
@@ -150,10 +195,10 @@ class Experiment:
                     store.mark(run_id, "interrupted")
                     return RunResult(run_id, "interrupted", {}, store.round_metrics(run_id), resumed)
                 t0 = time.time()
-                sampled = sample_clients(cfg["seed"], rnd, self.fed.num_clients, cfg["fraction"])
+                sampled = sample_clients(cfg["seed"], rnd, self.ctx.num_clients, cfg["fraction"])
                 plan = self.algo.plan(state, rnd, sampled)
                 t_train = time.time()
-                update, failed = _local_work(self.algo, plan, self.engine, rnd)
+                update, failed = self.local_work(plan, rnd)
                 t_train = time.time() - t_train
                 rejected: dict[int, str] = {}
                 if update is not None:
@@ -168,16 +213,7 @@ class Experiment:
                 records += [(k, None, v) for k, v in recs.items()]
                 metrics, client_rows = None, None
                 if (rnd + 1) % cfg["eval_every"] == 0 or rnd == T - 1:
-                    t_eval = time.time()
-                    scores = evaluator(self.algo, state)
-                    metrics = summarize(scores)
-                    for name, w in self.algo.extra_models(state).items():
-                        r = self.engine.evaluate(w.unsqueeze(0), np.array([0]), "global")
-                        metrics[f"{name}_model_acc"] = float(r.accuracy[0])
-                    metrics["eval_s"] = time.time() - t_eval
-                    metrics["models_evaluated"] = scores.evaluated
-                    client_rows = [(int(c), scores.local_acc[c], scores.local_loss[c], scores.global_acc[c],
-                                    int(scores.n_test[c]), scores.local_f1[c]) for c in range(self.fed.num_clients)]
+                    metrics, client_rows = self.evaluate_round(evaluator, state)
                 else:
                     metrics = {}
                 down = plan.down_floats if plan.down_floats is not None else P
@@ -189,6 +225,7 @@ class Experiment:
                 })
                 if "train_loss" in update.extras and len(update.clients):
                     metrics["train_loss"] = float(update.extras["train_loss"].mean())
+                records += self.extra_records(rnd)
                 wall = time.time() - t0
                 elapsed += wall
                 store.write_round(run_id, rnd, metrics, client_rows, records, wall)

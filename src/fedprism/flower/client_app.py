@@ -1,0 +1,69 @@
+"""The fedprism ClientApp: identity, local training (`algo.client_update`) and evaluation on one node.
+
+Handlers (Flower Message API):
+
+    query "identity"  -> {client-id, config-id, num-examples, label-hist, input-shape, ...}
+    train             -> the algorithm's `client_update` on this client's rows (sequential engine)
+    evaluate          -> scores of the given parameter rows on the local test split / global test set
+
+Every reply carries the node's `client-id`. An exception becomes an error reply (Flower does that),
+which the server records as a failure of this client. `app` reads everything from the run config and
+the node config; `make_client_app(**defaults)` supplies defaults for runs without a run config
+(Flower's Python `run_simulation` passes an empty one).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+
+from fedprism.flower import codec
+from fedprism.flower.node import Node, build_node
+from fedprism.flower.settings import RUN_KEYS, client_id_of, parse_experiment
+
+
+def node_for(context: Context, defaults: dict[str, Any]) -> Node:
+    run_config = {**defaults, **dict(context.run_config)}
+    text = run_config.get("experiment", RUN_KEYS["experiment"].default)
+    nc = dict(context.node_config)
+    clients = parse_experiment(text)["clients"]
+    cid = client_id_of(nc, clients)
+    return build_node(text, cid, str(nc.get("data-root", "") or ""), str(nc.get("device", "") or ""))
+
+
+def make_client_app(**defaults: Any) -> ClientApp:
+    """A ClientApp whose run-config defaults are `defaults` (keys of `settings.RUN_KEYS`)."""
+    defaults = {k.replace("_", "-"): v for k, v in defaults.items()}
+    app = ClientApp()
+
+    @app.query("identity")
+    def identity(msg: Message, context: Context) -> Message:
+        node = node_for(context, defaults)
+        return Message(RecordDict({codec.IDENTITY: ConfigRecord(node.identity())}), reply_to=msg)
+
+    @app.train()
+    def train(msg: Message, context: Context) -> Message:
+        node = node_for(context, defaults)
+        plan, rnd, cid, config_id = codec.decode_plan(msg.content)
+        if config_id != node.cfg.run_id:
+            raise ValueError(f"the server runs experiment {config_id}, this node was configured for {node.cfg.run_id}")
+        if cid != node.client:
+            raise ValueError(f"message for client {cid} reached the node of client {node.client}")
+        update = node.train(plan, rnd)
+        return Message(codec.encode_update(update, node.client), reply_to=msg)
+
+    @app.evaluate()
+    def evaluate(msg: Message, context: Context) -> Message:
+        node = node_for(context, defaults)
+        params, splits, cid = codec.decode_eval(msg.content)
+        if cid != node.client:
+            raise ValueError(f"message for client {cid} reached the node of client {node.client}")
+        return Message(codec.encode_scores(node.evaluate(params, splits), node.client), reply_to=msg)
+
+    return app
+
+
+#: the ClientApp that `flwr run` loads (`fedprism.flower.client_app:app`)
+app = make_client_app()

@@ -1,0 +1,484 @@
+"""The server side on Flower: node <-> client identity, deadline-bounded exchanges, remote evaluation,
+and the runner's round loop (`Experiment.run`) with remote clients.
+
+    Link               maps Flower node ids to persistent client ids (identity queries, re-mapping of
+                       restarted nodes), pushes messages and pulls replies until a deadline
+    RemoteTrainer      the Trainer the Evaluator sees: scores parameter rows on the nodes
+    FlowerExperiment   `Experiment` whose `local_work` sends each sampled client its own plan row and
+                       whose evaluation runs on the nodes; sampling, validation, aggregation, metrics,
+                       store writes and checkpoint/resume are the runner's own code
+
+Failure semantics (docs/flower.md): an error reply, a missing reply at the deadline, a client with no
+connected node, or a malformed reply is non-participation of that client in that round, stored as a
+`failure` record (client id, reason); the round aggregates the clients that succeeded if there are at
+least `min-replies` of them, else its update is skipped (`round_skipped` record). A node that timed out
+is dropped from the map and asked for its identity again (without blocking the rounds); a node that
+comes back, with the same or a new node id, is re-mapped to its client id.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ConfigRecord, Message, RecordDict
+
+from fedprism.algorithms.base import Algorithm, EvalResult, Plan, Update
+from fedprism.errors import ConfigError
+from fedprism.experiment.evaluate import Evaluator, row_hashes
+from fedprism.experiment.runner import Experiment, RunResult, make_algorithm, make_context, make_model
+from fedprism.experiment.store import Store
+from fedprism.flower import codec
+from fedprism.flower.settings import RunSettings, flower_label, flower_run_id
+from fedprism.params import Functional, ParamSpec
+
+IDENTITY_QUERY = "query.identity"
+
+try:  # names of Flower's error codes, for readable failure records
+    from flwr.common.constant import ErrorCode as _EC
+    ERROR_NAMES = {v: k for k, v in vars(_EC).items() if k.isupper() and isinstance(v, int)}
+    NODE_UNAVAILABLE = getattr(_EC, "NODE_UNAVAILABLE", 5)
+except ImportError:  # pragma: no cover
+    ERROR_NAMES, NODE_UNAVAILABLE = {}, 5
+#: error codes that say "not delivered / expired / node gone", not "the node refused"
+TRANSIENT = {3, 4, NODE_UNAVAILABLE}
+
+Record = tuple[str, "int | None", dict]
+
+
+def _log(msg: str) -> None:
+    try:
+        from logging import INFO
+
+        from flwr.common.logger import log
+        log(INFO, "[fedprism] %s", msg)
+    except Exception:  # noqa: BLE001 - logging must never break a round
+        print(f"[fedprism] {msg}", flush=True)
+
+
+class Link:
+    """The server's view of the federation: which node stands for which client, and message exchange."""
+
+    def __init__(self, grid, num_clients: int, config_id: str, poll_interval: float = 0.5,
+                 probe_timeout: float = 60.0, log: Callable[[str], None] = _log):
+        self.grid, self.N, self.config_id = grid, num_clients, config_id
+        self.poll, self.probe_timeout, self.log = poll_interval, probe_timeout, log
+        self.node_of: dict[int, int] = {}        # client id -> node id
+        self.client_of: dict[int, int] = {}      # node id -> client id
+        self.pending: dict[str, tuple[int, float]] = {}   # identity query id -> (node id, sent at)
+        self.refused: dict[int, float] = {}      # node id -> when its identity was refused
+        self.ever: set[int] = set()              # clients that were ever connected
+        self.events: list[Record] = []
+        self.n_train = np.zeros(num_clients, dtype=np.int64)     # filled from identity replies
+        self.label_hist: np.ndarray | None = None
+        self.input_shape: tuple[int, ...] | None = None
+        self.num_classes: int | None = None
+        self.param_size: int | None = None
+
+    # -- identity ----------------------------------------------------------------------------------
+    def online(self) -> set[int]:
+        return {int(n) for n in self.grid.get_node_ids()}
+
+    def refresh(self) -> None:
+        """Forget nodes that went offline, take in identity replies, query new nodes (no waiting)."""
+        online = self.online()
+        for nid in list(self.client_of):
+            if nid not in online:
+                self._forget(nid, "offline")
+        self._collect()
+        now = time.monotonic()
+        for mid, (nid, t) in list(self.pending.items()):
+            # a query stays pending until its reply (or Flower's TTL error reply) arrives: a node handles
+            # one message at a time, so asking again sooner only queues more work behind a slow start
+            if nid not in online or now - t > 2 * self.probe_timeout + 10:
+                del self.pending[mid]
+        probing = {nid for nid, _ in self.pending.values()}
+        for nid in sorted(online):
+            if nid in self.client_of or nid in probing or now - self.refused.get(nid, -np.inf) < self.probe_timeout:
+                continue
+            msg = Message(RecordDict({codec.TASK: ConfigRecord({"config-id": self.config_id})}),
+                          dst_node_id=nid, message_type=IDENTITY_QUERY, ttl=2 * self.probe_timeout)
+            for mid in self.grid.push_messages([msg]):
+                self.pending[str(mid)] = (nid, now)
+
+    def discover(self, min_nodes: int, timeout: float) -> None:
+        """Wait (at most `timeout` s) until `min_nodes` nodes have told us their client id."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.refresh()
+            if len(self.node_of) >= min_nodes:
+                self.log(f"{len(self.node_of)} node(s) identified: clients {sorted(self.node_of)}")
+                return
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"only {len(self.node_of)} of min-nodes={min_nodes} nodes identified within {timeout:g}s "
+                    f"({len(self.online())} online); check that every SuperNode runs with "
+                    f"--node-config 'client-id=<id>' and the same experiment")
+            time.sleep(self.poll)
+
+    def _collect(self) -> None:
+        if not self.pending:
+            return
+        for r in self.grid.pull_messages(list(self.pending)):
+            nid, _ = self.pending.pop(r.metadata.reply_to_message_id, (None, 0.0))
+            if nid is None:
+                continue
+            if r.has_error():
+                if int(r.error.code) in TRANSIENT:     # expired or undeliverable: simply ask again
+                    continue
+                self._refuse(nid, None, f"identity query failed: {self.describe_error(r)}")
+                continue
+            try:
+                info = dict(r.content.config_records[codec.IDENTITY])
+            except (KeyError, AttributeError) as e:
+                self._refuse(nid, None, f"malformed identity reply ({e})")
+                continue
+            self._admit(nid, info)
+
+    def _refuse(self, nid: int, cid: int | None, reason: str) -> None:
+        self.refused[nid] = time.monotonic()
+        self.events.append(("failure", cid, {"phase": "identity", "node": nid, "reason": reason}))
+        self.log(f"node {nid} refused: {reason}")
+
+    def _admit(self, nid: int, info: dict[str, Any]) -> None:
+        try:
+            cid = int(info["client-id"])
+        except (KeyError, TypeError, ValueError):
+            return self._refuse(nid, None, f"identity without a valid client-id: {info}")
+        if info.get("config-id") != self.config_id:
+            return self._refuse(nid, cid, f"node runs experiment {info.get('config-id')}, server runs {self.config_id}"
+                                          " (give every node and the server the same experiment)")
+        if not 0 <= cid < self.N:
+            return self._refuse(nid, cid, f"client-id {cid} outside [0, {self.N - 1}]")
+        shape, classes = tuple(int(v) for v in info["input-shape"]), int(info["num-classes"])
+        if self.input_shape is None:
+            self.input_shape, self.num_classes = shape, classes
+            self.param_size = int(info["param-size"])
+            self.label_hist = np.zeros((self.N, classes), dtype=np.int64)
+        elif (shape, classes) != (self.input_shape, self.num_classes):
+            return self._refuse(nid, cid, f"data of shape {shape} with {classes} classes, others have "
+                                          f"{self.input_shape} with {self.num_classes}")
+        old = self.node_of.get(cid)
+        if old is not None and old != nid:
+            self.client_of.pop(old, None)
+            self.events.append(("flower_node", cid, {"event": "remapped", "node": nid, "previous": old}))
+            self.log(f"client {cid}: node {old} replaced by node {nid}")
+        elif old is None:
+            self.events.append(("flower_node", cid, {"event": "rejoined" if cid in self.ever else "joined",
+                                                     "node": nid}))
+        self.node_of[cid], self.client_of[nid] = nid, cid
+        self.refused.pop(nid, None)
+        self.ever.add(cid)
+        self.n_train[cid] = int(info["num-examples"])
+        hist = np.asarray(info["label-hist"], dtype=np.int64)
+        if hist.shape == (classes,):
+            self.label_hist[cid] = hist
+
+    def _forget(self, nid: int, why: str) -> None:
+        cid = self.client_of.pop(nid, None)
+        if cid is not None and self.node_of.get(cid) == nid:
+            del self.node_of[cid]
+            self.events.append(("flower_node", cid, {"event": "lost", "node": nid, "reason": why}))
+            self.log(f"client {cid} (node {nid}) lost: {why}")
+
+    # -- exchange ----------------------------------------------------------------------------------
+    @staticmethod
+    def describe_error(r: Message) -> str:
+        code = int(r.error.code)
+        return f"{ERROR_NAMES.get(code, 'ERROR')} ({code}): {r.error.reason}"
+
+    def exchange(self, message_type: str, bodies: dict[int, RecordDict], timeout: float,
+                 group: str = "") -> tuple[dict[int, RecordDict], dict[int, str]]:
+        """Send bodies[client] to the client's node; pull replies until all arrived or `timeout` s passed.
+
+        Returns (client -> reply content, client -> failure reason). A node that does not answer in
+        time is dropped from the map (and asked for its identity again later); an error reply saying the
+        node is unavailable drops it too.
+        """
+        replies: dict[int, RecordDict] = {}
+        failed: dict[int, str] = {}
+        pending: dict[str, int] = {}
+        sent_to: dict[int, int] = {}
+        for cid, body in bodies.items():
+            nid = self.node_of.get(cid)
+            if nid is None:
+                failed[cid] = f"{message_type}: no connected node for this client"
+                continue
+            msg = Message(body, dst_node_id=nid, message_type=message_type, ttl=timeout, group_id=group)
+            ids = list(self.grid.push_messages([msg]))
+            if not ids:
+                failed[cid] = f"{message_type}: the SuperLink did not accept the message for node {nid}"
+                continue
+            pending[str(ids[0])], sent_to[cid] = cid, nid
+        deadline = time.monotonic() + timeout
+        while pending:
+            for r in self.grid.pull_messages(list(pending)):
+                cid = pending.pop(r.metadata.reply_to_message_id, None)
+                if cid is None:
+                    continue
+                nid = sent_to[cid]
+                if r.has_error():
+                    failed[cid] = f"{message_type}: error reply from node {nid}: {self.describe_error(r)}"
+                    if int(r.error.code) == NODE_UNAVAILABLE:
+                        self._forget(nid, "unavailable")
+                elif codec.reply_client(r.content) != cid:
+                    failed[cid] = (f"{message_type}: node {nid} answered as client "
+                                   f"{codec.reply_client(r.content)}, expected {cid}")
+                    self._forget(nid, "identity mismatch")
+                else:
+                    replies[cid] = r.content
+            if not pending or time.monotonic() >= deadline:
+                break
+            time.sleep(max(0.0, min(self.poll, deadline - time.monotonic())))
+        for cid in pending.values():
+            failed[cid] = f"{message_type}: no reply from node {sent_to[cid]} within {timeout:g}s"
+            self._forget(sent_to[cid], "timed out")
+        return replies, failed
+
+    def pop_events(self) -> list[Record]:
+        ev, self.events = self.events, []
+        return ev
+
+
+
+class RemoteTrainer:
+    """The Trainer protocol, evaluated on the nodes (training happens in the ClientApps).
+
+    `prefetch` scores, in one exchange, every client's model on its local split and each distinct model
+    (plus the algorithm's extra models) on the global test set; `evaluate` then answers the Evaluator (or
+    an algorithm's own evaluation hook) from that cache and asks the nodes only for what is missing.
+    'local' and 'train' rows go to the client's node; global-test rows go to any connected node (the
+    global test set is the same everywhere) and are retried once elsewhere if a node fails.
+    """
+
+    name = "flower"
+
+    def __init__(self, link: Link, spec: ParamSpec, num_classes: int, timeout: float):
+        self.link, self.spec, self.C, self.timeout = link, spec, num_classes, timeout
+        self.cache: dict[tuple, tuple] = {}     # (split, client or None, row hash) -> scores
+        self.rnd = -1
+
+    def train(self, plan: Plan, rnd: int) -> Update:
+        raise NotImplementedError("on Flower, clients train in their ClientApp (FlowerExperiment.local_work)")
+
+    def logits(self, params: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("the server holds no data on Flower; custom evaluations are not supported")
+
+    def _zero(self) -> tuple:
+        return (0, 0.0, 0, torch.zeros(self.C, self.C, dtype=torch.long))
+
+    def _score(self, jobs: list[tuple[torch.Tensor, str, int | None]]) -> list[tuple | None]:
+        """jobs = (row, split, client); 'local' / 'train' jobs go to their client's node, 'global' ones to
+        any node (their own client's node first). Failed global jobs are retried once; every job that still has no
+        score is recorded as an evaluation failure."""
+        out: list[tuple | None] = [None] * len(jobs)
+        why: dict[int, str] = {}
+        todo = list(range(len(jobs)))
+        for attempt in range(2):
+            connected = sorted(self.link.node_of)
+            per: dict[int, list[int]] = {}
+            rr = 0
+            for j in todo:
+                _, split, c = jobs[j]
+                if split != "global":                  # 'local' and 'train' need the client's own node
+                    if c in self.link.node_of:
+                        per.setdefault(c, []).append(j)
+                    else:
+                        why[j] = "evaluate: no connected node for this client"
+                    continue
+                if not connected:
+                    why[j] = "evaluate: no connected node"
+                    continue
+                if attempt == 0 and c in self.link.node_of:
+                    target = c
+                else:
+                    target, rr = connected[rr % len(connected)], rr + 1
+                per.setdefault(target, []).append(j)
+            if not per:
+                break
+            bodies = {c: codec.encode_eval(torch.stack([jobs[j][0] for j in js]), [jobs[j][1] for j in js], c)
+                      for c, js in per.items()}
+            replies, failed = self.link.exchange("evaluate", bodies, self.timeout, group=f"eval-{self.rnd}")
+            for c, js in per.items():
+                if c in replies:
+                    try:
+                        r = codec.decode_scores(replies[c])
+                        if len(r.count) != len(js):
+                            raise ValueError(f"{len(r.count)} scores for {len(js)} rows")
+                    except Exception as e:  # noqa: BLE001 - a malformed reply is a failure of that node
+                        failed[c] = f"evaluate: malformed reply ({type(e).__name__}: {e})"
+                    else:
+                        for i, j in enumerate(js):
+                            out[j] = (int(r.correct[i]), float(r.loss_sum[i]), int(r.count[i]), r.confusion[i])
+                for j in js:
+                    if out[j] is None:
+                        why[j] = failed.get(c, "evaluate: no score")
+            todo = [j for j in todo if out[j] is None and jobs[j][1] == "global"]
+            if not todo:
+                break
+        for j, (_, split, c) in enumerate(jobs):
+            if out[j] is None:
+                self.link.events.append(("failure", c, {"phase": "evaluate", "split": split,
+                                                        "reason": why.get(j, "evaluate: no score")}))
+        return out
+
+    def prefetch(self, rnd: int, models: torch.Tensor, extra: list[torch.Tensor], do_global: bool) -> None:
+        """Score models[c] on client c's local split and every distinct model on the global test set."""
+        self.rnd = rnd
+        self.cache.clear()
+        hashes = row_hashes(models)
+        jobs: list[tuple[torch.Tensor, str, int | None]] = [(models[c], "local", c) for c in range(len(models))]
+        keys: list[tuple] = [("local", c, hashes[c]) for c in range(len(models))]
+        seen: set[bytes] = set()
+        glob_rows = [(models[c], hashes[c], c) for c in range(len(models))] if do_global else []
+        glob_rows += [(w, row_hashes(w.unsqueeze(0))[0], None) for w in extra]
+        for w, h, c in glob_rows:
+            if h not in seen:
+                seen.add(h)
+                jobs.append((w, "global", c))
+                keys.append(("global", None, h))
+        for key, (_, split, _), res in zip(keys, jobs, self._score(jobs)):
+            if res is not None:
+                self.cache[key] = res
+            elif split == "local":
+                self.cache[key] = self._zero()      # node away: no local score this round (not asked again)
+
+    def evaluate(self, params: torch.Tensor, clients: np.ndarray, split: str) -> EvalResult:
+        if split not in ("local", "global", "train"):
+            raise ValueError(f"split {split!r} cannot be evaluated remotely (local, global or train)")
+        hashes = row_hashes(params)
+        keys = [(split, None if split == "global" else int(c), hashes[k]) for k, c in enumerate(clients)]
+        rows: list[tuple | None] = [self.cache.get(key) for key in keys]
+        miss = [k for k, r in enumerate(rows) if r is None]
+        if miss:
+            got = self._score([(params[k], split, int(clients[k])) for k in miss])
+            for k, r in zip(miss, got):
+                rows[k] = r if r is not None else self._zero()
+                if r is not None:
+                    self.cache[keys[k]] = r
+        return EvalResult(torch.tensor([r[0] for r in rows], dtype=torch.long),
+                          torch.tensor([r[1] for r in rows], dtype=torch.float64),
+                          torch.tensor([r[2] for r in rows], dtype=torch.long),
+                          torch.stack([r[3] for r in rows]) if rows else
+                          torch.zeros(0, self.C, self.C, dtype=torch.long))
+
+
+class _NeedsServerData(Exception):
+    pass
+
+
+class _Probe:
+    """A Trainer that answers `evaluate` with zeros and refuses everything that needs raw data: used to
+    find out, before round 0, whether an algorithm's evaluation hook can run with remote clients."""
+
+    def __init__(self, num_classes: int):
+        self.C = num_classes
+
+    def evaluate(self, params: torch.Tensor, clients: np.ndarray, split: str) -> EvalResult:
+        n = len(clients)
+        return EvalResult(torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.float64),
+                          torch.ones(n, dtype=torch.long), torch.zeros(n, self.C, self.C, dtype=torch.long))
+
+    def logits(self, *args: Any, **kw: Any) -> torch.Tensor:
+        raise _NeedsServerData("logits")
+
+    def train(self, *args: Any, **kw: Any) -> Update:
+        raise _NeedsServerData("train")
+
+    def __getattr__(self, name: str) -> Any:     # features_many, x_test, fed, ...: raw data
+        raise _NeedsServerData(name)
+
+
+def check_remote_evaluation(algo: Algorithm, num_classes: int) -> None:
+    """ConfigError if the algorithm's evaluation hook needs the data on the server (e.g. logits of the
+    test samples for dual-stream inference); hooks that only call `trainer.evaluate` run remotely."""
+    if type(algo).evaluate is Algorithm.evaluate:
+        return
+    clients = np.arange(min(2, algo.ctx.num_clients))
+    try:
+        algo.evaluate(algo.init_state(), _Probe(num_classes), clients, "local")
+    except _NeedsServerData as e:
+        raise ConfigError("method", algo.name, f"a method whose evaluation runs on the nodes: {algo.name}'s "
+                                               f"evaluation needs `trainer.{e}` on the server's data, which a Flower "
+                                               "server does not hold") from None
+    except Exception:  # noqa: BLE001 - zeros may upset the hook; only data access matters here
+        pass
+
+
+class FlowerExperiment(Experiment):
+    """The runner's round loop with the clients on Flower nodes and no data on the server."""
+
+    def __init__(self, settings: RunSettings, store: Store, link: Link):
+        if link.input_shape is None:
+            raise RuntimeError("no node has been identified yet: call link.discover() first")
+        cfg = flower_label(settings.cfg)
+        self.cfg, self.store, self.sweep, self.progress = cfg, store, None, False
+        self.settings, self.link = settings, link
+        self.run_id = flower_run_id(settings.cfg)
+        self.fed = None
+        self.model = make_model(cfg, link.input_shape, link.num_classes)
+        self.ctx = make_context(cfg, self.model, link.n_train, link.label_hist)   # arrays filled as nodes report
+        self.ctx.spec = Functional(self.model).spec
+        if self.ctx.spec.size != link.param_size:
+            raise RuntimeError(f"the nodes' model has {link.param_size} parameters, the server's {self.ctx.spec.size}")
+        self.algo: Algorithm = make_algorithm(cfg, self.ctx)
+        check_remote_evaluation(self.algo, link.num_classes)
+        self.engine = RemoteTrainer(link, self.ctx.spec, link.num_classes, settings.round_timeout)
+        self._records: list[Record] = []
+        self._rnd = -1
+
+    @staticmethod
+    def finished(store: Store, run_id: str) -> RunResult:
+        """The stored result of a finished run (re-running it is a no-op, as in the simulator)."""
+        row = store.run(run_id)
+        return RunResult(run_id, "finished", json.loads(row["final"] or "{}"), store.round_metrics(run_id))
+
+    def local_work(self, plan: Plan, rnd: int) -> tuple[Update | None, dict[int, str]]:
+        link, s = self.link, self.settings
+        self._rnd = rnd
+        link.refresh()
+        t0 = time.time()
+        bodies = {int(c): codec.encode_plan(plan.subset(np.array([r])), rnd, int(c), self.cfg.run_id)
+                  for r, c in enumerate(plan.clients)}
+        replies, failed = link.exchange("train", bodies, s.round_timeout, group=str(rnd))
+        parts = []
+        for r, c in enumerate(plan.clients):
+            c = int(c)
+            if c not in replies:
+                continue
+            try:
+                parts.append(codec.decode_update(replies[c], plan.subset(np.array([r]))))
+            except Exception as e:  # noqa: BLE001 - a malformed reply is that client's failure
+                failed[c] = f"train: malformed reply ({type(e).__name__}: {e})"
+        self._records.append(("flower_round", None, {
+            "sent": len(plan.clients), "replies": len(parts), "connected": len(link.node_of),
+            "exchange_s": round(time.time() - t0, 3)}))
+        _log(f"round {rnd}: {len(parts)}/{len(plan.clients)} replies in {time.time() - t0:.1f}s"
+             + (f"; failed {sorted(failed)}" if failed else ""))
+        if len(parts) < s.min_replies:
+            self._records.append(("round_skipped", None, {"replies": len(parts), "min_replies": s.min_replies,
+                                                          "clients": [int(p.clients[0]) for p in parts]}))
+            _log(f"round {rnd}: {len(parts)} replies < min-replies={s.min_replies}: update skipped")
+            return None, failed
+        return Update.concat(parts), failed
+
+    def evaluate_round(self, evaluator: Evaluator, state: dict) -> tuple[dict, list[tuple]]:
+        self.link.refresh()
+        N = self.ctx.num_clients
+        models = self.algo.model_for(state, np.arange(N))
+        extra = list(self.algo.extra_models(state).values())
+        self.engine.prefetch(self._rnd, models, extra, bool(self.cfg["eval.global"]))
+        metrics, rows = super().evaluate_round(evaluator, state)
+        if "local_acc" in metrics:
+            _log(f"evaluation: local_acc {metrics['local_acc']:.4f}"
+                 + (f", global_acc {metrics['global_acc']:.4f}" if "global_acc" in metrics else ""))
+        return metrics, rows
+
+    def extra_records(self, rnd: int) -> list[Record]:
+        out = self._records + self.link.pop_events()
+        self._records = []
+        return out

@@ -1,0 +1,143 @@
+"""Run-config and node-config keys of the Flower apps, validated like every other fedprism key.
+
+No Flower import here: the keys are plain values (Flower's `[tool.flwr.app.config]`, `flwr run -c`,
+and `flower-supernode --node-config` deliver int / float / str / bool).
+
+Run config (the same on the ServerApp and every ClientApp of a run):
+
+    experiment          the fedprism experiment, as on the `fedprism run` command line:
+                        "method=fedprism dataset=digits clients=6 rounds=3 fedprism.k=2"
+                        (an optional first word without `=` names a TOML file, as in `fedprism run`)
+    db                  results store (server side; use an absolute path in a deployment)
+    min-nodes           identified nodes to wait for before round 0
+    nodes-timeout       deadline in seconds for `min-nodes` (the run fails with a clear error after it)
+    min-replies         successful train replies a round needs; fewer: the round's update is skipped
+    round-timeout       deadline in seconds for the replies of one train or evaluate exchange
+    poll-interval       seconds between two pulls of replies
+    probe-timeout       an identity query lives 2 x probe-timeout s (then it is sent again); a refused
+                        node is asked again after probe-timeout s
+    save-final          optional path: torch.save of the final server state (all models), server side
+    stop-after          stop after this many rounds (0: run to the end); the next run resumes
+
+Node config (per SuperNode, `--node-config 'client-id=3 data-root="/data"'`):
+
+    client-id           this node's persistent client id, 0 <= id < clients (simulation: partition-id)
+    data-root           where this node's dataset files are (overrides the experiment's data.root)
+    device              cpu or cuda for this node's local training (overrides the experiment's device)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fedprism.errors import ConfigError
+from fedprism.experiment.config import Config, load_toml, parse_overrides, resolve
+from fedprism.hparams import Param
+
+_pos = lambda v: v > 0  # noqa: E731
+_finite_pos = lambda v: v > 0 and math.isfinite(v)  # noqa: E731
+
+#: ServerApp / ClientApp run-config keys
+RUN_KEYS: dict[str, Param] = {
+    "experiment": Param("method=fedprism dataset=digits clients=6 rounds=3",
+                        "the fedprism experiment (key=value pairs, as `fedprism run` takes them)"),
+    "db": Param("fedprism-results.db", "results store (SQLite) written by the ServerApp"),
+    "min-nodes": Param(1, "identified nodes to wait for before round 0", _pos, "an integer >= 1"),
+    "nodes-timeout": Param(300.0, "deadline (s) to reach min-nodes", _finite_pos, "a number > 0"),
+    "min-replies": Param(1, "successful train replies a round needs", _pos, "an integer >= 1"),
+    "round-timeout": Param(300.0, "deadline (s) for the replies of one exchange", _finite_pos, "a number > 0"),
+    "poll-interval": Param(0.5, "seconds between pulls of replies", _finite_pos, "a number > 0"),
+    "probe-timeout": Param(60.0, "identity queries live 2x this long; a refused node is asked again after it",
+                           _finite_pos,
+                           "a number > 0"),
+    "save-final": Param("", "path for torch.save of the final server state ('' = do not save)"),
+    "stop-after": Param(0, "stop after this many rounds (0 = run to the end)", lambda v: v >= 0,
+                        "an integer >= 0"),
+}
+
+#: SuperNode node-config keys (Flower's simulation adds partition-id / num-partitions)
+NODE_KEYS = ("client-id", "partition-id", "num-partitions", "data-root", "device")
+
+
+def parse_experiment(text: str, **overrides: Any) -> Config:
+    """The experiment string -> a validated fedprism Config (same syntax as `fedprism run`)."""
+    if not isinstance(text, str) or not text.strip():
+        raise ConfigError("experiment", text, "a non-empty string of key=value pairs, e.g. 'method=fedprism clients=6'")
+    items = shlex.split(text)
+    raw: dict[str, Any] = {}
+    if items and "=" not in items[0]:
+        raw.update(load_toml(items.pop(0)))
+    raw.update(parse_overrides(items))
+    raw.update({k: v for k, v in overrides.items() if v is not None})
+    return resolve(raw)
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """The validated run config: the experiment plus the Flower-side knobs."""
+
+    cfg: Config
+    db: str
+    min_nodes: int
+    nodes_timeout: float
+    min_replies: int
+    round_timeout: float
+    poll_interval: float
+    probe_timeout: float
+    save_final: str
+    stop_after: int
+
+    @classmethod
+    def from_run_config(cls, run_config: Mapping[str, Any]) -> RunSettings:
+        unknown = sorted(set(run_config) - set(RUN_KEYS))
+        if unknown:
+            raise ConfigError(unknown[0], run_config[unknown[0]],
+                              f"unknown run-config key; known: {', '.join(RUN_KEYS)}")
+        v = {k: (p.validate(k, run_config[k]) if k in run_config else p.default) for k, p in RUN_KEYS.items()}
+        cfg = parse_experiment(v["experiment"])
+        if v["min-replies"] > cfg["clients"]:
+            raise ConfigError("min-replies", v["min-replies"], f"an integer in [1, clients={cfg['clients']}]")
+        if v["min-nodes"] > cfg["clients"]:
+            raise ConfigError("min-nodes", v["min-nodes"], f"an integer in [1, clients={cfg['clients']}]")
+        return cls(cfg=cfg, db=v["db"], min_nodes=v["min-nodes"], nodes_timeout=v["nodes-timeout"],
+                   min_replies=v["min-replies"], round_timeout=v["round-timeout"],
+                   poll_interval=v["poll-interval"], probe_timeout=v["probe-timeout"],
+                   save_final=v["save-final"], stop_after=v["stop-after"])
+
+
+def client_id_of(node_config: Mapping[str, Any], num_clients: int) -> int:
+    """The persistent client id a node stands for: `client-id`, else Flower simulation's `partition-id`."""
+    key = "client-id" if "client-id" in node_config else "partition-id"
+    if key not in node_config:
+        raise ConfigError("client-id", None, "set on every SuperNode: --node-config 'client-id=<0..clients-1>'")
+    cid = node_config[key]
+    if isinstance(cid, str) and cid.strip().lstrip("-").isdigit():
+        cid = int(cid)
+    if isinstance(cid, bool) or not isinstance(cid, int) or not 0 <= cid < num_clients:
+        raise ConfigError(key, cid, f"an integer in [0, {num_clients - 1}] (the experiment has {num_clients} clients)")
+    return cid
+
+
+def flower_run_id(cfg: Config) -> str:
+    """Store id of a Flower run of `cfg`: stable (a restarted ServerApp resumes it) and distinct from the
+    in-process run of the same config (so both can live in one store and be compared)."""
+    return hashlib.sha256(f"flower:{cfg.run_id}".encode()).hexdigest()[:16]
+
+
+def flower_label(cfg: Config) -> Config:
+    """`cfg` labelled for reports: `<method> (flower)` unless the experiment names itself."""
+    return cfg if cfg.get("name") else cfg.with_(name=f"{cfg['method']} (flower)")
+
+
+OFFLINE_ENV = {
+    "FLWR_TELEMETRY_ENABLED": "0",      # Flower's telemetry is on by default
+    "FLWR_DISABLE_UPDATE_CHECK": "1",   # and so is its update check (network)
+    "RAY_USAGE_STATS_ENABLED": "0",     # Ray's usage statistics
+    "HF_DATASETS_OFFLINE": "1",
+    "HF_HUB_OFFLINE": "1",
+}

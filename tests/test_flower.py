@@ -1,0 +1,489 @@
+"""fedprism on Flower: same numbers as the in-process runner, identity, failures, resume, deployment.
+
+Fast tests drive the real ServerApp loop (`serve`) and the real ClientApp handlers through an
+in-process grid (`FakeGrid`: push runs the ClientApp at once, with scripted silences and crashes),
+so they need neither Ray nor a SuperLink. Slow tests use Flower's Simulation Runtime (Ray, loopback)
+and a loopback deployment (SuperLink + 3 SuperNodes, TLS, node authentication: scripts/flower_deploy.py).
+Skipped cleanly when flwr is not installed (`pip install -e ".[flower]"`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+flwr = pytest.importorskip("flwr")
+
+from flwr.app import Context, Error, Message, RecordDict  # noqa: E402
+
+from fedprism.algorithms.base import Plan, Update  # noqa: E402
+from fedprism.errors import ConfigError  # noqa: E402
+from fedprism.experiment.runner import Experiment  # noqa: E402
+from fedprism.experiment.store import Store  # noqa: E402
+from fedprism.flower import codec  # noqa: E402
+from fedprism.flower.client_app import make_client_app  # noqa: E402
+from fedprism.flower.server_app import serve  # noqa: E402
+from fedprism.flower.settings import OFFLINE_ENV, RunSettings, client_id_of, flower_run_id, parse_experiment  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+EXP4 = ("method=fedprism dataset=digits clients=4 rounds=3 fraction=1.0 local_epochs=1 lr=0.05 model=mlp "
+        "device=cpu engine=sequential fedprism.k=2 fedprism.every=1 partition.alpha=0.5 seed=3")
+EXP6 = ("method=fedprism dataset=digits clients=6 rounds=3 fraction=1.0 local_epochs=1 lr=0.05 model=mlp "
+        "device=cpu engine=sequential fedprism.k=2 fedprism.every=1 partition.alpha=0.5 seed=1")
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch, tmp_path):
+    for k, v in OFFLINE_ENV.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "flwr-home"))
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def task_identity():
+    """Flower stamps instruction messages with the run of the current process; the runtime sets it."""
+    try:
+        from flwr.supercore.task_identity import TaskIdentity
+    except ImportError:  # other flwr versions: nothing to set
+        yield
+        return
+    old = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 0
+    yield
+    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = old
+
+
+class FakeGrid:
+    """Flower's Grid in one process: pushing a message runs the ClientApp of its node at once.
+
+    `script(node_id, message) -> "ok" | "silent" | "raise"` injects faults: a silent node never
+    answers (a timeout), "raise" makes the ClientApp fail (an error reply, as Flower sends one).
+    """
+
+    def __init__(self, nodes: dict[int, dict], run_config: dict, script=None, experiment_of=None):
+        self.nodes = dict(nodes)                     # node id -> node_config
+        self.apps = {nid: make_client_app(**run_config) for nid in nodes}
+        self.run_config = run_config
+        self.script = script or (lambda nid, msg: "ok")
+        self.replies: dict[str, Message] = {}
+        self.log: list[tuple[int, str]] = []
+        self.sent: list[tuple[int, int, torch.Tensor]] = []      # (round, client, start vector) of train messages
+
+    def add_node(self, nid: int, node_config: dict, run_config: dict | None = None) -> None:
+        self.nodes[nid] = node_config
+        self.apps[nid] = make_client_app(**(run_config or self.run_config))
+
+    def get_node_ids(self):
+        return list(self.nodes)
+
+    def push_messages(self, messages):
+        ids = []
+        for m in messages:
+            mid = uuid.uuid4().hex
+            m.metadata.__dict__["_message_id"] = mid
+            nid = m.metadata.dst_node_id
+            if nid not in self.nodes:
+                continue
+            self.log.append((nid, m.metadata.message_type))
+            if m.metadata.message_type == "train":
+                plan, rnd, cid, _ = codec.decode_plan(m.content)
+                self.sent.append((rnd, cid, plan.start[0]))
+            what = self.script(nid, m)
+            ids.append(mid)
+            if what == "silent":
+                continue
+            ctx = Context(run_id=1, node_id=nid, node_config=self.nodes[nid], state=RecordDict(), run_config={})
+            try:
+                if what == "raise":
+                    raise RuntimeError("injected client crash")
+                reply = self.apps[nid](m, ctx)
+            except Exception as e:  # noqa: BLE001 - what Flower's runtime does with a raising ClientApp
+                reply = Message(Error(code=2, reason=f"{type(e).__name__}: {e}"), reply_to=m)
+            self.replies[mid] = reply
+        return ids
+
+    def pull_messages(self, ids):
+        return [self.replies.pop(i) for i in list(ids) if i in self.replies]
+
+
+def run_bounded(cmd: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
+    """Run `cmd` in its own process group; on timeout SIGTERM it (cleanup runs), then SIGKILL the group."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **kw)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGTERM)
+        try:
+            out, err = p.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, err = p.communicate()
+        raise AssertionError(f"timed out after {timeout}s: {cmd[:3]}\n{out[-3000:]}\n{err[-3000:]}") from None
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)     # anything the command left in its group (e.g. Ray workers)
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
+def nodes_for(n: int, base: int = 1000) -> dict[int, dict]:
+    return {base + 17 * c: {"client-id": c} for c in range(n)}
+
+
+def in_process(exp: str, db: Path) -> tuple[Experiment, dict]:
+    cfg = parse_experiment(exp)
+    e = Experiment(cfg, Store(db))
+    res = e.run()
+    return e, res.final
+
+
+def run_config(exp: str, db: Path, **kw) -> dict:
+    rc = {"experiment": exp, "db": str(db), "min-nodes": parse_experiment(exp)["clients"], "round-timeout": 30.0,
+          "poll-interval": 0.01, "probe-timeout": 5.0}
+    rc.update({k.replace("_", "-"): v for k, v in kw.items()})
+    return rc
+
+
+def assert_same_state(a: dict, b: dict, atol: float = 1e-6) -> None:
+    assert set(a) == set(b)
+    for k, x in a.items():
+        y = b[k]
+        if isinstance(x, torch.Tensor):
+            assert x.shape == y.shape, k
+            if x.dtype == torch.bool:
+                assert torch.equal(x, y), k
+            else:
+                assert torch.allclose(x.double(), y.double(), atol=atol, rtol=0), (k, (x.double() - y.double()).abs().max())
+
+
+# -- settings and wire format (no grid) -----------------------------------------------------------------
+def test_run_config_is_validated():
+    with pytest.raises(ConfigError, match="bogus"):
+        RunSettings.from_run_config({"bogus": 1})
+    with pytest.raises(ConfigError, match="min-replies"):
+        RunSettings.from_run_config({"experiment": "clients=3", "min-replies": 4})
+    with pytest.raises(ConfigError, match="round-timeout"):
+        RunSettings.from_run_config({"round-timeout": -1})
+    with pytest.raises(ConfigError, match="fedprism.k"):
+        RunSettings.from_run_config({"experiment": "method=fedprism fedprism.k=0"})
+    s = RunSettings.from_run_config({"experiment": "clients=5 rounds=2", "min-replies": 2})
+    assert s.cfg["clients"] == 5 and s.min_replies == 2 and s.round_timeout == 300.0
+
+
+def test_client_id_comes_from_node_config():
+    assert client_id_of({"client-id": 3}, 5) == 3
+    assert client_id_of({"client-id": "4"}, 5) == 4
+    assert client_id_of({"partition-id": 2, "num-partitions": 5}, 5) == 2      # Flower simulation
+    for bad in ({"client-id": 5}, {"client-id": -1}, {"client-id": "x"}, {}):
+        with pytest.raises(ConfigError, match="client-id|partition-id"):
+            client_id_of(bad, 5)
+
+
+def test_flower_run_id_is_stable_and_distinct():
+    cfg = parse_experiment(EXP4)
+    assert flower_run_id(cfg) == flower_run_id(parse_experiment(EXP4 + " name=x device=cpu"))
+    assert flower_run_id(cfg) != cfg.run_id
+    assert flower_run_id(cfg) != flower_run_id(parse_experiment(EXP4.replace("seed=3", "seed=4")))
+
+
+def test_plan_and_update_round_trip(task_identity):
+    g = torch.Generator().manual_seed(0)
+    plan = Plan(np.array([7]), torch.randn(1, 11, generator=g), "prox",
+                {"anchor": torch.randn(1, 11, generator=g), "mu": torch.tensor([[0.1]], dtype=torch.float64)},
+                train_mask=(torch.arange(11) < 5).float(), epochs=3, down_floats=4)
+    back, rnd, cid, conf = codec.decode_plan(codec.encode_plan(plan, 5, 7, "abc"))
+    assert (rnd, cid, conf) == (5, 7, "abc")
+    assert back.clients.tolist() == [7] and torch.equal(back.start, plan.start)
+    assert back.objective == "prox" and back.epochs == 3 and back.down_floats == 4
+    assert torch.equal(back.train_mask, plan.train_mask)
+    assert set(back.extras) == {"anchor", "mu"} and back.extras["mu"].dtype == torch.float64
+    assert torch.equal(back.extras["anchor"], plan.extras["anchor"])
+    with pytest.raises(ValueError):
+        codec.encode_plan(plan, 5, 8, "abc")                       # row of another client
+    up = Update(plan.clients, plan.start + 1, plan.start, torch.tensor([42.0], dtype=torch.float64),
+                {"train_loss": torch.tensor([0.5], dtype=torch.float64), "hist": np.arange(3), "tag": "x"},
+                up_floats=9)
+    got = codec.decode_update(codec.encode_update(up, 7), plan)
+    assert torch.equal(got.params, up.params) and torch.equal(got.start, plan.start)
+    assert got.n_samples.tolist() == [42.0] and got.up_floats == 9
+    assert torch.equal(got.extras["train_loss"], up.extras["train_loss"])
+    assert got.extras["hist"].tolist() == [0, 1, 2] and got.extras["tag"] == "x"
+
+
+def test_app_directory_for_flwr_run(tmp_path):
+    import tomllib
+
+    from fedprism.flower.__main__ import main as cli
+    assert cli(["app", str(tmp_path / "app"), "--experiment", EXP4, "min-replies=2", "db=/abs/r.db"]) == 0
+    doc = tomllib.loads((tmp_path / "app" / "pyproject.toml").read_text())
+    comp = doc["tool"]["flwr"]["app"]["components"]
+    assert comp == {"serverapp": "fedprism.flower.server_app:app", "clientapp": "fedprism.flower.client_app:app"}
+    rc = doc["tool"]["flwr"]["app"]["config"]
+    assert RunSettings.from_run_config(rc).min_replies == 2 and rc["experiment"] == EXP4 and rc["db"] == "/abs/r.db"
+    assert cli(["app", str(tmp_path / "bad"), "--experiment", EXP4, "bogus=1"]) == 2     # unknown key: clear error
+    # Flower itself accepts it as an app (builds a FAB), offline
+    flwr_bin = Path(sys.executable).parent / "flwr"
+    if flwr_bin.exists():
+        p = run_bounded([str(flwr_bin), "build", "--app", str(tmp_path / "app")], 120, cwd=tmp_path,
+                        env={**os.environ, "FLWR_HOME": str(tmp_path / "home")})
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert list(tmp_path.glob("*.fab"))
+
+
+# -- the ServerApp loop over an in-process grid ----------------------------------------------------------
+def test_same_final_parameters_as_in_process(tmp_path, task_identity):
+    ref, final = in_process(EXP4, tmp_path / "ref.db")
+    db = tmp_path / "fl.db"
+    rc = run_config(EXP4, db, save_final=str(tmp_path / "final.pt"))
+    grid = FakeGrid(nodes_for(4), rc)
+    res = serve(grid, rc)
+    assert res.status == "finished"
+    got = torch.load(tmp_path / "final.pt", weights_only=False)
+    assert got["run_id"] == res.run_id == flower_run_id(parse_experiment(EXP4))
+    assert_same_state(ref.state, got["state"])
+    for k in ("local_acc", "global_acc", "sdad", "global_model_acc"):
+        assert res.final[k] == pytest.approx(final[k], abs=1e-9), k
+    s = Store(db)
+    row = s.run(res.run_id)
+    assert json.loads(row["config"])["name"] == "fedprism (flower)"
+    a = [tuple(r)[2:] for r in Store(tmp_path / "ref.db").client_rows(ref.run_id, 2)]
+    b = [tuple(r)[2:] for r in s.client_rows(res.run_id, 2)]
+    assert np.allclose(np.array(a, dtype=float), np.array(b, dtype=float), atol=1e-9)
+    joined = s.records(res.run_id, "flower_node")
+    assert sorted(r["client"] for r in joined) == [0, 1, 2, 3] and all(r["round"] == 0 for r in joined)
+    assert s.records(res.run_id, "failure") == []
+    assert [r["data"]["replies"] for r in s.records(res.run_id, "flower_round")] == [4, 4, 4]
+    # every node got its own start vector: Fed-PRISM personalizes once round 0 has clustered the clients
+    starts = {(m[0], m[1]): m[2] for m in grid.sent}
+    assert len(starts) == 4 * 3
+    r2 = torch.stack([starts[(2, c)] for c in range(4)])
+    assert len({tuple(r.tolist()) for r in r2}) > 1
+    # and the finished run is a no-op when the ServerApp is started again
+    grid2 = FakeGrid(nodes_for(4, base=5000), rc)
+    again = serve(grid2, rc)
+    assert again.status == "finished" and grid2.log == []
+    # the report renders Flower runs like any other run
+    from fedprism.report import write_report
+    paths = write_report(str(db), str(tmp_path / "report"), plots=False)
+    text = "".join(Path(p).read_text() for p in paths if str(p).endswith(".md"))
+    assert "fedprism (flower)" in text
+
+
+def _methods() -> list[str]:
+    from fedprism.algorithms import REGISTRY
+    return sorted(m for m in REGISTRY if m != "fedprism")       # fedprism: the test above
+
+
+@pytest.mark.parametrize("method", _methods())
+def test_every_method_runs_the_same_on_flower(method, tmp_path, task_identity):
+    """No algorithm code is duplicated for Flower: each registered method's plan / client_update /
+    aggregate gives the in-process numbers; a method whose evaluation needs the server's data is refused."""
+    exp = (f"method={method} dataset=digits clients=4 rounds=2 fraction=1.0 local_epochs=1 lr=0.05 model=mlp "
+           "device=cpu engine=sequential partition.alpha=0.5 seed=2")
+    db = tmp_path / "m.db"
+    rc = run_config(exp, db, save_final=str(tmp_path / "final.pt"))
+    if method == "fedprism_dual":
+        with pytest.raises(ConfigError, match="server"):
+            serve(FakeGrid(nodes_for(4), rc), rc)
+        return
+    ref, final = in_process(exp, tmp_path / "ref.db")
+    res = serve(FakeGrid(nodes_for(4), rc), rc)
+    assert res.status == "finished"
+    assert_same_state(ref.state, torch.load(tmp_path / "final.pt", weights_only=False)["state"])
+    assert res.final["local_acc"] == pytest.approx(final["local_acc"], abs=1e-9)
+    if "global_acc" in final:
+        assert res.final["global_acc"] == pytest.approx(final["global_acc"], abs=1e-9)
+
+
+def test_failures_are_recorded_and_survivors_aggregate(tmp_path, task_identity):
+    """Client 1 crashes in round 1, client 2 goes silent from round 1 on: error reply and timeout both
+    count as non-participation, are stored as failures, and the round aggregates the others."""
+    nodes = nodes_for(4)
+    node_of = {cfg["client-id"]: nid for nid, cfg in nodes.items()}
+    dead: set[int] = set()
+
+    def script(nid, msg):
+        rnd = msg.content.config_records["task"]["round"] if msg.metadata.message_type == "train" else None
+        if nid == node_of[2] and rnd == 1:
+            dead.add(nid)                    # from its round-1 message on, client 2's node never answers
+        if nid in dead:
+            return "silent"
+        if nid == node_of[1] and rnd == 1:
+            return "raise"
+        return "ok"
+
+    db = tmp_path / "f.db"
+    rc = run_config(EXP4, db, min_replies=2, round_timeout=0.5)
+    grid = FakeGrid(nodes, rc, script)
+    res = serve(grid, rc)
+    assert res.status == "finished"
+    s = Store(db)
+    fails = s.records(res.run_id, "failure")
+    train_fails = [(f["round"], f["client"], f["data"]["reason"]) for f in fails if "phase" not in f["data"]]
+    assert (1, 1) in [(r, c) for r, c, _ in train_fails]
+    crash = next(why for r, c, why in train_fails if (r, c) == (1, 1))
+    assert "CLIENT_APP_RAISED_EXCEPTION" in crash and "injected client crash" in crash
+    silent = {r: why for r, c, why in train_fails if c == 2}
+    assert set(silent) == {1, 2}
+    assert "no reply" in silent[1]                         # timed out ...
+    assert "no connected node" in silent[2] or "no reply" in silent[2]   # ... then dropped from the map
+    accepted = [m["accepted"] for m in s.round_metrics(res.run_id)]
+    assert accepted == [4, 2, 3]
+    assert any(f["data"].get("phase") == "evaluate" and f["client"] == 2 for f in fails)
+    lost = [r for r in s.records(res.run_id, "flower_node") if r["data"]["event"] == "lost"]
+    assert lost and lost[0]["client"] == 2
+    # nothing already stored was lost: round 0 has every client's metrics
+    assert len(s.client_rows(res.run_id, 0)) == 4
+    assert all(r["local_acc"] is not None for r in s.client_rows(res.run_id, 0))
+
+
+def test_too_few_replies_skip_the_update(tmp_path, task_identity):
+    nodes = nodes_for(4)
+    silent = {nid for nid, c in nodes.items() if c["client-id"] in (0, 1)}
+    db = tmp_path / "m.db"
+    rc = run_config(EXP4.replace("rounds=3", "rounds=1"), db, min_replies=3, round_timeout=0.3,
+                    save_final=str(tmp_path / "s.pt"))
+    grid = FakeGrid(nodes, rc, lambda nid, m: "silent" if nid in silent and m.metadata.message_type == "train" else "ok")
+    res = serve(grid, rc)
+    assert res.status == "finished"
+    s = Store(db)
+    skipped = s.records(res.run_id, "round_skipped")
+    assert len(skipped) == 1 and skipped[0]["data"]["replies"] == 2
+    state = torch.load(tmp_path / "s.pt", weights_only=False)["state"]
+    cfg = parse_experiment(EXP4)
+    init = Experiment(cfg, Store(tmp_path / "x.db")).algo.init_state()
+    assert_same_state(init, state, atol=0)                  # no update was applied
+    assert s.round_metrics(res.run_id)[0]["accepted"] == 0
+
+
+def test_restarted_node_is_remapped_to_its_client(tmp_path, task_identity):
+    db = tmp_path / "r.db"
+    rc = run_config(EXP4, db)
+    grid = FakeGrid(nodes_for(4), rc)
+    old = next(nid for nid, c in grid.nodes.items() if c["client-id"] == 3)
+    orig_push = grid.push_messages
+
+    def push(messages):
+        messages = list(messages)
+        if any(m.metadata.message_type == "train" and m.content.config_records["task"]["round"] == 1
+               for m in messages) and old in grid.nodes:
+            del grid.nodes[old]                            # the SuperNode of client 3 restarts ...
+            grid.add_node(99_999, {"client-id": 3})        # ... and comes back with a new node id
+        return orig_push(messages)
+
+    grid.push_messages = push
+    res = serve(grid, rc)
+    assert res.status == "finished"
+    s = Store(db)
+    ev = [(r["round"], r["client"], r["data"]["event"], r["data"]["node"]) for r in s.records(res.run_id, "flower_node")]
+    assert (1, 3, "lost", old) in ev
+    assert any(c == 3 and e in ("rejoined", "remapped") and n == 99_999 for _, c, e, n in ev)
+    fails = [(f["round"], f["client"]) for f in s.records(res.run_id, "failure")]
+    assert (1, 3) in fails                                 # missed round 1 (message sent to the old node)
+    assert (2, 3) not in fails                             # back in round 2 under its new node id
+    assert s.round_metrics(res.run_id)[2]["accepted"] == 4
+
+
+def test_node_with_another_experiment_is_refused(tmp_path, task_identity):
+    db = tmp_path / "c.db"
+    rc = run_config(EXP4.replace("rounds=3", "rounds=1"), db, min_nodes=3)
+    nodes = nodes_for(4)
+    grid = FakeGrid(nodes, rc)
+    odd = max(nodes)
+    grid.add_node(odd, nodes[odd], {**rc, "experiment": rc["experiment"].replace("seed=3", "seed=4")})
+    res = serve(grid, rc)
+    s = Store(db)
+    refused = [f for f in s.records(res.run_id, "failure") if f["data"].get("phase") == "identity"]
+    assert refused and refused[0]["client"] == 3 and "experiment" in refused[0]["data"]["reason"]
+    assert s.round_metrics(res.run_id)[0]["accepted"] == 3
+
+
+def test_discovery_deadline_is_an_error(tmp_path, task_identity):
+    rc = run_config(EXP4, tmp_path / "d.db", nodes_timeout=0.3)
+    grid = FakeGrid(nodes_for(2), rc)
+    with pytest.raises(TimeoutError, match="min-nodes=4"):
+        serve(grid, rc)
+
+
+def test_restarted_server_resumes_from_its_checkpoint(tmp_path, task_identity):
+    ref, _ = in_process(EXP4, tmp_path / "ref.db")
+    db = tmp_path / "res.db"
+    rc = run_config(EXP4, db, stop_after=2, save_final=str(tmp_path / "final.pt"))
+    first = serve(FakeGrid(nodes_for(4), rc), rc)
+    assert first.status == "interrupted" and not (tmp_path / "final.pt").exists()
+    rc2 = {**rc, "stop-after": 0}
+    res = serve(FakeGrid(nodes_for(4, base=7000), rc2), rc2)           # new node ids: re-identified
+    assert res.status == "finished" and res.resumed_from == 1
+    assert_same_state(ref.state, torch.load(tmp_path / "final.pt", weights_only=False)["state"])
+    assert [m["round"] for m in Store(db).round_metrics(res.run_id)] == [0, 1, 2]
+
+
+# -- Flower's runtimes (slow) ------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_simulation_runtime_matches_in_process_engine(tmp_path):
+    """Fed-PRISM, 3 rounds, 6 virtual SuperNodes on Flower's Simulation Runtime (Ray on 127.0.0.1)
+    reach the in-process sequential engine's final parameters."""
+    pytest.importorskip("ray")
+    ref, final = in_process(EXP6, tmp_path / "ref.db")
+    code = f"""
+import sys
+from fedprism.flower.simulation import simulate
+simulate({EXP6!r}, db={str(tmp_path / 'sim.db')!r}, save_final={str(tmp_path / 'sim.pt')!r}, round_timeout=300,
+         nodes_timeout=600)
+"""
+    ray_tmp = tempfile.mkdtemp(prefix="fpray-", dir="/tmp")     # Ray's socket paths must stay < 108 bytes
+    env = {**os.environ, "FLWR_HOME": str(tmp_path / "flwr-home"), "RAY_TMPDIR": ray_tmp}
+    t0 = time.time()
+    try:
+        p = run_bounded([sys.executable, "-c", code], 840, env=env, cwd=tmp_path)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    wall = time.time() - t0
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    got = torch.load(tmp_path / "sim.pt", weights_only=False)
+    assert_same_state(ref.state, got["state"], atol=1e-5)
+    s = Store(tmp_path / "sim.db")
+    run = s.run(got["run_id"])
+    assert run["status"] == "finished"
+    fin = json.loads(run["final"])
+    assert fin["local_acc"] == pytest.approx(final["local_acc"], abs=1e-6)
+    assert s.records(got["run_id"], "failure") == []
+    print(f"simulation wall {wall:.1f}s")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_loopback_deployment_with_tls_auth_and_a_killed_node(tmp_path):
+    """scripts/flower_deploy.py: SuperLink + 3 SuperNodes on 127.0.0.1 with generated TLS certificates and
+    node authentication; an unregistered key is refused; one SuperNode is killed in round 2; the run
+    finishes with the survivors and the store records the failure; every process is stopped."""
+    pytest.importorskip("cryptography")
+    out = tmp_path / "deploy"
+    p = run_bounded([sys.executable, str(ROOT / "scripts" / "flower_deploy.py"), "--workdir", str(out),
+                     "--json", str(tmp_path / "summary.json"), "--timeout", "1000"], 1080, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-6000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["unregistered_node_refused"] is True
+    assert summary["status"] == "finished" and summary["rounds"] == 3
+    assert summary["killed_client"] in summary["failed_clients_round"]["1"]
+    assert summary["accepted"][0] == 3 and all(a == 2 for a in summary["accepted"][1:])
+    assert summary["round0_clients_with_metrics"] == 3
+    assert summary["leftover_processes"] == []
