@@ -19,7 +19,7 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
   "$VPY" -m pip install -q "torch==${TORCH_VERSION}" \
     || "$VPY" -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
 fi
-"$VPY" -m pip install -q -e ".[dev]"
+"$VPY" -m pip install -q -e ".[dev,flower]"
 
 # Real Fashion-MNIST from Debian when we can; otherwise the demo uses the bundled digits set.
 if [ ! -e /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] && [ -z "${FEDPRISM_NO_APT:-}" ]; then
