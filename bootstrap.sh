@@ -16,8 +16,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 VPY=.venv/bin/python
 if ! "$VPY" -c "import torch" 2>/dev/null; then
-  "$VPY" -m pip install -q "torch==${TORCH_VERSION}" \
-    || "$VPY" -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+  "$VPY" -m pip install -q "torch==${TORCH_VERSION}"
 fi
 "$VPY" -m pip install -q -e ".[dev,flower]"
 
