@@ -87,7 +87,11 @@ class Store:
         self.db.executescript(SCHEMA)
 
     def close(self) -> None:
-        self.db.close()
+        """Fold the write-ahead log into the database file (so a committed .db is complete) and close."""
+        try:
+            self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        finally:
+            self.db.close()
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:

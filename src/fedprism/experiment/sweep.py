@@ -94,6 +94,7 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
         print(f"{tag}: global {f.get('global_acc', float('nan')):.4f} local {f.get('local_acc', float('nan')):.4f}"
               f" ({f.get('seconds', 0):.0f}s)", file=sys.stderr)
     print(f"sweep {name}: {done} run, {skipped} already finished, {time.time() - t0:.0f}s", file=sys.stderr)
+    store.close()
     return 0
 
 
