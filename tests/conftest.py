@@ -15,6 +15,15 @@ from fedprism.data.datasets import load_dataset  # noqa: E402
 from fedprism.federation import Federation  # noqa: E402
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny ops on a shared 2-core machine: one intra-op thread is faster and steadier."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def digits():
     return load_dataset("digits", cache_dir=False)

@@ -25,15 +25,6 @@ SIZES = (7, 20, 33, 50, 64, 90)
 CFG = LocalConfig(epochs=2, batch_size=8, lr=0.05, momentum=0.9, weight_decay=1e-4)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny ops on a shared 2-core machine: one intra-op thread is faster and steadier."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def make_fed(shape: tuple[int, ...], sizes=SIZES, n_test=(5, 11, 0, 17, 9, 30), classes=10, seed=0):
     g = torch.Generator().manual_seed(seed)
     ntr, nte = sum(sizes), 120

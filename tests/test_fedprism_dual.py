@@ -24,15 +24,6 @@ from fedprism.params import ParamSpec, flatten
 LOCAL = LocalConfig(epochs=1, batch_size=16, lr=0.05, momentum=0.9)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny ops on a shared 2-core machine: one intra-op thread is faster and steadier."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def setup(fed, method="fedprism_dual", seed=0, engine="sequential", **hp):
     model = build_model("mlp", fed.input_shape, fed.num_classes, seed=seed)
     ctx = Context(fed.num_clients, fed.num_classes, ParamSpec.of(model), flatten(model), fed.n_train,

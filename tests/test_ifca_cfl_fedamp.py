@@ -24,14 +24,6 @@ LOCAL = LocalConfig(epochs=1, batch_size=16, lr=0.05, momentum=0.9)
 SPLIT = {"eps1": 0.35, "eps2": 0.6, "warmup": 3}     # measured on these federations (record `cfl`)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def setup(fed, method, seed=0, **hp):
     model = build_model("mlp", fed.input_shape, fed.num_classes, seed=seed)
     ctx = Context(fed.num_clients, fed.num_classes, ParamSpec.of(model), flatten(model), fed.n_train,
