@@ -32,7 +32,7 @@ def test_fedavg_passes_70_and_local_passes_85(tmp_path, fmnist):
     fedavg = Experiment(resolve({**BASE, "method": "fedavg", "rounds": 40, "local_epochs": 2,
                                  "eval_every": 10}), store).run()
     assert fedavg.final["global_acc"] >= 0.70, fedavg.final
-    local = Experiment(resolve({**BASE, "method": "local", "rounds": 40, "local_epochs": 2, "eval_every": 40,
+    local = Experiment(resolve({**BASE, "method": "local", "rounds": 40, "local_epochs": 5, "eval_every": 40,
                                 "eval.global": False}), store).run()
     assert local.final["local_acc"] >= 0.85, local.final
 
