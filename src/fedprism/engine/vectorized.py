@@ -154,7 +154,8 @@ class VectorizedEngine(EngineBase):
       compile      "auto" | "true" | "false" | bool (see the module docstring);
       rounds       length of the run, used by compile="auto";
       max_slots    cap on training slots (default: 16 on CPU, 256 on CUDA);
-      eval_models  most models scored at once (default 100);
+      eval_models  most models scored at once (default 10 on CPU: measured 20-35% faster than 100 models
+                   x 100 samples at the same memory; 100 on CUDA);
       eval_samples samples per evaluation chunk on the shared test set (default: from eval_memory);
       eval_memory  activation budget in bytes for one evaluation chunk (default 512 MiB on CPU,
                    4 GiB on CUDA).
@@ -164,7 +165,7 @@ class VectorizedEngine(EngineBase):
 
     def __init__(self, fed: Federation, model: nn.Module, cfg: LocalConfig, seed: int,
                  device: str | torch.device = "cpu", compile: str | bool = "auto", rounds: int = 1,
-                 max_slots: int | None = None, eval_models: int = 100, eval_samples: int | None = None,
+                 max_slots: int | None = None, eval_models: int | None = None, eval_samples: int | None = None,
                  eval_memory: int | None = None):
         super().__init__(fed, model, cfg, seed, device)
         mode = parse_compile(compile)
@@ -177,6 +178,7 @@ class VectorizedEngine(EngineBase):
         if self.compiled:
             _bump_recompile_limit()
         self.max_slots = int(max_slots) if max_slots else (256 if cuda else 16)
+        eval_models = int(eval_models) if eval_models else (100 if cuda else 10)
         if self.max_slots < 1 or eval_models < 1:
             raise ValueError("max_slots and eval_models must be >= 1")
         self.batchnorm = _has_batchnorm(self.model)
