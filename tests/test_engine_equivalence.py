@@ -7,6 +7,10 @@ and global splits; FedAvg and Local end to end. compile=False throughout (compil
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -16,7 +20,15 @@ from fedprism.algorithms.fedavg import FedAvg
 from fedprism.algorithms.local import Local
 from fedprism.engine.base import LocalConfig
 from fedprism.engine.sequential import SequentialEngine
-from fedprism.engine.vectorized import VectorizedEngine, ideal_slots, lpt_slots, parse_compile
+from fedprism.engine.vectorized import (
+    AUTO_COMPILE_FLOPS,
+    VectorizedEngine,
+    estimate_run_flops,
+    ideal_slots,
+    lpt_slots,
+    parse_compile,
+    profile_model,
+)
 from fedprism.federation import Federation
 from fedprism.models import build_model
 from fedprism.params import flatten
@@ -226,3 +238,29 @@ def test_algorithms_three_rounds(algo_cls, mlp_setup):
         finals.append(algo.model_for(state, np.arange(fed.num_clients)).clone())
     assert_close(finals[0], finals[1])
     assert not torch.allclose(finals[0], flatten(model).expand_as(finals[0]))
+
+
+def test_compile_auto_decision(mlp_setup):
+    fed, model = mlp_setup
+    assert not VectorizedEngine(fed, model, CFG, 0, compile="auto", rounds=100).compiled   # tiny run
+    assert not VectorizedEngine(fed, model, CFG, 0, compile="false").compiled
+    lenet = build_model("lenet5", (1, 32, 32), 10)
+    act, flops = profile_model(lenet, (1, 32, 32), torch.device("cpu"))
+    assert act == 6 * 28 * 28 and flops == 2 * (28 * 28 * 6 * 25 + 10 * 10 * 16 * 150 + 400 * 120 + 120 * 84 + 84 * 10)
+    # the FedPrism paper workload (100 clients x 600 samples, 10k test, E=10, 100 rounds): compiled on CPU
+    x = torch.zeros(1, 1, 32, 32)
+    big = Federation(x.expand(60000, -1, -1, -1), torch.zeros(60000, dtype=torch.long), x.expand(10000, -1, -1, -1),
+                     torch.zeros(10000, dtype=torch.long), [np.arange(600)] * 100, [np.arange(100)] * 100, 10)
+    assert estimate_run_flops(flops, big, 10, 100) > 10 * AUTO_COMPILE_FLOPS
+    cfg = LocalConfig(epochs=10, batch_size=32)
+    assert VectorizedEngine(big, lenet, cfg, 0, compile="auto", rounds=100).compiled
+    assert not VectorizedEngine(big, lenet, cfg, 0, compile="auto", rounds=1).compiled
+
+
+@pytest.mark.slow
+def test_bench_quick_smoke():
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "bench" / "engine.py"), "--quick"], cwd=root,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "ratio (b)/(a)" in out.stdout and "projected 100-round run" in out.stdout

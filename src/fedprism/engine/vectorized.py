@@ -14,10 +14,13 @@ Same numbers as `SequentialEngine` for the same seed (to float tolerance), compu
   matrices are computed inside the same (compiled) function. Chunks have fixed shapes (the last one
   is padded and masked) so `torch.compile(dynamic=False)` compiles few graphs.
 * **compile**: `torch.compile` of the vmapped step and evaluation functions. On this project's 2-core
-  CPU a cold compile costs ~20 s per training graph and ~12 s per evaluation graph (~4 s with a warm
-  inductor cache), and the eager vmap is no faster than the sequential loop, so `"auto"` compiles when
-  the run has at least `AUTO_COMPILE_ROUNDS` rounds (and a C++ compiler exists on CPU). If compiling
-  fails, the engine warns once and continues eagerly.
+  CPU a cold compile costs ~20 s per training graph and ~12 s per evaluation graph (~2-4 s with a warm
+  inductor cache; ~20-65 s per run in all), and eager vmap is no faster than the sequential loop, so
+  `"auto"` compiles when the run is long enough to amortise that: the estimated forward FLOPs of the
+  whole run (`estimate_run_flops`) reach `AUTO_COMPILE_FLOPS` (CPU, with a C++ compiler) or
+  `AUTO_COMPILE_FLOPS_CUDA`. The FedPrism paper workload (LeNet-5, 100 clients, 100 rounds) is ~1e14
+  and compiles on CPU; a 20-round MLP on digits (~2e9) does not. If compiling fails, the engine warns
+  once and continues eagerly.
 
 BatchNorm models (batch statistics, `fedprism.params`) cannot be padded without changing the
 statistics: their partial training batches run unpadded outside the vmap, their global evaluation
@@ -41,8 +44,12 @@ from fedprism.algorithms.base import EvalResult, Plan, Update
 from fedprism.engine.base import EngineBase, LocalConfig, sgd_step
 from fedprism.federation import Federation
 
-AUTO_COMPILE_ROUNDS = 20
-"""compile="auto" turns compilation on for runs with at least this many rounds."""
+AUTO_COMPILE_FLOPS = 2e12
+"""compile="auto" on CPU: compile when the run's estimated forward FLOPs reach this (eager CPU runs
+at ~20-40 GFLOP/s here, so this is >= 1 minute of work, of which compiling saves more than it costs)."""
+AUTO_COMPILE_FLOPS_CUDA = 1e15
+"""compile="auto" on CUDA: eager vmap on a GPU is already fast; compile only very long runs (a judgement,
+not measured in this project)."""
 
 _LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 """Widths (models or rows per evaluation call) used when compiling: at most 1.5x padding, few graphs."""
@@ -102,18 +109,40 @@ def _has_batchnorm(model: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
-def _max_activation(model: nn.Module, input_shape: tuple[int, ...], device: torch.device) -> int:
-    """Largest per-sample output (floats) of any leaf module: the unit of the evaluation memory budget."""
+def profile_model(model: nn.Module, input_shape: tuple[int, ...], device: torch.device) -> tuple[int, float]:
+    """(largest per-sample output of any leaf module in floats, forward FLOPs per sample).
+
+    The first is the unit of the evaluation memory budget; the second feeds compile="auto".
+    FLOPs count convolutions and linear layers (2 per multiply-add); other layers are ignored."""
     sizes: list[int] = []
-    hooks = [m.register_forward_hook(lambda _m, _i, o: sizes.append(o[0].numel() if o.dim() else 1))
-             for m in model.modules() if not list(m.children())]
+    flops = [0.0]
+
+    def hook(m, inp, out):
+        o = out[0] if out.dim() else out
+        sizes.append(o.numel())
+        if isinstance(m, nn.modules.conv._ConvNd):
+            k = m.weight[0].numel()                      # in_channels / groups * prod(kernel)
+            flops[0] += 2.0 * o.numel() * k
+        elif isinstance(m, nn.Linear):
+            flops[0] += 2.0 * m.in_features * m.out_features
+
+    hooks = [m.register_forward_hook(hook) for m in model.modules() if not list(m.children())]
     try:
         with torch.no_grad():
-            model(torch.zeros((2, *input_shape), device=device))
+            model(torch.zeros((1, *input_shape), device=device))
     finally:
         for h in hooks:
             h.remove()
-    return max(sizes) if sizes else 1
+    return (max(sizes) if sizes else 1), flops[0]
+
+
+def estimate_run_flops(fwd_flops: float, fed: Federation, epochs: int, rounds: int,
+                       fraction: float = 0.1) -> float:
+    """Forward-equivalent FLOPs of a run: every round, `fraction` of the clients train `epochs` epochs
+    (x3 for the backward pass) and every client's model is scored on the global test set."""
+    train = 3.0 * epochs * fraction * float(sum(len(i) for i in fed.train_idx))
+    evaluate = float(fed.num_clients) * (len(fed.y_test) + float(np.mean([len(i) for i in fed.test_idx] or [0])))
+    return fwd_flops * rounds * (train + evaluate)
 
 
 def _bump_recompile_limit(n: int = 64) -> None:
@@ -152,7 +181,7 @@ class VectorizedEngine(EngineBase):
 
     Parameters beyond EngineBase:
       compile      "auto" | "true" | "false" | bool (see the module docstring);
-      rounds       length of the run, used by compile="auto";
+      rounds       length of the run, used by compile="auto" (with the model's FLOPs and the data sizes);
       max_slots    cap on training slots (default: 16 on CPU, 256 on CUDA);
       eval_models  most models scored at once (default 10 on CPU: measured 20-35% faster than 100 models
                    x 100 samples at the same memory; 100 on CUDA);
@@ -170,9 +199,12 @@ class VectorizedEngine(EngineBase):
         super().__init__(fed, model, cfg, seed, device)
         mode = parse_compile(compile)
         cuda = self.device.type == "cuda"
+        act, self.fwd_flops = profile_model(self.model, fed.input_shape, self.device)
+        self.estimated_flops = estimate_run_flops(self.fwd_flops, self.fed, cfg.epochs, max(1, int(rounds)))
         if mode == "auto":
             have_cc = cuda or shutil.which(os.environ.get("CXX", "g++")) is not None or shutil.which("c++")
-            self.compiled = bool(have_cc) and int(rounds) >= AUTO_COMPILE_ROUNDS
+            need = AUTO_COMPILE_FLOPS_CUDA if cuda else AUTO_COMPILE_FLOPS
+            self.compiled = bool(have_cc) and self.estimated_flops >= need
         else:
             self.compiled = mode == "true"
         if self.compiled:
@@ -185,7 +217,6 @@ class VectorizedEngine(EngineBase):
         self.num_classes = fed.num_classes
         self.eval_models = int(eval_models)
         budget = eval_memory or ((4 << 30) if cuda else (512 << 20))
-        act = _max_activation(self.model, fed.input_shape, self.device)
         if self.batchnorm:
             self.eval_samples = cfg.eval_chunk           # must match the reference chunks exactly
         elif eval_samples:
@@ -468,4 +499,5 @@ class VectorizedEngine(EngineBase):
             torch.zeros(0, len(x), self.num_classes, device=self.device)
 
 
-__all__ = ["VectorizedEngine", "lpt_slots", "ideal_slots", "parse_compile", "AUTO_COMPILE_ROUNDS"]
+__all__ = ["VectorizedEngine", "lpt_slots", "ideal_slots", "lpt_makespan", "parse_compile", "profile_model",
+           "estimate_run_flops", "AUTO_COMPILE_FLOPS", "AUTO_COMPILE_FLOPS_CUDA"]
