@@ -61,7 +61,7 @@ def build_federation(args) -> tuple[Federation, str]:
     if args.test_samples and args.test_samples < len(y_te):
         x_te, y_te = x_te[: args.test_samples], y_te[: args.test_samples]
     if make_partition is not None:
-        p = make_partition("dirichlet", y_tr.numpy(), y_te.numpy(), args.clients, args.seed, alpha=args.alpha)
+        p = make_partition(args.partition, y_tr.numpy(), y_te.numpy(), args.clients, args.seed, alpha=args.alpha)
         train_idx, test_idx = [np.asarray(i) for i in p.train], [np.asarray(i) for i in p.test]
     else:
         rng = np.random.default_rng(args.seed)
@@ -166,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--alpha", type=float, default=0.1)
+    ap.add_argument("--partition", default="dirichlet", choices=("dirichlet", "dirichlet_per_class"),
+                    help="dirichlet: per client over classes, equal sizes (FedPrism paper); dirichlet_per_class: "
+                         "per class over clients, unequal sizes (PFLlib 'dir', exercises LPT slots)")
     ap.add_argument("--full-rounds", type=int, default=100, help="rounds of the projected full run")
     ap.add_argument("--test-samples", type=int, default=0, help="use only the first N global test samples")
     ap.add_argument("--max-train", type=int, default=0, help="cap samples per client")
@@ -196,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     n_tr = fed.n_train
     print(f"# fedprism engine bench  torch {torch.__version__}  python {platform.python_version()}  "
           f"device {device}  threads {torch.get_num_threads()}")
-    print(f"# data {src}; {fed.num_clients} clients, Dirichlet alpha={args.alpha}: train sizes "
+    print(f"# data {src}; {fed.num_clients} clients, {args.partition} alpha={args.alpha}: train sizes "
           f"min/median/max {n_tr.min()}/{int(np.median(n_tr))}/{n_tr.max()}, global test {len(fed.y_test)}, "
           f"local test total {fed.n_test.sum()}")
     print(f"# {args.per_round} clients/round, E={args.epochs}, B={args.batch}, SGD lr 0.01 momentum 0.9, "

@@ -127,6 +127,10 @@ def test_train_subset_cohort_and_epoch_override(mlp_setup):
     one = plan.subset(np.array([1]))
     assert_close(seq.train(one, 0).params, vec.train(one, 0).params)
     assert_close(vec.train(one, 0).params[0], b.params[1])      # independent of the cohort
+    # no local steps: the start comes back unchanged
+    zero = Plan(clients, plan.start, epochs=0)
+    assert torch.equal(vec.train(zero, 0).params, plan.start)
+    assert torch.equal(seq.train(zero, 0).params, plan.start)
 
 
 def test_prox_objective_with_extras(mlp_setup):

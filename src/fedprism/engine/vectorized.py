@@ -298,8 +298,12 @@ class VectorizedEngine(EngineBase):
             return self._update(plan, plan.start.clone(), {"train_loss": losses})
         orders = self._orders(plan, rnd)
         steps = [len(o) for o in orders]
-        W = self.slots_for(steps)
-        queues = lpt_slots(steps, W)
+        out = start.clone()                       # clients with no steps (epochs=0) keep their start
+        busy = [k for k in range(n) if steps[k] > 0]
+        if not busy:
+            return self._update(plan, out.to(plan.start.device, plan.start.dtype), {"train_loss": losses})
+        W = self.slots_for([steps[k] for k in busy])
+        queues = [[busy[j] for j in q] for q in lpt_slots([steps[k] for k in busy], W)]
         T = max(sum(steps[k] for k in q) for q in queues)
 
         # the whole round's schedule, built on the CPU and moved once
@@ -336,7 +340,6 @@ class VectorizedEngine(EngineBase):
         w = torch.zeros(W, start.shape[1], device=dev, dtype=start.dtype)
         buf = torch.zeros_like(w)
         ex = {k: torch.zeros((W, *v.shape[1:]), device=dev, dtype=v.dtype) for k, v in extras.items()}
-        out = torch.empty_like(start)
         lvals = torch.zeros(T, W, device=dev, dtype=torch.float64)
         xtr, ytr = self.fed.x_train, self.fed.y_train
         for t in range(T):
@@ -366,7 +369,7 @@ class VectorizedEngine(EngineBase):
         losses.index_add_(0, own[sel], lv_cpu[sel])
         losses /= counts.clamp(min=1)
         self.samples_trained += int(counts.sum())
-        return self._update(plan, out.to(plan.start.device), {"train_loss": losses})
+        return self._update(plan, out.to(plan.start.device, plan.start.dtype), {"train_loss": losses})
 
     def _single_step(self, objective, w, buf, s, k, bi, extras, mask) -> torch.Tensor:
         """One unpadded step of slot s (BatchNorm models' partial batches), in place."""
@@ -420,10 +423,10 @@ class VectorizedEngine(EngineBase):
             return self._evaluate_shared(params, self.fed.x_test, self.fed.y_test)
         if self.batchnorm:
             return super().evaluate(params, clients, split)
-        idx = self._test_idx if split == "local" else self._train_idx
+        idx = self.fed.test_idx if split == "local" else self.fed.train_idx
         x_all, y_all = (self.fed.x_test, self.fed.y_test) if split == "local" else \
             (self.fed.x_train, self.fed.y_train)
-        return self._evaluate_own(params, [idx[int(c)] for c in clients], x_all, y_all)
+        return self._evaluate_own(params, [np.asarray(idx[int(c)], dtype=np.int64) for c in clients], x_all, y_all)
 
     def _evaluate_shared(self, params, x, y) -> EvalResult:
         n, dev, c = params.shape[0], self.device, self.num_classes
@@ -453,13 +456,13 @@ class VectorizedEngine(EngineBase):
         return EvalResult(correct.round().long().cpu(), loss.cpu(), torch.full((n,), N, dtype=torch.long),
                           conf.round().long().cpu())
 
-    def _evaluate_own(self, params, idx_list: list[torch.Tensor], x_all, y_all) -> EvalResult:
+    def _evaluate_own(self, params, idx_list: list[np.ndarray], x_all, y_all) -> EvalResult:
         """Each model on its own samples: rows of (model, <= S sample indices), padded and masked."""
         n, dev, c = params.shape[0], self.device, self.num_classes
         S, R = self.own_samples, self.own_rows
         row_model, row_idx, row_len = [], [], []
         for i, ix in enumerate(idx_list):
-            ix = ix.cpu()
+            ix = torch.from_numpy(ix)
             for s0 in range(0, len(ix), S):
                 row_model.append(i)
                 row_idx.append(ix[s0 : s0 + S])
