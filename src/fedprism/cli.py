@@ -74,7 +74,7 @@ def cmd_sweep(args) -> int:
     from fedprism.experiment.sweep import run_sweep
 
     return run_sweep(args.file, args.db, only=args.only, quick=args.quick, progress=not args.quiet,
-                     limit=args.limit)
+                     limit=args.limit, seeds=args.seed)
 
 
 def cmd_report(args) -> int:
@@ -192,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--only", default=None, help="only runs whose label contains this text")
     s.add_argument("--quick", action="store_true", help="apply the file's [quick] overrides (CI size)")
     s.add_argument("--limit", type=int, default=None, help="stop after this many runs")
+    s.add_argument("--seed", type=int, action="append", default=None,
+                   help="only runs with this seed (repeatable)")
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(fn=cmd_sweep)
 

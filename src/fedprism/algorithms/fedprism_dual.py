@@ -322,9 +322,12 @@ class FedPrismDual(FedPrism):
         need_b, need_e = weight != 1, weight != 0
         backbone = self.model_for(state, clients) if need_b else None
         expert = state["expert"][torch.as_tensor(clients)] if need_e else None
-        chunk = int(getattr(getattr(trainer, "cfg", None), "eval_chunk", 500) or 500)
+        # the engine's preferred call shape (the vectorized engine: eval_models x eval_samples, compiled)
+        chunk = int(getattr(trainer, "eval_samples", 0) or getattr(getattr(trainer, "cfg", None), "eval_chunk", 500)
+                    or 500)
         dev = torch.device(getattr(trainer, "device", "cpu"))
-        budget = 1 << (18 if dev.type == "cuda" else 13)          # model-samples per forward call
+        width = getattr(trainer, "eval_models", None)
+        budget = chunk * width if width else 1 << (18 if dev.type == "cuda" else 13)  # model-samples per call
         correct = torch.zeros(n, dtype=torch.long)
         loss = torch.zeros(n, dtype=torch.float64)
         count = torch.zeros(n, dtype=torch.long)

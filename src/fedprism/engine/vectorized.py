@@ -233,6 +233,7 @@ class VectorizedEngine(EngineBase):
         self._steps: dict[str, _MaybeCompiled] = {}
         self._eval_shared = _MaybeCompiled(self._eval_shared_fn, self.compiled)
         self._eval_own = _MaybeCompiled(self._eval_own_fn, self.compiled)
+        self._logits = _MaybeCompiled(vmap(self.f, in_dims=(0, None)), self.compiled)
 
     # -- training -------------------------------------------------------------------------------
     def _step_fn(self, objective: str) -> _MaybeCompiled:
@@ -493,13 +494,26 @@ class VectorizedEngine(EngineBase):
 
     @torch.no_grad()
     def logits(self, params: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """[n, B, classes] logits of n models on one shared input batch (models in chunks)."""
+        """[n, B, classes] logits of n models on one shared input batch (groups of `eval_models`).
+
+        Compiled like the evaluation when the engine is and the batch has the shared-chunk size
+        `eval_samples` (other sizes, e.g. clients' own test splits, run eager: no graph per size); the
+        last group is padded to the full width so that one graph serves every call.
+        """
         params = params.to(self.device, torch.float32)
         x = x.to(self.device)
-        fwd = vmap(self.f, in_dims=(0, None))
-        return torch.cat([fwd(params[i : i + self.eval_models], x)
-                          for i in range(0, params.shape[0], self.eval_models)]) if len(params) else \
-            torch.zeros(0, len(x), self.num_classes, device=self.device)
+        n, M = params.shape[0], self.eval_models
+        if n == 0:
+            return torch.zeros(0, len(x), self.num_classes, device=self.device)
+        compiled = self.compiled and len(x) == self.eval_samples
+        out = []
+        for g0 in range(0, n, M):
+            p = params[g0 : g0 + M]
+            m = len(p)
+            if compiled and m < M:
+                p = torch.cat([p, p[:1].expand(M - m, -1)])
+            out.append(self._logits(p, x)[:m] if compiled else self._logits.fn(p, x))
+        return torch.cat(out)
 
 
 __all__ = ["VectorizedEngine", "lpt_slots", "ideal_slots", "lpt_makespan", "parse_compile", "profile_model",

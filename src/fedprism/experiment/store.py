@@ -5,6 +5,8 @@ Tables
     rounds          per-round metrics (JSON object) and wall time
     client_metrics  per-round, per-client accuracies and losses
     records         method- and runner-specific records (cluster assignments, rejected updates, ...)
+    sweep_runs      which sweeps hold which runs, under which row label (a run whose config two
+                    sweeps share is run once and belongs to both)
 
 Writes are transactional per round (WAL mode), so a crash never leaves half a round. Checkpoints of
 the algorithm state (weights) are NOT stored here: they live beside the database in `<db>.ckpt/`
@@ -44,6 +46,9 @@ CREATE TABLE IF NOT EXISTS records (
     run_id TEXT NOT NULL, round INTEGER NOT NULL, kind TEXT NOT NULL, client INTEGER, data TEXT
 );
 CREATE INDEX IF NOT EXISTS records_run ON records (run_id, kind, round);
+CREATE TABLE IF NOT EXISTS sweep_runs (
+    sweep TEXT NOT NULL, run_id TEXT NOT NULL, label TEXT, PRIMARY KEY (sweep, run_id)
+);
 """
 
 
@@ -118,7 +123,9 @@ class Store:
                     " created, updated, sweep) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                     (run_id, config.get("name", ""), config["method"], config["dataset"], config["seed"],
                      dumps(config), code_version(), "running", now, now, sweep))
-            elif row["status"] != "finished":
+            if sweep is not None:
+                db.execute("INSERT OR REPLACE INTO sweep_runs VALUES (?,?,?)", (sweep, run_id, config.get("name")))
+            if row is not None and row["status"] != "finished":
                 db.execute("UPDATE runs SET status='running', updated=?, code_version=? WHERE run_id=?",
                            (now, code_version(), run_id))
         return self.run(run_id)
@@ -154,8 +161,20 @@ class Store:
             db.execute("UPDATE runs SET status=?, updated=? WHERE run_id=?", (status, time.time(), run_id))
 
     # -- reading -----------------------------------------------------------------------------------
+    def add_to_sweep(self, sweep: str, run_id: str, label: str | None) -> None:
+        with self.transaction() as db:
+            db.execute("INSERT OR REPLACE INTO sweep_runs VALUES (?,?,?)", (sweep, run_id, label))
+
     def runs(self, **where: Any) -> list[sqlite3.Row]:
-        q = "SELECT * FROM runs"
+        """Run rows matching column values; `sweep=NAME` means the runs that sweep holds, with its labels."""
+        if "sweep" in where:
+            sweep = where.pop("sweep")
+            q = ("SELECT runs.*, COALESCE(m.label, runs.name) AS label FROM runs LEFT JOIN sweep_runs m"
+                 " ON m.run_id = runs.run_id AND m.sweep = ? WHERE (m.sweep IS NOT NULL OR runs.sweep = ?)")
+            args = (sweep, sweep, *where.values())
+            q += "".join(f" AND runs.{k}=?" for k in where)
+            return self.db.execute(q + " ORDER BY runs.created", args).fetchall()
+        q = "SELECT *, name AS label FROM runs"
         if where:
             q += " WHERE " + " AND ".join(f"{k}=?" for k in where)
         return self.db.execute(q + " ORDER BY created", tuple(where.values())).fetchall()

@@ -69,13 +69,15 @@ def load_sweep(path: str | Path, quick: bool = False) -> tuple[str, list[Config]
 
 
 def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, progress: bool = True,
-              limit: int | None = None) -> int:
+              limit: int | None = None, seeds: list[int] | None = None) -> int:
     from fedprism.experiment.runner import Experiment
     from fedprism.experiment.store import Store
 
     name, configs = load_sweep(path, quick)
     if only:
         configs = [c for c in configs if only in c["name"]]
+    if seeds:
+        configs = [c for c in configs if c["seed"] in seeds]
     store = Store(db)
     done = skipped = 0
     t0 = time.time()
@@ -86,6 +88,7 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
         tag = f"[{i + 1}/{len(configs)}] {cfg['name']} seed={cfg['seed']}"
         if row is not None and row["status"] == "finished":
             skipped += 1
+            store.add_to_sweep(name, cfg.run_id, cfg["name"])
             print(f"{tag}: finished earlier, skipped", file=sys.stderr)
             continue
         res = Experiment(cfg, store, progress=progress, sweep=name).run()

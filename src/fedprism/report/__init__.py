@@ -45,7 +45,7 @@ def collect(store: Store, sweep: str | None = None) -> dict[str, dict[str, list[
         if r["status"] != "finished":
             continue
         cfg = json.loads(r["config"])
-        out[setting_of(cfg)][cfg.get("name") or cfg["method"]].append(
+        out[setting_of(cfg)][r["label"] or cfg["method"]].append(
             {"run_id": r["run_id"], "config": cfg, "final": json.loads(r["final"] or "{}")})
     return out
 
