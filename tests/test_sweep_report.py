@@ -36,6 +36,31 @@ def test_quick_clustering_sweep_stores_all_and_reports(tmp_path, monkeypatch):
     assert len(rows) == len(configs)
     assert any(p.name.endswith("-clusters.png") for p in paths)
     assert any(p.name.endswith("-accuracy.png") for p in paths)
+    assert any(p.name.endswith("-ecdf.png") for p in paths)
+    assert "## Paper layout" in md and "\n| FedAvg | " in md.split("## Paper layout")[1].split("\n## ")[0]
     before = {p: p.read_bytes() for p in paths}
     write_report(db, str(out), sweep=name)                    # byte-for-byte reproducible
     assert all(p.read_bytes() == b for p, b in before.items())
+
+
+def test_a_run_two_sweeps_share_is_run_once_and_reported_by_both(tmp_path):
+    from fedprism.experiment.config import resolve
+    from fedprism.experiment.runner import Experiment
+
+    db = str(tmp_path / "m.db")
+    store = Store(db)
+    cfg = resolve({"dataset": "digits", "model": "mlp", "clients": 6, "rounds": 2, "fraction": 0.5,
+                   "method": "fedavg", "name": "FedAvg"})
+    Experiment(cfg, store, progress=False, sweep="first").run()
+    a = tmp_path / "second.toml"
+    a.write_text('name = "second"\n[base]\ndataset = "digits"\nmodel = "mlp"\nclients = 6\nrounds = 2\n'
+                 'fraction = 0.5\n[[runs]]\nlabel = "Baseline"\nmethod = "fedavg"\n')
+    run_sweep(str(a), db, progress=False)                     # same config: skipped, but now a member
+    assert len(store.runs()) == 1
+    assert [r["label"] for r in store.runs(sweep="second")] == ["Baseline"]
+    assert [r["label"] for r in store.runs(sweep="first")] == ["FedAvg"]
+    write_report(db, str(tmp_path / "rep"), sweep="second", plots=False)
+    assert "| Baseline | 1 |" in (tmp_path / "rep" / "results.md").read_text()
+    write_report(db, str(tmp_path / "both"), sweep=["first", "second"], plots=False)
+    md = (tmp_path / "both" / "results.md").read_text()
+    assert "| FedAvg | 1 |" in md and "Baseline" not in md          # once, under the first sweep's label

@@ -199,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     rp = with_db(sub.add_parser("report", help="comparison tables (markdown, CSV) and plots from the store"))
     rp.add_argument("--out", default="report", help="output directory")
-    rp.add_argument("--sweep", default=None, help="only runs of this sweep")
+    rp.add_argument("--sweep", action="append", default=None,
+                    help="only runs of this sweep (repeatable: several sweeps in one report)")
     rp.add_argument("--no-plots", action="store_true")
     rp.set_defaults(fn=cmd_report)
 

@@ -37,21 +37,59 @@ def setting_of(cfg: dict) -> str:
     return f"{cfg['dataset']} {part}({args}) N={cfg['clients']} T={cfg['rounds']}"
 
 
-def collect(store: Store, sweep: str | None = None) -> dict[str, dict[str, list[dict]]]:
-    """setting -> label -> list of (config, final) for finished runs."""
-    rows = store.runs(sweep=sweep) if sweep else store.runs()
+def collect(store: Store, sweep: str | list[str] | None = None) -> dict[str, dict[str, list[dict]]]:
+    """setting -> label -> list of (config, final) for finished runs (of the given sweeps, if any).
+
+    A run that several of the sweeps hold appears once, under the label of the first sweep listed.
+    """
+    sweeps = [sweep] if isinstance(sweep, str) else list(sweep or [])
+    rows = [r for sw in sweeps for r in store.runs(sweep=sw)] if sweeps else store.runs()
     out: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    seen: set[str] = set()
     for r in rows:
-        if r["status"] != "finished":
+        if r["status"] != "finished" or r["run_id"] in seen:
             continue
+        seen.add(r["run_id"])
         cfg = json.loads(r["config"])
         out[setting_of(cfg)][r["label"] or cfg["method"]].append(
             {"run_id": r["run_id"], "config": cfg, "final": json.loads(r["final"] or "{}")})
     return out
 
 
+def family_of(cfg: dict) -> tuple[str, str]:
+    """(family, column): settings of one family differ only in their partition parameters."""
+    extra = {k.split(".", 1)[1]: v for k, v in cfg.items() if k.startswith("partition.")
+             and k not in ("partition.min_train", "partition.min_test")}
+    col = ",".join(f"{k}={v}" for k, v in sorted(extra.items())) or "-"
+    return f"{cfg['dataset']} {cfg['partition']} N={cfg['clients']} T={cfg['rounds']}", col
+
+
+def paper_tables(groups) -> list[str]:
+    """The paper's layout (Tables 1, 6, 7): methods x settings, Glob and Loc as mean ± std in %."""
+    fams: dict[str, dict[str, str]] = defaultdict(dict)
+    for setting, labels in groups.items():
+        any_run = next(iter(next(iter(labels.values()))))
+        fam, col = family_of(any_run["config"])
+        fams[fam][col] = setting
+    md = []
+    for fam in sorted(fams):
+        cols = sorted(fams[fam])
+        labels = sorted({lab for c in cols for lab in groups[fams[fam][c]]})
+        md += [f"### {fam}", "", "| method | " + " | ".join(f"{c} Glob | {c} Loc" for c in cols) + " |",
+               "|---|" + "---|---|" * len(cols)]
+        for lab in labels:
+            cells = []
+            for c in cols:
+                runs = groups[fams[fam][c]].get(lab, [])
+                cells += [_pm([r["final"].get(k) for r in runs]) for k in ("global_acc", "local_acc")]
+            md.append(f"| {lab} | " + " | ".join(cells) + " |")
+        md.append("")
+    return md
+
+
 def tables(groups) -> tuple[str, list[list]]:
-    md, rows = ["# fedprism results", ""], []
+    md, rows = ["# fedprism results", "", "## Paper layout (final round; mean ± std over seeds, %)", ""], []
+    md += paper_tables(groups)
     for setting in sorted(groups):
         md += [f"## {setting}", "", "| method | seeds | " + " | ".join(h for _, h in COLUMNS) + " |",
                "|---|---|" + "---|" * len(COLUMNS)]
@@ -62,82 +100,133 @@ def tables(groups) -> tuple[str, list[list]]:
             for r in runs:
                 rows.append([setting, label, r["config"]["seed"], r["run_id"]]
                             + [r["final"].get(k) for k, _ in COLUMNS])
-        md.append("")
+        md += ["", f"![accuracy per round](plots/{slug(setting)}-accuracy.png) "
+                   f"![per-client local accuracy ECDF](plots/{slug(setting)}-ecdf.png)", ""]
     md.append("Glob: each client's model on the full global test set, mean over clients. Loc: each client's "
               "model on its own test split, mean over clients. Final = last round, Best = best evaluated "
               "round; mean ± std over seeds, in %. SDAD: std of per-client local accuracy (fraction).")
     return "\n".join(md) + "\n", rows
 
 
+def slug(setting: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in ".-" else "-" for ch in setting.replace("=", "")).strip("-")
+
+
 def _save(fig, path: Path) -> None:
     fig.savefig(path, dpi=90, metadata={"Software": None})
 
 
-def plot_run(store: Store, run: dict, out: Path) -> list[Path]:
+def _plt():
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
 
-    paths = []
-    hist = [h for h in store.round_metrics(run["run_id"]) if "local_acc" in h]
-    if hist:
-        fig, ax = plt.subplots(figsize=(5, 3.2))
-        r = [h["round"] + 1 for h in hist]
-        ax.plot(r, [h["local_acc"] for h in hist], label="local acc")
-        if "global_acc" in hist[0]:
-            ax.plot(r, [h["global_acc"] for h in hist], label="global acc")
+
+def _colors(n: int):
+    plt = _plt()
+    cmap = plt.get_cmap("tab10" if n <= 10 else "tab20")
+    return [cmap(i % cmap.N) for i in range(n)]
+
+
+def plot_setting(store: Store, setting: str, labels: dict[str, list[dict]], out: Path) -> list[Path]:
+    """Accuracy per round (mean over seeds; global and local) and the ECDF of per-client local accuracy
+    at the final evaluated round (pooled over seeds; seed 001 Fig. 8), one line per method."""
+    plt = _plt()
+    names = sorted(labels)
+    colors = dict(zip(names, _colors(len(names))))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    for lab in names:
+        curves = [[h for h in store.round_metrics(r["run_id"]) if "local_acc" in h] for r in labels[lab]]
+        curves = [c for c in curves if c]
+        if not curves:
+            continue
+        rounds = sorted(set.intersection(*[{h["round"] for h in c} for c in curves]))
+        for ax, key in zip(axes, ("global_acc", "local_acc")):
+            vals = [[{h["round"]: h.get(key) for h in c}[t] for t in rounds] for c in curves]
+            if rounds and all(v is not None for row in vals for v in row):
+                ax.plot([t + 1 for t in rounds], np.mean(vals, axis=0), label=lab, color=colors[lab], lw=1.2)
+    for ax, title in zip(axes, ("global accuracy (Glob)", "local accuracy (Loc)")):
+        ax.set_title(title, fontsize=9)
         ax.set_xlabel("round")
-        ax.set_ylabel("accuracy")
-        ax.set_title(f"{run['config'].get('name')} (seed {run['config']['seed']})", fontsize=9)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        p = out / f"{run['run_id']}-accuracy.png"
-        _save(fig, p)
-        plt.close(fig)
-        paths.append(p)
+    axes[0].set_ylabel("accuracy (mean over clients and seeds)")
+    axes[1].legend(fontsize=6, loc="lower right")
+    fig.suptitle(setting, fontsize=9)
+    fig.tight_layout()
+    paths = [out / f"{slug(setting)}-accuracy.png"]
+    _save(fig, paths[0])
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for lab in names:
+        acc = np.sort([c["local_acc"] for r in labels[lab] for c in store.client_rows(r["run_id"])
+                       if c["local_acc"] is not None])
+        if acc.size:
+            ax.step(acc, np.arange(1, acc.size + 1) / acc.size, where="post", label=lab, color=colors[lab], lw=1.2)
+    ax.set_xlabel("client's local test accuracy (final round)")
+    ax.set_ylabel("fraction of clients")
+    ax.set_xlim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6, loc="upper left")
+    ax.set_title(f"ECDF of per-client local accuracy\n{setting}", fontsize=9)
+    fig.tight_layout()
+    paths.append(out / f"{slug(setting)}-ecdf.png")
+    _save(fig, paths[-1])
+    plt.close(fig)
+    return paths
+
+
+def plot_clusters(store: Store, run: dict, out: Path) -> list[Path]:
+    """Cluster assignment of every client over the clustering rounds (methods that record clusters)."""
     recs = store.records(run["run_id"], "clusters")
-    if recs:
-        n = run["config"]["clients"]
-        rounds = [x["round"] for x in recs]
-        grid = np.full((n, len(recs)), np.nan)
-        last = np.full(n, np.nan)
-        for j, x in enumerate(recs):
-            last[np.asarray(x["data"]["clients"], dtype=int)] = x["data"]["labels"]
-            grid[:, j] = last
-        fig, ax = plt.subplots(figsize=(5, 4))
-        im = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="tab10")
-        ax.set_xticks(range(len(rounds)))
-        ax.set_xticklabels([str(r) for r in rounds], fontsize=6)
-        ax.set_xlabel("clustering round")
-        ax.set_ylabel("client")
-        ax.set_title(f"cluster assignment: {run['config'].get('name')}", fontsize=9)
-        fig.colorbar(im, ax=ax, label="cluster")
-        fig.tight_layout()
-        p = out / f"{run['run_id']}-clusters.png"
-        _save(fig, p)
-        plt.close(fig)
-        paths.append(p)
-    return paths
+    if not recs:
+        return []
+    plt = _plt()
+    n = run["config"]["clients"]
+    rounds = [x["round"] for x in recs]
+    grid = np.full((n, len(recs)), np.nan)
+    last = np.full(n, np.nan)
+    for j, x in enumerate(recs):
+        last[np.asarray(x["data"]["clients"], dtype=int)] = x["data"]["labels"]
+        grid[:, j] = last
+    fig, ax = plt.subplots(figsize=(5, 4))
+    im = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="tab10")
+    ax.set_xticks(range(len(rounds)))
+    ax.set_xticklabels([str(r) for r in rounds], fontsize=6)
+    ax.set_xlabel("clustering round")
+    ax.set_ylabel("client")
+    ax.set_title(f"cluster assignment: {run['config'].get('name')} (seed {run['config']['seed']})", fontsize=9)
+    fig.colorbar(im, ax=ax, label="cluster")
+    fig.tight_layout()
+    p = out / f"{run['run_id']}-clusters.png"
+    _save(fig, p)
+    plt.close(fig)
+    return [p]
 
 
-def write_report(db: str, out: str, sweep: str | None = None, plots: bool = True) -> list[Path]:
+def write_report(db: str, out: str, sweep: str | list[str] | None = None, plots: bool = True) -> list[Path]:
+    """results.md (paper layout + per-setting detail), results.csv (one row per run) and plots/."""
     store = Store(db)
-    groups = collect(store, sweep)
-    outdir = Path(out)
-    outdir.mkdir(parents=True, exist_ok=True)
-    md, rows = tables(groups)
-    paths = [outdir / "results.md", outdir / "results.csv"]
-    paths[0].write_text(md)
-    with open(paths[1], "w", newline="") as f:
-        w = csv.writer(f, lineterminator="\n")
-        w.writerow(["setting", "method", "seed", "run_id"] + [k for k, _ in COLUMNS])
-        w.writerows(rows)
-    if plots:
-        pdir = outdir / "plots"
-        pdir.mkdir(exist_ok=True)
-        for setting in sorted(groups):
-            for label in sorted(groups[setting]):
-                for run in groups[setting][label]:
-                    paths += plot_run(store, run, pdir)
-    return paths
+    try:
+        groups = collect(store, sweep)
+        outdir = Path(out)
+        outdir.mkdir(parents=True, exist_ok=True)
+        md, rows = tables(groups)
+        paths = [outdir / "results.md", outdir / "results.csv"]
+        paths[0].write_text(md)
+        with open(paths[1], "w", newline="") as f:
+            w = csv.writer(f, lineterminator="\n")
+            w.writerow(["setting", "method", "seed", "run_id"] + [k for k, _ in COLUMNS])
+            w.writerows(rows)
+        if plots:
+            pdir = outdir / "plots"
+            pdir.mkdir(exist_ok=True)
+            for setting in sorted(groups):
+                paths += plot_setting(store, setting, groups[setting], pdir)
+                for label in sorted(groups[setting]):
+                    for run in sorted(groups[setting][label], key=lambda r: r["config"]["seed"]):
+                        paths += plot_clusters(store, run, pdir)
+        return paths
+    finally:
+        store.close()
