@@ -17,8 +17,9 @@ import numpy as np
 
 from fedprism.experiment.store import Store
 
-COLUMNS = [("global_acc", "Glob"), ("local_acc", "Loc"), ("best_global_acc", "Best Glob"),
-           ("best_local_acc", "Best Loc"), ("sdad", "SDAD")]
+#: the per-setting tables, in the layout of the paper's ablation tables (3-5, 9-11): Final and Best
+COLUMNS = [("global_acc", "Glob Final"), ("best_global_acc", "Glob Best"), ("local_acc", "Loc Final"),
+           ("best_local_acc", "Loc Best"), ("sdad", "SDAD")]
 
 
 def _pm(vals: list[float], scale: float = 100.0) -> str:
