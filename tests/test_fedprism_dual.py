@@ -268,3 +268,19 @@ def test_parameter_normalisation():
     assert FedPrismDual.resolve({"inference_weight": 1})["inference_weight"] == 1.0
     # global_cluster mixes (alpha, 1 - alpha, 0): beta is unused, so alpha + beta > 1 is fine
     assert FedPrismDual.resolve({"components": "global_cluster", "alpha": 0.95})["alpha"] == 0.95
+
+
+@pytest.mark.slow
+def test_compiled_engine_evaluation_equals_eager(unequal):
+    """The compiled `logits` path (shared-chunk batches) scores like the eager one (float reassociation
+    may flip at most one near-tie prediction)."""
+    algo, eng = setup(unequal, k=2, every=1, alpha=0.6, beta=0.2)
+    state = drive(algo, eng, 2, fraction=0.5)
+    model = build_model("mlp", unequal.input_shape, unequal.num_classes, seed=0)
+    res = {}
+    for compiled in (False, True):
+        v = VectorizedEngine(unequal, model, LOCAL, 0, "cpu", compile=compiled, eval_models=4, eval_samples=64)
+        res[compiled] = [algo.evaluate(state, v, np.arange(6), split) for split in ("local", "global")]
+    for a, b in zip(res[False], res[True]):
+        assert (a.correct - b.correct).abs().max() <= 1 and torch.equal(a.count, b.count)
+        assert torch.allclose(a.loss_sum, b.loss_sum, rtol=1e-4, atol=1e-3)

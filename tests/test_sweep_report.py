@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 
+import pytest
+
 from fedprism.experiment.store import Store
 from fedprism.experiment.sweep import load_sweep, run_sweep
 from fedprism.report import write_report
@@ -43,7 +45,7 @@ def test_quick_clustering_sweep_stores_all_and_reports(tmp_path, monkeypatch):
     assert all(p.read_bytes() == b for p, b in before.items())
 
 
-def test_a_run_two_sweeps_share_is_run_once_and_reported_by_both(tmp_path):
+def test_a_run_two_sweeps_share_is_run_once_and_reported_by_both(tmp_path, monkeypatch):
     from fedprism.experiment.config import resolve
     from fedprism.experiment.runner import Experiment
 
@@ -64,3 +66,21 @@ def test_a_run_two_sweeps_share_is_run_once_and_reported_by_both(tmp_path):
     write_report(db, str(tmp_path / "both"), sweep=["first", "second"], plots=False)
     md = (tmp_path / "both" / "results.md").read_text()
     assert "| FedAvg | 1 |" in md and "Baseline" not in md          # once, under the first sweep's label
+    # a published table beside ours: differences above 3 points are flagged, missing rows say so
+    import json
+
+    from fedprism.report import family_of, reference
+
+    cfg = json.loads(store.runs()[0]["config"])
+    ours = 100 * json.loads(store.runs()[0]["final"])["global_acc"]
+    key = (cfg["dataset"], cfg["partition"], family_of(cfg)[1])
+    monkeypatch.setitem(reference.REFERENCES, "toy", {key: {"Baseline": (ours - 1.0, 100.0), "Other": (1.0, 2.0)}})
+    write_report(db, str(tmp_path / "ref"), sweep="second", plots=False, reference="toy")
+    md = (tmp_path / "ref" / "results.md").read_text()
+    row = next(line for line in md.splitlines() if "| Baseline | 1 |" in line and "paper" not in line
+               and line.count("|") == 10)
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[5] == "+1.00" and cells[8].startswith("**-")      # Glob +1 (not flagged); Loc flagged
+    assert any("| Other | 0 |" in line and line.rstrip().endswith("| - |") for line in md.splitlines())
+    with pytest.raises(ValueError, match="unknown reference"):
+        write_report(db, str(tmp_path / "bad"), plots=False, reference="nope")

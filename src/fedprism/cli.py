@@ -80,7 +80,7 @@ def cmd_sweep(args) -> int:
 def cmd_report(args) -> int:
     from fedprism.report import write_report
 
-    paths = write_report(args.db, args.out, sweep=args.sweep, plots=not args.no_plots)
+    paths = write_report(args.db, args.out, sweep=args.sweep, plots=not args.no_plots, reference=args.reference)
     for p in paths:
         print(p)
     return 0
@@ -202,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--sweep", action="append", default=None,
                     help="only runs of this sweep (repeatable: several sweeps in one report)")
     rp.add_argument("--no-plots", action="store_true")
+    rp.add_argument("--reference", default=None,
+                    help="put a published table next to ours, e.g. fedprism-paper-fmnist")
     rp.set_defaults(fn=cmd_report)
 
     pa = sub.add_parser("partition", help="split a dataset and print per-client summary + heterogeneity",

@@ -88,9 +88,44 @@ def paper_tables(groups) -> list[str]:
     return md
 
 
-def tables(groups) -> tuple[str, list[list]]:
+def reference_table(groups, name: str) -> list[str]:
+    """Ours next to a published table, row by row; |difference| > FLAG_POINTS is marked."""
+    from fedprism.report.reference import FLAG_POINTS, REFERENCES
+
+    if name not in REFERENCES:
+        raise ValueError(f"unknown reference {name!r}; known: {', '.join(sorted(REFERENCES))}")
+    ref = REFERENCES[name]
+    md = [f"## Ours vs {name} (final round, %; ours mean over seeds)", "",
+          "| setting | method | seeds | Glob ours | Glob paper | Δ | Loc ours | Loc paper | Δ |",
+          "|---|---|---|---|---|---|---|---|---|"]
+    by_key = {}
+    for setting, labels in groups.items():
+        cfg = next(iter(next(iter(labels.values()))))["config"]
+        fam_col = family_of(cfg)[1]
+        by_key[(cfg["dataset"], cfg["partition"], fam_col)] = labels
+    for key in sorted(ref):
+        ours = by_key.get(key, {})
+        for lab, paper in ref[key].items():
+            runs = ours.get(lab, [])
+            cells = []
+            for k, p in zip(("global_acc", "local_acc"), paper):
+                v = [r["final"].get(k) for r in runs if r["final"].get(k) is not None]
+                if v:
+                    o = 100 * float(np.mean(v))
+                    d = o - p
+                    cells += [f"{o:.2f}", f"{p:.2f}", f"**{d:+.2f}**" if abs(d) > FLAG_POINTS else f"{d:+.2f}"]
+                else:
+                    cells += ["-", f"{p:.2f}", "-"]
+            md.append(f"| {key[0]} {key[1]}({key[2]}) | {lab} | {len(runs)} | " + " | ".join(cells) + " |")
+    md += ["", f"Bold: |Δ| > {FLAG_POINTS:g} points. '-': not run (yet).", ""]
+    return md
+
+
+def tables(groups, reference: str | None = None) -> tuple[str, list[list]]:
     md, rows = ["# fedprism results", "", "## Paper layout (final round; mean ± std over seeds, %)", ""], []
     md += paper_tables(groups)
+    if reference:
+        md += reference_table(groups, reference)
     for setting in sorted(groups):
         md += [f"## {setting}", "", "| method | seeds | " + " | ".join(h for _, h in COLUMNS) + " |",
                "|---|---|" + "---|" * len(COLUMNS)]
@@ -206,14 +241,16 @@ def plot_clusters(store: Store, run: dict, out: Path) -> list[Path]:
     return [p]
 
 
-def write_report(db: str, out: str, sweep: str | list[str] | None = None, plots: bool = True) -> list[Path]:
-    """results.md (paper layout + per-setting detail), results.csv (one row per run) and plots/."""
+def write_report(db: str, out: str, sweep: str | list[str] | None = None, plots: bool = True,
+                 reference: str | None = None) -> list[Path]:
+    """results.md (paper layout, optional published reference, per-setting detail), results.csv (one row
+    per run) and plots/."""
     store = Store(db)
     try:
         groups = collect(store, sweep)
         outdir = Path(out)
         outdir.mkdir(parents=True, exist_ok=True)
-        md, rows = tables(groups)
+        md, rows = tables(groups, reference)
         paths = [outdir / "results.md", outdir / "results.csv"]
         paths[0].write_text(md)
         with open(paths[1], "w", newline="") as f:
