@@ -84,3 +84,16 @@ def test_a_run_two_sweeps_share_is_run_once_and_reported_by_both(tmp_path, monke
     assert any("| Other | 0 |" in line and line.rstrip().endswith("| - |") for line in md.splitlines())
     with pytest.raises(ValueError, match="unknown reference"):
         write_report(db, str(tmp_path / "bad"), plots=False, reference="nope")
+
+
+def test_sweep_overrides_switch_dataset_and_partition(monkeypatch):
+    """`fedprism sweep FILE dataset=cifar10 partition=pathological`: the CIFAR-10 rows of Tables 3-5."""
+    monkeypatch.chdir(__import__("pathlib").Path(__file__).parents[1])
+    _, fm = load_sweep("sweeps/ablation_components.toml")
+    _, cf = load_sweep("sweeps/ablation_components.toml", overrides={"dataset": "cifar10", "partition": "pathological"})
+    assert len(cf) == len(fm) == 5
+    for a, b in zip(fm, cf):
+        assert a["partition"] == "dirichlet" and a["partition.alpha"] == 0.1
+        assert b["dataset"] == "cifar10" and b["partition"] == "pathological"
+        assert b["partition.shards_per_client"] == 2 and "partition.alpha" not in b.values
+        assert b["fedprism_dual.components"] == a["fedprism_dual.components"] and b.run_id != a.run_id

@@ -73,8 +73,10 @@ def cmd_demo(args) -> int:
 def cmd_sweep(args) -> int:
     from fedprism.experiment.sweep import run_sweep
 
+    from fedprism.experiment.config import parse_overrides
+
     return run_sweep(args.file, args.db, only=args.only, quick=args.quick, progress=not args.quiet,
-                     limit=args.limit, seeds=args.seed)
+                     limit=args.limit, seeds=args.seed, overrides=parse_overrides(args.items))
 
 
 def cmd_report(args) -> int:
@@ -189,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
                                description="Run the grid of a sweep TOML file; finished runs are skipped, "
                                "interrupted ones resume."))
     s.add_argument("file", help="sweep TOML file (see sweeps/)")
+    s.add_argument("items", nargs="*", metavar="key=value",
+                   help="overrides applied to every run, e.g. dataset=cifar10 partition=pathological")
     s.add_argument("--only", default=None, help="only runs whose label contains this text")
     s.add_argument("--quick", action="store_true", help="apply the file's [quick] overrides (CI size)")
     s.add_argument("--limit", type=int, default=None, help="stop after this many runs")

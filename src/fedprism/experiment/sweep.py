@@ -32,7 +32,10 @@ from fedprism.errors import ConfigError
 from fedprism.experiment.config import Config, flatten, resolve
 
 
-def load_sweep(path: str | Path, quick: bool = False) -> tuple[str, list[Config]]:
+def load_sweep(path: str | Path, quick: bool = False, overrides: dict[str, Any] | None = None
+               ) -> tuple[str, list[Config]]:
+    """(sweep name, resolved configs). `overrides` (flat keys) apply to every run, last; overriding
+    `partition` drops the file's partition parameters (e.g. `partition=pathological` after Dirichlet)."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError("sweep file", str(p), "an existing TOML file")
@@ -63,17 +66,22 @@ def load_sweep(path: str | Path, quick: bool = False) -> tuple[str, list[Config]
                       if k.split(".")[0] not in REGISTRY or k.split(".")[0] == method}
             raw = {**base, **variant, **dict(zip(grid.keys(), values)), **quick_over}
             raw = {k: v for k, v in raw.items() if k in shared or k in variant or k in grid}
+            if overrides:
+                if "partition" in overrides:
+                    raw = {k: v for k, v in raw.items() if not k.startswith("partition.")}
+                raw.update(overrides)
             raw["name"] = label or raw.get("name") or raw.get("method", "run")
             configs.append(resolve(raw))
     return name, configs
 
 
 def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, progress: bool = True,
-              limit: int | None = None, seeds: list[int] | None = None) -> int:
+              limit: int | None = None, seeds: list[int] | None = None,
+              overrides: dict[str, Any] | None = None) -> int:
     from fedprism.experiment.runner import Experiment
     from fedprism.experiment.store import Store
 
-    name, configs = load_sweep(path, quick)
+    name, configs = load_sweep(path, quick, overrides)
     if only:
         configs = [c for c in configs if only in c["name"]]
     if seeds:
