@@ -84,6 +84,7 @@ class FakeGrid:
         self.replies: dict[str, Message] = {}
         self.log: list[tuple[int, str]] = []
         self.sent: list[tuple[int, int, torch.Tensor]] = []      # (round, client, start vector) of train messages
+        self.states: dict[int, RecordDict] = {}                    # node id -> its Context.state
 
     def add_node(self, nid: int, node_config: dict, run_config: dict | None = None) -> None:
         self.nodes[nid] = node_config
@@ -108,7 +109,9 @@ class FakeGrid:
             ids.append(mid)
             if what == "silent":
                 continue
-            ctx = Context(run_id=1, node_id=nid, node_config=self.nodes[nid], state=RecordDict(), run_config={})
+            # a node keeps its Context.state across messages (Flower does, per run and node)
+            state = self.states.setdefault(nid, RecordDict())
+            ctx = Context(run_id=1, node_id=nid, node_config=self.nodes[nid], state=state, run_config={})
             try:
                 if what == "raise":
                     raise RuntimeError("injected client crash")
@@ -294,22 +297,33 @@ def _methods() -> list[str]:
 @pytest.mark.parametrize("method", _methods())
 def test_every_method_runs_the_same_on_flower(method, tmp_path, task_identity):
     """No algorithm code is duplicated for Flower: each registered method's plan / client_update /
-    aggregate gives the in-process numbers; a method whose evaluation needs the server's data is refused."""
+    aggregate / evaluation gives the in-process numbers. Client-side rows (fedprism_dual's P_i and L_i)
+    live only in the nodes' Context.state: the server's state has none, and every node's rows equal
+    the simulator's."""
     exp = (f"method={method} dataset=digits clients=4 rounds=2 fraction=1.0 local_epochs=1 lr=0.05 model=mlp "
            "device=cpu engine=sequential partition.alpha=0.5 seed=2")
     db = tmp_path / "m.db"
     rc = run_config(exp, db, save_final=str(tmp_path / "final.pt"))
-    if method == "fedprism_dual":
-        with pytest.raises(ConfigError, match="server"):
-            serve(FakeGrid(nodes_for(4), rc), rc)
-        return
     ref, final = in_process(exp, tmp_path / "ref.db")
-    res = serve(FakeGrid(nodes_for(4), rc), rc)
+    grid = FakeGrid(nodes_for(4), rc)
+    res = serve(grid, rc)
     assert res.status == "finished"
-    assert_same_state(ref.state, torch.load(tmp_path / "final.pt", weights_only=False)["state"])
+    got = torch.load(tmp_path / "final.pt", weights_only=False)["state"]
+    private = ref.algo.client_state
+    assert not set(private) & set(got)
+    assert_same_state({k: v for k, v in ref.state.items() if k not in private}, got)
+    for nid, node_cfg in grid.nodes.items():
+        rows = grid.states[nid].array_records.get("fedprism-client-state") if private else None
+        for k in private:
+            assert torch.allclose(torch.from_numpy(rows[k].numpy()).double(),
+                                  ref.state[k][node_cfg["client-id"]].double().unsqueeze(0), atol=1e-6), k
     assert res.final["local_acc"] == pytest.approx(final["local_acc"], abs=1e-9)
     if "global_acc" in final:
         assert res.final["global_acc"] == pytest.approx(final["global_acc"], abs=1e-9)
+    if private:          # nothing the server sent or received holds a client-side row
+        for (_, _, start) in grid.sent:
+            for k in private:
+                assert not any(torch.equal(start.float(), ref.state[k][c].float()) for c in range(4))
 
 
 def test_failures_are_recorded_and_survivors_aggregate(tmp_path, task_identity):

@@ -126,6 +126,26 @@ class EvalResult:
         return self.correct.double() / self.count.clamp(min=1).double()
 
 
+class StateStore:
+    """The simulator's client-side store: rows of `state[key]` ([N, P] tensors).
+
+    An algorithm with per-client parts that never travel (`Algorithm.client_state`, e.g. fedprism_dual's
+    private components and specialists) reads and writes them only through `rows` / `write`, so the
+    same `client_update` runs in the simulator (this class) and on a Flower node
+    (`fedprism.flower.node.NodeStore`, the node's own rows kept in its Flower `Context.state`).
+    """
+
+    def __init__(self, state: dict[str, Any]):
+        self.state = state
+
+    def rows(self, key: str, clients: np.ndarray) -> torch.Tensor:
+        return self.state[key][torch.as_tensor(np.asarray(clients), dtype=torch.long)]
+
+    def write(self, key: str, clients: np.ndarray, values: torch.Tensor) -> None:
+        t = self.state[key]
+        t[torch.as_tensor(np.asarray(clients), dtype=torch.long)] = values.to(t.device, t.dtype)
+
+
 class Algorithm:
     """Base class. Subclasses set `name`, `params` and override the four functions."""
 
@@ -133,6 +153,8 @@ class Algorithm:
     paper: ClassVar[str] = ""
     params: ClassVar[dict[str, Param]] = {}
     personalized: ClassVar[bool] = True   # False: one shared model (global acc computed once)
+    #: per-client rows kept on the client, never in a message (state keys of [N, P] in the simulator)
+    client_state: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, ctx: Context, **hp: Any):
         self.ctx = ctx
@@ -175,6 +197,19 @@ class Algorithm:
     def evaluate(self, state: dict[str, Any], trainer: Trainer, clients: np.ndarray, split: str) -> EvalResult | None:
         """Custom evaluation (e.g. dual-stream routing); None means: evaluate `model_for` rows."""
         return None
+
+    def eval_payload(self, state: dict[str, Any], clients: np.ndarray) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """What the server sends client i for its evaluation on its own side (rows [n, P], extras [n, ...]).
+
+        Only algorithms with `client_state` need it (a Flower node adds its own rows in
+        `evaluate_client`); the default is the inference model itself."""
+        return self.model_for(state, clients), {}
+
+    def evaluate_client(self, trainer: Trainer, clients: np.ndarray, rows: torch.Tensor,
+                        extras: dict[str, torch.Tensor], split: str) -> EvalResult:
+        """The client-side evaluation of `eval_payload` rows, with `self.client_store` bound to the client's
+        own store (a Flower node)."""
+        return trainer.evaluate(rows, clients, split)
 
     def extra_models(self, state: dict[str, Any]) -> dict[str, torch.Tensor]:
         """Extra shared models to score on the global test set (e.g. {'global': w_g})."""

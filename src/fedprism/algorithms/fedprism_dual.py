@@ -30,10 +30,12 @@ Decisions where the paper is silent or inconsistent (copy to the README):
   `Plan.extras["gamma"]`, `down_floats = P + 1`. The client builds the same W_i as from Algorithm 2
   line 6's literal message (G, all K cluster models, w_i, alpha_i: (K+1) P + K + 1 floats), at 1/(K+1)
   of the traffic. Up: W'_i only (`up_floats = P`); h_i is a slice of W'_i, so it costs nothing extra.
-  P_i and L_i never travel: in the simulator they live in `state["private"]` / `state["expert"]`
-  ([N, P], the client-side store, checkpointed with the state so a resumed run is exact), which
-  `client_update` reaches through `self.client_store` (bound to the state by `plan`; a real client sets
-  it to its own {"private", "expert"} rows), never through Plan or Update. The
+  P_i and L_i never travel (`client_state = ("private", "expert")`): in the simulator they live in
+  `state["private"]` / `state["expert"]` ([N, P], checkpointed with the state so a resumed run is
+  exact); on a Flower node, in the node's own `Context.state` (`fedprism.flower.node.NodeStore`; the
+  server's state has no such keys). `client_update` and `evaluate_client` reach them only through
+  `self.client_store` (`rows` / `write`), never through Plan or Update. Evaluation on Flower sends
+  each node the same (shared part, gamma_i) as training and the node scores its routed streams. The
   uploaded W'_i is trained from a start that contains gamma_i P_i: that is the paper's protocol.
 * What the private update trains (Algorithm 1 line 10): P_i as a stand-alone model, the same
   objective and epochs as every local training, from its persisted value. Then it enters W_i.
@@ -87,7 +89,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedprism.algorithms.base import EvalResult, Plan, Trainer, Update, register
+from fedprism.algorithms.base import EvalResult, Plan, StateStore, Trainer, Update, register
 from fedprism.algorithms.fedprism import FedPrism, personalize
 from fedprism.errors import ConfigError
 from fedprism.hparams import Param
@@ -126,6 +128,7 @@ def route(z_expert: torch.Tensor | None, z_backbone: torch.Tensor | None, weight
 class FedPrismDual(FedPrism):
     name = "fedprism_dual"
     paper = "FedPrism paper (seed 000) section 3, Algorithms 1-2"
+    client_state = ("private", "expert")
     params = {
         "k": Param(5, "number of cluster models K", lambda v: v >= 1, "an integer >= 1"),
         "m": Param(0, "clusters per soft row (0 = all K, Algorithm 2)", lambda v: v >= 0, "an integer >= 0"),
@@ -162,7 +165,7 @@ class FedPrismDual(FedPrism):
     def __init__(self, ctx, **hp: Any):
         super().__init__(ctx, **hp)
         self.hp = {**self.hp, **_FIXED, "m": self.hp["m"] or self.hp["k"]}
-        self.client_store: dict | None = None
+        self.client_store = None          # StateStore (simulator) or a Flower node's NodeStore
 
     @classmethod
     def check_params(cls, hp: dict) -> None:
@@ -236,7 +239,7 @@ class FedPrismDual(FedPrism):
 
     # -- the four functions ----------------------------------------------------------------------------
     def plan(self, state: dict, rnd: int, clients: np.ndarray) -> Plan:
-        self.client_store = state          # the simulator's client-side store (see the module docstring)
+        self.client_store = StateStore(state)   # the simulator's client-side store (module docstring)
         shared, gamma = self._shared(state, clients)
         return Plan(clients, shared, extras={"gamma": gamma.to(torch.float32)},
                     down_floats=self.ctx.spec.size + 1)
@@ -246,22 +249,21 @@ class FedPrismDual(FedPrism):
         if self.client_store is None:
             raise RuntimeError("fedprism_dual: plan() must run before client_update() "
                                "(it binds the client store)")
-        store, S = self.client_store, torch.as_tensor(plan.clients)
+        store, S = self.client_store, plan.clients
         new_expert = new_private = None
         if self.uses_expert:                                                  # Path A
-            new_expert = trainer.train(Plan(plan.clients, store["expert"][S].clone()),
-                                       rnd + EXPERT_STREAM).params
-        private = store["private"][S]
+            new_expert = trainer.train(Plan(S, store.rows("expert", S).clone()), rnd + EXPERT_STREAM).params
+        private = store.rows("private", S)
         if self.uses_private:                                                 # Path B, step 1
-            new_private = trainer.train(Plan(plan.clients, private.clone()), rnd + PRIVATE_STREAM).params
+            new_private = trainer.train(Plan(S, private.clone()), rnd + PRIVATE_STREAM).params
             private = new_private
         start = self._add_private(plan.start, plan.extras["gamma"], private.to(plan.start.device))  # step 2
-        up = trainer.train(Plan(plan.clients, start), rnd)
+        up = trainer.train(Plan(S, start), rnd)
         # commit the client-side state only once all three trainings succeeded
         if new_expert is not None:
-            store["expert"][S] = new_expert.to(store["expert"].device, store["expert"].dtype)
+            store.write("expert", S, new_expert)
         if new_private is not None:
-            store["private"][S] = new_private.to(store["private"].device, store["private"].dtype)
+            store.write("private", S, new_private)
         return Update(plan.clients, up.params, plan.start, up.n_samples,
                       {"train_loss": up.extras.get("train_loss")} if "train_loss" in up.extras else {},
                       up_floats=self.ctx.spec.size)
@@ -309,6 +311,30 @@ class FedPrismDual(FedPrism):
     def evaluate(self, state: dict, trainer: Trainer, clients: np.ndarray, split: str) -> EvalResult:
         """Routed predictions of every client's (specialist, backbone) pair on its split.
 
+        On Flower (`trainer.remote`) the streams exist only on the nodes: the trainer sends each client
+        its `eval_payload` and the node scores it with `evaluate_client`.
+        """
+        if getattr(trainer, "remote", False):
+            rows, extras = self.eval_payload(state, clients)
+            return trainer.evaluate_payload(self, rows, extras, np.asarray(clients), split)
+        S = torch.as_tensor(np.asarray(clients))
+        return self.score_streams(trainer, clients, self.model_for(state, clients), state["expert"][S], split)
+
+    def eval_payload(self, state: dict, clients: np.ndarray) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The server's part of the backbone and gamma_i: what `plan` sends, so P_i and L_i stay home."""
+        shared, gamma = self._shared(state, clients)
+        return shared, {"gamma": gamma}
+
+    def evaluate_client(self, trainer: Trainer, clients: np.ndarray, rows: torch.Tensor,
+                        extras: dict[str, torch.Tensor], split: str) -> EvalResult:
+        store = self.client_store
+        backbone = self._add_private(rows, extras["gamma"].reshape(-1), store.rows("private", clients).to(rows.device))
+        return self.score_streams(trainer, clients, backbone, store.rows("expert", clients), split)
+
+    def score_streams(self, trainer: Trainer, clients: np.ndarray, backbone: torch.Tensor, expert: torch.Tensor,
+                      split: str) -> EvalResult:
+        """Eq. 2-3 scores of (backbone, specialist) row pairs on each client's split.
+
         Both streams' logits come from `trainer.logits` on chunks of the test samples (`eval_chunk`)
         for groups of clients. On the global test set the specialists' logits are cached per client
         (keyed by a hash of the specialist's parameters, so exact): only the ~fraction of specialists
@@ -320,8 +346,6 @@ class FedPrismDual(FedPrism):
         n, C = len(clients), self.ctx.num_classes
         weight, T = self.hp["inference_weight"], self.hp["inference_temperature"]
         need_b, need_e = weight != 1, weight != 0
-        backbone = self.model_for(state, clients) if need_b else None
-        expert = state["expert"][torch.as_tensor(clients)] if need_e else None
         # the engine's preferred call shape (the vectorized engine: eval_models x eval_samples, compiled)
         chunk = int(getattr(trainer, "eval_samples", 0) or getattr(getattr(trainer, "cfg", None), "eval_chunk", 500)
                     or 500)

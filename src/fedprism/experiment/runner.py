@@ -167,6 +167,10 @@ class Experiment:
                         int(scores.n_test[c]), scores.local_f1[c]) for c in range(self.ctx.num_clients)]
         return metrics, client_rows
 
+    def initial_state(self) -> dict:
+        """The algorithm's state at round 0 (hook: the Flower server drops the client-side rows)."""
+        return self.algo.init_state()
+
     def run(self, stop_after: int | None = None) -> RunResult:
         """Run to the end (or for `stop_after` more rounds, for tests of resumption)."""
         cfg, store = self.cfg, self.store
@@ -179,7 +183,7 @@ class Experiment:
             state, start, resumed = ckpt["state"], ckpt["round"] + 1, ckpt["round"]
             elapsed = ckpt.get("elapsed", 0.0)
         else:
-            state, start, resumed, elapsed = self.algo.init_state(), 0, None, 0.0
+            state, start, resumed, elapsed = self.initial_state(), 0, None, 0.0
         store.truncate(run_id, start - 1)
         evaluator = Evaluator(self.engine, self.ctx.num_clients, cfg["eval.global"])
         seen = np.zeros(self.ctx.num_clients, bool)

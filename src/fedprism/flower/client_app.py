@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedprism.flower import codec
@@ -31,6 +31,26 @@ def node_for(context: Context, defaults: dict[str, Any]) -> Node:
     clients = parse_experiment(text)["clients"]
     cid = client_id_of(nc, clients)
     return build_node(text, cid, str(nc.get("data-root", "") or ""), str(nc.get("device", "") or ""))
+
+
+#: the name of the node's client-side store in its Flower `Context.state`
+STORE = "fedprism-client-state"
+
+
+def load_store(node: Node, context: Context) -> None:
+    """Bind the node's client-side rows (fedprism_dual's P_i, L_i) to what this node's Context holds;
+    a fresh Context (first round) keeps the initial rows."""
+    if node.store is None:
+        return
+    node.store.reset()
+    if STORE in context.state.array_records:
+        rec = context.state.array_records[STORE]
+        node.store.load({k: rec[k].numpy() for k in rec.keys()})
+
+
+def save_store(node: Node, context: Context) -> None:
+    if node.store is not None:
+        context.state[STORE] = ArrayRecord({k: Array(v) for k, v in node.store.to_arrays().items()})
 
 
 def make_client_app(**defaults: Any) -> ClientApp:
@@ -51,16 +71,20 @@ def make_client_app(**defaults: Any) -> ClientApp:
             raise ValueError(f"the server runs experiment {config_id}, this node was configured for {node.cfg.run_id}")
         if cid != node.client:
             raise ValueError(f"message for client {cid} reached the node of client {node.client}")
+        load_store(node, context)
         update = node.train(plan, rnd)
+        save_store(node, context)          # only after a successful update (client_update commits last)
         return Message(codec.encode_update(update, node.client), reply_to=msg)
 
     @app.evaluate()
     def evaluate(msg: Message, context: Context) -> Message:
         node = node_for(context, defaults)
-        params, splits, cid = codec.decode_eval(msg.content)
+        params, splits, cid, extras = codec.decode_eval(msg.content)
         if cid != node.client:
             raise ValueError(f"message for client {cid} reached the node of client {node.client}")
-        return Message(codec.encode_scores(node.evaluate(params, splits), node.client), reply_to=msg)
+        if extras is not None:
+            load_store(node, context)
+        return Message(codec.encode_scores(node.evaluate(params, splits, extras), node.client), reply_to=msg)
 
     return app
 

@@ -103,15 +103,24 @@ def decode_update(content: RecordDict, plan_row: Plan) -> Update:
 
 
 # -- evaluate ----------------------------------------------------------------------------------------
-def encode_eval(params: torch.Tensor, splits: list[str], client: int) -> RecordDict:
-    """Rows of `params` to score: row i on `splits[i]` ('local': this client's test split; 'global')."""
-    return RecordDict({MODELS: ArrayRecord({"params": _arr(params)}),
-                       TASK: ConfigRecord({"splits": list(splits), "client-id": int(client)})})
+def encode_eval(params: torch.Tensor, splits: list[str], client: int,
+                extras: dict[str, torch.Tensor] | None = None) -> RecordDict:
+    """Rows of `params` to score: row i on `splits[i]` ('local': this client's test split; 'global').
+
+    `extras` (row-aligned) marks the rows as an algorithm's `eval_payload`, scored by the node's
+    `evaluate_client` (client-side parts included); None: plain models."""
+    arrays = {"params": _arr(params)}
+    arrays.update({f"x:{k}": _arr(v) for k, v in (extras or {}).items()})
+    return RecordDict({MODELS: ArrayRecord(arrays),
+                       TASK: ConfigRecord({"splits": list(splits), "client-id": int(client),
+                                           "payload": extras is not None})})
 
 
-def decode_eval(content: RecordDict) -> tuple[torch.Tensor, list[str], int]:
+def decode_eval(content: RecordDict) -> tuple[torch.Tensor, list[str], int, dict[str, torch.Tensor] | None]:
     task = content.config_records[TASK]
-    return _ten(content.array_records[MODELS]["params"]), [str(s) for s in task["splits"]], int(task["client-id"])
+    a = content.array_records[MODELS]
+    extras = {k[2:]: _ten(a[k]) for k in a.keys() if k.startswith("x:")} if task.get("payload", False) else None
+    return _ten(a["params"]), [str(s) for s in task["splits"]], int(task["client-id"]), extras
 
 
 def encode_scores(r: EvalResult, client: int) -> RecordDict:

@@ -43,6 +43,47 @@ def client_slice(fed: Federation, client: int) -> Federation:
                       fed.num_classes, list(fed.class_names), fed.name, dict(fed.meta))
 
 
+class NodeStore:
+    """A node's client-side store: its own client's rows of the algorithm's `client_state` keys.
+
+    They start as the run's initial model (as the simulator's do), change only in this node's
+    `client_update`, and persist across rounds in the node's Flower `Context.state` (`to_arrays` /
+    `load`), so a ClientApp process that is restarted between rounds finds them again.
+    """
+
+    def __init__(self, client: int, keys: tuple[str, ...], init: torch.Tensor):
+        self.client, self.keys, self.init = client, tuple(keys), init.detach().reshape(1, -1).clone()
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to the initial rows (a node whose Context holds no state yet)."""
+        self.data = {k: self.init.clone() for k in self.keys}
+
+    def _check(self, clients) -> None:
+        if np.asarray(clients).tolist() != [self.client]:
+            raise ValueError(f"this node holds client {self.client}'s state, asked for {np.asarray(clients).tolist()}")
+
+    def rows(self, key: str, clients) -> torch.Tensor:
+        self._check(clients)
+        return self.data[key]
+
+    def write(self, key: str, clients, values: torch.Tensor) -> None:
+        self._check(clients)
+        self.data[key] = values.detach().to(self.data[key].dtype).reshape(1, -1).clone()
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        return {k: v.cpu().numpy() for k, v in self.data.items()}
+
+    def load(self, arrays: dict[str, np.ndarray]) -> None:
+        for k in self.keys:
+            if k in arrays:
+                a = torch.from_numpy(np.array(arrays[k], copy=True))
+                if a.shape != self.data[k].shape:
+                    raise ValueError(f"stored client state {k!r} has shape {tuple(a.shape)}, "
+                                     f"expected {tuple(self.data[k].shape)}")
+                self.data[k] = a
+
+
 @dataclass
 class Node:
     cfg: Config
@@ -53,6 +94,7 @@ class Node:
     n_test: int
     input_shape: tuple[int, ...]
     num_classes: int
+    store: NodeStore | None = None    # the client-side rows of algorithms with `client_state`
 
     @property
     def n_train(self) -> int:
@@ -72,17 +114,29 @@ class Node:
         P = self.engine.spec.size
         if plan.start.shape != (1, P):
             raise ValueError(f"start parameters of shape {tuple(plan.start.shape)}, expected (1, {P})")
+        self.algo.client_store = self.store
         return self.algo.client_update(plan, self.engine, rnd)
 
-    def evaluate(self, params: torch.Tensor, splits: list[str]) -> EvalResult:
+    def evaluate(self, params: torch.Tensor, splits: list[str], extras: dict[str, torch.Tensor] | None = None
+                 ) -> EvalResult:
         """Row i of `params` scored on `splits[i]`: 'local' (this client's test split), 'train' (its train
-        rows, e.g. IFCA's choice of a cluster model) or 'global' (the global test set)."""
+        rows, e.g. IFCA's choice of a cluster model) or 'global' (the global test set).
+
+        With `extras` (possibly empty) the rows are the algorithm's `eval_payload` for this client, scored
+        by its `evaluate_client` with the node's own store (e.g. fedprism_dual's routed streams)."""
         if params.dim() != 2 or params.shape[0] != len(splits):
             raise ValueError(f"{tuple(params.shape)} parameter rows for {len(splits)} splits")
         bad = sorted(set(splits) - {"local", "global", "train"})
         if bad:
             raise ValueError(f"unknown split {bad[0]!r}: local, global or train")
-        rows = [self.engine.evaluate(params[i:i + 1], np.array([self.client]), s) for i, s in enumerate(splits)]
+        me = np.array([self.client])
+        if extras is not None:
+            self.algo.client_store = self.store
+            rows = [self.algo.evaluate_client(self.engine, me, params[i:i + 1],
+                                              {k: v[i:i + 1] for k, v in extras.items()}, s)
+                    for i, s in enumerate(splits)]
+        else:
+            rows = [self.engine.evaluate(params[i:i + 1], me, s) for i, s in enumerate(splits)]
         c = self.num_classes
         if not rows:
             z = torch.zeros(0, dtype=torch.long)
@@ -112,5 +166,6 @@ def build_node(experiment: str, client: int, data_root: str = "", device: str = 
     engine = SequentialEngine(local, model, local_config(cfg), cfg["seed"], resolve_device(cfg["device"]))
     ctx.spec = engine.spec
     algo = make_algorithm(cfg, ctx)
+    store = NodeStore(client, algo.client_state, ctx.init) if algo.client_state else None
     return Node(cfg, client, engine, algo, hist, len(local.test_idx[client]), local.input_shape,
-                local.num_classes)
+                local.num_classes, store)

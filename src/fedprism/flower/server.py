@@ -253,9 +253,14 @@ class RemoteTrainer:
     an algorithm's own evaluation hook) from that cache and asks the nodes only for what is missing.
     'local' and 'train' rows go to the client's node; global-test rows go to any connected node (the
     global test set is the same everywhere) and are retried once elsewhere if a node fails.
+
+    Algorithms with client-side state (`client_state`, e.g. fedprism_dual) are evaluated from their
+    `eval_payload`: each client's row goes to its own node, which adds its private rows
+    (`evaluate_client`), for both the local split and the global test set (`evaluate_payload`).
     """
 
     name = "flower"
+    remote = True
 
     def __init__(self, link: Link, spec: ParamSpec, num_classes: int, timeout: float):
         self.link, self.spec, self.C, self.timeout = link, spec, num_classes, timeout
@@ -271,7 +276,7 @@ class RemoteTrainer:
     def _zero(self) -> tuple:
         return (0, 0.0, 0, torch.zeros(self.C, self.C, dtype=torch.long))
 
-    def _score(self, jobs: list[tuple[torch.Tensor, str, int | None]]) -> list[tuple | None]:
+    def _score(self, jobs: list[tuple]) -> list[tuple | None]:
         """jobs = (row, split, client); 'local' / 'train' jobs go to their client's node, 'global' ones to
         any node (their own client's node first). Failed global jobs are retried once; every job that still has no
         score is recorded as an evaluation failure."""
@@ -283,8 +288,8 @@ class RemoteTrainer:
             per: dict[int, list[int]] = {}
             rr = 0
             for j in todo:
-                _, split, c = jobs[j]
-                if split != "global":                  # 'local' and 'train' need the client's own node
+                _, split, c = jobs[j][:3]
+                if split != "global" or _extras(jobs[j]) is not None:   # needs the client's own node
                     if c in self.link.node_of:
                         per.setdefault(c, []).append(j)
                     else:
@@ -300,8 +305,14 @@ class RemoteTrainer:
                 per.setdefault(target, []).append(j)
             if not per:
                 break
-            bodies = {c: codec.encode_eval(torch.stack([jobs[j][0] for j in js]), [jobs[j][1] for j in js], c)
-                      for c, js in per.items()}
+            bodies = {}
+            for c, js in per.items():
+                ex = [_extras(jobs[j]) for j in js]
+                payload = None if ex[0] is None else {k: torch.stack([e[k] for e in ex]) for k in ex[0]}
+                if payload is not None and any(e is None for e in ex):
+                    raise AssertionError("payload and plain rows are never mixed for one node")
+                bodies[c] = codec.encode_eval(torch.stack([jobs[j][0] for j in js]), [jobs[j][1] for j in js], c,
+                                              payload)
             replies, failed = self.link.exchange("evaluate", bodies, self.timeout, group=f"eval-{self.rnd}")
             for c, js in per.items():
                 if c in replies:
@@ -317,19 +328,21 @@ class RemoteTrainer:
                 for j in js:
                     if out[j] is None:
                         why[j] = failed.get(c, "evaluate: no score")
-            todo = [j for j in todo if out[j] is None and jobs[j][1] == "global"]
+            todo = [j for j in todo if out[j] is None and jobs[j][1] == "global" and _extras(jobs[j]) is None]
             if not todo:
                 break
-        for j, (_, split, c) in enumerate(jobs):
+        for j, (_, split, c, *_rest) in enumerate(jobs):
             if out[j] is None:
                 self.link.events.append(("failure", c, {"phase": "evaluate", "split": split,
                                                         "reason": why.get(j, "evaluate: no score")}))
         return out
 
-    def prefetch(self, rnd: int, models: torch.Tensor, extra: list[torch.Tensor], do_global: bool) -> None:
+    def prefetch(self, rnd: int, models: torch.Tensor, extra: list[torch.Tensor], do_global: bool,
+                 keep: bool = False) -> None:
         """Score models[c] on client c's local split and every distinct model on the global test set."""
         self.rnd = rnd
-        self.cache.clear()
+        if not keep:
+            self.cache.clear()
         hashes = row_hashes(models)
         jobs: list[tuple[torch.Tensor, str, int | None]] = [(models[c], "local", c) for c in range(len(models))]
         keys: list[tuple] = [("local", c, hashes[c]) for c in range(len(models))]
@@ -347,6 +360,47 @@ class RemoteTrainer:
             elif split == "local":
                 self.cache[key] = self._zero()      # node away: no local score this round (not asked again)
 
+    @staticmethod
+    def _payload_hashes(rows: torch.Tensor, extras: dict[str, torch.Tensor]) -> list[bytes]:
+        n = rows.shape[0]
+        return row_hashes(torch.cat([rows.double()] + [extras[k].reshape(n, -1).double() for k in sorted(extras)], 1))
+
+    def prefetch_payload(self, rnd: int, rows: torch.Tensor, extras: dict[str, torch.Tensor], do_global: bool) -> None:
+        """Every client's `eval_payload` row scored by its own node on its local split (and the global set)."""
+        self.rnd = rnd
+        self.cache.clear()
+        hashes = self._payload_hashes(rows, extras)
+        splits = ["local"] + (["global"] if do_global else [])
+        jobs, keys = [], []
+        for c in range(len(rows)):
+            for sp in splits:
+                jobs.append((rows[c], sp, c, {k: v[c] for k, v in extras.items()}))
+                keys.append(("payload", sp, c, hashes[c]))
+        for key, res in zip(keys, self._score(jobs)):
+            self.cache[key] = res if res is not None else self._zero()
+
+    def evaluate_payload(self, algo, rows: torch.Tensor, extras: dict[str, torch.Tensor], clients: np.ndarray,
+                         split: str) -> EvalResult:
+        """`algo.evaluate_client` on each client's node (from the prefetched cache when there)."""
+        hashes = self._payload_hashes(rows, extras)
+        keys = [("payload", split, int(c), hashes[k]) for k, c in enumerate(clients)]
+        got = [self.cache.get(key) for key in keys]
+        miss = [k for k, r in enumerate(got) if r is None]
+        if miss:
+            res = self._score([(rows[k], split, int(clients[k]), {n: v[k] for n, v in extras.items()}) for k in miss])
+            for k, r in zip(miss, res):
+                got[k] = r if r is not None else self._zero()
+                if r is not None:
+                    self.cache[keys[k]] = r
+        return self._result(got)
+
+    def _result(self, rows: list[tuple]) -> EvalResult:
+        return EvalResult(torch.tensor([r[0] for r in rows], dtype=torch.long),
+                          torch.tensor([r[1] for r in rows], dtype=torch.float64),
+                          torch.tensor([r[2] for r in rows], dtype=torch.long),
+                          torch.stack([r[3] for r in rows]) if rows else
+                          torch.zeros(0, self.C, self.C, dtype=torch.long))
+
     def evaluate(self, params: torch.Tensor, clients: np.ndarray, split: str) -> EvalResult:
         if split not in ("local", "global", "train"):
             raise ValueError(f"split {split!r} cannot be evaluated remotely (local, global or train)")
@@ -360,11 +414,11 @@ class RemoteTrainer:
                 rows[k] = r if r is not None else self._zero()
                 if r is not None:
                     self.cache[keys[k]] = r
-        return EvalResult(torch.tensor([r[0] for r in rows], dtype=torch.long),
-                          torch.tensor([r[1] for r in rows], dtype=torch.float64),
-                          torch.tensor([r[2] for r in rows], dtype=torch.long),
-                          torch.stack([r[3] for r in rows]) if rows else
-                          torch.zeros(0, self.C, self.C, dtype=torch.long))
+        return self._result(rows)
+
+
+def _extras(job: tuple) -> dict[str, torch.Tensor] | None:
+    return job[3] if len(job) > 3 else None
 
 
 class _NeedsServerData(Exception):
@@ -396,8 +450,8 @@ class _Probe:
 def check_remote_evaluation(algo: Algorithm, num_classes: int) -> None:
     """ConfigError if the algorithm's evaluation hook needs the data on the server (e.g. logits of the
     test samples for dual-stream inference); hooks that only call `trainer.evaluate` run remotely."""
-    if type(algo).evaluate is Algorithm.evaluate:
-        return
+    if type(algo).evaluate is Algorithm.evaluate or algo.client_state:
+        return                  # the default path, or eval_payload / evaluate_client on the nodes
     clients = np.arange(min(2, algo.ctx.num_clients))
     try:
         algo.evaluate(algo.init_state(), _Probe(num_classes), clients, "local")
@@ -430,6 +484,13 @@ class FlowerExperiment(Experiment):
         self.engine = RemoteTrainer(link, self.ctx.spec, link.num_classes, settings.round_timeout)
         self._records: list[Record] = []
         self._rnd = -1
+
+    def initial_state(self) -> dict:
+        """Without the client-side rows (`client_state`): on Flower they exist only on the nodes."""
+        state = self.algo.init_state()
+        for k in self.algo.client_state:
+            state.pop(k, None)
+        return state
 
     @staticmethod
     def finished(store: Store, run_id: str) -> RunResult:
@@ -469,9 +530,15 @@ class FlowerExperiment(Experiment):
     def evaluate_round(self, evaluator: Evaluator, state: dict) -> tuple[dict, list[tuple]]:
         self.link.refresh()
         N = self.ctx.num_clients
-        models = self.algo.model_for(state, np.arange(N))
         extra = list(self.algo.extra_models(state).values())
-        self.engine.prefetch(self._rnd, models, extra, bool(self.cfg["eval.global"]))
+        if self.algo.client_state:          # inference models exist only on the nodes
+            rows, extras = self.algo.eval_payload(state, np.arange(N))
+            self.engine.prefetch_payload(self._rnd, rows, extras, bool(self.cfg["eval.global"]))
+            if extra:
+                self.engine.prefetch(self._rnd, torch.zeros(0, rows.shape[1]), extra, True, keep=True)
+        else:
+            models = self.algo.model_for(state, np.arange(N))
+            self.engine.prefetch(self._rnd, models, extra, bool(self.cfg["eval.global"]))
         metrics, rows = super().evaluate_round(evaluator, state)
         if "local_acc" in metrics:
             _log(f"evaluation: local_acc {metrics['local_acc']:.4f}"
