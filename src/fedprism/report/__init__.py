@@ -258,8 +258,13 @@ def write_report(db: str, out: str, sweep: str | list[str] | None = None, plots:
             w.writerow(["setting", "method", "seed", "run_id"] + [k for k, _ in COLUMNS])
             w.writerows(rows)
         if plots:
+            import matplotlib
+
             pdir = outdir / "plots"
             pdir.mkdir(exist_ok=True)
+            # PNG bytes depend on the matplotlib version: say which one drew them
+            paths.append(pdir / "RENDERED_WITH")
+            paths[-1].write_text(f"matplotlib {matplotlib.__version__}\n")
             for setting in sorted(groups):
                 paths += plot_setting(store, setting, groups[setting], pdir)
                 for label in sorted(groups[setting]):
