@@ -78,10 +78,10 @@ def test_a_run_two_sweeps_share_is_run_once_and_reported_by_both(tmp_path, monke
     write_report(db, str(tmp_path / "ref"), sweep="second", plots=False, reference="toy")
     md = (tmp_path / "ref" / "results.md").read_text()
     row = next(line for line in md.splitlines() if "| Baseline | 1 |" in line and "paper" not in line
-               and line.count("|") == 10)
+               and line.count("|") == 11)
     cells = [c.strip() for c in row.split("|")[1:-1]]
     assert cells[5] == "+1.00" and cells[8].startswith("**-")      # Glob +1 (not flagged); Loc flagged
-    assert any("| Other | 0 |" in line and line.rstrip().endswith("| - |") for line in md.splitlines())
+    assert any("| Other | 0 |" in line and line.rstrip().endswith("| - | - |") for line in md.splitlines())
     with pytest.raises(ValueError, match="unknown reference"):
         write_report(db, str(tmp_path / "bad"), plots=False, reference="nope")
 

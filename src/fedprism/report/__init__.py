@@ -19,7 +19,7 @@ from fedprism.experiment.store import Store
 
 #: the per-setting tables, in the layout of the paper's ablation tables (3-5, 9-11): Final and Best
 COLUMNS = [("global_acc", "Glob Final"), ("best_global_acc", "Glob Best"), ("local_acc", "Loc Final"),
-           ("best_local_acc", "Loc Best"), ("sdad", "SDAD")]
+           ("best_local_acc", "Loc Best"), ("sdad", "SDAD"), ("global_model_acc", "G Final")]
 
 
 def _pm(vals: list[float], scale: float = 100.0) -> str:
@@ -96,8 +96,8 @@ def reference_table(groups, name: str) -> list[str]:
         raise ValueError(f"unknown reference {name!r}; known: {', '.join(sorted(REFERENCES))}")
     ref = REFERENCES[name]
     md = [f"## Ours vs {name} (final round, %; ours mean over seeds)", "",
-          "| setting | method | seeds | Glob ours | Glob paper | Δ | Loc ours | Loc paper | Δ |",
-          "|---|---|---|---|---|---|---|---|---|"]
+          "| setting | method | seeds | Glob ours | Glob paper | Δ | Loc ours | Loc paper | Δ | G ours |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
     by_key = {}
     for setting, labels in groups.items():
         cfg = next(iter(next(iter(labels.values()))))["config"]
@@ -116,8 +116,10 @@ def reference_table(groups, name: str) -> list[str]:
                     cells += [f"{o:.2f}", f"{p:.2f}", f"**{d:+.2f}**" if abs(d) > FLAG_POINTS else f"{d:+.2f}"]
                 else:
                     cells += ["-", f"{p:.2f}", "-"]
+            g = [r["final"].get("global_model_acc") for r in runs if r["final"].get("global_model_acc") is not None]
+            cells.append(f"{100 * float(np.mean(g)):.2f}" if g else "-")
             md.append(f"| {key[0]} {key[1]}({key[2]}) | {lab} | {len(runs)} | " + " | ".join(cells) + " |")
-    md += ["", f"Bold: |Δ| > {FLAG_POINTS:g} points. '-': not run (yet).", ""]
+    md += ["", f"Bold: |Δ| > {FLAG_POINTS:g} points. '-': not run (yet), or no shared global model (G).", ""]
     return md
 
 
@@ -140,7 +142,9 @@ def tables(groups, reference: str | None = None) -> tuple[str, list[list]]:
                    f"![per-client local accuracy ECDF](plots/{slug(setting)}-ecdf.png)", ""]
     md.append("Glob: each client's model on the full global test set, mean over clients. Loc: each client's "
               "model on its own test split, mean over clients. Final = last round, Best = best evaluated "
-              "round; mean ± std over seeds, in %. SDAD: std of per-client local accuracy (fraction).")
+              "round; mean ± std over seeds, in %. SDAD: std of per-client local accuracy (×100). G: the "
+              "method's shared global model (Fed-PRISM's w_g, FedPrism's G) on the global test set, where it "
+              "has one.")
     return "\n".join(md) + "\n", rows
 
 
