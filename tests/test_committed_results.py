@@ -49,9 +49,11 @@ def test_committed_report_is_regenerated_byte_for_byte(name, db_copy, tmp_path):
         assert (tmp_path / name / rel).read_bytes() == (committed / rel).read_bytes(), rel
 
 
-def test_fedprism_beats_local_as_the_paper_claims(db_copy):
-    """Issue 5: on FMNIST Dirichlet 0.1 (paper configuration) FedPrism's local accuracy >= Local's and
-    its global accuracy >= Local's + 10 points, seed by seed, from the committed runs."""
+def test_fedprism_vs_local_as_results_readme_states(db_copy):
+    """Issue 5 on FMNIST Dirichlet 0.1 (paper configuration), seed by seed from the committed runs:
+    FedPrism's local accuracy >= Local's; its shared global model G scores >= Local's global accuracy
+    + 10 points (the paper's claim, under the reading of "Glob" that its Tables 4 and 10 imply); its
+    routed (dual-stream) global accuracy is above Local's but NOT by 10 points (results/README.md)."""
     store = Store(db_copy)
     runs = {(r["label"], json.loads(r["config"])["seed"]): json.loads(r["final"])
             for r in store.runs(sweep="paper_fmnist_dir01") if r["status"] == "finished"}
@@ -61,4 +63,5 @@ def test_fedprism_beats_local_as_the_paper_claims(db_copy):
     for s in seeds:
         fp, lo = runs[("FedPrism", s)], runs[("Local", s)]
         assert fp["local_acc"] >= lo["local_acc"], (s, fp["local_acc"], lo["local_acc"])
-        assert fp["global_acc"] >= lo["global_acc"] + 0.10, (s, fp["global_acc"], lo["global_acc"])
+        assert fp["global_model_acc"] >= lo["global_acc"] + 0.10, (s, fp["global_model_acc"], lo["global_acc"])
+        assert lo["global_acc"] < fp["global_acc"] < lo["global_acc"] + 0.10, (s, fp["global_acc"], lo["global_acc"])

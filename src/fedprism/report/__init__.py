@@ -186,11 +186,16 @@ def plot_setting(store: Store, setting: str, labels: dict[str, list[dict]], out:
             vals = [[{h["round"]: h.get(key) for h in c}[t] for t in rounds] for c in curves]
             if rounds and all(v is not None for row in vals for v in row):
                 ax.plot([t + 1 for t in rounds], np.mean(vals, axis=0), label=lab, color=colors[lab], lw=1.2)
+        g = [[{h["round"]: h.get("global_model_acc") for h in c}[t] for t in rounds] for c in curves]
+        if rounds and all(v is not None for row in g for v in row):       # the shared global model G
+            axes[0].plot([t + 1 for t in rounds], np.mean(g, axis=0), label=f"{lab} (G)", color=colors[lab],
+                         lw=1.0, ls="--")
     for ax, title in zip(axes, ("global accuracy (Glob)", "local accuracy (Loc)")):
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("round")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("accuracy (mean over clients and seeds)")
+    axes[0].legend(fontsize=6, loc="lower right")
     axes[1].legend(fontsize=6, loc="lower right")
     fig.suptitle(setting, fontsize=9)
     fig.tight_layout()
