@@ -267,3 +267,23 @@ def test_vectorized_engine_gives_the_same_states(planted5, method, hp):
     for k, v in a.items():
         if isinstance(v, torch.Tensor):
             assert v.shape == b[k].shape and same(v.float(), b[k].float(), atol=1e-4), k
+
+
+def test_evaluate_rows_scores_each_distinct_global_row_once():
+    from fedprism.algorithms.base import EvalResult, evaluate_rows
+
+    calls = []
+
+    class Fake:
+        def evaluate(self, params, clients, split):
+            calls.append(len(params))
+            n = len(params)
+            acc = params[:, 0].round().long()           # a score that depends on the row only
+            return EvalResult(acc, acc.double(), torch.full((n,), 10), torch.zeros(n, 2, 2, dtype=torch.long))
+
+    rows = torch.tensor([[3.0, 1], [5, 2], [3, 1], [5, 2], [7, 0]])
+    clients = np.arange(5)
+    got = evaluate_rows(Fake(), rows, clients, "global")
+    assert calls == [3] and got.correct.tolist() == [3, 5, 3, 5, 7]
+    calls.clear()
+    assert evaluate_rows(Fake(), rows, clients, "local").correct.tolist() == [3, 5, 3, 5, 7] and calls == [5]

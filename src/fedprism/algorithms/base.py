@@ -216,6 +216,20 @@ class Algorithm:
         return {}
 
 
+def evaluate_rows(trainer: Trainer, rows: torch.Tensor, clients: np.ndarray, split: str) -> EvalResult:
+    """`trainer.evaluate(rows, clients, split)`, scoring identical rows once on the shared global test set
+    (e.g. 100 clients holding K cluster models: K evaluations, not 100). Exact."""
+    if split != "global" or len(rows) < 2:
+        return trainer.evaluate(rows, clients, split)
+    uniq, inverse = torch.unique(rows, dim=0, return_inverse=True)
+    if len(uniq) == len(rows):
+        return trainer.evaluate(rows, clients, split)
+    rep = torch.empty(len(uniq), dtype=torch.long)
+    rep[inverse] = torch.arange(len(rows))          # one representative row of each distinct model
+    r = trainer.evaluate(rows[rep], np.asarray(clients)[rep.numpy()], split)
+    return EvalResult(r.correct[inverse], r.loss_sum[inverse], r.count[inverse], r.confusion[inverse])
+
+
 REGISTRY: dict[str, type[Algorithm]] = {}
 
 

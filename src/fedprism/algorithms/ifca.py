@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedprism.algorithms.base import Algorithm, Plan, Update, register, weighted_mean
+from fedprism.algorithms.base import Algorithm, Plan, Update, evaluate_rows, register, weighted_mean
 from fedprism.hparams import Param
 
 TIE_RTOL = 1e-7
@@ -134,4 +134,4 @@ class IFCA(Algorithm):
         rows = self.model_for(state, clients).clone()
         pick = choose(losses, clients[todo], [self.ctx.seed, 0x1FCA])
         rows[torch.as_tensor(todo)] = w[torch.as_tensor(pick)]
-        return trainer.evaluate(rows, clients, split)
+        return evaluate_rows(trainer, rows, clients, split)      # K distinct models on the global set
