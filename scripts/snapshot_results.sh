@@ -1,0 +1,30 @@
+#!/bin/bash
+# Stage a consistent snapshot of the live results database and the report rendered from it, while
+# sweeps may still be writing to results/fedprism.db. The snapshot goes into git's index directly
+# (git hash-object + update-index), so the live file is never read half-written; the live file is
+# then marked skip-worktree so that `git add -A` does not stage it by accident.
+#   bash scripts/snapshot_results.sh && git commit -m "results: ..."
+set -euo pipefail
+cd "$(dirname "$0")/.."
+tmp=$(mktemp -d)
+.venv/bin/python - "$tmp/snap.db" <<'PY'
+import sqlite3, sys
+src = sqlite3.connect("file:results/fedprism.db?mode=ro", uri=True)
+dst = sqlite3.connect(sys.argv[1])
+src.backup(dst)
+dst.execute("PRAGMA journal_mode=DELETE")
+assert dst.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+dst.execute("VACUUM")
+dst.close()
+PY
+cp "$tmp/snap.db" "$tmp/render.db"
+rm -rf results/paper_fmnist
+.venv/bin/fedprism report --db "$tmp/render.db" --sweep paper_fmnist_dir01 --sweep paper_fmnist_dir03 \
+    --sweep paper_fmnist_dir05 --reference fedprism-paper-fmnist --out results/paper_fmnist > /dev/null
+git update-index --no-skip-worktree results/fedprism.db 2>/dev/null || true
+blob=$(git hash-object -w "$tmp/snap.db")
+git update-index --add --cacheinfo "100644,$blob,results/fedprism.db"
+git update-index --skip-worktree results/fedprism.db
+git add results/paper_fmnist
+rm -rf "$tmp"
+echo "staged results/fedprism.db ($blob) and results/paper_fmnist/"
