@@ -90,6 +90,25 @@ def test_fixed_inference_weight_0_is_the_backbone_and_1_the_expert(trained):
         algo.hp["inference_weight"] = None
 
 
+def test_diagnostic_streams_and_temperatures_equal_their_own_evaluations(trained):
+    """The `alternatives` of a routed evaluation are exactly what a separate evaluation of each stream
+    (weight 0 / 1) and of each other temperature gives, on both splits."""
+    algo, eng, state = trained
+    clients = np.arange(algo.ctx.num_clients)
+    for split in ("local", "global"):
+        alt = algo.evaluate(state, eng, clients, split).alternatives
+        assert {"backbone", "expert", "T=5"} <= set(alt) and "T=1" not in alt   # T=1 is the routed metric
+        try:
+            for name, hp in (("backbone", {"inference_weight": 0.0}), ("expert", {"inference_weight": 1.0}),
+                             ("T=5", {"inference_temperature": 5.0}), ("T=0.5", {"inference_temperature": 0.5})):
+                algo.hp.update(hp)
+                assert torch.equal(alt[name], algo.evaluate(state, eng, clients, split).correct), (split, name)
+                algo.hp.update(inference_weight=None, inference_temperature=1.0)
+        finally:
+            algo.hp.update(inference_weight=None, inference_temperature=1.0)
+    assert not torch.equal(alt["backbone"], alt["expert"])      # the streams differ: the test can fail
+
+
 def test_global_expert_logit_cache_is_exact(unequal):
     algo, eng = setup(unequal, k=2, every=1)
     state = drive(algo, eng, 1)
@@ -245,6 +264,7 @@ def test_runner_bytes_records_and_resume(tmp_path):
     assert all(h["bytes_down"] == 4 * (P + 1) * 3 and h["bytes_up"] == 4 * P * 3 for h in hist)
     assert full_store.records(c.run_id, "alpha") and full_store.records(c.run_id, "clusters")
     assert 0 <= full.final["local_acc"] <= 1 and "global_model_acc" in hist[-1]
+    assert {"local_acc@backbone", "global_acc@expert", "global_acc@T=10"} <= set(hist[-1])
     s = Store(tmp_path / "b.db")
     assert Experiment(c, s).run(stop_after=1).status == "interrupted"
     resumed = Experiment(c, s).run()

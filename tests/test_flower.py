@@ -320,6 +320,13 @@ def test_every_method_runs_the_same_on_flower(method, tmp_path, task_identity):
     assert res.final["local_acc"] == pytest.approx(final["local_acc"], abs=1e-9)
     if "global_acc" in final:
         assert res.final["global_acc"] == pytest.approx(final["global_acc"], abs=1e-9)
+    last_ref = ref.store.round_metrics(ref.run_id)[-1]
+    last_got = Store(db).round_metrics(res.run_id)[-1]
+    alternatives = sorted(k for k in last_ref if "@" in k)      # fedprism_dual: each stream, other T
+    assert bool(alternatives) == (method == "fedprism_dual")
+    assert alternatives == sorted(k for k in last_got if "@" in k)
+    for k in alternatives:
+        assert last_got[k] == pytest.approx(last_ref[k], abs=1e-9), k
     if private:          # nothing the server sent or received holds a client-side row
         for (_, _, start) in grid.sent:
             for k in private:

@@ -120,6 +120,9 @@ class EvalResult:
     loss_sum: torch.Tensor     # [n] float64
     count: torch.Tensor        # [n] int64
     confusion: torch.Tensor    # [n, C, C] int64 (rows: true, cols: predicted)
+    #: correct counts [n] of alternative predictions on the same samples (diagnostics stored beside the
+    #: headline metric as `<split>_acc@<name>`, e.g. each stream of fedprism_dual alone)
+    alternatives: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def accuracy(self) -> torch.Tensor:
@@ -227,7 +230,8 @@ def evaluate_rows(trainer: Trainer, rows: torch.Tensor, clients: np.ndarray, spl
     rep = torch.empty(len(uniq), dtype=torch.long)
     rep[inverse] = torch.arange(len(rows))          # one representative row of each distinct model
     r = trainer.evaluate(rows[rep], np.asarray(clients)[rep.numpy()], split)
-    return EvalResult(r.correct[inverse], r.loss_sum[inverse], r.count[inverse], r.confusion[inverse])
+    return EvalResult(r.correct[inverse], r.loss_sum[inverse], r.count[inverse], r.confusion[inverse],
+                      {k: v[inverse] for k, v in r.alternatives.items()})
 
 
 REGISTRY: dict[str, type[Algorithm]] = {}

@@ -71,7 +71,9 @@ Decisions where the paper is silent or inconsistent (copy to the README):
   P_i built from the current state (the model the client would build now; `model_for`), not the
   last trained W'_i. Routed logits z (Eq. 3) give the prediction (argmax) and the loss (cross-entropy
   of z). A fixed `inference_weight` w in [0, 1] replaces lambda(x) (Tables 4 / 10); w = 0 is exactly the
-  backbone, w = 1 exactly the specialist. T (`inference_temperature`) defaults to 1.
+  backbone, w = 1 exactly the specialist. T (`inference_temperature`) defaults to 1. Every evaluation
+  also stores, from the same logits, each stream alone (`local_acc@backbone`, `global_acc@expert`, ...)
+  and the routed accuracy at other temperatures (`global_acc@T=5`, ...: `DIAGNOSTIC_TEMPERATURES`).
 * Components (Tables 3 / 9) as mixing coefficients (global, cluster, private):
   full (alpha_i, beta, 1 - alpha_i - beta); global_cluster (alpha_i, 1 - alpha_i, 0), beta unused;
   pure_global (1, 0, 0); pure_cluster (0, 1, 0); pure_private (0, 0, 1). alpha adapts only in full
@@ -98,6 +100,9 @@ COMPONENTS = ("full", "pure_global", "global_cluster", "pure_cluster", "pure_pri
 #: `rnd` offsets of the three local trainings of one round (see the module docstring)
 PRIVATE_STREAM = 1_000_000
 EXPERT_STREAM = 2_000_000
+#: routing temperatures T scored beside the configured one at every evaluation (diagnostics: training
+#: does not depend on T, so one run tells how Eq. 2 behaves for each; `<split>_acc@T=<T>` metrics)
+DIAGNOSTIC_TEMPERATURES = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0)
 #: fixed values of the 002 server's options that Algorithm 2 implies
 _FIXED = {"update": "model", "affinity": "shifted"}
 
@@ -356,6 +361,7 @@ class FedPrismDual(FedPrism):
         loss = torch.zeros(n, dtype=torch.float64)
         count = torch.zeros(n, dtype=torch.long)
         conf = torch.zeros(n, C, C, dtype=torch.long)
+        alt: dict[str, torch.Tensor] = {}       # diagnostics: each stream alone, other temperatures
 
         def score(rows: slice, x: torch.Tensor, y: torch.Tensor, z_e: torch.Tensor | None = None) -> None:
             m = rows.stop - rows.start
@@ -375,6 +381,14 @@ class FedPrismDual(FedPrism):
             own = torch.arange(m, device=out.device)[:, None] * (C * C)
             cells = (own + yy * C + pred).reshape(-1)
             conf[rows] += torch.bincount(cells, minlength=m * C * C).view(m, C, C).cpu()
+            if z_e is None or z_b is None:
+                return
+            others = {"backbone": z_b, "expert": z_e}
+            if weight is None:
+                others.update({f"T={t:g}": route(z_e, z_b, None, t) for t in DIAGNOSTIC_TEMPERATURES if t != T})
+            for name, z_alt in others.items():
+                hit = (z_alt.argmax(-1) == yy).sum(1).cpu()
+                alt.setdefault(name, torch.zeros(n, dtype=torch.long))[rows] += hit
 
         with torch.no_grad():
             if split == "global":
@@ -395,7 +409,7 @@ class FedPrismDual(FedPrism):
                     x_all, y_all = trainer._split(int(c), split)
                     for s0 in range(0, len(y_all), chunk):
                         score(slice(i, i + 1), x_all[s0:s0 + chunk], y_all[s0:s0 + chunk])
-        return EvalResult(correct, loss, count, conf)
+        return EvalResult(correct, loss, count, conf, alt)
 
     #: largest specialist-logit cache on the global test set (bytes); beyond it logits are recomputed
     EXPERT_CACHE_BYTES = 512 << 20

@@ -9,7 +9,7 @@ are scored on the global test set once. Results are exact, not approximations.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -45,6 +45,8 @@ class ClientScores:
     global_acc: np.ndarray
     global_f1: np.ndarray
     evaluated: int            # model-evaluations actually computed (for the speed report)
+    #: per-client accuracies of an algorithm's alternative predictions, `<split>_acc@<name>`
+    alternatives: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 class Evaluator:
@@ -63,10 +65,20 @@ class Evaluator:
     def __call__(self, algo: Algorithm, state: dict) -> ClientScores:
         clients = np.arange(self.n)
         evaluated = 0
+        alternatives: dict[str, np.ndarray] = {}
         custom_local = algo.evaluate(state, self.engine, clients, "local")
         if custom_local is not None:
             local = self._rows(custom_local)
-            glob = self._rows(algo.evaluate(state, self.engine, clients, "global")) if self.do_global else None
+            results = {"local": custom_local}
+            glob = None
+            if self.do_global:
+                results["global"] = algo.evaluate(state, self.engine, clients, "global")
+                glob = self._rows(results["global"])
+            for split, r in results.items():
+                for name, correct in r.alternatives.items():
+                    n = r.count.double().numpy()
+                    with np.errstate(invalid="ignore", divide="ignore"):
+                        alternatives[f"{split}_acc@{name}"] = np.where(n > 0, correct.double().numpy() / n, np.nan)
             evaluated = 2 * self.n
         else:
             params = algo.model_for(state, clients)
@@ -106,6 +118,7 @@ class Evaluator:
             global_acc=acc(glob) if glob is not None else np.full(self.n, np.nan),
             global_f1=np.array([r[3] for r in glob]) if glob is not None else np.full(self.n, np.nan),
             evaluated=evaluated,
+            alternatives=alternatives,
         )
 
 
@@ -126,4 +139,7 @@ def summarize(s: ClientScores) -> dict:
         out["global_acc"] = float(np.mean(s.global_acc))
         out["global_acc_std"] = float(np.std(s.global_acc))
         out["global_f1"] = float(np.mean(s.global_f1))
+    for name, acc in s.alternatives.items():          # mean over the clients that have samples there
+        if not np.all(np.isnan(acc)):
+            out[name] = float(np.nanmean(acc))
     return out

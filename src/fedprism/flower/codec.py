@@ -126,13 +126,15 @@ def decode_eval(content: RecordDict) -> tuple[torch.Tensor, list[str], int, dict
 def encode_scores(r: EvalResult, client: int) -> RecordDict:
     arrays = {"correct": _arr(r.correct), "loss_sum": _arr(r.loss_sum), "count": _arr(r.count),
               "confusion": _arr(r.confusion)}
+    arrays.update({f"alt:{k}": _arr(v) for k, v in r.alternatives.items()})
     return RecordDict({SCORES: ArrayRecord(arrays), META: ConfigRecord({"client-id": int(client)})})
 
 
 def decode_scores(content: RecordDict) -> EvalResult:
     a = content.array_records[SCORES]
     return EvalResult(_ten(a["correct"]).long(), _ten(a["loss_sum"]).double(), _ten(a["count"]).long(),
-                      _ten(a["confusion"]).long())
+                      _ten(a["confusion"]).long(),
+                      {k[4:]: _ten(a[k]).long() for k in a.keys() if k.startswith("alt:")})
 
 
 def reply_client(content: RecordDict) -> int | None:

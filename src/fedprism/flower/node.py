@@ -141,8 +141,10 @@ class Node:
         if not rows:
             z = torch.zeros(0, dtype=torch.long)
             return EvalResult(z, z.double(), z, torch.zeros(0, c, c, dtype=torch.long))
+        shared = set.intersection(*[set(r.alternatives) for r in rows])
         return EvalResult(torch.cat([r.correct for r in rows]), torch.cat([r.loss_sum for r in rows]),
-                          torch.cat([r.count for r in rows]), torch.cat([r.confusion for r in rows]))
+                          torch.cat([r.count for r in rows]), torch.cat([r.confusion for r in rows]),
+                          {k: torch.cat([r.alternatives[k] for r in rows]) for k in sorted(shared)})
 
 
 @lru_cache(maxsize=64)

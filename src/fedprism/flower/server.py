@@ -324,7 +324,8 @@ class RemoteTrainer:
                         failed[c] = f"evaluate: malformed reply ({type(e).__name__}: {e})"
                     else:
                         for i, j in enumerate(js):
-                            out[j] = (int(r.correct[i]), float(r.loss_sum[i]), int(r.count[i]), r.confusion[i])
+                            out[j] = (int(r.correct[i]), float(r.loss_sum[i]), int(r.count[i]), r.confusion[i],
+                                      {k: int(v[i]) for k, v in r.alternatives.items()})
                 for j in js:
                     if out[j] is None:
                         why[j] = failed.get(c, "evaluate: no score")
@@ -399,7 +400,14 @@ class RemoteTrainer:
                           torch.tensor([r[1] for r in rows], dtype=torch.float64),
                           torch.tensor([r[2] for r in rows], dtype=torch.long),
                           torch.stack([r[3] for r in rows]) if rows else
-                          torch.zeros(0, self.C, self.C, dtype=torch.long))
+                          torch.zeros(0, self.C, self.C, dtype=torch.long),
+                          self._alternatives(rows))
+
+    @staticmethod
+    def _alternatives(rows: list[tuple]) -> dict[str, torch.Tensor]:
+        """Alternative-prediction counts every row carries (a failed row carries none: then no key)."""
+        names = set.intersection(*[set(r[4]) if len(r) > 4 else set() for r in rows]) if rows else set()
+        return {k: torch.tensor([r[4][k] for r in rows], dtype=torch.long) for k in sorted(names)}
 
     def evaluate(self, params: torch.Tensor, clients: np.ndarray, split: str) -> EvalResult:
         if split not in ("local", "global", "train"):

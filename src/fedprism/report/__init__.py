@@ -182,14 +182,15 @@ def plot_setting(store: Store, setting: str, labels: dict[str, list[dict]], out:
         if not curves:
             continue
         rounds = sorted(set.intersection(*[{h["round"] for h in c} for c in curves]))
-        for ax, key in zip(axes, ("global_acc", "local_acc")):
-            vals = [[{h["round"]: h.get(key) for h in c}[t] for t in rounds] for c in curves]
+        by_round = [{h["round"]: h for h in c} for c in curves]
+        x = [t + 1 for t in rounds]
+        # (panel, metric, line label, style): Glob and Loc, and the shared global model G dashed
+        for ax, key, name, style in ((axes[0], "global_acc", lab, "-"), (axes[1], "local_acc", lab, "-"),
+                                     (axes[0], "global_model_acc", f"{lab} (G)", "--")):
+            vals = [[b[t].get(key) for t in rounds] for b in by_round]
             if rounds and all(v is not None for row in vals for v in row):
-                ax.plot([t + 1 for t in rounds], np.mean(vals, axis=0), label=lab, color=colors[lab], lw=1.2)
-        g = [[{h["round"]: h.get("global_model_acc") for h in c}[t] for t in rounds] for c in curves]
-        if rounds and all(v is not None for row in g for v in row):       # the shared global model G
-            axes[0].plot([t + 1 for t in rounds], np.mean(g, axis=0), label=f"{lab} (G)", color=colors[lab],
-                         lw=1.0, ls="--")
+                ax.plot(x, np.mean(vals, axis=0), label=name, color=colors[lab], lw=1.2 if style == "-" else 1.0,
+                        ls=style)
     for ax, title in zip(axes, ("global accuracy (Glob)", "local accuracy (Loc)")):
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("round")
