@@ -20,6 +20,7 @@ from fedprism.experiment.runner import Experiment, sample_clients
 from fedprism.experiment.store import Store
 from fedprism.models import build_model
 from fedprism.params import ParamSpec, flatten
+from fedprism.report import write_report
 
 LOCAL = LocalConfig(epochs=1, batch_size=16, lr=0.05, momentum=0.9)
 
@@ -265,6 +266,12 @@ def test_runner_bytes_records_and_resume(tmp_path):
     assert full_store.records(c.run_id, "alpha") and full_store.records(c.run_id, "clusters")
     assert 0 <= full.final["local_acc"] <= 1 and "global_model_acc" in hist[-1]
     assert {"local_acc@backbone", "global_acc@expert", "global_acc@T=10"} <= set(hist[-1])
+    assert full.final["global_acc@T=10"] == hist[-1]["global_acc@T=10"]     # kept in the run's final
+    write_report(str(tmp_path / "a.db"), str(tmp_path / "rep"), plots=False)
+    md = (tmp_path / "rep" / "results.md").read_text()
+    f = full.final
+    assert f"| backbone alone | {100 * f['global_acc@backbone']:.2f} | {100 * f['local_acc@backbone']:.2f} |" in md
+    assert f"| routed, T=1 (headline) | {100 * f['global_acc']:.2f} | {100 * f['local_acc']:.2f} |" in md
     s = Store(tmp_path / "b.db")
     assert Experiment(c, s).run(stop_after=1).status == "interrupted"
     resumed = Experiment(c, s).run()

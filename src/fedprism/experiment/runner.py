@@ -268,6 +268,7 @@ def final_metrics(history: list[dict], seconds: float) -> dict:
                     out[f"best_{k}"] = min(vals)
                 else:
                     out[f"best_{k}"] = max(vals)
+        out.update({k: v for k, v in last.items() if "@" in k})     # alternative predictions (diagnostics)
     out["bytes_down"] = sum(h.get("bytes_down", 0) for h in history)
     out["bytes_up"] = sum(h.get("bytes_up", 0) for h in history)
     out["rejected"] = sum(h.get("rejected", 0) for h in history)

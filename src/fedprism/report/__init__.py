@@ -123,11 +123,41 @@ def reference_table(groups, name: str) -> list[str]:
     return md
 
 
+def alternatives_table(groups) -> list[str]:
+    """Runs whose evaluation also scored alternative predictions (`<split>_acc@<name>`: fedprism_dual's
+    streams alone and other routing temperatures T): final Glob / Loc of each, next to the headline."""
+    md: list[str] = []
+    for setting in sorted(groups):
+        for label in sorted(groups[setting]):
+            for r in sorted(groups[setting][label], key=lambda x: x["config"]["seed"]):
+                f = r["final"]
+                names = sorted({k.split("@", 1)[1] for k in f if "@" in k},
+                               key=lambda n: (n.startswith("T="), float(n[2:]) if n.startswith("T=") else 0.0, n))
+                if not names:
+                    continue
+                if not md:
+                    md = ["## Alternative predictions (final round, %)", "",
+                          "Each stream of the dual-stream model alone, and the routed prediction (Eq. 2-3) at other "
+                          "temperatures T, from the same evaluation as the headline numbers.", ""]
+                cfg = r["config"]
+                w = cfg.get("fedprism_dual.inference_weight")
+                head = f"routed, T={cfg.get('fedprism_dual.inference_temperature', 1.0):g}" if w is None \
+                    else f"fixed specialist weight {w:g}"
+                md += [f"**{label}**, {setting}, seed {cfg['seed']} (`{r['run_id']}`)", "",
+                       "| prediction | Glob | Loc |", "|---|---|---|",
+                       f"| {head} (headline) | {_pm([f.get('global_acc')])} | {_pm([f.get('local_acc')])} |"]
+                md += [f"| {n if n.startswith('T=') else n + ' alone'} | {_pm([f.get('global_acc@' + n)])} | "
+                       f"{_pm([f.get('local_acc@' + n)])} |" for n in names]
+                md.append("")
+    return md
+
+
 def tables(groups, reference: str | None = None) -> tuple[str, list[list]]:
     md, rows = ["# fedprism results", "", "## Paper layout (final round; mean ± std over seeds, %)", ""], []
     md += paper_tables(groups)
     if reference:
         md += reference_table(groups, reference)
+    md += alternatives_table(groups)
     for setting in sorted(groups):
         md += [f"## {setting}", "", "| method | seeds | " + " | ".join(h for _, h in COLUMNS) + " |",
                "|---|---|" + "---|" * len(COLUMNS)]
