@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 
 import pytest
 
@@ -97,3 +98,29 @@ def test_sweep_overrides_switch_dataset_and_partition(monkeypatch):
         assert b["dataset"] == "cifar10" and b["partition"] == "pathological"
         assert b["partition.shards_per_client"] == 2 and "partition.alpha" not in b.values
         assert b["fedprism_dual.components"] == a["fedprism_dual.components"] and b.run_id != a.run_id
+
+
+def test_a_changed_row_supersedes_its_older_run_once_finished(tmp_path):
+    """The file's row changes (a parameter or default changed): the new run takes the row over when it
+    has finished; the older run leaves that sweep only, stays in the store and in other sweeps."""
+    db = str(tmp_path / "s.db")
+    body = ('name = "s"\n[base]\ndataset = "digits"\nmodel = "mlp"\nclients = 6\nrounds = 2\nfraction = 0.5\n'
+            '[grid]\nseed = [0, 1]\n[[runs]]\nlabel = "A"\nmethod = "fedavg"\nlr = {lr}\n'
+            '[[runs]]\nlabel = "B"\nmethod = "local"\n')
+    f = tmp_path / "s.toml"
+    f.write_text(body.format(lr=0.05))
+    run_sweep(str(f), db, progress=False)
+    store = Store(db)
+    old = {r["run_id"] for r in store.runs(sweep="s") if r["label"] == "A"}
+    store.add_to_sweep("other", sorted(old)[0], "A old")
+    f.write_text(body.format(lr=0.02))
+    run_sweep(str(f), db, progress=False, seeds=[0], limit=0)          # nothing run yet: nothing superseded
+    assert {r["run_id"] for r in store.runs(sweep="s") if r["label"] == "A"} == old
+    run_sweep(str(f), db, progress=False, seeds=[0])
+    rows = store.runs(sweep="s")
+    assert sorted((r["label"], json.loads(r["config"])["seed"]) for r in rows) == [("A", 0), ("A", 1), ("B", 0),
+                                                                                  ("B", 1)]
+    new_a0 = [r for r in rows if r["label"] == "A" and json.loads(r["config"])["seed"] == 0][0]
+    assert json.loads(new_a0["config"])["lr"] == 0.02 and new_a0["run_id"] not in old
+    assert len(store.runs()) == 5                                   # the old run is still stored
+    assert [r["label"] for r in store.runs(sweep="other")] == ["A old"]

@@ -165,6 +165,12 @@ class Store:
         with self.transaction() as db:
             db.execute("INSERT OR REPLACE INTO sweep_runs VALUES (?,?,?)", (sweep, run_id, label))
 
+    def leave_sweep(self, sweep: str, run_id: str) -> None:
+        """The run no longer belongs to `sweep` (it stays in the store, and in any other sweep)."""
+        with self.transaction() as db:
+            db.execute("DELETE FROM sweep_runs WHERE sweep=? AND run_id=?", (sweep, run_id))
+            db.execute("UPDATE runs SET sweep=NULL WHERE run_id=? AND sweep=?", (run_id, sweep))
+
     def runs(self, **where: Any) -> list[sqlite3.Row]:
         """Run rows matching column values; `sweep=NAME` means the runs that sweep holds, with its labels."""
         if "sweep" in where:

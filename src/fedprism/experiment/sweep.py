@@ -16,11 +16,17 @@ Method keys in [base] or [quick] (`fedprism.k`) apply only to the runs of that m
 
 Every run of a sweep with the same data keys shares one partition and, through the seeded sampler,
 one cohort sequence.
+
+A sweep's table row is (label, seed, data setting). When the file's configuration of a row changes (a
+method default or a parameter changed), the run of the new configuration takes the row over once it
+has finished: the older run leaves the sweep (`superseded`), and stays in the store under its run id
+and in any other sweep that holds it.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import sys
 import time
 import tomllib
@@ -97,9 +103,11 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
         if row is not None and row["status"] == "finished":
             skipped += 1
             store.add_to_sweep(name, cfg.run_id, cfg["name"])
+            supersede(store, name, cfg)
             print(f"{tag}: finished earlier, skipped", file=sys.stderr)
             continue
         res = Experiment(cfg, store, progress=progress, sweep=name).run()
+        supersede(store, name, cfg)
         done += 1
         f = res.final
         print(f"{tag}: global {f.get('global_acc', float('nan')):.4f} local {f.get('local_acc', float('nan')):.4f}"
@@ -107,6 +115,26 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
     print(f"sweep {name}: {done} run, {skipped} already finished, {time.time() - t0:.0f}s", file=sys.stderr)
     store.close()
     return 0
+
+
+def _row_key(cfg: dict[str, Any], label: str | None) -> tuple:
+    """What makes one row of a sweep's tables: its label, seed and data setting."""
+    data = sorted((k, repr(v)) for k, v in cfg.items()
+                  if k in ("dataset", "clients", "rounds", "partition") or k.startswith("partition."))
+    return label, cfg.get("seed"), tuple(data)
+
+
+def supersede(store, sweep: str, cfg: Config) -> list[str]:
+    """Older runs of `cfg`'s row (same label, seed and data setting, another configuration) leave the
+    sweep; returns their run ids. Called once the run of `cfg` has finished."""
+    key = _row_key(cfg.values, cfg["name"])
+    old = [r["run_id"] for r in store.runs(sweep=sweep)
+           if r["run_id"] != cfg.run_id and _row_key(json.loads(r["config"]), r["label"]) == key]
+    for run_id in old:
+        store.leave_sweep(sweep, run_id)
+        print(f"sweep {sweep}: run {run_id} superseded by {cfg.run_id} as '{cfg['name']}' seed={cfg['seed']}",
+              file=sys.stderr)
+    return old
 
 
 def sweep_summary(configs: list[Config]) -> list[dict[str, Any]]:
