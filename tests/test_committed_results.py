@@ -89,3 +89,21 @@ def test_routing_temperature_as_results_readme_states(db_copy):
         return (hist[-1][f"local_acc@T={t}"] >= hist[-1]["local_acc@expert"]
                 and all(h[f"local_acc@T={t}"] >= h["local_acc@expert"] - 0.005 for h in second_half))
     assert keeps_local("5") and not keeps_local("10")
+
+
+def test_training_does_not_depend_on_the_routing_temperature(db_copy):
+    """The T = 5 and T = 1 runs train identically (T only enters evaluation): at every evaluated round
+    each run's diagnostic at the other T equals the other run's headline number, and G agrees."""
+    store = Store(db_copy)
+    ids = {r["label"]: r["run_id"] for r in store.runs(sweep="fedprism_ablation_temperature")
+           if r["status"] == "finished"}
+    if not {"FedPrism T=1", "FedPrism T=5 (default)"} <= set(ids):
+        pytest.skip("the T ablation is not in the committed database yet")
+    t1 = {h["round"]: h for h in store.round_metrics(ids["FedPrism T=1"]) if "local_acc" in h}
+    t5 = {h["round"]: h for h in store.round_metrics(ids["FedPrism T=5 (default)"]) if "local_acc" in h}
+    assert t1.keys() == t5.keys() and len(t1) >= 20
+    for r in t1:
+        for split in ("global", "local"):
+            assert t5[r][f"{split}_acc@T=1"] == pytest.approx(t1[r][f"{split}_acc"], abs=1e-12), (r, split)
+            assert t1[r][f"{split}_acc@T=5"] == pytest.approx(t5[r][f"{split}_acc"], abs=1e-12), (r, split)
+        assert t1[r]["global_model_acc"] == t5[r]["global_model_acc"]

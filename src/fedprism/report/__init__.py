@@ -205,7 +205,7 @@ def plot_setting(store: Store, setting: str, labels: dict[str, list[dict]], out:
     plt = _plt()
     names = sorted(labels)
     colors = dict(zip(names, _colors(len(names))))
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.8), sharey=True)
     for lab in names:
         curves = [[h for h in store.round_metrics(r["run_id"]) if "local_acc" in h] for r in labels[lab]]
         curves = [c for c in curves if c]
@@ -226,10 +226,10 @@ def plot_setting(store: Store, setting: str, labels: dict[str, list[dict]], out:
         ax.set_xlabel("round")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("accuracy (mean over clients and seeds)")
-    axes[0].legend(fontsize=6, loc="lower right")
-    axes[1].legend(fontsize=6, loc="lower right")
+    handles = dict(zip(*reversed(axes[0].get_legend_handles_labels())))   # one legend, beside the panels
     fig.suptitle(setting, fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.8, 1))
+    fig.legend(list(handles.values()), list(handles), fontsize=6, loc="center left", bbox_to_anchor=(0.8, 0.5))
     paths = [out / f"{slug(setting)}-accuracy.png"]
     _save(fig, paths[0])
     plt.close(fig)
