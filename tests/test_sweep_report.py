@@ -124,3 +124,29 @@ def test_a_changed_row_supersedes_its_older_run_once_finished(tmp_path):
     assert json.loads(new_a0["config"])["lr"] == 0.02 and new_a0["run_id"] not in old
     assert len(store.runs()) == 5                                   # the old run is still stored
     assert [r["label"] for r in store.runs(sweep="other")] == ["A old"]
+
+
+def test_a_sweep_file_names_its_own_database(tmp_path, monkeypatch):
+    """`db = ...` in the file (relative to it) is used when neither --db nor $FEDPRISM_DB is given,
+    and never for --quick smoke runs."""
+    from fedprism.cli import main
+
+    (tmp_path / "sweeps").mkdir()
+    f = tmp_path / "sweeps" / "s.toml"
+    f.write_text('name = "s"\ndb = "../store/own.db"\n[base]\ndataset = "digits"\nmodel = "mlp"\nclients = 4\n'
+                 'rounds = 1\nfraction = 0.5\n[[runs]]\nlabel = "A"\nmethod = "fedavg"\n[quick]\nrounds = 1\n')
+    (tmp_path / "store").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FEDPRISM_DB", raising=False)
+    assert main(["sweep", str(f), "--quiet"]) == 0
+    assert [r["label"] for r in Store(tmp_path / "store" / "own.db").runs(sweep="s")] == ["A"]
+    assert main(["sweep", str(f), "--quiet", "--db", str(tmp_path / "x.db")]) == 0
+    assert len(Store(tmp_path / "x.db").runs()) == 1
+    monkeypatch.setenv("FEDPRISM_DB", str(tmp_path / "env.db"))
+    assert main(["sweep", str(f), "--quiet"]) == 0
+    assert len(Store(tmp_path / "env.db").runs()) == 1
+    monkeypatch.delenv("FEDPRISM_DB")
+    assert main(["sweep", str(f), "--quiet", "--quick"]) == 0
+    assert (tmp_path / "fedprism-results.db").exists()              # the default, not the file's store
+    f.write_text('name = "s"\ndb = 3\n')
+    assert main(["sweep", str(f)]) == 2                              # a clear error, not a traceback

@@ -71,11 +71,13 @@ def cmd_demo(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from fedprism.experiment.sweep import run_sweep
-
     from fedprism.experiment.config import parse_overrides
+    from fedprism.experiment.sweep import run_sweep, sweep_db
 
-    return run_sweep(args.file, args.db, only=args.only, quick=args.quick, progress=not args.quiet,
+    # --db, then $FEDPRISM_DB, then the file's own `db` (not for --quick smoke runs), then the default
+    db = args.db or os.environ.get("FEDPRISM_DB") or (None if args.quick else sweep_db(args.file)) or DEFAULT_DB
+    print(f"results: {db}", file=sys.stderr)
+    return run_sweep(args.file, db, only=args.only, quick=args.quick, progress=not args.quiet,
                      limit=args.limit, seeds=args.seed, overrides=parse_overrides(args.items))
 
 
@@ -189,7 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = with_db(sub.add_parser("sweep", help="run every run of a sweep file (resumable)",
                                description="Run the grid of a sweep TOML file; finished runs are skipped, "
-                               "interrupted ones resume."))
+                               "interrupted ones resume. Results go to --db, else $FEDPRISM_DB, else the "
+                               "file's own `db` (ignored with --quick), else fedprism-results.db."))
+    s.set_defaults(db=None)              # resolved in cmd_sweep: the file may name its own database
     s.add_argument("file", help="sweep TOML file (see sweeps/)")
     s.add_argument("items", nargs="*", metavar="key=value",
                    help="overrides applied to every run, e.g. dataset=cifar10 partition=pathological")

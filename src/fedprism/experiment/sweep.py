@@ -11,6 +11,8 @@
     fedprism.clustering = "kmeans"
     [quick]                                # overrides for `--quick` (CI-sized)
     rounds = 3
+    db = "../results/fedprism.db"          # optional: where the sweep's results live (relative to
+                                           # this file); `--db` or $FEDPRISM_DB win, `--quick` ignores it
 
 Method keys in [base] or [quick] (`fedprism.k`) apply only to the runs of that method.
 
@@ -49,9 +51,10 @@ def load_sweep(path: str | Path, quick: bool = False, overrides: dict[str, Any] 
         doc = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ConfigError("sweep file", str(p), f"valid TOML ({e})") from None
-    unknown = set(doc) - {"name", "base", "grid", "runs", "quick", "description"}
+    unknown = set(doc) - {"name", "base", "grid", "runs", "quick", "description", "db"}
     if unknown:
-        raise ConfigError(f"{p.name}: {sorted(unknown)[0]}", "", "sweep files have name, description, base, grid, runs, quick")
+        raise ConfigError(f"{p.name}: {sorted(unknown)[0]}", "",
+                          "sweep files have name, description, db, base, grid, runs, quick")
     name = doc.get("name", p.stem)
     base = flatten(doc.get("base", {}))
     grid = flatten(doc.get("grid", {}))
@@ -115,6 +118,20 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
     print(f"sweep {name}: {done} run, {skipped} already finished, {time.time() - t0:.0f}s", file=sys.stderr)
     store.close()
     return 0
+
+
+def sweep_db(path: str | Path) -> str | None:
+    """The results database a sweep file names (`db = ...`, relative to the file's folder), if any."""
+    p = Path(path)
+    try:
+        db = tomllib.loads(p.read_text()).get("db")
+    except (OSError, tomllib.TOMLDecodeError):
+        return None                      # load_sweep reports a missing or broken file with the details
+    if db is None:
+        return None
+    if not isinstance(db, str) or not db:
+        raise ConfigError(f"{p.name}: db", db, "a path to a SQLite file (relative to the sweep file)")
+    return str((p.parent / db).resolve()) if not Path(db).is_absolute() else db
 
 
 def _row_key(cfg: dict[str, Any], label: str | None) -> tuple:
