@@ -75,9 +75,9 @@ class Evaluator:
                 results["global"] = algo.evaluate(state, self.engine, clients, "global")
                 glob = self._rows(results["global"])
             for split, r in results.items():
-                for name, correct in r.alternatives.items():
-                    n = r.count.double().numpy()
-                    with np.errstate(invalid="ignore", divide="ignore"):
+                n = r.count.double().numpy()
+                with np.errstate(invalid="ignore", divide="ignore"):
+                    for name, correct in r.alternatives.items():
                         alternatives[f"{split}_acc@{name}"] = np.where(n > 0, correct.double().numpy() / n, np.nan)
             evaluated = 2 * self.n
         else:

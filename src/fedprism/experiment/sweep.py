@@ -45,12 +45,7 @@ def load_sweep(path: str | Path, quick: bool = False, overrides: dict[str, Any] 
     """(sweep name, resolved configs). `overrides` (flat keys) apply to every run, last; overriding
     `partition` drops the file's partition parameters (e.g. `partition=pathological` after Dirichlet)."""
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError("sweep file", str(p), "an existing TOML file")
-    try:
-        doc = tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError("sweep file", str(p), f"valid TOML ({e})") from None
+    doc = _read(p)
     unknown = set(doc) - {"name", "base", "grid", "runs", "quick", "description", "db"}
     if unknown:
         raise ConfigError(f"{p.name}: {sorted(unknown)[0]}", "",
@@ -120,18 +115,24 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
     return 0
 
 
+def _read(p: Path) -> dict[str, Any]:
+    if not p.is_file():
+        raise ConfigError("sweep file", str(p), "an existing TOML file")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError("sweep file", str(p), f"valid TOML ({e})") from None
+
+
 def sweep_db(path: str | Path) -> str | None:
     """The results database a sweep file names (`db = ...`, relative to the file's folder), if any."""
     p = Path(path)
-    try:
-        db = tomllib.loads(p.read_text()).get("db")
-    except (OSError, tomllib.TOMLDecodeError):
-        return None                      # load_sweep reports a missing or broken file with the details
+    db = _read(p).get("db")
     if db is None:
         return None
     if not isinstance(db, str) or not db:
         raise ConfigError(f"{p.name}: db", db, "a path to a SQLite file (relative to the sweep file)")
-    return str((p.parent / db).resolve()) if not Path(db).is_absolute() else db
+    return str((p.parent / db).resolve())          # an absolute `db` stays itself
 
 
 def _row_key(cfg: dict[str, Any], label: str | None) -> tuple:

@@ -274,7 +274,7 @@ class RemoteTrainer:
         raise NotImplementedError("the server holds no data on Flower; custom evaluations are not supported")
 
     def _zero(self) -> tuple:
-        return (0, 0.0, 0, torch.zeros(self.C, self.C, dtype=torch.long))
+        return (0, 0.0, 0, torch.zeros(self.C, self.C, dtype=torch.long), {})
 
     def _score(self, jobs: list[tuple]) -> list[tuple | None]:
         """jobs = (row, split, client); 'local' / 'train' jobs go to their client's node, 'global' ones to
@@ -406,7 +406,7 @@ class RemoteTrainer:
     @staticmethod
     def _alternatives(rows: list[tuple]) -> dict[str, torch.Tensor]:
         """Alternative-prediction counts every row carries (a failed row carries none: then no key)."""
-        names = set.intersection(*[set(r[4]) if len(r) > 4 else set() for r in rows]) if rows else set()
+        names = set.intersection(*[set(r[4]) for r in rows]) if rows else set()
         return {k: torch.tensor([r[4][k] for r in rows], dtype=torch.long) for k in sorted(names)}
 
     def evaluate(self, params: torch.Tensor, clients: np.ndarray, split: str) -> EvalResult:
