@@ -150,3 +150,10 @@ def test_a_sweep_file_names_its_own_database(tmp_path, monkeypatch):
     assert (tmp_path / "fedprism-results.db").exists()              # the default, not the file's store
     f.write_text('name = "s"\ndb = 3\n')
     assert main(["sweep", str(f)]) == 2                              # a clear error, not a traceback
+
+
+def test_seed_spread_is_the_sample_std():
+    """Two seeds at 50 % and 70 %: mean 60, sample std (ddof=1) 14.14, not the population std 10."""
+    from fedprism.report import _pm
+    assert _pm([0.5, 0.7]) == "60.00 ± 14.14"
+    assert _pm([0.5]) == "50.00" and _pm([None]) == "-"

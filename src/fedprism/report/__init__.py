@@ -26,8 +26,8 @@ def _pm(vals: list[float], scale: float = 100.0) -> str:
     v = [x for x in vals if x is not None]
     if not v:
         return "-"
-    a = np.asarray(v, dtype=float) * scale
-    return f"{a.mean():.2f} ± {a.std():.2f}" if len(a) > 1 else f"{a.mean():.2f}"
+    a = np.asarray(v, dtype=float) * scale             # ± is the sample std over seeds (ddof=1)
+    return f"{a.mean():.2f} ± {a.std(ddof=1):.2f}" if len(a) > 1 else f"{a.mean():.2f}"
 
 
 def setting_of(cfg: dict) -> str:
@@ -172,9 +172,9 @@ def tables(groups, reference: str | None = None) -> tuple[str, list[list]]:
                    f"![per-client local accuracy ECDF](plots/{slug(setting)}-ecdf.png)", ""]
     md.append("Glob: each client's model on the full global test set, mean over clients. Loc: each client's "
               "model on its own test split, mean over clients. Final = last round, Best = best evaluated "
-              "round; mean ± std over seeds, in %. SDAD: std of per-client local accuracy (×100). G: the "
-              "method's shared global model (Fed-PRISM's w_g, FedPrism's G) on the global test set, where it "
-              "has one.")
+              "round; mean ± sample standard deviation (ddof=1) over seeds, in %. SDAD: std of per-client "
+              "local accuracy (×100). G: the method's shared global model (Fed-PRISM's w_g, FedPrism's G) "
+              "on the global test set, where it has one.")
     return "\n".join(md) + "\n", rows
 
 
