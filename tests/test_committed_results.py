@@ -107,3 +107,18 @@ def test_training_does_not_depend_on_the_routing_temperature(db_copy):
             assert t5[r][f"{split}_acc@T=1"] == pytest.approx(t1[r][f"{split}_acc"], abs=1e-12), (r, split)
             assert t1[r][f"{split}_acc@T=5"] == pytest.approx(t5[r][f"{split}_acc"], abs=1e-12), (r, split)
         assert t1[r]["global_model_acc"] == t5[r]["global_model_acc"]
+
+
+@pytest.mark.parametrize("sweep", ["paper_fmnist_dir01", "paper_fmnist_dir03", "paper_fmnist_dir05"])
+def test_ifca_is_dominated_by_one_model_as_results_readme_states(db_copy, sweep):
+    """results/README.md explains IFCA's high Glob (far above the paper's) by one of the K models taking
+    most of the clients' lowest-loss picks: at least 70 % of the picks of the last 10 rounds, every seed."""
+    store = Store(db_copy)
+    runs = [r for r in store.runs(sweep=sweep) if r["label"] == "IFCA" and r["status"] == "finished"]
+    if not runs:
+        pytest.skip(f"IFCA not finished in {sweep} in the committed database yet")
+    for r in runs:
+        picks = [lab for rec in store.records(r["run_id"], "clusters") if rec["round"] >= 90
+                 for lab in rec["data"]["labels"]]
+        top = max(set(picks), key=picks.count)
+        assert len(picks) == 100 and picks.count(top) >= 70, (r["run_id"], picks.count(top))
