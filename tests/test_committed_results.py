@@ -17,7 +17,8 @@ DB = RESULTS / "fedprism.db"
 #: out dir -> the `fedprism report` arguments that made it (results/README.md lists the same commands)
 REPORTS = {
     "paper_fmnist": dict(sweep=["paper_fmnist_dir01", "paper_fmnist_dir03", "paper_fmnist_dir05",
-                                "fedprism_ablation_temperature"], reference="fedprism-paper-fmnist"),
+                                "fedprism_ablation_temperature", "fedamp_ablation_mu"],
+                         reference="fedprism-paper-fmnist"),
 }
 
 pytestmark = pytest.mark.skipif(not DB.exists(), reason="no committed results database")
