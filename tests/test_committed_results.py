@@ -14,10 +14,10 @@ from fedprism.report import write_report
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 DB = RESULTS / "fedprism.db"
+PAPER_SWEEPS = ["paper_fmnist_dir01", "paper_fmnist_dir03", "paper_fmnist_dir05"]    # Tables 1, 6, 7
 #: out dir -> the `fedprism report` arguments that made it (results/README.md lists the same commands)
 REPORTS = {
-    "paper_fmnist": dict(sweep=["paper_fmnist_dir01", "paper_fmnist_dir03", "paper_fmnist_dir05",
-                                "fedprism_ablation_temperature", "fedamp_ablation_mu"],
+    "paper_fmnist": dict(sweep=PAPER_SWEEPS + ["fedprism_ablation_temperature", "fedamp_ablation_mu"],
                          reference="fedprism-paper-fmnist"),
 }
 
@@ -55,7 +55,7 @@ def _finals(store: Store, sweep: str) -> dict[tuple[str, int], dict]:
             for r in store.runs(sweep=sweep) if r["status"] == "finished"}
 
 
-@pytest.mark.parametrize("sweep", ["paper_fmnist_dir01", "paper_fmnist_dir03", "paper_fmnist_dir05"])
+@pytest.mark.parametrize("sweep", PAPER_SWEEPS)
 def test_fedprism_vs_local_as_results_readme_states(db_copy, sweep):
     """Issue 5 on FMNIST Dirichlet 0.1, 0.3 and 0.5 (paper configuration), seed by seed from the committed
     runs: FedPrism's local accuracy >= Local's, and its routed (dual-stream, Eq. 2-3) global accuracy >=
@@ -111,7 +111,7 @@ def test_training_does_not_depend_on_the_routing_temperature(db_copy):
         assert t1[r]["global_model_acc"] == t5[r]["global_model_acc"]
 
 
-@pytest.mark.parametrize("sweep", ["paper_fmnist_dir01", "paper_fmnist_dir03", "paper_fmnist_dir05"])
+@pytest.mark.parametrize("sweep", PAPER_SWEEPS)
 def test_ifca_is_dominated_by_one_model_as_results_readme_states(db_copy, sweep):
     """results/README.md explains IFCA's high Glob (far above the paper's) by one of the K models taking
     most of the clients' lowest-loss picks: at least 70 % of the picks of the last 10 rounds, every seed."""

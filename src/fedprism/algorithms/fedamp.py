@@ -17,7 +17,7 @@ mu = 0.1 by default (neither paper gives its value for FMNIST; PFLlib's lamda = 
 rule: the largest mu in {1, 0.1, 0} whose personalized models fit their own data as well as Local's (mean
 local accuracy within 0.5 points of Local's). Measured at FMNIST Dirichlet 0.5, paper configuration,
 round 29 (sweep `sweeps/ablation_fedamp_mu.toml`): mu = 1 gives Loc 69.08 % against Local's 81.31 % (the
-anchor to u_i holds every client back, whatever its number of visits), mu = 0.1 81.11 %, mu = 0 82.72 %.
+anchor to u_i holds the clients back), mu = 0.1 81.11 %, mu = 0 82.72 %.
 
 Guards (Appendix B row 10):
   * distance: xi_ii >= 0 needs alpha_k <= sigma/(N-1) (A' <= 1/sigma); checked at construction for a
