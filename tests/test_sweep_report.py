@@ -74,8 +74,10 @@ def test_a_run_two_sweeps_share_is_run_once_and_reported_by_both(tmp_path, monke
 
     cfg = json.loads(store.runs()[0]["config"])
     ours = 100 * json.loads(store.runs()[0]["final"])["global_acc"]
-    key = (cfg["dataset"], cfg["partition"], family_of(cfg)[1])
-    monkeypatch.setitem(reference.REFERENCES, "toy", {key: {"Baseline": (ours - 1.0, 100.0), "Other": (1.0, 2.0)}})
+    key = (cfg["dataset"], cfg["partition"], family_of(cfg)[1], cfg["clients"], cfg["rounds"])
+    other_t = key[:4] + (cfg["rounds"] + 1,)               # same partition, another protocol: not ours
+    monkeypatch.setitem(reference.REFERENCES, "toy", {key: {"Baseline": (ours - 1.0, 100.0), "Other": (1.0, 2.0)},
+                                                      other_t: {"Baseline": (50.0, 50.0)}})
     write_report(db, str(tmp_path / "ref"), sweep="second", plots=False, reference="toy")
     md = (tmp_path / "ref" / "results.md").read_text()
     row = next(line for line in md.splitlines() if "| Baseline | 1 |" in line and "paper" not in line
@@ -83,6 +85,7 @@ def test_a_run_two_sweeps_share_is_run_once_and_reported_by_both(tmp_path, monke
     cells = [c.strip() for c in row.split("|")[1:-1]]
     assert cells[5] == "+1.00" and cells[8].startswith("**-")      # Glob +1 (not flagged); Loc flagged
     assert any("| Other | 0 |" in line and line.rstrip().endswith("| - | - |") for line in md.splitlines())
+    assert any(f"T={cfg['rounds'] + 1} | Baseline | 0 |" in line for line in md.splitlines())
     with pytest.raises(ValueError, match="unknown reference"):
         write_report(db, str(tmp_path / "bad"), plots=False, reference="nope")
 

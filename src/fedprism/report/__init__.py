@@ -101,8 +101,7 @@ def reference_table(groups, name: str) -> list[str]:
     by_key = {}
     for setting, labels in groups.items():
         cfg = next(iter(next(iter(labels.values()))))["config"]
-        fam_col = family_of(cfg)[1]
-        by_key[(cfg["dataset"], cfg["partition"], fam_col)] = labels
+        by_key[(cfg["dataset"], cfg["partition"], family_of(cfg)[1], cfg["clients"], cfg["rounds"])] = labels
     for key in sorted(ref):
         ours = by_key.get(key, {})
         for lab, paper in ref[key].items():
@@ -118,7 +117,8 @@ def reference_table(groups, name: str) -> list[str]:
                     cells += ["-", f"{p:.2f}", "-"]
             g = [r["final"].get("global_model_acc") for r in runs if r["final"].get("global_model_acc") is not None]
             cells.append(f"{100 * float(np.mean(g)):.2f}" if g else "-")
-            md.append(f"| {key[0]} {key[1]}({key[2]}) | {lab} | {len(runs)} | " + " | ".join(cells) + " |")
+            setting = f"{key[0]} {key[1]}({key[2]}) N={key[3]} T={key[4]}"
+            md.append(f"| {setting} | {lab} | {len(runs)} | " + " | ".join(cells) + " |")
     md += ["", f"Bold: |Δ| > {FLAG_POINTS:g} points. '-': not run (yet), or no shared global model (G).", ""]
     return md
 
