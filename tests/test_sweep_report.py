@@ -70,12 +70,12 @@ def test_a_run_two_sweeps_share_is_run_once_and_reported_by_both(tmp_path, monke
     # a published table beside ours: differences above 3 points are flagged, missing rows say so
     import json
 
-    from fedprism.report import family_of, reference
+    from fedprism.report import reference, setting_of
 
     cfg = json.loads(store.runs()[0]["config"])
     ours = 100 * json.loads(store.runs()[0]["final"])["global_acc"]
-    key = (cfg["dataset"], cfg["partition"], family_of(cfg)[1], cfg["clients"], cfg["rounds"])
-    other_t = key[:4] + (cfg["rounds"] + 1,)               # same partition, another protocol: not ours
+    key = setting_of(cfg)
+    other_t = setting_of({**cfg, "rounds": cfg["rounds"] + 1})   # same partition, another protocol: not ours
     monkeypatch.setitem(reference.REFERENCES, "toy", {key: {"Baseline": (ours - 1.0, 100.0), "Other": (1.0, 2.0)},
                                                       other_t: {"Baseline": (50.0, 50.0)}})
     write_report(db, str(tmp_path / "ref"), sweep="second", plots=False, reference="toy")

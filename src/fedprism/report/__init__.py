@@ -98,13 +98,9 @@ def reference_table(groups, name: str) -> list[str]:
     md = [f"## Ours vs {name} (final round, %; ours mean over seeds)", "",
           "| setting | method | seeds | Glob ours | Glob paper | Δ | Loc ours | Loc paper | Δ | G ours |",
           "|---|---|---|---|---|---|---|---|---|---|"]
-    by_key = {}
-    for setting, labels in groups.items():
-        cfg = next(iter(next(iter(labels.values()))))["config"]
-        by_key[(cfg["dataset"], cfg["partition"], family_of(cfg)[1], cfg["clients"], cfg["rounds"])] = labels
-    for key in sorted(ref):
-        ours = by_key.get(key, {})
-        for lab, paper in ref[key].items():
+    for setting in sorted(ref):
+        ours = groups.get(setting, {})
+        for lab, paper in ref[setting].items():
             runs = ours.get(lab, [])
             cells = []
             for k, p in zip(("global_acc", "local_acc"), paper):
@@ -117,7 +113,6 @@ def reference_table(groups, name: str) -> list[str]:
                     cells += ["-", f"{p:.2f}", "-"]
             g = [r["final"].get("global_model_acc") for r in runs if r["final"].get("global_model_acc") is not None]
             cells.append(f"{100 * float(np.mean(g)):.2f}" if g else "-")
-            setting = f"{key[0]} {key[1]}({key[2]}) N={key[3]} T={key[4]}"
             md.append(f"| {setting} | {lab} | {len(runs)} | " + " | ".join(cells) + " |")
     md += ["", f"Bold: |Δ| > {FLAG_POINTS:g} points. '-': not run (yet), or no shared global model (G).", ""]
     return md

@@ -1,8 +1,9 @@
 """Published numbers to put next to ours (`fedprism report --reference NAME`).
 
-Each reference maps (dataset, partition, partition column, clients, rounds) -> method label -> (Glob,
-Loc) in %, as printed in the source. Clients and rounds are the published protocol: a setting of ours
-with the same partition but another N or T (a 30-round diagnostic, say) is not put next to the paper.
+Each reference maps a setting, spelt as the report's `setting_of` spells it (dataset, partition with its
+parameters, clients N, rounds T), to method label -> (Glob, Loc) in %, as printed in the source. N and
+T are the published protocol: a setting of ours with the same partition but another N or T (a 30-round
+diagnostic, say) is not put next to the paper.
 Labels are our sweep row labels (the paper's "FedCFL" is our "CFL").
 """
 
@@ -11,13 +12,13 @@ from __future__ import annotations
 #: FedPrism paper (seed 000), FMNIST column of Tables 1 (Dirichlet 0.1), 6 (0.3) and 7 (0.5);
 #: 100 clients, 100 rounds (section 4.5)
 FEDPRISM_PAPER_FMNIST = {
-    ("fmnist", "dirichlet", "alpha=0.1", 100, 100): {
+    "fmnist dirichlet(alpha=0.1) N=100 T=100": {
         "FedPrism": (81.93, 95.66), "FedAvg": (84.35, 85.01), "IFCA": (35.52, 87.05),
         "FedClust": (10.00, 58.11), "FedAMP": (10.36, 55.58), "CFL": (10.00, 44.86), "Local": (30.51, 95.05)},
-    ("fmnist", "dirichlet", "alpha=0.3", 100, 100): {
+    "fmnist dirichlet(alpha=0.3) N=100 T=100": {
         "FedPrism": (82.59, 90.53), "FedAvg": (87.10, 86.46), "IFCA": (52.5, 88.76),
         "FedClust": (78.73, 69.32), "FedAMP": (32.27, 89.83), "CFL": (14.13, 73.03), "Local": (47.38, 90.13)},
-    ("fmnist", "dirichlet", "alpha=0.5", 100, 100): {
+    "fmnist dirichlet(alpha=0.5) N=100 T=100": {
         "FedPrism": (88.12, 88.01), "FedAvg": (87.33, 87.24), "IFCA": (61.39, 88.51),
         "FedClust": (85.19, 81.09), "FedAMP": (48.66, 87.21), "CFL": (75.44, 80.55), "Local": (56.08, 87.11)},
 }
