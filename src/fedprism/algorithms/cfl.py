@@ -30,7 +30,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedprism.algorithms.base import Algorithm, Plan, Update, register, weighted_mean
+from fedprism.algorithms.aggregation import WEIGHTINGS, client_weights, weighted_mean
+from fedprism.algorithms.base import Algorithm, Plan, Update, register
 from fedprism.clustering import max_cross_similarity, optimal_bipartition, pairwise_cosine
 from fedprism.hparams import Param
 
@@ -62,7 +63,7 @@ class CFL(Algorithm):
         "min_size": Param(3, "only clusters with at least this many clients split", lambda v: v >= 2,
                           "an integer >= 2"),
         "weighting": Param("samples", "update average: n_i (samples) or 1 (uniform, the notebook)",
-                           choices=("samples", "uniform")),
+                           choices=WEIGHTINGS),
         "bipartition": Param("optimal", "optimal min-max cut (paper) or complete linkage (notebook)",
                              choices=("optimal", "complete")),
     }
@@ -73,13 +74,13 @@ class CFL(Algorithm):
                 "delta": torch.zeros(N, self.ctx.init.numel()), "has_delta": torch.zeros(N, dtype=torch.bool)}
 
     def plan(self, state: dict, rnd: int, clients: np.ndarray) -> Plan:
-        return Plan(clients, self.model_for(state, clients).clone())
+        return Plan(clients, {"params": self.model_for(state, clients).clone()})
 
     def aggregate(self, state: dict, rnd: int, update: Update) -> dict:
         if len(update.clients) == 0:
             return {}
         hp, S, D = self.hp, torch.as_tensor(update.clients), update.delta
-        a = update.n_samples if hp["weighting"] == "samples" else torch.ones(len(S), dtype=torch.float64)
+        a = client_weights(update, hp["weighting"])
         state["delta"][S], state["has_delta"][S] = D, True
         norms, splits = {"cluster": [], "mean_norm": [], "max_norm": []}, []
         for c in range(len(state["w"])):

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedprism.algorithms.base import Algorithm, Plan, Update, register
+from fedprism.algorithms.base import Algorithm, Plan, TrainJob, Update, register, train_update
 from fedprism.clustering import cosine_matrix
 from fedprism.errors import ConfigError
 from fedprism.hparams import Param
@@ -149,11 +149,19 @@ class FedAMP(Algorithm):
         xi, peers = self.attention(state, clients)
         u = (torch.as_tensor(xi) @ state["w"][torch.as_tensor(peers)].double()).float()
         start = u if self.hp["start"] == "cloud" else state["w"][torch.as_tensor(clients)].clone()
-        mu = self.hp["mu"]
+        if self.hp["start"] == "cloud" or self.hp["mu"] == 0:
+            return Plan(clients, {"params": start})
+        return Plan(clients, {"params": start, "anchor": u})
+
+    def client_update(self, plan: Plan, trainer, rnd: int, cstate: dict) -> Update:
+        """min_w F_i(w) + (mu/2)||w - u_i||^2 from the received start (the proximal point u_i itself
+        unless `start=personal`)."""
+        mu, anchor = self.hp["mu"], plan.payload.get("anchor", plan.start)
         if mu == 0:
-            return Plan(clients, start)
-        return Plan(clients, start, objective="prox",
-                    extras={"anchor": u, "mu": torch.full((len(clients),), mu)})
+            return train_update(trainer, TrainJob(plan.clients, plan.start), rnd)
+        job = TrainJob(plan.clients, plan.start, loss="prox",
+                       extras={"anchor": anchor, "mu": torch.full((len(plan.clients),), mu)})
+        return train_update(trainer, job, rnd)
 
     def aggregate(self, state: dict, rnd: int, update: Update) -> dict:
         S = torch.as_tensor(update.clients)

@@ -21,7 +21,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedprism.algorithms.base import Algorithm, Plan, Update, register, weighted_mean
+from fedprism.algorithms.aggregation import weighted_mean
+from fedprism.algorithms.base import Algorithm, Plan, Update, register
 from fedprism.clustering import TooFewPoints, hard_cluster
 from fedprism.clustering.matching import match_clusters
 from fedprism.hparams import Param
@@ -70,7 +71,7 @@ class FedClust(Algorithm):
     def plan(self, state: dict, rnd: int, clients: np.ndarray) -> Plan:
         if self.hp["variant"] == "original" and rnd == 0:
             clients = np.arange(self.ctx.num_clients)        # one-shot setup: everybody from theta_0
-        return Plan(clients, self.model_for(state, clients).clone())
+        return Plan(clients, {"params": self.model_for(state, clients).clone()})
 
     def _features(self, params: torch.Tensor) -> np.ndarray:
         sl = self.ctx.spec.last_layer if self.hp["features"] == "last_layer" else slice(None)

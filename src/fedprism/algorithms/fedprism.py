@@ -37,6 +37,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from fedprism.algorithms.aggregation import client_weights, personalize, soft_cluster_step, weighted_sum
 from fedprism.algorithms.base import Algorithm, Plan, Update, register
 from fedprism.clustering import TooFewPoints, hard_cluster, soft_assign
 from fedprism.clustering.matching import match_clusters, overlap_cost
@@ -44,40 +45,6 @@ from fedprism.errors import ConfigError
 from fedprism.hparams import Param
 
 CLUSTERINGS = ("kmeans", "ward", "average", "single", "covariance")
-
-
-def personalize(w_g: torch.Tensor, w_c: torch.Tensor, W: torch.Tensor, alpha: float | torch.Tensor,
-                beta: float | torch.Tensor | None = None) -> torch.Tensor:
-    """w_pers = a w_g + (1 - a) W @ w_c for a block of rows of W (002 section 4), float64 mixing.
-
-    `alpha` may be a per-row tensor [n]; `beta` (default 1 - alpha) replaces the cluster coefficient,
-    so the FedPrism paper's shared part a_i G + beta sum_k w_ik C_k (Eq. 1 without P_i) is the same call.
-    """
-    mix = W.to(torch.float64) @ w_c.to(torch.float64)
-    a = alpha.to(torch.float64)[:, None] if isinstance(alpha, torch.Tensor) else alpha
-    if beta is None:
-        b = 1 - a
-    else:
-        b = beta.to(torch.float64)[:, None] if isinstance(beta, torch.Tensor) else beta
-    return (a * w_g.to(torch.float64) + b * mix).to(w_g.dtype)
-
-
-def soft_cluster_step(w_c: torch.Tensor, W_S: torch.Tensor, vec: torch.Tensor, lr: float = 1.0,
-                      toward: bool = False) -> torch.Tensor:
-    """Soft-weighted cluster update (002 step 3b), only for clusters with Z_c = sum_i W[i,c] > 0.
-
-    toward=False: w_c += lr * (W_S^T vec) / Z      (vec = Delta: the report's update)
-    toward=True : w_c += lr * ((W_S^T vec) / Z - w_c)   (vec = returned models: 000 Algorithm 2)
-    """
-    Z = W_S.to(torch.float64).sum(0)
-    live = Z > 0
-    if not live.any():
-        return w_c
-    mean = (W_S.to(torch.float64).T[live] @ vec.to(torch.float64)) / Z[live, None]
-    out = w_c.clone()
-    step = mean - w_c[live].to(torch.float64) if toward else mean
-    out[live] = (w_c[live].to(torch.float64) + lr * step).to(w_c.dtype)
-    return out
 
 
 def recluster(features: np.ndarray, W_old: np.ndarray, models: np.ndarray, k: int, m: int, method: str,
@@ -149,8 +116,7 @@ class FedPrism(Algorithm):
 
     # -- the four functions --------------------------------------------------------------------------
     def plan(self, state: dict, rnd: int, clients: np.ndarray) -> Plan:
-        rows = state["W"][torch.as_tensor(clients)]
-        return Plan(clients, personalize(state["w_g"], state["w_c"], rows, self.hp["alpha"]))
+        return Plan(clients, {"params": self.model_for(state, clients)})
 
     def aggregate(self, state: dict, rnd: int, update: Update) -> dict:
         records: dict = {}
@@ -165,14 +131,13 @@ class FedPrism(Algorithm):
         """Global step (3a) and soft-weighted cluster step (3b) with the rows of W used this round."""
         hp = self.hp
         S = torch.as_tensor(update.clients)
-        w = update.n_samples if hp["global_weighting"] == "samples" else torch.ones(len(S), dtype=torch.float64)
-        w = (w / w.sum()).to(torch.float64)
+        w = client_weights(update, hp["global_weighting"])
         if hp["update"] == "delta":
             delta = update.delta
-            state["w_g"] = (state["w_g"].double() + w @ delta.double()).float()
+            state["w_g"] = (state["w_g"].double() + weighted_sum(delta, w)).float()
             state["w_c"] = soft_cluster_step(state["w_c"], state["W"][S], delta, hp["cluster_lr"])
         else:
-            state["w_g"] = (w @ update.params.double()).float()
+            state["w_g"] = weighted_sum(update.params, w).float()
             state["w_c"] = soft_cluster_step(state["w_c"], state["W"][S], update.params, hp["cluster_lr"], toward=True)
 
     def _recluster_due(self, rnd: int) -> bool:

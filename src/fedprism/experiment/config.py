@@ -55,6 +55,10 @@ KEYS: dict[str, Param] = {
     "engine": Param("auto", "auto, sequential or vectorized", choices=("auto", "sequential", "vectorized")),
     "compile": Param("auto", "torch.compile the vectorized kernels (auto: on for long runs)",
                      choices=("auto", "true", "false", True, False)),
+    "optimizer": Param("sgd", "client optimiser: sgd (lr, momentum, weight_decay) or adam (lr, weight_decay; "
+                       "betas 0.9/0.999, eps 1e-8)", choices=("sgd", "adam"), new=True),
+    "keep_final": Param(True, "keep the final server and client state beside the store (re-scoring of "
+                        "evaluation-only settings without training)"),
 }
 
 #: parameters every partition takes (minimum samples per client)
@@ -64,7 +68,7 @@ PARTITION_COMMON: dict[str, Param] = {
 }
 
 #: keys that change how a run executes but not its numbers (excluded from the run id)
-EXECUTION_KEYS = frozenset({"name", "device", "engine", "compile", "data.root", "data.download"})
+EXECUTION_KEYS = frozenset({"name", "device", "engine", "compile", "data.root", "data.download", "keep_final"})
 
 
 def parse_value(text: str) -> Any:
@@ -127,15 +131,34 @@ class Config:
     def partition_params(self) -> dict[str, Any]:
         return {k[len("partition."):]: v for k, v in self.values.items() if k.startswith("partition.")}
 
+    def _params(self) -> dict[str, Param]:
+        from fedprism.algorithms import REGISTRY
+
+        method = REGISTRY.get(self["method"])
+        mp = {f"{self['method']}.{k}": p for k, p in (method.params if method else {}).items()}
+        return {**KEYS, **mp}
+
     @property
     def identity(self) -> dict[str, Any]:
-        return {k: v for k, v in sorted(self.values.items()) if k not in EXECUTION_KEYS}
+        """What identifies the run: every key except execution-only ones, and except keys added after
+        runs were first stored (`Param.new`) while they hold their default, so stored run ids stay valid."""
+        params = self._params()
+        return {k: v for k, v in sorted(self.values.items())
+                if k not in EXECUTION_KEYS and not (k in params and params[k].new and v == params[k].default)}
 
     @property
     def run_id(self) -> str:
         """Hash of the resolved config (seed included); execution-only keys excluded."""
         blob = json.dumps(self.identity, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+    @property
+    def train_id(self) -> str:
+        """Hash of what training depends on: the identity without evaluation-only method parameters
+        (`Param.eval_only`). Runs that differ only there train the same models."""
+        params = self._params()
+        ident = {k: v for k, v in self.identity.items() if not (k in params and params[k].eval_only)}
+        return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     def with_(self, **kw: Any) -> "Config":
         return resolve({**self.values, **{k.replace("__", "."): v for k, v in kw.items()}})
