@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 from fedprism.errors import FedPrismError
+from fedprism.textable import fmt as _fmt  # noqa: F401
+from fedprism.textable import table as _table
 
 DEFAULT_DB = "fedprism-results.db"
 
@@ -24,21 +26,6 @@ def _config(args) -> "Config":  # noqa: F821
         raw.update(load_toml(items.pop(0)))
     raw.update(parse_overrides(items))
     return resolve(raw)
-
-
-def _fmt(v) -> str:
-    if v is None:
-        return ""
-    if isinstance(v, float):
-        return f"{v:.4f}" if v == 0 or abs(v) >= 1e-3 else f"{v:.3g}"
-    return str(v)
-
-
-def _table(rows: list[list], header: list[str]) -> str:
-    cells = [header] + [[_fmt(v) for v in r] for r in rows]
-    w = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    line = lambda r: "  ".join(c.ljust(w[i]) for i, c in enumerate(r))  # noqa: E731
-    return "\n".join([line(cells[0]), "  ".join("-" * x for x in w)] + [line(r) for r in cells[1:]])
 
 
 def cmd_run(args) -> int:

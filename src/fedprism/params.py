@@ -114,3 +114,9 @@ class Functional:
         """Penultimate representation (input of `head`), for prototype methods."""
         params = self.spec.unflatten(flat)
         return functional_call(self.module, (params, self.buffers), (x,), {"features_only": True})
+
+    def head(self, flat: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """Logits of penultimate features `z` under the head of `flat` (for losses on features)."""
+        params = self.spec.unflatten(flat)
+        p = self.spec.head_prefix
+        return functional_call(self.module.head, {k[len(p):]: v for k, v in params.items() if k.startswith(p)}, (z,))

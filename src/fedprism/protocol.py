@@ -268,20 +268,22 @@ class EvalResult:
                           {k: torch.cat([r.alternatives[k] for r in parts]) for k in sorted(shared)})
 
 
-Combine = Callable[[Rows], torch.Tensor]
-"""Logits of each stream ({name: [m, B, C]}) -> the logits a client predicts with ([m, B, C])."""
+Combine = Callable[[Rows, Rows], torch.Tensor]
+"""(logits of each stream {name: [m, B, C]}, the `Inference.extras` rows of those m clients) -> the
+logits the clients predict with ([m, B, C])."""
 
 
 @dataclass
 class Inference:
     """How clients predict: `streams[name]` [n, P] models; `combine` mixes their logits (None: the one
-    stream is the prediction); `alternatives` are diagnostic predictions from the same logits, stored
-    as `<split>_acc@<name>`. Streams are run in their dict order (one stacked call per client on local
-    splits)."""
+    stream is the prediction), with per-client tensors `extras` [n, ...] (e.g. a label prior);
+    `alternatives` are diagnostic predictions from the same logits, stored as `<split>_acc@<name>`.
+    Streams are run in their dict order (one stacked call per client on local splits)."""
 
     streams: Rows
     combine: Combine | None = None
     alternatives: dict[str, Combine] = field(default_factory=dict)
+    extras: Rows = field(default_factory=dict)
 
     @property
     def single(self) -> torch.Tensor | None:

@@ -53,7 +53,7 @@ class Algorithm:
     personalized: ClassVar[bool] = True   # False: one shared model (global acc computed once)
     #: per-client state that never leaves the client (name -> declaration)
     client_state: ClassVar[dict[str, ClientState]] = {}
-    #: alternative predictions stored beside the headline metrics (name -> what it is), for reports
+    #: alternative predictions stored beside the headline metrics (name -> report row label), in report order
     predictions: ClassVar[dict[str, str]] = {}
 
     def __init__(self, ctx: Context, **hp: Any):
@@ -76,6 +76,11 @@ class Algorithm:
     @classmethod
     def check_params(cls, hp: dict[str, Any]) -> None:
         """Cross-parameter checks (e.g. m <= K); raise ConfigError."""
+
+    @classmethod
+    def headline(cls, config: dict[str, Any]) -> str:
+        """How a run of this configuration predicts (the report's heading of its headline numbers)."""
+        return "prediction"
 
     @classmethod
     def eval_only(cls) -> frozenset[str]:

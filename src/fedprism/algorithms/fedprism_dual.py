@@ -146,8 +146,8 @@ class FedPrismDual(FedPrism):
     name = "fedprism_dual"
     paper = "FedPrism paper, arXiv:2603.08252, section 3, Algorithms 1-2"
     client_state = {"private": ClientState(("P",), init="model"), "expert": ClientState(("P",), init="model")}
-    predictions = {"backbone": "the backbone W_i alone", "expert": "the local specialist L_i alone",
-                   **{f"T={t:g}": f"confidence routing at temperature T = {t:g}" for t in DIAGNOSTIC_TEMPERATURES}}
+    predictions = {"backbone": "backbone alone", "expert": "expert alone",
+                   **{f"T={t:g}": f"T={t:g}" for t in DIAGNOSTIC_TEMPERATURES}}
     params = {
         "k": FedPrism.params["k"],
         "m": Param(0, "clusters per soft row (0 = all K, Algorithm 2)", lambda v: v >= 0, "an integer >= 0"),
@@ -183,6 +183,13 @@ class FedPrismDual(FedPrism):
     def __init__(self, ctx, **hp: Any):
         super().__init__(ctx, **hp)
         self.hp = {**self.hp, **_FIXED, "m": self.hp["m"] or self.hp["k"]}
+
+    @classmethod
+    def headline(cls, config: dict[str, Any]) -> str:
+        w = config.get(f"{cls.name}.inference_weight")
+        if w is None or w == "auto":
+            return f"routed, T={config.get(f'{cls.name}.inference_temperature', 1.0):g}"
+        return f"fixed specialist weight {w:g}"
 
     @classmethod
     def check_params(cls, hp: dict) -> None:
@@ -323,9 +330,9 @@ class FedPrismDual(FedPrism):
             return Inference({"backbone": backbone})
         if weight == 1:
             return Inference({"expert": cstate["expert"]})
-        alternatives = {"backbone": lambda z: z["backbone"], "expert": lambda z: z["expert"]}
+        alternatives = {"backbone": lambda z, e: z["backbone"], "expert": lambda z, e: z["expert"]}
         if weight is None:
-            alternatives.update({f"T={t:g}": (lambda z, t=t: route(z["expert"], z["backbone"], None, t))
+            alternatives.update({f"T={t:g}": (lambda z, e, t=t: route(z["expert"], z["backbone"], None, t))
                                  for t in DIAGNOSTIC_TEMPERATURES if t != T})
         return Inference({"expert": cstate["expert"], "backbone": backbone},
-                         lambda z: route(z["expert"], z["backbone"], weight, T), alternatives)
+                         lambda z, e: route(z["expert"], z["backbone"], weight, T), alternatives)

@@ -37,8 +37,7 @@ KEYS: dict[str, Param] = {
                                "an integer >= 0"),
     "data.test_subset": Param(0, "use a seeded random subset of this many global test samples (0 = all)", _nonneg,
                               "an integer >= 0"),
-    "model": Param("auto", "lenet5, mlp, cnn, or auto (lenet5 for images >= 28px, else mlp)",
-                   choices=("auto", "lenet5", "mlp", "cnn")),
+    "model": Param("auto", "lenet5, mlp, cnn, a registered model, or auto (lenet5 for images >= 28px, else mlp)"),
     "partition": Param("dirichlet", "how the data is split across clients (see `fedprism partition --help`)"),
     "clients": Param(100, "number of clients N", _pos, "an integer >= 1"),
     "rounds": Param(100, "communication rounds T", _pos, "an integer >= 1"),
@@ -166,9 +165,11 @@ class Config:
 
 def resolve(raw: dict[str, Any]) -> Config:
     """Validate `raw` (flat keys) and fill defaults for the experiment, the method and the partition."""
+    from fedprism import plugins
     from fedprism.algorithms import REGISTRY
     from fedprism.data.partition import PARTITIONS
 
+    plugins.load()
     raw = dict(raw)
     if "partition.name" in raw:        # TOML: [partition] name = "dirichlet", alpha = 0.1
         raw["partition"] = raw.pop("partition.name")
@@ -179,9 +180,13 @@ def resolve(raw: dict[str, Any]) -> Config:
     if part not in PARTITIONS:
         raise ConfigError("partition", part, f"one of {', '.join(sorted(PARTITIONS))}")
     from fedprism.data.datasets import DATASETS
+    from fedprism.models import MODELS
     ds = raw.get("dataset", KEYS["dataset"].default)
-    if ds not in DATASETS:
-        raise ConfigError("dataset", ds, f"one of {', '.join(DATASETS)}")
+    if ds not in DATASETS and ds not in plugins.DATASETS:
+        raise ConfigError("dataset", ds, f"one of {', '.join((*DATASETS, *plugins.DATASETS))}")
+    model = raw.get("model", KEYS["model"].default)
+    if model != "auto" and model not in MODELS and model not in plugins.MODELS:
+        raise ConfigError("model", model, f"one of auto, {', '.join((*MODELS, *plugins.MODELS))}")
 
     out: dict[str, Any] = {}
     for k, p in KEYS.items():

@@ -97,7 +97,7 @@ class StreamScorer:
         clients = np.asarray(clients)
         n, C, chunk = len(clients), self.engine.num_classes, self.chunk
         names = list(inf.streams)
-        combine = inf.combine or (lambda z: z[names[0]])
+        combine = inf.combine or (lambda z, e: z[names[0]])
         correct = torch.zeros(n, dtype=torch.long)
         loss = torch.zeros(n, dtype=torch.float64)
         count = torch.zeros(n, dtype=torch.long)
@@ -110,7 +110,8 @@ class StreamScorer:
             if todo:
                 out = self.engine.logits(torch.cat([inf.streams[s][rows] for s in todo]), x)
                 z = {**z, **{s: out[j * m:(j + 1) * m] for j, s in enumerate(todo)}}
-            out = combine(z).float()
+            ex = {k: v[rows] for k, v in inf.extras.items()}
+            out = combine(z, ex).float()
             yy = y.to(out.device).expand(m, -1)
             pred = out.argmax(-1)
             correct[rows] += (pred == yy).sum(1).cpu()
@@ -121,7 +122,7 @@ class StreamScorer:
             cells = (own + yy * C + pred).reshape(-1)
             conf[rows] += torch.bincount(cells, minlength=m * C * C).view(m, C, C).cpu()
             for name, fn in inf.alternatives.items():
-                hit = (fn(z).argmax(-1) == yy).sum(1).cpu()
+                hit = (fn(z, ex).argmax(-1) == yy).sum(1).cpu()
                 alt.setdefault(name, torch.zeros(n, dtype=torch.long))[rows] += hit
 
         if split == "global":

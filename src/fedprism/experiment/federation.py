@@ -30,10 +30,15 @@ def _pad32(cfg: Config, dataset: str) -> bool:
 @lru_cache(maxsize=4)
 def _federation(dataset: str, root: str, download: bool, pad32: bool, partition: str,
                 part_items: tuple, clients: int, seed: int, train_subset: int = 0, test_subset: int = 0) -> Federation:
-    from fedprism.data.datasets import load_dataset
+    from fedprism.data.datasets import DATASETS, load_dataset
     from fedprism.data.partition import make_partition
 
-    ds = load_dataset(dataset, root=root or None, download=download, pad32=pad32)
+    from fedprism import plugins
+
+    if dataset in plugins.DATASETS and dataset not in DATASETS:
+        ds = plugins.DATASETS[dataset](pad32=pad32, root=root or None)
+    else:
+        ds = load_dataset(dataset, root=root or None, download=download, pad32=pad32)
     x_tr, y_tr, x_te, y_te = ds.x_train, ds.y_train, ds.x_test, ds.y_test
     rng = np.random.default_rng([seed, 0xDA7A])
     if 0 < train_subset < len(y_tr):
