@@ -2,7 +2,7 @@
 
 Built once per experiment (`fedprism.experiment.build_federation`) and shared by every method, so all
 methods see the same partition. Client test indices point into the global test set: each client's
-local test split follows its train label distribution (FedPrism paper 4.2, specs 15.4b).
+local test split follows its train label distribution (FedPrism paper 4.2).
 """
 
 from __future__ import annotations

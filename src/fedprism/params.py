@@ -1,4 +1,4 @@
-"""Flat parameter vectors <-> modules: the one place that knows the layout (DESIGN.md).
+"""Flat parameter vectors <-> modules: the one place that knows the layout (docs/architecture.md).
 
 A model's trainable parameters live as one float32 vector of length P. `ParamSpec` maps slices of
 that vector to named parameter shapes, so a global model, a cluster model, a client delta or a whole

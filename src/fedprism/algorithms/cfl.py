@@ -1,8 +1,8 @@
-"""CFL, Clustered Federated Learning (Sattler, Mueller, Samek 2020; specs/algorithms.md section 5).
+"""CFL, Clustered Federated Learning (Sattler, Mueller, Samek 2020).
 
 Every client belongs to one cluster c with model theta_c (at first one cluster: FedAvg). Round t:
 
-    Delta_i   = LocalTrain(theta_c, D_i) - theta_c               relative to what was sent (specs 0.3)
+    Delta_i   = LocalTrain(theta_c, D_i) - theta_c               relative to what was sent
     mean_norm = || sum_{i in c, S_t} a_i Delta_i ||               norm of the mean, a_i = n_i / N_c
     max_norm  = max_{i in c, S_t} ||Delta_i||
     if t >= warmup and |c| >= min_size and mean_norm < eps1 and max_norm > eps2:
@@ -15,11 +15,11 @@ Every client belongs to one cluster c with model theta_c (at first one cluster: 
 Splits are tested on every cluster every round, so clustering is recursive (a tree). Defaults:
 eps1 = 0.4, eps2 = 1.6, no split before round 20, only clusters with more than 2 clients (the
 authors' notebook). eps1/eps2 scale with lr, epochs and model size: every round logs mean_norm and
-max_norm per cluster (record `cfl`) so they can be set from data. Appendix B row 8: optimal
+max_norm per cluster (record `cfl`) so they can be set from data. Decisions: optimal
 min-max cut (`bipartition=complete` reproduces the notebook / FL-bench), n_i-weighted mean (`weighting=
 uniform` is the notebook's), gamma threshold optional (0.5 reproduces Clust-PSI-PFL).
 
-Partial participation (specs section 5 [REC]): the trigger uses this round's participants; the
+Partial participation: the trigger uses this round's participants; the
 cosine matrix uses every member's most recent Delta (stale for members not sampled this round; the
 server keeps N x P floats). Members that never reported a Delta go with the larger child.
 The notebook's "keep the cached pre-split model with the best validation accuracy" is not done.

@@ -1,4 +1,4 @@
-"""FedAMP and HeurFedAMP, attentive message passing (Huang et al. 2021; specs/algorithms.md section 6).
+"""FedAMP and HeurFedAMP, attentive message passing (Huang et al. 2021).
 
 The server keeps every client's last personalized model w_j. For a sampled client i it builds the
 cloud model over i's neighbours j (the other clients that have uploaded at least once):
@@ -11,7 +11,7 @@ cloud model over i's neighbours j (the other clients that have uploaded at least
 and sends it down. The client solves  min_w F_i(w) + (mu/2)||w - u_i||^2  from u_i (the proximal
 point, objective `prox`; `start=personal` starts from w_i as PFLlib does) and uploads w_i, which is
 also its inference model. `mu` is the paper's lambda/alpha_k, decoupled from the attention step so
-that a small alpha_k does not freeze the clients (specs section 6 pitfall).
+that a small alpha_k does not freeze the clients.
 
 mu = 0.1 by default (neither paper gives its value for FMNIST; PFLlib's lamda = alphaK = 1 gives 1). The
 rule: the largest mu in {1, 0.1, 0} whose personalized models fit their own data as well as Local's (mean
@@ -19,7 +19,7 @@ local accuracy within 0.5 points of Local's). Measured at FMNIST Dirichlet 0.5, 
 round 29 (sweep `sweeps/ablation_fedamp_mu.toml`): mu = 1 gives Loc 69.08 % against Local's 81.31 % (the
 anchor to u_i holds the clients back), mu = 0.1 81.11 %, mu = 0 82.72 %.
 
-Guards (Appendix B row 10):
+Guards :
   * distance: xi_ii >= 0 needs alpha_k <= sigma/(N-1) (A' <= 1/sigma); checked at construction for a
     numeric sigma. `alpha_k=max` (default) uses sigma/m_i (m_i = i's neighbours), so xi_ij =
     exp(-d_ij/sigma)/m_i and the self-weight 1 - mean_j exp(-d_ij/sigma) is ~0 next to identical
@@ -111,7 +111,7 @@ class FedAMP(Algorithm):
         """(xi [n, M], peer ids [M]): row r gives client clients[r]'s weights over the peers.
 
         Neighbours of i are the other clients that have uploaded at least once (the server's cached
-        w_j, specs section 6 [REC]); a client with no neighbour, or before sigma is known, gets u_i = w_i.
+        w_j); a client with no neighbour, or before sigma is known, gets u_i = w_i.
         """
         known = state["known"].numpy()
         peers = np.flatnonzero(known | np.isin(np.arange(len(known)), clients))

@@ -1,8 +1,8 @@
-"""Fed-PRISM server, as in technical report 002 (sections 1-4).
+"""Fed-PRISM server, as in the Fed-PRISM technical report (sections 1-4).
 
 State: global model w_g, K cluster models w_c, soft-assignment map W [N, K].
 
-Round t (002 section 2):
+Round t (the report's section 2):
     w_pers_i = a w_g + (1 - a) sum_c W[i,c] w_c                           (section 4, sent to i in S_t)
     Delta_i  = w_local_i - w_pers_i                                        (step 2)
     w_g     += 1/|S_t| sum_i Delta_i                                       (step 3a; `global_weighting`)
@@ -13,7 +13,7 @@ UpdateClusters (section 3): features Theta_i = w_local_i (kmeans, ward, average,
 Delta_i (covariance); hard clusters; centroids = member means; Sim = cos(feature, centroid);
 W[i] = softmax over the top-m similarities, 0 elsewhere.
 
-Decisions where 002 is silent (README "Fed-PRISM decisions"; specs/fedprism.md):
+Decisions where the report is silent (README "Design decisions"):
   * Before the first clustering W is uniform (1/K) and every w_c is a copy of w_g. Rounds count from
     0, so the first clustering happens at the end of round 0 (0 mod C == 0) and personalization
     starts at once.
@@ -27,7 +27,7 @@ Decisions where 002 is silent (README "Fed-PRISM decisions"; specs/fedprism.md):
   * Covariance: affinity (1 + R)/2 of the normalised update correlation R (anti-correlated tasks
     get affinity ~0, the graph stays connected); `fedprism.affinity=clip` uses max(R, 0).
 
-Options for the FedPrism paper's variant of the same server (000 Algorithm 2), defaults = 002:
+Options for the FedPrism paper's variant of the same server (the FedPrism paper's Algorithm 2), defaults = the report's:
 `global_weighting=samples`, `temperature` (softmax of Sim/T), `m=K` (all clusters),
 `cluster_lr` (w_c moves by cluster_lr times its soft-weighted mean update), `features=last_layer`.
 """
@@ -49,7 +49,7 @@ CLUSTERINGS = ("kmeans", "ward", "average", "single", "covariance")
 
 def recluster(features: np.ndarray, W_old: np.ndarray, models: np.ndarray, k: int, m: int, method: str,
               seed: int, temperature: float = 1.0, affinity: str = "shifted") -> tuple[np.ndarray, np.ndarray, dict]:
-    """002 section 3 for the reporting clients: hard clusters, Hungarian matching, soft top-m rows.
+    """The report's section 3 for the reporting clients: hard clusters, Hungarian matching, soft top-m rows.
 
     `models` [K, d] are the cluster models in the feature space (used to match when the members carry
     no previous assignment). Returns (W_new rows [n, K], hard labels mapped to model indices, info).
@@ -73,7 +73,7 @@ def recluster(features: np.ndarray, W_old: np.ndarray, models: np.ndarray, k: in
 @register
 class FedPrism(Algorithm):
     name = "fedprism"
-    paper = "technical report 002 (sections 1-4)"
+    paper = "the Fed-PRISM technical report (sections 1-4)"
     params = {
         "k": Param(5, "number of cluster models K", lambda v: v >= 1, "an integer >= 1"),
         "m": Param(2, "clusters each client is softly assigned to (1 <= m <= K)", lambda v: v >= 1,
@@ -82,15 +82,15 @@ class FedPrism(Algorithm):
         "alpha": Param(0.5, "ensemble coefficient a on the global model", lambda v: 0 <= v <= 1,
                        "a number in [0, 1]"),
         "clustering": Param("kmeans", "hard clustering method", choices=CLUSTERINGS),
-        "global_weighting": Param("uniform", "global step: 1/|S_t| (002) or n_i/N_t (000)",
+        "global_weighting": Param("uniform", "global step: 1/|S_t| (Fed-PRISM report) or n_i/N_t (FedPrism paper)",
                                   choices=("uniform", "samples")),
         "temperature": Param(1.0, "softmax temperature T over the top-m cosine similarities",
                              lambda v: v > 0, "a number > 0"),
-        "cluster_lr": Param(1.0, "cluster learning rate (1 = report 002)", lambda v: 0 < v <= 1,
+        "cluster_lr": Param(1.0, "cluster learning rate (1 = the Fed-PRISM report)", lambda v: 0 < v <= 1,
                             "a number in (0, 1]"),
-        "update": Param("delta", "delta: w += mean Delta (002); model: average returned models (000)",
+        "update": Param("delta", "delta: w += mean Delta (Fed-PRISM report); model: average returned models (FedPrism paper)",
                         choices=("delta", "model")),
-        "features": Param("full", "clustering features: full vector (002) or last layer (000)",
+        "features": Param("full", "clustering features: full vector (Fed-PRISM report) or last layer (FedPrism paper)",
                           choices=("full", "last_layer")),
         "affinity": Param("shifted", "covariance affinity: (1+R)/2 or max(R,0)", choices=("shifted", "clip")),
     }
@@ -141,11 +141,11 @@ class FedPrism(Algorithm):
             state["w_c"] = soft_cluster_step(state["w_c"], state["W"][S], update.params, hp["cluster_lr"], toward=True)
 
     def _recluster_due(self, rnd: int) -> bool:
-        """002 step 4: UpdateClusters when t mod C == 0 (rounds count from 0)."""
+        """The report's step 4: UpdateClusters when t mod C == 0 (rounds count from 0)."""
         return rnd % self.hp["every"] == 0
 
     def _cluster_features(self, state: dict, update: Update) -> tuple[np.ndarray, np.ndarray]:
-        """(clients, features [n, d]) that UpdateClusters runs on: the reporting clients (002)."""
+        """(clients, features [n, d]) that UpdateClusters runs on: the reporting clients (the Fed-PRISM report)."""
         sl = self._feature_slice()
         base = update.delta if self.hp["clustering"] == "covariance" else update.params
         return update.clients, base[:, sl].double().cpu().numpy()

@@ -60,7 +60,7 @@ Decisions where the paper is silent or inconsistent (copy to the README):
   lie in [-1, 1]; tau = 1 would make the rows almost uniform). `cluster_on=reporting` (Algorithm 2:
   the clients of S_t) or `seen` (the latest h_i of every client seen so far, a server-side cache:
   more stable when `every` > 1). Cluster identity, skipped clusterings (fewer points than K) and
-  never-clustered clients (uniform rows) follow the 002 server.
+  never-clustered clients (uniform rows) follow the Fed-PRISM server.
 * eta_cluster (`cluster_lr`) = 0.5 by default (the paper gives no value; 1 would replace a cluster
   model by the mean of the ~2 backbones it got this round).
 * Shuffling streams: three named random streams per round (`TrainJob.stream`): the backbone trains on
@@ -88,7 +88,7 @@ Decisions where the paper is silent or inconsistent (copy to the README):
   alone at the final round and within 0.5 points of it at every evaluation of the second half of
   training: T = 5 (routed Glob 48.3 %, Loc 96.3 %; T = 10: 58.8 % / 96.2 % but up to 1.8 points of
   local accuracy below the specialist in rounds 60-80). Every run stores the other T values as well.
-* Clustering methods: kmeans (the paper), ward, average, single; not covariance (the 002 update
+* Clustering methods: kmeans (the paper), ward, average, single; not covariance (the Fed-PRISM server's update
   correlation needs Delta_i = W'_i - W_i, and W_i contains the private P_i the server never sees).
 """
 

@@ -1,13 +1,13 @@
 """IFCA, the Iterative Federated Clustering Algorithm (Ghosh et al. 2020, Algorithm 1, option II).
 
 The server keeps K cluster models theta_1..theta_K and sends all K to every sampled client (down
-K*P floats). Client i, on its own train data (specs/algorithms.md section 4):
+K*P floats). Client i, on its own train data:
 
     j_hat = argmin_j F_i(theta_j)                     loss of every model, eval mode, ties: random
     th_i  = LocalUpdate(theta_{j_hat})                send (j_hat, th_i)
 
 Server (model averaging):  theta_j = sum_{i: j_hat_i = j} a_i th_i / sum a_i   if anyone chose j,
-else theta_j stays bit-identical (specs 0.8). a_i = n_i (`weighting=samples`, as FedAvg here) or 1
+else theta_j stays bit-identical. a_i = n_i (`weighting=samples`, as FedAvg here) or 1
 (`uniform`, the paper and its reference code).
 
 Initialisation (`init`):
@@ -21,8 +21,7 @@ Initialisation (`init`):
 Decisions where the paper is silent:
   * Ties (|F_ij - min_j F_ij| <= 1e-7 relative) are broken by a client-side RNG seeded by
     (seed, round, client), so a client's choice does not depend on its cohort or the engine.
-  * `model_for(i)` is the model client i chose when it was last sampled (specs section 4: "uses the
-    assignment computed on the client's train data"). A client that never chose (never sampled, or
+  * `model_for(i)` is the model client i chose when it was last sampled. A client that never chose (never sampled, or
     only during warm-up) does at evaluation what an IFCA client does at inference: it picks the
     lowest-loss model on its own train data (the `evaluate` hook; `model_for` alone returns model 0).
 """

@@ -4,7 +4,7 @@ Same numbers as `SequentialEngine` for the same seed (to float tolerance), compu
 
 * **Training** runs `vmap(grad(objective))` over a `[W, P]` matrix of flat parameter vectors, one row
   per *slot*. Clients of unequal size are packed into the W slots with longest-processing-time-first
-  scheduling (specs/performance.md B.4): `W = floor(sum steps / max steps)`, and when a slot's client
+  scheduling: `W = floor(sum steps / max steps)`, and when a slot's client
   finishes the slot is reloaded with the next client's start vector and a zeroed momentum buffer.
   Only the tail (slots whose queue is empty) is masked. Every client sees exactly the batch sequence
   `batch_order(...)` of the sequential engine; the last partial batch is padded and weighted 0/1.
@@ -97,7 +97,7 @@ def lpt_slots(steps: list[int], slots: int) -> list[list[int]]:
 
 
 def ideal_slots(steps: list[int]) -> int:
-    """W = floor(sum steps / max steps), clamped to [1, number of clients] (specs B.4)."""
+    """W = floor(sum steps / max steps), clamped to [1, number of clients]."""
     if not steps:
         return 1
     m = max(steps)

@@ -50,7 +50,7 @@ class MLP(_Split):
 
 
 class CifarCNN(_Split):
-    """The Clust-PSI-PFL CIFAR CNN (seed 001): two conv(3x3)-BN-ReLU-pool blocks, fc256, fc(classes).
+    """The Clust-PSI-PFL CIFAR CNN (Clust-PSI-PFL): two conv(3x3)-BN-ReLU-pool blocks, fc256, fc(classes).
 
     BatchNorm uses batch statistics only (`track_running_stats=False`): no buffers, so the flat vector
     holds everything that is averaged (see `fedprism.params`).
