@@ -294,6 +294,9 @@ def test_external_plugin_runs_through_cli_and_sweep(tmp_path):
         label = "FedAvg"
         method = "fedavg"
     """))
+    listed = subprocess.run([sys.executable, "-m", "fedprism.cli", "methods"], capture_output=True, text=True,
+                            env=env, timeout=120).stdout
+    assert "fedavgm.server_momentum" in listed and "arXiv:1909.06335" in listed
     r = subprocess.run([sys.executable, "-m", "fedprism.cli", "sweep", str(sweep), "--db", str(db)],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr + r.stdout
@@ -326,3 +329,12 @@ def test_external_plugin_runs_on_the_flower_simulation(tmp_path):
     got = json.loads(rows[0]["final"])
     assert got["local_acc"] == pytest.approx(final["final"]["local_acc"] if "final" in final else final["local_acc"],
                                              abs=1e-9)
+
+
+def test_the_documented_plugin_is_the_tested_one():
+    """docs/writing-a-method.md shows the code that the plugin tests run, line for line."""
+    doc = (ROOT / "docs" / "writing-a-method.md").read_text()
+    block = doc.split("```python\n", 1)[1].split("```", 1)[0]
+    code = (Path(__file__).parent / "plugins" / "fedavgm_plugin.py").read_text()
+    body = code[code.index('"""', 3) + 3:]
+    assert block.strip() == body.strip()

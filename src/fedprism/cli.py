@@ -78,9 +78,11 @@ def cmd_report(args) -> int:
 
 
 def cmd_methods(args) -> int:
+    from fedprism import plugins
     from fedprism.algorithms import REGISTRY
     from fedprism.experiment.config import KEYS, PARTITION_COMMON
 
+    plugins.load()
     print("Experiment keys:")
     print(_table([[k, repr(p.default), p.help] for k, p in KEYS.items()], ["key", "default", "meaning"]))
     for name, cls in sorted(REGISTRY.items()):
