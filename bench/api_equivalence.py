@@ -30,6 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 #: wall-clock keys: they differ run to run and say nothing about the numbers
 TIMING = {"train_s", "eval_s", "wall_s"}
+#: work counters: how many model evaluations were computed (not cached); reported, not a result
+WORK = {"models_evaluated"}
 
 
 def stored_runs(db: Path, sweep: str, seed: int) -> list[tuple[str, str, dict]]:
@@ -75,11 +77,11 @@ def cmd_run(a: argparse.Namespace) -> None:
         print(f"{label:32s} {rid} {len(rounds)} rounds in {time.time() - t0:.0f}s", flush=True)
 
 
-def first_difference(x: list[dict], y: list[dict]) -> str | None:
-    """'round r: key a != b' for the first differing metric, or None."""
+def first_difference(x: list[dict], y: list[dict], skip: set[str] = TIMING | WORK) -> str | None:
+    """'round r: key a != b' for the first differing metric (keys in `skip` ignored), or None."""
     for r, (m1, m2) in enumerate(zip(x, y)):
         for k in sorted(set(m1) | set(m2)):
-            if k in TIMING:
+            if k in skip:
                 continue
             v1, v2 = m1.get(k), m2.get(k)
             same = v1 == v2 or (isinstance(v1, float) and isinstance(v2, float) and math.isnan(v1) and math.isnan(v2))
@@ -102,8 +104,11 @@ def cmd_compare(a: argparse.Namespace) -> int:
         n = len(new[rid]["rounds"])
         d = first_difference(old[rid]["rounds"], new[rid]["rounds"])
         s = first_difference(stored_rounds(Path(a.db), rid, n), new[rid]["rounds"])
+        work = [(h1.get(k), h2.get(k)) for h1, h2 in zip(old[rid]["rounds"], new[rid]["rounds"]) for k in WORK
+                if h1.get(k) != h2.get(k)]
         bad += d is not None
-        print(f"{new[rid]['label']:32s} {d or f'identical ({n} rounds)':34s} {s or 'identical'}")
+        note = f"; models_evaluated differs in {len(work)} rounds (old {work[0][0]} -> new {work[0][1]})" if work else ""
+        print(f"{new[rid]['label']:32s} {(d or f'identical ({n} rounds)') + note:34s} {s or 'identical'}")
     return 1 if bad else 0
 
 

@@ -53,10 +53,13 @@ def recluster(features: np.ndarray, W_old: np.ndarray, models: np.ndarray, k: in
 
     `models` [K, d] are the cluster models in the feature space (used to match when the members carry
     no previous assignment). Returns (W_new rows [n, K], hard labels mapped to model indices, info).
-    Raises TooFewPoints when there are fewer (distinct) points than K.
+    Raises TooFewPoints when there are fewer (distinct) points than K. When the clustering finds fewer
+    than K clusters (spectral clustering can), rows use min(m, clusters found) and the unmatched cluster
+    models get weight 0 in every row (the caller leaves them bit-identical and records it).
     """
     cl = hard_cluster(features, k, method, seed=seed, affinity=affinity)
-    W_soft = soft_assign(features, cl.centroids, m, temperature)          # columns = hard clusters
+    found = cl.centroids.shape[0]          # spectral clustering may find fewer than k clusters
+    W_soft = soft_assign(features, cl.centroids, min(m, found), temperature)   # columns = hard clusters
     informative = np.abs(W_old - 1.0 / k).sum() > 1e-9
     if informative:
         cost = overlap_cost(cl.labels, W_old)
@@ -65,7 +68,7 @@ def recluster(features: np.ndarray, W_old: np.ndarray, models: np.ndarray, k: in
         cost = ((cl.centroids[:, None, :] - models[None, :, :]) ** 2).sum(-1)
         how = "centroid"
     perm = match_clusters(cost)                                            # hard cluster j -> model perm[j]
-    W_new = np.zeros_like(W_soft)
+    W_new = np.zeros((len(features), k))                                   # unmatched models get weight 0
     W_new[:, perm] = W_soft
     return W_new, perm[cl.labels], {"matching": how, **cl.info}
 
@@ -166,7 +169,11 @@ class FedPrism(Algorithm):
             return {"cluster_skipped": {"reason": str(e), "clients": clients}}
         state["W"][S] = torch.as_tensor(W_new, dtype=torch.float64)
         state["clustered"][S] = True
-        return {"clusters": {"clients": clients, "labels": labels, "W": W_new.round(6), **info}}
+        records = {"clusters": {"clients": clients, "labels": labels, "W": W_new.round(6), **info}}
+        if info["k_found"] < hp["k"]:          # the run goes on; models without a cluster stay as they are
+            records["cluster_short"] = {"k": hp["k"], "k_found": info["k_found"], "clients": clients,
+                                        "unused_models": sorted(set(range(hp["k"])) - set(labels.tolist()))}
+        return records
 
     def model_for(self, state: dict, clients: np.ndarray) -> torch.Tensor:
         rows = state["W"][torch.as_tensor(clients)]
