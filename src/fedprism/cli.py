@@ -65,7 +65,7 @@ def cmd_sweep(args) -> int:
     db = args.db or os.environ.get("FEDPRISM_DB") or (None if args.quick else sweep_db(args.file)) or DEFAULT_DB
     print(f"results: {db}", file=sys.stderr)
     return run_sweep(args.file, db, only=args.only, quick=args.quick, progress=not args.quiet,
-                     limit=args.limit, seeds=args.seed, overrides=parse_overrides(args.items))
+                     limit=args.limit, seeds=args.seed, overrides=parse_overrides(args.items), workers=args.workers)
 
 
 def cmd_report(args) -> int:
@@ -191,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--limit", type=int, default=None, help="stop after this many runs")
     s.add_argument("--seed", type=int, action="append", default=None,
                    help="only runs with this seed (repeatable)")
+    s.add_argument("--workers", type=int, default=1,
+                   help="runs at once, in separate processes sharing the cores (default 1)")
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(fn=cmd_sweep)
 
