@@ -22,6 +22,10 @@ from fedprism.params import Functional
 from fedprism.protocol import EvalResult, Loss, Trained, TrainJob
 
 OPTIMIZERS = ("sgd", "adam")
+#: evaluation splits: a client's own rows ('local' test, 'train', 'val') or a shared set ('global' test,
+#: 'global_val' validation)
+SPLITS = ("local", "global", "train", "val", "global_val")
+SHARED_SPLITS = ("global", "global_val")
 
 
 @dataclass(frozen=True)
@@ -143,6 +147,8 @@ class EngineBase:
         self.seed = seed
         self._train_idx = [torch.as_tensor(i, dtype=torch.long, device=self.device) for i in fed.train_idx]
         self._test_idx = [torch.as_tensor(i, dtype=torch.long, device=self.device) for i in fed.test_idx]
+        self._val_idx = None if fed.val_idx is None else \
+            [torch.as_tensor(i, dtype=torch.long, device=self.device) for i in fed.val_idx]
         self.samples_trained = 0
 
     # -- shared helpers ---------------------------------------------------------------------------
@@ -163,16 +169,26 @@ class EngineBase:
         return torch.tensor([len(self._train_idx[c]) for c in clients], dtype=torch.float64)
 
     def data(self, client: int, split: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x, y) of client `client`'s split: 'train', 'local' (its test split) or 'global' (shared test set)."""
+        """(x, y) of client `client`'s split: 'train', 'local' (its test split), 'global' (the shared test
+        set), 'val' (its validation rows) or 'global_val' (the global validation set)."""
         if split == "global":
             return self.fed.x_test, self.fed.y_test
+        if split == "global_val":
+            if self.fed.x_val is None:
+                raise ValueError("this federation has no global validation set (data.global_val=0)")
+            return self.fed.x_val, self.fed.y_val
+        if split == "val":
+            if self._val_idx is None:
+                raise ValueError("this federation has no validation splits (data.val_fraction=0)")
+            i = self._val_idx[client]
+            return self.fed.x_train[i], self.fed.y_train[i]
         if split == "local":
             i = self._test_idx[client]
             return self.fed.x_test[i], self.fed.y_test[i]
         if split == "train":
             i = self._train_idx[client]
             return self.fed.x_train[i], self.fed.y_train[i]
-        raise ValueError(f"split must be local, global or train, got {split!r}")
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
 
     @property
     def num_classes(self) -> int:

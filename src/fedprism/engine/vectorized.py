@@ -40,7 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import grad_and_value, vmap
 
-from fedprism.engine.base import EngineBase, LocalConfig, optimizer_state, optimizer_step, resolve_loss
+from fedprism.engine.base import (SHARED_SPLITS, SPLITS, EngineBase, LocalConfig, optimizer_state,
+                                  optimizer_step, resolve_loss)
 from fedprism.federation import Federation
 from fedprism.protocol import EvalResult, Trained, TrainJob
 
@@ -409,8 +410,8 @@ class VectorizedEngine(EngineBase):
     @torch.no_grad()
     def evaluate(self, params: torch.Tensor, clients: np.ndarray, split: str) -> EvalResult:
         """Model row i scored on client clients[i]'s split ('local', 'train') or on the global test set."""
-        if split not in ("local", "global", "train"):
-            raise ValueError(f"split must be local, global or train, got {split!r}")
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         clients = np.asarray(clients)
         n = len(clients)
         if params.dim() != 2 or params.shape[0] != n:
@@ -418,11 +419,13 @@ class VectorizedEngine(EngineBase):
         if n == 0:
             return self._empty_result(0)
         params = params.to(self.device, torch.float32)
-        if split == "global":
-            return self._evaluate_shared(params, self.fed.x_test, self.fed.y_test)
+        if split in SHARED_SPLITS:
+            return self._evaluate_shared(params, *self.data(0, split))
         if self.batchnorm:
             return super().evaluate(params, clients, split)
-        idx = self.fed.test_idx if split == "local" else self.fed.train_idx
+        if split == "val" and self.fed.val_idx is None:
+            raise ValueError("this federation has no validation splits (data.val_fraction=0)")
+        idx = {"local": self.fed.test_idx, "train": self.fed.train_idx, "val": self.fed.val_idx}[split]
         x_all, y_all = (self.fed.x_test, self.fed.y_test) if split == "local" else \
             (self.fed.x_train, self.fed.y_train)
         return self._evaluate_own(params, [np.asarray(idx[int(c)], dtype=np.int64) for c in clients], x_all, y_all)

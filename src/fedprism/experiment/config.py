@@ -37,6 +37,11 @@ KEYS: dict[str, Param] = {
                                "an integer >= 0"),
     "data.test_subset": Param(0, "use a seeded random subset of this many global test samples (0 = all)", _nonneg,
                               "an integer >= 0"),
+    "data.val_fraction": Param(0.0, "fraction of each client's training rows held out as its validation split "
+                               "(hyper-parameters are chosen on validation data, never on test data)",
+                               lambda v: 0 <= v <= 0.5, "a number in [0, 0.5]", new=True),
+    "data.global_val": Param(0, "size of a global validation set carved from the training pool before "
+                             "partitioning (0 = none)", _nonneg, "an integer >= 0", new=True),
     "model": Param("auto", "lenet5, mlp, cnn, a registered model, or auto (lenet5 for images >= 28px, else mlp)"),
     "partition": Param("dirichlet", "how the data is split across clients (see `fedprism partition --help`)"),
     "clients": Param(100, "number of clients N", _pos, "an integer >= 1"),

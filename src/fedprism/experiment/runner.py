@@ -275,6 +275,12 @@ class Experiment:
         """The algorithm's server state at round 0."""
         return self.algo.init_state()
 
+    def evaluator(self) -> Evaluator:
+        """The run's Evaluator: local and global test splits, plus the validation splits the config asks for."""
+        validation = tuple(s for s, on in (("val", self.cfg["data.val_fraction"] > 0),
+                                           ("global_val", self.cfg["data.global_val"] > 0)) if on)
+        return Evaluator(self.engine, self.ctx.num_clients, self.cfg["eval.global"], validation)
+
     # -- state beside the store ---------------------------------------------------------------------
     def _snapshot(self, rnd: int, state: dict, seen: np.ndarray, elapsed: float) -> dict:
         snap = {"run_id": self.run_id, "round": rnd, "state": state, "seen": seen, "elapsed": elapsed}
@@ -316,8 +322,7 @@ class Experiment:
         store.start_run(run_id, self.cfg.values, self.sweep)
         try:
             state = self._restore(kept)
-            metrics, client_rows = self.evaluate_round(Evaluator(self.engine, self.ctx.num_clients,
-                                                                 self.cfg["eval.global"]), state)
+            metrics, client_rows = self.evaluate_round(self.evaluator(), state)
             metrics["train_s"] = 0.0
             last = int(kept["round"])
             store.truncate(run_id, -1)
@@ -353,7 +358,7 @@ class Experiment:
         else:
             state, start, resumed, elapsed = self.initial_state(), 0, None, 0.0
         store.truncate(run_id, start - 1)
-        evaluator = Evaluator(self.engine, self.ctx.num_clients, cfg["eval.global"])
+        evaluator = self.evaluator()
         seen = np.zeros(self.ctx.num_clients, bool)
         if ckpt is not None and "seen" in ckpt:
             seen = ckpt["seen"]

@@ -19,6 +19,7 @@ import torch
 
 from fedprism.algorithms.base import Algorithm
 from fedprism.engine import resolve_device
+from fedprism.engine.base import SPLITS
 from fedprism.engine.sequential import SequentialEngine
 from fedprism.experiment import federation as _fedmod
 from fedprism.experiment.config import Config
@@ -30,19 +31,27 @@ from fedprism.protocol import ClientState, Context, EvalResult, Plan, Rows, Upda
 
 
 def client_slice(fed: Federation, client: int) -> Federation:
-    """Client `client`'s train rows and local test split, plus the global test set; nothing else.
+    """Client `client`'s train rows (and validation rows), its local test split, plus the global test set
+    (and the global validation set); nothing else.
 
     Client ids keep their meaning (other clients hold no rows), so seeds derived from
     (seed, round, client) are those of the in-process run.
     """
-    tr = torch.as_tensor(fed.train_idx[client], dtype=torch.long)
+    tr = np.asarray(fed.train_idx[client], dtype=np.int64)
+    va = np.asarray(fed.val_idx[client], dtype=np.int64) if fed.val_idx is not None else np.zeros(0, np.int64)
+    rows = torch.as_tensor(np.concatenate([tr, va]), dtype=torch.long)
     empty = np.zeros(0, dtype=np.int64)
     train_idx = [empty] * fed.num_clients
     test_idx = [empty] * fed.num_clients
     train_idx[client] = np.arange(len(tr), dtype=np.int64)
     test_idx[client] = np.asarray(fed.test_idx[client], dtype=np.int64)
-    return Federation(fed.x_train[tr].clone(), fed.y_train[tr].clone(), fed.x_test, fed.y_test, train_idx, test_idx,
-                      fed.num_classes, list(fed.class_names), fed.name, dict(fed.meta))
+    val_idx = None
+    if fed.val_idx is not None:
+        val_idx = [empty] * fed.num_clients
+        val_idx[client] = np.arange(len(tr), len(tr) + len(va), dtype=np.int64)
+    return Federation(fed.x_train[rows].clone(), fed.y_train[rows].clone(), fed.x_test, fed.y_test, train_idx,
+                      test_idx, fed.num_classes, list(fed.class_names), fed.name, dict(fed.meta), val_idx,
+                      fed.x_val, fed.y_val)
 
 
 class NodeStore:
@@ -123,9 +132,9 @@ class Node:
         """Either row i of `params` scored on `splits[i]` ('local': this client's test split, 'train': its
         train rows, 'global': the global test set), or (params None) this client's inference built from the
         method's `payload` row and its own state, scored on every split of `splits`."""
-        bad = sorted(set(splits) - {"local", "global", "train"})
+        bad = sorted(set(splits) - set(SPLITS))
         if bad:
-            raise ValueError(f"unknown split {bad[0]!r}: local, global or train")
+            raise ValueError(f"unknown split {bad[0]!r}: one of {', '.join(SPLITS)}")
         me = np.array([self.client])
         if params is None:
             inf = self.algo.inference(self.engine, me, payload or {}, self.store.rows())

@@ -403,8 +403,8 @@ class RemoteTrainer:
         return {k: torch.tensor([r[4][k] for r in rows], dtype=torch.long) for k in sorted(names)}
 
     def evaluate(self, params: torch.Tensor, clients: np.ndarray, split: str) -> EvalResult:
-        if split not in ("local", "global", "train"):
-            raise ValueError(f"split {split!r} cannot be evaluated remotely (local, global or train)")
+        if split not in ("local", "global", "train", "val", "global_val"):
+            raise ValueError(f"split {split!r} cannot be evaluated remotely")
         hashes = row_hashes(params)
         keys = [(split, None if split == "global" else int(c), hashes[k]) for k, c in enumerate(clients)]
         rows: list[tuple | None] = [self.cache.get(key) for key in keys]
@@ -484,9 +484,8 @@ class FlowerExperiment(Experiment):
         payload = self.algo.eval_payload(state, clients)
         if self.algo.client_side_inference():        # the inference exists only on the nodes
             t_eval = time.time()
-            splits = ["local"] + (["global"] if self.cfg["eval.global"] else [])
-            res = self.engine.score_payloads(self._rnd, payload, N, splits)
-            scores = evaluator.from_results(res["local"], res.get("global"))
+            res = self.engine.score_payloads(self._rnd, payload, N, evaluator.splits)
+            scores = evaluator.from_results(res)
             metrics = summarize(scores)
             if extra:
                 self.engine.prefetch(self._rnd, torch.zeros(0, self.ctx.spec.size), extra, True)
