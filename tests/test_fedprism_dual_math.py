@@ -65,3 +65,28 @@ def test_alpha_is_clipped_to_one_minus_beta_and_raw_signal():
     st["w_g"] = torch.full((P,), 5.0)
     a.aggregate(st, 4, up)
     assert st["alpha"][2].item() == 0.0                     # clipped at 0
+
+
+def test_routing_rules_by_hand():
+    from fedprism.algorithms.fedprism_dual import combine, route
+
+    z_e = torch.tensor([[[4.0, 0.0, 0.0], [0.0, 0.1, 0.0]]])          # [m=1, B=2, C=3]
+    z_b = torch.tensor([[[0.0, 0.0, 3.0], [0.0, 2.0, 0.0]]])
+    seen = torch.tensor([[1.0, 0.0, 0.0]])                              # the client has class 0 only
+    prior = torch.tensor([[0.8, 0.1, 0.1]])
+    ex = {"seen": seen, "prior": prior}
+    # confidence = the paper's Eq. 2
+    assert torch.allclose(combine("confidence", z_e, z_b, ex, 5.0), route(z_e, z_b, None, 5.0))
+    # seen_mass: lambda = backbone probability of class 0
+    pb = torch.softmax(z_b, -1)
+    lam = pb[..., :1]
+    assert torch.allclose(combine("seen_mass", z_e, z_b, ex, 1.0), lam * z_e + (1 - lam) * z_b)
+    assert lam[0, 0, 0] < 0.05 and lam[0, 1, 0] < 0.15          # inputs the backbone calls unseen go to it
+    # margin: top-1 minus top-2 of softmax(z_e / T)
+    p = torch.softmax(z_e / 2.0, -1)
+    top = p.sort(-1, descending=True).values
+    m = top[..., :1] - top[..., 1:2]
+    assert torch.allclose(combine("margin", z_e, z_b, ex, 2.0), m * z_e + (1 - m) * z_b)
+    # prior: log p_B + log p_L - log pi
+    want = torch.log_softmax(z_b, -1) + torch.log_softmax(z_e, -1) - torch.log(prior)[:, None, :]
+    assert torch.allclose(combine("prior", z_e, z_b, ex, 1.0), want)

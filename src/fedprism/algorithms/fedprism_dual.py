@@ -136,6 +136,43 @@ def route(z_expert: torch.Tensor | None, z_backbone: torch.Tensor | None, weight
     return lam * z_expert + (1 - lam) * z_backbone
 
 
+ROUTINGS = ("confidence", "seen_mass", "prior", "margin")
+"""How the specialist and the backbone combine at inference (`routing`, evaluation-only):
+
+    confidence  lambda(x) = max softmax(z_L / T)                       (the paper's Eq. 2)
+    margin      lambda(x) = p_1 - p_2 of softmax(z_L / T)              (top-1 minus top-2 probability)
+    seen_mass   lambda(x) = sum_{y seen by the client} softmax(z_W)_y   (the backbone's belief that x is of a
+                                                                        class the client has; its own label
+                                                                        counts, never sent)
+    and z = lambda z_L + (1 - lambda) z_W for these three;
+    prior       log p(y|x) = log softmax(z_W) + log softmax(z_L) - log pi_i(y), pi_i the client's label
+                distribution with add-one smoothing: a product of the two experts with the specialist's
+                label prior divided out (the backbone's training prior is close to uniform).
+"""
+
+
+def routing_weight(rule: str, z_e: torch.Tensor, z_b: torch.Tensor, seen: torch.Tensor | None,
+                   temperature: float) -> torch.Tensor:
+    """lambda(x) [m, B, 1] of the mixing rules (confidence, margin, seen_mass)."""
+    if rule == "confidence":
+        return torch.softmax(z_e / temperature, dim=-1).amax(-1, keepdim=True)
+    if rule == "margin":
+        top = torch.softmax(z_e / temperature, dim=-1).topk(2, dim=-1).values
+        return (top[..., :1] - top[..., 1:2])
+    if rule == "seen_mass":
+        return (torch.softmax(z_b, dim=-1) * seen[:, None, :]).sum(-1, keepdim=True)
+    raise ValueError(f"routing must be one of {ROUTINGS}, got {rule!r}")
+
+
+def combine(rule: str, z_e: torch.Tensor, z_b: torch.Tensor, extras: dict, temperature: float) -> torch.Tensor:
+    """The routed logits of one rule (see ROUTINGS)."""
+    if rule == "prior":
+        log_prior = torch.log(extras["prior"]).to(z_e.dtype)[:, None, :]
+        return torch.log_softmax(z_b, -1) + torch.log_softmax(z_e, -1) - log_prior
+    lam = routing_weight(rule, z_e, z_b, extras.get("seen"), temperature)
+    return lam * z_e + (1 - lam) * z_b
+
+
 def _shared(name: str, **changes: Any) -> Param:
     """The Fed-PRISM server's parameter `name`, with this method's default / help / choices."""
     return replace(FedPrism.params[name], **changes)
@@ -147,7 +184,8 @@ class FedPrismDual(FedPrism):
     paper = "FedPrism paper, arXiv:2603.08252, section 3, Algorithms 1-2"
     client_state = {"private": ClientState(("P",), init="model"), "expert": ClientState(("P",), init="model")}
     predictions = {"backbone": "backbone alone", "expert": "expert alone",
-                   **{f"T={t:g}": f"T={t:g}" for t in DIAGNOSTIC_TEMPERATURES}}
+                   **{f"T={t:g}": f"T={t:g}" for t in DIAGNOSTIC_TEMPERATURES},
+                   **{r: f"routing {r}" for r in ROUTINGS if r != "confidence"}}
     params = {
         "k": FedPrism.params["k"],
         "m": Param(0, "clusters per soft row (0 = all K, Algorithm 2)", lambda v: v >= 0, "an integer >= 0"),
@@ -178,6 +216,8 @@ class FedPrismDual(FedPrism):
                                   "auto or a number in [0, 1]", eval_only=True),
         "inference_temperature": Param(5.0, "T in lambda(x) = max softmax(Expert(x) / T)", lambda v: v > 0,
                                        "a number > 0", eval_only=True),
+        "routing": Param("confidence", "how the specialist and the backbone combine (confidence: Eq. 2; margin; "
+                         "seen_mass; prior: see fedprism_dual.ROUTINGS)", choices=ROUTINGS, eval_only=True, new=True),
     }
 
     def __init__(self, ctx, **hp: Any):
@@ -188,7 +228,9 @@ class FedPrismDual(FedPrism):
     def headline(cls, config: dict[str, Any]) -> str:
         w = config.get(f"{cls.name}.inference_weight")
         if w is None or w == "auto":
-            return f"routed, T={config.get(f'{cls.name}.inference_temperature', 1.0):g}"
+            rule = config.get(f"{cls.name}.routing", "confidence")
+            t = f"T={config.get(f'{cls.name}.inference_temperature', 1.0):g}"
+            return f"routed, {t}" if rule == "confidence" else f"routed, {rule}" + (f", {t}" if rule == "margin" else "")
         return f"fixed specialist weight {w:g}"
 
     @classmethod
@@ -330,9 +372,23 @@ class FedPrismDual(FedPrism):
             return Inference({"backbone": backbone})
         if weight == 1:
             return Inference({"expert": cstate["expert"]})
+        rule = self.hp["routing"]
         alternatives = {"backbone": lambda z, e: z["backbone"], "expert": lambda z, e: z["expert"]}
+        extras = self._label_prior(trainer, clients, cstate["expert"].device)
         if weight is None:
             alternatives.update({f"T={t:g}": (lambda z, e, t=t: route(z["expert"], z["backbone"], None, t))
-                                 for t in DIAGNOSTIC_TEMPERATURES if t != T})
-        return Inference({"expert": cstate["expert"], "backbone": backbone},
-                         lambda z, e: route(z["expert"], z["backbone"], weight, T), alternatives)
+                                 for t in DIAGNOSTIC_TEMPERATURES if not (rule == "confidence" and t == T)})
+            alternatives.update({r: (lambda z, e, r=r: combine(r, z["expert"], z["backbone"], e, T))
+                                 for r in ROUTINGS if r not in ("confidence", rule)})
+            head = lambda z, e: combine(rule, z["expert"], z["backbone"], e, T)  # noqa: E731
+        else:
+            head = lambda z, e: route(z["expert"], z["backbone"], weight, T)  # noqa: E731
+        return Inference({"expert": cstate["expert"], "backbone": backbone}, head, alternatives, extras)
+
+    def _label_prior(self, trainer, clients, device) -> dict:
+        """Each client's own label distribution (add-one smoothed) and seen-class mask, from its train rows."""
+        C = self.ctx.num_classes
+        counts = torch.stack([torch.bincount(trainer.data(int(c), "train")[1].cpu(), minlength=C)
+                              for c in np.asarray(clients)]).double() if len(clients) else torch.zeros(0, C)
+        prior = (counts + 1) / (counts.sum(1, keepdim=True) + C)
+        return {"prior": prior.float().to(device), "seen": (counts > 0).float().to(device)}
