@@ -90,3 +90,21 @@ def test_routing_rules_by_hand():
     # prior: log p_B + log p_L - log pi
     want = torch.log_softmax(z_b, -1) + torch.log_softmax(z_e, -1) - torch.log(prior)[:, None, :]
     assert torch.allclose(combine("prior", z_e, z_b, ex, 1.0), want)
+
+
+def test_alpha_as_printed_uses_raw_delta_with_c_k_and_clips_to_one():
+    a = algo(alpha_rule="as_printed", alpha_lr=0.01, alpha=0.85, beta=0.1)
+    P = a.ctx.spec.size
+    st = a.init_state()
+    st["w_g"] = torch.zeros(P)
+    st["w_c"] = torch.stack([torch.full((P,), 3.0), torch.full((P,), 1.0)])      # C_K = C_2 = 1
+    st["W"][:] = torch.tensor([[0.9, 0.1]] * 3, dtype=torch.float64)             # top cluster would be C_1
+    up = Update(np.array([0]), {"params": torch.full((1, P), 2.0)}, torch.tensor([10.0], dtype=torch.float64))
+    a.aggregate(st, 2, up)
+    s = np.sqrt(P)
+    delta = abs(2 - 1.0) * s - abs(2 - 0.0) * s                 # raw, with C_K: -sqrt(P)
+    assert st["alpha"][0].item() == pytest.approx(float(np.clip(0.85 + 0.01 * delta, 0, 1)))
+    st["alpha"][1] = 0.97                                         # above 1 - beta: allowed as printed
+    g = a.mixing(st["alpha"][1:2])[2]
+    assert g.item() == pytest.approx(1 - 0.97 - 0.1)              # gamma negative
+    assert algo().mixing(torch.tensor([0.97], dtype=torch.float64))[2].item() == 0.0    # the reading clamps

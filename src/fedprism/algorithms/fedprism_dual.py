@@ -46,6 +46,9 @@ Decisions where the paper is silent or inconsistent (copy to the README):
   paper's "Full FedPrism" equals its alpha = 0.9, beta = 0.1 row, Tables 3/5); w_i uniform (1/K).
 * alpha_i bounds: clipped to [0, 1 - beta] (not [0, 1]) so that gamma_i = 1 - alpha_i - beta >= 0 and
   every mixing row (alpha_i, beta w_i1 .. beta w_iK, gamma_i) is non-negative and sums to 1.
+  `alpha_rule=as_printed` runs lines 28-31 literally instead: raw Delta, the C_k of line 29 with k = K
+  (the value the loop of lines 12-19 leaves), alpha clipped to [0, 1], gamma_i = 1 - alpha_i - beta
+  (negative when alpha_i > 1 - beta).
 * alpha signal (line 29 names one C_k): k* = the client's highest-weight cluster in the row w_i it
   trained with this round (ties: lowest index); G and C_k* are the models *before* this round's
   server step (the superscript (t)). Norms are over the whole parameter vector.
@@ -210,6 +213,11 @@ class FedPrismDual(FedPrism):
         "alpha_lr": Param(0.1, "eta_alpha", lambda v: v >= 0, "a number >= 0"),
         "alpha_signal": Param("relative", "Delta_i raw (line 29) or divided by the sum of both distances",
                               choices=("relative", "raw")),
+        "alpha_rule": Param("reading", "reading: the module docstring's reading of Algorithm 2 lines 28-31 (k* = the "
+                            "client's top cluster, alpha in [0, 1 - beta], gamma >= 0); as_printed: the lines "
+                            "literally (raw Delta with C_K, the cluster index the loop of lines 12-19 ends on; "
+                            "alpha clipped to [0, 1]; gamma = 1 - alpha - beta, negative when alpha > 1 - beta)",
+                            choices=("reading", "as_printed"), new=True),
         "components": Param("full", "which Prism components the backbone mixes", choices=COMPONENTS),
         "inference_weight": Param(None, "specialist weight at inference: auto (confidence routing, Eq. 2) "
                                   "or a fixed number in [0, 1]", _inference_weight_ok,
@@ -251,8 +259,12 @@ class FedPrismDual(FedPrism):
         return self.hp["alpha_mode"] == "adaptive" and self.hp["components"] in ("full", "global_cluster")
 
     @property
+    def as_printed(self) -> bool:
+        return self.hp["alpha_rule"] == "as_printed"
+
+    @property
     def alpha_max(self) -> float:
-        return 1.0 - self.hp["beta"] if self.hp["components"] == "full" else 1.0
+        return 1.0 - self.hp["beta"] if self.hp["components"] == "full" and not self.as_printed else 1.0
 
     @property
     def uses_private(self) -> bool:
@@ -271,7 +283,7 @@ class FedPrismDual(FedPrism):
         c = self.hp["components"]
         if c == "full":
             b = torch.full_like(a, self.hp["beta"])
-            return a, b, (1 - a - b).clamp(min=0)
+            return a, b, (1 - a - b) if self.as_printed else (1 - a - b).clamp(min=0)
         if c == "global_cluster":
             return a, 1 - a, zero
         return {"pure_global": (one, zero, zero), "pure_cluster": (zero, one, zero),
@@ -328,11 +340,13 @@ class FedPrismDual(FedPrism):
         records = super().aggregate(state, rnd, update)          # lines 9-26 (the server's code)
         if self.adaptive:                                         # lines 27-31
             ks = W_used.argmax(1)
+            if self.as_printed:                                   # line 29 literally: C_k with k = K
+                ks = torch.full_like(ks, self.hp["k"] - 1)
             W = update.params.double()
             d_c = (W - c_old[ks].double()).norm(dim=1)
             d_g = (W - g_old.double()).norm(dim=1)
             sig = d_c - d_g
-            if self.hp["alpha_signal"] == "relative":
+            if self.hp["alpha_signal"] == "relative" and not self.as_printed:
                 tot = d_c + d_g
                 sig = torch.where(tot > 0, sig / tot.clamp(min=1e-300), torch.zeros_like(sig))
             new = (state["alpha"][S] + self.hp["alpha_lr"] * sig).clamp(0.0, self.alpha_max)
