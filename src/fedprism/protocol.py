@@ -278,17 +278,23 @@ class Inference:
     """How clients predict: `streams[name]` [n, P] models; `combine` mixes their logits (None: the one
     stream is the prediction), with per-client tensors `extras` [n, ...] (e.g. a label prior);
     `alternatives` are diagnostic predictions from the same logits, stored as `<split>_acc@<name>`.
-    Streams are run in their dict order (one stacked call per client on local splits)."""
+    Streams are run in their dict order (one stacked call per client on local splits).
+
+    `features` names the streams that yield penultimate features ([m, B, d], `Trainer.features`) instead
+    of logits, for predictions computed on the representation (e.g. the nearest class prototype);
+    `combine` and `alternatives` receive them under their stream's name. The headline must be logits:
+    with feature streams, `combine` is required unless the first stream yields logits."""
 
     streams: Rows
     combine: Combine | None = None
     alternatives: dict[str, Combine] = field(default_factory=dict)
     extras: Rows = field(default_factory=dict)
+    features: tuple[str, ...] = ()
 
     @property
     def single(self) -> torch.Tensor | None:
         """The model rows when the prediction is one stream's own (the cached, exact fast path)."""
-        if self.combine is None and len(self.streams) == 1 and not self.alternatives:
+        if self.combine is None and len(self.streams) == 1 and not self.alternatives and not self.features:
             return next(iter(self.streams.values()))
         return None
 
