@@ -28,7 +28,12 @@ Guards :
     with two distinct known models, so that FedAMP cannot silently become Local training because
     ||w_i - w_j||^2 grows with P: distance: sigma = median off-diagonal ||w_i - w_j||^2; cosine:
     sigma = 1 / median(1 - cos) (exp(sigma cos) is a kernel of width 1/sigma on 1 - cos). The value
-    is recorded (record `fedamp`); a numeric alpha_k above sigma/(N-1) is then capped there.
+    is recorded (record `fedamp`); a numeric alpha_k above sigma/(N-1) is then capped there. As the
+    personalized models move apart the squared distances grow while sigma stays, so the attention drifts
+    toward self-only (xi_ii -> 1): every round records the mean and minimum self-weight of the clients
+    that uploaded (record `fedamp_attention`). `sigma_update=every_round` re-derives sigma from the
+    current models each round instead (the same median rule), which keeps the kernel's scale fixed
+    relative to the spread of the models.
     Until sigma is known (round 0: all models equal) u_i = w_i.
 Equivalences (tests): cosine with self_weight=1 (or distance with alpha_k=0) and mu=0 is Local;
 cosine with sigma=0, self_weight=1/N and mu=0 under full participation is uniform FedAvg.
@@ -80,6 +85,9 @@ class FedAMP(Algorithm):
                     lambda v: v >= 0, "a number >= 0"),
         "start": Param("cloud", "local training starts from u_i (cloud, paper) or w_i (personal, PFLlib)",
                        choices=("cloud", "personal")),
+        "sigma_update": Param("once", "sigma=auto: set once, at the first message passing (once), or again "
+                              "from the current models every round (every_round)", choices=("once", "every_round"),
+                              new=True),
     }
 
     @classmethod
@@ -164,14 +172,21 @@ class FedAMP(Algorithm):
         return train_update(trainer, job, rnd)
 
     def aggregate(self, state: dict, rnd: int, update: Update) -> dict:
+        records: dict = {}
+        if len(update.clients) and state["sigma"] is not None:      # diagnostic: how much attention stays home
+            xi, peers = self.attention(state, update.clients)
+            own = peers[None, :] == np.asarray(update.clients)[:, None]
+            records["fedamp_attention"] = {"sigma": state["sigma"], "self_weight_mean": float(xi[own].mean()),
+                                           "self_weight_min": float(xi[own].min())}
         S = torch.as_tensor(update.clients)
         state["w"][S] = update.params
         state["known"][S] = True
-        if state["sigma"] is None and self.hp["sigma"] == "auto":
-            state["sigma"] = self._auto_sigma(state)
-            if state["sigma"] is not None:
-                return {"fedamp": {"sigma": state["sigma"], "round": rnd}}
-        return {}
+        if self.hp["sigma"] == "auto" and (state["sigma"] is None or self.hp["sigma_update"] == "every_round"):
+            sigma = self._auto_sigma(state)
+            if sigma is not None and sigma != state["sigma"]:
+                state["sigma"] = sigma
+                records["fedamp"] = {"sigma": sigma, "round": rnd}
+        return records
 
     def model_for(self, state: dict, clients: np.ndarray) -> torch.Tensor:
         return state["w"][torch.as_tensor(clients)]
