@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
-from fedprism.experiment.sweep import run_sweep
+from fedprism.experiment.sweep import dump_sweep, run_sweep
 
 
 def main() -> None:
@@ -23,26 +22,10 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=20)
     ap.add_argument("--epochs", type=int, default=5)
     a = ap.parse_args()
-    sweep = textwrap.dedent(f"""
-        name = "bench_workers"
-        [base]
-        dataset = "digits"
-        clients = {a.clients}
-        rounds = {a.rounds}
-        fraction = 0.5
-        local_epochs = {a.epochs}
-        model = "mlp"
-        engine = "sequential"
-        [grid]
-        seed = [0, 1]
-        [[runs]]
-        label = "FedAvg"
-        method = "fedavg"
-        [[runs]]
-        label = "Fed-PRISM"
-        method = "fedprism"
-        fedprism = {{ k = 2, m = 1 }}
-    """)
+    sweep = dump_sweep("bench_workers", dict(dataset="digits", clients=a.clients, rounds=a.rounds, fraction=0.5,
+                                             local_epochs=a.epochs, model="mlp", engine="sequential"),
+                       [dict(label="FedAvg", method="fedavg"),
+                        dict(label="Fed-PRISM", method="fedprism", fedprism={"k": 2, "m": 1})], {"seed": [0, 1]})
     out = {}
     with tempfile.TemporaryDirectory() as d:
         f = Path(d) / "s.toml"

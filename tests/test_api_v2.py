@@ -7,7 +7,6 @@ import ast
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +23,7 @@ from fedprism.engine.vectorized import VectorizedEngine
 from fedprism.experiment.config import resolve
 from fedprism.experiment.runner import Experiment, validate_update
 from fedprism.experiment.store import Store
+from fedprism.experiment.sweep import dump_sweep
 from fedprism.models import build_model
 from fedprism.params import Functional
 
@@ -279,21 +279,9 @@ def test_external_plugin_runs_through_cli_and_sweep(tmp_path):
     assert r.returncode == 0, r.stderr
     assert '"local_acc"' in r.stdout.strip().splitlines()[-1]
     sweep = tmp_path / "s.toml"
-    sweep.write_text(textwrap.dedent("""
-        name = "plugin_sweep"
-        [base]
-        dataset = "digits"
-        clients = 6
-        rounds = 2
-        local_epochs = 1
-        model = "mlp"
-        [[runs]]
-        label = "FedAvgM"
-        method = "fedavgm"
-        [[runs]]
-        label = "FedAvg"
-        method = "fedavg"
-    """))
+    sweep.write_text(dump_sweep("plugin_sweep", dict(dataset="digits", clients=6, rounds=2, local_epochs=1,
+                                                     model="mlp"),
+                                [dict(label="FedAvgM", method="fedavgm"), dict(label="FedAvg", method="fedavg")]))
     listed = subprocess.run([sys.executable, "-m", "fedprism.cli", "methods"], capture_output=True, text=True,
                             env=env, timeout=120).stdout
     assert "fedavgm.server_momentum" in listed and "arXiv:1909.06335" in listed

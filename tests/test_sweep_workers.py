@@ -3,29 +3,13 @@
 from __future__ import annotations
 
 import json
-import textwrap
 
 from fedprism.experiment.store import Store
-from fedprism.experiment.sweep import run_sweep
+from fedprism.experiment.sweep import dump_sweep, run_sweep
 
-SWEEP = textwrap.dedent("""
-    name = "par"
-    [base]
-    dataset = "digits"
-    clients = 6
-    rounds = 2
-    local_epochs = 1
-    model = "mlp"
-    engine = "sequential"
-    [grid]
-    seed = [0, 1]
-    [[runs]]
-    label = "FedAvg"
-    method = "fedavg"
-    [[runs]]
-    label = "Local"
-    method = "local"
-""")
+SWEEP = dump_sweep("par", dict(dataset="digits", clients=6, rounds=2, local_epochs=1, model="mlp",
+                                engine="sequential"),
+                   [dict(label="FedAvg", method="fedavg"), dict(label="Local", method="local")], {"seed": [0, 1]})
 
 
 def finals(db):

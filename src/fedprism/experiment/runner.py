@@ -261,6 +261,10 @@ class Experiment:
         """Round metrics and per-client rows of one evaluation."""
         t_eval = time.time()
         scores = evaluator(self.algo, state, self.clients.data if self.clients is not None else {})
+        return self.round_metrics(scores, state, t_eval)
+
+    def round_metrics(self, scores, state: dict, t_eval: float) -> tuple[dict, list[tuple]]:
+        """Round metrics (summary, extra models on the global test set, timing) and per-client rows."""
         metrics = summarize(scores)
         for name, w in self.algo.extra_models(state).items():
             r = self.engine.evaluate(w.unsqueeze(0), np.array([0]), "global")

@@ -80,6 +80,32 @@ def load_sweep(path: str | Path, quick: bool = False, overrides: dict[str, Any] 
     return name, configs
 
 
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{json.dumps(k)} = {_toml_value(x)}" for k, x in v.items()) + " }"
+    raise TypeError(f"cannot write {type(v).__name__} to a sweep file")
+
+
+def dump_sweep(name: str, base: dict[str, Any], runs: list[dict[str, Any]], grid: dict[str, list] | None = None) -> str:
+    """A sweep file's text from Python: `[base]` keys, an optional `[grid]`, one `[[runs]]` table per run
+    (each with its `label`). Dotted keys are written quoted (`"fedprism.k" = 5`)."""
+    lines = [f"name = {_toml_value(name)}", "", "[base]"]
+    lines += [f"{json.dumps(k)} = {_toml_value(v)}" for k, v in base.items()]
+    if grid:
+        lines += ["", "[grid]"] + [f"{json.dumps(k)} = {_toml_value(v)}" for k, v in grid.items()]
+    for r in runs:
+        lines += ["", "[[runs]]"] + [f"{json.dumps(k)} = {_toml_value(v)}" for k, v in r.items()]
+    return "\n".join(lines) + "\n"
+
+
 def _sweep_worker_init(threads: int) -> None:
     import torch
 

@@ -28,7 +28,7 @@ import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 
 from fedprism.algorithms.base import Algorithm
-from fedprism.experiment.evaluate import Evaluator, row_hashes, summarize
+from fedprism.experiment.evaluate import Evaluator, row_hashes
 from fedprism.experiment.runner import Experiment, RunResult, make_algorithm, make_context, make_model
 from fedprism.experiment.store import Store
 from fedprism.flower import codec
@@ -484,18 +484,10 @@ class FlowerExperiment(Experiment):
         payload = self.algo.eval_payload(state, clients)
         if self.algo.client_side_inference():        # the inference exists only on the nodes
             t_eval = time.time()
-            res = self.engine.score_payloads(self._rnd, payload, N, evaluator.splits)
-            scores = evaluator.from_results(res)
-            metrics = summarize(scores)
+            scores = evaluator.from_results(self.engine.score_payloads(self._rnd, payload, N, evaluator.splits))
             if extra:
                 self.engine.prefetch(self._rnd, torch.zeros(0, self.ctx.spec.size), extra, True)
-                for name, w in self.algo.extra_models(state).items():
-                    r = self.engine.evaluate(w.unsqueeze(0), np.array([0]), "global")
-                    metrics[f"{name}_model_acc"] = float(r.accuracy[0])
-            metrics["eval_s"] = time.time() - t_eval
-            metrics["models_evaluated"] = scores.evaluated
-            rows = [(int(c), scores.local_acc[c], scores.local_loss[c], scores.global_acc[c],
-                     int(scores.n_test[c]), scores.local_f1[c]) for c in range(N)]
+            metrics, rows = self.round_metrics(scores, state, t_eval)
         else:
             models = self.algo.inference(self.engine, clients, payload, {}).single
             self.engine.prefetch(self._rnd, models, extra, bool(self.cfg["eval.global"]))
