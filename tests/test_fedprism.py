@@ -155,8 +155,8 @@ def test_too_few_clients_skips_reclustering(planted):
     sim = Simulator(algo, eng)
     state = sim.state
     _, _, rec = sim.round(0, np.array([0, 1]))
-    assert "cluster_skipped" in rec and "fewer" in rec["cluster_skipped"]["reason"].lower() or \
-        "k" in rec["cluster_skipped"]["reason"]
+    assert rec["cluster_skipped"]["reason"] == "cannot form 3 clusters with method 'kmeans': only 2 points"
+    assert rec["cluster_skipped"]["clients"].tolist() == [0, 1] and "clusters" not in rec
     assert torch.equal(state["W"], torch.full_like(state["W"], 1 / 3))
 
 

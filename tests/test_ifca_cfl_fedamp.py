@@ -274,7 +274,13 @@ def test_fedamp_alpha_k_bound_needs_the_federation():
     with pytest.raises(ConfigError) as e:
         FedAMP(_ctx(11, 3), sigma=1.0, alpha_k=0.2)
     assert "'fedamp.alpha_k'" in str(e.value) and "sigma/(N-1)" in str(e.value)
-    assert FedAMP(_ctx(11, 3), sigma="auto", alpha_k=5.0).hp["alpha_k"] == 5.0    # capped once sigma known
+    amp = FedAMP(_ctx(11, 3), sigma="auto", alpha_k=5.0)
+    assert amp.hp["alpha_k"] == 5.0                         # kept: the bound needs sigma, not known yet
+    st = amp.init_state()
+    st["sigma"], st["known"][:] = 2.0, True                  # once sigma is known, alpha_k is capped there
+    xi, _ = amp.attention(st, np.arange(11))                # equal models: A'(0) = 1/sigma for every pair
+    off = ~np.eye(11, dtype=bool)
+    assert np.allclose(xi[off], (2.0 / 10) / 2.0) and np.allclose(np.diag(xi), 0.0)   # min(5, sigma/(N-1))
 
 
 @pytest.mark.parametrize("method,hp", [("ifca", {"k": 2}), ("cfl", {"eps1": 10.0, "eps2": 0.0, "warmup": 1}),
