@@ -1,4 +1,5 @@
-"""Server math written once: client weights, weighted means, the soft cluster step, personalisation.
+"""Server math written once: client weights, weighted means, the soft cluster step, personalisation,
+class prototypes.
 
 Every method that averages uses these, so the same quantity is computed the same way (float64
 accumulation, then one rounding to the parameters' dtype) everywhere.
@@ -68,3 +69,24 @@ def soft_cluster_step(w_c: torch.Tensor, W_S: torch.Tensor, vec: torch.Tensor, l
     step = mean - w_c[live].to(torch.float64) if toward else mean
     out[live] = (w_c[live].to(torch.float64) + lr * step).to(w_c.dtype)
     return out
+
+
+def class_prototypes(protos: torch.Tensor, counts: torch.Tensor, how: str = "samples"
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global class prototypes from client prototypes (FedProto Eq. 6, ProtoHAR's server; both use it).
+
+    protos [n, C, d] (client k's mean feature of class j), counts [n, C] (its samples of class j).
+    C_bar_j = sum_k a_kj C_kj / sum_k a_kj over the clients with counts_kj > 0, a_kj = counts_kj
+    (`samples`) or 1 (`uniform`); float64 accumulation, one rounding to protos' dtype.
+    Returns (C_bar [C, d], present [C] bool); a class no client has is a zero row with present False.
+    """
+    if how not in WEIGHTINGS:
+        raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {how!r}")
+    c = counts.to(torch.float64)
+    has = c > 0
+    a = torch.where(has, c if how == "samples" else torch.ones_like(c), torch.zeros_like(c))   # [n, C]
+    total = a.sum(0)                                                                             # [C]
+    present = total > 0
+    s = torch.einsum("nc,ncd->cd", a, protos.to(torch.float64))
+    mean = torch.where(present[:, None], s / total.clamp(min=1e-300)[:, None], torch.zeros_like(s))
+    return mean.to(protos.dtype), present

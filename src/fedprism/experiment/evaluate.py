@@ -81,7 +81,8 @@ class StreamScorer:
         key = f"{name}#features" if features else name
         cache = self.caches.get(key)
         if cache is None or cache["n_test"] != len(x):
-            width = self._run(rows[:1], x[:2], True).shape[-1] if features and len(rows) else self.engine.num_classes
+            width = (self._run(rows[:1], x[:2], True).shape[-1] if features and len(rows)
+                     else self.engine.num_classes)
             cache = {"n_test": len(x), "hash": [b""] * self.N, "logits": None, "width": width}
         if self.N * len(x) * cache["width"] * 4 > STREAM_CACHE_BYTES:
             return None
