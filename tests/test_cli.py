@@ -42,7 +42,8 @@ def test_quick_demo_on_digits_then_report_and_export(tmp_path, capsys):
     db = str(tmp_path / "demo.db")
     assert main(["demo", "--quick", "--db", db, "dataset=digits"]) == 0
     out = capsys.readouterr().out
-    for label in ("Fed-PRISM kmeans", "Fed-PRISM covariance", "FedClust", "FedAvg", "Local"):
+    for label in ("FedPrism (paper, routed)", "Fed-PRISM kmeans", "Fed-PRISM covariance", "FedClust", "FedAvg", "Local",
+                  "How to read it"):
         assert label in out
     assert main(["report", "--db", db, "--out", str(tmp_path / "rep"), "--no-plots"]) == 0
     assert "| FedAvg | 1 |" in (tmp_path / "rep" / "results.md").read_text()
