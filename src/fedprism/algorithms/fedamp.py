@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from fedprism.algorithms.base import Algorithm, Plan, TrainJob, Update, register, train_update
+from fedprism.algorithms.fedprox import prox_job
 from fedprism.clustering import cosine_matrix
 from fedprism.errors import ConfigError
 from fedprism.hparams import Param
@@ -167,9 +168,7 @@ class FedAMP(Algorithm):
         mu, anchor = self.hp["mu"], plan.payload.get("anchor", plan.start)
         if mu == 0:
             return train_update(trainer, TrainJob(plan.clients, plan.start), rnd)
-        job = TrainJob(plan.clients, plan.start, loss="prox",
-                       extras={"anchor": anchor, "mu": torch.full((len(plan.clients),), mu)})
-        return train_update(trainer, job, rnd)
+        return train_update(trainer, prox_job(plan.clients, plan.start, anchor, mu), rnd)
 
     def aggregate(self, state: dict, rnd: int, update: Update) -> dict:
         records: dict = {}
