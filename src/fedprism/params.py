@@ -6,7 +6,9 @@ cohort (`[n, P]`) are plain tensors and aggregation is matrix algebra.
 
 Decision (BatchNorm): only *parameters* live in the flat vector. Models in `fedprism.models` use
 BatchNorm with `track_running_stats=False` (batch statistics in training and evaluation), so there
-are no buffers to average or to keep client-local; see README "Design decisions".
+are no buffers to average or to keep client-local; a BatchNorm layer's slice of the vector is its
+affine weight and bias, which `ParamSpec.batchnorm` lists (docs/architecture.md, "BatchNorm and the
+flat vector").
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ class ParamSpec:
     shapes: tuple[tuple[int, ...], ...]
     offsets: tuple[int, ...]
     head_prefix: str = "head."
+    #: names of the parameters that belong to BatchNorm layers (their affine weight and bias)
+    bn_names: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, module: nn.Module) -> "ParamSpec":
@@ -36,7 +40,11 @@ class ParamSpec:
             shapes.append(tuple(p.shape))
             offsets.append(off)
             off += p.numel()
-        return cls(tuple(names), tuple(shapes), tuple(offsets) + (off,))
+        bn = {f"{m}.{n}" if m else n for m, mod in module.named_modules()
+              if isinstance(mod, nn.modules.batchnorm._BatchNorm)
+              for n, _ in mod.named_parameters(recurse=False)}
+        return cls(tuple(names), tuple(shapes), tuple(offsets) + (off,),
+                   bn_names=tuple(n for n in names if n in bn))
 
     @property
     def size(self) -> int:
@@ -70,6 +78,32 @@ class ParamSpec:
         w = [n for n in self.names if n.startswith(self.head_prefix) and n.endswith("weight")][-1]
         start = self.offsets[self.names.index(w)]
         return slice(start, self.size)
+
+    def _groups(self) -> list[tuple[str, int, int]]:
+        """(module name, first, end) index ranges into `names` of each module that owns parameters."""
+        out: list[tuple[str, int, int]] = []
+        for i, n in enumerate(self.names):
+            layer = n.rsplit(".", 1)[0] if "." in n else ""
+            if out and out[-1][0] == layer:
+                out[-1] = (layer, out[-1][1], i + 1)
+            else:
+                out.append((layer, i, i + 1))
+        return out
+
+    @property
+    def layers(self) -> tuple[tuple[str, slice], ...]:
+        """(module name, slice) of every module that owns parameters, in flat-vector order, e.g.
+        ('body.1', slice(0, 640)) for a Linear layer's weight and bias."""
+        return tuple((m, slice(self.offsets[a], self.offsets[b])) for m, a, b in self._groups())
+
+    @property
+    def batchnorm(self) -> tuple[slice, ...]:
+        """Slices of the BatchNorm layers (affine weight and bias), one per layer in vector order; empty for
+        a model without BatchNorm. Methods that treat normalisation layers apart (FedBN) use these, never
+        parameter names."""
+        bn = set(self.bn_names)
+        return tuple(slice(self.offsets[a], self.offsets[b]) for _, a, b in self._groups()
+                     if any(n in bn for n in self.names[a:b]))
 
     def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Views of `flat` (shape [..., P]) as named parameter tensors; works under vmap."""

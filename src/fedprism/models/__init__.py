@@ -1,13 +1,16 @@
 """Small networks with a body/head split (FedPrism paper 4.3; Clust-PSI-PFL CIFAR CNN).
 
 Every model is `head(body(x))`: `body` ends with the penultimate features, `head` holds the
-classifier. Prototype and head-only methods use `ParamSpec.head` / `.body` slices, never layer names.
-`forward(x, features_only=True)` returns the body output.
+classifier. Prototype and head-only methods use `ParamSpec.head` / `.body` slices, never layer names;
+methods that keep normalisation layers apart use `ParamSpec.batchnorm`. `forward(x, features_only=True)`
+returns the body output. `lenet5_bn` and `mlp_bn` are LeNet-5 and the MLP with BatchNorm after each
+convolution / hidden linear layer (batch statistics, see `fedprism.params` and docs/architecture.md).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fedprism.errors import ConfigError
@@ -68,7 +71,57 @@ class CifarCNN(_Split):
         self.head = nn.Sequential(nn.Linear(256, num_classes))
 
 
-MODELS = ("lenet5", "mlp", "cnn")
+_BATCH_STATS = {"track_running_stats": False}
+
+
+class BatchNorm1d(nn.BatchNorm1d):
+    """BatchNorm1d on batch statistics (no running statistics, as every BatchNorm here) that also takes a
+    batch of one sample. Training keeps the last, partial batch (`engine.base.batch_order`), which holds
+    a single sample whenever n_k = 1 mod B; torch's `F.batch_norm` refuses such a batch, while the
+    formula is defined: the sample is its own batch mean, x_hat = 0, and the layer outputs its bias beta
+    (exactly: computing x - mean in floating point would leave a rounding residue that 1/sqrt(eps)
+    amplifies into noise, different from engine to engine)."""
+
+    def __init__(self, num_features: int):
+        super().__init__(num_features, track_running_stats=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1:
+            return x * 0 + self.bias
+        return F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
+
+
+class LeNet5BN(_Split):
+    """LeNet-5 with BatchNorm after each convolution and each hidden linear layer of the body (the layout of
+    FedBN's digits model, Li et al. 2021, arXiv:2102.07623: conv-BN-ReLU-pool, fc-BN-ReLU); the head is
+    LeNet-5's classifier. With the same seed its conv and linear layers start as `LeNet5`'s (BatchNorm
+    starts at weight 1, bias 0 and draws no random numbers)."""
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(in_channels, 6, 5), nn.BatchNorm2d(6, **_BATCH_STATS), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(6, 16, 5), nn.BatchNorm2d(16, **_BATCH_STATS), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(16 * 5 * 5, 120), BatchNorm1d(120), nn.ReLU(),
+            nn.Linear(120, 84), BatchNorm1d(84), nn.ReLU(),
+        )
+        self.head = nn.Sequential(nn.Linear(84, num_classes))
+
+
+class MLPBN(_Split):
+    """`MLP` with BatchNorm after each hidden linear layer (linear-BN-ReLU); same initial linear layers
+    as `MLP` for the same seed."""
+
+    def __init__(self, in_features: int, num_classes: int, hidden: int = 64):
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(),
+                                  nn.Linear(in_features, hidden), BatchNorm1d(hidden), nn.ReLU(),
+                                  nn.Linear(hidden, hidden), BatchNorm1d(hidden), nn.ReLU())
+        self.head = nn.Sequential(nn.Linear(hidden, num_classes))
+
+
+MODELS = ("lenet5", "mlp", "cnn", "lenet5_bn", "mlp_bn")
 
 
 def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, seed: int = 0) -> nn.Module:
@@ -80,16 +133,17 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, seed:
         torch.manual_seed(seed)
         if name in plugins.MODELS and name not in MODELS:
             return plugins.MODELS[name](tuple(input_shape), num_classes)
-        if name == "lenet5":
+        if name in ("lenet5", "lenet5_bn"):
             if len(input_shape) != 3 or input_shape[1:] != (32, 32):
-                raise ConfigError("model", name, f"lenet5 needs [C, 32, 32] inputs, data has {list(input_shape)}"
+                raise ConfigError("model", name, f"{name} needs [C, 32, 32] inputs, data has "
+                                  f"{list(input_shape)}"
                                   " (set data.pad32=true for 28x28 images)")
-            return LeNet5(input_shape[0], num_classes)
-        if name == "mlp":
+            return (LeNet5 if name == "lenet5" else LeNet5BN)(input_shape[0], num_classes)
+        if name in ("mlp", "mlp_bn"):
             feat = 1
             for d in input_shape:
                 feat *= d
-            return MLP(feat, num_classes)
+            return (MLP if name == "mlp" else MLPBN)(feat, num_classes)
         if name == "cnn":
             if len(input_shape) != 3 or input_shape[1:] != (32, 32):
                 raise ConfigError("model", name, f"cnn needs [C, 32, 32] inputs, data has {list(input_shape)}")
