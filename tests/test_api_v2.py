@@ -90,17 +90,26 @@ def test_a_rejected_row_is_recorded_and_the_run_goes_on(tmp_path):
 
 
 # -- bytes per round -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("method", ["fedavg", "local", "fedprism", "fedprism_dual", "fedclust", "ifca", "cfl",
-                                    "fedamp", "test_protostate"])
+def _bytes_methods() -> list[str]:
+    return sorted(m for m in REGISTRY if not m.startswith("test_") or m == "test_protostate")
+
+
+@pytest.mark.parametrize("method", _bytes_methods())
 def test_bytes_per_round_are_the_payload_sizes(method, tmp_path):
-    c = cfg(method=method, **({"fedprism.k": 2, "fedprism.m": 1} if method == "fedprism" else {}),
-            **({"ifca.k": 3} if method == "ifca" else {}), **({"fedprism_dual.k": 2} if method == "fedprism_dual" else {}),
-            **({"fedclust.k": 2} if method == "fedclust" else {}))
+    """Every registered method: bytes up = the declared upload of the accepted rows, bytes down = the
+    payload each method's paper sends (hand values; floats of 4 bytes)."""
+    k = {"fedprism": {"fedprism.k": 2, "fedprism.m": 1}, "ifca": {"ifca.k": 3}, "fedprism_dual": {"fedprism_dual.k": 2},
+         "fedclust": {"fedclust.k": 2}}.get(method, {})
+    c = cfg(method=method, **{key.replace(".", "__"): v for key, v in k.items()})
     e = Experiment(c, Store(tmp_path / "b.db"))
-    P = e.ctx.spec.size
+    P, C, d = e.ctx.spec.size, e.ctx.num_classes, e.ctx.feature_dim
+    body = e.ctx.spec.body.stop - e.ctx.spec.body.start
+    protos = C * d + C                                      # [C, d] prototypes + [C] counts or presence
+    per_down = {"local": 0, "fedprism_dual": P + 1, "ifca": 3 * P, "fedper": body, "fedrep": body,
+                "fedproto": protos, "protohar": body + protos}.get(method, P)
+    per_up = {"local": 0, "ifca": P + 1, "fedper": body, "fedrep": body, "fedproto": protos,
+              "protohar": body + protos}.get(method, P)
     res = e.run()
-    per_down = {"local": 0, "fedprism_dual": P + 1, "ifca": 3 * P}.get(method, P)     # floats per client
-    per_up = {"local": 0, "ifca": P + 1}.get(method, P)
     for h in res.history:
         assert h["bytes_down"] == 4 * per_down * h["clients"], h
         assert h["bytes_up"] == 4 * per_up * h["accepted"], h
