@@ -322,9 +322,12 @@ def plot_setting(store: Store, setting: str, labels: dict[str, list[dict]], out:
                 ax.plot(x, np.mean(vals, axis=0), label=name, color=sty[lab]["color"], ls=sty[lab]["ls"],
                         lw=1.4 if marker is None else 0.9, marker=marker, markersize=3.5,
                         markevery=max(1, len(x) // 10))
+    from matplotlib.ticker import MaxNLocator
+
     for ax, title in zip(axes, ("global accuracy (Glob)", "local accuracy (Loc)")):
         ax.set_title(title)
         ax.set_xlabel("round")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("accuracy (mean over clients and seeds)")
     handles = dict(zip(*reversed(axes[0].get_legend_handles_labels())))   # one legend, beside the panels
