@@ -162,7 +162,10 @@ def cmd_show(args) -> int:
 def cmd_verify(args) -> int:
     from fedprism.experiment.verify import verify
 
-    ok = verify(args.db, args.run, rounds=args.rounds, threads=args.threads, progress=not args.quiet)
+    from fedprism.experiment.config import parse_overrides
+
+    ok = verify(args.db, args.run, rounds=args.rounds, threads=args.threads, progress=not args.quiet,
+                overrides=parse_overrides(args.items))
     return 0 if ok else 1
 
 
@@ -311,6 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
                                "differs from the stored one (timings excluded), or that all match. The "
                                "store itself is opened read-only."))
     v.add_argument("run", help="run id (or an unambiguous prefix)")
+    v.add_argument("items", nargs="*", metavar="key=value",
+                   help="execution-only overrides, e.g. engine=sequential compile=false")
     v.add_argument("--rounds", type=int, default=2, help="how many rounds to re-run (default 2)")
     v.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: the recorded count; 1 for runs stored without one)")

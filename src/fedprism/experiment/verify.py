@@ -79,9 +79,16 @@ def compare(old: tuple[dict, dict, dict], new: tuple[dict, dict, dict], n: int) 
 
 
 def verify(db: str, run: str, rounds: int = 2, threads: int | None = None, progress: bool = True,
-           say: Callable[[str], None] = print) -> bool:
-    """True when the first `rounds` rounds re-run equal the stored ones."""
-    from fedprism.experiment.config import resolve
+           say: Callable[[str], None] = print, overrides: dict[str, Any] | None = None) -> bool:
+    """True when the first `rounds` rounds re-run equal the stored ones. `overrides`: execution-only
+    keys (engine=sequential, compile=false, device=cpu, ...) to re-run under other execution settings."""
+    from fedprism.errors import ConfigError
+    from fedprism.experiment.config import EXECUTION_KEYS, resolve
+
+    for k in overrides or {}:
+        if k not in EXECUTION_KEYS:
+            raise ConfigError(k, overrides[k], f"verify takes execution-only keys ({', '.join(sorted(EXECUTION_KEYS))}):"
+                              " other keys would make it another run")
     from fedprism.experiment.runner import Experiment
 
     src = Store(db, readonly=True)
@@ -99,13 +106,13 @@ def verify(db: str, run: str, rounds: int = 2, threads: int | None = None, progr
         return False
     recorded = ((prov or {}).get("execution") or {}).get("threads")
     t = threads or recorded or 1
-    cfg = resolve({**stored_cfg, "threads": t})
+    cfg = resolve({**stored_cfg, **(overrides or {}), "threads": t})
     if cfg.run_id != run_id:
         say(f"note: the current code resolves this configuration to run id {cfg.run_id} (a key or default "
             "changed since it was stored); comparing anyway")
     say(f"verify {run_id} ({stored_cfg['method']} '{stored_cfg.get('name', '')}', seed {stored_cfg['seed']}): "
-        f"re-running {n} round(s) with {t} thread(s)"
-        + ("" if recorded else " (thread count not recorded)"))
+        f"re-running {n} round(s) with {t} thread(s)" + ("" if recorded else " (thread count not recorded)")
+        + (f", {' '.join(f'{k}={v}' for k, v in overrides.items())}" if overrides else ""))
     before = torch.get_num_threads()
     try:
         with tempfile.TemporaryDirectory(prefix="fedprism-verify-") as tmp:
@@ -113,6 +120,9 @@ def verify(db: str, run: str, rounds: int = 2, threads: int | None = None, progr
             try:
                 Experiment(cfg, store, progress=progress).run(stop_after=n)
                 new = _snapshot(store, cfg.run_id, n)
+                ex = (store.provenance(cfg.run_id) or {}).get("execution", {})
+                say(f"executed with engine {ex.get('engine')}, compile {ex.get('compile')}, "
+                    f"{ex.get('threads')} thread(s), torch {ex.get('torch')}, CPU {ex.get('cpu')}")
             finally:
                 store.close()
     finally:
