@@ -355,3 +355,18 @@ def test_cluster_plot_uses_one_discrete_colour_per_cluster(tmp_path, monkeypatch
     from matplotlib.colors import ListedColormap
     assert isinstance(seen["cmap"], ListedColormap) and seen["cmap"].N == k
     assert p.stat().st_size > 1000
+
+
+def test_a_sweep_does_not_skip_a_run_stored_from_other_code(tmp_path, capsys):
+    f = tmp_path / "s.toml"
+    f.write_text('name = "s"\n[base]\ndataset = "digits"\nmodel = "mlp"\nclients = 6\nrounds = 2\nfraction = 0.5\n'
+                 'local_epochs = 1\nengine = "sequential"\n[[runs]]\nlabel = "A"\nmethod = "fedavg"\n')
+    db = str(tmp_path / "s.db")
+    assert main(["sweep", str(f), "--db", db, "--quiet"]) == 0
+    assert main(["sweep", str(f), "--db", db, "--quiet"]) == 0            # same code: skipped
+    assert "finished earlier, skipped" in capsys.readouterr().err
+    (run_id,) = [r["run_id"] for r in Store(db).runs()]
+    _tamper(db, run_id, ("code", "model", "sha256"), "1" * 64)
+    assert main(["sweep", str(f), "--db", db, "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "stored from other code or data" in err and "model code" in err and "skipped" not in err

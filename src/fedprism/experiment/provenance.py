@@ -130,6 +130,19 @@ def capture(exp: Any) -> dict[str, Any]:
             "execution": ex}
 
 
+def fingerprints(cfg: Any) -> dict[str, Any]:
+    """The compared part of the provenance of a configuration, without building its engine: used to
+    check a stored finished run before a sweep skips it (the federation is cached per data setting)."""
+    from fedprism.algorithms import REGISTRY
+    from fedprism.experiment.federation import build_federation, resolve_model_name
+    from fedprism.models import build_model
+
+    fed = build_federation(cfg)
+    model = build_model(resolve_model_name(cfg["model"], fed.input_shape), fed.input_shape, fed.num_classes)
+    return {"code": {"method": source_fingerprint(REGISTRY[cfg["method"]]), "model": source_fingerprint(type(model))},
+            "data": data_fingerprint(fed)}
+
+
 def _get(d: dict | None, path: tuple[str, ...]) -> Any:
     for k in path:
         if not isinstance(d, dict):
