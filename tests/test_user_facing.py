@@ -370,3 +370,18 @@ def test_a_sweep_does_not_skip_a_run_stored_from_other_code(tmp_path, capsys):
     assert main(["sweep", str(f), "--db", db, "--quiet"]) == 2
     err = capsys.readouterr().err
     assert "stored from other code or data" in err and "model code" in err and "skipped" not in err
+
+
+def test_scalars_are_written_per_round_and_client_as_csv(tmp_path):
+    import csv
+
+    db = str(tmp_path / "s.db")
+    res = _run(db, scalars=str(tmp_path / "sc"), eval_every=1)
+    assert res.run_id == tiny().run_id                                   # scalars= is execution-only
+    rounds = list(csv.DictReader(open(tmp_path / "sc" / f"{res.run_id}-rounds.csv")))
+    stored = Store(db, readonly=True).round_metrics(res.run_id)
+    for h in stored:
+        got = {r["tag"]: float(r["value"]) for r in rounds if int(r["round"]) == h["round"]}
+        assert got["local_acc"] == h["local_acc"] and got["train_loss"] == h["train_loss"]
+    clients = list(csv.DictReader(open(tmp_path / "sc" / f"{res.run_id}-clients.csv")))
+    assert len(clients) == 2 * 6 and {c["client"] for c in clients} == {str(i) for i in range(6)}

@@ -59,6 +59,8 @@ KEYS: dict[str, Param] = {
                      choices=("auto", "true", "false", True, False)),
     "threads": Param(0, "torch intra-op threads for the run (0: leave torch's default); recorded with the "
                      "run, not part of its id", _nonneg, "an integer >= 0"),
+    "scalars": Param("", "directory for per-round and per-client scalars as CSV, written as each round is "
+                     "stored ('' = none; not part of the run id)"),
 }
 
 #: parameters every partition takes (minimum samples per client)
@@ -68,7 +70,8 @@ PARTITION_COMMON: dict[str, Param] = {
 }
 
 #: keys that change how a run executes but not its numbers (excluded from the run id)
-EXECUTION_KEYS = frozenset({"name", "device", "engine", "compile", "data.root", "data.download", "threads"})
+EXECUTION_KEYS = frozenset({"name", "device", "engine", "compile", "data.root", "data.download", "threads",
+                            "scalars"})
 
 
 def parse_value(text: str) -> Any:

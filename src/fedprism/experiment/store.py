@@ -97,6 +97,48 @@ def dumps(x: Any) -> str:
 MIGRATIONS = (("provenance", "TEXT"),)
 
 
+class Scalars:
+    """The `scalars=DIR` execution key: every round's scalars as CSV files beside the store, written as
+    the round is stored (for plotting tools and spreadsheets; `torch.utils.tensorboard` needs the
+    `tensorboard` package, which fedprism does not require).
+
+    `DIR/<run_id>-rounds.csv`: round, tag, value (one row per round metric, TensorBoard's layout);
+    `DIR/<run_id>-clients.csv`: round, client, local_acc, local_loss, global_acc, n_test, local_f1.
+    Rounds redone after a resume replace the rows they had.
+    """
+
+    CLIENT_COLS = ("round", "client", "local_acc", "local_loss", "global_acc", "n_test", "local_f1")
+
+    def __init__(self, folder: str | Path, run_id: str):
+        self.dir = Path(folder)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.rounds = self.dir / f"{run_id}-rounds.csv"
+        self.clients = self.dir / f"{run_id}-clients.csv"
+        for p, head in ((self.rounds, ("round", "tag", "value")), (self.clients, self.CLIENT_COLS)):
+            if not p.exists():
+                p.write_text(",".join(head) + "\n")
+
+    def truncate(self, after_round: int) -> None:
+        for p in (self.rounds, self.clients):
+            lines = p.read_text().splitlines()
+            keep = [lines[0]] + [ln for ln in lines[1:] if int(ln.split(",", 1)[0]) <= after_round]
+            p.write_text("\n".join(keep) + "\n")
+
+    def write(self, rnd: int, metrics: dict | None, clients: list[tuple] | None) -> None:
+        import csv
+
+        with open(self.rounds, "a", newline="") as f:
+            w = csv.writer(f, lineterminator="\n")
+            for k, v in sorted((metrics or {}).items()):
+                v = _clean(v)
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    w.writerow([rnd, k, v])
+        if clients:
+            with open(self.clients, "a", newline="") as f:
+                w = csv.writer(f, lineterminator="\n")
+                w.writerows([[rnd, *map(_clean, c)] for c in clients])
+
+
 class MissingStoreError(FedPrismError):
     """A read-only command was pointed at a results database that does not exist."""
 
@@ -105,6 +147,7 @@ class Store:
     def __init__(self, path: str | Path = "fedprism-results.db", readonly: bool = False):
         self.path = Path(path)
         self.readonly = readonly
+        self._scalars: dict[str, Scalars] = {}
         if readonly:
             if not self.path.is_file():
                 raise MissingStoreError(f"no results store at {self.path} (check --db or $FEDPRISM_DB)")
@@ -190,6 +233,8 @@ class Store:
                            (now, code_version(), run_id))
                 if provenance is not None and row["provenance"] is None:
                     db.execute("UPDATE runs SET provenance=? WHERE run_id=?", (dumps(provenance), run_id))
+        if config.get("scalars"):
+            self._scalars[run_id] = Scalars(config["scalars"], run_id)
         return self.run(run_id)
 
     @staticmethod
@@ -236,6 +281,8 @@ class Store:
             for t in ("rounds", "client_metrics", "records"):
                 db.execute(f"DELETE FROM {t} WHERE run_id=? AND round>?", (run_id, after_round))
             db.execute("UPDATE runs SET rounds_done=? WHERE run_id=?", (after_round + 1, run_id))
+        if run_id in self._scalars:
+            self._scalars[run_id].truncate(after_round)
 
     def write_round(self, run_id: str, rnd: int, metrics: dict | None, clients: list[tuple] | None,
                     records: list[tuple[str, int | None, Any]], wall_s: float) -> None:
@@ -250,6 +297,8 @@ class Store:
                 db.executemany("INSERT INTO records VALUES (?,?,?,?,?)",
                                [(run_id, rnd, k, c, dumps(d)) for k, c, d in records])
             db.execute("UPDATE runs SET rounds_done=?, updated=? WHERE run_id=?", (rnd + 1, time.time(), run_id))
+        if run_id in self._scalars:
+            self._scalars[run_id].write(rnd, metrics, clients)
 
     def finish(self, run_id: str, final: dict, status: str = "finished") -> None:
         with self.transaction() as db:
