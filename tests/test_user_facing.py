@@ -385,3 +385,17 @@ def test_scalars_are_written_per_round_and_client_as_csv(tmp_path):
         assert got["local_acc"] == h["local_acc"] and got["train_loss"] == h["train_loss"]
     clients = list(csv.DictReader(open(tmp_path / "sc" / f"{res.run_id}-clients.csv")))
     assert len(clients) == 2 * 6 and {c["client"] for c in clients} == {str(i) for i in range(6)}
+
+
+def test_a_row_keeps_its_name_across_settings(tmp_path):
+    """lr tells two FedAvg rows apart at alpha=0.1; the alpha=0.5 column's only FedAvg row is named the same."""
+    from fedprism.report import collect
+
+    db = str(tmp_path / "s.db")
+    _run(db, lr=0.01)
+    _run(db, lr=0.05)
+    _run(db, lr=0.01, partition__alpha=0.5)
+    store = Store(db, readonly=True)
+    groups = collect(store)
+    store.close()
+    assert sorted(sorted(v) for v in groups.values()) == [["fedavg (lr=0.01)"], ["fedavg (lr=0.01)", "fedavg (lr=0.05)"]]

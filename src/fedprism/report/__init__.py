@@ -75,30 +75,37 @@ def _short(key: str, method: str) -> str:
     return key[len(method) + 1:] if key.startswith(method + ".") else key
 
 
-def row_labels(groups: dict[tuple, list[dict]]) -> dict[tuple, str]:
-    """(label, config key) -> row label: the label itself when no other row of the setting has it,
-    else the label followed by the keys whose values differ among the rows that share it."""
-    by_label: dict[str, list[tuple]] = defaultdict(list)
-    for key in groups:
-        by_label[key[0]].append(key)
-    out: dict[tuple, str] = {}
-    for label, keys in by_label.items():
-        if len(keys) == 1:
-            out[keys[0]] = label
-            continue
-        cfgs = {k: groups[k][0]["config"] for k in keys}
-        allk = sorted({k for c in cfgs.values() for k in c} - NOT_POOLING)
-        diff = [k for k in allk if len({json.dumps(c.get(k), sort_keys=True, default=str)
-                                       for c in cfgs.values()}) > 1]
-        for k in keys:
-            c = cfgs[k]
-            parts = [f"{_short(d, c['method'])}={_fmt_value(c[d])}" for d in diff if d in c]
-            out[k] = f"{label} ({', '.join(parts)})"
-    seen: dict[str, int] = defaultdict(int)       # never two rows with one label
-    for k in sorted(out):
-        seen[out[k]] += 1
-        if seen[out[k]] > 1:
-            out[k] = f"{out[k]} #{seen[out[k]]}"
+def _differing(cfgs: list[dict]) -> set[str]:
+    allk = {k for c in cfgs for k in c} - NOT_POOLING
+    return {k for k in allk if len({json.dumps(c.get(k), sort_keys=True, default=str) for c in cfgs}) > 1}
+
+
+def row_labels(raw: dict[str, dict[tuple, list[dict]]]) -> dict[str, dict[tuple, str]]:
+    """setting -> (label, config key) -> row label: the label itself when no two rows of a setting
+    share it, else the label followed by the keys whose values differ among the rows that share it.
+    The keys that tell rows apart in one setting name that label's rows in every setting, so a
+    method's row keeps one name across the columns of the paper-layout table."""
+    diff: dict[str, set[str]] = defaultdict(set)
+    for groups in raw.values():
+        by_label: dict[str, list[tuple]] = defaultdict(list)
+        for key in groups:
+            by_label[key[0]].append(key)
+        for label, keys in by_label.items():
+            if len(keys) > 1:
+                diff[label] |= _differing([groups[k][0]["config"] for k in keys])
+    out: dict[str, dict[tuple, str]] = {}
+    for setting, groups in raw.items():
+        labels: dict[tuple, str] = {}
+        for key, runs in groups.items():
+            c = runs[0]["config"]
+            parts = [f"{_short(d, c['method'])}={_fmt_value(c[d])}" for d in sorted(diff[key[0]]) if d in c]
+            labels[key] = f"{key[0]} ({', '.join(parts)})" if parts else key[0]
+        seen: dict[str, int] = defaultdict(int)       # never two rows with one label
+        for k in sorted(labels):
+            seen[labels[k]] += 1
+            if seen[labels[k]] > 1:
+                labels[k] = f"{labels[k]} #{seen[labels[k]]}"
+        out[setting] = labels
     return out
 
 
@@ -120,11 +127,8 @@ def collect(store: Store, sweep: str | list[str] | None = None) -> dict[str, dic
         cfg = json.loads(r["config"])
         raw[setting_of(cfg)][(r["label"] or cfg["method"], config_key(cfg))].append(
             {"run_id": r["run_id"], "config": cfg, "final": json.loads(r["final"] or "{}")})
-    out: dict[str, dict[str, list[dict]]] = {}
-    for setting, groups in raw.items():
-        labels = row_labels(groups)
-        out[setting] = {labels[k]: runs for k, runs in groups.items()}
-    return out
+    labels = row_labels(raw)
+    return {setting: {labels[setting][k]: runs for k, runs in groups.items()} for setting, groups in raw.items()}
 
 
 def family_of(cfg: dict) -> tuple[str, str]:

@@ -19,7 +19,7 @@ body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; ma
 h1 { border-bottom: 2px solid #444; } h2 { border-bottom: 1px solid #bbb; margin-top: 2em; }
 table { border-collapse: collapse; margin: 1em 0; font-size: 0.9em; }
 th, td { border: 1px solid #ccc; padding: 3px 8px; text-align: right; }
-th:first-child, td:first-child { text-align: left; }
+th:first-child, td:first-child, td.t { text-align: left; }
 thead th { background: #eef; } tbody tr:nth-child(even) { background: #f7f7f7; }
 figure { margin: 1em 0; } figure img { max-width: 100%; border: 1px solid #ddd; }
 figcaption { font-size: 0.9em; color: #444; }
@@ -36,6 +36,10 @@ def _inline(text: str) -> str:
     t = re.sub(r"\*\*([^*]+)\*\*", r"<strong>\1</strong>", t)
     t = re.sub(r"(?<![*\w])\*([^*]+)\*(?![*\w])", r"<em>\1</em>", t)
     return t
+
+
+def _numeric(cell: str) -> bool:
+    return bool(re.match(r"^\**[-+]?\d", cell)) or cell in ("-", "")
 
 
 def _cells(line: str) -> list[str]:
@@ -73,7 +77,8 @@ def md_to_html(md: str, base: Path) -> str:
             out.append("<table><thead><tr>" + "".join(f"<th>{_inline(c)}</th>" for c in head) + "</tr></thead><tbody>")
             i += 2
             while i < len(lines) and lines[i].startswith("|"):
-                out.append("<tr>" + "".join(f"<td>{_inline(c)}</td>" for c in _cells(lines[i])) + "</tr>")
+                out.append("<tr>" + "".join(("<td>" if _numeric(c) else '<td class="t">') + _inline(c) + "</td>"
+                                            for c in _cells(lines[i])) + "</tr>")
                 i += 1
             out.append("</tbody></table>")
             continue
