@@ -399,3 +399,15 @@ def test_a_row_keeps_its_name_across_settings(tmp_path):
     groups = collect(store)
     store.close()
     assert sorted(sorted(v) for v in groups.values()) == [["fedavg (lr=0.01)"], ["fedavg (lr=0.01)", "fedavg (lr=0.05)"]]
+
+
+def test_key_value_items_may_follow_options(tmp_path, capsys):
+    db = str(tmp_path / "k.db")
+    res = _run(db, threads=1)
+    assert main(["verify", "--db", db, res.run_id, "--rounds", "1", "--quiet", "engine=sequential",
+                 "compile=false"]) == 0
+    assert "engine=sequential compile=false" in capsys.readouterr().out
+    assert main(["verify", "--db", db, res.run_id, "--quiet", "lr=0.5"]) == 2         # not execution-only
+    assert "execution-only" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["runs", "--db", db, "rounds=2"])                                    # `runs` takes no items

@@ -347,7 +347,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # key=value items after an option (`fedprism verify RUN --rounds 2 engine=sequential`)
+    if extra and isinstance(getattr(args, "items", None), list) and all("=" in e and not e.startswith("-")
+                                                                      for e in extra):
+        args.items += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.fn(args)
     except FedPrismError as e:
