@@ -406,7 +406,7 @@ def test_key_value_items_may_follow_options(tmp_path, capsys):
     res = _run(db, threads=1)
     assert main(["verify", "--db", db, res.run_id, "--rounds", "1", "--quiet", "engine=sequential",
                  "compile=false"]) == 0
-    assert "engine=sequential compile=false" in capsys.readouterr().out
+    assert "engine=sequential compile=False" in capsys.readouterr().out
     assert main(["verify", "--db", db, res.run_id, "--quiet", "lr=0.5"]) == 2         # not execution-only
     assert "execution-only" in capsys.readouterr().err
     with pytest.raises(SystemExit):
