@@ -16,8 +16,8 @@ Partitions (``PARTITIONS`` lists their parameters; config keys are ``partition.<
 ``pathological``     McMahan sorted shards (``variant="shards"``) or exactly ``s`` distinct classes per
                      client (``variant="classes"``, FedRep / LG-FedAvg)
 ``similarity``       Similarity(S): an IID share ``S`` plus label-sorted slices (Clust-PSI-PFL)
-``domain_mix``       mixed feature + label skew: one image domain and ``n`` classes per client (PFPL,
-                     seed 003; the domain transforms live in :mod:`fedprism.data.domains`)
+``domain_mix``       mixed feature + label skew: one image domain and ``n`` classes per client (PFPL;
+                     the domain transforms live in :mod:`fedprism.data.domains`)
 ==================== ================================================================================
 
 Everything is vectorised numpy (one ``lexsort`` assembles all clients); loops run over clients or
