@@ -98,6 +98,7 @@ def test_read_only_commands_change_no_byte(tmp_path, capsys):
         shutil.copy2(COMMITTED, dbs[-1])
     for db in dbs:
         before = _digest(db)
+        beside = sorted(p.name for p in db.parent.glob(db.name + "*"))
         run_id = sqlite3.connect(f"file:{db}?mode=ro", uri=True).execute("SELECT run_id FROM runs").fetchone()[0]
         assert main(["report", "--db", str(db), "--out", str(tmp_path / "rep"), "--no-plots"]) == 0
         assert main(["export", "--db", str(db), "--out", str(tmp_path / "exp")]) == 0
@@ -105,7 +106,8 @@ def test_read_only_commands_change_no_byte(tmp_path, capsys):
         assert main(["show", "--db", str(db), run_id]) == 0
         assert _digest(db) == before, db
         assert db.read_bytes()[18:20] == b"\x01\x01"                 # still a rollback-journal file, not WAL
-        assert sorted(p.name for p in db.parent.glob(db.name + "*")) == [db.name]   # no -wal / -shm left
+        assert sorted(p.name for p in db.parent.glob(db.name + "*")) == beside       # no -wal / -shm left
+        assert not any(n.endswith(("-wal", "-shm", "-journal")) for n in beside)
     capsys.readouterr()
 
 
