@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from fedprism.algorithms.base import Plan  # noqa: E402
+from fedprism.algorithms.base import TrainJob  # noqa: E402
 from fedprism.engine.base import LocalConfig  # noqa: E402
 from fedprism.engine.vectorized import VectorizedEngine  # noqa: E402
 from fedprism.federation import Federation  # noqa: E402
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             if who == "a":
                 n_a = ref.train(clients)
             else:
-                up = eng.train(Plan(clients, W[torch.as_tensor(clients)].clone()), r)
+                up = eng.train(TrainJob(clients, W[torch.as_tensor(clients)].clone()), r)
                 W[torch.as_tensor(clients)] = up.params.to(device)
                 n_b = int(up.n_samples.sum()) * args.epochs
             t[who + "train"] = now(device) - s

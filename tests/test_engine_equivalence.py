@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedprism.algorithms.base import Context, Plan
+from fedprism.algorithms.base import Context, TrainJob
 from fedprism.algorithms.fedavg import FedAvg
 from fedprism.algorithms.local import Local
 from fedprism.engine.base import LocalConfig
@@ -29,6 +29,7 @@ from fedprism.engine.vectorized import (
     parse_compile,
     profile_model,
 )
+from fedprism.experiment.runner import Simulator
 from fedprism.federation import Federation
 from fedprism.models import build_model
 from fedprism.params import flatten
@@ -106,12 +107,12 @@ def test_train_matches_sequential(setup, request):
     fed, model = request.getfixturevalue(setup)
     seq, vec = engines(fed, model)
     clients = np.array([4, 0, 2, 5, 1, 3])
-    plan = Plan(clients, starts(model, len(clients)))
+    plan = TrainJob(clients, starts(model, len(clients)))
     a, b = seq.train(plan, rnd=2), vec.train(plan, rnd=2)
     assert np.array_equal(a.clients, b.clients)
     assert_close(a.params, b.params)
     assert not torch.allclose(a.params, plan.start)              # training moved the models
-    torch.testing.assert_close(a.extras["train_loss"], b.extras["train_loss"], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(a.loss, b.loss, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(a.n_samples, b.n_samples)
     assert seq.samples_trained == vec.samples_trained == 2 * sum(len(fed.train_idx[c]) for c in clients)
 
@@ -120,7 +121,7 @@ def test_train_subset_cohort_and_epoch_override(mlp_setup):
     fed, model = mlp_setup
     seq, vec = engines(fed, model)
     clients = np.array([5, 3])
-    plan = Plan(clients, starts(model, 2, seed=7), epochs=3)
+    plan = TrainJob(clients, starts(model, 2, seed=7), epochs=3)
     a, b = seq.train(plan, rnd=0), vec.train(plan, rnd=0)
     assert_close(a.params, b.params)
     # a single client (the runner retries failed clients one by one)
@@ -128,7 +129,7 @@ def test_train_subset_cohort_and_epoch_override(mlp_setup):
     assert_close(seq.train(one, 0).params, vec.train(one, 0).params)
     assert_close(vec.train(one, 0).params[0], b.params[1])      # independent of the cohort
     # no local steps: the start comes back unchanged
-    zero = Plan(clients, plan.start, epochs=0)
+    zero = TrainJob(clients, plan.start, epochs=0)
     assert torch.equal(vec.train(zero, 0).params, plan.start)
     assert torch.equal(seq.train(zero, 0).params, plan.start)
 
@@ -139,12 +140,12 @@ def test_prox_objective_with_extras(mlp_setup):
     clients = np.array([0, 1, 2, 3, 4, 5])
     s = starts(model, 6, seed=2)
     extras = {"anchor": starts(model, 6, seed=9), "mu": torch.tensor([0.0, 0.1, 0.5, 1.0, 2.0, 0.3])}
-    plan = Plan(clients, s, objective="prox", extras=extras)
+    plan = TrainJob(clients, s, loss="prox", extras=extras)
     a, b = seq.train(plan, rnd=1), vec.train(plan, rnd=1)
     assert_close(a.params, b.params)
-    torch.testing.assert_close(a.extras["train_loss"], b.extras["train_loss"], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(a.loss, b.loss, atol=1e-4, rtol=1e-4)
     # the proximal term matters: the same plan with ce gives different parameters
-    c = vec.train(Plan(clients, s), rnd=1)
+    c = vec.train(TrainJob(clients, s), rnd=1)
     assert (c.params[4] - b.params[4]).abs().max() > 1e-3
 
 
@@ -155,7 +156,7 @@ def test_train_mask(lenet_setup):
     mask = torch.zeros(spec.size)
     mask[spec.head] = 1.0
     clients = np.array([1, 3, 4])
-    plan = Plan(clients, starts(model, 3, seed=4), train_mask=mask)
+    plan = TrainJob(clients, starts(model, 3, seed=4), mask=mask)
     a, b = seq.train(plan, rnd=5), vec.train(plan, rnd=5)
     assert_close(a.params, b.params)
     torch.testing.assert_close(b.params[:, spec.body], plan.start[:, spec.body])   # body frozen
@@ -165,7 +166,7 @@ def test_train_mask(lenet_setup):
 def test_slot_cap_and_order_do_not_change_results(mlp_setup):
     fed, model = mlp_setup
     clients = np.array([0, 1, 2, 3, 4, 5])
-    plan = Plan(clients, starts(model, 6, seed=5))
+    plan = TrainJob(clients, starts(model, 6, seed=5))
     ref = VectorizedEngine(fed, model, CFG, 3, "cpu", compile=False).train(plan, 4).params
     for cap in (1, 2, 5):
         got = VectorizedEngine(fed, model, CFG, 3, "cpu", compile=False, max_slots=cap).train(plan, 4).params
@@ -178,7 +179,7 @@ def test_evaluate_matches_sequential(setup, request):
     seq, vec = engines(fed, model)
     # distinct, partly trained models so predictions differ between rows
     clients = np.array([0, 1, 2, 3, 4, 5])
-    params = seq.train(Plan(clients, starts(model, 6, seed=6)), rnd=0).params
+    params = seq.train(TrainJob(clients, starts(model, 6, seed=6)), rnd=0).params
     for split in ("local", "global", "train"):
         a, b = seq.evaluate(params, clients, split), vec.evaluate(params, clients, split)
         assert torch.equal(a.count, b.count), split
@@ -212,7 +213,7 @@ def test_batchnorm_model_matches():
     cfg = LocalConfig(epochs=1, batch_size=8, lr=0.05, momentum=0.9, weight_decay=1e-4, eval_chunk=50)
     seq, vec = engines(fed, model, cfg)
     clients = np.array([0, 1, 2])
-    plan = Plan(clients, starts(model, 3, seed=8))
+    plan = TrainJob(clients, starts(model, 3, seed=8))
     a, b = seq.train(plan, 0), vec.train(plan, 0)
     assert_close(a.params, b.params)
     for split in ("local", "global"):
@@ -232,14 +233,12 @@ def test_algorithms_three_rounds(algo_cls, mlp_setup):
     ctx = _context(fed, model)
     finals = []
     for eng in engines(fed, model):
-        algo = algo_cls(ctx)
-        state = algo.init_state()
+        sim = Simulator(algo_cls(ctx), eng)
         rng = np.random.default_rng(0)
         for rnd in range(3):
             clients = np.sort(rng.choice(fed.num_clients, size=3, replace=False))
-            plan = algo.plan(state, rnd, clients)
-            algo.aggregate(state, rnd, algo.client_update(plan, eng, rnd))
-        finals.append(algo.model_for(state, np.arange(fed.num_clients)).clone())
+            sim.round(rnd, clients)
+        finals.append(sim.inference(np.arange(fed.num_clients)).single.clone())   # each client's model
     assert_close(finals[0], finals[1])
     assert not torch.allclose(finals[0], flatten(model).expand_as(finals[0]))
 

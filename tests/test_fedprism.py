@@ -13,7 +13,7 @@ from fedprism.algorithms.base import Context, Update
 from fedprism.algorithms.fedprism import CLUSTERINGS, FedPrism, personalize, soft_cluster_step
 from fedprism.engine import LocalConfig, SequentialEngine
 from fedprism.errors import ConfigError
-from fedprism.experiment.runner import sample_clients
+from fedprism.experiment.runner import Simulator, sample_clients
 from fedprism.models import build_model
 from fedprism.params import ParamSpec, flatten
 
@@ -29,14 +29,13 @@ def setup(fed, method, seed=0, rounds=5, fraction=1.0, **hp):
 
 
 def drive(algo, engine, rounds, fraction=1.0, seed=0, on_round=None):
-    state = algo.init_state()
+    sim = Simulator(algo, engine)
     for t in range(rounds):
         clients = sample_clients(seed, t, algo.ctx.num_clients, fraction)
-        plan = algo.plan(state, t, clients)
-        rec = algo.aggregate(state, t, algo.client_update(plan, engine, t))
+        plan, _, rec = sim.round(t, clients)
         if on_round:
-            on_round(t, state, plan, rec)
-    return state
+            on_round(t, sim.state, plan, rec)
+    return sim.state
 
 
 def test_k1_m1_equals_uniform_fedavg(planted):
@@ -56,13 +55,12 @@ def test_alpha_one_sends_the_global_model(planted):
     def check(t, state, plan, rec):
         assert torch.equal(plan.start, state_before["w_g"].expand_as(plan.start))
 
-    state = algo.init_state()
+    sim = Simulator(algo, eng)
     for t in range(3):
-        state_before = {"w_g": state["w_g"].clone()}
+        state_before = {"w_g": sim.state["w_g"].clone()}
         clients = np.arange(fed.num_clients)
-        plan = algo.plan(state, t, clients)
-        check(t, state, plan, None)
-        algo.aggregate(state, t, algo.client_update(plan, eng, t))
+        plan, _, _ = sim.round(t, clients)
+        check(t, sim.state, plan, None)
 
 
 @pytest.mark.parametrize("m", [1, 2, 3])
@@ -79,13 +77,14 @@ def test_rows_sum_to_one_with_exactly_m_nonzeros(planted, m):
 def test_unsampled_clients_keep_their_row_and_new_ones_are_uniform(planted):
     fed, _ = planted
     algo, eng = setup(fed, "fedprism", k=2, m=1, every=1)
-    state = algo.init_state()
+    sim = Simulator(algo, eng)
+    state = sim.state
     first = np.array([0, 1, 2, 6, 7, 8])
-    algo.aggregate(state, 0, algo.client_update(algo.plan(state, 0, first), eng, 0))
+    sim.round(0, first)
     W0 = state["W"].clone()
     assert torch.allclose(W0[3], torch.full((2,), 0.5, dtype=W0.dtype))      # never clustered
     second = np.array([3, 4, 9, 10])
-    algo.aggregate(state, 1, algo.client_update(algo.plan(state, 1, second), eng, 1))
+    sim.round(1, second)
     assert torch.equal(state["W"][first], W0[first])
 
 
@@ -153,9 +152,9 @@ def test_permuting_hard_labels_changes_nothing(monkeypatch, digits):
 def test_too_few_clients_skips_reclustering(planted):
     fed, _ = planted
     algo, eng = setup(fed, "fedprism", k=3, m=1, every=1)
-    state = algo.init_state()
-    plan = algo.plan(state, 0, np.array([0, 1]))
-    rec = algo.aggregate(state, 0, algo.client_update(plan, eng, 0))
+    sim = Simulator(algo, eng)
+    state = sim.state
+    _, _, rec = sim.round(0, np.array([0, 1]))
     assert "cluster_skipped" in rec and "fewer" in rec["cluster_skipped"]["reason"].lower() or \
         "k" in rec["cluster_skipped"]["reason"]
     assert torch.equal(state["W"], torch.full_like(state["W"], 1 / 3))
@@ -166,8 +165,8 @@ def test_empty_update_is_a_noop(planted):
     algo, _ = setup(fed, "fedprism", k=2, m=1)
     state = algo.init_state()
     before = {k: v.clone() for k, v in state.items()}
-    empty = Update(np.zeros(0, int), torch.zeros(0, fed.x_train.shape[1] * 0 + algo.ctx.spec.size),
-                   torch.zeros(0, algo.ctx.spec.size), torch.zeros(0, dtype=torch.float64))
+    empty = Update(np.zeros(0, int), {"params": torch.zeros(0, algo.ctx.spec.size)},
+                   torch.zeros(0, dtype=torch.float64), sent={"params": torch.zeros(0, algo.ctx.spec.size)})
     algo.aggregate(state, 0, empty)
     assert all(torch.equal(before[k], state[k]) for k in state)
 

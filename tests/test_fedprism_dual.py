@@ -9,15 +9,16 @@ import torch
 from conftest import planted_federation, same, unequal_federation
 from sklearn.metrics import adjusted_rand_score
 
+import fedprism.experiment.evaluate as evaluate_mod
 from fedprism.algorithms import REGISTRY
-from fedprism.algorithms.base import Context, Plan
-from fedprism.algorithms.fedprism_dual import (COMPONENTS, DIAGNOSTIC_TEMPERATURES, EXPERT_STREAM, PRIVATE_STREAM,
-                                               FedPrismDual, route)
+from fedprism.algorithms.base import Context, TrainJob
+from fedprism.algorithms.fedprism_dual import COMPONENTS, DIAGNOSTIC_TEMPERATURES, FedPrismDual, route
 from fedprism.engine import LocalConfig, SequentialEngine
 from fedprism.engine.vectorized import VectorizedEngine
 from fedprism.errors import ConfigError
 from fedprism.experiment.config import resolve
-from fedprism.experiment.runner import Experiment, sample_clients
+from fedprism.experiment.evaluate import StreamScorer, score_inference
+from fedprism.experiment.runner import Experiment, Simulator, sample_clients
 from fedprism.experiment.store import Store
 from fedprism.models import build_model
 from fedprism.params import ParamSpec, flatten
@@ -37,15 +38,15 @@ def setup(fed, method="fedprism_dual", seed=0, engine="sequential", **hp):
 
 
 def drive(algo, engine, rounds, fraction=1.0, seed=0, on_round=None):
-    state = algo.init_state()
+    """Run `rounds` rounds; the Simulator holds the server state (`sim.state`) and the clients' own
+    P_i / L_i (`sim.clients.data`)."""
+    sim = Simulator(algo, engine)
     for t in range(rounds):
         clients = sample_clients(seed, t, algo.ctx.num_clients, fraction)
-        plan = algo.plan(state, t, clients)
-        update = algo.client_update(plan, engine, t)
-        rec = algo.aggregate(state, t, update)
+        plan, update, rec = sim.round(t, clients)
         if on_round:
-            on_round(t, state, plan, update, rec)
-    return state
+            on_round(t, sim.state, plan, update, rec)
+    return sim
 
 
 @pytest.fixture(scope="module")
@@ -60,31 +61,45 @@ def trained(unequal):
     return algo, eng, drive(algo, eng, 2)
 
 
+def backbone_and_expert(sim, clients):
+    """The two streams a client predicts with: W_i = shared part + gamma_i P_i, and L_i."""
+    inf = sim.inference(clients)
+    return inf.streams["backbone"], inf.streams["expert"]
+
+
 def test_beta0_fixed_alpha1_backbone_is_fedavg(unequal):
     a, e = setup(unequal, alpha=1.0, beta=0.0, alpha_mode="fixed", k=2, every=1)
     b, e2 = setup(unequal, "fedavg", weighting="samples")
     starts = []
-    sa = drive(a, e, 3, fraction=0.5, on_round=lambda t, s, p, u, r: starts.append(p.start.clone()))
-    sb = drive(b, e2, 3, fraction=0.5)
+    sim_a = drive(a, e, 3, fraction=0.5, on_round=lambda t, s, p, u, r: starts.append(p.start.clone()))
+    sa, sb = sim_a.state, drive(b, e2, 3, fraction=0.5).state
     assert torch.equal(sa["w_g"], sb["w"])
     assert torch.equal(a.model_for(sa, np.arange(6)), sb["w"].expand(6, -1))
+    assert torch.equal(backbone_and_expert(sim_a, np.arange(6))[0], sb["w"].expand(6, -1))   # gamma_i P_i = 0
     assert not same(sb["w"], b.ctx.init)                      # something was trained
     assert not a.uses_private                                 # P_i has weight 0 forever: not trained
-    assert torch.equal(sa["private"], a.ctx.init.expand(6, -1))
+    assert torch.equal(sim_a.clients.data["private"], a.ctx.init.expand(6, -1))
 
 
 def test_fixed_inference_weight_0_is_the_backbone_and_1_the_expert(trained):
-    algo, eng, state = trained
+    algo, eng, sim = trained
     clients = np.arange(algo.ctx.num_clients)
-    refs = {0.0: algo.model_for(state, clients), 1.0: state["expert"]}
+    backbone, expert = backbone_and_expert(sim, clients)
+    assert torch.equal(expert, sim.clients.data["expert"])
+    refs = {0.0: backbone, 1.0: expert}
     try:
         for w, params in refs.items():
             algo.hp["inference_weight"] = w
+            inf = sim.inference(clients)
+            assert torch.equal(inf.single, params)                # one stream: that model alone
             for split in ("local", "global"):
-                got, ref = algo.evaluate(state, eng, clients, split), eng.evaluate(params, clients, split)
-                assert torch.equal(got.correct, ref.correct) and torch.equal(got.count, ref.count)
-                assert torch.equal(got.confusion, ref.confusion)
-                assert torch.allclose(got.loss_sum, ref.loss_sum, rtol=1e-4, atol=1e-3)
+                ref = eng.evaluate(params, clients, split)
+                # the runner's path (exact engine evaluation) and the stream scorer's logits path
+                scorer = StreamScorer(eng, len(clients))
+                for got in (sim.evaluate(split, clients), scorer(inf, clients, split)):
+                    assert torch.equal(got.correct, ref.correct) and torch.equal(got.count, ref.count)
+                    assert torch.equal(got.confusion, ref.confusion)
+                    assert torch.allclose(got.loss_sum, ref.loss_sum, rtol=1e-4, atol=1e-3)
         # the two streams really differ here, so the test above can tell them apart
         assert not torch.equal(eng.evaluate(refs[0.0], clients, "global").confusion,
                                eng.evaluate(refs[1.0], clients, "global").confusion)
@@ -95,35 +110,37 @@ def test_fixed_inference_weight_0_is_the_backbone_and_1_the_expert(trained):
 def test_diagnostic_streams_and_temperatures_equal_their_own_evaluations(trained):
     """The `alternatives` of a routed evaluation are exactly what a separate evaluation of each stream
     (weight 0 / 1) and of each other temperature gives, on both splits."""
-    algo, eng, state = trained
+    algo, eng, sim = trained
     clients = np.arange(algo.ctx.num_clients)
     T0 = algo.hp["inference_temperature"]
     others = [t for t in DIAGNOSTIC_TEMPERATURES if t != T0]
     for split in ("local", "global"):
-        alt = algo.evaluate(state, eng, clients, split).alternatives
+        alt = sim.evaluate(split, clients).alternatives
         assert set(alt) == {"backbone", "expert"} | {f"T={t:g}" for t in others}   # T0 is the headline
         cases = [("backbone", {"inference_weight": 0.0}), ("expert", {"inference_weight": 1.0})]
         cases += [(f"T={t:g}", {"inference_temperature": t}) for t in (others[0], others[-1])]
         try:
             for name, hp in cases:
                 algo.hp.update(hp)
-                assert torch.equal(alt[name], algo.evaluate(state, eng, clients, split).correct), (split, name)
+                assert torch.equal(alt[name], sim.evaluate(split, clients).correct), (split, name)
                 algo.hp.update(inference_weight=None, inference_temperature=T0)
         finally:
             algo.hp.update(inference_weight=None, inference_temperature=T0)
     assert not torch.equal(alt["backbone"], alt["expert"])      # the streams differ: the test can fail
 
 
-def test_global_expert_logit_cache_is_exact(unequal):
+def test_global_expert_logit_cache_is_exact(unequal, monkeypatch):
     algo, eng = setup(unequal, k=2, every=1)
-    state = drive(algo, eng, 1)
+    sim = drive(algo, eng, 1)
     clients = np.arange(6)
-    algo.evaluate(state, eng, clients, "global")                          # fills the cache
+    scorer = StreamScorer(eng, 6)
+    scorer(sim.inference(clients), clients, "global")                     # fills the cache
+    assert {"expert", "backbone"} <= set(scorer.caches)
     sub = np.array([1, 4])
-    algo.aggregate(state, 1, algo.client_update(algo.plan(state, 1, sub), eng, 1))   # 2 specialists change
-    cached = algo.evaluate(state, eng, clients, "global")
-    algo.EXPERT_CACHE_BYTES = 0                                           # no cache: everything recomputed
-    fresh = algo.evaluate(state, eng, clients, "global")
+    sim.round(1, sub)                                                     # 2 specialists change
+    cached = scorer(sim.inference(clients), clients, "global")
+    monkeypatch.setattr(evaluate_mod, "STREAM_CACHE_BYTES", 0)            # no cache: everything recomputed
+    fresh = scorer(sim.inference(clients), clients, "global")
     assert torch.equal(cached.correct, fresh.correct) and torch.equal(cached.confusion, fresh.confusion)
     assert torch.allclose(cached.loss_sum, fresh.loss_sum, rtol=1e-6)
 
@@ -141,35 +158,40 @@ def test_confidence_routing_formula():
 def test_private_and_expert_never_travel(unequal):
     algo, eng = setup(unequal, alpha=0.5, beta=0.2, k=2, every=1)       # gamma = 0.3 > 0
     P, n = algo.ctx.spec.size, unequal.num_clients
-    state = drive(algo, eng, 1)                                           # P_i, L_i now trained
+    sim = drive(algo, eng, 1)                                             # P_i, L_i now trained
+    state, store = sim.state, sim.clients.data
+    assert not {"private", "expert"} & set(state)                         # the server does not hold them
     clients = np.array([0, 2, 3, 5])
     S = torch.as_tensor(clients)
     plan = algo.plan(state, 1, clients)
-    assert plan.down_floats == P + 1 and set(plan.extras) == {"gamma"} and plan.extras["gamma"].shape == (4,)
+    assert set(plan.payload) == {"params", "gamma"} and plan.payload["gamma"].shape == (4,)
+    assert plan.bytes == 4 * (P + 1) * 4                                  # P + 1 floats per client
     # the message does not depend on the client-side store at all
-    saved = {k: state[k].clone() for k in ("private", "expert")}
-    state["private"][S] = torch.randn(4, P)
-    state["expert"][S] = torch.randn(4, P)
+    saved = {k: store[k].clone() for k in ("private", "expert")}
+    store["private"][S] = torch.randn(4, P)
+    store["expert"][S] = torch.randn(4, P)
     again = algo.plan(state, 1, clients)
-    assert torch.equal(again.start, plan.start) and torch.equal(again.extras["gamma"], plan.extras["gamma"])
+    assert torch.equal(again.start, plan.start) and torch.equal(again.payload["gamma"], plan.payload["gamma"])
     for k in saved:
-        state[k].copy_(saved[k])
+        store[k].copy_(saved[k])
     a, b, g = algo.mixing(state["alpha"][S])
-    assert torch.allclose(plan.extras["gamma"].double(), g.float().double())
+    assert torch.allclose(plan.payload["gamma"].double(), g.float().double())
     mix = state["W"][S] @ state["w_c"].double()
     shared = (a[:, None] * state["w_g"].double() + b[:, None] * mix).float()
     assert torch.allclose(plan.start, shared, atol=1e-6)
 
-    update = algo.client_update(plan, eng, 1)
-    assert update.up_floats == P and update.params.shape == (4, P) and set(update.extras) <= {"train_loss"}
+    sent, update, _ = sim.round(1, clients)                               # the same plan, then the round
+    assert torch.equal(sent.start, plan.start) and torch.equal(sent.payload["gamma"], plan.payload["gamma"])
+    assert set(update.payload) == {"params"} and update.bytes == 4 * P * 4   # P floats per client up
+    assert update.params.shape == (4, P) and set(update.metrics) <= {"train_loss"} and not update.rejected
     assert torch.equal(update.start, plan.start)
     # Update.params are the trained backbones, built from the new P_i (trained on its own stream)
-    new_p = eng.train(Plan(clients, saved["private"][S].clone()), 1 + PRIVATE_STREAM).params
-    new_l = eng.train(Plan(clients, saved["expert"][S].clone()), 1 + EXPERT_STREAM).params
-    assert torch.equal(state["private"][S], new_p) and torch.equal(state["expert"][S], new_l)
-    start = (plan.start.double() + plan.extras["gamma"].double()[:, None] * new_p.double()).float()
-    assert torch.equal(update.params, eng.train(Plan(clients, start), 1).params)
-    for rows in (state["private"][S], state["expert"][S], saved["private"][S], saved["expert"][S]):
+    new_p = eng.train(TrainJob(clients, saved["private"][S].clone(), stream="private"), 1).params
+    new_l = eng.train(TrainJob(clients, saved["expert"][S].clone(), stream="expert"), 1).params
+    assert torch.equal(store["private"][S], new_p) and torch.equal(store["expert"][S], new_l)
+    start = (plan.start.double() + plan.payload["gamma"].double()[:, None] * new_p.double()).float()
+    assert torch.equal(update.params, eng.train(TrainJob(clients, start), 1).params)
+    for rows in (store["private"][S], store["expert"][S], saved["private"][S], saved["expert"][S]):
         assert (torch.cdist(update.params, rows) > 1e-3).all()
         assert (torch.cdist(plan.start, rows) > 1e-3).all()
     assert n == 6
@@ -199,7 +221,8 @@ def test_alpha_clipped_and_every_mixing_row_sums_to_one(planted):
 @pytest.mark.parametrize("components", COMPONENTS)
 def test_components_mix_what_they_say(unequal, components):
     algo, eng = setup(unequal, components=components, alpha=0.6, beta=0.1, k=2, every=1, m=1)
-    state = drive(algo, eng, 1)
+    sim = drive(algo, eng, 1)
+    state, private = sim.state, sim.clients.data["private"]
     clients = np.arange(6)
     S = torch.as_tensor(clients)
     W_c = (state["W"] @ state["w_c"].double()).float()
@@ -208,14 +231,17 @@ def test_components_mix_what_they_say(unequal, components):
         "pure_global": state["w_g"].expand(6, -1),
         "global_cluster": (0.6 * state["w_g"].double() + 0.4 * W_c.double()).float(),
         "pure_cluster": W_c,
-        "pure_private": state["private"][S],
+        "pure_private": private[S],
     }[components]
-    got = algo.model_for(state, clients)
+    got = backbone_and_expert(sim, clients)[0]                   # the backbone W_i the client predicts with
+    a, b, g = algo.mixing(state["alpha"])
     if expect is None:
-        a, b, g = algo.mixing(state["alpha"])
         expect = (a[:, None] * state["w_g"].double() + b[:, None] * W_c.double()
-                  + g[:, None] * state["private"].double())
+                  + g[:, None] * private.double())
     assert torch.allclose(got, expect.float(), atol=1e-5)
+    # the server's part (model_for, the payload) is the backbone without gamma_i P_i
+    shared = (a[:, None] * state["w_g"].double() + b[:, None] * W_c.double()).float()
+    assert torch.allclose(algo.model_for(state, clients), shared, atol=1e-5)
     assert algo.uses_private == (components in ("full", "pure_private"))
     assert ((state["W"] > 0).sum(1) == 1).all()                  # m = 1 after the round-0 clustering
 
@@ -244,9 +270,9 @@ def test_vectorized_engine_matches_sequential(unequal):
     out = []
     for engine in ("sequential", "vectorized"):
         algo, eng = setup(unequal, engine=engine, k=2, every=1, alpha=0.6, beta=0.2)
-        state = drive(algo, eng, 2, fraction=0.5)
-        out.append((state, algo.evaluate(state, eng, np.arange(6), "local"),
-                    algo.evaluate(state, eng, np.arange(6), "global")))
+        sim = drive(algo, eng, 2, fraction=0.5)
+        out.append(({**sim.state, **sim.clients.data}, sim.evaluate("local", np.arange(6)),
+                    sim.evaluate("global", np.arange(6))))
     (s1, l1, g1), (s2, l2, g2) = out
     for k in ("w_g", "w_c", "private", "expert", "alpha", "W"):
         assert same(s1[k].float(), s2[k].float(), atol=1e-4), k
@@ -306,12 +332,15 @@ def test_compiled_engine_evaluation_equals_eager(unequal):
     """The compiled `logits` path (shared-chunk batches) scores like the eager one (float reassociation
     may flip at most one near-tie prediction)."""
     algo, eng = setup(unequal, k=2, every=1, alpha=0.6, beta=0.2)
-    state = drive(algo, eng, 2, fraction=0.5)
+    sim = drive(algo, eng, 2, fraction=0.5)
+    clients = np.arange(6)
     model = build_model("mlp", unequal.input_shape, unequal.num_classes, seed=0)
     res = {}
     for compiled in (False, True):
         v = VectorizedEngine(unequal, model, LOCAL, 0, "cpu", compile=compiled, eval_models=4, eval_samples=64)
-        res[compiled] = [algo.evaluate(state, v, np.arange(6), split) for split in ("local", "global")]
+        inf = algo.inference(v, clients, algo.eval_payload(sim.state, clients), sim.clients.rows(clients))
+        res[compiled] = [score_inference(v, StreamScorer(v, 6), inf, clients, split)
+                         for split in ("local", "global")]
     for a, b in zip(res[False], res[True]):
         assert (a.correct - b.correct).abs().max() <= 1 and torch.equal(a.count, b.count)
         assert torch.allclose(a.loss_sum, b.loss_sum, rtol=1e-4, atol=1e-3)

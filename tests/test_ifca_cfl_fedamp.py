@@ -9,13 +9,14 @@ from conftest import planted_federation, same
 from sklearn.metrics import adjusted_rand_score
 
 from fedprism.algorithms import REGISTRY
-from fedprism.algorithms.base import Context, Update
+from fedprism.algorithms.base import Context, EvalResult, Inference, Update
 from fedprism.algorithms.cfl import CFL
 from fedprism.algorithms.fedamp import FedAMP
 from fedprism.algorithms.ifca import IFCA, choose, permuted_inits
 from fedprism.engine import LocalConfig, SequentialEngine
 from fedprism.errors import ConfigError
-from fedprism.experiment.runner import sample_clients
+from fedprism.experiment.evaluate import Evaluator
+from fedprism.experiment.runner import Simulator, sample_clients
 from fedprism.federation import Federation
 from fedprism.models import build_model
 from fedprism.params import ParamSpec, flatten
@@ -32,14 +33,15 @@ def setup(fed, method, seed=0, **hp):
 
 
 def drive(algo, engine, rounds, fraction=1.0, seed=0, on_round=None):
-    state = algo.init_state()
+    """Run `rounds` rounds; returns the Simulator (`sim.state`: server state, `sim.clients.data`: the
+    clients' own state, e.g. Local's models)."""
+    sim = Simulator(algo, engine)
     for t in range(rounds):
-        plan = algo.plan(state, t, sample_clients(seed, t, algo.ctx.num_clients, fraction))
-        before = {k: v.clone() for k, v in state.items() if isinstance(v, torch.Tensor)}
-        rec = algo.aggregate(state, t, algo.client_update(plan, engine, t))
+        before = {k: v.clone() for k, v in sim.state.items() if isinstance(v, torch.Tensor)}
+        plan, _, rec = sim.round(t, sample_clients(seed, t, algo.ctx.num_clients, fraction))
         if on_round:
-            on_round(t, state, plan, rec, before)
-    return state
+            on_round(t, sim.state, plan, rec, before)
+    return sim
 
 
 def iid_federation(ds, clients=10, per_class=6, seed=0) -> Federation:
@@ -71,7 +73,7 @@ def test_ifca_recovers_planted_groups(planted5, init, seed, rounds):
 
     def on_round(t, state, plan, rec, before):
         warm = init == "warmup" and t < 2
-        assert plan.down_floats == (P if warm else 2 * P)
+        assert plan.bytes == 4 * (P if warm else 2 * P) * len(plan.clients)     # 1 or K models per client
         if warm:
             assert "clusters" not in rec and torch.equal(state["w"][0], state["w"][1])
         else:
@@ -79,7 +81,7 @@ def test_ifca_recovers_planted_groups(planted5, init, seed, rounds):
             for c in set(range(2)) - set(rec["clusters"]["labels"].tolist()):   # chosen by nobody
                 assert torch.equal(state["w"][c], before["w"][c])
 
-    state = drive(algo, eng, rounds, seed=seed, on_round=on_round)
+    state = drive(algo, eng, rounds, seed=seed, on_round=on_round).state
     assert adjusted_rand_score(truth, seen[-1]) == 1.0
     assert adjusted_rand_score(truth, state["assign"].numpy()) == 1.0
 
@@ -88,7 +90,7 @@ def test_ifca_k1_equals_fedavg(planted5):
     fed, _ = planted5
     a, e = setup(fed, "ifca", k=1)
     b, e2 = setup(fed, "fedavg")
-    sa, sb = drive(a, e, 3, fraction=0.5), drive(b, e2, 3, fraction=0.5)
+    sa, sb = drive(a, e, 3, fraction=0.5).state, drive(b, e2, 3, fraction=0.5).state
     assert same(sa["w"][0], sb["w"]) and not same(sb["w"], b.ctx.init)
 
 
@@ -116,13 +118,17 @@ def test_ifca_ties_are_broken_by_the_seeded_rng():
 def test_ifca_never_sampled_clients_pick_by_train_loss(planted5):
     fed, truth = planted5
     algo, eng = setup(fed, "ifca", k=2)
-    state = drive(algo, eng, 3)
+    sim = drive(algo, eng, 3)
+    state = sim.state
     clients = np.arange(fed.num_clients)
-    expect = eng.evaluate(algo.model_for(state, clients), clients, "local")
-    assert algo.evaluate(state, eng, clients, "local") is None             # everybody chose: model_for
+    chosen = algo.model_for(state, clients)
+    expect = eng.evaluate(chosen, clients, "local")
+    assert torch.equal(sim.inference(clients).single, chosen)              # everybody chose: model_for
+    assert not torch.equal(state["w"][0], state["w"][1])                   # the choice matters
     state["assign"][[0, 7]] = -1                                            # as if never sampled
-    got = algo.evaluate(state, eng, clients, "local")
-    assert torch.equal(got.correct, expect.correct)                         # they pick their group's model
+    assert torch.equal(sim.inference(clients).single, chosen)              # they pick their group's model
+    got = sim.evaluate("local", clients)
+    assert torch.equal(got.correct, expect.correct)
 
 
 # -- CFL ------------------------------------------------------------------------------------------
@@ -137,7 +143,7 @@ def test_cfl_splits_planted_groups_once(planted5):
         if "cfl_split" in rec:
             assert t >= SPLIT["warmup"] and rec["cfl_split"][0]["gamma_max"] > 0.5
 
-    state = drive(algo, eng, 10, on_round=on_round)
+    state = drive(algo, eng, 10, on_round=on_round).state
     assert len(splits) == 1 and len(state["w"]) == 2
     assert adjusted_rand_score(truth, state["assign"].numpy()) == 1.0
     assert not torch.equal(state["w"][0], state["w"][1])
@@ -146,11 +152,11 @@ def test_cfl_splits_planted_groups_once(planted5):
 def test_cfl_does_not_split_an_iid_federation(digits):
     fed = iid_federation(digits)
     algo, eng = setup(fed, "cfl", **SPLIT)
-    state = drive(algo, eng, 10)
+    state = drive(algo, eng, 10).state
     assert len(state["w"]) == 1 and (state["assign"] == 0).all()
     # forced trigger: the gamma certificate alone refuses to split an IID federation
     algo, eng = setup(fed, "cfl", eps1=100.0, eps2=0.0, warmup=1, gamma=0.5)
-    assert len(drive(algo, eng, 3)["w"]) == 1
+    assert len(drive(algo, eng, 3).state["w"]) == 1
 
 
 def _ctx(N, P):
@@ -164,7 +170,8 @@ def test_cfl_opposite_updates_split_exactly():
     delta = torch.stack([u, u, -u, -u]) + 1e-4 * torch.randn(4, 6)
     algo = CFL(_ctx(4, 6), eps1=0.1, eps2=0.5 * float(u.norm()), warmup=0)
     state = algo.init_state()
-    up = Update(np.arange(4), delta.clone(), torch.zeros(4, 6), torch.full((4,), 10.0, dtype=torch.float64))
+    up = Update(np.arange(4), {"params": delta.clone()}, torch.full((4,), 10.0, dtype=torch.float64),
+                sent={"params": torch.zeros(4, 6)})
     rec = algo.aggregate(state, 0, up)
     (s,) = rec["cfl_split"]
     assert s["left"].tolist() == [0, 1] and s["right"].tolist() == [2, 3]
@@ -173,7 +180,8 @@ def test_cfl_opposite_updates_split_exactly():
     assert torch.allclose(state["w"][1], delta[2:].mean(0), atol=1e-6)
     # next round only cluster 1 participates: cluster 0 stays bit-identical
     w0 = state["w"][0].clone()
-    up = Update(np.array([2, 3]), delta[2:] * 2, delta[2:], torch.full((2,), 10.0, dtype=torch.float64))
+    up = Update(np.array([2, 3]), {"params": delta[2:] * 2}, torch.full((2,), 10.0, dtype=torch.float64),
+                sent={"params": delta[2:]})
     algo.aggregate(state, 1, up)
     assert torch.equal(state["w"][0], w0)
 
@@ -184,8 +192,8 @@ def test_fedamp_self_weight_one_is_local_training(planted5, hp):
     fed, _ = planted5
     a, e = setup(fed, "fedamp", mu=0.0, **hp)
     b, e2 = setup(fed, "local")
-    sa, sb = drive(a, e, 3, fraction=0.5), drive(b, e2, 3, fraction=0.5)
-    assert torch.equal(sa["w"], sb["w"])
+    sa, sb = drive(a, e, 3, fraction=0.5).state, drive(b, e2, 3, fraction=0.5).clients.data
+    assert torch.equal(sa["w"], sb["w"])                               # Local's models are client state
 
 
 def test_fedamp_uniform_attention_is_fedavg(planted5):
@@ -193,7 +201,7 @@ def test_fedamp_uniform_attention_is_fedavg(planted5):
     N = fed.num_clients
     a, e = setup(fed, "fedamp", attention="cosine", sigma=0.0, self_weight=1.0 / N, mu=0.0)
     b, e2 = setup(fed, "fedavg", weighting="uniform")
-    sa, sb = drive(a, e, 3), drive(b, e2, 3)
+    sa, sb = drive(a, e, 3).state, drive(b, e2, 3).state
     assert same(sa["w"].double().mean(0).float(), sb["w"])
     assert not same(sa["w"][0], sa["w"][N - 1])                        # models stay personalized
 
@@ -203,7 +211,7 @@ def test_fedamp_attention_rows_and_auto_sigma(planted5, attention):
     fed, truth = planted5
     algo, eng = setup(fed, "fedamp", attention=attention)
     recs = []
-    state = drive(algo, eng, 3, on_round=lambda t, s, p, rec, b: recs.append(rec))
+    state = drive(algo, eng, 3, on_round=lambda t, s, p, rec, b: recs.append(rec)).state
     assert recs[0]["fedamp"]["sigma"] == state["sigma"] > 0                # set once, at round 0
     assert all("fedamp" not in r for r in recs[1:])
     clients = np.arange(fed.num_clients)
@@ -223,10 +231,25 @@ def test_fedamp_attention_rows_and_auto_sigma(planted5, attention):
 def test_fedamp_plan_uses_prox_to_the_cloud_model(planted5):
     fed, _ = planted5
     algo, eng = setup(fed, "fedamp", mu=0.5)
-    state = drive(algo, eng, 1)
+    state = drive(algo, eng, 1).state
     plan = algo.plan(state, 1, np.arange(4))
-    assert plan.objective == "prox" and torch.equal(plan.extras["anchor"], plan.start)
-    assert torch.equal(plan.extras["mu"], torch.full((4,), 0.5))
+    assert set(plan.payload) == {"params"}                             # start = cloud: u_i only
+    jobs = []
+
+    class Spy:                                                         # the engine, recording each job
+        def __getattr__(self, name):
+            return getattr(eng, name)
+
+        def train(self, job, rnd):
+            jobs.append(job)
+            return eng.train(job, rnd)
+
+    update = algo.client_update(plan, Spy(), 1, {})
+    (job,) = jobs
+    assert job.loss == "prox" and torch.equal(job.start, plan.start)
+    assert torch.equal(job.extras["anchor"], plan.start)
+    assert torch.equal(job.extras["mu"], torch.full((4,), 0.5))
+    assert torch.equal(update.params, eng.train(job, 1).params)
 
 
 # -- parameters -------------------------------------------------------------------------------------
@@ -263,27 +286,27 @@ def test_vectorized_engine_gives_the_same_states(planted5, method, hp):
     algo, seq = setup(fed, method, **hp)
     vec = VectorizedEngine(fed, build_model("mlp", fed.input_shape, fed.num_classes, seed=0), LOCAL, 0, "cpu",
                            compile=False)
-    a, b = drive(algo, seq, 3, fraction=0.5), drive(algo, vec, 3, fraction=0.5)
+    a, b = drive(algo, seq, 3, fraction=0.5).state, drive(algo, vec, 3, fraction=0.5).state
     for k, v in a.items():
         if isinstance(v, torch.Tensor):
             assert v.shape == b[k].shape and same(v.float(), b[k].float(), atol=1e-4), k
 
 
-def test_evaluate_rows_scores_each_distinct_global_row_once():
-    from fedprism.algorithms.base import EvalResult, evaluate_rows
-
+def test_evaluator_scores_each_distinct_global_row_once():
+    """Identical model rows (100 clients holding K cluster models) are scored once on the shared global
+    test set: K evaluations, not 100; every client's own local split is scored. Exact."""
     calls = []
 
     class Fake:
         def evaluate(self, params, clients, split):
-            calls.append(len(params))
+            calls.append((split, len(params)))
             n = len(params)
             acc = params[:, 0].round().long()           # a score that depends on the row only
             return EvalResult(acc, acc.double(), torch.full((n,), 10), torch.zeros(n, 2, 2, dtype=torch.long))
 
     rows = torch.tensor([[3.0, 1], [5, 2], [3, 1], [5, 2], [7, 0]])
-    clients = np.arange(5)
-    got = evaluate_rows(Fake(), rows, clients, "global")
-    assert calls == [3] and got.correct.tolist() == [3, 5, 3, 5, 7]
-    calls.clear()
-    assert evaluate_rows(Fake(), rows, clients, "local").correct.tolist() == [3, 5, 3, 5, 7] and calls == [5]
+    ev = Evaluator(Fake(), 5)
+    got = ev.score(Inference({"model": rows}))
+    assert calls == [("local", 5), ("global", 3)]
+    assert got.global_acc.tolist() == [0.3, 0.5, 0.3, 0.5, 0.7] == got.local_acc.tolist()
+    assert got.evaluated == 8

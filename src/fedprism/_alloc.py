@@ -1,4 +1,4 @@
-"""glibc allocator tuning (specs/performance.md B.6).
+"""glibc allocator tuning.
 
 PyTorch's CPU tensors use glibc malloc; large activation buffers are returned to the OS on free and
 page-faulted back on the next call, which halves the speed of batched evaluation. Raising the mmap and

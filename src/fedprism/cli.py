@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 from fedprism.errors import FedPrismError
+from fedprism.textable import fmt as _fmt  # noqa: F401
+from fedprism.textable import table as _table
 
 DEFAULT_DB = "fedprism-results.db"
 
@@ -25,21 +27,6 @@ def _config(args) -> "Config":  # noqa: F821
         raw.update(load_toml(items.pop(0)))
     raw.update(parse_overrides(items))
     return resolve(raw)
-
-
-def _fmt(v) -> str:
-    if v is None:
-        return ""
-    if isinstance(v, float):
-        return f"{v:.4f}" if v == 0 or abs(v) >= 1e-3 else f"{v:.3g}"
-    return str(v)
-
-
-def _table(rows: list[list], header: list[str]) -> str:
-    cells = [header] + [[_fmt(v) for v in r] for r in rows]
-    w = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    line = lambda r: "  ".join(c.ljust(w[i]) for i, c in enumerate(r))  # noqa: E731
-    return "\n".join([line(cells[0]), "  ".join("-" * x for x in w)] + [line(r) for r in cells[1:]])
 
 
 def cmd_run(args) -> int:
@@ -82,7 +69,7 @@ def cmd_sweep(args) -> int:
     db = args.db or os.environ.get("FEDPRISM_DB") or (None if args.quick else sweep_db(args.file)) or DEFAULT_DB
     print(f"results: {db}", file=sys.stderr)
     return run_sweep(args.file, db, only=args.only, quick=args.quick, progress=not args.quiet,
-                     limit=args.limit, seeds=args.seed, overrides=parse_overrides(args.items))
+                     limit=args.limit, seeds=args.seed, overrides=parse_overrides(args.items), workers=args.workers)
 
 
 def cmd_report(args) -> int:
@@ -170,9 +157,11 @@ def cmd_verify(args) -> int:
 
 
 def cmd_methods(args) -> int:
+    from fedprism import plugins
     from fedprism.algorithms import REGISTRY
     from fedprism.experiment.config import KEYS, PARTITION_COMMON
 
+    plugins.load()
     print("Experiment keys:")
     print(_table([[k, repr(p.default), p.help] for k, p in KEYS.items()], ["key", "default", "meaning"]))
     for name, cls in sorted(REGISTRY.items()):
@@ -283,6 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--limit", type=int, default=None, help="stop after this many runs")
     s.add_argument("--seed", type=int, action="append", default=None,
                    help="only runs with this seed (repeatable)")
+    s.add_argument("--workers", type=int, default=1,
+                   help="runs at once, in separate processes sharing the cores (default 1)")
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(fn=cmd_sweep)
 

@@ -2,7 +2,12 @@
 
 Built once per experiment (`fedprism.experiment.build_federation`) and shared by every method, so all
 methods see the same partition. Client test indices point into the global test set: each client's
-local test split follows its train label distribution (FedPrism paper 4.2, specs 15.4b).
+local test split follows its train label distribution (FedPrism paper 4.2).
+
+Validation (optional, `data.val_fraction` / `data.global_val`): each client's own validation rows are
+held out of its training rows (`val_idx`, same label mix as its train split), and a global validation
+set (`x_val`, `y_val`) is carved from the training pool before partitioning. Hyper-parameters are chosen
+on these, never on the test splits.
 """
 
 from __future__ import annotations
@@ -25,10 +30,25 @@ class Federation:
     class_names: list[str] = field(default_factory=list)
     name: str = ""
     meta: dict = field(default_factory=dict)
+    #: per client, indices into x_train held out of training for validation (empty: no validation split)
+    val_idx: list[np.ndarray] | None = None
+    #: a global validation set carved from the training pool before partitioning (None: none)
+    x_val: torch.Tensor | None = None
+    y_val: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if len(self.train_idx) != len(self.test_idx):
             raise ValueError("train_idx and test_idx must list the same clients")
+        if self.val_idx is not None and len(self.val_idx) != len(self.train_idx):
+            raise ValueError("val_idx must list the same clients as train_idx")
+
+    @property
+    def has_val(self) -> bool:
+        return self.val_idx is not None
+
+    @property
+    def has_global_val(self) -> bool:
+        return self.x_val is not None
 
     @property
     def num_clients(self) -> int:
@@ -53,6 +73,7 @@ class Federation:
         return np.stack([np.bincount(y[i], minlength=self.num_classes) for i in idx]).astype(np.int64)
 
     def to(self, device: torch.device | str) -> "Federation":
-        for k in ("x_train", "y_train", "x_test", "y_test"):
-            setattr(self, k, getattr(self, k).to(device))
+        for k in ("x_train", "y_train", "x_test", "y_test", "x_val", "y_val"):
+            if getattr(self, k) is not None:
+                setattr(self, k, getattr(self, k).to(device))
         return self

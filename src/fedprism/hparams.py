@@ -17,6 +17,10 @@ class Param:
     check: Callable[[Any], bool] | None = None
     allowed: str = ""
     choices: tuple | None = None
+    #: True: changes only inference (not part of a run's training identity; a finished run is re-scored)
+    eval_only: bool = False
+    #: True: added after runs were first stored; left out of the run id while at its default
+    new: bool = False
 
     def validate(self, key: str, value: Any) -> Any:
         t = type(self.default)

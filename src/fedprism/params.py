@@ -1,4 +1,4 @@
-"""Flat parameter vectors <-> modules: the one place that knows the layout (DESIGN.md).
+"""Flat parameter vectors <-> modules: the one place that knows the layout (docs/architecture.md).
 
 A model's trainable parameters live as one float32 vector of length P. `ParamSpec` maps slices of
 that vector to named parameter shapes, so a global model, a cluster model, a client delta or a whole
@@ -114,3 +114,9 @@ class Functional:
         """Penultimate representation (input of `head`), for prototype methods."""
         params = self.spec.unflatten(flat)
         return functional_call(self.module, (params, self.buffers), (x,), {"features_only": True})
+
+    def head(self, flat: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """Logits of penultimate features `z` under the head of `flat` (for losses on features)."""
+        params = self.spec.unflatten(flat)
+        p = self.spec.head_prefix
+        return functional_call(self.module.head, {k[len(p):]: v for k, v in params.items() if k.startswith(p)}, (z,))

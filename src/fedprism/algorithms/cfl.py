@@ -1,8 +1,8 @@
-"""CFL, Clustered Federated Learning (Sattler, Mueller, Samek 2020; specs/algorithms.md section 5).
+"""CFL, Clustered Federated Learning (Sattler, Mueller, Samek 2020).
 
 Every client belongs to one cluster c with model theta_c (at first one cluster: FedAvg). Round t:
 
-    Delta_i   = LocalTrain(theta_c, D_i) - theta_c               relative to what was sent (specs 0.3)
+    Delta_i   = LocalTrain(theta_c, D_i) - theta_c               relative to what was sent
     mean_norm = || sum_{i in c, S_t} a_i Delta_i ||               norm of the mean, a_i = n_i / N_c
     max_norm  = max_{i in c, S_t} ||Delta_i||
     if t >= warmup and |c| >= min_size and mean_norm < eps1 and max_norm > eps2:
@@ -15,11 +15,11 @@ Every client belongs to one cluster c with model theta_c (at first one cluster: 
 Splits are tested on every cluster every round, so clustering is recursive (a tree). Defaults:
 eps1 = 0.4, eps2 = 1.6, no split before round 20, only clusters with more than 2 clients (the
 authors' notebook). eps1/eps2 scale with lr, epochs and model size: every round logs mean_norm and
-max_norm per cluster (record `cfl`) so they can be set from data. Appendix B row 8: optimal
+max_norm per cluster (record `cfl`) so they can be set from data. Decisions: optimal
 min-max cut (`bipartition=complete` reproduces the notebook / FL-bench), n_i-weighted mean (`weighting=
 uniform` is the notebook's), gamma threshold optional (0.5 reproduces Clust-PSI-PFL).
 
-Partial participation (specs section 5 [REC]): the trigger uses this round's participants; the
+Partial participation: the trigger uses this round's participants; the
 cosine matrix uses every member's most recent Delta (stale for members not sampled this round; the
 server keeps N x P floats). Members that never reported a Delta go with the larger child.
 The notebook's "keep the cached pre-split model with the best validation accuracy" is not done.
@@ -30,7 +30,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedprism.algorithms.base import Algorithm, Plan, Update, register, weighted_mean
+from fedprism.algorithms.aggregation import WEIGHTINGS, client_weights, weighted_mean
+from fedprism.algorithms.base import Algorithm, Plan, Update, register
 from fedprism.clustering import max_cross_similarity, optimal_bipartition, pairwise_cosine
 from fedprism.hparams import Param
 
@@ -62,7 +63,7 @@ class CFL(Algorithm):
         "min_size": Param(3, "only clusters with at least this many clients split", lambda v: v >= 2,
                           "an integer >= 2"),
         "weighting": Param("samples", "update average: n_i (samples) or 1 (uniform, the notebook)",
-                           choices=("samples", "uniform")),
+                           choices=WEIGHTINGS),
         "bipartition": Param("optimal", "optimal min-max cut (paper) or complete linkage (notebook)",
                              choices=("optimal", "complete")),
     }
@@ -73,13 +74,13 @@ class CFL(Algorithm):
                 "delta": torch.zeros(N, self.ctx.init.numel()), "has_delta": torch.zeros(N, dtype=torch.bool)}
 
     def plan(self, state: dict, rnd: int, clients: np.ndarray) -> Plan:
-        return Plan(clients, self.model_for(state, clients).clone())
+        return Plan(clients, {"params": self.model_for(state, clients).clone()})
 
     def aggregate(self, state: dict, rnd: int, update: Update) -> dict:
         if len(update.clients) == 0:
             return {}
         hp, S, D = self.hp, torch.as_tensor(update.clients), update.delta
-        a = update.n_samples if hp["weighting"] == "samples" else torch.ones(len(S), dtype=torch.float64)
+        a = client_weights(update, hp["weighting"])
         state["delta"][S], state["has_delta"][S] = D, True
         norms, splits = {"cluster": [], "mean_norm": [], "max_norm": []}, []
         for c in range(len(state["w"])):

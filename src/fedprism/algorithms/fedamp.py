@@ -1,4 +1,4 @@
-"""FedAMP and HeurFedAMP, attentive message passing (Huang et al. 2021; specs/algorithms.md section 6).
+"""FedAMP and HeurFedAMP, attentive message passing (Huang et al. 2021).
 
 The server keeps every client's last personalized model w_j. For a sampled client i it builds the
 cloud model over i's neighbours j (the other clients that have uploaded at least once):
@@ -11,7 +11,7 @@ cloud model over i's neighbours j (the other clients that have uploaded at least
 and sends it down. The client solves  min_w F_i(w) + (mu/2)||w - u_i||^2  from u_i (the proximal
 point, objective `prox`; `start=personal` starts from w_i as PFLlib does) and uploads w_i, which is
 also its inference model. `mu` is the paper's lambda/alpha_k, decoupled from the attention step so
-that a small alpha_k does not freeze the clients (specs section 6 pitfall).
+that a small alpha_k does not freeze the clients.
 
 mu = 0.1 by default (neither paper gives its value for FMNIST; PFLlib's lamda = alphaK = 1 gives 1). The
 rule: the largest mu in {1, 0.1, 0} whose personalized models fit their own data as well as Local's (mean
@@ -19,7 +19,7 @@ local accuracy within 0.5 points of Local's). Measured at FMNIST Dirichlet 0.5, 
 round 29 (sweep `sweeps/ablation_fedamp_mu.toml`): mu = 1 gives Loc 69.08 % against Local's 81.31 % (the
 anchor to u_i holds the clients back), mu = 0.1 81.11 %, mu = 0 82.72 %.
 
-Guards (Appendix B row 10):
+Guards :
   * distance: xi_ii >= 0 needs alpha_k <= sigma/(N-1) (A' <= 1/sigma); checked at construction for a
     numeric sigma. `alpha_k=max` (default) uses sigma/m_i (m_i = i's neighbours), so xi_ij =
     exp(-d_ij/sigma)/m_i and the self-weight 1 - mean_j exp(-d_ij/sigma) is ~0 next to identical
@@ -28,7 +28,12 @@ Guards (Appendix B row 10):
     with two distinct known models, so that FedAMP cannot silently become Local training because
     ||w_i - w_j||^2 grows with P: distance: sigma = median off-diagonal ||w_i - w_j||^2; cosine:
     sigma = 1 / median(1 - cos) (exp(sigma cos) is a kernel of width 1/sigma on 1 - cos). The value
-    is recorded (record `fedamp`); a numeric alpha_k above sigma/(N-1) is then capped there.
+    is recorded (record `fedamp`); a numeric alpha_k above sigma/(N-1) is then capped there. As the
+    personalized models move apart the squared distances grow while sigma stays, so the attention drifts
+    toward self-only (xi_ii -> 1): every round records the mean and minimum self-weight of the clients
+    that uploaded (record `fedamp_attention`). `sigma_update=every_round` re-derives sigma from the
+    current models each round instead (the same median rule), which keeps the kernel's scale fixed
+    relative to the spread of the models.
     Until sigma is known (round 0: all models equal) u_i = w_i.
 Equivalences (tests): cosine with self_weight=1 (or distance with alpha_k=0) and mu=0 is Local;
 cosine with sigma=0, self_weight=1/N and mu=0 under full participation is uniform FedAvg.
@@ -41,7 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedprism.algorithms.base import Algorithm, Plan, Update, register
+from fedprism.algorithms.base import Algorithm, Plan, TrainJob, Update, register, train_update
 from fedprism.clustering import cosine_matrix
 from fedprism.errors import ConfigError
 from fedprism.hparams import Param
@@ -80,6 +85,9 @@ class FedAMP(Algorithm):
                     lambda v: v >= 0, "a number >= 0"),
         "start": Param("cloud", "local training starts from u_i (cloud, paper) or w_i (personal, PFLlib)",
                        choices=("cloud", "personal")),
+        "sigma_update": Param("once", "sigma=auto: set once, at the first message passing (once), or again "
+                              "from the current models every round (every_round)", choices=("once", "every_round"),
+                              new=True),
     }
 
     @classmethod
@@ -111,7 +119,7 @@ class FedAMP(Algorithm):
         """(xi [n, M], peer ids [M]): row r gives client clients[r]'s weights over the peers.
 
         Neighbours of i are the other clients that have uploaded at least once (the server's cached
-        w_j, specs section 6 [REC]); a client with no neighbour, or before sigma is known, gets u_i = w_i.
+        w_j); a client with no neighbour, or before sigma is known, gets u_i = w_i.
         """
         known = state["known"].numpy()
         peers = np.flatnonzero(known | np.isin(np.arange(len(known)), clients))
@@ -149,21 +157,36 @@ class FedAMP(Algorithm):
         xi, peers = self.attention(state, clients)
         u = (torch.as_tensor(xi) @ state["w"][torch.as_tensor(peers)].double()).float()
         start = u if self.hp["start"] == "cloud" else state["w"][torch.as_tensor(clients)].clone()
-        mu = self.hp["mu"]
+        if self.hp["start"] == "cloud" or self.hp["mu"] == 0:
+            return Plan(clients, {"params": start})
+        return Plan(clients, {"params": start, "anchor": u})
+
+    def client_update(self, plan: Plan, trainer, rnd: int, cstate: dict) -> Update:
+        """min_w F_i(w) + (mu/2)||w - u_i||^2 from the received start (the proximal point u_i itself
+        unless `start=personal`)."""
+        mu, anchor = self.hp["mu"], plan.payload.get("anchor", plan.start)
         if mu == 0:
-            return Plan(clients, start)
-        return Plan(clients, start, objective="prox",
-                    extras={"anchor": u, "mu": torch.full((len(clients),), mu)})
+            return train_update(trainer, TrainJob(plan.clients, plan.start), rnd)
+        job = TrainJob(plan.clients, plan.start, loss="prox",
+                       extras={"anchor": anchor, "mu": torch.full((len(plan.clients),), mu)})
+        return train_update(trainer, job, rnd)
 
     def aggregate(self, state: dict, rnd: int, update: Update) -> dict:
+        records: dict = {}
+        if len(update.clients) and state["sigma"] is not None:      # diagnostic: how much attention stays home
+            xi, peers = self.attention(state, update.clients)
+            own = peers[None, :] == np.asarray(update.clients)[:, None]
+            records["fedamp_attention"] = {"sigma": state["sigma"], "self_weight_mean": float(xi[own].mean()),
+                                           "self_weight_min": float(xi[own].min())}
         S = torch.as_tensor(update.clients)
         state["w"][S] = update.params
         state["known"][S] = True
-        if state["sigma"] is None and self.hp["sigma"] == "auto":
-            state["sigma"] = self._auto_sigma(state)
-            if state["sigma"] is not None:
-                return {"fedamp": {"sigma": state["sigma"], "round": rnd}}
-        return {}
+        if self.hp["sigma"] == "auto" and (state["sigma"] is None or self.hp["sigma_update"] == "every_round"):
+            sigma = self._auto_sigma(state)
+            if sigma is not None and sigma != state["sigma"]:
+                state["sigma"] = sigma
+                records["fedamp"] = {"sigma": sigma, "round": rnd}
+        return records
 
     def model_for(self, state: dict, clients: np.ndarray) -> torch.Tensor:
         return state["w"][torch.as_tensor(clients)]

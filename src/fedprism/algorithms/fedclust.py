@@ -1,14 +1,14 @@
 """FedClust: hard clusters of uploaded models, n_k-weighted FedAvg inside each cluster.
 
-variant=periodic (default; report 002 "2nd algorithm", and the FedPrism paper's baseline):
+variant=periodic (default; the Fed-PRISM technical report "2nd algorithm", and the FedPrism paper's baseline):
     every C rounds cluster the uploaded models of S_t (K-Means or agglomerative; full vector with
-    Euclidean distance as 002 writes, or last layer with cosine as the FedPrism paper's baseline),
+    Euclidean distance as the report writes, or last layer with cosine as the FedPrism paper's baseline),
     match the new labels to the existing cluster models (Hungarian), then
-    w_c = sum_{k in C_c} n_k / N_c w_k                                   (002 Step 3)
+    w_c = sum_{k in C_c} n_k / N_c w_k                                   (the report's Step 3)
     and each client receives its cluster's model (Step 4). Clients never clustered receive the
     global model w_g = n_k-weighted mean of all uploads; a client that reports between two
     clusterings without an assignment joins the cluster whose model is nearest to its upload.
-variant=original (Islam et al. 2024; specs/algorithms.md section 7 (1)):
+variant=original (Islam et al. 2024):
     round 0 is a one-shot setup: all N clients train from theta_0, upload their final-layer
     weights p_k; agglomerative clustering (average linkage, Euclidean) with a distance threshold
     (`threshold`, 0 = the largest gap in the merge distances) fixes the clusters for the whole run.
@@ -21,7 +21,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedprism.algorithms.base import Algorithm, Plan, Update, register, weighted_mean
+from fedprism.algorithms.aggregation import weighted_mean
+from fedprism.algorithms.base import Algorithm, Plan, Update, register
 from fedprism.clustering import TooFewPoints, hard_cluster
 from fedprism.clustering.matching import match_clusters
 from fedprism.hparams import Param
@@ -46,16 +47,16 @@ def threshold_clusters(p: np.ndarray, threshold: float = 0.0) -> tuple[np.ndarra
 @register
 class FedClust(Algorithm):
     name = "fedclust"
-    paper = "report 002 (2nd algorithm); Islam et al. 2024 (variant=original)"
+    paper = "the Fed-PRISM technical report (2nd algorithm); Islam et al. 2024 (variant=original)"
     params = {
-        "variant": Param("periodic", "periodic (002 / FedPrism baseline) or original (Islam et al.)",
+        "variant": Param("periodic", "periodic (the Fed-PRISM report / FedPrism baseline) or original (Islam et al.)",
                          choices=("periodic", "original")),
         "k": Param(5, "number of clusters (periodic variant)", lambda v: v >= 1, "an integer >= 1"),
         "every": Param(1, "re-cluster every C rounds (periodic variant)", lambda v: v >= 1, "an integer >= 1"),
         "clustering": Param("kmeans", "kmeans, ward, average or single", choices=("kmeans", "ward", "average", "single")),
-        "features": Param("full", "full vector (002) or last layer (FedPrism baseline, original)",
+        "features": Param("full", "full vector (the Fed-PRISM report) or last layer (FedPrism baseline, original)",
                           choices=("full", "last_layer")),
-        "metric": Param("euclidean", "euclidean (002) or cosine (rows L2-normalised first)",
+        "metric": Param("euclidean", "euclidean (the Fed-PRISM report) or cosine (rows L2-normalised first)",
                         choices=("euclidean", "cosine")),
         "threshold": Param(0.0, "original variant: distance threshold (0 = largest merge gap)",
                            lambda v: v >= 0, "a number >= 0"),
@@ -70,7 +71,7 @@ class FedClust(Algorithm):
     def plan(self, state: dict, rnd: int, clients: np.ndarray) -> Plan:
         if self.hp["variant"] == "original" and rnd == 0:
             clients = np.arange(self.ctx.num_clients)        # one-shot setup: everybody from theta_0
-        return Plan(clients, self.model_for(state, clients).clone())
+        return Plan(clients, {"params": self.model_for(state, clients).clone()})
 
     def _features(self, params: torch.Tensor) -> np.ndarray:
         sl = self.ctx.spec.last_layer if self.hp["features"] == "last_layer" else slice(None)

@@ -1,8 +1,8 @@
-"""Fed-PRISM server, as in technical report 002 (sections 1-4).
+"""Fed-PRISM server, as in the Fed-PRISM technical report (sections 1-4).
 
 State: global model w_g, K cluster models w_c, soft-assignment map W [N, K].
 
-Round t (002 section 2):
+Round t (the report's section 2):
     w_pers_i = a w_g + (1 - a) sum_c W[i,c] w_c                           (section 4, sent to i in S_t)
     Delta_i  = w_local_i - w_pers_i                                        (step 2)
     w_g     += 1/|S_t| sum_i Delta_i                                       (step 3a; `global_weighting`)
@@ -13,7 +13,7 @@ UpdateClusters (section 3): features Theta_i = w_local_i (kmeans, ward, average,
 Delta_i (covariance); hard clusters; centroids = member means; Sim = cos(feature, centroid);
 W[i] = softmax over the top-m similarities, 0 elsewhere.
 
-Decisions where 002 is silent (README "Fed-PRISM decisions"; specs/fedprism.md):
+Decisions where the report is silent (README "Design decisions"):
   * Before the first clustering W is uniform (1/K) and every w_c is a copy of w_g. Rounds count from
     0, so the first clustering happens at the end of round 0 (0 mod C == 0) and personalization
     starts at once.
@@ -27,7 +27,7 @@ Decisions where 002 is silent (README "Fed-PRISM decisions"; specs/fedprism.md):
   * Covariance: affinity (1 + R)/2 of the normalised update correlation R (anti-correlated tasks
     get affinity ~0, the graph stays connected); `fedprism.affinity=clip` uses max(R, 0).
 
-Options for the FedPrism paper's variant of the same server (000 Algorithm 2), defaults = 002:
+Options for the FedPrism paper's variant of the same server (the FedPrism paper's Algorithm 2), defaults = the report's:
 `global_weighting=samples`, `temperature` (softmax of Sim/T), `m=K` (all clusters),
 `cluster_lr` (w_c moves by cluster_lr times its soft-weighted mean update), `features=last_layer`.
 """
@@ -37,6 +37,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from fedprism.algorithms.aggregation import client_weights, personalize, soft_cluster_step, weighted_sum
 from fedprism.algorithms.base import Algorithm, Plan, Update, register
 from fedprism.clustering import TooFewPoints, hard_cluster, soft_assign
 from fedprism.clustering.matching import match_clusters, overlap_cost
@@ -46,50 +47,19 @@ from fedprism.hparams import Param
 CLUSTERINGS = ("kmeans", "ward", "average", "single", "covariance")
 
 
-def personalize(w_g: torch.Tensor, w_c: torch.Tensor, W: torch.Tensor, alpha: float | torch.Tensor,
-                beta: float | torch.Tensor | None = None) -> torch.Tensor:
-    """w_pers = a w_g + (1 - a) W @ w_c for a block of rows of W (002 section 4), float64 mixing.
-
-    `alpha` may be a per-row tensor [n]; `beta` (default 1 - alpha) replaces the cluster coefficient,
-    so the FedPrism paper's shared part a_i G + beta sum_k w_ik C_k (Eq. 1 without P_i) is the same call.
-    """
-    mix = W.to(torch.float64) @ w_c.to(torch.float64)
-    a = alpha.to(torch.float64)[:, None] if isinstance(alpha, torch.Tensor) else alpha
-    if beta is None:
-        b = 1 - a
-    else:
-        b = beta.to(torch.float64)[:, None] if isinstance(beta, torch.Tensor) else beta
-    return (a * w_g.to(torch.float64) + b * mix).to(w_g.dtype)
-
-
-def soft_cluster_step(w_c: torch.Tensor, W_S: torch.Tensor, vec: torch.Tensor, lr: float = 1.0,
-                      toward: bool = False) -> torch.Tensor:
-    """Soft-weighted cluster update (002 step 3b), only for clusters with Z_c = sum_i W[i,c] > 0.
-
-    toward=False: w_c += lr * (W_S^T vec) / Z      (vec = Delta: the report's update)
-    toward=True : w_c += lr * ((W_S^T vec) / Z - w_c)   (vec = returned models: 000 Algorithm 2)
-    """
-    Z = W_S.to(torch.float64).sum(0)
-    live = Z > 0
-    if not live.any():
-        return w_c
-    mean = (W_S.to(torch.float64).T[live] @ vec.to(torch.float64)) / Z[live, None]
-    out = w_c.clone()
-    step = mean - w_c[live].to(torch.float64) if toward else mean
-    out[live] = (w_c[live].to(torch.float64) + lr * step).to(w_c.dtype)
-    return out
-
-
 def recluster(features: np.ndarray, W_old: np.ndarray, models: np.ndarray, k: int, m: int, method: str,
               seed: int, temperature: float = 1.0, affinity: str = "shifted") -> tuple[np.ndarray, np.ndarray, dict]:
-    """002 section 3 for the reporting clients: hard clusters, Hungarian matching, soft top-m rows.
+    """The report's section 3 for the reporting clients: hard clusters, Hungarian matching, soft top-m rows.
 
     `models` [K, d] are the cluster models in the feature space (used to match when the members carry
     no previous assignment). Returns (W_new rows [n, K], hard labels mapped to model indices, info).
-    Raises TooFewPoints when there are fewer (distinct) points than K.
+    Raises TooFewPoints when there are fewer (distinct) points than K. When the clustering finds fewer
+    than K clusters (spectral clustering can), rows use min(m, clusters found) and the unmatched cluster
+    models get weight 0 in every row (the caller leaves them bit-identical and records it).
     """
     cl = hard_cluster(features, k, method, seed=seed, affinity=affinity)
-    W_soft = soft_assign(features, cl.centroids, m, temperature)          # columns = hard clusters
+    found = cl.centroids.shape[0]          # spectral clustering may find fewer than k clusters
+    W_soft = soft_assign(features, cl.centroids, min(m, found), temperature)   # columns = hard clusters
     informative = np.abs(W_old - 1.0 / k).sum() > 1e-9
     if informative:
         cost = overlap_cost(cl.labels, W_old)
@@ -98,7 +68,7 @@ def recluster(features: np.ndarray, W_old: np.ndarray, models: np.ndarray, k: in
         cost = ((cl.centroids[:, None, :] - models[None, :, :]) ** 2).sum(-1)
         how = "centroid"
     perm = match_clusters(cost)                                            # hard cluster j -> model perm[j]
-    W_new = np.zeros_like(W_soft)
+    W_new = np.zeros((len(features), k))                                   # unmatched models get weight 0
     W_new[:, perm] = W_soft
     return W_new, perm[cl.labels], {"matching": how, **cl.info}
 
@@ -106,7 +76,7 @@ def recluster(features: np.ndarray, W_old: np.ndarray, models: np.ndarray, k: in
 @register
 class FedPrism(Algorithm):
     name = "fedprism"
-    paper = "technical report 002 (sections 1-4)"
+    paper = "the Fed-PRISM technical report (sections 1-4)"
     params = {
         "k": Param(5, "number of cluster models K", lambda v: v >= 1, "an integer >= 1"),
         "m": Param(2, "clusters each client is softly assigned to (1 <= m <= K)", lambda v: v >= 1,
@@ -115,15 +85,15 @@ class FedPrism(Algorithm):
         "alpha": Param(0.5, "ensemble coefficient a on the global model", lambda v: 0 <= v <= 1,
                        "a number in [0, 1]"),
         "clustering": Param("kmeans", "hard clustering method", choices=CLUSTERINGS),
-        "global_weighting": Param("uniform", "global step: 1/|S_t| (002) or n_i/N_t (000)",
+        "global_weighting": Param("uniform", "global step: 1/|S_t| (Fed-PRISM report) or n_i/N_t (FedPrism paper)",
                                   choices=("uniform", "samples")),
         "temperature": Param(1.0, "softmax temperature T over the top-m cosine similarities",
                              lambda v: v > 0, "a number > 0"),
-        "cluster_lr": Param(1.0, "cluster learning rate (1 = report 002)", lambda v: 0 < v <= 1,
+        "cluster_lr": Param(1.0, "cluster learning rate (1 = the Fed-PRISM report)", lambda v: 0 < v <= 1,
                             "a number in (0, 1]"),
-        "update": Param("delta", "delta: w += mean Delta (002); model: average returned models (000)",
+        "update": Param("delta", "delta: w += mean Delta (Fed-PRISM report); model: average returned models (FedPrism paper)",
                         choices=("delta", "model")),
-        "features": Param("full", "clustering features: full vector (002) or last layer (000)",
+        "features": Param("full", "clustering features: full vector (Fed-PRISM report) or last layer (FedPrism paper)",
                           choices=("full", "last_layer")),
         "affinity": Param("shifted", "covariance affinity: (1+R)/2 or max(R,0)", choices=("shifted", "clip")),
     }
@@ -149,8 +119,7 @@ class FedPrism(Algorithm):
 
     # -- the four functions --------------------------------------------------------------------------
     def plan(self, state: dict, rnd: int, clients: np.ndarray) -> Plan:
-        rows = state["W"][torch.as_tensor(clients)]
-        return Plan(clients, personalize(state["w_g"], state["w_c"], rows, self.hp["alpha"]))
+        return Plan(clients, {"params": self.model_for(state, clients)})
 
     def aggregate(self, state: dict, rnd: int, update: Update) -> dict:
         records: dict = {}
@@ -165,22 +134,21 @@ class FedPrism(Algorithm):
         """Global step (3a) and soft-weighted cluster step (3b) with the rows of W used this round."""
         hp = self.hp
         S = torch.as_tensor(update.clients)
-        w = update.n_samples if hp["global_weighting"] == "samples" else torch.ones(len(S), dtype=torch.float64)
-        w = (w / w.sum()).to(torch.float64)
+        w = client_weights(update, hp["global_weighting"])
         if hp["update"] == "delta":
             delta = update.delta
-            state["w_g"] = (state["w_g"].double() + w @ delta.double()).float()
+            state["w_g"] = (state["w_g"].double() + weighted_sum(delta, w)).float()
             state["w_c"] = soft_cluster_step(state["w_c"], state["W"][S], delta, hp["cluster_lr"])
         else:
-            state["w_g"] = (w @ update.params.double()).float()
+            state["w_g"] = weighted_sum(update.params, w).float()
             state["w_c"] = soft_cluster_step(state["w_c"], state["W"][S], update.params, hp["cluster_lr"], toward=True)
 
     def _recluster_due(self, rnd: int) -> bool:
-        """002 step 4: UpdateClusters when t mod C == 0 (rounds count from 0)."""
+        """The report's step 4: UpdateClusters when t mod C == 0 (rounds count from 0)."""
         return rnd % self.hp["every"] == 0
 
     def _cluster_features(self, state: dict, update: Update) -> tuple[np.ndarray, np.ndarray]:
-        """(clients, features [n, d]) that UpdateClusters runs on: the reporting clients (002)."""
+        """(clients, features [n, d]) that UpdateClusters runs on: the reporting clients (the Fed-PRISM report)."""
         sl = self._feature_slice()
         base = update.delta if self.hp["clustering"] == "covariance" else update.params
         return update.clients, base[:, sl].double().cpu().numpy()
@@ -201,7 +169,11 @@ class FedPrism(Algorithm):
             return {"cluster_skipped": {"reason": str(e), "clients": clients}}
         state["W"][S] = torch.as_tensor(W_new, dtype=torch.float64)
         state["clustered"][S] = True
-        return {"clusters": {"clients": clients, "labels": labels, "W": W_new.round(6), **info}}
+        records = {"clusters": {"clients": clients, "labels": labels, "W": W_new.round(6), **info}}
+        if info["k_found"] < hp["k"]:          # the run goes on; models without a cluster stay as they are
+            records["cluster_short"] = {"k": hp["k"], "k_found": info["k_found"], "clients": clients,
+                                        "unused_models": sorted(set(range(hp["k"])) - set(labels.tolist()))}
+        return records
 
     def model_for(self, state: dict, clients: np.ndarray) -> torch.Tensor:
         rows = state["W"][torch.as_tensor(clients)]

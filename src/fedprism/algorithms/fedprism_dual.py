@@ -1,6 +1,7 @@
-"""FedPrism, the paper's method (seed 000, section 3, Algorithms 1-2): Prism decomposition + dual stream.
+"""FedPrism, the paper's method (FedPrism paper, arXiv:2603.08252, section 3, Algorithms 1-2): Prism
+decomposition + dual stream.
 
-Built on the Fed-PRISM server of report 002 (`fedprism.algorithms.fedprism`): the global step, the
+Built on the Fed-PRISM server of the technical report (`fedprism.algorithms.fedprism`): the global step, the
 soft-weighted cluster step, K-Means re-clustering with Hungarian identity and the soft assignment are
 that module's code (`FedPrism._server_step`, `_update_clusters` -> `recluster`, `soft_cluster_step`,
 `personalize`); this module adds what the paper adds: per-client private components P_i, local
@@ -26,17 +27,15 @@ with `fedprism` mean the same thing there.
 Decisions where the paper is silent or inconsistent (copy to the README):
 
 * Messages. Down: the server sends each client its pre-mixed shared part
-  alpha_i G + beta sum_k w_ik C_k (P floats) and gamma_i (1 float): `Plan.start` and
-  `Plan.extras["gamma"]`, `down_floats = P + 1`. The client builds the same W_i as from Algorithm 2
-  line 6's literal message (G, all K cluster models, w_i, alpha_i: (K+1) P + K + 1 floats), at 1/(K+1)
-  of the traffic. Up: W'_i only (`up_floats = P`); h_i is a slice of W'_i, so it costs nothing extra.
-  P_i and L_i never travel (`client_state = ("private", "expert")`): in the simulator they live in
-  `state["private"]` / `state["expert"]` ([N, P], checkpointed with the state so a resumed run is
-  exact); on a Flower node, in the node's own `Context.state` (`fedprism.flower.node.NodeStore`; the
-  server's state has no such keys). `client_update` and `evaluate_client` reach them only through
-  `self.client_store` (`rows` / `write`), never through Plan or Update. Evaluation on Flower sends
-  each node the same (shared part, gamma_i) as training and the node scores its routed streams. The
-  uploaded W'_i is trained from a start that contains gamma_i P_i: that is the paper's protocol.
+  alpha_i G + beta sum_k w_ik C_k (P floats) and gamma_i (1 float): payload 'params' and 'gamma'.
+  The client builds the same W_i as from Algorithm 2 line 6's literal message (G, all K cluster
+  models, w_i, alpha_i: (K+1) P + K + 1 floats), at 1/(K+1) of the traffic. Up: W'_i only ('params');
+  h_i is a slice of W'_i, so it costs nothing extra. P_i and L_i never travel: they are declared
+  client state (`client_state`), kept by the runner (in memory and in checkpoints in the simulator, in
+  each node's `Context.state` on Flower); `client_update` receives their rows and returns the new
+  ones. Evaluation sends each client the same (shared part, gamma_i) as training (`eval_payload`) and
+  the client predicts from its own streams (`inference`). The uploaded W'_i is trained from a start
+  that contains gamma_i P_i: that is the paper's protocol.
 * What the private update trains (Algorithm 1 line 10): P_i as a stand-alone model, the same
   objective and epochs as every local training, from its persisted value. Then it enters W_i.
   Configurations where P_i has weight 0 forever (components pure_global / global_cluster /
@@ -47,6 +46,9 @@ Decisions where the paper is silent or inconsistent (copy to the README):
   paper's "Full FedPrism" equals its alpha = 0.9, beta = 0.1 row, Tables 3/5); w_i uniform (1/K).
 * alpha_i bounds: clipped to [0, 1 - beta] (not [0, 1]) so that gamma_i = 1 - alpha_i - beta >= 0 and
   every mixing row (alpha_i, beta w_i1 .. beta w_iK, gamma_i) is non-negative and sums to 1.
+  `alpha_rule=as_printed` runs lines 28-31 literally instead: raw Delta, the C_k of line 29 with k = K
+  (the value the loop of lines 12-19 leaves), alpha clipped to [0, 1], gamma_i = 1 - alpha_i - beta
+  (negative when alpha_i > 1 - beta).
 * alpha signal (line 29 names one C_k): k* = the client's highest-weight cluster in the row w_i it
   trained with this round (ties: lowest index); G and C_k* are the models *before* this round's
   server step (the superscript (t)). Norms are over the whole parameter vector.
@@ -61,12 +63,12 @@ Decisions where the paper is silent or inconsistent (copy to the README):
   lie in [-1, 1]; tau = 1 would make the rows almost uniform). `cluster_on=reporting` (Algorithm 2:
   the clients of S_t) or `seen` (the latest h_i of every client seen so far, a server-side cache:
   more stable when `every` > 1). Cluster identity, skipped clusterings (fewer points than K) and
-  never-clustered clients (uniform rows) follow the 002 server.
+  never-clustered clients (uniform rows) follow the Fed-PRISM server.
 * eta_cluster (`cluster_lr`) = 0.5 by default (the paper gives no value; 1 would replace a cluster
   model by the mean of the ~2 backbones it got this round).
-* Shuffling streams: the engine seeds batch orders by (seed, rnd, client). The backbone uses `rnd`
-  itself (so beta = 0, fixed alpha = 1 is FedAvg bit for bit), the private component
-  `rnd + 1_000_000`, the specialist `rnd + 2_000_000`: three independent orders per round.
+* Shuffling streams: three named random streams per round (`TrainJob.stream`): the backbone trains on
+  the default stream 'train' (so beta = 0, fixed alpha = 1 is FedAvg bit for bit), the private
+  component on 'private', the specialist on 'expert': three independent batch orders.
 * Inference model W_i (the "Backbone" stream) for evaluation: alpha_i G + beta sum_k w_ik C_k + gamma_i
   P_i built from the current state (the model the client would build now; `model_for`), not the
   last trained W'_i. Routed logits z (Eq. 3) give the prediction (argmax) and the loss (cross-entropy
@@ -89,32 +91,29 @@ Decisions where the paper is silent or inconsistent (copy to the README):
   alone at the final round and within 0.5 points of it at every evaluation of the second half of
   training: T = 5 (routed Glob 48.3 %, Loc 96.3 %; T = 10: 58.8 % / 96.2 % but up to 1.8 points of
   local accuracy below the specialist in rounds 60-80). Every run stores the other T values as well.
-* Clustering methods: kmeans (the paper), ward, average, single; not covariance (the 002 update
+* Clustering methods: kmeans (the paper), ward, average, single; not covariance (the Fed-PRISM server's update
   correlation needs Delta_i = W'_i - W_i, and W_i contains the private P_i the server never sees).
 """
 
 from __future__ import annotations
 
-import hashlib
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from fedprism.algorithms.base import EvalResult, Plan, StateStore, Trainer, Update, register
-from fedprism.algorithms.fedprism import FedPrism, personalize
+from fedprism.algorithms.aggregation import personalize
+from fedprism.algorithms.base import ClientState, Inference, Plan, TrainJob, Update, register
+from fedprism.algorithms.fedprism import FedPrism
 from fedprism.errors import ConfigError
 from fedprism.hparams import Param
 
 COMPONENTS = ("full", "pure_global", "global_cluster", "pure_cluster", "pure_private")
-#: `rnd` offsets of the three local trainings of one round (see the module docstring)
-PRIVATE_STREAM = 1_000_000
-EXPERT_STREAM = 2_000_000
 #: routing temperatures T scored beside the configured one at every evaluation (diagnostics: training
 #: does not depend on T, so one run tells how Eq. 2 behaves for each; `<split>_acc@T=<T>` metrics)
 DIAGNOSTIC_TEMPERATURES = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0)
-#: fixed values of the 002 server's options that Algorithm 2 implies
+#: fixed values of the Fed-PRISM server's options that Algorithm 2 implies
 _FIXED = {"update": "model", "affinity": "shifted"}
 
 
@@ -140,48 +139,107 @@ def route(z_expert: torch.Tensor | None, z_backbone: torch.Tensor | None, weight
     return lam * z_expert + (1 - lam) * z_backbone
 
 
+ROUTINGS = ("confidence", "seen_mass", "prior", "margin")
+"""How the specialist and the backbone combine at inference (`routing`, evaluation-only):
+
+    confidence  lambda(x) = max softmax(z_L / T)                       (the paper's Eq. 2)
+    margin      lambda(x) = p_1 - p_2 of softmax(z_L / T)              (top-1 minus top-2 probability)
+    seen_mass   lambda(x) = sum_{y seen by the client} softmax(z_W)_y   (the backbone's belief that x is of a
+                                                                        class the client has; its own label
+                                                                        counts, never sent)
+    and z = lambda z_L + (1 - lambda) z_W for these three;
+    prior       log p(y|x) = log softmax(z_W) + log softmax(z_L) - log pi_i(y), pi_i the client's label
+                distribution with add-one smoothing: a product of the two experts with the specialist's
+                label prior divided out (the backbone's training prior is close to uniform).
+"""
+
+
+def routing_weight(rule: str, z_e: torch.Tensor, z_b: torch.Tensor, seen: torch.Tensor | None,
+                   temperature: float) -> torch.Tensor:
+    """lambda(x) [m, B, 1] of the mixing rules (confidence, margin, seen_mass)."""
+    if rule == "confidence":
+        return torch.softmax(z_e / temperature, dim=-1).amax(-1, keepdim=True)
+    if rule == "margin":
+        top = torch.softmax(z_e / temperature, dim=-1).topk(2, dim=-1).values
+        return (top[..., :1] - top[..., 1:2])
+    if rule == "seen_mass":
+        return (torch.softmax(z_b, dim=-1) * seen[:, None, :]).sum(-1, keepdim=True)
+    raise ValueError(f"routing must be one of {ROUTINGS}, got {rule!r}")
+
+
+def combine(rule: str, z_e: torch.Tensor, z_b: torch.Tensor, extras: dict, temperature: float) -> torch.Tensor:
+    """The routed logits of one rule (see ROUTINGS)."""
+    if rule == "prior":
+        log_prior = torch.log(extras["prior"]).to(z_e.dtype)[:, None, :]
+        return torch.log_softmax(z_b, -1) + torch.log_softmax(z_e, -1) - log_prior
+    lam = routing_weight(rule, z_e, z_b, extras.get("seen"), temperature)
+    return lam * z_e + (1 - lam) * z_b
+
+
+def _shared(name: str, **changes: Any) -> Param:
+    """The Fed-PRISM server's parameter `name`, with this method's default / help / choices."""
+    return replace(FedPrism.params[name], **changes)
+
+
 @register
 class FedPrismDual(FedPrism):
     name = "fedprism_dual"
-    paper = "FedPrism paper (seed 000) section 3, Algorithms 1-2"
-    client_state = ("private", "expert")
+    paper = "FedPrism paper, arXiv:2603.08252, section 3, Algorithms 1-2"
+    client_state = {"private": ClientState(("P",), init="model"), "expert": ClientState(("P",), init="model")}
+    predictions = {"backbone": "backbone alone", "expert": "expert alone",
+                   **{f"T={t:g}": f"T={t:g}" for t in DIAGNOSTIC_TEMPERATURES},
+                   **{r: f"routing {r}" for r in ROUTINGS if r != "confidence"}}
     params = {
-        "k": Param(5, "number of cluster models K", lambda v: v >= 1, "an integer >= 1"),
+        "k": FedPrism.params["k"],
         "m": Param(0, "clusters per soft row (0 = all K, Algorithm 2)", lambda v: v >= 0, "an integer >= 0"),
-        "every": Param(10, "re-cluster every C rounds after the warm-up (1 = Algorithm 2)", lambda v: v >= 1,
-                       "an integer >= 1"),
+        "every": _shared("every", help="re-cluster every C rounds after the warm-up (1 = Algorithm 2)"),
         "warmup": Param(0, "first re-clustering at the end of this round (0-based)", lambda v: v >= 0,
                         "an integer >= 0"),
         "cluster_on": Param("reporting", "cluster the clients of S_t (reporting) or every client seen (seen)",
                             choices=("reporting", "seen")),
-        "clustering": Param("kmeans", "hard clustering of the h_i",
-                            choices=("kmeans", "ward", "average", "single")),
-        "features": Param("last_layer", "clustering feature h_i: last layer of W'_i (paper) or all of it",
-                          choices=("last_layer", "full")),
-        "temperature": Param(0.1, "tau: w_ik ~ exp(cos(h_i, mu_k) / tau)", lambda v: v > 0, "a number > 0"),
-        "cluster_lr": Param(0.5, "eta_cluster: C_k moves this far toward its soft-weighted mean",
-                            lambda v: 0 < v <= 1, "a number in (0, 1]"),
-        "global_weighting": Param("samples", "G = n_i/N_t (paper) or 1/|S_t| mean of the W'_i",
-                                  choices=("samples", "uniform")),
-        "alpha": Param(0.9, "initial global weight alpha_i", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+        "clustering": _shared("clustering", help="hard clustering of the h_i",
+                              choices=("kmeans", "ward", "average", "single")),
+        "features": _shared("features", default="last_layer",
+                            help="clustering feature h_i: last layer of W'_i (paper) or all of it"),
+        "temperature": _shared("temperature", default=0.1, help="tau: w_ik ~ exp(cos(h_i, mu_k) / tau)"),
+        "cluster_lr": _shared("cluster_lr", default=0.5,
+                              help="eta_cluster: C_k moves this far toward its soft-weighted mean"),
+        "global_weighting": _shared("global_weighting", default="samples",
+                                    help="G = n_i/N_t (paper) or 1/|S_t| mean of the W'_i"),
+        "alpha": _shared("alpha", default=0.9, help="initial global weight alpha_i"),
         "beta": Param(0.1, "cluster weight beta", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
         "alpha_mode": Param("adaptive", "alpha_i adapts (Algorithm 2 D) or stays fixed",
                             choices=("adaptive", "fixed")),
         "alpha_lr": Param(0.1, "eta_alpha", lambda v: v >= 0, "a number >= 0"),
         "alpha_signal": Param("relative", "Delta_i raw (line 29) or divided by the sum of both distances",
                               choices=("relative", "raw")),
+        "alpha_rule": Param("reading", "reading: the module docstring's reading of Algorithm 2 lines 28-31 (k* = the "
+                            "client's top cluster, alpha in [0, 1 - beta], gamma >= 0); as_printed: the lines "
+                            "literally (raw Delta with C_K, the cluster index the loop of lines 12-19 ends on; "
+                            "alpha clipped to [0, 1]; gamma = 1 - alpha - beta, negative when alpha > 1 - beta)",
+                            choices=("reading", "as_printed"), new=True),
         "components": Param("full", "which Prism components the backbone mixes", choices=COMPONENTS),
         "inference_weight": Param(None, "specialist weight at inference: auto (confidence routing, Eq. 2) "
                                   "or a fixed number in [0, 1]", _inference_weight_ok,
-                                  "auto or a number in [0, 1]"),
+                                  "auto or a number in [0, 1]", eval_only=True),
         "inference_temperature": Param(5.0, "T in lambda(x) = max softmax(Expert(x) / T)", lambda v: v > 0,
-                                       "a number > 0"),
+                                       "a number > 0", eval_only=True),
+        "routing": Param("confidence", "how the specialist and the backbone combine (confidence: Eq. 2; margin; "
+                         "seen_mass; prior: see fedprism_dual.ROUTINGS)", choices=ROUTINGS, eval_only=True, new=True),
     }
 
     def __init__(self, ctx, **hp: Any):
         super().__init__(ctx, **hp)
         self.hp = {**self.hp, **_FIXED, "m": self.hp["m"] or self.hp["k"]}
-        self.client_store = None          # StateStore (simulator) or a Flower node's NodeStore
+
+    @classmethod
+    def headline(cls, config: dict[str, Any]) -> str:
+        w = config.get(f"{cls.name}.inference_weight")
+        if w is None or w == "auto":
+            rule = config.get(f"{cls.name}.routing", "confidence")
+            t = f"T={config.get(f'{cls.name}.inference_temperature', 1.0):g}"
+            return f"routed, {t}" if rule == "confidence" else f"routed, {rule}" + (f", {t}" if rule == "margin" else "")
+        return f"fixed specialist weight {w:g}"
 
     @classmethod
     def check_params(cls, hp: dict) -> None:
@@ -201,8 +259,12 @@ class FedPrismDual(FedPrism):
         return self.hp["alpha_mode"] == "adaptive" and self.hp["components"] in ("full", "global_cluster")
 
     @property
+    def as_printed(self) -> bool:
+        return self.hp["alpha_rule"] == "as_printed"
+
+    @property
     def alpha_max(self) -> float:
-        return 1.0 - self.hp["beta"] if self.hp["components"] == "full" else 1.0
+        return 1.0 - self.hp["beta"] if self.hp["components"] == "full" and not self.as_printed else 1.0
 
     @property
     def uses_private(self) -> bool:
@@ -221,7 +283,7 @@ class FedPrismDual(FedPrism):
         c = self.hp["components"]
         if c == "full":
             b = torch.full_like(a, self.hp["beta"])
-            return a, b, (1 - a - b).clamp(min=0)
+            return a, b, (1 - a - b) if self.as_printed else (1 - a - b).clamp(min=0)
         if c == "global_cluster":
             return a, 1 - a, zero
         return {"pure_global": (one, zero, zero), "pure_cluster": (zero, one, zero),
@@ -230,13 +292,10 @@ class FedPrismDual(FedPrism):
     # -- state ---------------------------------------------------------------------------------------
     def init_state(self) -> dict:
         state = super().init_state()
-        N, init = self.ctx.num_clients, self.ctx.init
+        N = self.ctx.num_clients
         fixed = {"pure_global": 1.0, "pure_cluster": 0.0, "pure_private": 0.0}
         a0 = fixed.get(self.hp["components"], self.hp["alpha"])
         state["alpha"] = torch.full((N,), a0, dtype=torch.float64)
-        # client-side store (never part of a message): private components and local specialists
-        state["private"] = init.expand(N, -1).clone()
-        state["expert"] = init.expand(N, -1).clone()
         if self.hp["cluster_on"] == "seen":
             d = len(range(self.ctx.spec.size)[self._feature_slice()])
             state["h"] = torch.zeros(N, d, dtype=torch.float64)
@@ -253,36 +312,22 @@ class FedPrismDual(FedPrism):
     def _add_private(shared: torch.Tensor, gamma: torch.Tensor, private: torch.Tensor) -> torch.Tensor:
         return (shared.double() + gamma.to(torch.float64)[:, None] * private.double()).to(shared.dtype)
 
-    # -- the four functions ----------------------------------------------------------------------------
+    # -- the round -------------------------------------------------------------------------------------
     def plan(self, state: dict, rnd: int, clients: np.ndarray) -> Plan:
-        self.client_store = StateStore(state)   # the simulator's client-side store (module docstring)
         shared, gamma = self._shared(state, clients)
-        return Plan(clients, shared, extras={"gamma": gamma.to(torch.float32)},
-                    down_floats=self.ctx.spec.size + 1)
+        return Plan(clients, {"params": shared, "gamma": gamma.to(torch.float32)})
 
-    def client_update(self, plan: Plan, trainer: Trainer, rnd: int) -> Update:
-        """Algorithm 1 for the cohort: three engine trainings (specialists, private parts, backbones)."""
-        if self.client_store is None:
-            raise RuntimeError("fedprism_dual: plan() must run before client_update() "
-                               "(it binds the client store)")
-        store, S = self.client_store, plan.clients
-        new_expert = new_private = None
+    def client_update(self, plan: Plan, trainer, rnd: int, cstate: dict) -> Update:
+        """Algorithm 1 for the cohort: three trainings (specialists, private parts, backbones)."""
+        S, new = plan.clients, {}
         if self.uses_expert:                                                  # Path A
-            new_expert = trainer.train(Plan(S, store.rows("expert", S).clone()), rnd + EXPERT_STREAM).params
-        private = store.rows("private", S)
+            new["expert"] = trainer.train(TrainJob(S, cstate["expert"].clone(), stream="expert"), rnd).params
+        private = cstate["private"]
         if self.uses_private:                                                 # Path B, step 1
-            new_private = trainer.train(Plan(S, private.clone()), rnd + PRIVATE_STREAM).params
-            private = new_private
-        start = self._add_private(plan.start, plan.extras["gamma"], private.to(plan.start.device))  # step 2
-        up = trainer.train(Plan(S, start), rnd)
-        # commit the client-side state only once all three trainings succeeded
-        if new_expert is not None:
-            store.write("expert", S, new_expert)
-        if new_private is not None:
-            store.write("private", S, new_private)
-        return Update(plan.clients, up.params, plan.start, up.n_samples,
-                      {"train_loss": up.extras.get("train_loss")} if "train_loss" in up.extras else {},
-                      up_floats=self.ctx.spec.size)
+            private = new["private"] = trainer.train(TrainJob(S, private.clone(), stream="private"), rnd).params
+        start = self._add_private(plan.start, plan.payload["gamma"], private.to(plan.start.device))  # step 2
+        t = trainer.train(TrainJob(S, start), rnd)
+        return Update(S, {"params": t.params}, t.n_samples, {"train_loss": t.loss}, client_state=new)
 
     def aggregate(self, state: dict, rnd: int, update: Update) -> dict:
         if len(update.clients) == 0:
@@ -292,14 +337,16 @@ class FedPrismDual(FedPrism):
         if self.hp["cluster_on"] == "seen":
             state["h"][S] = update.params[:, self._feature_slice()].double().cpu()
             state["h_seen"][S] = True
-        records = super().aggregate(state, rnd, update)          # lines 9-26 (002 server code)
+        records = super().aggregate(state, rnd, update)          # lines 9-26 (the server's code)
         if self.adaptive:                                         # lines 27-31
             ks = W_used.argmax(1)
+            if self.as_printed:                                   # line 29 literally: C_k with k = K
+                ks = torch.full_like(ks, self.hp["k"] - 1)
             W = update.params.double()
             d_c = (W - c_old[ks].double()).norm(dim=1)
             d_g = (W - g_old.double()).norm(dim=1)
             sig = d_c - d_g
-            if self.hp["alpha_signal"] == "relative":
+            if self.hp["alpha_signal"] == "relative" and not self.as_printed:
                 tot = d_c + d_g
                 sig = torch.where(tot > 0, sig / tot.clamp(min=1e-300), torch.zeros_like(sig))
             new = (state["alpha"][S] + self.hp["alpha_lr"] * sig).clamp(0.0, self.alpha_max)
@@ -319,134 +366,43 @@ class FedPrismDual(FedPrism):
         return super()._cluster_features(state, update)
 
     def model_for(self, state: dict, clients: np.ndarray) -> torch.Tensor:
-        """The backbone stream W_i = alpha_i G + beta sum_k w_ik C_k + gamma_i P_i (for evaluation)."""
-        shared, gamma = self._shared(state, clients)
-        return self._add_private(shared, gamma, state["private"][torch.as_tensor(clients)])
+        """The server's part of the backbone (without gamma_i P_i, which only the client holds)."""
+        return self._shared(state, clients)[0]
 
-    # -- dual-stream evaluation (Eq. 2-3) ------------------------------------------------------------------
-    def evaluate(self, state: dict, trainer: Trainer, clients: np.ndarray, split: str) -> EvalResult:
-        """Routed predictions of every client's (specialist, backbone) pair on its split.
-
-        On Flower (`trainer.remote`) the streams exist only on the nodes: the trainer sends each client
-        its `eval_payload` and the node scores it with `evaluate_client`.
-        """
-        if getattr(trainer, "remote", False):
-            rows, extras = self.eval_payload(state, clients)
-            return trainer.evaluate_payload(self, rows, extras, np.asarray(clients), split)
-        S = torch.as_tensor(np.asarray(clients))
-        return self.score_streams(trainer, clients, self.model_for(state, clients), state["expert"][S], split)
-
-    def eval_payload(self, state: dict, clients: np.ndarray) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    # -- dual-stream inference (Eq. 2-3) ------------------------------------------------------------------
+    def eval_payload(self, state: dict, clients: np.ndarray) -> dict:
         """The server's part of the backbone and gamma_i: what `plan` sends, so P_i and L_i stay home."""
         shared, gamma = self._shared(state, clients)
-        return shared, {"gamma": gamma}
+        return {"params": shared, "gamma": gamma}
 
-    def evaluate_client(self, trainer: Trainer, clients: np.ndarray, rows: torch.Tensor,
-                        extras: dict[str, torch.Tensor], split: str) -> EvalResult:
-        store = self.client_store
-        backbone = self._add_private(rows, extras["gamma"].reshape(-1), store.rows("private", clients).to(rows.device))
-        return self.score_streams(trainer, clients, backbone, store.rows("expert", clients), split)
-
-    def score_streams(self, trainer: Trainer, clients: np.ndarray, backbone: torch.Tensor, expert: torch.Tensor,
-                      split: str) -> EvalResult:
-        """Eq. 2-3 scores of (backbone, specialist) row pairs on each client's split.
-
-        Both streams' logits come from `trainer.logits` on chunks of the test samples (`eval_chunk`)
-        for groups of clients. On the global test set the specialists' logits are cached per client
-        (keyed by a hash of the specialist's parameters, so exact): only the ~fraction of specialists
-        that trained since the last evaluation are run again, which halves the evaluation work.
-        """
-        if split not in ("local", "global", "train"):
-            raise ValueError(f"split must be local, global or train, got {split!r}")
-        clients = np.asarray(clients)
-        n, C = len(clients), self.ctx.num_classes
+    def inference(self, trainer, clients, payload: dict, cstate: dict) -> Inference:
+        """Backbone W_i = shared part + gamma_i P_i (built from the current state, the model the client
+        would build now) and the specialist L_i, routed by Eq. 2-3; each stream alone and the routing at
+        the other `DIAGNOSTIC_TEMPERATURES` are stored as alternative predictions."""
         weight, T = self.hp["inference_weight"], self.hp["inference_temperature"]
-        need_b, need_e = weight != 1, weight != 0
-        # the engine's preferred call shape (the vectorized engine: eval_models x eval_samples, compiled)
-        chunk = int(getattr(trainer, "eval_samples", 0) or getattr(getattr(trainer, "cfg", None), "eval_chunk", 500)
-                    or 500)
-        dev = torch.device(getattr(trainer, "device", "cpu"))
-        width = getattr(trainer, "eval_models", None)
-        budget = chunk * width if width else 1 << (18 if dev.type == "cuda" else 13)  # model-samples per call
-        correct = torch.zeros(n, dtype=torch.long)
-        loss = torch.zeros(n, dtype=torch.float64)
-        count = torch.zeros(n, dtype=torch.long)
-        conf = torch.zeros(n, C, C, dtype=torch.long)
-        alt: dict[str, torch.Tensor] = {}       # diagnostics: each stream alone, other temperatures
+        params = payload["params"]
+        backbone = self._add_private(params, payload["gamma"].reshape(-1), cstate["private"].to(params.device))
+        if weight == 0:
+            return Inference({"backbone": backbone})
+        if weight == 1:
+            return Inference({"expert": cstate["expert"]})
+        rule = self.hp["routing"]
+        alternatives = {"backbone": lambda z, e: z["backbone"], "expert": lambda z, e: z["expert"]}
+        extras = self._label_prior(trainer, clients, cstate["expert"].device)
+        if weight is None:
+            alternatives.update({f"T={t:g}": (lambda z, e, t=t: route(z["expert"], z["backbone"], None, t))
+                                 for t in DIAGNOSTIC_TEMPERATURES if not (rule == "confidence" and t == T)})
+            alternatives.update({r: (lambda z, e, r=r: combine(r, z["expert"], z["backbone"], e, T))
+                                 for r in ROUTINGS if r not in ("confidence", rule)})
+            head = lambda z, e: combine(rule, z["expert"], z["backbone"], e, T)  # noqa: E731
+        else:
+            head = lambda z, e: route(z["expert"], z["backbone"], weight, T)  # noqa: E731
+        return Inference({"expert": cstate["expert"], "backbone": backbone}, head, alternatives, extras)
 
-        def score(rows: slice, x: torch.Tensor, y: torch.Tensor, z_e: torch.Tensor | None = None) -> None:
-            m = rows.stop - rows.start
-            run_e = need_e and z_e is None
-            stacks = [p[rows] for p, live in ((expert, run_e), (backbone, need_b)) if live]
-            z = trainer.logits(torch.cat(stacks), x) if stacks else None      # [len(stacks) * m, B, C]
-            if run_e:
-                z_e = z[:m]
-            z_b = z[-m:] if need_b else None
-            out = route(z_e, z_b, weight, T).float()
-            yy = y.to(out.device).expand(m, -1)
-            pred = out.argmax(-1)
-            correct[rows] += (pred == yy).sum(1).cpu()
-            loss[rows] += F.cross_entropy(out.reshape(-1, C), yy.reshape(-1), reduction="none") \
-                .view(m, -1).double().sum(1).cpu()
-            count[rows] += len(y)
-            own = torch.arange(m, device=out.device)[:, None] * (C * C)
-            cells = (own + yy * C + pred).reshape(-1)
-            conf[rows] += torch.bincount(cells, minlength=m * C * C).view(m, C, C).cpu()
-            if z_e is None or z_b is None:
-                return
-            others = {"backbone": z_b, "expert": z_e}
-            if weight is None:
-                others.update({f"T={t:g}": route(z_e, z_b, None, t) for t in DIAGNOSTIC_TEMPERATURES if t != T})
-            for name, z_alt in others.items():
-                hit = (z_alt.argmax(-1) == yy).sum(1).cpu()
-                alt.setdefault(name, torch.zeros(n, dtype=torch.long))[rows] += hit
-
-        with torch.no_grad():
-            if split == "global":
-                x_all, y_all = trainer._split(int(clients[0]) if n else 0, "global")
-                cached = None
-                if need_e:
-                    cached = self._expert_logits(trainer, expert, clients, x_all, chunk, budget)
-                streams = max(1, int(need_b) + int(need_e and cached is None))
-                per = max(1, budget // (chunk * streams))
-                ids = torch.as_tensor(clients)
-                for g0 in range(0, n, per):
-                    rows = slice(g0, min(n, g0 + per))
-                    for s0 in range(0, len(y_all), chunk):
-                        z_e = None if cached is None else cached[ids[rows], s0:s0 + chunk]
-                        score(rows, x_all[s0:s0 + chunk], y_all[s0:s0 + chunk], z_e)
-            else:
-                for i, c in enumerate(clients):
-                    x_all, y_all = trainer._split(int(c), split)
-                    for s0 in range(0, len(y_all), chunk):
-                        score(slice(i, i + 1), x_all[s0:s0 + chunk], y_all[s0:s0 + chunk])
-        return EvalResult(correct, loss, count, conf, alt)
-
-    #: largest specialist-logit cache on the global test set (bytes); beyond it logits are recomputed
-    EXPERT_CACHE_BYTES = 512 << 20
-
-    def _expert_logits(self, trainer: Trainer, expert: torch.Tensor, clients: np.ndarray, x: torch.Tensor,
-                       chunk: int, budget: int) -> torch.Tensor | None:
-        """[N, N_test, C] specialist logits on the global test set, refreshed for changed specialists."""
-        N, C = self.ctx.num_clients, self.ctx.num_classes
-        if N * len(x) * C * 4 > self.EXPERT_CACHE_BYTES:
-            return None
-        cache = getattr(self, "_cache", None)
-        if cache is None or cache["trainer"] is not trainer or cache["n_test"] != len(x):
-            cache = self._cache = {"trainer": trainer, "n_test": len(x), "hash": [b""] * N, "logits": None}
-        rows = expert.detach().to("cpu", torch.float32).contiguous().numpy()
-        hashes = [hashlib.blake2b(r.tobytes(), digest_size=16).digest() for r in rows]
-        stale = [i for i, c in enumerate(clients) if cache["hash"][int(c)] != hashes[i]]
-        if stale:
-            per = max(1, budget // chunk)
-            for g0 in range(0, len(stale), per):
-                grp = stale[g0:g0 + per]
-                params = expert[torch.as_tensor(grp)]
-                for s0 in range(0, len(x), chunk):
-                    z = trainer.logits(params, x[s0:s0 + chunk])
-                    if cache["logits"] is None:
-                        cache["logits"] = torch.zeros(N, len(x), C, device=z.device, dtype=z.dtype)
-                    cache["logits"][torch.as_tensor(clients[grp]), s0:s0 + chunk] = z
-            for i in stale:
-                cache["hash"][int(clients[i])] = hashes[i]
-        return cache["logits"]
+    def _label_prior(self, trainer, clients, device) -> dict:
+        """Each client's own label distribution (add-one smoothed) and seen-class mask, from its train rows."""
+        C = self.ctx.num_classes
+        counts = torch.stack([torch.bincount(trainer.data(int(c), "train")[1].cpu(), minlength=C)
+                              for c in np.asarray(clients)]).double() if len(clients) else torch.zeros(0, C)
+        prior = (counts + 1) / (counts.sum(1, keepdim=True) + C)
+        return {"prior": prior.float().to(device), "seen": (counts > 0).float().to(device)}

@@ -1,13 +1,13 @@
 """IFCA, the Iterative Federated Clustering Algorithm (Ghosh et al. 2020, Algorithm 1, option II).
 
 The server keeps K cluster models theta_1..theta_K and sends all K to every sampled client (down
-K*P floats). Client i, on its own train data (specs/algorithms.md section 4):
+K*P floats). Client i, on its own train data:
 
     j_hat = argmin_j F_i(theta_j)                     loss of every model, eval mode, ties: random
     th_i  = LocalUpdate(theta_{j_hat})                send (j_hat, th_i)
 
 Server (model averaging):  theta_j = sum_{i: j_hat_i = j} a_i th_i / sum a_i   if anyone chose j,
-else theta_j stays bit-identical (specs 0.8). a_i = n_i (`weighting=samples`, as FedAvg here) or 1
+else theta_j stays bit-identical. a_i = n_i (`weighting=samples`, as FedAvg here) or 1
 (`uniform`, the paper and its reference code).
 
 Initialisation (`init`):
@@ -21,8 +21,7 @@ Initialisation (`init`):
 Decisions where the paper is silent:
   * Ties (|F_ij - min_j F_ij| <= 1e-7 relative) are broken by a client-side RNG seeded by
     (seed, round, client), so a client's choice does not depend on its cohort or the engine.
-  * `model_for(i)` is the model client i chose when it was last sampled (specs section 4: "uses the
-    assignment computed on the client's train data"). A client that never chose (never sampled, or
+  * `model_for(i)` is the model client i chose when it was last sampled. A client that never chose (never sampled, or
     only during warm-up) does at evaluation what an IFCA client does at inference: it picks the
     lowest-loss model on its own train data (the `evaluate` hook; `model_for` alone returns model 0).
 """
@@ -32,7 +31,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedprism.algorithms.base import Algorithm, Plan, Update, evaluate_rows, register, weighted_mean
+from fedprism.algorithms.aggregation import WEIGHTINGS, client_weights, weighted_mean
+from fedprism.algorithms.base import Algorithm, Inference, Plan, TensorSpec, TrainJob, Update, register, train_update
 from fedprism.hparams import Param
 
 TIE_RTOL = 1e-7
@@ -69,7 +69,7 @@ class IFCA(Algorithm):
         "warmup_rounds": Param(5, "FedAvg rounds before the K copies (init=warmup)", lambda v: v >= 1,
                                "an integer >= 1"),
         "weighting": Param("samples", "per-cluster average: n_i (samples) or 1 (uniform, as the paper)",
-                           choices=("samples", "uniform")),
+                           choices=WEIGHTINGS),
     }
 
     def init_state(self) -> dict:
@@ -83,33 +83,36 @@ class IFCA(Algorithm):
     def _warming(self, rnd: int) -> bool:
         return self.hp["init"] == "warmup" and rnd < self.hp["warmup_rounds"]
 
-    # -- the four functions --------------------------------------------------------------------
+    def upload(self) -> dict:
+        return {"params": TensorSpec(("P",)), "cluster": TensorSpec((), torch.int32, low=0, high=self.hp["k"])}
+
+    # -- the round ------------------------------------------------------------------------------
     def plan(self, state: dict, rnd: int, clients: np.ndarray) -> Plan:
         models = state["w"][:1] if self._warming(rnd) else state["w"]          # what goes down
-        n, (K, P) = len(clients), models.shape
-        return Plan(clients, self.model_for(state, clients).clone(),
-                    extras={"models": models.expand(n, K, P)}, down_floats=K * P)
+        return Plan(clients, {"models": models.expand(len(clients), *models.shape)})
 
-    def client_update(self, plan: Plan, trainer, rnd: int) -> Update:
-        models = plan.extras["models"]                                          # [n, K, P]
+    def _choose(self, trainer, clients: np.ndarray, models: torch.Tensor, key: list[int]) -> np.ndarray:
+        """j_hat = argmin_j F_i(theta_j) on each client's train data (models [n, K, P])."""
         n, K, P = models.shape
         if K == 1:
-            j = np.zeros(n, dtype=np.int64)
-        else:
-            r = trainer.evaluate(models.reshape(n * K, P), np.repeat(plan.clients, K), "train")
-            losses = (r.loss_sum / r.count.clamp(min=1)).view(n, K).numpy()
-            j = choose(losses, plan.clients, [self.ctx.seed, rnd])
-        start = models[torch.arange(n), torch.as_tensor(j)]
-        up = trainer.train(Plan(plan.clients, start, epochs=plan.epochs), rnd)
-        up.extras["cluster"] = torch.as_tensor(j)
-        up.up_floats = P + 1                                                    # th_i and j_hat
+            return np.zeros(n, dtype=np.int64)
+        r = trainer.evaluate(models.reshape(n * K, P), np.repeat(clients, K), "train")
+        losses = (r.loss_sum / r.count.clamp(min=1)).view(n, K).numpy()
+        return choose(losses, clients, key)
+
+    def client_update(self, plan: Plan, trainer, rnd: int, cstate: dict) -> Update:
+        models = plan.payload["models"]                                         # [n, K, P]
+        j = self._choose(trainer, plan.clients, models, [self.ctx.seed, rnd])
+        start = models[torch.arange(len(j)), torch.as_tensor(j)]
+        up = train_update(trainer, TrainJob(plan.clients, start), rnd)
+        up.payload["cluster"] = torch.as_tensor(j, dtype=torch.int32)            # th_i and j_hat
         return up
 
     def aggregate(self, state: dict, rnd: int, update: Update) -> dict:
         if len(update.clients) == 0:
             return {}
-        a = update.n_samples if self.hp["weighting"] == "samples" else torch.ones(len(update.clients))
-        j = update.extras["cluster"]
+        a = client_weights(update, self.hp["weighting"])
+        j = update.payload["cluster"].long()
         if self._warming(rnd):                                                  # FedAvg on K copies
             state["w"][:] = weighted_mean(update.params, a)
             return {}
@@ -122,16 +125,21 @@ class IFCA(Algorithm):
     def model_for(self, state: dict, clients: np.ndarray) -> torch.Tensor:
         return state["w"][state["assign"][torch.as_tensor(clients)].clamp(min=0)]
 
-    def evaluate(self, state: dict, trainer, clients: np.ndarray, split: str):
-        """Clients that never chose pick the lowest-train-loss model now (IFCA inference)."""
-        todo = np.flatnonzero(state["assign"][torch.as_tensor(clients)].numpy() < 0)
+    # -- evaluation -----------------------------------------------------------------------------
+    def eval_payload(self, state: dict, clients: np.ndarray) -> dict:
         w = state["w"]
-        if len(todo) == 0 or bool((w == w[0]).all()):
-            return None                                                         # model_for is exact
-        K, P = w.shape
-        r = trainer.evaluate(w.repeat(len(todo), 1), np.repeat(clients[todo], K), "train")
-        losses = (r.loss_sum / r.count.clamp(min=1)).view(len(todo), K).numpy()
-        rows = self.model_for(state, clients).clone()
-        pick = choose(losses, clients[todo], [self.ctx.seed, 0x1FCA])
-        rows[torch.as_tensor(todo)] = w[torch.as_tensor(pick)]
-        return evaluate_rows(trainer, rows, clients, split)      # K distinct models on the global set
+        return {"models": w.expand(len(clients), *w.shape), "choice": state["assign"][torch.as_tensor(clients)]}
+
+    def inference(self, trainer, clients, payload: dict, cstate: dict) -> Inference:
+        """The model each client chose when it was last sampled; a client that never chose picks the
+        lowest-train-loss model now, as an IFCA client does at inference."""
+        models, choice = payload["models"], payload["choice"]
+        n = len(clients)
+        rows = models[torch.arange(n), choice.clamp(min=0)].clone()
+        todo = np.flatnonzero(choice.numpy() < 0)
+        w = models[0] if n else models
+        if len(todo) and not bool((w == w[0]).all()):
+            pick = self._choose(trainer, np.asarray(clients)[todo], models[torch.as_tensor(todo)],
+                                [self.ctx.seed, 0x1FCA])
+            rows[torch.as_tensor(todo)] = models[torch.as_tensor(todo), torch.as_tensor(pick)]
+        return Inference({"model": rows})

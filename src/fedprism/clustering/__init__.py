@@ -2,8 +2,8 @@
 
 Every function accepts numpy arrays or torch tensors and returns float64 numpy arrays.
 
-- :mod:`.hard` — :func:`hard_cluster` with the five methods of report 002 section 3.2.
-- :mod:`.soft` — :func:`soft_assign` (top-m softmax of cosine similarity, 002 section 3.3).
+- :mod:`.hard` — :func:`hard_cluster` with the five methods of the Fed-PRISM technical report section 3.2.
+- :mod:`.soft` — :func:`soft_assign` (top-m softmax of cosine similarity, the report's section 3.3).
 - :mod:`.matching` — Hungarian matching of new clusters to persistent models (algorithms.md 0.7).
 - :mod:`.select_k` — choice of K by silhouette (Clust-PSI-PFL) or Davies-Bouldin (FedSub).
 - :mod:`.bipartition` — CFL's optimal min-max bipartition.

@@ -1,4 +1,4 @@
-"""CFL's optimal bipartition (Sattler, Mueller, Samek 2020; specs/algorithms.md section 5).
+"""CFL's optimal bipartition (Sattler, Mueller, Samek 2020).
 
 CFL splits a cluster c into ``(c1, c2) = argmin_{c1 u c2 = c} max_{i in c1, j in c2} alpha_ij``,
 with ``alpha_ij`` the cosine similarity of the client updates. This min-max cut is solved exactly by

@@ -1,4 +1,4 @@
-"""Hard clustering of client feature vectors (report 002 section 3.1-3.2; specs/fedprism.md).
+"""Hard clustering of client feature vectors (the Fed-PRISM technical report section 3.1-3.2).
 
 One entry point, :func:`hard_cluster`, for the five methods of Fed-PRISM's UpdateClusters:
 
@@ -22,7 +22,7 @@ The covariance method works on the ``n x n`` correlation matrix. Centroids are a
 original rows.
 
 Single linkage chains on high-dimensional model vectors (one big cluster plus singletons); that is
-a property of the method to report, not a bug (specs/fedprism.md, table note).
+a property of the method to report, not a bug.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class TooFewPoints(ValueError):
     """Fewer points (or fewer distinct points) than requested clusters.
 
     Callers skip re-clustering for that round, keep their previous assignment and record
-    ``str(exc)`` as the reason (specs/fedprism.md, open point 4).
+    ``str(exc)`` as the reason.
     """
 
     def __init__(self, n_points: int, n_distinct: int, k: int, method: str, reason: str | None = None):
@@ -90,7 +90,7 @@ def as_features(x, name: str = "features") -> np.ndarray:
     """Return ``x`` as a 2-D float64 numpy array; accepts numpy arrays and torch tensors.
 
     Raises ValueError for the wrong number of dimensions or for NaN/Inf entries (bad client
-    updates must be rejected before clustering, specs/algorithms.md 0.10).
+    updates must be rejected before clustering).
     """
     if hasattr(x, "detach"):  # torch.Tensor, without importing torch here
         x = x.detach().cpu().numpy()
@@ -162,7 +162,7 @@ def normalized_updates(updates: np.ndarray) -> np.ndarray:
 
 
 def covariance_affinity(updates: np.ndarray, affinity: str = "shifted") -> np.ndarray:
-    """Task-correlation affinity of update vectors (specs/fedprism.md, "Covariance affinity").
+    """Task-correlation affinity of update vectors.
 
     ``R = D D^T`` with D the centred, unit-norm updates, so ``R[i, j]`` is the Pearson correlation
     of Delta_i and Delta_j over coordinates, in [-1, 1]. The diagonal is set to 1 (a zero update
@@ -195,7 +195,7 @@ def hard_cluster(
     seed: int = 0,
     affinity: str = "shifted",
 ) -> Clustering:
-    """Partition the rows of ``features`` into ``k`` clusters (report 002 section 3.2).
+    """Partition the rows of ``features`` into ``k`` clusters (the Fed-PRISM technical report section 3.2).
 
     Args:
         features: ``[n, d]``; Theta_i (local models) for kmeans/ward/average/single, Delta_i

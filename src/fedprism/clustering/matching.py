@@ -1,4 +1,4 @@
-"""Keep cluster identity across re-clusterings (specs/algorithms.md 0.7; specs/fedprism.md point 1).
+"""Keep cluster identity across re-clusterings.
 
 Hard labels from a new clustering are arbitrary, but per-cluster state (models, logs) persists. Each
 new hard cluster j is matched to an existing model ``perm[j]`` by a minimum-cost assignment
@@ -29,7 +29,7 @@ def match_clusters(cost) -> np.ndarray:
     Rectangular costs ``[k_new, k_old]``:
 
     - ``k_new <= k_old``: every new cluster gets a distinct model; the ``k_old - k_new`` unmatched
-      models receive no cluster (callers leave them unchanged, specs/algorithms.md 0.8).
+      models receive no cluster (callers leave them unchanged).
     - ``k_new > k_old``: the best ``k_old`` new clusters get the existing models; each remaining new
       cluster gets a fresh index ``k_old, k_old + 1, ...`` (in increasing j), meaning "a model
       that does not exist yet" — the caller must create it (e.g. as a copy of the global model)
@@ -53,7 +53,7 @@ def match_clusters(cost) -> np.ndarray:
 
 
 def overlap_cost(new_labels, w_old_rows, k_new: int | None = None) -> np.ndarray:
-    """``cost[j, c] = - sum_{i in new cluster j} W_old[i, c]`` (specs/fedprism.md point 1).
+    """``cost[j, c] = - sum_{i in new cluster j} W_old[i, c]``.
 
     Args:
         new_labels: [n] hard labels 0..k_new-1 of the clients just clustered.

@@ -1,8 +1,8 @@
 """Choosing the number of clusters.
 
-- :func:`choose_k_silhouette` — Clust-PSI-PFL (specs/algorithms.md section 12): K-Means for every
+- :func:`choose_k_silhouette` — Clust-PSI-PFL: K-Means for every
   tau in 2..n-1, keep the largest silhouette; strict ``>`` so the smallest tau wins ties.
-- :func:`choose_k_davies_bouldin` — FedSub (specs/algorithms.md section 13): K-Means for every K
+- :func:`choose_k_davies_bouldin` — FedSub: K-Means for every K
   in 2..n-1, keep the lowest Davies-Bouldin index (smallest K on ties).
 
 Both score in Euclidean distance on the given features, so only the Euclidean methods
@@ -48,7 +48,7 @@ def choose_k_silhouette(
     seed: int = 0,
     allow_single_cluster: bool = False,
 ) -> tuple[int, dict[int, float]]:
-    """Number of clusters with the largest silhouette (Clust-PSI-PFL, specs/algorithms.md 12).
+    """Number of clusters with the largest silhouette (Clust-PSI-PFL).
 
     Args:
         features: [n, d] (Clust-PSI-PFL: z-scored PSI features; standardising is the caller's job).
@@ -90,9 +90,9 @@ def choose_k_davies_bouldin(
     method: str = "kmeans",
     seed: int = 0,
 ) -> tuple[int, dict[int, float]]:
-    """Number of clusters with the lowest Davies-Bouldin index (FedSub, specs/algorithms.md 13).
+    """Number of clusters with the lowest Davies-Bouldin index (FedSub).
 
-    Candidates are K in 2..n-1 (sklearn refuses K = n; specs/algorithms.md 13 pitfall). When no
+    Candidates are K in 2..n-1 (sklearn refuses K = n pitfall). When no
     candidate is feasible (``n <= 2`` or all points identical) the answer is one cluster:
     ``(1, {})``, as recommended for FedSub.
 

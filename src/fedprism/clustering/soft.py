@@ -1,8 +1,8 @@
-"""Soft top-m assignment of clients to cluster centroids (report 002 section 3.3).
+"""Soft top-m assignment of clients to cluster centroids (the Fed-PRISM technical report section 3.3).
 
 ``Sim[i, c] = cos(feature_i, mu_c)``; ``M_i`` = the m clusters with the largest similarity;
 ``W[i, c] = exp(Sim[i, c] / T) / sum_{c' in M_i} exp(Sim[i, c'] / T)`` for ``c in M_i``, else 0.
-With T = 1 (002's formula) cosines in [-1, 1] give fairly flat weights: 0.9 vs 0.5 -> 0.5987 / 0.4013.
+With T = 1 (the report's formula) cosines in [-1, 1] give fairly flat weights: 0.9 vs 0.5 -> 0.5987 / 0.4013.
 """
 
 from __future__ import annotations
@@ -52,12 +52,12 @@ def top_m_softmax(sim: np.ndarray, m: int, temperature: float = 1.0) -> np.ndarr
 
 
 def soft_assign(features, centroids, m: int, temperature: float = 1.0) -> np.ndarray:
-    """Soft assignment matrix W [n, k] of report 002 section 3.3 (see the module docstring).
+    """Soft assignment matrix W [n, k] of the Fed-PRISM technical report section 3.3 (see the module docstring).
 
     Args:
         features: [n, d] client features (Theta_i or Delta_i, the space the centroids live in).
         centroids: [k, d] cluster centroids (row c belongs to cluster / model c).
         m: number of non-zero weights per row, 1 <= m <= k.
-        temperature: T > 0; Sim is divided by T before the softmax (T = 1 is 002's formula).
+        temperature: T > 0; Sim is divided by T before the softmax (T = 1 is the report's formula).
     """
     return top_m_softmax(cosine_matrix(features, centroids), m, temperature)

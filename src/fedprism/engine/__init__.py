@@ -30,7 +30,7 @@ def make_engine(name: str, fed, model, cfg: LocalConfig, seed: int, device: str 
                 raise
         else:
             eng = VectorizedEngine(fed, model, cfg, seed, dev, compile=compile, rounds=rounds)
-            # On CPU an uncompiled vmap is slower than the plain loop (specs/performance.md B.3):
+            # On CPU an uncompiled vmap is slower than the plain loop:
             # `auto` keeps the vectorized engine only where it pays.
             if name == "vectorized" or eng.compiled or dev != "cpu":
                 return eng

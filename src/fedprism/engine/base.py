@@ -1,27 +1,37 @@
-"""What both engines share: local-training settings, seeded batch orders, the SGD step, metrics.
+"""What both engines share: local-training settings, named random streams, the optimiser steps, metrics.
 
-Both engines must give the same numbers for the same seed (a test checks it), so everything that
+Both engines must give the same numbers for the same seed (tests check it), so everything that
 decides *what* is computed lives here; the engines only decide *how* (one client at a time, or many
-at once).
+at once). The engines implement the `fedprism.protocol.Trainer` protocol and import nothing of
+`fedprism.algorithms`.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedprism.algorithms.base import EvalResult, Plan, Update
+from fedprism._alloc import tune_allocator
 from fedprism.federation import Federation
 from fedprism.objectives import OBJECTIVES
 from fedprism.params import Functional
+from fedprism.protocol import EvalResult, Loss, Trained, TrainJob
+
+OPTIMIZERS = ("sgd", "adam")
+#: evaluation splits: a client's own rows ('local' test, 'train', 'val') or a shared set ('global' test,
+#: 'global_val' validation)
+SPLITS = ("local", "global", "train", "val", "global_val")
+SHARED_SPLITS = ("global", "global_val")
 
 
 @dataclass(frozen=True)
 class LocalConfig:
-    """Client-side training settings (SGD with momentum and weight decay, as torch.optim.SGD)."""
+    """Client-side training settings: SGD with momentum and weight decay (as torch.optim.SGD, dampening 0,
+    no Nesterov) or Adam (as torch.optim.Adam: L2 weight decay added to the gradient, no amsgrad)."""
 
     epochs: int = 1
     batch_size: int = 32
@@ -29,6 +39,9 @@ class LocalConfig:
     momentum: float = 0.0
     weight_decay: float = 0.0
     eval_chunk: int = 500
+    optimizer: str = "sgd"
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
 
 
 def client_seed(seed: int, rnd: int, client: int) -> int:
@@ -36,9 +49,25 @@ def client_seed(seed: int, rnd: int, client: int) -> int:
     return int((seed * 1_000_003 + rnd * 7_919 + client * 104_729 + 17) % (2**62))
 
 
+#: streams whose seeds predate named streams: their batch orders are those of the committed runs
+#: (`fedprism_dual` trains its private components and specialists on 'private' and 'expert')
+LEGACY_STREAMS = {"train": 0, "private": 1_000_000, "expert": 2_000_000}
+
+
+def stream_seed(seed: int, rnd: int, client: int, stream: str = "train") -> int:
+    """Seed of the batch order of `client` in round `rnd` on the named stream.
+
+    Independent of the cohort and the engine. A new name gets its own stream from a hash of the name
+    (SeedSequence of (seed, round, client, name hash)); the legacy names keep their historic formula."""
+    if stream in LEGACY_STREAMS:
+        return client_seed(seed, rnd + LEGACY_STREAMS[stream], client)
+    h = int.from_bytes(hashlib.blake2b(stream.encode(), digest_size=8).digest(), "little")
+    return int(np.random.SeedSequence([seed, rnd, client, h]).generate_state(1, np.uint64)[0] % (2**62))
+
+
 def batch_order(n: int, epochs: int, batch_size: int, seed: int) -> list[torch.Tensor]:
     """Index batches for `epochs` passes over n samples, reshuffled each epoch; last batch kept
-    (drop_last=False, specs section 1 pitfalls)."""
+    (drop_last=False)."""
     g = torch.Generator().manual_seed(seed)
     out: list[torch.Tensor] = []
     for _ in range(epochs):
@@ -47,20 +76,56 @@ def batch_order(n: int, epochs: int, batch_size: int, seed: int) -> list[torch.T
     return out
 
 
-def sgd_step(w: torch.Tensor, g: torch.Tensor, buf: torch.Tensor, cfg: LocalConfig, mask=None) -> None:
-    """In-place torch.optim.SGD step (dampening 0, nesterov off) on flat vectors (any leading dims)."""
+def optimizer_state(cfg: LocalConfig, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Fresh optimiser state for parameters shaped like `w`: SGD (buf,), Adam (m, v, steps)."""
+    if cfg.optimizer == "adam":
+        return torch.zeros_like(w), torch.zeros_like(w), torch.zeros(w.shape[:-1] + (1,), dtype=w.dtype,
+                                                                      device=w.device)
+    return (torch.zeros_like(w),)
+
+
+def optimizer_step(w: torch.Tensor, g: torch.Tensor, st: tuple[torch.Tensor, ...], cfg: LocalConfig,
+                   mask: torch.Tensor | None = None, active: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """One optimiser step on flat vectors (any leading dims), out of place: (new w, new state).
+
+    The one update rule of both engines. `active` ([rows, 1] bool) leaves inactive rows (the vectorized
+    engine's idle slots) and their state untouched. Masked coordinates (mask 0) get no gradient and no
+    weight decay, so SGD and Adam leave them bit-identical."""
+    def keep(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        return new if active is None else torch.where(active, new, old)
+
     if cfg.weight_decay:
         g = g + cfg.weight_decay * w
     if mask is not None:
         g = g * mask
+    if cfg.optimizer == "adam":
+        m, v, t = st
+        b1, b2 = cfg.betas
+        t = keep(t + 1, t)
+        m = keep(torch.lerp(m, g, 1 - b1), m)
+        v = keep(v * b2 + (1 - b2) * g * g, v)
+        step = cfg.lr / (1 - b1 ** t)
+        denom = v.sqrt() / (1 - b2 ** t).sqrt() + cfg.eps
+        return keep(w - step * (m / denom), w), (m, v, t)
+    (buf,) = st
     if cfg.momentum:
-        buf.mul_(cfg.momentum).add_(g)
+        buf = keep(buf * cfg.momentum + g, buf)
         g = buf
-    w.sub_(cfg.lr * g)
+    return keep(w - cfg.lr * g, w), (buf,)
 
 
 def confusion(y: torch.Tensor, pred: torch.Tensor, c: int) -> torch.Tensor:
     return torch.bincount(y * c + pred, minlength=c * c).view(c, c)
+
+
+def resolve_loss(loss: str | Loss) -> Loss:
+    if callable(loss):
+        return loss
+    try:
+        return OBJECTIVES[loss]
+    except KeyError:
+        raise ValueError(f"unknown objective {loss!r}; known: {sorted(OBJECTIVES)}") from None
 
 
 class EngineBase:
@@ -70,6 +135,9 @@ class EngineBase:
 
     def __init__(self, fed: Federation, model: torch.nn.Module, cfg: LocalConfig, seed: int,
                  device: str | torch.device = "cpu"):
+        tune_allocator()             # process-wide malloc thresholds, on first engine (fedprism._alloc)
+        if cfg.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {cfg.optimizer!r}")
         self.fed = fed.to(device)
         self.device = torch.device(device)
         self.model = model.to(self.device)
@@ -79,39 +147,62 @@ class EngineBase:
         self.seed = seed
         self._train_idx = [torch.as_tensor(i, dtype=torch.long, device=self.device) for i in fed.train_idx]
         self._test_idx = [torch.as_tensor(i, dtype=torch.long, device=self.device) for i in fed.test_idx]
+        self._val_idx = None if fed.val_idx is None else \
+            [torch.as_tensor(i, dtype=torch.long, device=self.device) for i in fed.val_idx]
         self.samples_trained = 0
 
     # -- shared helpers ---------------------------------------------------------------------------
-    def _orders(self, plan: Plan, rnd: int) -> list[list[torch.Tensor]]:
-        epochs = self.cfg.epochs if plan.epochs is None else plan.epochs
-        return [batch_order(len(self._train_idx[c]), epochs, self.cfg.batch_size, client_seed(self.seed, rnd, int(c)))
-                for c in plan.clients]
+    def _orders(self, job: TrainJob, rnd: int) -> list[list[torch.Tensor]]:
+        epochs = self.cfg.epochs if job.epochs is None else job.epochs
+        return [batch_order(len(self._train_idx[c]), epochs, self.cfg.batch_size,
+                            stream_seed(self.seed, rnd, int(c), job.stream)) for c in job.clients]
 
-    def _update(self, plan: Plan, params: torch.Tensor, extras: dict | None = None) -> Update:
-        n = torch.tensor([len(self._train_idx[c]) for c in plan.clients], dtype=torch.float64)
-        return Update(plan.clients, params, plan.start, n, extras or {})
+    def _config(self, job: TrainJob) -> LocalConfig:
+        if job.optimizer is None or job.optimizer == self.cfg.optimizer:
+            return self.cfg
+        if job.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {job.optimizer!r}")
+        from dataclasses import replace
+        return replace(self.cfg, optimizer=job.optimizer)
 
-    def _split(self, client: int, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def _n_train(self, clients) -> torch.Tensor:
+        return torch.tensor([len(self._train_idx[c]) for c in clients], dtype=torch.float64)
+
+    def data(self, client: int, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y) of client `client`'s split: 'train', 'local' (its test split), 'global' (the shared test
+        set), 'val' (its validation rows) or 'global_val' (the global validation set)."""
         if split == "global":
             return self.fed.x_test, self.fed.y_test
+        if split == "global_val":
+            if self.fed.x_val is None:
+                raise ValueError("this federation has no global validation set (data.global_val=0)")
+            return self.fed.x_val, self.fed.y_val
+        if split == "val":
+            if self._val_idx is None:
+                raise ValueError("this federation has no validation splits (data.val_fraction=0)")
+            i = self._val_idx[client]
+            return self.fed.x_train[i], self.fed.y_train[i]
         if split == "local":
             i = self._test_idx[client]
             return self.fed.x_test[i], self.fed.y_test[i]
         if split == "train":
             i = self._train_idx[client]
             return self.fed.x_train[i], self.fed.y_train[i]
-        raise ValueError(f"split must be local, global or train, got {split!r}")
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
 
-    def objective(self, name: str):
-        try:
-            return OBJECTIVES[name]
-        except KeyError:
-            raise ValueError(f"unknown objective {name!r}; known: {sorted(OBJECTIVES)}") from None
+    @property
+    def num_classes(self) -> int:
+        return self.fed.num_classes
 
     @torch.inference_mode()
     def logits(self, params: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """[n, B, classes] logits of n models on one shared input batch."""
         return torch.stack([self.f(p, x) for p in params])
+
+    @torch.inference_mode()
+    def features(self, params: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """[n, B, d] penultimate features of n models on one shared input batch."""
+        return torch.stack([self.f.features(p.to(self.device), x.to(self.device)) for p in params])
 
     @torch.inference_mode()
     def evaluate_one(self, flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> tuple[int, float, torch.Tensor]:
@@ -128,9 +219,9 @@ class EngineBase:
 
     def evaluate(self, params: torch.Tensor, clients: np.ndarray, split: str) -> EvalResult:
         """Model row i scored on client clients[i]'s split ('local', 'train') or on the global test set."""
-        rows = [self.evaluate_one(params[k].to(self.device), *self._split(int(c), split))
+        rows = [self.evaluate_one(params[k].to(self.device), *self.data(int(c), split))
                 for k, c in enumerate(clients)]
-        counts = [len(self._split(int(c), split)[1]) for c in clients]
+        counts = [len(self.data(int(c), split)[1]) for c in clients]
         return EvalResult(
             correct=torch.tensor([r[0] for r in rows], dtype=torch.long),
             loss_sum=torch.tensor([r[1] for r in rows], dtype=torch.float64),

@@ -4,34 +4,35 @@ from __future__ import annotations
 
 import torch
 
-from fedprism.algorithms.base import Plan, Update
-from fedprism.engine.base import EngineBase, sgd_step
+from fedprism.engine.base import EngineBase, optimizer_state, optimizer_step, resolve_loss
+from fedprism.protocol import Trained, TrainJob
 
 
 class SequentialEngine(EngineBase):
     name = "sequential"
 
-    def train(self, plan: Plan, rnd: int) -> Update:
-        obj = self.objective(plan.objective)
-        mask = None if plan.train_mask is None else plan.train_mask.to(self.device)
-        out = torch.empty_like(plan.start)
-        losses = torch.zeros(len(plan.clients), dtype=torch.float64)
-        for k, (c, order) in enumerate(zip(plan.clients, self._orders(plan, rnd))):
+    def train(self, job: TrainJob, rnd: int) -> Trained:
+        loss_fn, cfg = resolve_loss(job.loss), self._config(job)
+        mask = None if job.mask is None else job.mask.to(self.device)
+        out = torch.empty_like(job.start)
+        losses = torch.zeros(len(job.clients), dtype=torch.float64)
+        for k, (c, order) in enumerate(zip(job.clients, self._orders(job, rnd))):
             idx = self._train_idx[int(c)]
-            extras = {n: v[k].to(self.device) for n, v in plan.extras.items()}
-            w = plan.start[k].to(self.device, copy=True)
-            buf = torch.zeros_like(w)
+            extras = {n: v[k].to(self.device) for n, v in job.extras.items()}
+            m = mask[k] if mask is not None and mask.dim() == 2 else mask
+            w = job.start[k].to(self.device, copy=True)
+            st = optimizer_state(cfg, w)
             total = 0.0
             for b in order:
                 bi = idx[b.to(self.device)]
                 x, y = self.fed.x_train[bi], self.fed.y_train[bi]
                 wr = w.detach().requires_grad_(True)
-                loss = obj(self.f, wr, x, y, torch.ones(len(y), device=self.device), extras)
+                loss = loss_fn(self.f, wr, x, y, torch.ones(len(y), device=self.device), extras)
                 (g,) = torch.autograd.grad(loss, wr)
                 with torch.no_grad():
-                    sgd_step(w, g, buf, self.cfg, mask)
+                    w, st = optimizer_step(w, g, st, cfg, m)
                 total += float(loss.detach()) * len(y)
                 self.samples_trained += len(y)
             out[k] = w.to(out.device)
             losses[k] = total / max(1, sum(len(b) for b in order))
-        return self._update(plan, out, {"train_loss": losses})
+        return Trained(job.clients, out, self._n_train(job.clients), losses)

@@ -4,7 +4,7 @@ Same numbers as `SequentialEngine` for the same seed (to float tolerance), compu
 
 * **Training** runs `vmap(grad(objective))` over a `[W, P]` matrix of flat parameter vectors, one row
   per *slot*. Clients of unequal size are packed into the W slots with longest-processing-time-first
-  scheduling (specs/performance.md B.4): `W = floor(sum steps / max steps)`, and when a slot's client
+  scheduling: `W = floor(sum steps / max steps)`, and when a slot's client
   finishes the slot is reloaded with the next client's start vector and a zeroed momentum buffer.
   Only the tail (slots whose queue is empty) is masked. Every client sees exactly the batch sequence
   `batch_order(...)` of the sequential engine; the last partial batch is padded and weighted 0/1.
@@ -40,9 +40,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import grad_and_value, vmap
 
-from fedprism.algorithms.base import EvalResult, Plan, Update
-from fedprism.engine.base import EngineBase, LocalConfig, sgd_step
+from fedprism.engine.base import (SHARED_SPLITS, SPLITS, EngineBase, LocalConfig, optimizer_state,
+                                  optimizer_step, resolve_loss)
 from fedprism.federation import Federation
+from fedprism.protocol import EvalResult, Trained, TrainJob
 
 AUTO_COMPILE_FLOPS = 2e12
 """compile="auto" on CPU: compile when the run's estimated forward FLOPs reach this (eager CPU runs
@@ -97,7 +98,7 @@ def lpt_slots(steps: list[int], slots: int) -> list[list[int]]:
 
 
 def ideal_slots(steps: list[int]) -> int:
-    """W = floor(sum steps / max steps), clamped to [1, number of clients] (specs B.4)."""
+    """W = floor(sum steps / max steps), clamped to [1, number of clients]."""
     if not steps:
         return 1
     m = max(steps)
@@ -214,7 +215,6 @@ class VectorizedEngine(EngineBase):
         if self.max_slots < 1 or eval_models < 1:
             raise ValueError("max_slots and eval_models must be >= 1")
         self.batchnorm = _has_batchnorm(self.model)
-        self.num_classes = fed.num_classes
         self.eval_models = int(eval_models)
         budget = eval_memory or ((4 << 30) if cuda else (512 << 20))
         if self.batchnorm:
@@ -236,31 +236,23 @@ class VectorizedEngine(EngineBase):
         self._logits = _MaybeCompiled(vmap(self.f, in_dims=(0, None)), self.compiled)
 
     # -- training -------------------------------------------------------------------------------
-    def _step_fn(self, objective: str) -> _MaybeCompiled:
-        if objective not in self._steps:
-            obj = self.objective(objective)
-            f, cfg = self.f, self.cfg
+    def _step_fn(self, loss, cfg: LocalConfig, per_client_mask: bool) -> _MaybeCompiled:
+        key = (loss, cfg.optimizer, per_client_mask)
+        if key not in self._steps:
+            obj, f = resolve_loss(loss), self.f
 
-            def loss(flat, x, y, wt, extras):
+            def loss_of(flat, x, y, wt, extras):
                 return obj(f, flat, x, y, wt, extras)
 
-            vg = vmap(grad_and_value(loss))
+            vg = vmap(grad_and_value(loss_of))
 
-            def step(w, buf, x, y, wt, extras, active, mask):
+            def step(w, st, x, y, wt, extras, active, mask):
                 g, lv = vg(w, x, y, wt, extras)
-                if cfg.weight_decay:
-                    g = g + cfg.weight_decay * w
-                if mask is not None:
-                    g = g * mask
-                a = active.unsqueeze(1)
-                if cfg.momentum:
-                    buf = torch.where(a, buf * cfg.momentum + g, buf)
-                    g = buf
-                w = torch.where(a, w - cfg.lr * g, w)
-                return w, buf, lv
+                w, st = optimizer_step(w, g, st, cfg, mask, active.unsqueeze(1))
+                return w, st, lv
 
-            self._steps[objective] = _MaybeCompiled(step, self.compiled)
-        return self._steps[objective]
+            self._steps[key] = _MaybeCompiled(step, self.compiled)
+        return self._steps[key]
 
     def slots_for(self, steps: list[int]) -> int:
         """Number of vmap slots for a cohort with these step counts.
@@ -284,25 +276,28 @@ class VectorizedEngine(EngineBase):
         self._slot_graphs.add(w)
         return w
 
-    def train(self, plan: Plan, rnd: int) -> Update:
-        dev, B = self.device, self.cfg.batch_size
-        n = len(plan.clients)
-        start = plan.start.to(dev, torch.float32)
-        mask = None if plan.train_mask is None else plan.train_mask.to(dev, start.dtype)
-        extras = {k: v.to(dev) for k, v in plan.extras.items()}
+    def train(self, job: TrainJob, rnd: int) -> Trained:
+        dev, B, cfg = self.device, self.cfg.batch_size, self._config(job)
+        n = len(job.clients)
+        start = job.start.to(dev, torch.float32)
+        per_client = job.mask is not None and job.mask.dim() == 2
+        mask = None if job.mask is None or per_client else job.mask.to(dev, start.dtype)
+        extras = {k: v.to(dev) for k, v in job.extras.items()}
+        if per_client:
+            extras["__mask__"] = job.mask.to(dev, start.dtype)
         for k, v in extras.items():
             if v.dim() == 0 or v.shape[0] != n:
-                raise ValueError(f"Plan.extras[{k!r}] must have one row per client ({n}), got shape "
+                raise ValueError(f"TrainJob.extras[{k!r}] must have one row per client ({n}), got shape "
                                  f"{tuple(v.shape)}")
         losses = torch.zeros(n, dtype=torch.float64)
         if n == 0:
-            return self._update(plan, plan.start.clone(), {"train_loss": losses})
-        orders = self._orders(plan, rnd)
+            return Trained(job.clients, job.start.clone(), self._n_train(job.clients), losses)
+        orders = self._orders(job, rnd)
         steps = [len(o) for o in orders]
         out = start.clone()                       # clients with no steps (epochs=0) keep their start
         busy = [k for k in range(n) if steps[k] > 0]
         if not busy:
-            return self._update(plan, out.to(plan.start.device, plan.start.dtype), {"train_loss": losses})
+            return Trained(job.clients, out.to(job.start.device, job.start.dtype), self._n_train(job.clients), losses)
         W = self.slots_for([steps[k] for k in busy])
         queues = [[busy[j] for j in q] for q in lpt_slots([steps[k] for k in busy], W)]
         T = max(sum(steps[k] for k in q) for q in queues)
@@ -317,7 +312,7 @@ class VectorizedEngine(EngineBase):
         for s, q in enumerate(queues):
             t = 0
             for k in q:
-                gidx = torch.from_numpy(self._train_idx_np[int(plan.clients[k])])
+                gidx = torch.from_numpy(self._train_idx_np[int(job.clients[k])])
                 o = orders[k]
                 starts[t].append((s, k))
                 for j, b in enumerate(o):
@@ -337,23 +332,28 @@ class VectorizedEngine(EngineBase):
                 active[t, s] = False
         idx, wt, active = idx.to(dev), wt.to(dev), active.to(dev)
 
-        step = self._step_fn(plan.objective)
+        step = self._step_fn(job.loss, cfg, per_client)
         w = torch.zeros(W, start.shape[1], device=dev, dtype=start.dtype)
-        buf = torch.zeros_like(w)
+        st = optimizer_state(cfg, w)
         ex = {k: torch.zeros((W, *v.shape[1:]), device=dev, dtype=v.dtype) for k, v in extras.items()}
         lvals = torch.zeros(T, W, device=dev, dtype=torch.float64)
         xtr, ytr = self.fed.x_train, self.fed.y_train
         for t in range(T):
             for s, k in starts.get(t, ()):
                 w[s] = start[k]
-                buf[s] = 0
+                for z in st:
+                    z[s] = 0
                 for name, v in extras.items():
                     ex[name][s] = v[k]
             it = idx[t]
-            w, buf, lv = step(w, buf, xtr[it], ytr[it], wt[t], ex, active[t], mask)
+            m = ex.pop("__mask__") if per_client else mask
+            w, st, lv = step(w, st, xtr[it], ytr[it], wt[t], ex, active[t], m)
+            if per_client:
+                ex["__mask__"] = m
             lvals[t] = lv
             for s, k, bi in partial.get(t, ()):
-                lvals[t, s] = self._single_step(plan.objective, w, buf, s, k, bi.to(dev), extras, mask)
+                lvals[t, s] = self._single_step(job.loss, cfg, w, st, s, k, bi.to(dev), extras,
+                                                ex["__mask__"][s] if per_client else mask)
             for s, k in ends.get(t, ()):
                 out[k] = w[s]
         # per-client mean loss, weighted by batch sizes (as the sequential engine)
@@ -370,18 +370,19 @@ class VectorizedEngine(EngineBase):
         losses.index_add_(0, own[sel], lv_cpu[sel])
         losses /= counts.clamp(min=1)
         self.samples_trained += int(counts.sum())
-        return self._update(plan, out.to(plan.start.device, plan.start.dtype), {"train_loss": losses})
+        return Trained(job.clients, out.to(job.start.device, job.start.dtype), self._n_train(job.clients), losses)
 
-    def _single_step(self, objective, w, buf, s, k, bi, extras, mask) -> torch.Tensor:
+    def _single_step(self, loss, cfg, w, st, s, k, bi, extras, mask) -> torch.Tensor:
         """One unpadded step of slot s (BatchNorm models' partial batches), in place."""
-        obj = self.objective(objective)
-        ex = {n: v[k] for n, v in extras.items()}
+        obj = resolve_loss(loss)
+        ex = {n: v[k] for n, v in extras.items() if n != "__mask__"}
         x, y = self.fed.x_train[bi], self.fed.y_train[bi]
         ones = torch.ones(len(y), device=self.device)
         g, lv = grad_and_value(lambda p: obj(self.f, p, x, y, ones, ex))(w[s].clone())
-        ws, bs = w[s].clone(), buf[s].clone()
-        sgd_step(ws, g, bs, self.cfg, mask)
-        w[s], buf[s] = ws, bs
+        ws, sts = optimizer_step(w[s].clone(), g, tuple(z[s].clone() for z in st), cfg, mask)
+        w[s] = ws
+        for z, v in zip(st, sts):
+            z[s] = v
         return lv.detach().double()
 
     # -- evaluation -----------------------------------------------------------------------------
@@ -404,15 +405,13 @@ class VectorizedEngine(EngineBase):
         return self._metrics(vmap(self.f)(params, x), y, valid)
 
     def _empty_result(self, n: int) -> EvalResult:
-        c = self.num_classes
-        return EvalResult(torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.float64),
-                          torch.zeros(n, dtype=torch.long), torch.zeros(n, c, c, dtype=torch.long))
+        return EvalResult.empty(n, self.num_classes)
 
     @torch.no_grad()
     def evaluate(self, params: torch.Tensor, clients: np.ndarray, split: str) -> EvalResult:
         """Model row i scored on client clients[i]'s split ('local', 'train') or on the global test set."""
-        if split not in ("local", "global", "train"):
-            raise ValueError(f"split must be local, global or train, got {split!r}")
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         clients = np.asarray(clients)
         n = len(clients)
         if params.dim() != 2 or params.shape[0] != n:
@@ -420,11 +419,13 @@ class VectorizedEngine(EngineBase):
         if n == 0:
             return self._empty_result(0)
         params = params.to(self.device, torch.float32)
-        if split == "global":
-            return self._evaluate_shared(params, self.fed.x_test, self.fed.y_test)
+        if split in SHARED_SPLITS:
+            return self._evaluate_shared(params, *self.data(0, split))
         if self.batchnorm:
             return super().evaluate(params, clients, split)
-        idx = self.fed.test_idx if split == "local" else self.fed.train_idx
+        if split == "val" and self.fed.val_idx is None:
+            raise ValueError("this federation has no validation splits (data.val_fraction=0)")
+        idx = {"local": self.fed.test_idx, "train": self.fed.train_idx, "val": self.fed.val_idx}[split]
         x_all, y_all = (self.fed.x_test, self.fed.y_test) if split == "local" else \
             (self.fed.x_train, self.fed.y_train)
         return self._evaluate_own(params, [np.asarray(idx[int(c)], dtype=np.int64) for c in clients], x_all, y_all)

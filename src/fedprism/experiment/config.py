@@ -39,8 +39,12 @@ KEYS: dict[str, Param] = {
                                "an integer >= 0"),
     "data.test_subset": Param(0, "use a seeded random subset of this many global test samples (0 = all)", _nonneg,
                               "an integer >= 0"),
-    "model": Param("auto", "lenet5, mlp, cnn, or auto (lenet5 for images >= 28px, else mlp)",
-                   choices=("auto", "lenet5", "mlp", "cnn")),
+    "data.val_fraction": Param(0.0, "fraction of each client's training rows held out as its validation split "
+                               "(hyper-parameters are chosen on validation data, never on test data)",
+                               lambda v: 0 <= v <= 0.5, "a number in [0, 0.5]", new=True),
+    "data.global_val": Param(0, "size of a global validation set carved from the training pool before "
+                             "partitioning (0 = none)", _nonneg, "an integer >= 0", new=True),
+    "model": Param("auto", "lenet5, mlp, cnn, a registered model, or auto (lenet5 for images >= 28px, else mlp)"),
     "partition": Param("dirichlet", "how the data is split across clients (see `fedprism partition --help`)"),
     "clients": Param(100, "number of clients N", _pos, "an integer >= 1"),
     "rounds": Param(100, "communication rounds T", _pos, "an integer >= 1"),
@@ -61,6 +65,10 @@ KEYS: dict[str, Param] = {
                      "run, not part of its id", _nonneg, "an integer >= 0"),
     "scalars": Param("", "directory for per-round and per-client scalars as CSV, written as each round is "
                      "stored ('' = none; not part of the run id)"),
+    "optimizer": Param("sgd", "client optimiser: sgd (lr, momentum, weight_decay) or adam (lr, weight_decay; "
+                       "betas 0.9/0.999, eps 1e-8)", choices=("sgd", "adam"), new=True),
+    "keep_final": Param(True, "keep the final server and client state beside the store (re-scoring of "
+                        "evaluation-only settings without training)"),
 }
 
 #: parameters every partition takes (minimum samples per client)
@@ -70,8 +78,8 @@ PARTITION_COMMON: dict[str, Param] = {
 }
 
 #: keys that change how a run executes but not its numbers (excluded from the run id)
-EXECUTION_KEYS = frozenset({"name", "device", "engine", "compile", "data.root", "data.download", "threads",
-                            "scalars"})
+EXECUTION_KEYS = frozenset({"name", "device", "engine", "compile", "data.root", "data.download", "keep_final",
+                            "threads", "scalars"})
 
 
 def parse_value(text: str) -> Any:
@@ -134,9 +142,20 @@ class Config:
     def partition_params(self) -> dict[str, Any]:
         return {k[len("partition."):]: v for k, v in self.values.items() if k.startswith("partition.")}
 
+    def _params(self) -> dict[str, Param]:
+        from fedprism.algorithms import REGISTRY
+
+        method = REGISTRY.get(self["method"])
+        mp = {f"{self['method']}.{k}": p for k, p in (method.params if method else {}).items()}
+        return {**KEYS, **mp}
+
     @property
     def identity(self) -> dict[str, Any]:
-        return {k: v for k, v in sorted(self.values.items()) if k not in EXECUTION_KEYS}
+        """What identifies the run: every key except execution-only ones, and except keys added after
+        runs were first stored (`Param.new`) while they hold their default, so stored run ids stay valid."""
+        params = self._params()
+        return {k: v for k, v in sorted(self.values.items())
+                if k not in EXECUTION_KEYS and not (k in params and params[k].new and v == params[k].default)}
 
     @property
     def run_id(self) -> str:
@@ -144,15 +163,25 @@ class Config:
         blob = json.dumps(self.identity, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
+    @property
+    def train_id(self) -> str:
+        """Hash of what training depends on: the identity without evaluation-only method parameters
+        (`Param.eval_only`). Runs that differ only there train the same models."""
+        params = self._params()
+        ident = {k: v for k, v in self.identity.items() if not (k in params and params[k].eval_only)}
+        return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
     def with_(self, **kw: Any) -> "Config":
         return resolve({**self.values, **{k.replace("__", "."): v for k, v in kw.items()}})
 
 
 def resolve(raw: dict[str, Any]) -> Config:
     """Validate `raw` (flat keys) and fill defaults for the experiment, the method and the partition."""
+    from fedprism import plugins
     from fedprism.algorithms import REGISTRY
     from fedprism.data.partition import PARTITIONS
 
+    plugins.load()
     raw = dict(raw)
     if "partition.name" in raw:        # TOML: [partition] name = "dirichlet", alpha = 0.1
         raw["partition"] = raw.pop("partition.name")
@@ -163,9 +192,13 @@ def resolve(raw: dict[str, Any]) -> Config:
     if part not in PARTITIONS:
         raise ConfigError("partition", part, f"one of {', '.join(sorted(PARTITIONS))}")
     from fedprism.data.datasets import DATASETS
+    from fedprism.models import MODELS
     ds = raw.get("dataset", KEYS["dataset"].default)
-    if ds not in DATASETS:
-        raise ConfigError("dataset", ds, f"one of {', '.join(DATASETS)}")
+    if ds not in DATASETS and ds not in plugins.DATASETS:
+        raise ConfigError("dataset", ds, f"one of {', '.join((*DATASETS, *plugins.DATASETS))}")
+    model = raw.get("model", KEYS["model"].default)
+    if model != "auto" and model not in MODELS and model not in plugins.MODELS:
+        raise ConfigError("model", model, f"one of auto, {', '.join((*MODELS, *plugins.MODELS))}")
 
     out: dict[str, Any] = {}
     for k, p in KEYS.items():

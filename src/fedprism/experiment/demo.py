@@ -47,7 +47,7 @@ def demo_configs(dataset: str, quick: bool = False, overrides: dict | None = Non
 
 
 def demo(db: str, quick: bool = False, items: list[str] | None = None) -> int:
-    from fedprism.cli import _table
+    from fedprism.textable import table as _table
     from fedprism.experiment.runner import Experiment
     from fedprism.experiment.store import Store
 

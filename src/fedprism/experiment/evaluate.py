@@ -1,9 +1,21 @@
-"""Evaluation with exact caching (specs/performance.md B.7 "F").
+"""The one evaluation path: in process and on a Flower node alike.
 
-Every client's inference model (`model_for`) is scored on its local test split and on the global
-test set. A model row is identified by a hash of its bytes: a client whose model did not change
-since its last evaluation is not scored again, and identical models (FedAvg's one shared model)
-are scored on the global test set once. Results are exact, not approximations.
+A method says, through `Algorithm.eval_payload` (server side) and `Algorithm.inference` (client side),
+which model(s) each client predicts with and how their logits combine (`fedprism.protocol.Inference`).
+This module scores that on each client's local test split and on the global test set:
+
+* **one model** (`Inference.single`): the engine's batched evaluation with exact caching. A model row
+  is identified by a hash of its bytes: a client whose model did not change since its last evaluation
+  is not scored again, and identical models (FedAvg's one shared model) are scored on the global test
+  set once.
+* **several streams** (an ensemble, `fedprism_dual`'s routed streams): the streams' logits are computed
+  in chunks, combined, and scored; the alternative predictions (`Inference.alternatives`) are scored
+  from the same logits. On the global test set each stream's logits are cached per client, keyed by a
+  hash of the stream's row, so only streams that changed since the last evaluation are run again.
+  Streams listed in `Inference.features` yield penultimate features instead of logits (`fedproto`'s
+  nearest-prototype prediction), computed, cached and handed to `combine` / `alternatives` the same way.
+
+Results are exact, not approximations: a cached score is the score the same model gets again.
 """
 
 from __future__ import annotations
@@ -13,8 +25,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
-from fedprism.algorithms.base import Algorithm, EvalResult
+from fedprism.protocol import EvalResult, Inference, Rows
+
+SPLITS = ("local", "global", "train", "val", "global_val")
+SHARED = ("global", "global_val")
+#: largest per-stream logit cache on the global test set (bytes); beyond it logits are recomputed
+STREAM_CACHE_BYTES = 512 << 20
 
 
 def row_hashes(params: torch.Tensor) -> list[bytes]:
@@ -34,6 +52,125 @@ def macro_f1(conf: torch.Tensor) -> torch.Tensor:
     return (f1 * present).sum(1) / present.sum(1).clamp(min=1)
 
 
+class StreamScorer:
+    """Scores an `Inference` with several streams (or a combination) on one split, on any Trainer.
+
+    Call shapes follow the engine: the vectorized engine's `eval_samples` x `eval_models` (compiled),
+    the sequential engine's `eval_chunk`. Streams are stacked in their declared order into one logits
+    call per client on local splits; on the global test set every stream's logits come from a per-client
+    cache refreshed in groups of the engine's width.
+    """
+
+    def __init__(self, engine, num_clients: int):
+        self.engine, self.N = engine, num_clients
+        self.chunk = int(getattr(engine, "eval_samples", 0) or getattr(getattr(engine, "cfg", None), "eval_chunk", 500)
+                         or 500)
+        dev = torch.device(getattr(engine, "device", "cpu"))
+        width = getattr(engine, "eval_models", None)
+        self.budget = self.chunk * width if width else 1 << (18 if dev.type == "cuda" else 13)
+        self.caches: dict[str, dict] = {}
+
+    def _run(self, params: torch.Tensor, x: torch.Tensor, features: bool) -> torch.Tensor:
+        """[n, B, C] logits, or [n, B, d] penultimate features, of n models on one input batch."""
+        return self.engine.features(params, x) if features else self.engine.logits(params, x)
+
+    def _cached_logits(self, name: str, rows: torch.Tensor, clients: np.ndarray, x: torch.Tensor,
+                       features: bool = False) -> torch.Tensor | None:
+        """[N, N_test, C] logits (or [N, N_test, d] features) of stream `name` on the global test set,
+        refreshed for changed rows."""
+        key = f"{name}#features" if features else name
+        cache = self.caches.get(key)
+        if cache is None or cache["n_test"] != len(x):
+            width = self._run(rows[:1], x[:2], True).shape[-1] if features and len(rows) else self.engine.num_classes
+            cache = {"n_test": len(x), "hash": [b""] * self.N, "logits": None, "width": width}
+        if self.N * len(x) * cache["width"] * 4 > STREAM_CACHE_BYTES:
+            return None
+        self.caches[key] = cache
+        hashes = row_hashes(rows)
+        stale = [i for i, c in enumerate(clients) if cache["hash"][int(c)] != hashes[i]]
+        per = max(1, self.budget // self.chunk)
+        for g0 in range(0, len(stale), per):
+            grp = stale[g0:g0 + per]
+            params = rows[torch.as_tensor(grp)]
+            for s0 in range(0, len(x), self.chunk):
+                z = self._run(params, x[s0:s0 + self.chunk], features)
+                if cache["logits"] is None:
+                    cache["logits"] = torch.zeros(self.N, len(x), z.shape[-1], device=z.device, dtype=z.dtype)
+                cache["logits"][torch.as_tensor(clients[grp]), s0:s0 + self.chunk] = z
+        for i in stale:
+            cache["hash"][int(clients[i])] = hashes[i]
+        return cache["logits"]
+
+    @torch.no_grad()
+    def __call__(self, inf: Inference, clients: np.ndarray, split: str) -> EvalResult:
+        if split not in SPLITS:
+            raise ValueError(f"split must be local, global or train, got {split!r}")
+        clients = np.asarray(clients)
+        n, C, chunk = len(clients), self.engine.num_classes, self.chunk
+        names = list(inf.streams)
+        feats = set(inf.features)
+        if feats - set(names):
+            raise ValueError(f"Inference.features names unknown streams: {sorted(feats - set(names))}")
+        if inf.combine is None and names[0] in feats:
+            raise ValueError(f"the headline prediction needs logits: stream {names[0]!r} yields features; "
+                             "give Inference.combine")
+        combine = inf.combine or (lambda z, e: z[names[0]])
+        correct = torch.zeros(n, dtype=torch.long)
+        loss = torch.zeros(n, dtype=torch.float64)
+        count = torch.zeros(n, dtype=torch.long)
+        conf = torch.zeros(n, C, C, dtype=torch.long)
+        alt: dict[str, torch.Tensor] = {}
+
+        def score(rows: slice, x: torch.Tensor, y: torch.Tensor, z: dict[str, torch.Tensor]) -> None:
+            m = rows.stop - rows.start
+            for is_feat in (False, True):           # one stacked call for the logit streams, one for features
+                todo = [s for s in names if s not in z and (s in feats) == is_feat]
+                if todo:
+                    out = self._run(torch.cat([inf.streams[s][rows] for s in todo]), x, is_feat)
+                    z = {**z, **{s: out[j * m:(j + 1) * m] for j, s in enumerate(todo)}}
+            ex = {k: v[rows] for k, v in inf.extras.items()}
+            out = combine(z, ex).float()
+            yy = y.to(out.device).expand(m, -1)
+            pred = out.argmax(-1)
+            correct[rows] += (pred == yy).sum(1).cpu()
+            loss[rows] += F.cross_entropy(out.reshape(-1, C), yy.reshape(-1), reduction="none") \
+                .view(m, -1).double().sum(1).cpu()
+            count[rows] += len(y)
+            own = torch.arange(m, device=out.device)[:, None] * (C * C)
+            cells = (own + yy * C + pred).reshape(-1)
+            conf[rows] += torch.bincount(cells, minlength=m * C * C).view(m, C, C).cpu()
+            for name, fn in inf.alternatives.items():
+                hit = (fn(z, ex).argmax(-1) == yy).sum(1).cpu()
+                alt.setdefault(name, torch.zeros(n, dtype=torch.long))[rows] += hit
+
+        if split == "global":
+            x_all, y_all = self.engine.data(int(clients[0]) if n else 0, "global")
+            cached = {s: self._cached_logits(s, inf.streams[s], clients, x_all, s in feats) for s in names}
+            cached = {s: v for s, v in cached.items() if v is not None}
+            streams = max(1, len(names) - len(cached))
+            per = max(1, self.budget // (chunk * streams))
+            ids = torch.as_tensor(clients)
+            for g0 in range(0, n, per):
+                rows = slice(g0, min(n, g0 + per))
+                for s0 in range(0, len(y_all), chunk):
+                    z = {s: v[ids[rows], s0:s0 + chunk] for s, v in cached.items()}
+                    score(rows, x_all[s0:s0 + chunk], y_all[s0:s0 + chunk], z)
+        else:
+            for i, c in enumerate(clients):
+                x_all, y_all = self.engine.data(int(c), split)
+                for s0 in range(0, len(y_all), chunk):
+                    score(slice(i, i + 1), x_all[s0:s0 + chunk], y_all[s0:s0 + chunk], {})
+        return EvalResult(correct, loss, count, conf, alt)
+
+
+def score_inference(engine, scorer: StreamScorer, inf: Inference, clients: np.ndarray, split: str) -> EvalResult:
+    """Uncached scoring of an Inference on one split (a Flower node; the runner uses `Evaluator`)."""
+    single = inf.single
+    if single is not None:
+        return engine.evaluate(single, clients, split)
+    return scorer(inf, clients, split)
+
+
 @dataclass
 class ClientScores:
     """Per-client arrays of one evaluation (NaN where a split is empty or not evaluated)."""
@@ -47,68 +184,89 @@ class ClientScores:
     evaluated: int            # model-evaluations actually computed (for the speed report)
     #: per-client accuracies of an algorithm's alternative predictions, `<split>_acc@<name>`
     alternatives: dict[str, np.ndarray] = field(default_factory=dict)
+    #: per-client accuracies on the validation splits, `val_acc` / `global_val_acc` (when the federation has them)
+    validation: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def _rows(r: EvalResult) -> list[tuple]:
+    f1 = macro_f1(r.confusion)
+    return [(int(r.correct[i]), int(r.count[i]), float(r.loss_sum[i]), float(f1[i])) for i in range(len(r.count))]
 
 
 class Evaluator:
-    def __init__(self, engine, num_clients: int, do_global: bool = True):
+    """Scores every client's inference, with the caches living for the whole run.
+
+    Splits: 'local' (each client's test split) and, with `do_global`, 'global' (the shared test set);
+    `validation` adds 'val' (each client's validation rows) and/or 'global_val' (the global validation
+    set), reported as `val_acc` / `global_val_acc` and used to choose hyper-parameters."""
+
+    def __init__(self, engine, num_clients: int, do_global: bool = True, validation: tuple[str, ...] = ()):
         self.engine = engine
         self.n = num_clients
         self.do_global = do_global
-        self._local: dict[int, tuple[bytes, tuple]] = {}
-        self._global: dict[bytes, tuple] = {}
+        self.validation = tuple(validation)
+        self.streams = StreamScorer(engine, num_clients)
+        self._own: dict[str, dict[int, tuple[bytes, tuple]]] = {}
+        self._shared: dict[str, dict[bytes, tuple]] = {}
 
-    @staticmethod
-    def _rows(r: EvalResult) -> list[tuple]:
-        f1 = macro_f1(r.confusion)
-        return [(int(r.correct[i]), int(r.count[i]), float(r.loss_sum[i]), float(f1[i])) for i in range(len(r.count))]
+    @property
+    def splits(self) -> list[str]:
+        return ["local"] + (["global"] if self.do_global else []) + list(self.validation)
 
-    def __call__(self, algo: Algorithm, state: dict) -> ClientScores:
+    def inference(self, algo, state: dict, cstate: Rows) -> Inference:
         clients = np.arange(self.n)
-        evaluated = 0
-        alternatives: dict[str, np.ndarray] = {}
-        custom_local = algo.evaluate(state, self.engine, clients, "local")
-        if custom_local is not None:
-            local = self._rows(custom_local)
-            results = {"local": custom_local}
-            glob = None
-            if self.do_global:
-                results["global"] = algo.evaluate(state, self.engine, clients, "global")
-                glob = self._rows(results["global"])
-            for split, r in results.items():
-                n = r.count.double().numpy()
-                with np.errstate(invalid="ignore", divide="ignore"):
-                    for name, correct in r.alternatives.items():
-                        alternatives[f"{split}_acc@{name}"] = np.where(n > 0, correct.double().numpy() / n, np.nan)
-            evaluated = 2 * self.n
-        else:
-            params = algo.model_for(state, clients)
-            hashes = row_hashes(params)
-            todo = [i for i in clients if self._local.get(int(i), (None,))[0] != hashes[i]]
-            if todo:
-                res = self._rows(self.engine.evaluate(params[torch.as_tensor(todo)], np.array(todo), "local"))
-                for i, r in zip(todo, res):
-                    self._local[int(i)] = (hashes[i], r)
-                evaluated += len(todo)
-            local = [self._local[int(i)][1] for i in clients]
-            glob = None
-            if self.do_global:
-                need = {}
-                for i, h in enumerate(hashes):
-                    if h not in self._global and h not in need:
-                        need[h] = i
-                if need:
-                    idx = list(need.values())
-                    res = self._rows(self.engine.evaluate(params[torch.as_tensor(idx)], np.array(idx), "global"))
-                    for h, r in zip(need, res):
-                        self._global[h] = r
-                    evaluated += len(idx)
-                glob = [self._global[h] for h in hashes]
-                live = set(hashes)
-                self._global = {h: r for h, r in self._global.items() if h in live}
+        return algo.inference(self.engine, clients, algo.eval_payload(state, clients), cstate)
 
+    def __call__(self, algo, state: dict, cstate: Rows | None = None) -> ClientScores:
+        """Score `algo`'s inference for every client; `cstate` = every client's client-state rows."""
+        return self.score(self.inference(algo, state, cstate or {}))
+
+    def score(self, inf: Inference) -> ClientScores:
+        clients = np.arange(self.n)
+        params = inf.single
+        results: dict[str, list[tuple]] = {}
+        raw: dict[str, EvalResult] = {}
+        evaluated = 0
+        for split in self.splits:
+            if params is None:
+                raw[split] = self.streams(inf, clients, split)
+                results[split] = _rows(raw[split])
+                evaluated += self.n
+            else:
+                results[split], k = self._cached(params, clients, split)
+                evaluated += k
+        return self._scores(results, evaluated, _alternatives(raw))
+
+    def _cached(self, params: torch.Tensor, clients: np.ndarray, split: str) -> tuple[list, int]:
+        hashes = row_hashes(params)
+        if split not in SHARED:
+            cache = self._own.setdefault(split, {})
+            todo = [i for i in clients if cache.get(int(i), (None,))[0] != hashes[i]]
+            if todo:
+                res = _rows(self.engine.evaluate(params[torch.as_tensor(todo)], np.array(todo), split))
+                for i, r in zip(todo, res):
+                    cache[int(i)] = (hashes[i], r)
+            return [cache[int(i)][1] for i in clients], len(todo)
+        cache = self._shared.setdefault(split, {})
+        need = {}
+        for i, h in enumerate(hashes):
+            if h not in cache and h not in need:
+                need[h] = i
+        if need:
+            idx = list(need.values())
+            res = _rows(self.engine.evaluate(params[torch.as_tensor(idx)], np.array(idx), split))
+            for h, r in zip(need, res):
+                cache[h] = r
+        rows = [cache[h] for h in hashes]
+        live = set(hashes)
+        self._shared[split] = {h: r for h, r in cache.items() if h in live}
+        return rows, len(need)
+
+    def _scores(self, results: dict[str, list], evaluated: int, alternatives: dict) -> ClientScores:
         def acc(rows):
             return np.array([r[0] / r[1] if r[1] else np.nan for r in rows])
 
+        local, glob = results["local"], results.get("global")
         n_test = np.array([r[1] for r in local])
         return ClientScores(
             local_acc=acc(local),
@@ -119,7 +277,23 @@ class Evaluator:
             global_f1=np.array([r[3] for r in glob]) if glob is not None else np.full(self.n, np.nan),
             evaluated=evaluated,
             alternatives=alternatives,
+            validation={f"{s}_acc": acc(results[s]) for s in self.validation if s in results},
         )
+
+    def from_results(self, results: dict[str, EvalResult]) -> ClientScores:
+        """Scores from per-client results computed elsewhere (each Flower node scored its own inference)."""
+        return self._scores({s: _rows(r) for s, r in results.items()},
+                            sum(len(r.count) for r in results.values()), _alternatives(results))
+
+
+def _alternatives(results: dict[str, EvalResult]) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for split, r in results.items():
+        n = r.count.double().numpy()
+        with np.errstate(invalid="ignore", divide="ignore"):
+            for name, correct in r.alternatives.items():
+                out[f"{split}_acc@{name}"] = np.where(n > 0, correct.double().numpy() / n, np.nan)
+    return out
 
 
 def summarize(s: ClientScores) -> dict:
@@ -139,7 +313,7 @@ def summarize(s: ClientScores) -> dict:
         out["global_acc"] = float(np.mean(s.global_acc))
         out["global_acc_std"] = float(np.std(s.global_acc))
         out["global_f1"] = float(np.mean(s.global_f1))
-    for name, acc in s.alternatives.items():          # mean over the clients that have samples there
+    for name, acc in {**s.validation, **s.alternatives}.items():   # mean over the clients with samples there
         if not np.all(np.isnan(acc)):
             out[name] = float(np.nanmean(acc))
     return out

@@ -29,11 +29,17 @@ def _pad32(cfg: Config, dataset: str) -> bool:
 
 @lru_cache(maxsize=4)
 def _federation(dataset: str, root: str, download: bool, pad32: bool, partition: str,
-                part_items: tuple, clients: int, seed: int, train_subset: int = 0, test_subset: int = 0) -> Federation:
-    from fedprism.data.datasets import load_dataset
+                part_items: tuple, clients: int, seed: int, train_subset: int = 0, test_subset: int = 0,
+                val_fraction: float = 0.0, global_val: int = 0) -> Federation:
+    from fedprism.data.datasets import DATASETS, load_dataset
     from fedprism.data.partition import make_partition
 
-    ds = load_dataset(dataset, root=root or None, download=download, pad32=pad32)
+    from fedprism import plugins
+
+    if dataset in plugins.DATASETS and dataset not in DATASETS:
+        ds = plugins.DATASETS[dataset](pad32=pad32, root=root or None)
+    else:
+        ds = load_dataset(dataset, root=root or None, download=download, pad32=pad32)
     x_tr, y_tr, x_te, y_te = ds.x_train, ds.y_train, ds.x_test, ds.y_test
     rng = np.random.default_rng([seed, 0xDA7A])
     if 0 < train_subset < len(y_tr):
@@ -42,6 +48,15 @@ def _federation(dataset: str, root: str, download: bool, pad32: bool, partition:
     if 0 < test_subset < len(y_te):
         keep = torch.as_tensor(np.sort(rng.permutation(len(y_te))[:test_subset]))
         x_te, y_te = x_te[keep], y_te[keep]
+    x_val = y_val = None
+    if global_val > 0:              # carved from the training pool before partitioning (seeded)
+        if global_val >= len(y_tr):
+            from fedprism.errors import ConfigError
+            raise ConfigError("data.global_val", global_val, f"an integer < the {len(y_tr)} training samples")
+        perm = np.random.default_rng([seed, 0x6A1]).permutation(len(y_tr))
+        gv, rest = torch.as_tensor(np.sort(perm[:global_val])), torch.as_tensor(np.sort(perm[global_val:]))
+        x_val, y_val = x_tr[gv].float().contiguous(), y_tr[gv].long()
+        x_tr, y_tr = x_tr[rest], y_tr[rest]
     params = dict(part_items)
     part = make_partition(partition, y_tr.numpy(), y_te.numpy(), clients, seed, **params)
     train_idx, test_idx = list(part.train), list(part.test)
@@ -55,11 +70,21 @@ def _federation(dataset: str, root: str, download: bool, pad32: bool, partition:
         slot = {d: k for k, d in enumerate(doms)}
         train_idx = [i + slot[int(d)] * n_tr for i, d in zip(train_idx, part.domains)]
         test_idx = [i + slot[int(d)] * n_te for i, d in zip(test_idx, part.domains)]
+    train_idx = [np.asarray(i, dtype=np.int64) for i in train_idx]
+    val_idx = None
+    if val_fraction > 0:            # each client's own validation rows, held out of its training rows
+        val_idx = []
+        for c, idx in enumerate(train_idx):
+            k = int(np.floor(val_fraction * len(idx)))
+            k = min(k, len(idx) - 1) if len(idx) > 1 else 0
+            perm = np.random.default_rng([seed, 0x7A1, c]).permutation(len(idx))
+            val_idx.append(np.sort(idx[perm[:k]]))
+            train_idx[c] = np.sort(idx[perm[k:]])
     return Federation(x_tr.float().contiguous(), y_tr.long(), x_te.float().contiguous(), y_te.long(),
-                      [np.asarray(i, dtype=np.int64) for i in train_idx],
-                      [np.asarray(i, dtype=np.int64) for i in test_idx],
+                      train_idx, [np.asarray(i, dtype=np.int64) for i in test_idx],
                       num_classes=len(ds.classes), class_names=list(ds.classes), name=dataset,
-                      meta={"partition": partition, **params, **dict(part.meta)})
+                      meta={"partition": partition, **params, **dict(part.meta)},
+                      val_idx=val_idx, x_val=x_val, y_val=y_val)
 
 
 def build_federation(cfg: Config) -> Federation:
@@ -67,6 +92,6 @@ def build_federation(cfg: Config) -> Federation:
     params = tuple(sorted(cfg.partition_params.items()))
     fed = _federation(cfg["dataset"], cfg["data.root"], bool(cfg["data.download"]), _pad32(cfg, cfg["dataset"]),
                       cfg["partition"], params, cfg["clients"], cfg["seed"], cfg["data.train_subset"],
-                      cfg["data.test_subset"])
+                      cfg["data.test_subset"], cfg["data.val_fraction"], cfg["data.global_val"])
     return Federation(fed.x_train, fed.y_train, fed.x_test, fed.y_test, fed.train_idx, fed.test_idx,
-                      fed.num_classes, fed.class_names, fed.name, dict(fed.meta))
+                      fed.num_classes, fed.class_names, fed.name, dict(fed.meta), fed.val_idx, fed.x_val, fed.y_val)

@@ -1,8 +1,8 @@
-"""The round loop: config -> federation -> algorithm + engine -> rounds -> store (DESIGN.md).
+"""The round loop: config -> federation -> algorithm + engine -> rounds -> store (docs/architecture.md).
 
-Resumable: after every round the algorithm state is checkpointed beside the database, and every
-random stream is a pure function of (seed, round, client), so a resumed run reaches exactly the
-numbers of an uninterrupted one.
+Resumable: after every round the algorithm's server state and the clients' own state are checkpointed
+beside the database, and every random stream is a pure function of (seed, round, client, stream name),
+so a resumed run reaches exactly the numbers of an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from fedprism.algorithms import REGISTRY
-from fedprism.algorithms.base import Algorithm, Context, Plan, Update
+from fedprism.algorithms.base import Algorithm
 from fedprism.engine import make_engine
 from fedprism.engine.base import LocalConfig
 from fedprism.experiment.config import Config
@@ -28,11 +28,12 @@ from fedprism.experiment.store import Store
 from fedprism.federation import Federation
 from fedprism.models import build_model
 from fedprism.params import flatten
+from fedprism.protocol import ClientState, Context, Plan, Rows, TensorSpec, Update
 
 
 def sample_clients(seed: int, rnd: int, num_clients: int, fraction: float) -> np.ndarray:
     """m_t = max(floor(qN), 1) clients without replacement from a stream seeded by (seed, round)
-    only, so every method sees the same cohorts (specs 0.5)."""
+    only, so every method sees the same cohorts."""
     m = max(int(math.floor(fraction * num_clients + 1e-9)), 1)
     rng = np.random.default_rng([seed, rnd, 0x5A3])
     return np.sort(rng.choice(num_clients, size=m, replace=False))
@@ -47,26 +48,119 @@ class RunResult:
     resumed_from: int | None = None
 
 
-def _validate(update: Update, P: int) -> tuple[Update, dict[int, str]]:
-    """Reject rows with the wrong length or NaN/Inf values (specs 0.10); never stop the round."""
-    if update.params.dim() != 2 or update.params.shape[1] != P:
-        return update.select(np.zeros(len(update.clients), bool)), {
-            int(c): f"wrong shape {tuple(update.params.shape)}, expected [n, {P}]" for c in update.clients}
-    finite = torch.isfinite(update.params).all(1).cpu().numpy()
-    bad = {int(c): "non-finite values (NaN/Inf)" for c, ok in zip(update.clients, finite) if not ok}
-    return (update if not bad else update.select(finite)), bad
+class ClientStore:
+    """The simulator's side of every client: the rows of the method's declared client state.
+
+    `rows(clients)` hands `client_update` and `inference` their clients' rows; `write` commits the new
+    rows a client returned. The whole store goes into every checkpoint, so a resumed run is exact."""
+
+    def __init__(self, decls: dict[str, ClientState], ctx: Context):
+        self.data: Rows = {k: d.initial(ctx, ctx.num_clients) for k, d in decls.items()}
+
+    def rows(self, clients: np.ndarray) -> Rows:
+        idx = torch.as_tensor(np.asarray(clients), dtype=torch.long)
+        return {k: v[idx] for k, v in self.data.items()}
+
+    def write(self, clients: np.ndarray, rows: Rows) -> None:
+        idx = torch.as_tensor(np.asarray(clients), dtype=torch.long)
+        for k, v in rows.items():
+            if k not in self.data:
+                raise KeyError(f"client state {k!r} was not declared (declared: {sorted(self.data)})")
+            t = self.data[k]
+            t[idx] = v.to(t.device, t.dtype)
 
 
-def _local_work(algo: Algorithm, plan: Plan, engine, rnd: int) -> tuple[Update | None, dict[int, str]]:
+def validate_update(update: Update, upload: dict[str, TensorSpec]) -> tuple[Update, dict[int, str]]:
+    """Reject (never stop the round for) client rows whose payload does not match the declared upload:
+    a missing or unexpected tensor, a wrong shape or dtype, NaN/Inf, out-of-range indices, or a sample
+    count that is not a finite non-negative number."""
+    n = len(update.clients)
+    bad: dict[int, str] = {}
+    extra = sorted(set(update.payload) - set(upload))
+    missing = sorted(set(upload) - set(update.payload))
+    for k in update.payload:
+        v = update.payload[k]
+        if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.shape[0] != n:
+            missing.append(k)
+    if extra or missing:
+        why = "; ".join([f"unexpected tensor {k!r}" for k in extra] + [f"missing tensor {k!r}" for k in missing])
+        return update.select(np.zeros(n, bool)), {int(c): why for c in update.clients}
+    ns = update.n_samples
+    for i, c in enumerate(update.clients):
+        for k, spec in upload.items():
+            why = spec.problem(k, update.payload[k][i])
+            if why is not None:
+                bad[int(c)] = why
+                break
+        else:
+            if not (math.isfinite(float(ns[i])) and float(ns[i]) >= 0):
+                bad[int(c)] = f"n_samples: {float(ns[i])!r} is not a finite number >= 0"
+    if not bad:
+        return update, bad
+    keep = np.array([int(c) not in bad for c in update.clients])
+    return update.select(keep), bad
+
+
+def receive(update: Update, plan: Plan, clients: ClientStore | None, upload: dict[str, TensorSpec]
+            ) -> tuple[Update, dict[int, str]]:
+    """What the server does with the clients' replies before aggregating: the clients keep their new
+    state (the simulator writes it to `clients`), the rows each client was sent are attached
+    (`Update.sent`), and rows that do not match the declared upload are rejected."""
+    if clients is not None and update.client_state:
+        clients.write(update.clients, update.client_state)
+    pos = {int(c): i for i, c in enumerate(plan.clients)}
+    update.sent = plan.subset(np.array([pos[int(c)] for c in update.clients], dtype=np.int64)).payload
+    return validate_update(update, upload)
+
+
+class Simulator:
+    """An algorithm driven round by round in process, without a store: for notebooks and tests.
+
+        sim = Simulator(algo, engine)
+        plan, update, records = sim.round(rnd, clients)
+        sim.state, sim.clients.data, sim.inference(), sim.evaluate("local")
+    """
+
+    def __init__(self, algo: Algorithm, engine, state: dict | None = None):
+        self.algo, self.engine = algo, engine
+        self.state = algo.init_state() if state is None else state
+        self.clients = ClientStore(algo.client_state, algo.ctx)
+        self.upload = {k: spec.resolve(algo.ctx) for k, spec in algo.upload().items()}
+
+    def round(self, rnd: int, clients: np.ndarray) -> tuple[Plan, Update, dict]:
+        plan = self.algo.plan(self.state, rnd, np.asarray(clients))
+        update, failed = _local_work(self.algo, plan, self.engine, rnd, self.clients)
+        if update is None:
+            update = Update(plan.clients[:0], sent=plan.subset(np.zeros(0, dtype=np.int64)).payload)
+            rejected: dict[int, str] = {}
+        else:
+            update, rejected = receive(update, plan, self.clients, self.upload)
+        update.rejected = {**failed, **rejected}
+        return plan, update, self.algo.aggregate(self.state, rnd, update) or {}
+
+    def inference(self, clients: np.ndarray | None = None):
+        c = np.arange(self.algo.ctx.num_clients) if clients is None else np.asarray(clients)
+        return self.algo.inference(self.engine, c, self.algo.eval_payload(self.state, c), self.clients.rows(c))
+
+    def evaluate(self, split: str, clients: np.ndarray | None = None):
+        from fedprism.experiment.evaluate import StreamScorer, score_inference
+
+        c = np.arange(self.algo.ctx.num_clients) if clients is None else np.asarray(clients)
+        return score_inference(self.engine, StreamScorer(self.engine, self.algo.ctx.num_clients),
+                               self.inference(c), c, split)
+
+
+def _local_work(algo: Algorithm, plan: Plan, engine, rnd: int, clients: ClientStore | None
+                ) -> tuple[Update | None, dict[int, str]]:
     """Run the cohort; if it fails, retry client by client and record the ones that fail."""
     try:
-        return algo.client_update(plan, engine, rnd), {}
+        return algo.client_update(plan, engine, rnd, clients.rows(plan.clients) if clients else {}), {}
     except Exception as e:  # noqa: BLE001 - a client failure must not stop the run
         if len(plan.clients) == 1:
             return None, {int(plan.clients[0]): f"{type(e).__name__}: {e}"}
     parts, failed = [], {}
     for r in range(len(plan.clients)):
-        up, f = _local_work(algo, plan.subset(np.array([r])), engine, rnd)
+        up, f = _local_work(algo, plan.subset(np.array([r])), engine, rnd, clients)
         failed.update(f)
         if up is not None:
             parts.append(up)
@@ -76,7 +170,7 @@ def _local_work(algo: Algorithm, plan: Plan, engine, rnd: int) -> tuple[Update |
 def local_config(cfg: Config) -> LocalConfig:
     """The client-side training settings of a config."""
     return LocalConfig(epochs=cfg["local_epochs"], batch_size=cfg["batch_size"], lr=cfg["lr"],
-                       momentum=cfg["momentum"], weight_decay=cfg["weight_decay"])
+                       momentum=cfg["momentum"], weight_decay=cfg["weight_decay"], optimizer=cfg["optimizer"])
 
 
 def make_model(cfg: Config, input_shape: tuple[int, ...], num_classes: int) -> torch.nn.Module:
@@ -89,7 +183,14 @@ def make_context(cfg: Config, model: torch.nn.Module, n_train: np.ndarray, label
     filled in by the caller once the engine (or a `Functional`) has laid the parameters out."""
     return Context(num_clients=len(n_train), num_classes=int(label_hist.shape[1]), spec=None, init=flatten(model),
                    n_train=n_train, label_hist=label_hist, seed=cfg["seed"], rounds=cfg["rounds"],
-                   fraction=cfg["fraction"])
+                   fraction=cfg["fraction"], feature_dim=feature_dim(model))
+
+
+def feature_dim(model: torch.nn.Module) -> int:
+    """Width of the penultimate features (the input of the model's `head`), 0 if it has no head."""
+    head = getattr(model, "head", None)
+    lin = [m for m in head.modules() if isinstance(m, torch.nn.Linear)] if head is not None else []
+    return int(lin[0].in_features) if lin else 0
 
 
 def make_algorithm(cfg: Config, ctx: Context) -> Algorithm:
@@ -99,8 +200,9 @@ def make_algorithm(cfg: Config, ctx: Context) -> Algorithm:
 class Experiment:
     """One configured run. `run()` executes or resumes it and stores everything.
 
-    `run()` uses only `cfg`, `store`, `sweep`, `progress`, `run_id`, `ctx`, `engine` (any Trainer) and
-    `algo`, plus the hooks `local_work`, `extra_records` and `evaluate_round`: the Flower ServerApp
+    `run()` uses only `cfg`, `store`, `sweep`, `progress`, `run_id`, `ctx`, `engine` (any Trainer),
+    `algo`, `clients` (the simulator's client-side state, None when clients hold it themselves) and
+    `upload`, plus the hooks `local_work`, `extra_records` and `evaluate_round`: the Flower ServerApp
     (`fedprism.flower`) subclasses it with remote clients and no data on the server.
     """
 
@@ -116,11 +218,13 @@ class Experiment:
                                   compile=cfg["compile"], rounds=cfg["rounds"])
         self.ctx.spec = self.engine.spec
         self.algo: Algorithm = make_algorithm(cfg, self.ctx)
+        self.clients: ClientStore | None = ClientStore(self.algo.client_state, self.ctx)
+        self.upload = {k: spec.resolve(self.ctx) for k, spec in self.algo.upload().items()}
 
     # -- hooks (overridden by the Flower ServerApp) -------------------------------------------------
     def local_work(self, plan: Plan, rnd: int) -> tuple[Update | None, dict[int, str]]:
         """The sampled clients' work: (update of the clients that succeeded, failed client -> reason)."""
-        return _local_work(self.algo, plan, self.engine, rnd)
+        return _local_work(self.algo, plan, self.engine, rnd, self.clients)
 
     def extra_records(self, rnd: int) -> list[tuple[str, int | None, Any]]:
         """Further (kind, client, data) records to store with round `rnd`."""
@@ -129,7 +233,11 @@ class Experiment:
     def evaluate_round(self, evaluator: Evaluator, state: dict) -> tuple[dict, list[tuple]]:
         """Round metrics and per-client rows of one evaluation."""
         t_eval = time.time()
-        scores = evaluator(self.algo, state)
+        scores = evaluator(self.algo, state, self.clients.data if self.clients is not None else {})
+        return self.round_metrics(scores, state, t_eval)
+
+    def round_metrics(self, scores, state: dict, t_eval: float) -> tuple[dict, list[tuple]]:
+        """Round metrics (summary, extra models on the global test set, timing) and per-client rows."""
         metrics = summarize(scores)
         for name, w in self.algo.extra_models(state).items():
             r = self.engine.evaluate(w.unsqueeze(0), np.array([0]), "global")
@@ -141,30 +249,99 @@ class Experiment:
         return metrics, client_rows
 
     def initial_state(self) -> dict:
-        """The algorithm's state at round 0 (hook: the Flower server drops the client-side rows)."""
+        """The algorithm's server state at round 0."""
         return self.algo.init_state()
 
+    def evaluator(self) -> Evaluator:
+        """The run's Evaluator: local and global test splits, plus the validation splits the config asks for."""
+        validation = tuple(s for s, on in (("val", self.cfg["data.val_fraction"] > 0),
+                                           ("global_val", self.cfg["data.global_val"] > 0)) if on)
+        return Evaluator(self.engine, self.ctx.num_clients, self.cfg["eval.global"], validation)
+
+    # -- state beside the store ---------------------------------------------------------------------
+    def _snapshot(self, rnd: int, state: dict, seen: np.ndarray, elapsed: float) -> dict:
+        snap = {"run_id": self.run_id, "round": rnd, "state": state, "seen": seen, "elapsed": elapsed}
+        if self.clients is not None:
+            snap["client_state"] = self.clients.data
+        return snap
+
+    def _restore(self, snap: dict) -> dict:
+        if self.clients is not None:
+            cs = snap.get("client_state", {})
+            if set(cs) != set(self.clients.data):
+                raise ValueError(f"checkpoint holds client state {sorted(cs)}, the method declares "
+                                 f"{sorted(self.clients.data)}")
+            self.clients.data = cs
+        return snap["state"]
+
+    def rescore_source(self) -> tuple[str, dict] | None:
+        """A finished run that trained exactly this configuration (same training identity, other
+        evaluation-only settings) and whose final state was kept: (its run id, the kept state)."""
+        from fedprism.experiment.config import resolve
+
+        want = self.cfg.train_id
+        for row in self.store.runs(method=self.cfg["method"], seed=self.cfg["seed"], status="finished"):
+            if row["run_id"] == self.run_id:
+                continue
+            try:
+                other = resolve(_json(row["config"]))
+            except Exception:  # noqa: BLE001 - a stored config of an older version: not a match
+                continue
+            if other.train_id == want:
+                kept = self.store.load_final(want)
+                if kept is not None:
+                    return row["run_id"], kept
+        return None
+
+    def rescore(self, source: str, kept: dict) -> RunResult:
+        """Evaluate a kept final state under this configuration's evaluation settings (no training)."""
+        store, run_id = self.store, self.run_id
+        store.start_run(run_id, self.cfg.values, self.sweep)
+        try:
+            state = self._restore(kept)
+            metrics, client_rows = self.evaluate_round(self.evaluator(), state)
+            metrics["train_s"] = 0.0
+            last = int(kept["round"])
+            store.truncate(run_id, -1)
+            store.write_round(run_id, last, metrics, client_rows,
+                              [("rescored", None, {"from": source, "train_id": self.cfg.train_id})], 0.0)
+        except BaseException:
+            store.mark(run_id, "failed")
+            raise
+        history = store.round_metrics(run_id)
+        final = final_metrics(history, 0.0)
+        final["rescored_from"] = source
+        store.finish(run_id, final)
+        return RunResult(run_id, "finished", final, history)
+
+    # -- the round loop -------------------------------------------------------------------------------
     def run(self, stop_after: int | None = None) -> RunResult:
         """Run to the end (or for `stop_after` more rounds, for tests of resumption)."""
         cfg, store = self.cfg, self.store
         run_id = self.run_id
         set_threads(cfg)                                   # `threads=`: execution-only, recorded below
-        row = store.start_run(run_id, cfg.values, self.sweep, provenance=capture(self))
-        if row["status"] == "finished":
+        prov = capture(self)                               # compared with a stored run's (docs/reproducibility.md)
+        row = store.run(run_id)
+        if row is not None and row["status"] == "finished":
+            store.start_run(run_id, cfg.values, self.sweep, provenance=prov)   # sweep membership
             return RunResult(run_id, "finished", _json(row["final"]), store.round_metrics(run_id))
+        if row is None or row["rounds_done"] == 0:
+            src = self.rescore_source()
+            if src is not None:
+                return self.rescore(*src)
+        store.start_run(run_id, cfg.values, self.sweep, provenance=prov)
         ckpt = store.load_checkpoint(run_id)
         if ckpt is not None and ckpt.get("run_id") == run_id:
-            state, start, resumed = ckpt["state"], ckpt["round"] + 1, ckpt["round"]
+            state, start, resumed = self._restore(ckpt), ckpt["round"] + 1, ckpt["round"]
             elapsed = ckpt.get("elapsed", 0.0)
         else:
             state, start, resumed, elapsed = self.initial_state(), 0, None, 0.0
         store.truncate(run_id, start - 1)
-        evaluator = Evaluator(self.engine, self.ctx.num_clients, cfg["eval.global"])
+        evaluator = self.evaluator()
         seen = np.zeros(self.ctx.num_clients, bool)
         if ckpt is not None and "seen" in ckpt:
             seen = ckpt["seen"]
         bar = Progress(cfg["rounds"], self.progress, cfg.get("name") or cfg["method"])
-        P = self.ctx.spec.size
         metrics: dict[str, Any] | None = None
         T = cfg["rounds"]
         try:
@@ -180,9 +357,9 @@ class Experiment:
                 t_train = time.time() - t_train
                 rejected: dict[int, str] = {}
                 if update is not None:
-                    update, rejected = _validate(update, P)
+                    update, rejected = receive(update, plan, self.clients, self.upload)
                 else:
-                    update = Update(plan.clients[:0], plan.start[:0], plan.start[:0], torch.zeros(0, dtype=torch.float64))
+                    update = Update(plan.clients[:0], sent=plan.subset(np.zeros(0, dtype=np.int64)).payload)
                 update.rejected = {**failed, **rejected}
                 seen[update.clients] = True
                 recs = self.algo.aggregate(state, rnd, update) or {}
@@ -194,21 +371,18 @@ class Experiment:
                     metrics, client_rows = self.evaluate_round(evaluator, state)
                 else:
                     metrics = {}
-                down = plan.down_floats if plan.down_floats is not None else P
-                up = update.up_floats if update.up_floats is not None else P
                 metrics.update({
                     "train_s": t_train, "clients": len(plan.clients), "accepted": len(update.clients),
-                    "rejected": len(update.rejected), "bytes_down": 4 * down * len(plan.clients),
-                    "bytes_up": 4 * up * len(update.clients), "never_sampled": int((~seen).sum()),
+                    "rejected": len(update.rejected), "bytes_down": plan.bytes,
+                    "bytes_up": update.bytes, "never_sampled": int((~seen).sum()),
                 })
-                if "train_loss" in update.extras and len(update.clients):
-                    metrics["train_loss"] = float(update.extras["train_loss"].mean())
+                if "train_loss" in update.metrics and len(update.clients):
+                    metrics["train_loss"] = float(update.metrics["train_loss"].mean())
                 records += self.extra_records(rnd)
                 wall = time.time() - t0
                 elapsed += wall
                 store.write_round(run_id, rnd, metrics, client_rows, records, wall)
-                store.save_checkpoint(run_id, {"run_id": run_id, "round": rnd, "state": state, "seen": seen,
-                                               "elapsed": elapsed})
+                store.save_checkpoint(run_id, self._snapshot(rnd, state, seen, elapsed))
                 bar.update(rnd + 1, metrics if "local_acc" in metrics else None)
         except KeyboardInterrupt:
             store.mark(run_id, "interrupted")
@@ -219,6 +393,8 @@ class Experiment:
         self.state = state
         history = store.round_metrics(run_id)
         final = final_metrics(history, elapsed)
+        if cfg["keep_final"]:
+            store.save_final(cfg.train_id, self._snapshot(T - 1, state, seen, elapsed))
         store.finish(run_id, final)
         store.drop_checkpoint(run_id)
         return RunResult(run_id, "finished", final, history, resumed)

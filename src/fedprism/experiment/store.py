@@ -358,20 +358,33 @@ class Store:
     def ckpt_dir(self) -> Path:
         return self.path.with_name(self.path.name + ".ckpt")
 
-    def save_checkpoint(self, run_id: str, payload: dict) -> None:
-        self.ckpt_dir.mkdir(exist_ok=True)
-        tmp = self.ckpt_dir / f"{run_id}.pt.tmp"
-        torch.save(payload, tmp)
-        os.replace(tmp, self.ckpt_dir / f"{run_id}.pt")
+    @property
+    def final_dir(self) -> Path:
+        return self.path.with_name(self.path.name + ".final")
 
-    def load_checkpoint(self, run_id: str) -> dict | None:
-        p = self.ckpt_dir / f"{run_id}.pt"
+    def save_checkpoint(self, run_id: str, payload: dict, directory: Path | None = None) -> None:
+        d = directory or self.ckpt_dir
+        d.mkdir(exist_ok=True)
+        tmp = d / f"{run_id}.pt.tmp"
+        torch.save(payload, tmp)
+        os.replace(tmp, d / f"{run_id}.pt")
+
+    def load_checkpoint(self, run_id: str, directory: Path | None = None) -> dict | None:
+        p = (directory or self.ckpt_dir) / f"{run_id}.pt"
         if not p.exists():
             return None
         try:
             return torch.load(p, weights_only=False)
         except Exception:  # a torn or corrupt checkpoint: start the run again rather than trust it
             return None
+
+    def save_final(self, train_id: str, payload: dict) -> None:
+        """Keep a finished run's final server and client state (beside the store, like checkpoints), so
+        that evaluation-only settings can re-score it without training (`keep_final=false` opts out)."""
+        self.save_checkpoint(train_id, payload, self.final_dir)
+
+    def load_final(self, train_id: str) -> dict | None:
+        return self.load_checkpoint(train_id, self.final_dir)
 
     def drop_checkpoint(self, run_id: str) -> None:
         (self.ckpt_dir / f"{run_id}.pt").unlink(missing_ok=True)

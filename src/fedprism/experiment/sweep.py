@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import sys
 import time
 import tomllib
@@ -83,9 +84,61 @@ def load_sweep(path: str | Path, quick: bool = False, overrides: dict[str, Any] 
     return name, configs
 
 
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{json.dumps(k)} = {_toml_value(x)}" for k, x in v.items()) + " }"
+    raise TypeError(f"cannot write {type(v).__name__} to a sweep file")
+
+
+def dump_sweep(name: str, base: dict[str, Any], runs: list[dict[str, Any]], grid: dict[str, list] | None = None) -> str:
+    """A sweep file's text from Python: `[base]` keys, an optional `[grid]`, one `[[runs]]` table per run
+    (each with its `label`). Dotted keys are written quoted (`"fedprism.k" = 5`)."""
+    lines = [f"name = {_toml_value(name)}", "", "[base]"]
+    lines += [f"{json.dumps(k)} = {_toml_value(v)}" for k, v in base.items()]
+    if grid:
+        lines += ["", "[grid]"] + [f"{json.dumps(k)} = {_toml_value(v)}" for k, v in grid.items()]
+    for r in runs:
+        lines += ["", "[[runs]]"] + [f"{json.dumps(k)} = {_toml_value(v)}" for k, v in r.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _sweep_worker_init(threads: int) -> None:
+    import torch
+
+    from fedprism import plugins
+
+    torch.set_num_threads(threads)
+    plugins.load()                     # methods registered by entry points (in-process registrations are not seen)
+
+
+def _sweep_job(db: str, name: str, cfg: Config) -> dict:
+    """One run of a sweep in a worker process (its own store connection; SQLite WAL serialises writes)."""
+    from fedprism.experiment.runner import Experiment
+    from fedprism.experiment.store import Store
+
+    store = Store(db)
+    try:
+        res = Experiment(cfg, store, progress=False, sweep=name).run()
+        supersede(store, name, cfg)
+        return res.final
+    finally:
+        store.close()
+
+
 def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, progress: bool = True,
               limit: int | None = None, seeds: list[int] | None = None,
-              overrides: dict[str, Any] | None = None) -> int:
+              overrides: dict[str, Any] | None = None, workers: int = 1) -> int:
+    """Run every run of a sweep file that has not finished (resumable). `workers` > 1 runs that many
+    runs at once in separate processes, the machine's cores split between them (torch threads per
+    worker = cores // workers), each printing one line when its run finishes."""
     from fedprism.experiment.provenance import check, fingerprints
     from fedprism.experiment.runner import Experiment
     from fedprism.experiment.store import Store
@@ -95,12 +148,13 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
         configs = [c for c in configs if only in c["name"]]
     if seeds:
         configs = [c for c in configs if c["seed"] in seeds]
+    if not isinstance(workers, int) or workers < 1:
+        raise ConfigError("--workers", workers, "an integer >= 1")
     store = Store(db)
     done = skipped = 0
     t0 = time.time()
+    todo: list[tuple[str, Config]] = []
     for i, cfg in enumerate(configs):
-        if limit is not None and done >= limit:
-            break
         row = store.run(cfg.run_id)
         tag = f"[{i + 1}/{len(configs)}] {cfg['name']} seed={cfg['seed']}"
         if row is not None and row["status"] == "finished":
@@ -112,12 +166,35 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
             supersede(store, name, cfg)
             print(f"{tag}: finished earlier, skipped", file=sys.stderr)
             continue
-        res = Experiment(cfg, store, progress=progress, sweep=name).run()
-        supersede(store, name, cfg)
-        done += 1
-        f = res.final
-        print(f"{tag}: global {f.get('global_acc', float('nan')):.4f} local {f.get('local_acc', float('nan')):.4f}"
-              f" ({f.get('seconds', 0):.0f}s)", file=sys.stderr)
+        todo.append((tag, cfg))
+    if limit is not None:
+        todo = todo[:limit]
+
+    def line(tag: str, f: dict) -> str:
+        return (f"{tag}: global {f.get('global_acc', float('nan')):.4f} local {f.get('local_acc', float('nan')):.4f}"
+                f" ({f.get('seconds', 0):.0f}s)")
+
+    if workers == 1 or len(todo) <= 1:
+        for tag, cfg in todo:
+            res = Experiment(cfg, store, progress=progress, sweep=name).run()
+            supersede(store, name, cfg)
+            done += 1
+            print(line(tag, res.final), file=sys.stderr)
+    else:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        store.close()
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        print(f"sweep {name}: {len(todo)} runs on {workers} workers, {threads} thread(s) each", file=sys.stderr)
+        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_sweep_worker_init,
+                                 initargs=(threads,)) as pool:
+            futures = {pool.submit(_sweep_job, db, name, cfg): tag for tag, cfg in todo}
+            for fut in as_completed(futures):
+                done += 1
+                print(f"{line(futures[fut], fut.result())}  [{done}/{len(todo)} done, "
+                      f"{time.time() - t0:.0f}s]", file=sys.stderr)
+        store = Store(db)
     print(f"sweep {name}: {done} run, {skipped} already finished, {time.time() - t0:.0f}s", file=sys.stderr)
     store.close()
     return 0

@@ -38,10 +38,8 @@ STORE = "fedprism-client-state"
 
 
 def load_store(node: Node, context: Context) -> None:
-    """Bind the node's client-side rows (fedprism_dual's P_i, L_i) to what this node's Context holds;
-    a fresh Context (first round) keeps the initial rows."""
-    if node.store is None:
-        return
+    """Bind the node's client-side rows (the method's `client_state`, e.g. fedprism_dual's P_i, L_i) to
+    what this node's Context holds; a fresh Context (first round) keeps the initial rows."""
     node.store.reset()
     if STORE in context.state.array_records:
         rec = context.state.array_records[STORE]
@@ -49,7 +47,7 @@ def load_store(node: Node, context: Context) -> None:
 
 
 def save_store(node: Node, context: Context) -> None:
-    if node.store is not None:
+    if node.store.data:
         context.state[STORE] = ArrayRecord({k: Array(v) for k, v in node.store.to_arrays().items()})
 
 
@@ -79,12 +77,11 @@ def make_client_app(**defaults: Any) -> ClientApp:
     @app.evaluate()
     def evaluate(msg: Message, context: Context) -> Message:
         node = node_for(context, defaults)
-        params, splits, cid, extras = codec.decode_eval(msg.content)
+        params, splits, cid, payload = codec.decode_eval(msg.content)
         if cid != node.client:
             raise ValueError(f"message for client {cid} reached the node of client {node.client}")
-        if extras is not None:
-            load_store(node, context)
-        return Message(codec.encode_scores(node.evaluate(params, splits, extras), node.client), reply_to=msg)
+        load_store(node, context)
+        return Message(codec.encode_scores(node.evaluate(params, splits, payload), node.client), reply_to=msg)
 
     return app
 

@@ -1,21 +1,24 @@
 """Plans, updates and evaluation scores <-> Flower records (the only place that knows the wire format).
 
-A train message carries one row of the server's `Plan` (`plan.subset([row])`: the exact start vector
-this client is sent, its objective, per-client extras and train mask); the reply carries that client's
-`Update` row (trained parameters, sample count, extras). Tensors travel as numpy arrays (dtype and
-shape preserved), other extras as JSON: nothing received is ever unpickled.
+A train message carries one client's row of the server's `Plan` payload (every named tensor); the reply
+carries that client's `Update` row: its payload tensors, its sample count and its training metrics.
+The client's own state (`Algorithm.client_state`) never travels. An evaluation message carries either
+parameter rows to score (methods whose inference is the server's model) or the client's row of the
+method's `eval_payload`, from which the node builds its own inference. Tensors travel as numpy arrays
+(dtype and shape preserved), nothing received is ever unpickled, and every field of a reply is parsed
+under a guard: a malformed reply raises `ValueError` naming the field (the server records it as that
+client's failure).
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
-from fedprism.algorithms.base import EvalResult, Plan, Update
+from fedprism.protocol import EvalResult, Plan, Rows, Update
 
 PLAN, TASK, UPDATE, META, IDENTITY, MODELS, SCORES = "plan", "task", "update", "meta", "identity", "models", "scores"
 
@@ -29,12 +32,36 @@ def _ten(a: Array) -> torch.Tensor:
     return torch.from_numpy(np.array(a.numpy(), copy=True))
 
 
-def _opt(x: int | None) -> int:
-    return -1 if x is None else int(x)
+def _names(cfg: Any, key: str) -> list[str]:
+    try:
+        v = cfg[key]
+    except (KeyError, TypeError):
+        raise ValueError(f"field {key!r} missing") from None
+    if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) for x in v):
+        raise ValueError(f"field {key!r} must be a list of names, got {type(v).__name__}")
+    return list(v)
 
 
-def _unopt(x: int) -> int | None:
-    return None if x < 0 else int(x)
+def _tensors(arrays: Any, prefix: str, names: list[str]) -> Rows:
+    out = {}
+    for k in names:
+        try:
+            out[k] = _ten(arrays[f"{prefix}{k}"])
+        except KeyError:
+            raise ValueError(f"tensor '{prefix}{k}' missing") from None
+        except Exception as e:  # noqa: BLE001 - anything unreadable is a malformed field
+            raise ValueError(f"tensor '{prefix}{k}' unreadable ({type(e).__name__}: {e})") from None
+    return out
+
+
+def _int(cfg: Any, key: str) -> int:
+    try:
+        v = cfg[key]
+    except (KeyError, TypeError):
+        raise ValueError(f"field {key!r} missing") from None
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise ValueError(f"field {key!r} must be an integer, got {v!r}")
+    return int(v)
 
 
 # -- train -------------------------------------------------------------------------------------------
@@ -42,85 +69,66 @@ def encode_plan(plan: Plan, rnd: int, client: int, config_id: str) -> RecordDict
     """One client's plan row (len(plan.clients) == 1) as a train message body."""
     if len(plan.clients) != 1 or int(plan.clients[0]) != client:
         raise ValueError(f"a train message carries exactly client {client}'s row, got clients {plan.clients}")
-    arrays = {"start": _arr(plan.start)}
-    for k, v in plan.extras.items():
-        arrays[f"extra.{k}"] = _arr(v)
-    if plan.train_mask is not None:
-        arrays["train_mask"] = _arr(plan.train_mask)
-    task = {"round": int(rnd), "client-id": int(client), "objective": plan.objective, "epochs": _opt(plan.epochs),
-            "down-floats": _opt(plan.down_floats), "config-id": config_id, "extras": sorted(plan.extras)}
+    arrays = {f"p.{k}": _arr(v) for k, v in plan.payload.items()}
+    task = {"round": int(rnd), "client-id": int(client), "config-id": config_id, "payload": sorted(plan.payload)}
     return RecordDict({PLAN: ArrayRecord(arrays), TASK: ConfigRecord(task)})
 
 
 def decode_plan(content: RecordDict) -> tuple[Plan, int, int, str]:
     """-> (plan for one client, round, client id, config id)."""
     arrays, task = content.array_records[PLAN], content.config_records[TASK]
-    extras = {k: _ten(arrays[f"extra.{k}"]) for k in task["extras"]}
-    mask = _ten(arrays["train_mask"]) if "train_mask" in arrays else None
-    cid = int(task["client-id"])
-    plan = Plan(np.array([cid], dtype=np.int64), _ten(arrays["start"]), str(task["objective"]), extras, mask,
-                _unopt(int(task["epochs"])), _unopt(int(task["down-floats"])))
-    return plan, int(task["round"]), cid, str(task["config-id"])
+    cid = _int(task, "client-id")
+    payload = _tensors(arrays, "p.", _names(task, "payload"))
+    return Plan(np.array([cid], dtype=np.int64), payload), _int(task, "round"), cid, str(task["config-id"])
 
 
 def encode_update(up: Update, client: int) -> RecordDict:
-    """A client's Update (one row) as a train reply body. `start` is not sent back: the server has it."""
-    arrays = {"params": _arr(up.params), "n_samples": _arr(up.n_samples.to(torch.float64))}
-    tensors, ndarrays, plain = [], [], {}
-    for k, v in up.extras.items():
-        if isinstance(v, torch.Tensor):
-            arrays[f"extra.{k}"] = _arr(v)
-            tensors.append(k)
-        elif isinstance(v, np.ndarray):
-            arrays[f"extra.{k}"] = _arr(v)
-            ndarrays.append(k)
-        else:
-            plain[k] = v
-    meta = {"client-id": int(client), "up-floats": _opt(up.up_floats), "tensor-extras": tensors,
-            "numpy-extras": ndarrays, "json-extras": json.dumps(plain, default=_jsonable)}
+    """A client's Update (one row) as a train reply body: payload, sample count, metrics (not its state)."""
+    arrays = {f"u.{k}": _arr(v) for k, v in up.payload.items()}
+    arrays.update({f"m.{k}": _arr(v) for k, v in up.metrics.items()})
+    arrays["n_samples"] = _arr(up.n_samples.to(torch.float64))
+    meta = {"client-id": int(client), "payload": sorted(up.payload), "metrics": sorted(up.metrics)}
     return RecordDict({UPDATE: ArrayRecord(arrays), META: ConfigRecord(meta)})
 
 
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, (np.generic,)):
-        return x.item()
-    raise TypeError(f"extra of type {type(x).__name__} cannot be sent to the server (use a tensor)")
-
-
 def decode_update(content: RecordDict, plan_row: Plan) -> Update:
-    """The reply to `plan_row`'s message -> Update (start = the vector that was sent)."""
-    arrays, meta = content.array_records[UPDATE], content.config_records[META]
-    extras: dict[str, Any] = json.loads(str(meta["json-extras"]))
-    for k in meta["tensor-extras"]:
-        extras[k] = _ten(arrays[f"extra.{k}"])
-    for k in meta["numpy-extras"]:
-        extras[k] = np.array(arrays[f"extra.{k}"].numpy(), copy=True)
-    params = _ten(arrays["params"])
-    n = _ten(arrays["n_samples"]).to(torch.float64).reshape(-1)
-    if params.dim() != 2 or params.shape[0] != 1 or n.shape != (1,):
-        raise ValueError(f"a reply carries one row: params {tuple(params.shape)}, n_samples {tuple(n.shape)}")
-    return Update(plan_row.clients.copy(), params, plan_row.start, n, extras, _unopt(int(meta["up-floats"])))
+    """The reply to `plan_row`'s message -> Update of one client (shapes are checked by the runner
+    against the method's declared upload)."""
+    try:
+        arrays, meta = content.array_records[UPDATE], content.config_records[META]
+    except KeyError as e:
+        raise ValueError(f"record {e} missing") from None
+    payload = _tensors(arrays, "u.", _names(meta, "payload"))
+    metrics = _tensors(arrays, "m.", _names(meta, "metrics"))
+    n = _tensors(arrays, "", ["n_samples"])["n_samples"]
+    if not n.is_floating_point() or n.reshape(-1).shape != (1,):
+        raise ValueError(f"n_samples must be one float, got {tuple(n.shape)} {n.dtype}")
+    for k, v in {**payload, **metrics}.items():
+        if v.dim() == 0 or v.shape[0] != 1:
+            raise ValueError(f"tensor {k!r} must have one row, got shape {tuple(v.shape)}")
+    return Update(plan_row.clients.copy(), payload, n.to(torch.float64).reshape(1), metrics)
 
 
 # -- evaluate ----------------------------------------------------------------------------------------
-def encode_eval(params: torch.Tensor, splits: list[str], client: int,
-                extras: dict[str, torch.Tensor] | None = None) -> RecordDict:
-    """Rows of `params` to score: row i on `splits[i]` ('local': this client's test split; 'global').
-
-    `extras` (row-aligned) marks the rows as an algorithm's `eval_payload`, scored by the node's
-    `evaluate_client` (client-side parts included); None: plain models."""
-    arrays = {"params": _arr(params)}
-    arrays.update({f"x:{k}": _arr(v) for k, v in (extras or {}).items()})
+def encode_eval(params: torch.Tensor | None, splits: list[str], client: int, payload: Rows | None = None
+                ) -> RecordDict:
+    """Either parameter rows to score (row i on `splits[i]`: 'local' / 'train' on this client's data,
+    'global' on the shared test set), or (params None) this client's `eval_payload` row, from which the
+    node builds its own inference and scores it on every split of `splits`."""
+    arrays = {"params": _arr(params)} if params is not None else {}
+    arrays.update({f"x.{k}": _arr(v) for k, v in (payload or {}).items()})
     return RecordDict({MODELS: ArrayRecord(arrays),
                        TASK: ConfigRecord({"splits": list(splits), "client-id": int(client),
-                                           "payload": extras is not None})})
+                                           "payload": sorted(payload) if payload is not None else []})})
 
 
-def decode_eval(content: RecordDict) -> tuple[torch.Tensor, list[str], int, dict[str, torch.Tensor] | None]:
-    task = content.config_records[TASK]
-    a = content.array_records[MODELS]
-    extras = {k[2:]: _ten(a[k]) for k in a.keys() if k.startswith("x:")} if task.get("payload", False) else None
-    return _ten(a["params"]), [str(s) for s in task["splits"]], int(task["client-id"]), extras
+def decode_eval(content: RecordDict) -> tuple[torch.Tensor | None, list[str], int, Rows | None]:
+    """-> (parameter rows or None, splits, client id, eval payload row or None)."""
+    task, a = content.config_records[TASK], content.array_records[MODELS]
+    names = _names(task, "payload")
+    params = _ten(a["params"]) if "params" in a else None
+    payload = _tensors(a, "x.", names) if params is None else None
+    return params, _names(task, "splits"), _int(task, "client-id"), payload
 
 
 def encode_scores(r: EvalResult, client: int) -> RecordDict:

@@ -17,70 +17,79 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from fedprism.algorithms.base import Algorithm, EvalResult, Plan, Update
+from fedprism.algorithms.base import Algorithm
 from fedprism.engine import resolve_device
+from fedprism.engine.base import SPLITS
 from fedprism.engine.sequential import SequentialEngine
 from fedprism.experiment import federation as _fedmod
 from fedprism.experiment.config import Config
+from fedprism.experiment.evaluate import StreamScorer, score_inference
 from fedprism.experiment.runner import local_config, make_algorithm, make_context, make_model
 from fedprism.federation import Federation
 from fedprism.flower.settings import parse_experiment
+from fedprism.protocol import ClientState, Context, EvalResult, Plan, Rows, Update
 
 
 def client_slice(fed: Federation, client: int) -> Federation:
-    """Client `client`'s train rows and local test split, plus the global test set; nothing else.
+    """Client `client`'s train rows (and validation rows), its local test split, plus the global test set
+    (and the global validation set); nothing else.
 
     Client ids keep their meaning (other clients hold no rows), so seeds derived from
     (seed, round, client) are those of the in-process run.
     """
-    tr = torch.as_tensor(fed.train_idx[client], dtype=torch.long)
+    tr = np.asarray(fed.train_idx[client], dtype=np.int64)
+    va = np.asarray(fed.val_idx[client], dtype=np.int64) if fed.val_idx is not None else np.zeros(0, np.int64)
+    rows = torch.as_tensor(np.concatenate([tr, va]), dtype=torch.long)
     empty = np.zeros(0, dtype=np.int64)
     train_idx = [empty] * fed.num_clients
     test_idx = [empty] * fed.num_clients
     train_idx[client] = np.arange(len(tr), dtype=np.int64)
     test_idx[client] = np.asarray(fed.test_idx[client], dtype=np.int64)
-    return Federation(fed.x_train[tr].clone(), fed.y_train[tr].clone(), fed.x_test, fed.y_test, train_idx, test_idx,
-                      fed.num_classes, list(fed.class_names), fed.name, dict(fed.meta))
+    val_idx = None
+    if fed.val_idx is not None:
+        val_idx = [empty] * fed.num_clients
+        val_idx[client] = np.arange(len(tr), len(tr) + len(va), dtype=np.int64)
+    return Federation(fed.x_train[rows].clone(), fed.y_train[rows].clone(), fed.x_test, fed.y_test, train_idx,
+                      test_idx, fed.num_classes, list(fed.class_names), fed.name, dict(fed.meta), val_idx,
+                      fed.x_val, fed.y_val)
 
 
 class NodeStore:
-    """A node's client-side store: its own client's rows of the algorithm's `client_state` keys.
+    """A node's client-side store: its own client's rows of the method's declared `client_state`.
 
-    They start as the run's initial model (as the simulator's do), change only in this node's
-    `client_update`, and persist across rounds in the node's Flower `Context.state` (`to_arrays` /
-    `load`), so a ClientApp process that is restarted between rounds finds them again.
+    They start as the declaration says (the run's initial model, zeros, ...), as the simulator's do,
+    change only by what this node's `client_update` returns, and persist across rounds in the node's
+    Flower `Context.state` (`to_arrays` / `load`), so a ClientApp process that is restarted between
+    rounds finds them again.
     """
 
-    def __init__(self, client: int, keys: tuple[str, ...], init: torch.Tensor):
-        self.client, self.keys, self.init = client, tuple(keys), init.detach().reshape(1, -1).clone()
+    def __init__(self, client: int, decls: dict[str, ClientState], ctx: Context):
+        self.client, self.decls, self.ctx = client, dict(decls), ctx
         self.reset()
 
     def reset(self) -> None:
         """Back to the initial rows (a node whose Context holds no state yet)."""
-        self.data = {k: self.init.clone() for k in self.keys}
+        self.data: Rows = {k: d.initial(self.ctx, 1) for k, d in self.decls.items()}
 
-    def _check(self, clients) -> None:
-        if np.asarray(clients).tolist() != [self.client]:
-            raise ValueError(f"this node holds client {self.client}'s state, asked for {np.asarray(clients).tolist()}")
+    def rows(self) -> Rows:
+        return {k: v.clone() for k, v in self.data.items()}
 
-    def rows(self, key: str, clients) -> torch.Tensor:
-        self._check(clients)
-        return self.data[key]
-
-    def write(self, key: str, clients, values: torch.Tensor) -> None:
-        self._check(clients)
-        self.data[key] = values.detach().to(self.data[key].dtype).reshape(1, -1).clone()
+    def write(self, rows: Rows) -> None:
+        for k, v in rows.items():
+            if k not in self.data:
+                raise KeyError(f"client state {k!r} was not declared (declared: {sorted(self.data)})")
+            self.data[k] = v.detach().to(self.data[k].dtype).reshape(self.data[k].shape).clone()
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         return {k: v.cpu().numpy() for k, v in self.data.items()}
 
     def load(self, arrays: dict[str, np.ndarray]) -> None:
-        for k in self.keys:
+        for k in self.decls:
             if k in arrays:
                 a = torch.from_numpy(np.array(arrays[k], copy=True))
-                if a.shape != self.data[k].shape:
-                    raise ValueError(f"stored client state {k!r} has shape {tuple(a.shape)}, "
-                                     f"expected {tuple(self.data[k].shape)}")
+                if a.shape != self.data[k].shape or a.dtype != self.data[k].dtype:
+                    raise ValueError(f"stored client state {k!r} has shape {tuple(a.shape)} {a.dtype}, "
+                                     f"expected {tuple(self.data[k].shape)} {self.data[k].dtype}")
                 self.data[k] = a
 
 
@@ -94,7 +103,8 @@ class Node:
     n_test: int
     input_shape: tuple[int, ...]
     num_classes: int
-    store: NodeStore | None = None    # the client-side rows of algorithms with `client_state`
+    store: NodeStore                  # this client's rows of the method's `client_state`
+    scorer: StreamScorer              # multi-stream scoring with its logits caches
 
     @property
     def n_train(self) -> int:
@@ -109,42 +119,31 @@ class Node:
                 "param-size": int(self.engine.spec.size)}
 
     def train(self, plan: Plan, rnd: int) -> Update:
+        """The method's `client_update` for this client, with its own state; the new state is kept
+        (`store.write`) only after the update succeeded."""
         if plan.clients.tolist() != [self.client]:
             raise ValueError(f"this node is client {self.client}; the message is for clients {plan.clients.tolist()}")
-        P = self.engine.spec.size
-        if plan.start.shape != (1, P):
-            raise ValueError(f"start parameters of shape {tuple(plan.start.shape)}, expected (1, {P})")
-        self.algo.client_store = self.store
-        return self.algo.client_update(plan, self.engine, rnd)
+        up = self.algo.client_update(plan, self.engine, rnd, self.store.rows())
+        self.store.write(up.client_state)
+        up.client_state = {}
+        return up
 
-    def evaluate(self, params: torch.Tensor, splits: list[str], extras: dict[str, torch.Tensor] | None = None
-                 ) -> EvalResult:
-        """Row i of `params` scored on `splits[i]`: 'local' (this client's test split), 'train' (its train
-        rows, e.g. IFCA's choice of a cluster model) or 'global' (the global test set).
-
-        With `extras` (possibly empty) the rows are the algorithm's `eval_payload` for this client, scored
-        by its `evaluate_client` with the node's own store (e.g. fedprism_dual's routed streams)."""
-        if params.dim() != 2 or params.shape[0] != len(splits):
-            raise ValueError(f"{tuple(params.shape)} parameter rows for {len(splits)} splits")
-        bad = sorted(set(splits) - {"local", "global", "train"})
+    def evaluate(self, params: torch.Tensor | None, splits: list[str], payload: Rows | None = None) -> EvalResult:
+        """Either row i of `params` scored on `splits[i]` ('local': this client's test split, 'train': its
+        train rows, 'global': the global test set), or (params None) this client's inference built from the
+        method's `payload` row and its own state, scored on every split of `splits`."""
+        bad = sorted(set(splits) - set(SPLITS))
         if bad:
-            raise ValueError(f"unknown split {bad[0]!r}: local, global or train")
+            raise ValueError(f"unknown split {bad[0]!r}: one of {', '.join(SPLITS)}")
         me = np.array([self.client])
-        if extras is not None:
-            self.algo.client_store = self.store
-            rows = [self.algo.evaluate_client(self.engine, me, params[i:i + 1],
-                                              {k: v[i:i + 1] for k, v in extras.items()}, s)
-                    for i, s in enumerate(splits)]
+        if params is None:
+            inf = self.algo.inference(self.engine, me, payload or {}, self.store.rows())
+            rows = [score_inference(self.engine, self.scorer, inf, me, s) for s in splits]
         else:
+            if params.dim() != 2 or params.shape[0] != len(splits):
+                raise ValueError(f"{tuple(params.shape)} parameter rows for {len(splits)} splits")
             rows = [self.engine.evaluate(params[i:i + 1], me, s) for i, s in enumerate(splits)]
-        c = self.num_classes
-        if not rows:
-            z = torch.zeros(0, dtype=torch.long)
-            return EvalResult(z, z.double(), z, torch.zeros(0, c, c, dtype=torch.long))
-        shared = set.intersection(*[set(r.alternatives) for r in rows])
-        return EvalResult(torch.cat([r.correct for r in rows]), torch.cat([r.loss_sum for r in rows]),
-                          torch.cat([r.count for r in rows]), torch.cat([r.confusion for r in rows]),
-                          {k: torch.cat([r.alternatives[k] for r in rows]) for k in sorted(shared)})
+        return EvalResult.concat(rows, self.num_classes)
 
 
 @lru_cache(maxsize=64)
@@ -168,6 +167,5 @@ def build_node(experiment: str, client: int, data_root: str = "", device: str = 
     engine = SequentialEngine(local, model, local_config(cfg), cfg["seed"], resolve_device(cfg["device"]))
     ctx.spec = engine.spec
     algo = make_algorithm(cfg, ctx)
-    store = NodeStore(client, algo.client_state, ctx.init) if algo.client_state else None
     return Node(cfg, client, engine, algo, hist, len(local.test_idx[client]), local.input_shape,
-                local.num_classes, store)
+                local.num_classes, NodeStore(client, algo.client_state, ctx), StreamScorer(engine, ctx.num_clients))

@@ -27,14 +27,14 @@ import numpy as np
 import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 
-from fedprism.algorithms.base import Algorithm, EvalResult, Plan, Update
-from fedprism.errors import ConfigError
+from fedprism.algorithms.base import Algorithm
 from fedprism.experiment.evaluate import Evaluator, row_hashes
 from fedprism.experiment.runner import Experiment, RunResult, make_algorithm, make_context, make_model
 from fedprism.experiment.store import Store
 from fedprism.flower import codec
 from fedprism.flower.settings import RunSettings, flower_label, flower_run_id
 from fedprism.params import Functional, ParamSpec
+from fedprism.protocol import EvalResult, Plan, Rows, Update
 
 IDENTITY_QUERY = "query.identity"
 
@@ -248,15 +248,16 @@ class Link:
 class RemoteTrainer:
     """The Trainer protocol, evaluated on the nodes (training happens in the ClientApps).
 
-    `prefetch` scores, in one exchange, every client's model on its local split and each distinct model
-    (plus the algorithm's extra models) on the global test set; `evaluate` then answers the Evaluator (or
-    an algorithm's own evaluation hook) from that cache and asks the nodes only for what is missing.
-    'local' and 'train' rows go to the client's node; global-test rows go to any connected node (the
-    global test set is the same everywhere) and are retried once elsewhere if a node fails.
-
-    Algorithms with client-side state (`client_state`, e.g. fedprism_dual) are evaluated from their
-    `eval_payload`: each client's row goes to its own node, which adds its private rows
-    (`evaluate_client`), for both the local split and the global test set (`evaluate_payload`).
+    Two evaluation paths, both on the nodes:
+    * methods whose inference is the server's model (`Algorithm.client_side_inference()` False):
+      `prefetch` scores, in one exchange, every client's model on its local split and each distinct model
+      (plus the method's extra models) on the global test set; `evaluate` then answers the Evaluator from
+      that cache and asks the nodes only for what is missing. 'local' and 'train' rows go to the client's
+      node; global-test rows go to any connected node (the global test set is the same everywhere) and are
+      retried once elsewhere if a node fails.
+    * methods whose inference needs the client (its state or data): `score_payloads` sends each client
+      its `eval_payload` row; its node builds the inference with its own state and scores it on the local
+      split and the global test set.
     """
 
     name = "flower"
@@ -264,22 +265,28 @@ class RemoteTrainer:
 
     def __init__(self, link: Link, spec: ParamSpec, num_classes: int, timeout: float):
         self.link, self.spec, self.C, self.timeout = link, spec, num_classes, timeout
+        self.num_classes = num_classes
         self.cache: dict[tuple, tuple] = {}     # (split, client or None, row hash) -> scores
         self.rnd = -1
 
-    def train(self, plan: Plan, rnd: int) -> Update:
+    def train(self, *args: Any, **kw: Any):
         raise NotImplementedError("on Flower, clients train in their ClientApp (FlowerExperiment.local_work)")
 
     def logits(self, params: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError("the server holds no data on Flower; custom evaluations are not supported")
+        raise NotImplementedError("the server holds no data on Flower")
 
     def _zero(self) -> tuple:
         return (0, 0.0, 0, torch.zeros(self.C, self.C, dtype=torch.long), {})
 
+    @staticmethod
+    def _tuples(r: EvalResult) -> list[tuple]:
+        return [(int(r.correct[i]), float(r.loss_sum[i]), int(r.count[i]), r.confusion[i],
+                 {k: int(v[i]) for k, v in r.alternatives.items()}) for i in range(len(r.count))]
+
     def _score(self, jobs: list[tuple]) -> list[tuple | None]:
         """jobs = (row, split, client); 'local' / 'train' jobs go to their client's node, 'global' ones to
-        any node (their own client's node first). Failed global jobs are retried once; every job that still has no
-        score is recorded as an evaluation failure."""
+        any node (their own client's node first). Failed global jobs are retried once; every job that still
+        has no score is recorded as an evaluation failure."""
         out: list[tuple | None] = [None] * len(jobs)
         why: dict[int, str] = {}
         todo = list(range(len(jobs)))
@@ -288,8 +295,8 @@ class RemoteTrainer:
             per: dict[int, list[int]] = {}
             rr = 0
             for j in todo:
-                _, split, c = jobs[j][:3]
-                if split != "global" or _extras(jobs[j]) is not None:   # needs the client's own node
+                _, split, c = jobs[j]
+                if split != "global":                        # needs the client's own node
                     if c in self.link.node_of:
                         per.setdefault(c, []).append(j)
                     else:
@@ -305,14 +312,8 @@ class RemoteTrainer:
                 per.setdefault(target, []).append(j)
             if not per:
                 break
-            bodies = {}
-            for c, js in per.items():
-                ex = [_extras(jobs[j]) for j in js]
-                payload = None if ex[0] is None else {k: torch.stack([e[k] for e in ex]) for k in ex[0]}
-                if payload is not None and any(e is None for e in ex):
-                    raise AssertionError("payload and plain rows are never mixed for one node")
-                bodies[c] = codec.encode_eval(torch.stack([jobs[j][0] for j in js]), [jobs[j][1] for j in js], c,
-                                              payload)
+            bodies = {c: codec.encode_eval(torch.stack([jobs[j][0] for j in js]), [jobs[j][1] for j in js], c)
+                      for c, js in per.items()}
             replies, failed = self.link.exchange("evaluate", bodies, self.timeout, group=f"eval-{self.rnd}")
             for c, js in per.items():
                 if c in replies:
@@ -323,16 +324,15 @@ class RemoteTrainer:
                     except Exception as e:  # noqa: BLE001 - a malformed reply is a failure of that node
                         failed[c] = f"evaluate: malformed reply ({type(e).__name__}: {e})"
                     else:
-                        for i, j in enumerate(js):
-                            out[j] = (int(r.correct[i]), float(r.loss_sum[i]), int(r.count[i]), r.confusion[i],
-                                      {k: int(v[i]) for k, v in r.alternatives.items()})
+                        for j, t in zip(js, self._tuples(r)):
+                            out[j] = t
                 for j in js:
                     if out[j] is None:
                         why[j] = failed.get(c, "evaluate: no score")
-            todo = [j for j in todo if out[j] is None and jobs[j][1] == "global" and _extras(jobs[j]) is None]
+            todo = [j for j in todo if out[j] is None and jobs[j][1] == "global"]
             if not todo:
                 break
-        for j, (_, split, c, *_rest) in enumerate(jobs):
+        for j, (_, split, c) in enumerate(jobs):
             if out[j] is None:
                 self.link.events.append(("failure", c, {"phase": "evaluate", "split": split,
                                                         "reason": why.get(j, "evaluate: no score")}))
@@ -361,39 +361,32 @@ class RemoteTrainer:
             elif split == "local":
                 self.cache[key] = self._zero()      # node away: no local score this round (not asked again)
 
-    @staticmethod
-    def _payload_hashes(rows: torch.Tensor, extras: dict[str, torch.Tensor]) -> list[bytes]:
-        n = rows.shape[0]
-        return row_hashes(torch.cat([rows.double()] + [extras[k].reshape(n, -1).double() for k in sorted(extras)], 1))
-
-    def prefetch_payload(self, rnd: int, rows: torch.Tensor, extras: dict[str, torch.Tensor], do_global: bool) -> None:
-        """Every client's `eval_payload` row scored by its own node on its local split (and the global set)."""
+    def score_payloads(self, rnd: int, payload: Rows, num_clients: int, splits: list[str]) -> dict[str, EvalResult]:
+        """Each client's `eval_payload` row to its own node, which scores its inference on `splits`.
+        A client whose node is away or fails gets zeros (no score this round) and a failure record."""
         self.rnd = rnd
-        self.cache.clear()
-        hashes = self._payload_hashes(rows, extras)
-        splits = ["local"] + (["global"] if do_global else [])
-        jobs, keys = [], []
-        for c in range(len(rows)):
-            for sp in splits:
-                jobs.append((rows[c], sp, c, {k: v[c] for k, v in extras.items()}))
-                keys.append(("payload", sp, c, hashes[c]))
-        for key, res in zip(keys, self._score(jobs)):
-            self.cache[key] = res if res is not None else self._zero()
-
-    def evaluate_payload(self, algo, rows: torch.Tensor, extras: dict[str, torch.Tensor], clients: np.ndarray,
-                         split: str) -> EvalResult:
-        """`algo.evaluate_client` on each client's node (from the prefetched cache when there)."""
-        hashes = self._payload_hashes(rows, extras)
-        keys = [("payload", split, int(c), hashes[k]) for k, c in enumerate(clients)]
-        got = [self.cache.get(key) for key in keys]
-        miss = [k for k, r in enumerate(got) if r is None]
-        if miss:
-            res = self._score([(rows[k], split, int(clients[k]), {n: v[k] for n, v in extras.items()}) for k in miss])
-            for k, r in zip(miss, res):
-                got[k] = r if r is not None else self._zero()
-                if r is not None:
-                    self.cache[keys[k]] = r
-        return self._result(got)
+        bodies, failed = {}, {}
+        for c in range(num_clients):
+            if c in self.link.node_of:
+                bodies[c] = codec.encode_eval(None, splits, c, {k: v[c:c + 1] for k, v in payload.items()})
+            else:
+                failed[c] = "evaluate: no connected node for this client"
+        replies, lost = self.link.exchange("evaluate", bodies, self.timeout, group=f"eval-{rnd}") if bodies \
+            else ({}, {})
+        failed.update(lost)
+        got: dict[int, list[tuple]] = {}
+        for c, content in replies.items():
+            try:
+                r = codec.decode_scores(content)
+                if len(r.count) != len(splits):
+                    raise ValueError(f"{len(r.count)} scores for {len(splits)} splits")
+                got[c] = self._tuples(r)
+            except Exception as e:  # noqa: BLE001 - a malformed reply is a failure of that client
+                failed[c] = f"evaluate: malformed reply ({type(e).__name__}: {e})"
+        for c, reason in sorted(failed.items()):
+            self.link.events.append(("failure", c, {"phase": "evaluate", "reason": reason}))
+        return {s: self._result([got[c][i] if c in got else self._zero() for c in range(num_clients)])
+                for i, s in enumerate(splits)}
 
     def _result(self, rows: list[tuple]) -> EvalResult:
         return EvalResult(torch.tensor([r[0] for r in rows], dtype=torch.long),
@@ -410,8 +403,8 @@ class RemoteTrainer:
         return {k: torch.tensor([r[4][k] for r in rows], dtype=torch.long) for k in sorted(names)}
 
     def evaluate(self, params: torch.Tensor, clients: np.ndarray, split: str) -> EvalResult:
-        if split not in ("local", "global", "train"):
-            raise ValueError(f"split {split!r} cannot be evaluated remotely (local, global or train)")
+        if split not in ("local", "global", "train", "val", "global_val"):
+            raise ValueError(f"split {split!r} cannot be evaluated remotely")
         hashes = row_hashes(params)
         keys = [(split, None if split == "global" else int(c), hashes[k]) for k, c in enumerate(clients)]
         rows: list[tuple | None] = [self.cache.get(key) for key in keys]
@@ -423,52 +416,6 @@ class RemoteTrainer:
                 if r is not None:
                     self.cache[keys[k]] = r
         return self._result(rows)
-
-
-def _extras(job: tuple) -> dict[str, torch.Tensor] | None:
-    return job[3] if len(job) > 3 else None
-
-
-class _NeedsServerData(Exception):
-    pass
-
-
-class _Probe:
-    """A Trainer that answers `evaluate` with zeros and refuses everything that needs raw data: used to
-    find out, before round 0, whether an algorithm's evaluation hook can run with remote clients."""
-
-    def __init__(self, num_classes: int):
-        self.C = num_classes
-
-    def evaluate(self, params: torch.Tensor, clients: np.ndarray, split: str) -> EvalResult:
-        n = len(clients)
-        return EvalResult(torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.float64),
-                          torch.ones(n, dtype=torch.long), torch.zeros(n, self.C, self.C, dtype=torch.long))
-
-    def logits(self, *args: Any, **kw: Any) -> torch.Tensor:
-        raise _NeedsServerData("logits")
-
-    def train(self, *args: Any, **kw: Any) -> Update:
-        raise _NeedsServerData("train")
-
-    def __getattr__(self, name: str) -> Any:     # features_many, x_test, fed, ...: raw data
-        raise _NeedsServerData(name)
-
-
-def check_remote_evaluation(algo: Algorithm, num_classes: int) -> None:
-    """ConfigError if the algorithm's evaluation hook needs the data on the server (e.g. logits of the
-    test samples for dual-stream inference); hooks that only call `trainer.evaluate` run remotely."""
-    if type(algo).evaluate is Algorithm.evaluate or algo.client_state:
-        return                  # the default path, or eval_payload / evaluate_client on the nodes
-    clients = np.arange(min(2, algo.ctx.num_clients))
-    try:
-        algo.evaluate(algo.init_state(), _Probe(num_classes), clients, "local")
-    except _NeedsServerData as e:
-        raise ConfigError("method", algo.name, f"a method whose evaluation runs on the nodes: {algo.name}'s "
-                                               f"evaluation needs `trainer.{e}` on the server's data, which a Flower "
-                                               "server does not hold") from None
-    except Exception:  # noqa: BLE001 - zeros may upset the hook; only data access matters here
-        pass
 
 
 class FlowerExperiment(Experiment):
@@ -488,17 +435,11 @@ class FlowerExperiment(Experiment):
         if self.ctx.spec.size != link.param_size:
             raise RuntimeError(f"the nodes' model has {link.param_size} parameters, the server's {self.ctx.spec.size}")
         self.algo: Algorithm = make_algorithm(cfg, self.ctx)
-        check_remote_evaluation(self.algo, link.num_classes)
+        self.clients = None                          # the nodes keep their own client state
+        self.upload = {k: spec.resolve(self.ctx) for k, spec in self.algo.upload().items()}
         self.engine = RemoteTrainer(link, self.ctx.spec, link.num_classes, settings.round_timeout)
         self._records: list[Record] = []
         self._rnd = -1
-
-    def initial_state(self) -> dict:
-        """Without the client-side rows (`client_state`): on Flower they exist only on the nodes."""
-        state = self.algo.init_state()
-        for k in self.algo.client_state:
-            state.pop(k, None)
-        return state
 
     @staticmethod
     def finished(store: Store, run_id: str) -> RunResult:
@@ -538,16 +479,19 @@ class FlowerExperiment(Experiment):
     def evaluate_round(self, evaluator: Evaluator, state: dict) -> tuple[dict, list[tuple]]:
         self.link.refresh()
         N = self.ctx.num_clients
+        clients = np.arange(N)
         extra = list(self.algo.extra_models(state).values())
-        if self.algo.client_state:          # inference models exist only on the nodes
-            rows, extras = self.algo.eval_payload(state, np.arange(N))
-            self.engine.prefetch_payload(self._rnd, rows, extras, bool(self.cfg["eval.global"]))
+        payload = self.algo.eval_payload(state, clients)
+        if self.algo.client_side_inference():        # the inference exists only on the nodes
+            t_eval = time.time()
+            scores = evaluator.from_results(self.engine.score_payloads(self._rnd, payload, N, evaluator.splits))
             if extra:
-                self.engine.prefetch(self._rnd, torch.zeros(0, rows.shape[1]), extra, True, keep=True)
+                self.engine.prefetch(self._rnd, torch.zeros(0, self.ctx.spec.size), extra, True)
+            metrics, rows = self.round_metrics(scores, state, t_eval)
         else:
-            models = self.algo.model_for(state, np.arange(N))
+            models = self.algo.inference(self.engine, clients, payload, {}).single
             self.engine.prefetch(self._rnd, models, extra, bool(self.cfg["eval.global"]))
-        metrics, rows = super().evaluate_round(evaluator, state)
+            metrics, rows = super().evaluate_round(evaluator, state)
         if "local_acc" in metrics:
             _log(f"evaluation: local_acc {metrics['local_acc']:.4f}"
                  + (f", global_acc {metrics['global_acc']:.4f}" if "global_acc" in metrics else ""))

@@ -50,7 +50,7 @@ class MLP(_Split):
 
 
 class CifarCNN(_Split):
-    """The Clust-PSI-PFL CIFAR CNN (seed 001): two conv(3x3)-BN-ReLU-pool blocks, fc256, fc(classes).
+    """The Clust-PSI-PFL CIFAR CNN (Clust-PSI-PFL): two conv(3x3)-BN-ReLU-pool blocks, fc256, fc(classes).
 
     BatchNorm uses batch statistics only (`track_running_stats=False`): no buffers, so the flat vector
     holds everything that is averaged (see `fedprism.params`).
@@ -72,9 +72,14 @@ MODELS = ("lenet5", "mlp", "cnn")
 
 
 def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, seed: int = 0) -> nn.Module:
-    """Instantiate a model with deterministic initial weights for `seed`."""
+    """Instantiate a model with deterministic initial weights for `seed` (built-in or registered,
+    `fedprism.plugins.MODELS`)."""
+    from fedprism import plugins
+
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
+        if name in plugins.MODELS and name not in MODELS:
+            return plugins.MODELS[name](tuple(input_shape), num_classes)
         if name == "lenet5":
             if len(input_shape) != 3 or input_shape[1:] != (32, 32):
                 raise ConfigError("model", name, f"lenet5 needs [C, 32, 32] inputs, data has {list(input_shape)}"

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fedprism.algorithms import REGISTRY
 from fedprism.errors import FedPrismError
 from fedprism.experiment.config import EXECUTION_KEYS
 from fedprism.experiment.store import Store
@@ -200,8 +201,10 @@ def alternatives_table(groups) -> list[str]:
         for label in sorted(groups[setting]):
             for r in sorted(groups[setting][label], key=lambda x: x["config"]["seed"]):
                 f = r["final"]
-                names = sorted({k.split("@", 1)[1] for k in f if "@" in k},
-                               key=lambda n: (n.startswith("T="), float(n[2:]) if n.startswith("T=") else 0.0, n))
+                method = REGISTRY.get(r["config"]["method"])
+                order = list(method.predictions) if method else []
+                have = {k.split("@", 1)[1] for k in f if "@" in k}
+                names = [n for n in order if n in have] + sorted(have - set(order))
                 if not names:
                     continue
                 if not md:
@@ -209,13 +212,12 @@ def alternatives_table(groups) -> list[str]:
                           "Each stream of the dual-stream model alone, and the routed prediction (Eq. 2-3) at other "
                           "temperatures T, from the same evaluation as the headline numbers.", ""]
                 cfg = r["config"]
-                w = cfg.get("fedprism_dual.inference_weight")
-                head = f"routed, T={cfg.get('fedprism_dual.inference_temperature', 1.0):g}" if w is None \
-                    else f"fixed specialist weight {w:g}"
+                head = method.headline(cfg) if method else "prediction"
+                label_of = method.predictions if method else {}
                 md += [f"**{label}**, {setting}, seed {cfg['seed']} (`{r['run_id']}`)", "",
                        "| prediction | Glob | Loc |", "|---|---|---|",
                        f"| {head} (headline) | {_pm([f.get('global_acc')])} | {_pm([f.get('local_acc')])} |"]
-                md += [f"| {n if n.startswith('T=') else n + ' alone'} | {_pm([f.get('global_acc@' + n)])} | "
+                md += [f"| {label_of.get(n, n)} | {_pm([f.get('global_acc@' + n)])} | "
                        f"{_pm([f.get('local_acc@' + n)])} |" for n in names]
                 md.append("")
     return md

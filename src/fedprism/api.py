@@ -1,0 +1,56 @@
+"""The Python entry points: build a configuration, run it, read what the store holds.
+
+    import fedprism
+    cfg = fedprism.config(method="fedavg", dataset="digits", clients=10, rounds=5)
+    result = fedprism.run(cfg, db="study.db")          # runs, or returns the stored result
+    result.final["local_acc"], result.history[-1]
+    fedprism.results("study.db")                       # one dict per stored run
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from fedprism.experiment.config import Config, load_toml, resolve
+from fedprism.experiment.runner import Experiment, RunResult
+from fedprism.experiment.store import Store
+
+
+def config(source: str | Path | dict | Config | None = None, **keys: Any) -> Config:
+    """A validated configuration from a TOML file, a dict of keys, or keyword arguments (dotted keys as
+    `fedprism__k=5` or in a dict: {"fedprism.k": 5}); later sources override earlier ones."""
+    raw: dict[str, Any] = {}
+    if isinstance(source, Config):
+        raw.update(source.values)
+    elif isinstance(source, dict):
+        raw.update(source)
+    elif source is not None:
+        raw.update(load_toml(source))
+    raw.update({k.replace("__", "."): v for k, v in keys.items()})
+    return resolve(raw)
+
+
+def run(cfg: Config | dict | str | Path, db: str | Path = "fedprism-results.db", progress: bool = False,
+        **keys: Any) -> RunResult:
+    """Run (or resume, or return the stored result of) one experiment into the store `db`."""
+    c = config(cfg, **keys)
+    store = Store(db)
+    try:
+        return Experiment(c, store, progress=progress).run()
+    finally:
+        store.close()
+
+
+def results(db: str | Path = "fedprism-results.db", **where: Any) -> list[dict]:
+    """Every stored run as a plain dict (id, method, status, config, final metrics), filtered by column
+    values (`method="fedavg"`, `status="finished"`, `sweep="paper_fmnist_dir01"`)."""
+    import json
+
+    store = Store(db)
+    try:
+        return [{"run_id": r["run_id"], "method": r["method"], "name": r["label"], "seed": r["seed"],
+                 "status": r["status"], "config": json.loads(r["config"]), "final": json.loads(r["final"] or "{}")}
+                for r in store.runs(**where)]
+    finally:
+        store.close()

@@ -1,0 +1,71 @@
+"""Extensions from other packages: methods, models and datasets registered through entry points.
+
+A package adds to fedprism without editing it by declaring entry points in its own metadata
+(`pyproject.toml`):
+
+    [project.entry-points."fedprism.methods"]
+    fedavgm = "my_package.fedavgm:FedAvgM"            # an `fedprism.algorithms.Algorithm` subclass
+    [project.entry-points."fedprism.models"]
+    tiny = "my_package.models:build_tiny"              # build(input_shape, num_classes) -> nn.Module
+    [project.entry-points."fedprism.datasets"]
+    blobs = "my_package.data:load_blobs"               # load(pad32: bool, root: str | None) -> Dataset
+
+`load()` imports them once per process, the first time a configuration is resolved (`fedprism run`,
+sweeps, reports, Flower nodes and servers all resolve configurations), so a registered method is usable
+everywhere a built-in one is. In the same process, `register` / `register_model` /
+`register_dataset` do the same without entry points. docs/writing-a-method.md has a worked example.
+"""
+
+from __future__ import annotations
+
+import warnings
+from importlib.metadata import entry_points
+from typing import Any, Callable
+
+GROUPS = ("fedprism.methods", "fedprism.models", "fedprism.datasets")
+
+#: name -> build(input_shape, num_classes) -> torch.nn.Module
+MODELS: dict[str, Callable[..., Any]] = {}
+#: name -> load(pad32: bool, root: str | None) -> fedprism.data.datasets.Dataset
+DATASETS: dict[str, Callable[..., Any]] = {}
+
+_loaded = False
+
+
+def register_model(name: str, build: Callable[..., Any]) -> Callable[..., Any]:
+    MODELS[name] = build
+    return build
+
+
+def register_dataset(name: str, load: Callable[..., Any]) -> Callable[..., Any]:
+    DATASETS[name] = load
+    return load
+
+
+def load(force: bool = False) -> None:
+    """Import every entry point of the three groups (once per process unless `force`). A plugin that
+    fails to import is skipped with a warning naming it, so one broken package cannot stop fedprism."""
+    global _loaded
+    if _loaded and not force:
+        return
+    _loaded = True
+    from fedprism.algorithms.base import REGISTRY, Algorithm, register
+
+    for group in GROUPS:
+        for ep in entry_points(group=group):
+            try:
+                obj = ep.load()
+            except Exception as e:  # noqa: BLE001 - a broken plugin must not break the built-in methods
+                warnings.warn(f"fedprism plugin {ep.name!r} ({ep.value}) of {group} failed to load: "
+                              f"{type(e).__name__}: {e}", stacklevel=2)
+                continue
+            if group == "fedprism.methods":
+                if not (isinstance(obj, type) and issubclass(obj, Algorithm)):
+                    warnings.warn(f"fedprism plugin {ep.name!r} is not an Algorithm subclass; skipped", stacklevel=2)
+                    continue
+                if REGISTRY.get(obj.name) is not obj:
+                    register(obj)
+            elif group == "fedprism.models":
+                MODELS.setdefault(ep.name, obj)
+            else:
+                DATASETS.setdefault(ep.name, obj)

@@ -1,0 +1,319 @@
+"""The ground floor: the types an algorithm, an engine, the runner and a Flower node exchange.
+
+This module imports nothing of fedprism except `params` and `errors`, so `engine/` and `algorithms/`
+both build on it without importing each other. The interface itself (`Algorithm`) lives in
+`fedprism.algorithms.base`; `docs/architecture.md` draws the whole data flow.
+
+    Plan          server -> clients: a named set of tensors per client (`payload`), rows [n, ...]
+    Update        clients -> server: a named set of tensors per client, checked against the method's
+                  declared upload (`TensorSpec`), plus the sample count and training diagnostics
+    ClientState   a declaration of per-client state that never leaves the client (shape, initialiser)
+    TrainJob      one local training of a cohort: start vectors, loss, per-client extras and masks,
+                  epochs, a named random stream, the optimiser
+    Inference     which model(s) a client predicts with and how their logits combine
+    EvalResult    per-model evaluation sums
+    Trainer       the engine as an algorithm sees it (train, evaluate, logits, features, data)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Protocol
+
+import numpy as np
+import torch
+
+from fedprism.params import ParamSpec
+
+Rows = dict[str, torch.Tensor]
+"""Named tensors with one row per client ([n, ...]); row i belongs to clients[i]."""
+
+
+def _take(rows: Rows, index: torch.Tensor) -> Rows:
+    return {k: v[index] for k, v in rows.items()}
+
+
+def payload_bytes(rows: Rows) -> int:
+    """Bytes of every tensor of every row (the wire size of a payload, element sizes as stored)."""
+    return int(sum(v.numel() * v.element_size() for v in rows.values()))
+
+
+@dataclass
+class Context:
+    """What an algorithm may know about the federation (no raw data)."""
+
+    num_clients: int
+    num_classes: int
+    spec: ParamSpec
+    init: torch.Tensor                 # [P] initial parameters (same seed -> same vector)
+    n_train: np.ndarray                # [N] train samples per client
+    label_hist: np.ndarray             # [N, classes] train label counts
+    seed: int
+    rounds: int
+    fraction: float
+    feature_dim: int = 0               # width of the model's penultimate features (prototype methods)
+
+
+# -- declarations ------------------------------------------------------------------------------------
+def _dims(shape: tuple, ctx: Context) -> tuple[int, ...]:
+    """Resolve symbolic dimensions: 'P' parameters, 'C' classes, 'd' feature width, 'N' clients."""
+    table = {"P": ctx.spec.size, "C": ctx.num_classes, "d": ctx.feature_dim, "N": ctx.num_clients}
+    return tuple(table[s] if isinstance(s, str) else int(s) for s in shape)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One named tensor of a message, per client: shape (symbols 'P', 'C', 'd' allowed), dtype, and
+    optional bounds for integer tensors (e.g. a cluster index in [0, K))."""
+
+    shape: tuple = ("P",)
+    dtype: torch.dtype = torch.float32
+    low: float | None = None
+    high: float | None = None          # exclusive
+
+    def resolve(self, ctx: Context) -> "TensorSpec":
+        return replace(self, shape=_dims(self.shape, ctx))
+
+    def problem(self, name: str, t: Any) -> str | None:
+        """Why one client's row `t` does not match (None when it does). `self` must be resolved."""
+        if not isinstance(t, torch.Tensor):
+            return f"{name}: a tensor expected, got {type(t).__name__}"
+        if tuple(t.shape) != tuple(self.shape):
+            return f"{name}: wrong shape {tuple(t.shape)}, expected {tuple(self.shape)}"
+        if t.dtype != self.dtype:
+            return f"{name}: wrong dtype {t.dtype}, expected {self.dtype}"
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return f"{name}: non-finite values (NaN/Inf)"
+        if self.low is not None and t.numel() and bool((t < self.low).any()):
+            return f"{name}: values below {self.low:g}"
+        if self.high is not None and t.numel() and bool((t >= self.high).any()):
+            return f"{name}: values >= {self.high:g}"
+        return None
+
+
+@dataclass(frozen=True)
+class ClientState:
+    """Per-client state that lives on the client: in memory in the simulator, in the checkpoint of a
+    run, and in a Flower node's persistent `Context.state`. Never part of a message.
+
+    `init`: 'model' (the run's initial parameter vector, shape ('P',)), 'zeros', or a number to fill.
+    """
+
+    shape: tuple = ("P",)
+    init: str | float = "model"
+    dtype: torch.dtype = torch.float32
+
+    def initial(self, ctx: Context, n: int) -> torch.Tensor:
+        """[n, *shape] initial rows."""
+        shape = _dims(self.shape, ctx)
+        if self.init == "model":
+            if shape != (ctx.spec.size,):
+                raise ValueError(f"init='model' needs shape ('P',), got {self.shape}")
+            return ctx.init.to(self.dtype).expand(n, -1).clone()
+        fill = 0.0 if self.init == "zeros" else float(self.init)
+        return torch.full((n, *shape), fill, dtype=self.dtype)
+
+
+# -- messages ----------------------------------------------------------------------------------------
+@dataclass
+class Plan:
+    """What the server sends the sampled clients this round: `payload[name][i]` goes to clients[i].
+
+    'params' is, by convention, the start vector of the default local training.
+    """
+
+    clients: np.ndarray
+    payload: Rows = field(default_factory=dict)
+
+    @property
+    def start(self) -> torch.Tensor:
+        return self.payload["params"]
+
+    def subset(self, rows: np.ndarray) -> "Plan":
+        return Plan(self.clients[rows], _take(self.payload, torch.as_tensor(rows)))
+
+    @property
+    def bytes(self) -> int:
+        return payload_bytes(self.payload)
+
+
+@dataclass
+class Update:
+    """What came back from the clients that finished their work.
+
+    payload       the tensors they sent (checked against `Algorithm.upload`; counted in bytes_up)
+    n_samples     [n] float64 train samples (metadata: a scalar per client, not counted)
+    metrics       [n] per-client diagnostics (e.g. 'train_loss'; not counted)
+    client_state  new rows of the clients' own state (stays on the client; never sent)
+    sent          the plan rows these clients received (filled by the runner; server-side only)
+    """
+
+    clients: np.ndarray
+    payload: Rows = field(default_factory=dict)
+    n_samples: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.float64))
+    metrics: Rows = field(default_factory=dict)
+    client_state: Rows = field(default_factory=dict)
+    sent: Rows = field(default_factory=dict)
+    rejected: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def params(self) -> torch.Tensor:
+        return self.payload["params"]
+
+    @property
+    def start(self) -> torch.Tensor:
+        return self.sent["params"]
+
+    @property
+    def delta(self) -> torch.Tensor:
+        return self.params - self.start
+
+    @property
+    def bytes(self) -> int:
+        return payload_bytes(self.payload)
+
+    def select(self, keep: np.ndarray) -> "Update":
+        """The rows where `keep` (bool [n]) is True."""
+        t = torch.as_tensor(np.asarray(keep, dtype=bool))
+        return Update(self.clients[np.asarray(keep, dtype=bool)], _take(self.payload, t), self.n_samples[t],
+                      _take(self.metrics, t), _take(self.client_state, t), _take(self.sent, t), dict(self.rejected))
+
+    @staticmethod
+    def concat(parts: list["Update"]) -> "Update":
+        if not parts:
+            raise ValueError("no updates to concatenate")
+
+        def cat(name: str) -> Rows:
+            keys = getattr(parts[0], name).keys()
+            return {k: torch.cat([getattr(p, name)[k] for p in parts]) for k in keys}
+
+        return Update(np.concatenate([p.clients for p in parts]), cat("payload"),
+                      torch.cat([p.n_samples for p in parts]), cat("metrics"), cat("client_state"), cat("sent"))
+
+
+# -- local training ----------------------------------------------------------------------------------
+Loss = Callable[..., torch.Tensor]
+"""`loss(model, w, x, y, weight, extras) -> scalar`: `model(w, x)` gives logits, `model.features(w, x)`
+the penultimate features and `model.head(w, z)` the logits of features; `weight` [B] is 1 for real
+samples, 0 for padding; `extras` holds this client's rows of `TrainJob.extras`. Must be vmap-safe."""
+
+
+@dataclass
+class TrainJob:
+    """One local training of a cohort (row i: clients[i]).
+
+    loss       an objective name of `fedprism.objectives.OBJECTIVES` or a `Loss` callable
+    extras     per-client tensors [n, ...] handed to the loss (anchors, prototypes, weights)
+    mask       [P] or [n, P]: 1 where parameters train (None: all)
+    epochs     None: the experiment's local_epochs
+    stream     name of the random stream that orders the batches ('train' is the default stream; two
+               trainings in one round use two names so their orders are independent)
+    optimizer  None: the experiment's optimizer ('sgd' or 'adam'); the state starts fresh every job
+    """
+
+    clients: np.ndarray
+    start: torch.Tensor
+    loss: str | Loss = "ce"
+    extras: Rows = field(default_factory=dict)
+    mask: torch.Tensor | None = None
+    epochs: int | None = None
+    stream: str = "train"
+    optimizer: str | None = None
+
+    def subset(self, rows: np.ndarray) -> "TrainJob":
+        t = torch.as_tensor(rows)
+        mask = self.mask[t] if self.mask is not None and self.mask.dim() == 2 else self.mask
+        return replace(self, clients=self.clients[rows], start=self.start[t], extras=_take(self.extras, t), mask=mask)
+
+
+@dataclass
+class Trained:
+    """The result of a TrainJob: trained vectors, samples seen per client, mean training loss."""
+
+    clients: np.ndarray
+    params: torch.Tensor                # [n, P]
+    n_samples: torch.Tensor             # [n] float64 train samples of each client
+    loss: torch.Tensor                  # [n] float64 sample-weighted mean loss
+
+
+# -- evaluation --------------------------------------------------------------------------------------
+@dataclass
+class EvalResult:
+    """Per-model evaluation sums. `confusion[i]` is model i's [classes, classes] count matrix."""
+
+    correct: torch.Tensor      # [n] int64
+    loss_sum: torch.Tensor     # [n] float64
+    count: torch.Tensor        # [n] int64
+    confusion: torch.Tensor    # [n, C, C] int64 (rows: true, cols: predicted)
+    #: correct counts [n] of alternative predictions on the same samples (diagnostics stored beside the
+    #: headline metric as `<split>_acc@<name>`)
+    alternatives: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def accuracy(self) -> torch.Tensor:
+        return self.correct.double() / self.count.clamp(min=1).double()
+
+    @staticmethod
+    def empty(n: int, classes: int) -> "EvalResult":
+        z = torch.zeros(n, dtype=torch.long)
+        return EvalResult(z, z.double(), z.clone(), torch.zeros(n, classes, classes, dtype=torch.long))
+
+    @staticmethod
+    def concat(parts: list["EvalResult"], classes: int) -> "EvalResult":
+        if not parts:
+            return EvalResult.empty(0, classes)
+        shared = set.intersection(*[set(r.alternatives) for r in parts])
+        return EvalResult(torch.cat([r.correct for r in parts]), torch.cat([r.loss_sum for r in parts]),
+                          torch.cat([r.count for r in parts]), torch.cat([r.confusion for r in parts]),
+                          {k: torch.cat([r.alternatives[k] for r in parts]) for k in sorted(shared)})
+
+
+Combine = Callable[[Rows, Rows], torch.Tensor]
+"""(logits of each stream {name: [m, B, C]}, the `Inference.extras` rows of those m clients) -> the
+logits the clients predict with ([m, B, C])."""
+
+
+@dataclass
+class Inference:
+    """How clients predict: `streams[name]` [n, P] models; `combine` mixes their logits (None: the one
+    stream is the prediction), with per-client tensors `extras` [n, ...] (e.g. a label prior);
+    `alternatives` are diagnostic predictions from the same logits, stored as `<split>_acc@<name>`.
+    Streams are run in their dict order (one stacked call per client on local splits).
+
+    `features` names the streams that yield penultimate features ([m, B, d], `Trainer.features`) instead
+    of logits, for predictions computed on the representation (e.g. the nearest class prototype);
+    `combine` and `alternatives` receive them under their stream's name. The headline must be logits:
+    with feature streams, `combine` is required unless the first stream yields logits."""
+
+    streams: Rows
+    combine: Combine | None = None
+    alternatives: dict[str, Combine] = field(default_factory=dict)
+    extras: Rows = field(default_factory=dict)
+    features: tuple[str, ...] = ()
+
+    @property
+    def single(self) -> torch.Tensor | None:
+        """The model rows when the prediction is one stream's own (the cached, exact fast path)."""
+        if self.combine is None and len(self.streams) == 1 and not self.alternatives and not self.features:
+            return next(iter(self.streams.values()))
+        return None
+
+
+class Trainer(Protocol):
+    """The engine as an algorithm sees it (the simulator's engines and a Flower node's engine)."""
+
+    device: torch.device
+
+    def train(self, job: TrainJob, rnd: int) -> Trained: ...
+
+    def evaluate(self, params: torch.Tensor, clients: np.ndarray, split: str) -> EvalResult: ...
+
+    def logits(self, params: torch.Tensor, x: torch.Tensor) -> torch.Tensor: ...
+
+    def features(self, params: torch.Tensor, x: torch.Tensor) -> torch.Tensor: ...
+
+    def data(self, client: int, split: str) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+__all__ = ["ClientState", "Combine", "Context", "EvalResult", "Inference", "Loss", "Plan", "Rows", "TensorSpec",
+           "TrainJob", "Trained", "Trainer", "Update", "payload_bytes"]

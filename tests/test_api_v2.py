@@ -1,0 +1,328 @@
+"""The algorithm interface: declared uploads and client state, payload byte counts, open local training
+(Adam, per-client masks), evaluation-only settings, plugins, layering."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import plugins.protostate  # noqa: F401 (registers the test-only method)
+from fedprism.algorithms import REGISTRY
+from fedprism.algorithms.base import Plan, TensorSpec, TrainJob, Update, train_update
+from fedprism.algorithms.fedavg import FedAvg
+from fedprism.engine.base import LocalConfig, optimizer_state, optimizer_step
+from fedprism.engine.sequential import SequentialEngine
+from fedprism.engine.vectorized import VectorizedEngine
+from fedprism.experiment.config import resolve
+from fedprism.experiment.runner import Experiment, validate_update
+from fedprism.experiment.store import Store
+from fedprism.experiment.sweep import dump_sweep
+from fedprism.models import build_model
+from fedprism.params import Functional
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = dict(dataset="digits", clients=6, rounds=2, fraction=0.5, local_epochs=1, batch_size=16, lr=0.05,
+             model="mlp", engine="sequential", device="cpu", seed=1)
+
+
+def cfg(**kw):
+    return resolve({**SMALL, **{k.replace("__", "."): v for k, v in kw.items()}})
+
+
+# -- uploads -----------------------------------------------------------------------------------------
+def test_wrong_or_missing_payload_tensors_are_rejected_and_recorded():
+    spec = {"params": TensorSpec((4,)), "cluster": TensorSpec((), torch.int32, low=0, high=3)}
+    up = Update(np.array([5, 6, 7, 8]),
+                {"params": torch.zeros(4, 4), "cluster": torch.tensor([0, 2, 3, 1], dtype=torch.int32)},
+                torch.tensor([1.0, 2.0, 3.0, float("nan")], dtype=torch.float64))
+    up.payload["params"][0, 1] = float("inf")
+    kept, bad = validate_update(up, spec)
+    assert kept.clients.tolist() == [6] and sorted(bad) == [5, 7, 8]
+    assert "non-finite" in bad[5] and "cluster" in bad[7] and "n_samples" in bad[8]
+    wrong = Update(np.array([1, 2]), {"params": torch.zeros(2, 5)}, torch.ones(2, dtype=torch.float64))
+    kept, bad = validate_update(wrong, {"params": TensorSpec((4,))})
+    assert len(kept.clients) == 0 and "wrong shape (5,), expected (4,)" in bad[1]
+    missing = Update(np.array([1, 2]), {"params": torch.zeros(2, 4)}, torch.ones(2, dtype=torch.float64))
+    kept, bad = validate_update(missing, spec)
+    assert len(kept.clients) == 0 and bad[2] == "missing tensor 'cluster'"
+    extra = Update(np.array([3]), {"params": torch.zeros(1, 4), "cluster": torch.zeros(1, dtype=torch.int32),
+                                   "spy": torch.zeros(1, 2)}, torch.ones(1, dtype=torch.float64))
+    assert validate_update(extra, spec)[1] == {3: "unexpected tensor 'spy'"}
+    wrong_dtype = Update(np.array([3]), {"params": torch.zeros(1, 4, dtype=torch.float64),
+                                         "cluster": torch.zeros(1, dtype=torch.int32)}, torch.ones(1, dtype=torch.float64))
+    assert "wrong dtype" in validate_update(wrong_dtype, spec)[1][3]
+
+
+class BadShape(FedAvg):
+    """FedAvg whose client 0 sends a vector one entry short."""
+
+    name = "test_badshape"
+
+    def client_update(self, plan, trainer, rnd, cstate):
+        up = train_update(trainer, TrainJob(plan.clients, plan.start), rnd)
+        if 0 in plan.clients:
+            up.payload["params"] = up.payload["params"].clone()
+            up.payload["params"][plan.clients == 0] = float("nan")
+        return up
+
+
+def test_a_rejected_row_is_recorded_and_the_run_goes_on(tmp_path):
+    REGISTRY["test_badshape"] = BadShape
+    try:
+        c = cfg(method="test_badshape", fraction=1.0)
+        store = Store(tmp_path / "r.db")
+        res = Experiment(c, store).run()
+        assert res.status == "finished"
+        rec = store.records(c.run_id, "rejected")
+        assert [r["client"] for r in rec] == [0, 0] and "params: non-finite" in rec[0]["data"]["reason"]
+        assert [h["accepted"] for h in res.history] == [5, 5]
+        P = Experiment(c, Store(tmp_path / "x.db")).ctx.spec.size
+        assert [h["bytes_up"] for h in res.history] == [5 * 4 * P] * 2          # only accepted rows count
+    finally:
+        REGISTRY.pop("test_badshape")
+
+
+# -- bytes per round -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("method", ["fedavg", "local", "fedprism", "fedprism_dual", "fedclust", "ifca", "cfl",
+                                    "fedamp", "test_protostate"])
+def test_bytes_per_round_are_the_payload_sizes(method, tmp_path):
+    c = cfg(method=method, **({"fedprism.k": 2, "fedprism.m": 1} if method == "fedprism" else {}),
+            **({"ifca.k": 3} if method == "ifca" else {}), **({"fedprism_dual.k": 2} if method == "fedprism_dual" else {}),
+            **({"fedclust.k": 2} if method == "fedclust" else {}))
+    e = Experiment(c, Store(tmp_path / "b.db"))
+    P = e.ctx.spec.size
+    res = e.run()
+    per_down = {"local": 0, "fedprism_dual": P + 1, "ifca": 3 * P}.get(method, P)     # floats per client
+    per_up = {"local": 0, "ifca": P + 1}.get(method, P)
+    for h in res.history:
+        assert h["bytes_down"] == 4 * per_down * h["clients"], h
+        assert h["bytes_up"] == 4 * per_up * h["accepted"], h
+    declared = sum(int(np.prod(s.shape)) * torch.empty(0, dtype=s.dtype).element_size() for s in e.upload.values())
+    assert declared == 4 * per_up
+
+
+# -- local training -------------------------------------------------------------------------------------
+@pytest.fixture
+def engines(digits):
+    from conftest import unequal_federation
+
+    fed = unequal_federation(digits)
+    model = build_model("mlp", fed.input_shape, fed.num_classes, seed=0)
+    def make(**kw):
+        c = LocalConfig(epochs=2, batch_size=8, lr=0.01, **kw)
+        return (SequentialEngine(fed, model, c, 3, "cpu"),
+                VectorizedEngine(fed, model, c, 3, "cpu", compile=False, max_slots=2))
+    return fed, model, make
+
+
+def test_adam_vectorized_equals_sequential_and_torch(engines):
+    fed, model, make = engines
+    seq, vec = make(optimizer="adam", weight_decay=0.01)
+    P = seq.spec.size
+    start = torch.randn(4, P, generator=torch.Generator().manual_seed(0)) * 0.1
+    job = TrainJob(np.array([3, 0, 5, 1]), start)
+    a, b = seq.train(job, 2), vec.train(job, 2)
+    torch.testing.assert_close(a.params, b.params, atol=2e-5, rtol=1e-4)
+    assert not torch.allclose(a.params, start)
+    # one step equals torch.optim.Adam (L2 weight decay, bias corrections)
+    cfg1 = LocalConfig(lr=0.01, optimizer="adam", weight_decay=0.01)
+    w = torch.randn(P)
+    p = torch.nn.Parameter(w.clone())
+    opt = torch.optim.Adam([p], lr=0.01, weight_decay=0.01)
+    st = optimizer_state(cfg1, w)
+    for k in range(3):
+        g = torch.randn(P, generator=torch.Generator().manual_seed(k))
+        p.grad = g.clone()
+        opt.step()
+        w, st = optimizer_step(w, g, st, cfg1)
+    torch.testing.assert_close(w, p.detach(), atol=1e-6, rtol=1e-5)
+
+
+def test_per_client_mask_trains_only_the_masked_coordinates(engines):
+    fed, model, make = engines
+    for opt in ("sgd", "adam"):
+        seq, vec = make(optimizer=opt, momentum=0.9 if opt == "sgd" else 0.0, weight_decay=0.1)
+        spec = seq.spec
+        n = 3
+        start = torch.randn(n, spec.size, generator=torch.Generator().manual_seed(1)) * 0.1
+        mask = torch.zeros(n, spec.size)
+        mask[0, spec.head] = 1                 # client 4: head only
+        mask[1, spec.body] = 1                 # client 2: body only
+        # client 0: nothing trains
+        job = TrainJob(np.array([4, 2, 0]), start, mask=mask)
+        for eng in (seq, vec):
+            out = eng.train(job, 1).params
+            frozen = mask == 0
+            assert torch.equal(out[frozen], start[frozen]), (opt, eng.name)
+            assert ((out != start) | frozen).all() or (out[~frozen] != start[~frozen]).float().mean() > 0.9
+        torch.testing.assert_close(seq.train(job, 1).params, vec.train(job, 1).params, atol=2e-5, rtol=1e-4)
+
+
+def test_named_streams_give_independent_orders_and_legacy_names_keep_their_seeds():
+    from fedprism.engine.base import client_seed, stream_seed
+
+    assert stream_seed(3, 7, 2) == client_seed(3, 7, 2)
+    assert stream_seed(3, 7, 2, "expert") == client_seed(3, 7 + 2_000_000, 2)
+    assert stream_seed(3, 7, 2, "private") == client_seed(3, 7 + 1_000_000, 2)
+    seeds = {stream_seed(3, 7, 2, s) for s in ("train", "expert", "private", "head", "body", "ditto")}
+    assert len(seeds) == 6 and stream_seed(3, 7, 2, "head") == stream_seed(3, 7, 2, "head")
+
+
+def test_custom_loss_sees_features(engines):
+    fed, model, make = engines
+    seq, vec = make()
+    seen = []
+
+    def loss(f, w, x, y, weight, extras):
+        z = f.features(w, x)
+        seen.append(z.shape[-1])
+        logits = f.head(w, z)
+        ce = torch.nn.functional.cross_entropy(logits, y, reduction="none")
+        return (ce * weight).sum() / weight.sum() + extras["lam"] * (z * z).mean()
+
+    start = torch.zeros(2, seq.spec.size) + 0.01
+    job = TrainJob(np.array([1, 2]), start, loss=loss, extras={"lam": torch.tensor([0.0, 1.0])})
+    torch.testing.assert_close(seq.train(job, 0).params, vec.train(job, 0).params, atol=2e-5, rtol=1e-4)
+    assert seen and all(d == 64 for d in seen)
+
+
+# -- evaluation-only settings --------------------------------------------------------------------------
+def test_changing_the_routing_temperature_rescores_without_training(tmp_path):
+    base = dict(method="fedprism_dual", fedprism_dual__k=2, rounds=3, fraction=1.0)
+    c5 = cfg(**base, fedprism_dual__inference_temperature=5.0)
+    c2 = cfg(**base, fedprism_dual__inference_temperature=2.0)
+    assert c5.run_id != c2.run_id and c5.train_id == c2.train_id
+    store = Store(tmp_path / "t.db")
+    first = Experiment(c5, store).run()
+    e2 = Experiment(c2, store)
+    second = e2.run()
+    assert e2.engine.samples_trained == 0                                     # nothing trained
+    assert second.final["rescored_from"] == c5.run_id
+    assert [r["data"]["from"] for r in store.records(c2.run_id, "rescored")] == [c5.run_id]
+    assert second.final["global_acc"] == pytest.approx(first.final["global_acc@T=2"], abs=1e-12)
+    assert second.final["local_acc"] == pytest.approx(first.final["local_acc@T=2"], abs=1e-12)
+    assert second.final["global_acc@T=5"] == pytest.approx(first.final["global_acc"], abs=1e-12)
+    # a training key differs: no re-scoring
+    c_other = cfg(**base, fedprism_dual__inference_temperature=2.0, lr=0.02)
+    e3 = Experiment(c_other, store)
+    e3.run()
+    assert e3.engine.samples_trained > 0
+    # opt-out: no kept state, so a new temperature trains
+    c_no = cfg(**base, seed=4, keep_final=False)
+    Experiment(c_no, store).run()
+    e4 = Experiment(cfg(**base, seed=4, keep_final=False, fedprism_dual__inference_temperature=1.0), store)
+    e4.run()
+    assert e4.engine.samples_trained > 0
+
+
+# -- layering ----------------------------------------------------------------------------------------
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return out
+
+
+def test_no_module_imports_upward():
+    src = ROOT / "src" / "fedprism"
+    for f in (src / "engine").glob("*.py"):
+        assert not {m for m in _imports(f) if m.startswith(("fedprism.algorithms", "fedprism.experiment",
+                                                            "fedprism.flower"))}, f
+    ground = _imports(src / "protocol.py")
+    assert {m for m in ground if m.startswith("fedprism")} <= {"fedprism.params"}
+    for f in (src / "algorithms").glob("*.py"):
+        assert not {m for m in _imports(f) if m.startswith(("fedprism.engine", "fedprism.experiment",
+                                                            "fedprism.flower"))}, f
+    assert "fedprism.cli" not in _imports(src / "experiment" / "demo.py")
+
+
+def test_importing_fedprism_changes_no_process_setting():
+    code = "import fedprism, sys; print('torch' in sys.modules, fedprism._API['run'])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")}).stdout.split()
+    assert out == ["False", "fedprism.api"]
+    import fedprism._alloc as alloc
+    assert "tune_allocator" not in (ROOT / "src" / "fedprism" / "__init__.py").read_text()
+    assert alloc  # the engine calls it on first use
+
+
+# -- plugins ------------------------------------------------------------------------------------------
+def install_plugin(where: Path) -> dict:
+    """An installed distribution that declares tests/plugins/fedavgm_plugin.py as a method entry point;
+    returns the environment that puts it on the path."""
+    dist = where / "fedavgm_plugin-0.1.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fedavgm-plugin\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[fedprism.methods]\nfedavgm = fedavgm_plugin:FedAvgM\n")
+    (where / "fedavgm_plugin.py").write_text((Path(__file__).parent / "plugins" / "fedavgm_plugin.py").read_text())
+    path = os.pathsep.join([str(where), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path}
+
+
+def test_external_plugin_runs_through_cli_and_sweep(tmp_path):
+    env = install_plugin(tmp_path / "site")
+    db = tmp_path / "p.db"
+    run = [sys.executable, "-m", "fedprism.cli", "run", "--db", str(db), "--json", "method=fedavgm",
+           "dataset=digits", "clients=6", "rounds=2", "local_epochs=1", "model=mlp", "fedavgm.server_momentum=0.5"]
+    r = subprocess.run(run, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert '"local_acc"' in r.stdout.strip().splitlines()[-1]
+    sweep = tmp_path / "s.toml"
+    sweep.write_text(dump_sweep("plugin_sweep", dict(dataset="digits", clients=6, rounds=2, local_epochs=1,
+                                                     model="mlp"),
+                                [dict(label="FedAvgM", method="fedavgm"), dict(label="FedAvg", method="fedavg")]))
+    listed = subprocess.run([sys.executable, "-m", "fedprism.cli", "methods"], capture_output=True, text=True,
+                            env=env, timeout=120).stdout
+    assert "fedavgm.server_momentum" in listed and "arXiv:1909.06335" in listed
+    r = subprocess.run([sys.executable, "-m", "fedprism.cli", "sweep", str(sweep), "--db", str(db)],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr + r.stdout
+    from fedprism.experiment.store import Store as S
+    methods = sorted(x["method"] for x in S(db).runs(sweep="plugin_sweep"))
+    assert methods == ["fedavg", "fedavgm"]
+    # without the plugin installed the method is an error naming the key
+    r = subprocess.run(run, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert r.returncode == 2 and "method" in r.stderr and "fedavgm" in r.stderr
+
+
+@pytest.mark.slow
+def test_external_plugin_runs_on_the_flower_simulation(tmp_path):
+    pytest.importorskip("flwr")
+    env = install_plugin(tmp_path / "site")
+    env.update({"FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1", "RAY_USAGE_STATS_ENABLED": "0"})
+    db = tmp_path / "f.db"
+    exp = "method=fedavgm dataset=digits clients=3 rounds=2 fraction=1.0 local_epochs=1 model=mlp engine=sequential"
+    r = subprocess.run([sys.executable, "-m", "fedprism.flower", "simulate", "--db", str(db), "--experiment", exp],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    from fedprism.experiment.store import Store as S
+    rows = S(db).runs(method="fedavgm")
+    assert len(rows) == 1 and rows[0]["status"] == "finished"
+    ref = subprocess.run([sys.executable, "-m", "fedprism.cli", "run", "--db", str(tmp_path / "ref.db"), "--json",
+                          *exp.split()], capture_output=True, text=True, env=env, timeout=300)
+    import json
+    final = json.loads(ref.stdout.strip().splitlines()[-1])
+    got = json.loads(rows[0]["final"])
+    assert got["local_acc"] == pytest.approx(final["final"]["local_acc"] if "final" in final else final["local_acc"],
+                                             abs=1e-9)
+
+
+def test_the_documented_plugin_is_the_tested_one():
+    """docs/writing-a-method.md shows the code that the plugin tests run, line for line."""
+    doc = (ROOT / "docs" / "writing-a-method.md").read_text()
+    block = doc.split("```python\n", 1)[1].split("```", 1)[0]
+    code = (Path(__file__).parent / "plugins" / "fedavgm_plugin.py").read_text()
+    body = code[code.index('"""', 3) + 3:]
+    assert block.strip() == body.strip()
