@@ -8,7 +8,8 @@ from fedprism.cli import main
 
 
 def test_help_of_every_subcommand(capsys):
-    for sub in ("run", "demo", "sweep", "report", "partition", "methods", "export", "data"):
+    for sub in ("run", "demo", "sweep", "report", "runs", "show", "verify", "partition", "methods", "export",
+                "data"):
         with pytest.raises(SystemExit) as e:
             main([sub, "--help"])
         assert e.value.code == 0

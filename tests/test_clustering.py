@@ -1,4 +1,4 @@
-"""Tests for fedprism.clustering (report 002 section 3; specs/algorithms.md 0.7, 4, 5, 7, 12, 13)."""
+"""Tests for fedprism.clustering (the Fed-PRISM technical report, section 3)."""
 
 from __future__ import annotations
 
@@ -177,7 +177,7 @@ def test_bad_input():
 
 
 def test_soft_assign_hand_example():
-    # cosines 0.9 and 0.5 -> 0.5987, 0.4013 (specs/fedprism.md)
+    # cosines 0.9 and 0.5 -> 0.5987, 0.4013
     # feature at angle arccos(0.9) from e1; centroid 2 at angle arccos(0.5) from the feature
     f = np.array([[0.9, np.sqrt(1 - 0.81)]])
     c2 = np.array([0.5 * 0.9 - np.sqrt(0.75) * np.sqrt(0.19), 0.5 * np.sqrt(0.19) + np.sqrt(0.75) * 0.9])
@@ -310,7 +310,7 @@ def test_choose_k_degenerate():
 
 
 def test_silhouette_two_psi_groups():
-    # specs/algorithms.md 12 test shape: two groups of five, jittered, tau = 2 and exactly those groups
+    # two groups of five, jittered, tau = 2 and exactly those groups
     rng = np.random.default_rng(0)
     x = np.concatenate([rng.normal([1, 0, 0], 0.05, (5, 3)), rng.normal([0, 1, 1], 0.05, (5, 3))])
     k, _ = choose_k_silhouette(x)

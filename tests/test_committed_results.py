@@ -57,7 +57,7 @@ def _finals(store: Store, sweep: str) -> dict[tuple[str, int], dict]:
 
 @pytest.mark.parametrize("sweep", PAPER_SWEEPS)
 def test_fedprism_vs_local_as_results_readme_states(db_copy, sweep):
-    """Issue 5 on FMNIST Dirichlet 0.1, 0.3 and 0.5 (paper configuration), seed by seed from the committed
+    """The FedPrism paper's claim on FMNIST Dirichlet 0.1, 0.3 and 0.5 (paper configuration), seed by seed from the committed
     runs: FedPrism's local accuracy >= Local's, and its routed (dual-stream, Eq. 2-3) global accuracy >=
     Local's + 10 points (the paper's claim); so is its shared global model G."""
     store = Store(db_copy)

@@ -1,4 +1,4 @@
-"""The vectorized engine gives the sequential engine's numbers (DESIGN.md "Two engines, one answer").
+"""The vectorized engine gives the sequential engine's numbers (two engines, one answer).
 
 Small federations with unequal client sizes (partial last batches, LPT slot reloads), momentum and
 weight decay; the `prox` objective with per-client extras; a train mask; evaluation on local, train

@@ -1,4 +1,4 @@
-"""FedClust (report 002 2nd algorithm; Islam et al. 2024 variant)."""
+"""FedClust (the Fed-PRISM technical report's 2nd algorithm; Islam et al. 2024 variant)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Fed-PRISM server (report 002): equivalences, invariants and planted-federation recovery."""
+"""Fed-PRISM server (the Fed-PRISM technical report): equivalences, invariants and planted-federation recovery."""
 
 from __future__ import annotations
 

@@ -252,7 +252,7 @@ def test_planted_groups_clustered_on_last_layer(digits):
     labels = []
     drive(algo, eng, 2, on_round=lambda t, s, p, u, r: labels.append(np.asarray(r["clusters"]["labels"])))
     assert all(adjusted_rand_score(truth, lab) == 1.0 for lab in labels)
-    assert np.array_equal(labels[0], labels[1])                  # identity kept (002 Hungarian matching)
+    assert np.array_equal(labels[0], labels[1])                  # identity kept (Hungarian matching, as in the Fed-PRISM technical report)
 
 
 def test_warmup_every_and_seen_cache(planted):

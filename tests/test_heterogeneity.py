@@ -1,4 +1,4 @@
-"""Label-skew metrics: PSI / WPSI (seed 001 Eq. 1-3) and Hellinger / JS / EMD (specs section 16)."""
+"""Label-skew metrics: PSI / WPSI (Clust-PSI-PFL Eq. 1-3) and Hellinger / JS / EMD (FedArtML's definitions)."""
 
 from __future__ import annotations
 
@@ -163,7 +163,7 @@ def test_pair_functions_identical_and_disjoint():
 
 
 def _fedartml_reference(p: np.ndarray) -> tuple[float, float, float]:
-    """Straight transcription of FedArtML's three formulas (specs 16) with scipy, for comparison."""
+    """Straight transcription of FedArtML's three formulas with scipy, for comparison."""
     n = len(p)
     sq = np.sqrt(p)
     h = np.sum((sq[:, None, :] - sq[None, :, :]) ** 2, axis=2)
@@ -208,7 +208,7 @@ def test_disjoint_single_class_clients():
     assert H.jensen_shannon(hist) == pytest.approx(1.0)
     assert H.emd(hist, reference="pairwise") == pytest.approx(1.0)           # TV-EMD between the clients
     assert H.emd(hist) == pytest.approx(0.5)                                 # TV to the pooled pmf [.7, .3]
-    assert H.emd(hist, fedartml_compat=True) == pytest.approx(0.0)           # FedArtML quirk (specs 16)
+    assert H.emd(hist, fedartml_compat=True) == pytest.approx(0.0)           # FedArtML quirk
     # N > C: maximal separation reaches 1 by default, but not with FedArtML's log2(N) normaliser
     many = np.repeat(np.eye(4, dtype=int) * 10, 3, axis=0)                    # 12 clients, 4 classes
     assert H.jensen_shannon(many) == pytest.approx(1.0)

@@ -1,4 +1,4 @@
-"""Partitions (specs/algorithms.md section 15), domain transforms and the partition plot."""
+"""Partitions, domain transforms and the partition plot."""
 
 from __future__ import annotations
 

@@ -37,9 +37,9 @@ def test_quick_clustering_sweep_stores_all_and_reports(tmp_path, monkeypatch):
         assert f"| {label} | 2 |" in md
     rows = list(csv.DictReader(open(out / "results.csv")))
     assert len(rows) == len(configs)
-    assert any(p.name.endswith("-clusters.png") for p in paths)
-    assert any(p.name.endswith("-accuracy.png") for p in paths)
-    assert any(p.name.endswith("-ecdf.png") for p in paths)
+    assert any(p.name.startswith("clusters_fedprism_Fed-PRISM-kmeans_") for p in paths)
+    assert any(p.name.startswith("accuracy_") for p in paths)
+    assert any(p.name.startswith("ecdf_") for p in paths)
     assert "## Paper layout" in md and "\n| FedAvg | " in md.split("## Paper layout")[1].split("\n## ")[0]
     before = {p: p.read_bytes() for p in paths}
     write_report(db, str(out), sweep=name)                    # byte-for-byte reproducible

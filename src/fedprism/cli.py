@@ -1,4 +1,5 @@
-"""The `fedprism` command: run | demo | sweep | report | partition | methods | export | data."""
+"""The `fedprism` command: run | demo | sweep | report | runs | show | verify | partition | methods |
+export | data."""
 
 from __future__ import annotations
 
@@ -34,7 +35,10 @@ def cmd_run(args) -> int:
 
     cfg = _config(args)
     store = Store(args.db)
-    exp = Experiment(cfg, store, progress=not args.json and not args.quiet)
+    if args.fresh and store.run(cfg.run_id) is not None:
+        store.forget(cfg.run_id)
+        print(f"--fresh: dropped the stored rounds of run {cfg.run_id}; running it again", file=sys.stderr)
+    exp = Experiment(cfg, store, progress=not args.quiet)        # progress goes to stderr, also with --json
     res = exp.run()
     f = res.final
     if not args.json:
@@ -71,10 +75,85 @@ def cmd_sweep(args) -> int:
 def cmd_report(args) -> int:
     from fedprism.report import write_report
 
-    paths = write_report(args.db, args.out, sweep=args.sweep, plots=not args.no_plots, reference=args.reference)
+    paths = write_report(args.db, args.out, sweep=args.sweep, plots=not args.no_plots, reference=args.reference,
+                         html=args.html)
     for p in paths:
         print(p)
     return 0
+
+
+def _acc(final: dict, key: str) -> str:
+    v = final.get(key)
+    return "" if v is None else f"{100 * v:.2f}"
+
+
+def cmd_runs(args) -> int:
+    from fedprism.experiment.store import Store
+
+    store = Store(args.db, readonly=True)
+    where = {k: v for k, v in (("method", args.method), ("status", args.status)) if v}
+    rows = store.runs(**({"sweep": args.sweep} if args.sweep else {}), **where)
+    out = []
+    for r in rows:
+        f = json.loads(r["final"] or "{}")
+        cfg = json.loads(r["config"])
+        out.append([r["run_id"], r["method"], r["label"] or "", cfg.get("seed"), r["status"],
+                    f"{r['rounds_done']}/{cfg.get('rounds')}", _acc(f, "local_acc"), _acc(f, "global_acc")])
+    store.close()
+    if args.json:
+        keys = ["run_id", "method", "label", "seed", "status", "rounds", "local_acc", "global_acc"]
+        print(json.dumps([dict(zip(keys, r)) for r in out]))
+    elif out:
+        print(_table(out, ["id", "method", "label", "seed", "status", "rounds", "local %", "global %"]))
+    else:
+        print("no runs match", file=sys.stderr)
+    return 0
+
+
+def cmd_show(args) -> int:
+    from fedprism.experiment.store import Store
+
+    store = Store(args.db, readonly=True)
+    row = store.find(args.run)
+    run_id = row["run_id"]
+    cfg = json.loads(row["config"])
+    prov = store.provenance(run_id)
+    sweeps = [r[0] for r in store.db.execute("SELECT sweep FROM sweep_runs WHERE run_id=? ORDER BY sweep", (run_id,))]
+    print(f"run {run_id}: {row['method']} '{row['name'] or ''}' seed {row['seed']}, {row['status']}, "
+          f"{row['rounds_done']}/{cfg.get('rounds')} rounds; code {row['code_version']}"
+          + (f"; sweeps: {', '.join(sweeps)}" if sweeps else ""))
+    print("\nConfiguration:")
+    print(_table([[k, json.dumps(v)] for k, v in sorted(cfg.items())], ["key", "value"]))
+    print("\nProvenance:")
+    if prov is None:
+        print("  unknown (stored before provenance was recorded: no code or data fingerprint to compare)")
+    else:
+        flat = []
+        for k, v in prov.items():
+            if isinstance(v, dict):
+                for k2, v2 in v.items():
+                    flat.append([f"{k}.{k2}", json.dumps(v2) if isinstance(v2, dict) else _fmt(v2)])
+            else:
+                flat.append([k, _fmt(v)])
+        print(_table(flat, ["key", "value"]))
+    hist = store.round_metrics(run_id)
+    store.close()
+    if hist:
+        keys = [k for k in ("global_acc", "local_acc", "sdad", "global_model_acc", "train_loss", "accepted",
+                            "rejected", "train_s", "eval_s") if any(k in h for h in hist)]
+        print("\nRounds:")
+        print(_table([[h["round"] + 1] + [h.get(k) for k in keys] for h in hist], ["round"] + keys))
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from fedprism.experiment.verify import verify
+
+    from fedprism.experiment.config import parse_overrides
+
+    ok = verify(args.db, args.run, rounds=args.rounds, threads=args.threads, progress=not args.quiet,
+                overrides=parse_overrides(args.items))
+    return 0 if ok else 1
 
 
 def cmd_methods(args) -> int:
@@ -167,7 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
                                "interrupted one resumes from its last round."))
     r.add_argument("items", nargs="*", metavar="[config.toml] key=value", help=KV_HELP)
     r.add_argument("--json", action="store_true", help="print one JSON object with the final metrics last")
-    r.add_argument("--quiet", action="store_true", help="no progress bar")
+    r.add_argument("--quiet", action="store_true", help="no progress (it goes to stderr, also with --json)")
+    r.add_argument("--fresh", action="store_true",
+                   help="drop the stored rounds of this run (same run id) and run it again from round 0")
     r.set_defaults(fn=cmd_run)
 
     d = with_db(sub.add_parser("demo", help="the main job: Fed-PRISM vs baselines on the default data",
@@ -200,10 +281,37 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--out", default="report", help="output directory")
     rp.add_argument("--sweep", action="append", default=None,
                     help="only runs of this sweep (repeatable: several sweeps in one report)")
-    rp.add_argument("--no-plots", action="store_true")
+    rp.add_argument("--no-plots", action="store_true", help="tables only (the markdown links no images)")
+    rp.add_argument("--html", action="store_true",
+                    help="also write report.html: one self-contained page (plots embedded, no external files)")
     rp.add_argument("--reference", default=None,
                     help="put a published table next to ours, e.g. fedprism-paper-fmnist")
     rp.set_defaults(fn=cmd_report)
+
+    ru = with_db(sub.add_parser("runs", help="list the stored runs (read-only)"))
+    ru.add_argument("--sweep", default=None, help="only the runs of this sweep (with its row labels)")
+    ru.add_argument("--method", default=None, help="only runs of this method")
+    ru.add_argument("--status", default=None, choices=("finished", "running", "interrupted", "failed"))
+    ru.add_argument("--json", action="store_true", help="one JSON list instead of the table")
+    ru.set_defaults(fn=cmd_runs)
+
+    sh = with_db(sub.add_parser("show", help="one run: configuration, provenance and per-round metrics"))
+    sh.add_argument("run", help="run id (or an unambiguous prefix)")
+    sh.set_defaults(fn=cmd_show)
+
+    v = with_db(sub.add_parser("verify", help="re-run a stored run's first rounds and compare them",
+                               description="Re-runs the first N rounds of a stored run into a temporary "
+                               "store (with the recorded thread count) and reports the first metric that "
+                               "differs from the stored one (timings excluded), or that all match. The "
+                               "store itself is opened read-only."))
+    v.add_argument("run", help="run id (or an unambiguous prefix)")
+    v.add_argument("items", nargs="*", metavar="key=value",
+                   help="execution-only overrides, e.g. engine=sequential compile=false")
+    v.add_argument("--rounds", type=int, default=2, help="how many rounds to re-run (default 2)")
+    v.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: the recorded count; 1 for runs stored without one)")
+    v.add_argument("--quiet", action="store_true")
+    v.set_defaults(fn=cmd_verify)
 
     pa = sub.add_parser("partition", help="split a dataset and print per-client summary + heterogeneity",
                         description="e.g. fedprism partition dataset=fmnist partition=dirichlet "
@@ -230,12 +338,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # key=value items after an option (`fedprism verify RUN --rounds 2 engine=sequential`)
+    if extra and isinstance(getattr(args, "items", None), list) and all("=" in e and not e.startswith("-")
+                                                                      for e in extra):
+        args.items += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.fn(args)
     except FedPrismError as e:
         print(f"fedprism: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:                 # `fedprism show RUN | head`: the reader left, not an error
+        sys.stdout = open(os.devnull, "w")
+        return 0
     except KeyboardInterrupt:
         print("\nfedprism: interrupted; run the same command again to resume", file=sys.stderr)
         return 130

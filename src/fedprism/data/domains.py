@@ -1,4 +1,5 @@
-"""Fixed image "domains" for the mixed feature + label skew protocol (``domain_mix``, PFPL seed 003).
+"""Fixed image "domains" for the mixed feature + label skew protocol (``domain_mix``, after PFPL:
+personalized federated prototype learning in mixed heterogeneous data scenarios).
 
 PFPL draws each client's data from one of several real domains (MNIST / USPS / SVHN / SYN). To get the
 same feature shift on any single image dataset, each domain here is a fixed, deterministic transform

@@ -1,7 +1,7 @@
 """How non-IID is a federation? Label-distribution metrics over a [clients, classes] histogram.
 
-* PSI / WPSI (Clust-PSI-PFL, seed 001, Eq. 1-3; specs/algorithms.md section 12 and Appendix B #4).
-* Hellinger, Jensen-Shannon and Earth Mover's distances (specs section 16), each in a *correct* default
+* PSI / WPSI (Clust-PSI-PFL: population stability index for clustered personalized FL, Eq. 1-3).
+* Hellinger, Jensen-Shannon and Earth Mover's distances (as FedArtML defines them), each in a *correct* default
   form and, behind ``fedartml_compat=True``, exactly as FedArtML computes them (the values
   Clust-PSI-PFL's Figure 3 plots).
 
@@ -99,7 +99,7 @@ def _pairwise_abs_sum(a: np.ndarray) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------------------------------
-# PSI (seed 001, Eq. 1-3)
+# PSI (Clust-PSI-PFL, Eq. 1-3)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -191,7 +191,7 @@ def emd_pair(p, q) -> float:
 
 
 # --------------------------------------------------------------------------------------------------
-# Federation-level distances (specs section 16)
+# Federation-level distances (Hellinger, Jensen-Shannon, EMD)
 # --------------------------------------------------------------------------------------------------
 
 

@@ -2,7 +2,7 @@
 
 Every partitioner maps the train labels to one sorted ``int64`` index array per client; the train
 arrays are pairwise disjoint. Each client's test indices are then drawn from the official test set
-with the client's *train* label pmf (specs/algorithms.md 15.4b), so local accuracy is measured on the
+with the client's *train* label pmf (see `local_test_split` below), so local accuracy is measured on the
 client's own distribution while the full test set stays available for global accuracy.
 
 Partitions (``PARTITIONS`` lists their parameters; config keys are ``partition.<key>``):
@@ -10,14 +10,14 @@ Partitions (``PARTITIONS`` lists their parameters; config keys are ``partition.<
 ==================== ================================================================================
 ``iid``              uniform random split into near-equal parts
 ``dirichlet``        per client over classes, ``p_i ~ Dir(alpha 1)``, equal sizes (FedPrism 4.2,
-                     specs 15.2; Hsu et al. 2019)
+                     Hsu et al. 2019)
 ``dirichlet_per_class`` per class over clients with the balance and minimum-size steps (FedArtML,
-                     Clust-PSI-PFL, PFLlib ``dir``; specs 15.1)
+                     Clust-PSI-PFL, PFLlib ``dir``)
 ``pathological``     McMahan sorted shards (``variant="shards"``) or exactly ``s`` distinct classes per
-                     client (``variant="classes"``, FedRep / LG-FedAvg; specs 15.3)
-``similarity``       Similarity(S): an IID share ``S`` plus label-sorted slices (Clust-PSI-PFL, seed 001)
-``domain_mix``       mixed feature + label skew: one image domain and ``n`` classes per client (PFPL,
-                     seed 003; the domain transforms live in :mod:`fedprism.data.domains`)
+                     client (``variant="classes"``, FedRep / LG-FedAvg)
+``similarity``       Similarity(S): an IID share ``S`` plus label-sorted slices (Clust-PSI-PFL)
+``domain_mix``       mixed feature + label skew: one image domain and ``n`` classes per client (PFPL;
+                     the domain transforms live in :mod:`fedprism.data.domains`)
 ==================== ================================================================================
 
 Everything is vectorised numpy (one ``lexsort`` assembles all clients); loops run over clients or
@@ -159,7 +159,7 @@ PARTITIONS: dict[str, dict[str, Param]] = {
                        _positive_finite, "a finite number > 0"),
     },
     "dirichlet_per_class": {
-        "alpha": Param(0.5, "Dirichlet concentration of each class's split over clients (specs 15.1)",
+        "alpha": Param(0.5, "Dirichlet concentration of each class's split over clients",
                        _positive_finite, "a finite number > 0"),
         "max_tries": Param(1000, "redraws allowed to give every client min_train samples",
                            lambda v: v >= 1, "an integer >= 1"),
@@ -333,7 +333,7 @@ def _iid(y, num_classes, num_clients, min_train, rng, params):
 
 
 def _dirichlet_client(y, num_classes, num_clients, min_train, rng, params):
-    """Per client over classes (FedPrism 4.2, specs 15.2): ``q_i ~ Dir(alpha 1)``, ``n_i = floor(n/N)``.
+    """Per client over classes (FedPrism paper, section 4.2): ``q_i ~ Dir(alpha 1)``, ``n_i = floor(n/N)``.
 
     Client ``i`` asks for ``n_i * q_i`` samples (largest-remainder rounding). When a class runs out,
     ``q_i`` is renormalised over the classes that remain and the shortfall is drawn again (repeated
@@ -378,7 +378,7 @@ def _dirichlet_client(y, num_classes, num_clients, min_train, rng, params):
 
 
 def _dirichlet_per_class(y, num_classes, num_clients, min_train, rng, params):
-    """Per class over clients (FedArtML / PFLlib / Clust-PSI-PFL; specs 15.1).
+    """Per class over clients (FedArtML / PFLlib / Clust-PSI-PFL).
 
     For each class, ``p ~ Dir_N(alpha 1)``; clients already at or above the mean size ``n/N`` get no
     share (the balance step); the shuffled class is cut at ``floor(cumsum(p) * n_c)``. The whole draw
@@ -412,7 +412,7 @@ def _dirichlet_per_class(y, num_classes, num_clients, min_train, rng, params):
 
 
 def _pathological(y, num_classes, num_clients, min_train, rng, params):
-    """Label-skewed shards (specs 15.3).
+    """Label-skewed shards (McMahan et al. 2017; FedRep / LG-FedAvg class variant).
 
     ``variant="shards"`` (McMahan et al.): stable sort by label, cut into ``N*s`` near-equal shards, each
     client gets ``s`` random shards (a client may get one class twice, a shard may straddle two).
@@ -447,7 +447,7 @@ def _pathological(y, num_classes, num_clients, min_train, rng, params):
 
 
 def _similarity(y, num_classes, num_clients, min_train, rng, params):
-    """Similarity(S) (Clust-PSI-PFL section IV, seed 001; psi_pfl ``split_dataset_by_percent``).
+    """Similarity(S) (Clust-PSI-PFL section IV; psi_pfl ``split_dataset_by_percent``).
 
     Shuffle all indices; the first ``round(S n)`` form the IID pool, the rest are stable-sorted by
     label. Client ``u`` gets the ``u``-th ``floor(n_iid/N)`` slice of the IID pool and the ``u``-th
@@ -466,7 +466,7 @@ def _similarity(y, num_classes, num_clients, min_train, rng, params):
 
 
 def _domain_mix(y, num_classes, num_clients, min_train, rng, params):
-    """Mixed feature + label skew (PFPL, seed 003, "n-way" label skew plus a random domain per client).
+    """Mixed feature + label skew (PFPL: personalized federated prototype learning in mixed heterogeneous data scenarios, "n-way" label skew plus a random domain per client).
 
     Client ``i`` draws ``n_i`` uniformly in ``[min_classes, max_classes]`` and holds ``n_i`` distinct
     classes (each class held about equally often; every class is split equally among its holders, so
@@ -501,7 +501,7 @@ _PARTITIONERS: dict[str, Callable] = {
 
 
 # --------------------------------------------------------------------------------------------------
-# Test split (specs 15.4b)
+# Test split
 # --------------------------------------------------------------------------------------------------
 
 

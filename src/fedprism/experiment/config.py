@@ -5,11 +5,13 @@ hold both `partition = "x"` and `partition.alpha`, so write `partition = { name 
 alpha = 0.1 }` or quote the key, `"partition.alpha" = 0.1`) and from
 `key=value` arguments (values parsed as TOML literals: `0.1`, `true`, `"x"` or a bare word).
 Every key is validated; unknown keys, wrong types and out-of-range values raise `ConfigError`
-naming the key, the value and what is allowed.
+naming the key, the value and what is allowed; an unknown key names the closest valid key
+("did you mean fedprism.k?").
 """
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import math
@@ -60,6 +62,10 @@ KEYS: dict[str, Param] = {
     "engine": Param("auto", "auto, sequential or vectorized", choices=("auto", "sequential", "vectorized")),
     "compile": Param("auto", "torch.compile the vectorized kernels (auto: on for long runs)",
                      choices=("auto", "true", "false", True, False)),
+    "threads": Param(0, "torch intra-op threads for the run (0: leave torch's default); recorded with the "
+                     "run, not part of its id", _nonneg, "an integer >= 0"),
+    "scalars": Param("", "directory for per-round and per-client scalars as CSV, written as each round is "
+                     "stored ('' = none; not part of the run id)"),
     "optimizer": Param("sgd", "client optimiser: sgd (lr, momentum, weight_decay) or adam (lr, weight_decay; "
                        "betas 0.9/0.999, eps 1e-8)", choices=("sgd", "adam"), new=True),
     "keep_final": Param(True, "keep the final server and client state beside the store (re-scoring of "
@@ -73,7 +79,8 @@ PARTITION_COMMON: dict[str, Param] = {
 }
 
 #: keys that change how a run executes but not its numbers (excluded from the run id)
-EXECUTION_KEYS = frozenset({"name", "device", "engine", "compile", "data.root", "data.download", "keep_final"})
+EXECUTION_KEYS = frozenset({"name", "device", "engine", "compile", "data.root", "data.download", "keep_final",
+                            "threads", "scalars"})
 
 
 def parse_value(text: str) -> Any:
@@ -202,20 +209,40 @@ def resolve(raw: dict[str, Any]) -> Config:
         key = f"partition.{k}"
         out[key] = p.validate(key, raw.pop(key)) if key in raw else p.default
     mp = {k[len(method) + 1:]: raw.pop(k) for k in list(raw) if k.startswith(method + ".")}
+    for k in sorted(mp):
+        if k not in REGISTRY[method].params:
+            allowed = ", ".join(f"{method}.{p}" for p in REGISTRY[method].params) or "none"
+            hint = suggest(f"{method}.{k}", [f"{method}.{p}" for p in REGISTRY[method].params])
+            raise ConfigError(f"{method}.{k}", mp[k], f"unknown parameter{hint}; {method} takes {allowed}")
     for k, v in REGISTRY[method].resolve(mp).items():
         out[f"{method}.{k}"] = v
     if raw:
         k = sorted(raw)[0]
+        valid = [*KEYS, *(f"partition.{p}" for p in part_params),
+                 *(f"{m}.{p}" for m, cls in REGISTRY.items() for p in cls.params)]
+        hint = suggest(k, valid)
         if k.startswith("partition."):
             allowed = ", ".join(f"partition.{p}" for p in part_params)
-            raise ConfigError(k, raw[k], f"unknown key for partition={part}; it takes {allowed}")
+            raise ConfigError(k, raw[k], f"unknown key for partition={part}{hint}; it takes {allowed}")
         other = k.split(".")[0]
         if other in REGISTRY:
             raise ConfigError(k, raw[k], f"a {other} parameter, but method={method}")
-        raise ConfigError(k, raw[k], f"unknown key; known keys: {', '.join(KEYS)} and {method}.*, partition.*")
+        raise ConfigError(k, raw[k], f"unknown key{hint}; known keys: {', '.join(KEYS)} and {method}.*, "
+                                     "partition.*")
     if out["clients"] * out["fraction"] < 1 - 1e-12:
         pass  # m_t = max(floor(qN), 1): still one client per round
     return Config(out)
+
+
+def suggest(key: str, valid: list[str]) -> str:
+    """'; did you mean X?' for the valid key closest to `key` (difflib ratio >= 0.6), else ''."""
+    best = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    if not best and "." in key:                     # `fedprsim.k`: match the parts separately
+        head, tail = key.split(".", 1)
+        heads = difflib.get_close_matches(head, sorted({v.split(".", 1)[0] for v in valid if "." in v}), n=1)
+        if heads:
+            best = difflib.get_close_matches(f"{heads[0]}.{tail}", valid, n=1, cutoff=0.6)
+    return f" (did you mean {best[0]}?)" if best else ""
 
 
 def describe_keys() -> list[tuple[str, Any, str]]:

@@ -8,7 +8,6 @@ so a resumed run reaches exactly the numbers of an uninterrupted one.
 from __future__ import annotations
 
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +22,8 @@ from fedprism.engine.base import LocalConfig
 from fedprism.experiment.config import Config
 from fedprism.experiment.evaluate import Evaluator, summarize
 from fedprism.experiment.federation import build_federation, resolve_model_name
+from fedprism.experiment.progress import Progress
+from fedprism.experiment.provenance import capture, set_threads
 from fedprism.experiment.store import Store
 from fedprism.federation import Federation
 from fedprism.models import build_model
@@ -45,34 +46,6 @@ class RunResult:
     final: dict
     history: list[dict] = field(default_factory=list)
     resumed_from: int | None = None
-
-
-class Progress:
-    """A one-line progress bar on stderr: round, ETA and the latest accuracies."""
-
-    def __init__(self, total: int, enabled: bool, label: str = ""):
-        self.total, self.enabled, self.label = total, enabled, label
-        self.t0 = time.time()
-        self.done0: int | None = None
-
-    def update(self, done: int, metrics: dict | None) -> None:
-        if not self.enabled:
-            return
-        if self.done0 is None:
-            self.done0 = done - 1
-        rate = (time.time() - self.t0) / max(1, done - self.done0)
-        eta = rate * (self.total - done)
-        width = 24
-        bar = "#" * int(width * done / self.total)
-        acc = ""
-        if metrics:
-            acc = f" local {metrics.get('local_acc', float('nan')):.3f}"
-            if "global_acc" in metrics:
-                acc += f" global {metrics['global_acc']:.3f}"
-        sys.stderr.write(f"\r{self.label} round {done}/{self.total} [{bar:<{width}}] ETA {eta:5.0f}s{acc}   ")
-        if done == self.total:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
 
 
 class ClientStore:
@@ -346,15 +319,17 @@ class Experiment:
         """Run to the end (or for `stop_after` more rounds, for tests of resumption)."""
         cfg, store = self.cfg, self.store
         run_id = self.run_id
+        set_threads(cfg)                                   # `threads=`: execution-only, recorded below
+        prov = capture(self)                               # compared with a stored run's (docs/reproducibility.md)
         row = store.run(run_id)
         if row is not None and row["status"] == "finished":
-            store.start_run(run_id, cfg.values, self.sweep)         # sweep membership
+            store.start_run(run_id, cfg.values, self.sweep, provenance=prov)   # sweep membership
             return RunResult(run_id, "finished", _json(row["final"]), store.round_metrics(run_id))
         if row is None or row["rounds_done"] == 0:
             src = self.rescore_source()
             if src is not None:
                 return self.rescore(*src)
-        store.start_run(run_id, cfg.values, self.sweep)
+        store.start_run(run_id, cfg.values, self.sweep, provenance=prov)
         ckpt = store.load_checkpoint(run_id)
         if ckpt is not None and ckpt.get("run_id") == run_id:
             state, start, resumed = self._restore(ckpt), ckpt["round"] + 1, ckpt["round"]

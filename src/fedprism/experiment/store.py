@@ -1,7 +1,8 @@
-"""The results store: one SQLite file, every run, every round, every client (DESIGN.md).
+"""The results store: one SQLite file, every run, every round, every client.
 
 Tables
-    runs            one row per run: id (hash of resolved config), config, seed, code version, status
+    runs            one row per run: id (hash of resolved config), config, seed, code version, status,
+                    provenance (JSON: what produced the run; NULL for runs stored before it existed)
     rounds          per-round metrics (JSON object) and wall time
     client_metrics  per-round, per-client accuracies and losses
     records         method- and runner-specific records (cluster assignments, rejected updates, ...)
@@ -11,6 +12,11 @@ Tables
 Writes are transactional per round (WAL mode), so a crash never leaves half a round. Checkpoints of
 the algorithm state (weights) are NOT stored here: they live beside the database in `<db>.ckpt/`
 and are deleted when the run finishes, so a committed database holds metrics only.
+
+`Store(path, readonly=True)` opens an existing file with SQLite's `mode=ro`: it never creates the
+file, never switches its journal mode and never migrates its schema, so reading a committed database
+leaves every byte (and the mtime) as it was. Opening for writing adds columns that newer versions
+need (`provenance`) to an older store.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+
+from fedprism.errors import FedPrismError
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -77,26 +85,106 @@ def _clean(x: Any) -> Any:
     return x
 
 
+def _json_or_none(s: str | None) -> dict | None:
+    return json.loads(s) if s else None
+
+
 def dumps(x: Any) -> str:
     return json.dumps(_clean(x), sort_keys=True, separators=(",", ":"))
 
 
+#: columns added after the first release of the schema: (name, SQL type), added on write-open
+MIGRATIONS = (("provenance", "TEXT"),)
+
+
+class Scalars:
+    """The `scalars=DIR` execution key: every round's scalars as CSV files beside the store, written as
+    the round is stored (for plotting tools and spreadsheets; `torch.utils.tensorboard` needs the
+    `tensorboard` package, which fedprism does not require).
+
+    `DIR/<run_id>-rounds.csv`: round, tag, value (one row per round metric, TensorBoard's layout);
+    `DIR/<run_id>-clients.csv`: round, client, local_acc, local_loss, global_acc, n_test, local_f1.
+    Rounds redone after a resume replace the rows they had.
+    """
+
+    CLIENT_COLS = ("round", "client", "local_acc", "local_loss", "global_acc", "n_test", "local_f1")
+
+    def __init__(self, folder: str | Path, run_id: str):
+        self.dir = Path(folder)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.rounds = self.dir / f"{run_id}-rounds.csv"
+        self.clients = self.dir / f"{run_id}-clients.csv"
+        for p, head in ((self.rounds, ("round", "tag", "value")), (self.clients, self.CLIENT_COLS)):
+            if not p.exists():
+                p.write_text(",".join(head) + "\n")
+
+    def truncate(self, after_round: int) -> None:
+        for p in (self.rounds, self.clients):
+            lines = p.read_text().splitlines()
+            keep = [lines[0]] + [ln for ln in lines[1:] if int(ln.split(",", 1)[0]) <= after_round]
+            p.write_text("\n".join(keep) + "\n")
+
+    def write(self, rnd: int, metrics: dict | None, clients: list[tuple] | None) -> None:
+        import csv
+
+        with open(self.rounds, "a", newline="") as f:
+            w = csv.writer(f, lineterminator="\n")
+            for k, v in sorted((metrics or {}).items()):
+                v = _clean(v)
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    w.writerow([rnd, k, v])
+        if clients:
+            with open(self.clients, "a", newline="") as f:
+                w = csv.writer(f, lineterminator="\n")
+                w.writerows([[rnd, *map(_clean, c)] for c in clients])
+
+
+class MissingStoreError(FedPrismError):
+    """A read-only command was pointed at a results database that does not exist."""
+
+
 class Store:
-    def __init__(self, path: str | Path = "fedprism-results.db"):
+    def __init__(self, path: str | Path = "fedprism-results.db", readonly: bool = False):
         self.path = Path(path)
+        self.readonly = readonly
+        self._scalars: dict[str, Scalars] = {}
+        if readonly:
+            if not self.path.is_file():
+                raise MissingStoreError(f"no results store at {self.path} (check --db or $FEDPRISM_DB)")
+            uri = f"file:{self.path.resolve().as_posix()}?mode=ro"
+            try:
+                self.db = sqlite3.connect(uri, uri=True, timeout=60, isolation_level=None)
+                self.db.row_factory = sqlite3.Row
+                self.db.execute("SELECT 1 FROM runs LIMIT 1").fetchall()
+            except sqlite3.DatabaseError as e:
+                raise MissingStoreError(f"{self.path} is not a fedprism results store ({e})") from None
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(str(self.path), timeout=60, isolation_level=None)
         self.db.row_factory = sqlite3.Row
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(SCHEMA)
+        have = {r[1] for r in self.db.execute("PRAGMA table_info(runs)")}
+        for col, typ in MIGRATIONS:
+            if col not in have:
+                self.db.execute(f"ALTER TABLE runs ADD COLUMN {col} {typ}")
 
     def close(self) -> None:
         """Fold the write-ahead log into the database file (so a committed .db is complete) and close."""
+        if self.readonly:
+            self.db.close()
+            return
         try:
             self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         finally:
             self.db.close()
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
@@ -112,23 +200,80 @@ class Store:
     def run(self, run_id: str) -> sqlite3.Row | None:
         return self.db.execute("SELECT * FROM runs WHERE run_id=?", (run_id,)).fetchone()
 
-    def start_run(self, run_id: str, config: dict, sweep: str | None = None) -> sqlite3.Row:
-        """Create the run if new; return its row (status 'running' unless already finished)."""
+    def start_run(self, run_id: str, config: dict, sweep: str | None = None,
+                  provenance: dict | None = None) -> sqlite3.Row:
+        """Create the run if new; return its row (status 'running' unless already finished).
+
+        `provenance` (see `fedprism.experiment.provenance`) is stored with a new run. For a stored run
+        whose recorded code or data fingerprint differs from `provenance`'s, `ProvenanceMismatch` is
+        raised: the stored result is never returned (nor resumed) as if this code had produced it.
+        A non-empty `name` in `config` relabels a stored run (its id and results stay as they are).
+        """
+        from fedprism.experiment.provenance import check
+
         now = time.time()
         with self.transaction() as db:
             row = db.execute("SELECT * FROM runs WHERE run_id=?", (run_id,)).fetchone()
             if row is None:
                 db.execute(
                     "INSERT INTO runs (run_id, name, method, dataset, seed, config, code_version, status,"
-                    " created, updated, sweep) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                    " created, updated, sweep, provenance) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
                     (run_id, config.get("name", ""), config["method"], config["dataset"], config["seed"],
-                     dumps(config), code_version(), "running", now, now, sweep))
+                     dumps(config), code_version(), "running", now, now, sweep,
+                     dumps(provenance) if provenance is not None else None))
+            else:
+                if provenance is not None:
+                    check(run_id, _json_or_none(row["provenance"]), provenance)
+                if config.get("name") and config["name"] != row["name"]:
+                    self._rename(db, row, config["name"])
             if sweep is not None:
                 db.execute("INSERT OR REPLACE INTO sweep_runs VALUES (?,?,?)", (sweep, run_id, config.get("name")))
             if row is not None and row["status"] != "finished":
                 db.execute("UPDATE runs SET status='running', updated=?, code_version=? WHERE run_id=?",
                            (now, code_version(), run_id))
+                if provenance is not None and row["provenance"] is None:
+                    db.execute("UPDATE runs SET provenance=? WHERE run_id=?", (dumps(provenance), run_id))
+        if config.get("scalars"):
+            self._scalars[run_id] = Scalars(config["scalars"], run_id)
         return self.run(run_id)
+
+    @staticmethod
+    def _rename(db: sqlite3.Connection, row: sqlite3.Row, name: str) -> None:
+        cfg = json.loads(row["config"])
+        cfg["name"] = name                       # `name` is execution-only: the run id does not change
+        db.execute("UPDATE runs SET name=?, config=? WHERE run_id=?", (name, dumps(cfg), row["run_id"]))
+
+    def rename(self, run_id: str, name: str) -> None:
+        """Store a new label for a run; its id, config values and results are unchanged."""
+        with self.transaction() as db:
+            row = db.execute("SELECT * FROM runs WHERE run_id=?", (run_id,)).fetchone()
+            if row is None:
+                raise FedPrismError(f"no run {run_id} in {self.path}")
+            self._rename(db, row, name)
+
+    def forget(self, run_id: str) -> None:
+        """Drop a run completely (its row, rounds, client rows, records and checkpoint): `--fresh`.
+        Sweep memberships are kept, so the run that replaces it under the same id stays in its sweeps."""
+        with self.transaction() as db:
+            for t in ("rounds", "client_metrics", "records", "runs"):
+                db.execute(f"DELETE FROM {t} WHERE run_id=?", (run_id,))
+        self.drop_checkpoint(run_id)
+
+    def provenance(self, run_id: str) -> dict | None:
+        row = self.run(run_id)
+        if row is None or "provenance" not in row.keys():
+            return None
+        return _json_or_none(row["provenance"])
+
+    def find(self, prefix: str) -> sqlite3.Row:
+        """The run whose id starts with `prefix` (an unambiguous prefix, as git accepts)."""
+        rows = self.db.execute("SELECT * FROM runs WHERE run_id LIKE ? ORDER BY run_id",
+                               (prefix.replace("%", "").replace("_", "") + "%",)).fetchall()
+        if not rows:
+            raise FedPrismError(f"no run {prefix!r} in {self.path} (`fedprism runs` lists them)")
+        if len(rows) > 1:
+            raise FedPrismError(f"run id prefix {prefix!r} is ambiguous: {', '.join(r['run_id'] for r in rows[:5])}")
+        return rows[0]
 
     def truncate(self, run_id: str, after_round: int) -> None:
         """Drop rows of rounds > after_round (rounds redone after resuming from a checkpoint)."""
@@ -136,6 +281,8 @@ class Store:
             for t in ("rounds", "client_metrics", "records"):
                 db.execute(f"DELETE FROM {t} WHERE run_id=? AND round>?", (run_id, after_round))
             db.execute("UPDATE runs SET rounds_done=? WHERE run_id=?", (after_round + 1, run_id))
+        if run_id in self._scalars:
+            self._scalars[run_id].truncate(after_round)
 
     def write_round(self, run_id: str, rnd: int, metrics: dict | None, clients: list[tuple] | None,
                     records: list[tuple[str, int | None, Any]], wall_s: float) -> None:
@@ -150,6 +297,8 @@ class Store:
                 db.executemany("INSERT INTO records VALUES (?,?,?,?,?)",
                                [(run_id, rnd, k, c, dumps(d)) for k, c, d in records])
             db.execute("UPDATE runs SET rounds_done=?, updated=? WHERE run_id=?", (rnd + 1, time.time(), run_id))
+        if run_id in self._scalars:
+            self._scalars[run_id].write(rnd, metrics, clients)
 
     def finish(self, run_id: str, final: dict, status: str = "finished") -> None:
         with self.transaction() as db:

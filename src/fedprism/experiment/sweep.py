@@ -19,6 +19,10 @@ Method keys in [base] or [quick] (`fedprism.k`) apply only to the runs of that m
 Every run of a sweep with the same data keys shares one partition and, through the seeded sampler,
 one cohort sequence.
 
+A finished run is skipped only when its recorded code and data fingerprints match the current ones
+(runs stored without provenance have none to compare); otherwise the sweep stops with an error that
+names what changed (`fedprism run --fresh` re-runs it; see docs/reproducibility.md).
+
 A sweep's table row is (label, seed, data setting). When the file's configuration of a row changes (a
 method default or a parameter changed), the run of the new configuration takes the row over once it
 has finished: the older run leaves the sweep (`superseded`), and stays in the store under its run id
@@ -135,6 +139,7 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
     """Run every run of a sweep file that has not finished (resumable). `workers` > 1 runs that many
     runs at once in separate processes, the machine's cores split between them (torch threads per
     worker = cores // workers), each printing one line when its run finishes."""
+    from fedprism.experiment.provenance import check, fingerprints
     from fedprism.experiment.runner import Experiment
     from fedprism.experiment.store import Store
 
@@ -153,6 +158,9 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
         row = store.run(cfg.run_id)
         tag = f"[{i + 1}/{len(configs)}] {cfg['name']} seed={cfg['seed']}"
         if row is not None and row["status"] == "finished":
+            stored = row["provenance"] if "provenance" in row.keys() else None
+            if stored:                         # other code or data: never skipped as if it were this run's
+                check(cfg.run_id, json.loads(stored), fingerprints(cfg))
             skipped += 1
             store.add_to_sweep(name, cfg.run_id, cfg["name"])
             supersede(store, name, cfg)

@@ -15,8 +15,9 @@ def _tables(store: Store) -> dict[str, tuple[list[str], list[list]]]:
     t: dict[str, tuple[list[str], list[list]]] = {}
     ckeys = sorted({k for r in runs for k in json.loads(r["config"])})
     fkeys = sorted({k for r in runs for k in json.loads(r["final"] or "{}")})
-    t["runs"] = (["run_id", "status", "code_version", "sweep"] + ckeys + [f"final.{k}" for k in fkeys],
-                 [[r["run_id"], r["status"], r["code_version"], r["sweep"]]
+    prov = lambda r: r["provenance"] if "provenance" in r.keys() else None  # noqa: E731 (older stores)
+    t["runs"] = (["run_id", "status", "code_version", "sweep", "provenance"] + ckeys + [f"final.{k}" for k in fkeys],
+                 [[r["run_id"], r["status"], r["code_version"], r["sweep"], prov(r)]
                   + [json.loads(r["config"]).get(k) for k in ckeys]
                   + [json.loads(r["final"] or "{}").get(k) for k in fkeys] for r in runs])
     rr = store.db.execute("SELECT run_id, round, metrics, wall_s FROM rounds ORDER BY run_id, round").fetchall()
@@ -31,7 +32,7 @@ def _tables(store: Store) -> dict[str, tuple[list[str], list[list]]]:
 
 
 def export(db: str, out: str, fmt: str = "csv") -> list[Path]:
-    store = Store(db)
+    store = Store(db, readonly=True)             # never changes the file it reads
     outdir = Path(out)
     outdir.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -53,4 +54,5 @@ def export(db: str, out: str, fmt: str = "csv") -> list[Path]:
             except ImportError as e:
                 raise FedPrismError(f"parquet export needs pyarrow: pip install pyarrow ({e})") from None
         paths.append(p)
+    store.close()
     return paths

@@ -9,7 +9,8 @@ Labels are our sweep row labels (the paper's "FedCFL" is our "CFL").
 
 from __future__ import annotations
 
-#: FedPrism paper (seed 000), FMNIST column of Tables 1 (Dirichlet 0.1), 6 (0.3) and 7 (0.5);
+#: The FedPrism paper (FedPrism: Adaptive Personalized Federated Learning under Non-IID Data, arXiv
+#: 2603.08252), FMNIST column of Tables 1 (Dirichlet 0.1), 6 (0.3) and 7 (0.5);
 #: 100 clients, 100 rounds (section 4.5)
 FEDPRISM_PAPER_FMNIST = {
     "fmnist dirichlet(alpha=0.1) N=100 T=100": {

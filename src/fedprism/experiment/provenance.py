@@ -1,0 +1,185 @@
+"""What produced a run: recorded with it, compared before a stored result is reused.
+
+A run's provenance is a JSON object in the `provenance` column of the store's `runs` table:
+
+    version      the fedprism package version
+    code         sha256 of the source file of the algorithm class and of the model class that ran
+                 (`inspect.getsourcefile`, so a method or model defined in a plugin is covered too),
+                 with the file's repository-relative or absolute path
+    data         sha256 over the arrays the run trained and evaluated on: the in-memory train/test
+                 tensors after loading, padding and subsetting, and every client's train/test indices
+                 (the partition). Hashing the decoded arrays is cheap (a fraction of a second for
+                 Fashion-MNIST) and covers what no file checksum can: a changed loader, normalisation,
+                 subset or partitioner. `None` when the process holds no data (a Flower server).
+    execution    threads (`torch.get_num_threads()`), engine and compile decision actually used,
+                 device, torch and numpy versions, Python version, CPU model (/proc/cpuinfo)
+
+Reuse rule (`check`): a stored run is returned, or resumed, only when its recorded code and data
+fingerprints equal the current ones. When they differ, `ProvenanceMismatch` is raised, naming what
+changed; `fedprism run --fresh` replaces the stored run, or `fedprism verify RUN` checks whether the new
+code still reproduces it. A run stored before provenance was recorded ("unknown": the column is NULL)
+has no fingerprint to compare and is reused as before. Execution details (threads, engine, versions,
+CPU) are recorded, never compared: they may change the last bits of a result, not what it means.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import platform
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedprism.errors import FedPrismError
+
+#: keys of the provenance object that `check` compares (fingerprints); everything else is a record
+COMPARED = (("code", "method"), ("code", "model"), ("data",))
+
+
+class ProvenanceMismatch(FedPrismError):
+    """A stored run was produced by other code or other data than the current ones."""
+
+
+def sha256_file(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _where(path: str) -> str:
+    """A path to show: relative to the package's parent folder when inside it, else absolute."""
+    import fedprism
+
+    root = Path(inspect.getsourcefile(fedprism) or "").resolve().parent.parent
+    p = Path(path).resolve()
+    try:
+        return p.relative_to(root).as_posix()
+    except ValueError:
+        return p.as_posix()
+
+
+def source_fingerprint(obj: Any) -> dict[str, str] | None:
+    """sha256 of the source file that defines `obj` (a class), and the file, or None if it has none."""
+    cls = obj if inspect.isclass(obj) else type(obj)
+    try:
+        path = inspect.getsourcefile(cls)
+    except TypeError:
+        path = None
+    if not path or not Path(path).is_file():
+        return None
+    return {"sha256": sha256_file(path), "file": _where(path), "class": f"{cls.__module__}.{cls.__qualname__}"}
+
+
+def _hash_tensor(h: "hashlib._Hash", x: Any) -> None:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().contiguous().numpy()
+    a = np.ascontiguousarray(np.asarray(x))
+    h.update(f"{a.dtype.str}{a.shape}".encode())
+    h.update(a.tobytes())
+
+
+def data_fingerprint(fed: Any) -> str | None:
+    """sha256 over a federation's train/test arrays and its clients' index lists, or None without data."""
+    if fed is None or getattr(fed, "x_train", None) is None:
+        return None
+    h = hashlib.sha256()
+    for name in ("x_train", "y_train", "x_test", "y_test"):
+        _hash_tensor(h, getattr(fed, name))
+    for name in ("train_idx", "test_idx"):
+        for idx in getattr(fed, name, None) or []:
+            _hash_tensor(h, np.asarray(idx, dtype=np.int64))
+    return h.hexdigest()
+
+
+@lru_cache(maxsize=1)
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def execution() -> dict[str, Any]:
+    """How this process executes runs (threads, library versions, CPU)."""
+    import sys
+
+    return {"threads": torch.get_num_threads(), "torch": torch.__version__, "numpy": np.__version__,
+            "python": sys.version.split()[0], "cpu": cpu_model()}
+
+
+def capture(exp: Any) -> dict[str, Any]:
+    """The provenance of an `Experiment` about to run (its algorithm, model, federation and engine)."""
+    from fedprism import __version__
+
+    eng = getattr(exp, "engine", None)
+    ex = execution()
+    ex.update({"engine": type(eng).__name__ if eng is not None else None,
+               "compile": bool(getattr(eng, "compiled", False)),
+               "device": str(getattr(eng, "device", "") or "") or None})
+    return {"version": __version__,
+            "code": {"method": source_fingerprint(type(exp.algo)) if getattr(exp, "algo", None) is not None
+                     else None,
+                     "model": source_fingerprint(type(exp.model)) if getattr(exp, "model", None) is not None
+                     else None},
+            "data": data_fingerprint(getattr(exp, "fed", None)),
+            "execution": ex}
+
+
+def fingerprints(cfg: Any) -> dict[str, Any]:
+    """The compared part of the provenance of a configuration, without building its engine: used to
+    check a stored finished run before a sweep skips it (the federation is cached per data setting)."""
+    from fedprism.algorithms import REGISTRY
+    from fedprism.experiment.federation import build_federation, resolve_model_name
+    from fedprism.models import build_model
+
+    fed = build_federation(cfg)
+    model = build_model(resolve_model_name(cfg["model"], fed.input_shape), fed.input_shape, fed.num_classes)
+    return {"code": {"method": source_fingerprint(REGISTRY[cfg["method"]]), "model": source_fingerprint(type(model))},
+            "data": data_fingerprint(fed)}
+
+
+def _get(d: dict | None, path: tuple[str, ...]) -> Any:
+    for k in path:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(k)
+    if isinstance(d, dict):
+        return d.get("sha256")
+    return d
+
+
+def differences(stored: dict | None, current: dict | None) -> list[str]:
+    """The compared fingerprints that both record and that differ ('unknown' on either side: no
+    fingerprint to compare, so no difference)."""
+    out = []
+    for path in COMPARED:
+        a, b = _get(stored, path), _get(current, path)
+        if a is not None and b is not None and a != b:
+            what = "/".join(path)
+            if path[0] == "code":
+                f = ((current or {}).get("code") or {}).get(path[1]) or {}
+                what = f"{path[1]} code ({f.get('file', '?')})"
+            out.append(f"{what}: stored {a[:12]}, now {b[:12]}")
+    return out
+
+
+def check(run_id: str, stored: dict | None, current: dict | None) -> None:
+    """Raise `ProvenanceMismatch` when the stored run was produced by other code or data."""
+    diff = differences(stored, current)
+    if diff:
+        raise ProvenanceMismatch(
+            f"run {run_id} is stored from other code or data ({'; '.join(diff)}); its results are not "
+            f"reused. `fedprism run --fresh ...` re-runs it under the current code, `fedprism verify "
+            f"{run_id}` checks whether the current code reproduces its first rounds")
+
+
+def set_threads(cfg: Any) -> None:
+    """Apply the `threads=` execution key (0: leave torch's setting as it is)."""
+    n = int(cfg.get("threads", 0) or 0)
+    if n > 0 and torch.get_num_threads() != n:
+        torch.set_num_threads(n)

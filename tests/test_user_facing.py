@@ -1,0 +1,415 @@
+"""What a user meets first: rows of the report, read-only commands, provenance and `verify`, progress,
+`runs` / `show`, key suggestions, plot files and their links."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from fedprism.cli import main
+from fedprism.errors import ConfigError
+from fedprism.experiment.config import resolve
+from fedprism.experiment.runner import Experiment
+from fedprism.experiment.store import Store
+from fedprism.report import write_report
+
+TINY = {"dataset": "digits", "model": "mlp", "clients": 6, "rounds": 2, "fraction": 0.5, "local_epochs": 1,
+        "method": "fedavg", "engine": "sequential"}
+COMMITTED = Path(__file__).resolve().parents[1] / "results" / "fedprism.db"
+
+
+def tiny(**kw):
+    return resolve({**TINY, **{k.replace("__", "."): v for k, v in kw.items()}})
+
+
+def _run(db, **kw):
+    store = Store(db)
+    res = Experiment(tiny(**kw), store).run()
+    store.close()
+    return res
+
+
+# -- 1. rows of the report --------------------------------------------------------------------------
+def test_runs_with_other_hyperparameters_are_separate_rows(tmp_path):
+    db = str(tmp_path / "s.db")
+    a = _run(db, lr=0.01)
+    _run(db, lr=0.05)
+    _run(db, lr=0.01, seed=1)
+    _run(db, lr=0.01, seed=2, engine="vectorized", compile=False)   # execution-only keys still pool
+    write_report(db, str(tmp_path / "rep"), plots=False)
+    md = (tmp_path / "rep" / "results.md").read_text()
+    assert "| fedavg (lr=0.01) | 3 |" in md, md
+    assert "| fedavg (lr=0.05) | 1 |" in md, md
+    assert "| fedavg | 2 |" not in md and "| fedavg | 4 |" not in md
+    # name= relabels a finished run: same id, same results, new row label
+    store = Store(db)
+    before = dict(store.run(a.run_id))
+    res = Experiment(tiny(lr=0.01, name="slow lr"), store).run()
+    after = dict(store.run(a.run_id))
+    assert res.run_id == a.run_id and after["final"] == before["final"] and after["name"] == "slow lr"
+    assert len(store.runs()) == 4
+    store.close()
+    write_report(db, str(tmp_path / "rep2"), plots=False)
+    md = (tmp_path / "rep2" / "results.md").read_text()
+    assert "| slow lr | 1 |" in md and "| fedavg (lr=0.01) | 2 |" in md, md
+
+
+def test_sweep_labels_stay_and_same_label_other_config_splits(tmp_path):
+    from fedprism.report import collect
+
+    db = str(tmp_path / "s.db")
+    store = Store(db)
+    for mu in (1.0, 0.1):
+        Experiment(tiny(method="fedamp", fedamp__mu=mu, name="FedAMP"), store, sweep="sw").run()
+    store.add_to_sweep("sw", Experiment(tiny(method="local", name="Local"), store).run().run_id, "Local")
+    groups = collect(store, "sw")
+    store.close()
+    (labels,) = [set(v) for v in groups.values()]
+    assert labels == {"FedAMP (mu=0.1)", "FedAMP (mu=1)", "Local"}
+
+
+# -- 2. read-only commands -------------------------------------------------------------------------
+def _digest(p: Path) -> tuple[str, int]:
+    return hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns
+
+
+def _rollback_journal_store(tmp_path) -> Path:
+    """A small store in the committed files' journal mode (not WAL), as the snapshot script leaves them."""
+    db = tmp_path / "small.db"
+    _run(str(db))
+    con = sqlite3.connect(db)
+    con.execute("PRAGMA journal_mode=DELETE")
+    con.close()
+    os.utime(db, ns=(1_000_000_000_000_000_000, 1_000_000_000_000_000_000))
+    return db
+
+
+def test_read_only_commands_change_no_byte(tmp_path, capsys):
+    dbs = [_rollback_journal_store(tmp_path)]
+    if COMMITTED.exists():
+        dbs.append(tmp_path / "committed.db")
+        shutil.copy2(COMMITTED, dbs[-1])
+    for db in dbs:
+        before = _digest(db)
+        beside = sorted(p.name for p in db.parent.glob(db.name + "*"))
+        run_id = sqlite3.connect(f"file:{db}?mode=ro", uri=True).execute("SELECT run_id FROM runs").fetchone()[0]
+        assert main(["report", "--db", str(db), "--out", str(tmp_path / "rep"), "--no-plots"]) == 0
+        assert main(["export", "--db", str(db), "--out", str(tmp_path / "exp")]) == 0
+        assert main(["runs", "--db", str(db)]) == 0
+        assert main(["show", "--db", str(db), run_id]) == 0
+        assert _digest(db) == before, db
+        assert db.read_bytes()[18:20] == b"\x01\x01"                 # still a rollback-journal file, not WAL
+        assert sorted(p.name for p in db.parent.glob(db.name + "*")) == beside       # no -wal / -shm left
+        assert not any(n.endswith(("-wal", "-shm", "-journal")) for n in beside)
+    capsys.readouterr()
+
+
+def test_report_on_a_missing_store_is_one_line_and_creates_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for cmd in (["report"], ["export"], ["runs"], ["show", "abc"]):
+        assert main([*cmd, "--db", "typo.db"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("fedprism: error:") and "typo.db" in err[0], err
+        assert not (tmp_path / "typo.db").exists()
+
+
+def test_unknown_reference_is_one_line_exit_2(tmp_path, capsys):
+    db = _rollback_journal_store(tmp_path)
+    assert main(["report", "--db", str(db), "--out", str(tmp_path / "r"), "--reference", "foo"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown reference 'foo'" in err[0] and "fedprism-paper-fmnist" in err[0]
+
+
+def test_no_plots_links_no_images(tmp_path):
+    db = _rollback_journal_store(tmp_path)
+    write_report(str(db), str(tmp_path / "r"), plots=False)
+    md = (tmp_path / "r" / "results.md").read_text()
+    assert "![" not in md and "plots/" not in md and not (tmp_path / "r" / "plots").exists()
+
+
+def test_a_store_of_an_older_schema_is_migrated_on_write_only(tmp_path):
+    db = tmp_path / "old.db"
+    con = sqlite3.connect(db)
+    con.executescript("CREATE TABLE runs (run_id TEXT PRIMARY KEY, name TEXT, method TEXT, dataset TEXT, "
+                      "seed INTEGER, config TEXT NOT NULL, code_version TEXT, status TEXT NOT NULL, rounds_done "
+                      "INTEGER NOT NULL DEFAULT 0, final TEXT, created REAL, updated REAL, sweep TEXT);")
+    con.close()
+    cols = lambda: {r[1] for r in sqlite3.connect(db).execute("PRAGMA table_info(runs)")}  # noqa: E731
+    Store(db, readonly=True).close()
+    assert "provenance" not in cols()
+    Store(db).close()
+    assert "provenance" in cols()
+
+
+# -- 3. provenance, --fresh, verify -----------------------------------------------------------------
+def test_a_run_records_what_produced_it(tmp_path):
+    import numpy as np
+    import torch
+
+    from fedprism.algorithms.fedavg import FedAvg
+
+    db = str(tmp_path / "p.db")
+    res = _run(db, threads=1)
+    assert res.run_id == tiny().run_id                             # threads= is not part of the run id
+    prov = Store(db, readonly=True).provenance(res.run_id)
+    src = Path(__import__("inspect").getsourcefile(FedAvg)).read_bytes()
+    assert prov["code"]["method"]["sha256"] == hashlib.sha256(src).hexdigest()
+    assert prov["code"]["model"]["class"].endswith("MLP") and len(prov["code"]["model"]["sha256"]) == 64
+    assert len(prov["data"]) == 64
+    ex = prov["execution"]
+    assert ex["threads"] == 1 and ex["engine"] == "SequentialEngine" and ex["compile"] is False
+    assert ex["torch"] == torch.__version__ and ex["numpy"] == np.__version__ and ex["cpu"]
+    assert prov["version"]
+    # the same data gives the same fingerprint; another partition seed gives another
+    assert Store(db, readonly=True).provenance(_run(db, seed=0).run_id)["data"] == prov["data"]
+    assert Store(db, readonly=True).provenance(_run(db, seed=1).run_id)["data"] != prov["data"]
+
+
+def _tamper(db: str, run_id: str, path: tuple[str, ...], value) -> None:
+    con = sqlite3.connect(db)
+    prov = json.loads(con.execute("SELECT provenance FROM runs WHERE run_id=?", (run_id,)).fetchone()[0])
+    d = prov
+    for k in path[:-1]:
+        d = d[k]
+    d[path[-1]] = value
+    con.execute("UPDATE runs SET provenance=? WHERE run_id=?", (json.dumps(prov), run_id))
+    con.commit()
+    con.close()
+
+
+def test_other_code_or_data_never_reuses_the_stored_result(tmp_path, capsys):
+    from fedprism.experiment.provenance import ProvenanceMismatch
+
+    db = str(tmp_path / "p.db")
+    res = _run(db)
+    for path in (("code", "method", "sha256"), ("data",)):
+        _tamper(db, res.run_id, path, "0" * 64)
+        with pytest.raises(ProvenanceMismatch, match="--fresh"):
+            Experiment(tiny(), Store(db)).run()
+        args = [f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in TINY.items()]
+        assert main(["run", "--db", db, "--quiet", *args]) == 2
+        assert "stored from other code or data" in capsys.readouterr().err
+        assert main(["run", "--db", db, "--quiet", "--fresh", *args]) == 0   # re-runs under the current code
+        capsys.readouterr()
+        store = Store(db, readonly=True)
+        assert store.provenance(res.run_id)[path[0]] != "0" * 64 and len(store.round_metrics(res.run_id)) == 2
+    # a run stored without provenance ("unknown") has nothing to compare: reused as before
+    con = sqlite3.connect(db)
+    con.execute("UPDATE runs SET provenance=NULL")
+    con.commit()
+    again = Experiment(tiny(), Store(db)).run()
+    assert again.status == "finished" and again.final == json.loads(Store(db).run(res.run_id)["final"])
+
+
+def test_fresh_drops_the_stored_rounds_and_runs_again(tmp_path, capsys):
+    db = str(tmp_path / "f.db")
+    res = _run(db)
+    con = sqlite3.connect(db)
+    con.execute("UPDATE rounds SET metrics='{\"marker\": 1}' WHERE run_id=?", (res.run_id,))
+    con.commit()
+    args = [f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in TINY.items()]
+    assert main(["run", "--db", db, "--quiet", *args]) == 0              # finished: not run again
+    assert Store(db).round_metrics(res.run_id)[0].get("marker") == 1
+    assert main(["run", "--db", db, "--quiet", "--fresh", *args]) == 0
+    hist = Store(db).round_metrics(res.run_id)
+    assert "marker" not in hist[0] and len(hist) == 2
+    capsys.readouterr()
+
+
+def test_verify_reproduces_and_names_the_first_difference(tmp_path, capsys):
+    db = str(tmp_path / "v.db")
+    res = _run(db, threads=1)
+    assert main(["verify", "--db", db, res.run_id[:6], "--rounds", "2", "--quiet"]) == 0
+    assert "reproduced" in capsys.readouterr().out
+    con = sqlite3.connect(db)
+    m = json.loads(con.execute("SELECT metrics FROM rounds WHERE run_id=? AND round=1", (res.run_id,)).fetchone()[0])
+    m["train_loss"] += 1e-9
+    con.execute("UPDATE rounds SET metrics=? WHERE run_id=? AND round=1", (json.dumps(m), res.run_id))
+    con.commit()
+    con.close()
+    before = _digest(Path(db))
+    assert main(["verify", "--db", db, res.run_id, "--rounds", "2", "--quiet"]) == 1
+    out = capsys.readouterr().out
+    assert "DIFFERS: round 2, metric train_loss" in out, out
+    assert _digest(Path(db)) == before
+
+
+# -- 4. progress, runs, show -----------------------------------------------------------------------
+class _Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_progress_redraws_on_a_terminal_and_prints_lines_in_a_log():
+    from fedprism.experiment.progress import Progress
+
+    clock, log = _Clock(), io.StringIO()
+    p = Progress(100, True, "run", stream=log, tty=False, every_s=10, clock=clock)
+    for r in range(1, 101):
+        clock.t += 3.0                                                   # 3 s per round
+        p.update(r, {"local_acc": 0.5} if r % 5 == 0 else None)
+    lines = log.getvalue().splitlines()
+    assert "\r" not in log.getvalue()
+    assert lines[0].startswith("run round 1/100") and lines[-1].startswith("run round 100/100")
+    assert 25 <= len(lines) <= 30                                        # about one line per 10 s
+    assert "local 0.500" in lines[-1]
+    term = io.StringIO()
+    p = Progress(3, True, "run", stream=term, tty=True, clock=clock)
+    for r in (1, 2, 3):
+        p.update(r, None)
+    assert term.getvalue().count("\r") == 3 and term.getvalue().endswith("\n")
+
+
+def test_json_run_keeps_stdout_to_one_object_and_reports_progress_on_stderr(tmp_path, capsys):
+    args = [f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in TINY.items()]
+    assert main(["run", "--db", str(tmp_path / "j.db"), "--json", *args]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["run_id"] and len(out.strip().splitlines()) == 1
+    assert "round 2/2" in err and "\r" not in err                       # not a terminal: plain lines
+
+
+def test_runs_lists_and_show_prints_config_provenance_and_rounds(tmp_path, capsys):
+    db = str(tmp_path / "r.db")
+    a = _run(db, name="first")
+    b = _run(db, method="local")
+    store = Store(db)
+    store.add_to_sweep("sw", b.run_id, "Only local")
+    store.close()
+    assert main(["runs", "--db", db]) == 0
+    out = capsys.readouterr().out
+    assert a.run_id in out and b.run_id in out and "first" in out and "finished" in out and "2/2" in out
+    assert main(["runs", "--db", db, "--method", "fedavg"]) == 0
+    out = capsys.readouterr().out
+    assert a.run_id in out and b.run_id not in out
+    assert main(["runs", "--db", db, "--sweep", "sw", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["run_id"] == b.run_id and row["label"] == "Only local"
+    assert main(["show", "--db", db, a.run_id[:5]]) == 0
+    out = capsys.readouterr().out
+    for text in ("Configuration:", "lr", "Provenance:", "code.method", "execution.threads", "Rounds:",
+                 "train_loss"):
+        assert text in out, text
+
+
+# -- 5. unknown keys --------------------------------------------------------------------------------
+@pytest.mark.parametrize("key,meant", [("rouds", "rounds"), ("fedprism.kk", "fedprism.k"),
+                                       ("fedprsim.k", "fedprism.k"), ("partition.alpah", "partition.alpha"),
+                                       ("local_epoch", "local_epochs")])
+def test_unknown_key_suggests_the_nearest(key, meant):
+    with pytest.raises(ConfigError, match=f"did you mean {meant}\\?"):
+        resolve({"method": "fedprism", key: 3})
+
+
+# -- 7. plots ---------------------------------------------------------------------------------------
+def test_plots_are_named_by_content_styled_apart_and_linked_with_captions(tmp_path):
+    from fedprism.report import FONT_PT, _plt, styles
+
+    db = str(tmp_path / "c.db")
+    store = Store(db)
+    for m in ("fedavg", "ifca"):
+        Experiment(tiny(method=m, name=m.upper(), rounds=3), store, sweep="sw").run()
+    store.close()
+    paths = write_report(db, str(tmp_path / "rep"), sweep="sw")
+    names = sorted(p.name for p in paths if p.suffix == ".png")
+    setting = "digits-dirichlet-alpha0.1--N6-T3"
+    assert names == [f"accuracy_{setting}.png", f"clusters_ifca_IFCA_{setting}_seed0.png", f"ecdf_{setting}.png"]
+    md = (tmp_path / "rep" / "results.md").read_text()
+    for n in names:
+        link = next(line for line in md.splitlines() if f"(plots/{n})" in line)
+        caption = md.split(link, 1)[1].lstrip("\n").splitlines()[0]
+        assert link.startswith("![") and caption.startswith("*") and len(caption) > 30, (n, caption)
+    st = styles(12)
+    assert len({(s["color"], str(s["ls"])) for s in st}) == 12
+    assert len({s["color"] for s in styles(10)}) == 10 and len({str(s["ls"]) for s in styles(4)}) == 4
+    plt = _plt()
+    assert min(plt.rcParams[k] for k in ("font.size", "legend.fontsize", "xtick.labelsize")) >= FONT_PT >= 9
+
+
+def test_cluster_plot_uses_one_discrete_colour_per_cluster(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    from fedprism.report import plot_clusters
+
+    db = str(tmp_path / "c.db")
+    store = Store(db)
+    res = Experiment(tiny(method="ifca", rounds=3), store).run()
+    seen = {}
+    orig = matplotlib.axes.Axes.imshow
+
+    def spy(self, *a, **kw):
+        seen["cmap"] = kw.get("cmap")
+        return orig(self, *a, **kw)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "imshow", spy)
+    run = {"run_id": res.run_id, "config": json.loads(store.run(res.run_id)["config"])}
+    (p,) = plot_clusters(store, run, tmp_path, label="IFCA")
+    k = run["config"]["ifca.k"]
+    from matplotlib.colors import ListedColormap
+    assert isinstance(seen["cmap"], ListedColormap) and seen["cmap"].N == k
+    assert p.stat().st_size > 1000
+
+
+def test_a_sweep_does_not_skip_a_run_stored_from_other_code(tmp_path, capsys):
+    f = tmp_path / "s.toml"
+    f.write_text('name = "s"\n[base]\ndataset = "digits"\nmodel = "mlp"\nclients = 6\nrounds = 2\nfraction = 0.5\n'
+                 'local_epochs = 1\nengine = "sequential"\n[[runs]]\nlabel = "A"\nmethod = "fedavg"\n')
+    db = str(tmp_path / "s.db")
+    assert main(["sweep", str(f), "--db", db, "--quiet"]) == 0
+    assert main(["sweep", str(f), "--db", db, "--quiet"]) == 0            # same code: skipped
+    assert "finished earlier, skipped" in capsys.readouterr().err
+    (run_id,) = [r["run_id"] for r in Store(db).runs()]
+    _tamper(db, run_id, ("code", "model", "sha256"), "1" * 64)
+    assert main(["sweep", str(f), "--db", db, "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "stored from other code or data" in err and "model code" in err and "skipped" not in err
+
+
+def test_scalars_are_written_per_round_and_client_as_csv(tmp_path):
+    import csv
+
+    db = str(tmp_path / "s.db")
+    res = _run(db, scalars=str(tmp_path / "sc"), eval_every=1)
+    assert res.run_id == tiny().run_id                                   # scalars= is execution-only
+    rounds = list(csv.DictReader(open(tmp_path / "sc" / f"{res.run_id}-rounds.csv")))
+    stored = Store(db, readonly=True).round_metrics(res.run_id)
+    for h in stored:
+        got = {r["tag"]: float(r["value"]) for r in rounds if int(r["round"]) == h["round"]}
+        assert got["local_acc"] == h["local_acc"] and got["train_loss"] == h["train_loss"]
+    clients = list(csv.DictReader(open(tmp_path / "sc" / f"{res.run_id}-clients.csv")))
+    assert len(clients) == 2 * 6 and {c["client"] for c in clients} == {str(i) for i in range(6)}
+
+
+def test_a_row_keeps_its_name_across_settings(tmp_path):
+    """lr tells two FedAvg rows apart at alpha=0.1; the alpha=0.5 column's only FedAvg row is named the same."""
+    from fedprism.report import collect
+
+    db = str(tmp_path / "s.db")
+    _run(db, lr=0.01)
+    _run(db, lr=0.05)
+    _run(db, lr=0.01, partition__alpha=0.5)
+    store = Store(db, readonly=True)
+    groups = collect(store)
+    store.close()
+    assert sorted(sorted(v) for v in groups.values()) == [["fedavg (lr=0.01)"], ["fedavg (lr=0.01)", "fedavg (lr=0.05)"]]
+
+
+def test_key_value_items_may_follow_options(tmp_path, capsys):
+    db = str(tmp_path / "k.db")
+    res = _run(db, threads=1)
+    assert main(["verify", "--db", db, res.run_id, "--rounds", "1", "--quiet", "engine=sequential",
+                 "compile=false"]) == 0
+    assert "engine=sequential compile=False" in capsys.readouterr().out
+    assert main(["verify", "--db", db, res.run_id, "--quiet", "lr=0.5"]) == 2         # not execution-only
+    assert "execution-only" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["runs", "--db", db, "rounds=2"])                                    # `runs` takes no items
