@@ -116,16 +116,18 @@ def test_diagnostic_streams_and_temperatures_equal_their_own_evaluations(trained
     others = [t for t in DIAGNOSTIC_TEMPERATURES if t != T0]
     for split in ("local", "global"):
         alt = sim.evaluate(split, clients).alternatives
-        assert set(alt) == {"backbone", "expert"} | {f"T={t:g}" for t in others}   # T0 is the headline
+        rules = {"margin", "seen_mass", "prior"}                                    # the other routing rules
+        assert set(alt) == {"backbone", "expert"} | {f"T={t:g}" for t in others} | rules   # T0 is the headline
         cases = [("backbone", {"inference_weight": 0.0}), ("expert", {"inference_weight": 1.0})]
         cases += [(f"T={t:g}", {"inference_temperature": t}) for t in (others[0], others[-1])]
+        cases += [(r, {"routing": r}) for r in sorted(rules)]
         try:
             for name, hp in cases:
                 algo.hp.update(hp)
                 assert torch.equal(alt[name], sim.evaluate(split, clients).correct), (split, name)
-                algo.hp.update(inference_weight=None, inference_temperature=T0)
+                algo.hp.update(inference_weight=None, inference_temperature=T0, routing="confidence")
         finally:
-            algo.hp.update(inference_weight=None, inference_temperature=T0)
+            algo.hp.update(inference_weight=None, inference_temperature=T0, routing="confidence")
     assert not torch.equal(alt["backbone"], alt["expert"])      # the streams differ: the test can fail
 
 
