@@ -46,7 +46,7 @@ def stored_rounds(db: Path, run_id: str, n: int) -> list[dict]:
     con = sqlite3.connect(f"file:{db}?mode=ro&immutable=1", uri=True)
     rows = con.execute("SELECT round, metrics FROM rounds WHERE run_id = ? AND round < ? ORDER BY round",
                        (run_id, n)).fetchall()
-    return [json.loads(m) for _, m in rows]
+    return [{"round": r, **json.loads(m)} for r, m in rows]
 
 
 def cmd_run(a: argparse.Namespace) -> None:
