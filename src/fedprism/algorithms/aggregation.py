@@ -7,8 +7,11 @@ accumulation, then one rounding to the parameters' dtype) everywhere.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from fedprism.hparams import Param
 from fedprism.protocol import Update
 
 WEIGHTINGS = ("samples", "uniform")
@@ -54,17 +57,24 @@ def personalize(w_g: torch.Tensor, w_c: torch.Tensor, W: torch.Tensor, alpha: fl
 
 
 def soft_cluster_step(w_c: torch.Tensor, W_S: torch.Tensor, vec: torch.Tensor, lr: float = 1.0,
-                      toward: bool = False) -> torch.Tensor:
+                      toward: bool = False, robust: dict | None = None, sent: torch.Tensor | None = None
+                      ) -> torch.Tensor:
     """Soft-weighted cluster update, only for clusters with Z_c = sum_i W[i,c] > 0 (others bit-identical).
 
     toward=False: w_c += lr * (W_S^T vec) / Z          (vec = updates Delta: the Fed-PRISM server)
     toward=True : w_c += lr * ((W_S^T vec) / Z - w_c)   (vec = returned models: the FedPrism paper)
+
+    `robust` (keywords of `average`, e.g. `robust_args(hp)`): with a rule other than `mean`, the soft
+    weighted mean of cluster c is `average(vec, W_S[:, c], sent, **robust)`, cluster by cluster.
     """
     Z = W_S.to(torch.float64).sum(0)
     live = Z > 0
     if not live.any():
         return w_c
-    mean = (W_S.to(torch.float64).T[live] @ vec.to(torch.float64)) / Z[live, None]
+    if robust is None or robust.get("rule", "mean") == "mean":
+        mean = (W_S.to(torch.float64).T[live] @ vec.to(torch.float64)) / Z[live, None]
+    else:
+        mean = torch.stack([average(vec, W_S[:, c], sent, **robust) for c in torch.nonzero(live).flatten().tolist()])
     out = w_c.clone()
     step = mean - w_c[live].to(torch.float64) if toward else mean
     out[live] = (w_c[live].to(torch.float64) + lr * step).to(w_c.dtype)
@@ -90,3 +100,110 @@ def class_prototypes(protos: torch.Tensor, counts: torch.Tensor, how: str = "sam
     s = torch.einsum("nc,ncd->cd", a, protos.to(torch.float64))
     mean = torch.where(present[:, None], s / total.clamp(min=1e-300)[:, None], torch.zeros_like(s))
     return mean.to(protos.dtype), present
+
+
+# -- robust aggregation ----------------------------------------------------------------------------
+#: aggregation rules every averaging method takes (`<method>.aggregation`)
+RULES = ("mean", "median", "trimmed_mean", "clipped_mean")
+
+
+#: the robust-aggregation parameters a method merges into its `params` (`params = {..., **ROBUST_PARAMS}`):
+#: `<method>.aggregation`, `<method>.aggregation.trim`, `<method>.aggregation.clip`. All `new=True` at
+#: default `mean`, so stored run ids stay valid and `mean` is today's weighted mean, bit for bit.
+ROBUST_PARAMS = {
+    "aggregation": Param("mean", "how client rows are averaged: mean (weighted mean), median (coordinate-wise "
+                         "weighted median), trimmed_mean (coordinate-wise, `aggregation.trim` of the weight "
+                         "cut per side) or clipped_mean (updates clipped to `aggregation.clip` x the median "
+                         "update norm, then the weighted mean)", choices=RULES, new=True),
+    "aggregation.trim": Param(0.1, "trimmed_mean: fraction of the total weight cut on each side of every "
+                              "coordinate", lambda v: 0 <= v < 0.5, "a number in [0, 0.5)", new=True),
+    "aggregation.clip": Param(1.0, "clipped_mean: each update's norm is capped at clip x the cohort's median "
+                              "update norm", lambda v: v > 0 and math.isfinite(v), "a finite number > 0",
+                              new=True),
+}
+
+
+def robust_args(hp: dict) -> dict:
+    """The rule keywords of `average` from a method's resolved parameters (mean when it has none)."""
+    return {"rule": hp.get("aggregation", "mean"), "trim": hp.get("aggregation.trim", 0.1),
+            "clip": hp.get("aggregation.clip", 1.0)}
+
+
+def weighted_median(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Coordinate-wise weighted median of the rows of x [n, P], float64 [P].
+
+    Per coordinate, the rows sorted by value with cumulative weights c_1..c_n (total W): the smallest
+    value with c_k >= W/2; when c_k == W/2 exactly, the mean of it and the next value (so equal weights
+    and an even n give the usual median). Rows with weight 0 take no part."""
+    x64, w64 = _positive(x, w)
+    vals, order = torch.sort(x64, dim=0)
+    c = torch.cumsum(w64[order], dim=0)                               # [n, P]
+    half = w64.sum() / 2
+    tol = 1e-12 * float(half)
+    k = (c < half - tol).sum(0)                                       # first index with c_k >= W/2
+    lo = vals.gather(0, k[None]).squeeze(0)
+    exact = (c.gather(0, k[None]).squeeze(0) - half).abs() <= tol
+    hi = vals.gather(0, (k + 1).clamp(max=len(vals) - 1)[None]).squeeze(0)
+    return torch.where(exact & (k + 1 < len(vals)), (lo + hi) / 2, lo)
+
+
+def trimmed_mean(x: torch.Tensor, w: torch.Tensor, trim: float) -> torch.Tensor:
+    """Coordinate-wise weighted trimmed mean, float64 [P]: per coordinate, the rows sorted by value each
+    cover their weight's interval [c_{k-1}, c_k] of [0, W]; the part of it inside [trim W, (1 - trim) W]
+    is the row's kept weight, and the result is the kept-weight mean. Equal weights with trim n an
+    integer give the classic trimmed mean (the trim n smallest and largest values dropped)."""
+    if not 0 <= trim < 0.5:
+        raise ValueError(f"trim must be in [0, 0.5), got {trim}")
+    x64, w64 = _positive(x, w)
+    vals, order = torch.sort(x64, dim=0)
+    ws = w64[order]
+    hi_c = torch.cumsum(ws, dim=0)
+    lo_c = hi_c - ws
+    W = w64.sum()
+    kept = (torch.minimum(hi_c, (1 - trim) * W) - torch.maximum(lo_c, trim * W)).clamp(min=0)
+    return (kept * vals).sum(0) / kept.sum(0)
+
+
+def clipped_mean(x: torch.Tensor, w: torch.Tensor, sent: torch.Tensor | None, clip: float) -> torch.Tensor:
+    """Norm-clipped weighted mean, float64 [P]: each row's update u_k = x_k - sent_k (x_k itself when
+    `sent` is None: the rows are updates) is scaled to norm <= tau = clip * median_k ||u_k|| (the median
+    over the rows with weight > 0; the mean of the two middle norms for an even count), then the weighted
+    mean of sent_k + u_k."""
+    keep = w.to(torch.float64) > 0
+    x64 = x.to(torch.float64)
+    base = torch.zeros_like(x64) if sent is None else sent.to(torch.float64).expand_as(x64)
+    u = x64 - base
+    norms = u.norm(dim=1)
+    tau = clip * torch.quantile(norms[keep], 0.5) if keep.any() else torch.zeros((), dtype=torch.float64)
+    scale = torch.where(norms > tau, tau / norms.clamp(min=1e-300), torch.ones_like(norms))
+    return weighted_sum(base + scale[:, None] * u, w)
+
+
+def _positive(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    w64 = w.to(torch.float64)
+    if not w64.sum() > 0:
+        raise ValueError("weights sum to zero; the caller must keep the previous value")
+    keep = w64 > 0
+    return x.to(torch.float64)[keep], w64[keep]
+
+
+def average(x: torch.Tensor, w: torch.Tensor, sent: torch.Tensor | None = None, rule: str = "mean",
+            trim: float = 0.1, clip: float = 1.0) -> torch.Tensor:
+    """The one averaging function of every method that averages client rows: float64 [P] (not rounded).
+
+    rule `mean` is `weighted_sum(x, w)` (the same code path, bit for bit); `median`, `trimmed_mean`
+    (`trim` per side) and `clipped_mean` (`clip`; needs `sent`, the rows the clients were sent, unless
+    the rows are updates already) are the robust rules. Robust statistics for federated averaging: Yin
+    et al. 2018, "Byzantine-Robust Distributed Learning: Towards Optimal Statistical Rates",
+    arXiv:1803.01498 (coordinate-wise median and trimmed mean); Pillutla et al. 2019, "Robust
+    Aggregation for Federated Learning", arXiv:1912.13445; norm clipping as in Sun et al. 2019, "Can
+    You Really Backdoor Federated Learning?", arXiv:1911.07963."""
+    if rule == "mean":
+        return weighted_sum(x, w)
+    if rule == "median":
+        return weighted_median(x, w)
+    if rule == "trimmed_mean":
+        return trimmed_mean(x, w, trim)
+    if rule == "clipped_mean":
+        return clipped_mean(x, w, sent, clip)
+    raise ValueError(f"aggregation must be one of {RULES}, got {rule!r}")

@@ -30,7 +30,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedprism.algorithms.aggregation import WEIGHTINGS, client_weights, weighted_mean
+from fedprism.algorithms.aggregation import (ROBUST_PARAMS, WEIGHTINGS, average, client_weights, robust_args,
+                                             weighted_mean)
 from fedprism.algorithms.base import Algorithm, Plan, Update, register
 from fedprism.clustering import max_cross_similarity, optimal_bipartition, pairwise_cosine
 from fedprism.hparams import Param
@@ -66,6 +67,7 @@ class CFL(Algorithm):
                            choices=WEIGHTINGS),
         "bipartition": Param("optimal", "optimal min-max cut (paper) or complete linkage (notebook)",
                              choices=("optimal", "complete")),
+        **ROBUST_PARAMS,
     }
 
     def init_state(self) -> dict:
@@ -100,7 +102,7 @@ class CFL(Algorithm):
                     splits.append({"round": rnd, "mean_norm": mean_norm, "max_norm": max_norm, **split})
         for c in torch.unique(state["assign"][S]).tolist():                      # per-cluster FedAvg of Delta
             sel = state["assign"][S] == c
-            state["w"][c] = state["w"][c] + weighted_mean(D[sel], a[sel])
+            state["w"][c] = state["w"][c] + average(D[sel], a[sel], **robust_args(hp)).to(D.dtype)
         records: dict = {"cfl": norms}
         if splits:
             records["cfl_split"] = splits

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedprism.algorithms.aggregation import WEIGHTINGS, client_weights, weighted_mean
+from fedprism.algorithms.aggregation import ROBUST_PARAMS, WEIGHTINGS, average, client_weights, robust_args
 from fedprism.algorithms.base import Algorithm, Plan, Update, register
 from fedprism.hparams import Param
 
@@ -24,6 +24,7 @@ class FedAvg(Algorithm):
     personalized = False
     params = {
         "weighting": Param("samples", "aggregation weights: n_k (samples) or 1/|S_t| (uniform)", choices=WEIGHTINGS),
+        **ROBUST_PARAMS,
     }
 
     def init_state(self) -> dict:
@@ -34,7 +35,9 @@ class FedAvg(Algorithm):
 
     def aggregate(self, state: dict, rnd: int, update: Update) -> dict:
         if len(update.clients):
-            state["w"] = weighted_mean(update.params, client_weights(update, self.hp["weighting"]))
+            x = update.params
+            state["w"] = average(x, client_weights(update, self.hp["weighting"]), update.sent.get("params"),
+                                 **robust_args(self.hp)).to(x.dtype)
         return {}
 
     def model_for(self, state: dict, clients: np.ndarray) -> torch.Tensor:

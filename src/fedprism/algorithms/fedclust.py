@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedprism.algorithms.aggregation import weighted_mean
+from fedprism.algorithms.aggregation import ROBUST_PARAMS, average, robust_args
 from fedprism.algorithms.base import Algorithm, Plan, Update, register
 from fedprism.clustering import TooFewPoints, hard_cluster
 from fedprism.clustering.matching import match_clusters
@@ -60,6 +60,7 @@ class FedClust(Algorithm):
                         choices=("euclidean", "cosine")),
         "threshold": Param(0.0, "original variant: distance threshold (0 = largest merge gap)",
                            lambda v: v >= 0, "a number >= 0"),
+        **ROBUST_PARAMS,
     }
 
     def init_state(self) -> dict:
@@ -120,10 +121,11 @@ class FedClust(Algorithm):
             state["assign"][S[torch.as_tensor(new)]] = torch.as_tensor(d.argmin(1))
             records["joined"] = {"clients": update.clients[new], "labels": d.argmin(1)}
         a = state["assign"][S]
+        x, n, rb, sent = update.params, update.n_samples, robust_args(self.hp), update.sent.get("params")
         for c in torch.unique(a[a >= 0]).tolist():
             sel = a == c
-            state["w_c"][c] = weighted_mean(update.params[sel], update.n_samples[sel])
-        state["w_g"] = weighted_mean(update.params, update.n_samples)
+            state["w_c"][c] = average(x[sel], n[sel], None if sent is None else sent[sel], **rb).to(x.dtype)
+        state["w_g"] = average(x, n, sent, **rb).to(x.dtype)
         return records
 
     def model_for(self, state: dict, clients: np.ndarray) -> torch.Tensor:

@@ -37,7 +37,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedprism.algorithms.aggregation import client_weights, personalize, soft_cluster_step, weighted_sum
+from fedprism.algorithms.aggregation import (ROBUST_PARAMS, average, client_weights, personalize, robust_args,
+                                             soft_cluster_step)
 from fedprism.algorithms.base import Algorithm, Plan, Update, register
 from fedprism.clustering import TooFewPoints, hard_cluster, soft_assign
 from fedprism.clustering.matching import match_clusters, overlap_cost
@@ -96,6 +97,7 @@ class FedPrism(Algorithm):
         "features": Param("full", "clustering features: full vector (Fed-PRISM report) or last layer (FedPrism paper)",
                           choices=("full", "last_layer")),
         "affinity": Param("shifted", "covariance affinity: (1+R)/2 or max(R,0)", choices=("shifted", "clip")),
+        **ROBUST_PARAMS,
     }
 
     @classmethod
@@ -135,13 +137,16 @@ class FedPrism(Algorithm):
         hp = self.hp
         S = torch.as_tensor(update.clients)
         w = client_weights(update, hp["global_weighting"])
-        if hp["update"] == "delta":
+        rb = robust_args(hp)
+        if hp["update"] == "delta":                  # the rows are updates already (clipped around 0)
             delta = update.delta
-            state["w_g"] = (state["w_g"].double() + weighted_sum(delta, w)).float()
-            state["w_c"] = soft_cluster_step(state["w_c"], state["W"][S], delta, hp["cluster_lr"])
+            state["w_g"] = (state["w_g"].double() + average(delta, w, **rb)).float()
+            state["w_c"] = soft_cluster_step(state["w_c"], state["W"][S], delta, hp["cluster_lr"], robust=rb)
         else:
-            state["w_g"] = weighted_sum(update.params, w).float()
-            state["w_c"] = soft_cluster_step(state["w_c"], state["W"][S], update.params, hp["cluster_lr"], toward=True)
+            sent = update.sent.get("params")
+            state["w_g"] = average(update.params, w, sent, **rb).float()
+            state["w_c"] = soft_cluster_step(state["w_c"], state["W"][S], update.params, hp["cluster_lr"], toward=True,
+                                             robust=rb, sent=sent)
 
     def _recluster_due(self, rnd: int) -> bool:
         """The report's step 4: UpdateClusters when t mod C == 0 (rounds count from 0)."""

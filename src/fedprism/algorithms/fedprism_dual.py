@@ -103,7 +103,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedprism.algorithms.aggregation import personalize
+from fedprism.algorithms.aggregation import ROBUST_PARAMS, personalize
 from fedprism.algorithms.base import ClientState, Inference, Plan, TrainJob, Update, register
 from fedprism.algorithms.fedprism import FedPrism
 from fedprism.errors import ConfigError
@@ -226,6 +226,7 @@ class FedPrismDual(FedPrism):
                                        "a number > 0", eval_only=True),
         "routing": Param("confidence", "how the specialist and the backbone combine (confidence: Eq. 2; margin; "
                          "seen_mass; prior: see fedprism_dual.ROUTINGS)", choices=ROUTINGS, eval_only=True, new=True),
+        **ROBUST_PARAMS,
     }
 
     def __init__(self, ctx, **hp: Any):

@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedprism.algorithms.aggregation import WEIGHTINGS, client_weights, weighted_mean
+from fedprism.algorithms.aggregation import ROBUST_PARAMS, WEIGHTINGS, average, client_weights, robust_args
 from fedprism.algorithms.base import Algorithm, Inference, Plan, TensorSpec, TrainJob, Update, register, train_update
 from fedprism.hparams import Param
 
@@ -70,6 +70,7 @@ class IFCA(Algorithm):
                                "an integer >= 1"),
         "weighting": Param("samples", "per-cluster average: n_i (samples) or 1 (uniform, as the paper)",
                            choices=WEIGHTINGS),
+        **ROBUST_PARAMS,
     }
 
     def init_state(self) -> dict:
@@ -113,12 +114,16 @@ class IFCA(Algorithm):
             return {}
         a = client_weights(update, self.hp["weighting"])
         j = update.payload["cluster"].long()
+        x, rb = update.params, robust_args(self.hp)
+        models = update.sent.get("models")                                      # what each client started from
         if self._warming(rnd):                                                  # FedAvg on K copies
-            state["w"][:] = weighted_mean(update.params, a)
+            start = None if models is None else models[:, 0]
+            state["w"][:] = average(x, a, start, **rb).to(x.dtype)
             return {}
+        start = None if models is None else models[torch.arange(len(j)), j]
         for c in torch.unique(j).tolist():
             sel = j == c
-            state["w"][c] = weighted_mean(update.params[sel], a[sel])
+            state["w"][c] = average(x[sel], a[sel], None if start is None else start[sel], **rb).to(x.dtype)
         state["assign"][torch.as_tensor(update.clients)] = j
         return {"clusters": {"clients": update.clients, "labels": j.numpy()}}
 
