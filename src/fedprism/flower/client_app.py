@@ -72,7 +72,7 @@ def make_client_app(**defaults: Any) -> ClientApp:
         load_store(node, context)
         update = node.train(plan, rnd)
         save_store(node, context)          # only after a successful update (client_update commits last)
-        return Message(codec.encode_update(update, node.client), reply_to=msg)
+        return Message(codec.encode_update(update, node.client, node.cfg.run_id), reply_to=msg)
 
     @app.evaluate()
     def evaluate(msg: Message, context: Context) -> Message:

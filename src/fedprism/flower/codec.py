@@ -82,30 +82,42 @@ def decode_plan(content: RecordDict) -> tuple[Plan, int, int, str]:
     return Plan(np.array([cid], dtype=np.int64), payload), _int(task, "round"), cid, str(task["config-id"])
 
 
-def encode_update(up: Update, client: int) -> RecordDict:
-    """A client's Update (one row) as a train reply body: payload, sample count, metrics (not its state)."""
+def encode_update(up: Update, client: int, config_id: str | None = None) -> RecordDict:
+    """A client's Update (one row) as a train reply body: payload, sample count, metrics (not its state),
+    and the experiment it was computed for (`config_id`)."""
     arrays = {f"u.{k}": _arr(v) for k, v in up.payload.items()}
     arrays.update({f"m.{k}": _arr(v) for k, v in up.metrics.items()})
     arrays["n_samples"] = _arr(up.n_samples.to(torch.float64))
     meta = {"client-id": int(client), "payload": sorted(up.payload), "metrics": sorted(up.metrics)}
+    if config_id is not None:
+        meta["config-id"] = str(config_id)
     return RecordDict({UPDATE: ArrayRecord(arrays), META: ConfigRecord(meta)})
 
 
-def decode_update(content: RecordDict, plan_row: Plan) -> Update:
+def decode_update(content: RecordDict, plan_row: Plan, config_id: str | None = None) -> Update:
     """The reply to `plan_row`'s message -> Update of one client (shapes are checked by the runner
-    against the method's declared upload)."""
+    against the method's declared upload). With `config_id`, the reply must say it was computed for
+    that experiment. Metrics must be finite numbers (they are the node's word, stored as is)."""
     try:
         arrays, meta = content.array_records[UPDATE], content.config_records[META]
-    except KeyError as e:
+    except Exception as e:  # noqa: BLE001 - KeyError, or records of the wrong kind
         raise ValueError(f"record {e} missing") from None
+    if config_id is not None:
+        got = meta["config-id"] if "config-id" in meta else None
+        if got != config_id:
+            raise ValueError(f"field 'config-id': the reply is for experiment {str(got)[:40]!r}, "
+                             f"the server runs {config_id}")
     payload = _tensors(arrays, "u.", _names(meta, "payload"))
     metrics = _tensors(arrays, "m.", _names(meta, "metrics"))
     n = _tensors(arrays, "", ["n_samples"])["n_samples"]
     if not n.is_floating_point() or n.reshape(-1).shape != (1,):
-        raise ValueError(f"n_samples must be one float, got {tuple(n.shape)} {n.dtype}")
+        raise ValueError(f"field 'n_samples' must be one float, got {tuple(n.shape)} {n.dtype}")
     for k, v in {**payload, **metrics}.items():
         if v.dim() == 0 or v.shape[0] != 1:
             raise ValueError(f"tensor {k!r} must have one row, got shape {tuple(v.shape)}")
+    for k, v in metrics.items():
+        if v.dtype == torch.bool or v.is_complex() or not bool(torch.isfinite(v.double()).all()):
+            raise ValueError(f"tensor 'm.{k}' must hold finite numbers")
     return Update(plan_row.clients.copy(), payload, n.to(torch.float64).reshape(1), metrics)
 
 
@@ -138,16 +150,47 @@ def encode_scores(r: EvalResult, client: int) -> RecordDict:
     return RecordDict({SCORES: ArrayRecord(arrays), META: ConfigRecord({"client-id": int(client)})})
 
 
-def decode_scores(content: RecordDict) -> EvalResult:
-    a = content.array_records[SCORES]
-    return EvalResult(_ten(a["correct"]).long(), _ten(a["loss_sum"]).double(), _ten(a["count"]).long(),
-                      _ten(a["confusion"]).long(),
-                      {k[4:]: _ten(a[k]).long() for k in a.keys() if k.startswith("alt:")})
+def decode_scores(content: RecordDict, num_classes: int | None = None) -> EvalResult:
+    """Scores of n rows; every field checked: counts are integers >= 0, 0 <= correct <= count, the loss
+    sum is finite and >= 0, the confusion matrices are [n, C, C] of integers >= 0 summing to the counts,
+    alternative-prediction counts lie in [0, count]. A bad field raises ValueError naming it."""
+    try:
+        a = content.array_records[SCORES]
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"record {e} missing") from None
+    t = _tensors(a, "", ["correct", "loss_sum", "count", "confusion"])
+    alts = _tensors(a, "", [k for k in a.keys() if isinstance(k, str) and k.startswith("alt:")])
+    n = t["count"].reshape(-1).shape[0] if t["count"].dim() == 1 else -1
+    for k in ("correct", "count", *alts):
+        v = t.get(k, alts.get(k))
+        if v.dim() != 1 or v.shape[0] != n or v.is_floating_point() or v.dtype == torch.bool or v.is_complex():
+            raise ValueError(f"field {k!r} must be {max(n, 0)} integers, got {tuple(v.shape)} {v.dtype}")
+    loss = t["loss_sum"]
+    if loss.shape != (n,) or not loss.is_floating_point() or not bool(torch.isfinite(loss.double()).all()) \
+            or bool((loss < 0).any()):
+        raise ValueError(f"field 'loss_sum' must be {n} finite numbers >= 0")
+    count, correct = t["count"].long(), t["correct"].long()
+    if bool((count < 0).any()) or bool((correct < 0).any()) or bool((correct > count).any()):
+        raise ValueError("field 'correct' / 'count': need 0 <= correct <= count")
+    conf = t["confusion"]
+    C = conf.shape[-1] if conf.dim() == 3 else -1
+    if conf.dim() != 3 or conf.shape != (n, C, C) or (num_classes is not None and C != num_classes) \
+            or conf.is_floating_point() or conf.dtype == torch.bool or bool((conf < 0).any()) \
+            or not torch.equal(conf.long().sum((1, 2)), count):
+        raise ValueError(f"field 'confusion' must be [{n}, C, C] counts summing to 'count', got {tuple(conf.shape)}")
+    for k, v in alts.items():
+        if bool((v.long() < 0).any()) or bool((v.long() > count).any()):
+            raise ValueError(f"field {k!r} must lie in [0, count]")
+    return EvalResult(correct, loss.double(), count, conf.long(), {k[4:]: v.long() for k, v in alts.items()})
 
 
 def reply_client(content: RecordDict) -> int | None:
-    """The client id a reply says it comes from (every reply carries it)."""
+    """The client id a reply says it comes from (every reply carries it); ValueError when it is not an
+    integer."""
     for name in (META, IDENTITY):
         if name in content.config_records and "client-id" in content.config_records[name]:
-            return int(content.config_records[name]["client-id"])
+            v = content.config_records[name]["client-id"]
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise ValueError(f"field 'client-id' must be an integer, got {type(v).__name__}")
+            return int(v)
     return None

@@ -13,7 +13,13 @@ connected node, or a malformed reply is non-participation of that client in that
 `failure` record (client id, reason); the round aggregates the clients that succeeded if there are at
 least `min-replies` of them, else its update is skipped (`round_skipped` record). A node that timed out
 is dropped from the map and asked for its identity again (without blocking the rounds); a node that
-comes back, with the same or a new node id, is re-mapped to its client id.
+comes back, with the same or a new node id, is re-mapped to its client id once its previous node is
+offline (with a key registry: only the registered key may hold a client id).
+
+Trust (docs/flower.md, "Trust and failure semantics"; `fedprism.flower.trust`): every field of every
+reply is parsed under a guard and a refusal names the field; sample counts are capped; an update above
+`update-norm-bound` is rejected or clipped; identity can be bound to node keys; metrics that only a node
+could compute are marked node-reported, and the server scores the global test set itself when it can.
 """
 
 from __future__ import annotations
@@ -29,10 +35,12 @@ from flwr.app import ConfigRecord, Message, RecordDict
 
 from fedprism.algorithms.base import Algorithm
 from fedprism.experiment.evaluate import Evaluator, row_hashes
-from fedprism.experiment.runner import Experiment, RunResult, make_algorithm, make_context, make_model
+from fedprism.experiment.runner import Experiment, RunResult, make_algorithm, make_context, make_model, validate_update
 from fedprism.experiment.store import Store
 from fedprism.flower import codec
 from fedprism.flower.settings import RunSettings, flower_label, flower_run_id
+from fedprism.flower.trust import FLOAT32_MAX, Refused, Registry, clip_update, node_keys, parse_identity, sample_count, \
+    update_norm
 from fedprism.params import Functional, ParamSpec
 from fedprism.protocol import EvalResult, Plan, Rows, Update
 
@@ -64,9 +72,12 @@ class Link:
     """The server's view of the federation: which node stands for which client, and message exchange."""
 
     def __init__(self, grid, num_clients: int, config_id: str, poll_interval: float = 0.5,
-                 probe_timeout: float = 60.0, log: Callable[[str], None] = _log):
+                 probe_timeout: float = 60.0, log: Callable[[str], None] = _log, registry: Registry | None = None,
+                 max_samples: int | None = None):
         self.grid, self.N, self.config_id = grid, num_clients, config_id
         self.poll, self.probe_timeout, self.log = poll_interval, probe_timeout, log
+        self.registry, self.max_samples = registry, max_samples
+        self.key_of: dict[int, str] = {}          # node id -> the registry key it was admitted under
         self.node_of: dict[int, int] = {}        # client id -> node id
         self.client_of: dict[int, int] = {}      # node id -> client id
         self.pending: dict[str, tuple[int, float]] = {}   # identity query id -> (node id, sent at)
@@ -82,6 +93,22 @@ class Link:
     # -- identity ----------------------------------------------------------------------------------
     def online(self) -> set[int]:
         return {int(n) for n in self.grid.get_node_ids()}
+
+    def public_keys(self) -> dict[int, bytes]:
+        """node id -> its authentication public key, as far as the Grid tells (`Grid.get_nodes()` gives
+        `NodeInfo.public_key` in a deployment with node authentication; empty elsewhere)."""
+        get = getattr(self.grid, "get_nodes", None)
+        if get is None:
+            return {}
+        try:
+            return {int(n.node_id): bytes(n.public_key) for n in get() if getattr(n, "public_key", b"")}
+        except Exception:  # noqa: BLE001 - a Grid without node details: node ids only
+            return {}
+
+    def cap(self, cid: int) -> int | None:
+        """The most samples client `cid` may claim: its registered count, else `max-samples` (None: no cap)."""
+        reg = self.registry.samples_of(cid) if self.registry is not None else None
+        return reg if reg is not None else self.max_samples
 
     def refresh(self) -> None:
         """Forget nodes that went offline, take in identity replies, query new nodes (no waiting)."""
@@ -133,50 +160,80 @@ class Link:
                 self._refuse(nid, None, f"identity query failed: {self.describe_error(r)}")
                 continue
             try:
-                info = dict(r.content.config_records[codec.IDENTITY])
-            except (KeyError, AttributeError) as e:
-                self._refuse(nid, None, f"malformed identity reply ({e})")
+                rec = r.content.config_records[codec.IDENTITY]
+                info = {k: rec[k] for k in rec.keys()}
+            except Exception as e:  # noqa: BLE001 - anything unreadable is a malformed reply
+                self._refuse(nid, None, f"malformed identity reply ({type(e).__name__}: {e})", "identity")
                 continue
-            self._admit(nid, info)
+            try:
+                self._admit(nid, info)
+            except Exception as e:  # noqa: BLE001 - a reply must never stop the server
+                self._refuse(nid, None, f"malformed identity reply ({type(e).__name__}: {e})", "identity")
 
-    def _refuse(self, nid: int, cid: int | None, reason: str) -> None:
+    def _refuse(self, nid: int, cid: int | None, reason: str, field: str | None = None) -> None:
         self.refused[nid] = time.monotonic()
-        self.events.append(("failure", cid, {"phase": "identity", "node": nid, "reason": reason}))
+        data = {"phase": "identity", "node": nid, "reason": reason}
+        if field is not None:
+            data["field"] = field
+        self.events.append(("failure", cid, data))
         self.log(f"node {nid} refused: {reason}")
 
     def _admit(self, nid: int, info: dict[str, Any]) -> None:
+        claimed = info.get("client-id")
+        claimed = int(claimed) if isinstance(claimed, (int, np.integer)) and not isinstance(claimed, bool) \
+            and 0 <= claimed < self.N else None
         try:
-            cid = int(info["client-id"])
-        except (KeyError, TypeError, ValueError):
-            return self._refuse(nid, None, f"identity without a valid client-id: {info}")
-        if info.get("config-id") != self.config_id:
-            return self._refuse(nid, cid, f"node runs experiment {info.get('config-id')}, server runs {self.config_id}"
-                                          " (give every node and the server the same experiment)")
-        if not 0 <= cid < self.N:
-            return self._refuse(nid, cid, f"client-id {cid} outside [0, {self.N - 1}]")
-        shape, classes = tuple(int(v) for v in info["input-shape"]), int(info["num-classes"])
+            ident = parse_identity(info, self.N, self.config_id)
+        except Refused as e:
+            return self._refuse(nid, claimed, f"identity field {e}", e.field)
+        cid, shape, classes = ident.client, ident.input_shape, ident.num_classes
+        key = None
+        if self.registry is not None:                     # identity bound to the operator's key registry
+            found = self.registry.lookup(node_keys(nid, self.public_keys().get(nid)))
+            if found is None:
+                return self._refuse(nid, cid, f"node is not in the key registry {self.registry.path}", "registry")
+            key, entry = found
+            if entry.client != cid:
+                return self._refuse(nid, cid, f"claims client {cid}, but its key {key} is registered for client "
+                                              f"{entry.client}", "client-id")
         if self.input_shape is None:
             self.input_shape, self.num_classes = shape, classes
-            self.param_size = int(info["param-size"])
+            self.param_size = ident.param_size
             self.label_hist = np.zeros((self.N, classes), dtype=np.int64)
         elif (shape, classes) != (self.input_shape, self.num_classes):
             return self._refuse(nid, cid, f"data of shape {shape} with {classes} classes, others have "
-                                          f"{self.input_shape} with {self.num_classes}")
+                                          f"{self.input_shape} with {self.num_classes}", "input-shape")
+        elif ident.param_size != self.param_size:
+            return self._refuse(nid, cid, f"a model of {ident.param_size} parameters, others have "
+                                          f"{self.param_size}", "param-size")
         old = self.node_of.get(cid)
         if old is not None and old != nid:
+            # another node holds this client id: it keeps it while it is online, unless the newcomer is the
+            # registered key of the client (a registered node that reconnected under a new node id)
+            if old in self.online() and not (key is not None and self.key_of.get(old) == key):
+                return self._refuse(nid, cid, f"client {cid} is held by node {old}, which is online", "client-id")
             self.client_of.pop(old, None)
+            self.key_of.pop(old, None)
             self.events.append(("flower_node", cid, {"event": "remapped", "node": nid, "previous": old}))
             self.log(f"client {cid}: node {old} replaced by node {nid}")
         elif old is None:
             self.events.append(("flower_node", cid, {"event": "rejoined" if cid in self.ever else "joined",
                                                      "node": nid}))
         self.node_of[cid], self.client_of[nid] = nid, cid
+        if key is not None:
+            self.key_of[nid] = key
         self.refused.pop(nid, None)
         self.ever.add(cid)
-        self.n_train[cid] = int(info["num-examples"])
-        hist = np.asarray(info["label-hist"], dtype=np.int64)
-        if hist.shape == (classes,):
-            self.label_hist[cid] = hist
+        cap = self.cap(cid)
+        n = ident.num_examples
+        reg = self.registry.samples_of(cid) if self.registry is not None else None
+        if reg is not None:
+            n = reg
+        elif cap is not None and n > cap:
+            self.events.append(("capped", cid, {"field": "num-examples", "reported": ident.num_examples, "used": cap}))
+            n = cap
+        self.n_train[cid] = n
+        self.label_hist[cid] = np.asarray(ident.label_hist, dtype=np.int64)
 
     def _forget(self, nid: int, why: str) -> None:
         cid = self.client_of.pop(nid, None)
@@ -225,12 +282,17 @@ class Link:
                     failed[cid] = f"{message_type}: error reply from node {nid}: {self.describe_error(r)}"
                     if int(r.error.code) == NODE_UNAVAILABLE:
                         self._forget(nid, "unavailable")
-                elif codec.reply_client(r.content) != cid:
-                    failed[cid] = (f"{message_type}: node {nid} answered as client "
-                                   f"{codec.reply_client(r.content)}, expected {cid}")
-                    self._forget(nid, "identity mismatch")
                 else:
-                    replies[cid] = r.content
+                    try:
+                        said = codec.reply_client(r.content)
+                    except Exception as e:  # noqa: BLE001 - a malformed reply is that client's failure
+                        failed[cid] = f"{message_type}: malformed reply from node {nid} (field 'client-id': {e})"
+                        continue
+                    if said != cid:
+                        failed[cid] = f"{message_type}: node {nid} answered as client {said}, expected {cid}"
+                        self._forget(nid, "identity mismatch")
+                    else:
+                        replies[cid] = r.content
             if not pending or time.monotonic() >= deadline:
                 break
             time.sleep(max(0.0, min(self.poll, deadline - time.monotonic())))
@@ -263,11 +325,14 @@ class RemoteTrainer:
     name = "flower"
     remote = True
 
-    def __init__(self, link: Link, spec: ParamSpec, num_classes: int, timeout: float):
+    def __init__(self, link: Link, spec: ParamSpec, num_classes: int, timeout: float, shared=None):
         self.link, self.spec, self.C, self.timeout = link, spec, num_classes, timeout
         self.num_classes = num_classes
         self.cache: dict[tuple, tuple] = {}     # (split, client or None, row hash) -> scores
         self.rnd = -1
+        #: a Trainer over the public shared splits only ('global', 'global_val'), on the server
+        #: (`global-eval=server`); None: the nodes score them
+        self.shared = shared
 
     def train(self, *args: Any, **kw: Any):
         raise NotImplementedError("on Flower, clients train in their ClientApp (FlowerExperiment.local_work)")
@@ -284,6 +349,19 @@ class RemoteTrainer:
                  {k: int(v[i]) for k, v in r.alternatives.items()}) for i in range(len(r.count))]
 
     def _score(self, jobs: list[tuple]) -> list[tuple | None]:
+        if self.shared is not None and any(j[1] in ("global", "global_val") for j in jobs):
+            out: list[tuple | None] = [None] * len(jobs)
+            here = [k for k, j in enumerate(jobs) if j[1] in ("global", "global_val")]
+            for k in here:
+                r = self.shared.evaluate(jobs[k][0].unsqueeze(0), np.array([0]), jobs[k][1])
+                out[k] = self._tuples(r)[0]
+            rest = [k for k in range(len(jobs)) if k not in set(here)]
+            for k, r in zip(rest, self._score_remote([jobs[k] for k in rest]) if rest else []):
+                out[k] = r
+            return out
+        return self._score_remote(jobs)
+
+    def _score_remote(self, jobs: list[tuple]) -> list[tuple | None]:
         """jobs = (row, split, client); 'local' / 'train' jobs go to their client's node, 'global' ones to
         any node (their own client's node first). Failed global jobs are retried once; every job that still
         has no score is recorded as an evaluation failure."""
@@ -318,7 +396,7 @@ class RemoteTrainer:
             for c, js in per.items():
                 if c in replies:
                     try:
-                        r = codec.decode_scores(replies[c])
+                        r = codec.decode_scores(replies[c], self.C)
                         if len(r.count) != len(js):
                             raise ValueError(f"{len(r.count)} scores for {len(js)} rows")
                     except Exception as e:  # noqa: BLE001 - a malformed reply is a failure of that node
@@ -377,7 +455,7 @@ class RemoteTrainer:
         got: dict[int, list[tuple]] = {}
         for c, content in replies.items():
             try:
-                r = codec.decode_scores(content)
+                r = codec.decode_scores(content, self.C)
                 if len(r.count) != len(splits):
                     raise ValueError(f"{len(r.count)} scores for {len(splits)} splits")
                 got[c] = self._tuples(r)
@@ -421,7 +499,7 @@ class RemoteTrainer:
 class FlowerExperiment(Experiment):
     """The runner's round loop with the clients on Flower nodes and no data on the server."""
 
-    def __init__(self, settings: RunSettings, store: Store, link: Link):
+    def __init__(self, settings: RunSettings, store: Store, link: Link, shared_data=None):
         if link.input_shape is None:
             raise RuntimeError("no node has been identified yet: call link.discover() first")
         cfg = flower_label(settings.cfg)
@@ -437,7 +515,12 @@ class FlowerExperiment(Experiment):
         self.algo: Algorithm = make_algorithm(cfg, self.ctx)
         self.clients = None                          # the nodes keep their own client state
         self.upload = {k: spec.resolve(self.ctx) for k, spec in self.algo.upload().items()}
-        self.engine = RemoteTrainer(link, self.ctx.spec, link.num_classes, settings.round_timeout)
+        shared = None
+        if settings.global_eval == "server" and shared_data is not None:
+            from fedprism.engine.sequential import SequentialEngine
+            from fedprism.experiment.runner import local_config
+            shared = SequentialEngine(shared_data, self.model, local_config(cfg), cfg["seed"], "cpu")
+        self.engine = RemoteTrainer(link, self.ctx.spec, link.num_classes, settings.round_timeout, shared)
         self._records: list[Record] = []
         self._rnd = -1
 
@@ -460,10 +543,17 @@ class FlowerExperiment(Experiment):
             c = int(c)
             if c not in replies:
                 continue
+            row = plan.subset(np.array([r]))
             try:
-                parts.append(codec.decode_update(replies[c], plan.subset(np.array([r]))))
-            except Exception as e:  # noqa: BLE001 - a malformed reply is that client's failure
-                failed[c] = f"train: malformed reply ({type(e).__name__}: {e})"
+                up = codec.decode_update(replies[c], row, self.cfg.run_id)
+                parts.append(self.trust(up, row))
+            except Exception as e:  # noqa: BLE001 - a malformed or refused reply is that client's failure
+                failed[c] = f"train: malformed reply ({type(e).__name__}: {e})" if not isinstance(e, Refused) \
+                    else f"train: rejected by the server: {e}"
+        if parts:                                # metrics every accepted reply carries (names are the node's word)
+            common = set.intersection(*[set(p.metrics) for p in parts])
+            for p in parts:
+                p.metrics = {k: v for k, v in p.metrics.items() if k in common}
         self._records.append(("flower_round", None, {
             "sent": len(plan.clients), "replies": len(parts), "connected": len(link.node_of),
             "exchange_s": round(time.time() - t0, 3)}))
@@ -476,7 +566,57 @@ class FlowerExperiment(Experiment):
             return None, failed
         return Update.concat(parts), failed
 
+    def trust(self, up: Update, row: Plan) -> Update:
+        """The server's checks of one decoded train reply, before `receive` (which checks the declared
+        upload's shapes, dtypes and finiteness): the sample count (`trust.sample_count`: refused unless an
+        exact count; capped at the client's registered count or `max-samples`, recorded `capped`), and
+        the update norm relative to what the client was sent (refused above float32's range; above
+        `update-norm-bound`: rejected or clipped, recorded `norm_bound`). Raises `Refused`."""
+        c = int(up.clients[0])
+        _, bad = validate_update(up, self.upload)           # this row alone: a bad row never reaches concat
+        if bad:
+            raise Refused("payload", bad[c])
+        for k, v in up.metrics.items():
+            if tuple(v.shape) != (1,):
+                raise Refused(f"m.{k}", f"a metric is one number per client, got shape {tuple(v.shape)}")
+        reported = float(up.n_samples[0])
+        n, capped = sample_count(reported, self.link.cap(c))
+        if capped:
+            self._records.append(("capped", c, {"field": "n_samples", "reported": reported, "used": n}))
+        up.n_samples = torch.tensor([n], dtype=torch.float64)
+        for k, v in up.payload.items():
+            if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                raise Refused(f"u.{k}", "holds NaN or Inf")
+        norm = update_norm(up.payload, row.payload)
+        if not norm <= FLOAT32_MAX:
+            raise Refused("update", f"norm {norm:.3g} overflows float32")
+        bound = self.settings.update_norm_bound
+        if bound > 0 and norm > bound:
+            act = self.settings.norm_action
+            self._records.append(("norm_bound", c, {"norm": norm, "bound": bound, "action": act}))
+            if act == "reject":
+                raise Refused("update", f"norm {norm:.6g} > update-norm-bound {bound:g}")
+            up.payload = clip_update(up.payload, row.payload, bound, norm)
+        return up
+
     def evaluate_round(self, evaluator: Evaluator, state: dict) -> tuple[dict, list[tuple]]:
+        metrics, rows = self._evaluate_round(evaluator, state)
+        if "local_acc" in metrics:               # who computed what (the server believes the nodes' scores)
+            on_server = self.engine.shared is not None
+            shared_keys = sorted(k for k in metrics if k.startswith(("global", "global_val")) or
+                                 k.endswith("_model_acc"))
+            node_keys_ = sorted(k for k in metrics if k not in shared_keys and
+                                k not in ("eval_s", "models_evaluated"))
+            client_side = self.algo.client_side_inference()
+            by_server = [k for k in shared_keys if on_server and (not client_side or k.endswith("_model_acc"))]
+            metrics["node_reported"] = 1
+            metrics["global_on_server"] = int(bool(by_server) and set(by_server) == set(shared_keys))
+            self._records.append(("eval_trust", None, {
+                "node_reported": sorted(set(node_keys_) | (set(shared_keys) - set(by_server))),
+                "server_scored": sorted(by_server)}))
+        return metrics, rows
+
+    def _evaluate_round(self, evaluator: Evaluator, state: dict) -> tuple[dict, list[tuple]]:
         self.link.refresh()
         N = self.ctx.num_clients
         clients = np.arange(N)

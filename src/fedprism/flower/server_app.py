@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
@@ -23,6 +24,35 @@ from fedprism.experiment.runner import RunResult
 from fedprism.experiment.store import Store
 from fedprism.flower.server import FlowerExperiment, Link, _log
 from fedprism.flower.settings import RunSettings, flower_run_id
+from fedprism.flower.trust import Registry
+
+
+def server_data(s: RunSettings):
+    """What the server may hold of the data: (a federation with only the public shared splits -- the
+    global test set and the global validation set -- or None, the largest training split the
+    experiment's partition gives a client or None). Built like a node builds it (same experiment, same
+    deterministic partition) when the dataset is readable on the server; the clients' rows are dropped."""
+    if s.global_eval != "server" and s.max_samples:
+        return None, None
+    try:
+        from fedprism.experiment import federation as fedmod
+        from fedprism.federation import Federation
+
+        fed = fedmod.build_federation(s.cfg)
+    except Exception as e:  # noqa: BLE001 - no data on the server: the nodes score, no default cap
+        _log(f"the dataset is not readable on the server ({type(e).__name__}: {e})")
+        return None, None
+    biggest = int(max(len(ix) for ix in fed.train_idx)) if len(fed.train_idx) else 0
+    N = fed.num_clients
+    empty = np.zeros(0, dtype=np.int64)
+    shared = Federation(fed.x_train[:0].clone(), fed.y_train[:0].clone(), fed.x_test, fed.y_test, [empty] * N,
+                        [empty] * N, fed.num_classes, list(fed.class_names), fed.name, dict(fed.meta),
+                        None if fed.val_idx is None else [empty] * N, fed.x_val, fed.y_val)
+    del fed
+    clear = getattr(fedmod._federation, "cache_clear", None)
+    if clear is not None:
+        clear()
+    return (shared if s.global_eval == "server" else None), biggest
 
 
 def serve(grid: Grid, run_config: dict[str, Any]) -> RunResult:
@@ -35,11 +65,19 @@ def serve(grid: Grid, run_config: dict[str, Any]) -> RunResult:
         if row is not None and row["status"] == "finished":
             _log(f"run {run_id} is already finished in {s.db}; nothing to do")
             return FlowerExperiment.finished(store, run_id)
-        link = Link(grid, s.cfg["clients"], s.cfg.run_id, s.poll_interval, s.probe_timeout)
+        shared, biggest = server_data(s)
+        cap = s.max_samples or biggest
+        registry = Registry.load(s.registry, s.cfg["clients"]) if s.registry else None
+        link = Link(grid, s.cfg["clients"], s.cfg.run_id, s.poll_interval, s.probe_timeout, registry=registry,
+                    max_samples=cap)
+        where = "server" if s.global_eval == "server" and shared is not None else "nodes"
+        capped = cap if cap is not None else "nothing (max-samples unset, the dataset is not readable here)"
+        _log(f"trust: sample counts capped at {capped}; registry {s.registry or 'none'}; "
+             f"global test set scored on the {where}")
         _log(f"run {run_id}: {s.cfg['method']} on {s.cfg['dataset']}, {s.cfg['clients']} clients, "
              f"{s.cfg['rounds']} rounds; waiting for {s.min_nodes} node(s) (at most {s.nodes_timeout:g}s)")
         link.discover(s.min_nodes, s.nodes_timeout)
-        exp = FlowerExperiment(s, store, link)
+        exp = FlowerExperiment(s, store, link, shared)
         res = exp.run(stop_after=s.stop_after or None)
         _log(f"run {run_id} {res.status}" + (f" (resumed after round {res.resumed_from})"
                                               if res.resumed_from is not None else "")

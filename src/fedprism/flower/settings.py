@@ -19,6 +19,19 @@ Run config (the same on the ServerApp and every ClientApp of a run):
     save-final          optional path: torch.save of the final server state (all models), server side
     stop-after          stop after this many rounds (0: run to the end); the next run resumes
 
+  Trust (docs/flower.md, "Trust and failure semantics"):
+
+    max-samples         cap on the sample counts a node reports (identity `num-examples`, train-reply
+                        `n_samples`); 0: the largest training split the experiment's partition gives a
+                        client (the server builds the partition when it can read the dataset)
+    update-norm-bound   0: off; else the largest accepted norm of an update (upload minus what was sent)
+    norm-action         what happens to an update above the bound: reject (the client's round is refused)
+                        or clip (scaled to the bound); recorded either way
+    registry            optional JSON or TOML file written by the operator: node key -> client id (and
+                        optionally its sample count); a node may only claim its registered client id
+    global-eval         server: the server scores the global test set itself (methods whose inference is
+                        the server's model, when the server can build the dataset); nodes: the nodes do
+
 Node config (per SuperNode, `--node-config 'client-id=3 data-root="/data"'`):
 
     client-id           this node's persistent client id, 0 <= id < clients (simulation: partition-id)
@@ -58,6 +71,15 @@ RUN_KEYS: dict[str, Param] = {
     "save-final": Param("", "path for torch.save of the final server state ('' = do not save)"),
     "stop-after": Param(0, "stop after this many rounds (0 = run to the end)", lambda v: v >= 0,
                         "an integer >= 0"),
+    "max-samples": Param(0, "cap on a node's reported sample counts (0 = the largest training split the "
+                         "partition gives a client)", lambda v: v >= 0, "an integer >= 0"),
+    "update-norm-bound": Param(0.0, "largest accepted update norm (0 = no bound)",
+                               lambda v: v >= 0 and math.isfinite(v), "a finite number >= 0"),
+    "norm-action": Param("reject", "an update above update-norm-bound is rejected or clipped to it",
+                         choices=("reject", "clip")),
+    "registry": Param("", "JSON or TOML file: node key -> client id [, samples] ('' = no registry)"),
+    "global-eval": Param("server", "who scores the global test set: the server (when it can build the "
+                         "dataset) or the nodes", choices=("server", "nodes")),
 }
 
 #: SuperNode node-config keys (Flower's simulation adds partition-id / num-partitions)
@@ -91,6 +113,11 @@ class RunSettings:
     probe_timeout: float
     save_final: str
     stop_after: int
+    max_samples: int = 0
+    update_norm_bound: float = 0.0
+    norm_action: str = "reject"
+    registry: str = ""
+    global_eval: str = "server"
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> RunSettings:
@@ -107,7 +134,9 @@ class RunSettings:
         return cls(cfg=cfg, db=v["db"], min_nodes=v["min-nodes"], nodes_timeout=v["nodes-timeout"],
                    min_replies=v["min-replies"], round_timeout=v["round-timeout"],
                    poll_interval=v["poll-interval"], probe_timeout=v["probe-timeout"],
-                   save_final=v["save-final"], stop_after=v["stop-after"])
+                   save_final=v["save-final"], stop_after=v["stop-after"], max_samples=v["max-samples"],
+                   update_norm_bound=v["update-norm-bound"], norm_action=v["norm-action"],
+                   registry=v["registry"], global_eval=v["global-eval"])
 
 
 def client_id_of(node_config: Mapping[str, Any], num_clients: int) -> int:

@@ -1,0 +1,523 @@
+"""The Flower server against hostile nodes (docs/flower.md, "Trust and failure semantics"): sample
+counts, update checks, identity bound to keys, malformed messages (fuzzed), node-reported evaluation.
+
+Every test drives the real ServerApp loop (`serve`) over `HostileGrid`, the in-process grid of
+tests/test_flower.py with per-node authentication keys (`get_nodes()` gives `NodeInfo.public_key`, as
+Flower's Grid does in a deployment with node authentication) and forged replies.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("flwr")
+
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict  # noqa: E402
+from flwr.proto.node_pb2 import NodeInfo  # noqa: E402
+from test_flower import (EXP4, FakeGrid, assert_same_state, in_process, nodes_for, offline,  # noqa: E402,F401
+                         run_config, task_identity)
+
+from fedprism.experiment.store import Store  # noqa: E402
+from fedprism.flower import codec  # noqa: E402
+from fedprism.flower.node import build_node  # noqa: E402
+from fedprism.flower.server_app import serve, server_data  # noqa: E402
+from fedprism.flower.settings import RunSettings, parse_experiment  # noqa: E402
+from fedprism.flower.trust import Refused, Registry, fingerprint, parse_identity, sample_count  # noqa: E402
+
+FEDAVG4 = EXP4.replace("method=fedprism", "method=fedavg").replace(" fedprism.k=2 fedprism.every=1", "")
+
+
+class HostileGrid(FakeGrid):
+    """FakeGrid with node keys and forged replies.
+
+    keys[nid]: the node's authentication public key (bytes), reported by `get_nodes()`.
+    forge[nid] = (fn, real): fn(message, real reply content or None) -> content to send instead (None:
+    send the real reply). With real=False the node's ClientApp never runs for that node.
+    `forged` lists (node id, message type, round or None, client id or None) of every forged reply."""
+
+    def __init__(self, *a, keys=None, forge=None, **kw):
+        super().__init__(*a, **kw)
+        self.keys = dict(keys or {})
+        self.forge = dict(forge or {})
+        self.forged: list[tuple] = []
+
+    def get_nodes(self):
+        return [NodeInfo(node_id=nid, public_key=self.keys.get(nid, b"")) for nid in self.nodes]
+
+    def push_messages(self, messages):
+        ids = []
+        for m in messages:
+            nid = m.metadata.dst_node_id
+            if nid not in self.forge:
+                ids += list(super().push_messages([m]))
+                continue
+            fn, real = self.forge[nid]
+            if real:
+                got = list(super().push_messages([m]))
+                if not got:
+                    continue
+                mid = got[0]
+                reply = self.replies.get(mid)
+                content = reply.content if reply is not None and not reply.has_error() else None
+            else:
+                import uuid
+                mid = uuid.uuid4().hex
+                m.metadata.__dict__["_message_id"] = mid
+                self.log.append((nid, m.metadata.message_type))
+                content = None
+            ids.append(mid)
+            new = fn(m, content)
+            if new is not None:
+                task = m.content.config_records.get("task")
+                rnd = task["round"] if m.metadata.message_type == "train" else None
+                cid = task["client-id"] if task is not None and "client-id" in task else None
+                self.forged.append((nid, m.metadata.message_type, rnd, cid))
+                self.replies[mid] = Message(new, reply_to=m)
+        return ids
+
+
+def mutate(content: RecordDict, arrays: dict | None = None, meta: dict | None = None) -> RecordDict:
+    """A copy of a train reply with some arrays / meta fields replaced (value None: removed)."""
+    a = {k: content.array_records[codec.UPDATE][k] for k in content.array_records[codec.UPDATE].keys()}
+    m = {k: content.config_records[codec.META][k] for k in content.config_records[codec.META].keys()}
+    for k, v in (arrays or {}).items():
+        if v is None:
+            a.pop(k, None)
+        else:
+            a[k] = Array(np.ascontiguousarray(v))
+    for k, v in (meta or {}).items():
+        if v is None:
+            m.pop(k, None)
+        else:
+            m[k] = v
+    return RecordDict({codec.UPDATE: ArrayRecord(a), codec.META: ConfigRecord(m)})
+
+
+def _train(fn):
+    """Forge only train replies (identity and evaluation stay honest)."""
+    return lambda m, real: fn(m, real) if m.metadata.message_type == "train" else None
+
+
+def _node(grid_nodes: dict, cid: int) -> int:
+    return next(nid for nid, c in grid_nodes.items() if c["client-id"] == cid)
+
+
+# -- units ---------------------------------------------------------------------------------------------
+def test_sample_count_rules():
+    assert sample_count(120.0, 500) == (120.0, False)
+    assert sample_count(1e9, 500) == (500.0, True)
+    assert sample_count(1e9, None) == (1e9, False)
+    for bad in (float("nan"), float("inf"), -1.0, 1e30, 2.5, "x", None):
+        with pytest.raises(Refused, match="n_samples"):
+            sample_count(bad, 500)
+
+
+def test_identity_fields_are_named():
+    ok = {"client-id": 1, "config-id": "abc", "input-shape": [64], "num-classes": 3, "param-size": 10,
+          "num-examples": 5, "label-hist": [1, 2, 2]}
+    assert parse_identity(ok, 4, "abc").client == 1
+    for field, bad in (("client-id", "1"), ("client-id", 4), ("client-id", True), ("config-id", 7),
+                       ("config-id", "other"), ("input-shape", "64"), ("input-shape", [0]), ("num-classes", 2.0),
+                       ("param-size", -1), ("num-examples", float("nan")), ("num-examples", 10 ** 30),
+                       ("label-hist", [1, 2]), ("label-hist", [1, -2, 2]), ("label-hist", None)):
+        with pytest.raises(Refused) as e:
+            parse_identity({**ok, field: bad}, 4, "abc")
+        assert e.value.field == field, (field, bad)
+    with pytest.raises(Refused) as e:
+        parse_identity({k: v for k, v in ok.items() if k != "param-size"}, 4, "abc")
+    assert e.value.field == "param-size"
+
+
+def test_registry_files(tmp_path):
+    (tmp_path / "r.json").write_text(json.dumps({"nodes": {fingerprint(b"k0"): {"client": 0, "samples": 12},
+                                                           "node:77": 1}}))
+    r = Registry.load(str(tmp_path / "r.json"), 4)
+    assert r.samples_of(0) == 12 and r.samples_of(1) is None
+    assert r.lookup(["node:5", "node:77"])[1].client == 1
+    (tmp_path / "r.toml").write_text(f'[nodes."{fingerprint(b"k2")}"]\nclient = 2\nsamples = 3\n')
+    assert Registry.load(str(tmp_path / "r.toml"), 4).lookup([fingerprint(b"k2")])[1].client == 2
+    for bad in ({"nodes": {"node:1": 0, "node:2": 0}}, {"nodes": {"x": 0}}, {"nodes": {"node:1": 9}}, {}):
+        (tmp_path / "b.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError):
+            Registry.load(str(tmp_path / "b.json"), 4)
+
+
+def test_default_cap_is_the_largest_training_split():
+    s = RunSettings.from_run_config({"experiment": FEDAVG4})
+    shared, biggest = server_data(s)
+    from fedprism.experiment.federation import build_federation
+    fed = build_federation(s.cfg)
+    assert biggest == int(max(len(ix) for ix in fed.train_idx))
+    assert len(shared.x_train) == 0 and all(len(ix) == 0 for ix in shared.train_idx + shared.test_idx)
+    assert torch.equal(shared.x_test, fed.x_test)                     # the public test split, nothing else
+
+
+# -- sample counts and update checks ------------------------------------------------------------------
+def _state(path: Path) -> dict:
+    return torch.load(path, weights_only=False)["state"]
+
+
+def test_hostile_counts_and_values_are_rejected_and_the_honest_aggregate_stands(tmp_path, task_identity):
+    """Client 3 reports n_samples NaN, inf, 1e30 (rounds 0, 1, 2); client 2 uploads parameters of 3e38.
+    Every one is rejected and recorded; the run ends with the state of a run in which clients 2 and 3
+    fail every round (the honest clients' aggregate)."""
+    nodes = nodes_for(4)
+    bad_n = {0: np.nan, 1: np.inf, 2: 1e30}
+
+    def client3(m, real):
+        rnd = m.content.config_records["task"]["round"]
+        return mutate(real, {"n_samples": np.array([bad_n[rnd]])})
+
+    def client2(m, real):
+        p = real.array_records[codec.UPDATE]["u.params"].numpy()
+        return mutate(real, {"u.params": np.full_like(p, 3e38)})
+
+    rc = run_config(FEDAVG4, tmp_path / "h.db", save_final=str(tmp_path / "h.pt"))
+    grid = HostileGrid(nodes, rc, forge={_node(nodes, 3): (_train(client3), True),
+                                         _node(nodes, 2): (_train(client2), True)})
+    res = serve(grid, rc)
+    assert res.status == "finished"
+    s = Store(tmp_path / "h.db")
+    fails = [(f["round"], f["client"], f["data"]["reason"]) for f in s.records(res.run_id, "failure")]
+    train = {(r, c): why for r, c, why in fails if why.startswith("train")}
+    assert set(train) == {(r, c) for r in range(3) for c in (2, 3)}
+    for r in range(3):
+        assert "n_samples" in train[(r, 3)] and "rejected" in train[(r, 3)]
+        assert "overflows float32" in train[(r, 2)]
+    assert [m["accepted"] for m in s.round_metrics(res.run_id)] == [2, 2, 2]
+    assert [m["rejected"] for m in s.round_metrics(res.run_id)] == [2, 2, 2]
+
+    rc2 = run_config(FEDAVG4, tmp_path / "b.db", save_final=str(tmp_path / "b.pt"))
+    crash = {_node(nodes, 2), _node(nodes, 3)}
+    base = serve(FakeGrid(nodes, rc2, lambda nid, m: "raise" if nid in crash and m.metadata.message_type == "train"
+                          else "ok"), rc2)
+    assert base.status == "finished"
+    assert_same_state(_state(tmp_path / "b.pt"), _state(tmp_path / "h.pt"), atol=0)
+
+
+def test_a_billion_samples_weigh_as_the_cap(tmp_path, task_identity):
+    """Client 0 says it has 10^9 samples (identity and every train reply): it weighs the cap (max-samples'
+    default: the largest training split the partition gives a client), exactly as a client that reports
+    the cap."""
+    nodes = nodes_for(4)
+    cap = server_data(RunSettings.from_run_config({"experiment": FEDAVG4}))[1]
+
+    def claim(n):
+        def fn(m, real):
+            if m.metadata.message_type == "train":
+                return mutate(real, {"n_samples": np.array([float(n)])})
+            if m.metadata.message_type == "query.identity":
+                rec = real.config_records[codec.IDENTITY]
+                info = {k: rec[k] for k in rec.keys()}
+                info["num-examples"] = int(n)
+                return RecordDict({codec.IDENTITY: ConfigRecord(info)})
+            return None
+        return fn
+
+    out = {}
+    for name, n in (("big", 10 ** 9), ("cap", cap)):
+        rc = run_config(FEDAVG4, tmp_path / f"{name}.db", save_final=str(tmp_path / f"{name}.pt"))
+        res = serve(HostileGrid(nodes, rc, forge={_node(nodes, 0): (claim(n), True)}), rc)
+        assert res.status == "finished"
+        out[name] = (res, Store(tmp_path / f"{name}.db"))
+    assert_same_state(_state(tmp_path / "cap.pt"), _state(tmp_path / "big.pt"), atol=0)
+    res, s = out["big"]
+    capped = s.records(res.run_id, "capped")
+    assert {(r["client"], r["data"]["field"]) for r in capped} == {(0, "num-examples"), (0, "n_samples")}
+    assert all(r["data"]["used"] == cap for r in capped)
+    assert out["cap"][1].records(out["cap"][0].run_id, "capped") == []
+
+
+def test_update_norm_bound_rejects_or_clips(tmp_path, task_identity):
+    nodes = nodes_for(4)
+
+    def far(m, real):                                                  # an update of norm ~1e3
+        p = real.array_records[codec.UPDATE]["u.params"].numpy()
+        return mutate(real, {"u.params": p + np.float32(1e3 / np.sqrt(p.size))})
+
+    got = {}
+    for action in ("reject", "clip"):
+        rc = run_config(FEDAVG4, tmp_path / f"{action}.db", update_norm_bound=50.0, norm_action=action)
+        res = serve(HostileGrid(nodes, rc, forge={_node(nodes, 1): (_train(far), True)}), rc)
+        s = Store(tmp_path / f"{action}.db")
+        nb = s.records(res.run_id, "norm_bound")
+        assert {r["client"] for r in nb} == {1} and len(nb) == 3 and all(r["data"]["action"] == action for r in nb)
+        assert all(r["data"]["norm"] > 50.0 for r in nb)
+        got[action] = [m["accepted"] for m in s.round_metrics(res.run_id)]
+    assert got == {"reject": [3, 3, 3], "clip": [4, 4, 4]}
+
+
+# -- identity bound to keys ---------------------------------------------------------------------------------
+def test_registered_key_cannot_claim_another_client(tmp_path, task_identity):
+    """The node holding client 3's registered key says it is client 0 (while client 0's real node is
+    online). It is refused and recorded, client 0 keeps its node and its model, and the run's numbers
+    are those of the run without the impostor."""
+    nodes = {1000 + 17 * c: {"client-id": c} for c in range(3)}
+    keys = {nid: f"key-of-client-{c['client-id']}".encode() for nid, c in nodes.items()}
+    impostor = 10                                       # probed first: lower node id than every real node
+    reg = {fingerprint(k): {"client": nodes[nid]["client-id"]} for nid, k in keys.items()}
+    reg[fingerprint(b"key-of-client-3")] = {"client": 3}
+    (tmp_path / "reg.json").write_text(json.dumps({"nodes": reg}))
+    rc = run_config(FEDAVG4, tmp_path / "i.db", min_nodes=3, registry=str(tmp_path / "reg.json"),
+                    save_final=str(tmp_path / "i.pt"))
+    grid = HostileGrid(nodes, rc, keys={**keys, impostor: b"key-of-client-3"})
+    grid.add_node(impostor, {"client-id": 0})
+    res = serve(grid, rc)
+    assert res.status == "finished"
+    s = Store(tmp_path / "i.db")
+    refused = [f for f in s.records(res.run_id, "failure") if f["data"].get("node") == impostor]
+    assert refused and all(f["data"]["field"] == "client-id" and "registered for client 3" in f["data"]["reason"]
+                           for f in refused)
+    assert [t for n, t in grid.log if n == impostor] and all(t == "query.identity" for n, t in grid.log
+                                                              if n == impostor)
+    ev = s.records(res.run_id, "flower_node")
+    assert not [e for e in ev if e["data"]["event"] == "remapped"]
+    assert {e["client"]: e["data"]["node"] for e in ev if e["data"]["event"] == "joined"} == \
+        {c["client-id"]: nid for nid, c in nodes.items()}
+
+    rc2 = run_config(FEDAVG4, tmp_path / "n.db", min_nodes=3, registry=str(tmp_path / "reg.json"),
+                     save_final=str(tmp_path / "n.pt"))
+    base = serve(HostileGrid(nodes, rc2, keys=keys), rc2)
+    assert_same_state(_state(tmp_path / "n.pt"), _state(tmp_path / "i.pt"), atol=0)
+    assert base.final["local_acc"] == res.final["local_acc"]
+
+    # a node whose key is not in the registry is refused too
+    rc3 = run_config(FEDAVG4.replace("rounds=3", "rounds=1"), tmp_path / "u.db", min_nodes=3,
+                     registry=str(tmp_path / "reg.json"))
+    grid3 = HostileGrid(nodes, rc3, keys=keys)
+    grid3.add_node(11, {"client-id": 3})
+    grid3.keys[11] = b"unknown"
+    res3 = serve(grid3, rc3)
+    assert any(f["data"].get("node") == 11 and f["data"]["field"] == "registry"
+               for f in Store(tmp_path / "u.db").records(res3.run_id, "failure"))
+
+
+def test_registry_by_node_id(tmp_path, task_identity):
+    """Without node authentication the registry maps Flower node ids ('node:<id>')."""
+    nodes = nodes_for(4)
+    (tmp_path / "reg.toml").write_text("".join(f'[nodes."node:{nid}"]\nclient = {c["client-id"]}\n'
+                                               for nid, c in nodes.items() if c["client-id"] != 2))
+    rc = run_config(FEDAVG4.replace("rounds=3", "rounds=1"), tmp_path / "t.db", min_nodes=3,
+                    registry=str(tmp_path / "reg.toml"))
+    res = serve(FakeGrid(nodes, rc), rc)
+    s = Store(tmp_path / "t.db")
+    f = [r for r in s.records(res.run_id, "failure") if r["data"].get("phase") == "identity"]
+    assert f and all(r["client"] == 2 and r["data"]["field"] == "registry" for r in f)
+    assert s.round_metrics(res.run_id)[0]["accepted"] == 3
+
+
+def test_without_registry_an_online_clients_id_is_not_taken_over(tmp_path, task_identity):
+    nodes = nodes_for(4)
+    rc = run_config(FEDAVG4, tmp_path / "o.db", save_final=str(tmp_path / "o.pt"))
+    grid = FakeGrid(nodes, rc)
+    grid.add_node(99_000, {"client-id": 1})               # a second node says it is client 1
+    res = serve(grid, rc)
+    s = Store(tmp_path / "o.db")
+    refused = [f for f in s.records(res.run_id, "failure") if f["data"].get("node") == 99_000]
+    assert refused and "is held by node" in refused[0]["data"]["reason"] and refused[0]["client"] == 1
+    assert not [e for e in s.records(res.run_id, "flower_node") if e["data"]["event"] == "remapped"]
+    assert all(t == "query.identity" for n, t in grid.log if n == 99_000)
+
+
+# -- malformed messages (fuzz) --------------------------------------------------------------------------------
+def _bad_identity(rng: np.random.Generator, good: dict) -> RecordDict:
+    kind = int(rng.integers(0, 16))
+    info = dict(good)
+    if kind == 0:
+        return RecordDict({"other": ConfigRecord({"x": 1})})                  # no identity record
+    if kind == 1:
+        del info[str(rng.choice(sorted(info)))]                                # a missing field
+        if "client-id" in info and "config-id" in info and "method" not in good:
+            pass
+        if set(good) - set(info) <= {"method", "num-test"}:
+            info["client-id"] = "x"
+    elif kind == 2:
+        info["client-id"] = str(good["client-id"])
+    elif kind == 3:
+        info["client-id"] = int(rng.choice([-1, 10 ** 6]))
+    elif kind == 4:
+        info["client-id"] = float(good["client-id"]) + 0.5
+    elif kind == 5:
+        info["config-id"] = "f" * 16
+    elif kind == 6:
+        info["config-id"] = int(rng.integers(0, 100))
+    elif kind == 7:
+        info["input-shape"] = [int(v) + 1 for v in good["input-shape"]]
+    elif kind == 8:
+        info["input-shape"] = "64"
+    elif kind == 9:
+        info["num-classes"] = float(rng.choice([np.nan, np.inf, 3.5]))
+    elif kind == 10:
+        info["num-classes"] = int(good["num-classes"]) + 1
+    elif kind == 11:
+        info["param-size"] = int(good["param-size"]) + int(rng.integers(1, 100))
+    elif kind == 12:
+        info["num-examples"] = float(rng.choice([np.nan, np.inf, -1.0, 1e300]))
+    elif kind == 13:
+        info["num-examples"] = -int(rng.integers(1, 100))
+    elif kind == 14:
+        info["label-hist"] = [int(v) for v in good["label-hist"]][:-1]
+    else:
+        info["label-hist"] = [float("nan")] * len(good["label-hist"])
+    return RecordDict({codec.IDENTITY: ConfigRecord(info)})
+
+
+def _bad_train(rng: np.random.Generator, m: Message, template: RecordDict, other: int) -> RecordDict:
+    P = template.array_records[codec.UPDATE]["u.params"].numpy().shape[1]
+    good = codec.decode_plan(m.content)[0].payload["params"].numpy() + 0.01
+    base = mutate(template, {"u.params": good.astype(np.float32)}, {"client-id": int(m.content.config_records["task"]
+                                                                                   ["client-id"])})
+    kind = int(rng.integers(0, 24))
+    big = lambda v: np.full((1, P), v, dtype=np.float32)  # noqa: E731
+    nan_at = good.astype(np.float32).copy()
+    nan_at[0, int(rng.integers(0, P))] = float(rng.choice([np.nan, np.inf, -np.inf]))
+    return {
+        0: lambda: RecordDict({codec.META: base.config_records[codec.META]}),                   # no arrays
+        1: lambda: RecordDict({codec.UPDATE: base.array_records[codec.UPDATE]}),                 # no meta
+        2: lambda: mutate(base, meta={"payload": 7}),
+        3: lambda: mutate(base, meta={"payload": [1, 2]}),
+        4: lambda: mutate(base, {"u.params": None}),
+        5: lambda: mutate(base, {"u.params": np.zeros((1, P + int(rng.integers(1, 9))), np.float32)}),
+        6: lambda: mutate(base, {"u.params": np.zeros((P,), np.float32)}),
+        7: lambda: mutate(base, {"u.params": nan_at}),
+        8: lambda: mutate(base, {"u.params": big(3e38)}),
+        9: lambda: mutate(base, {"u.params": big(float(rng.choice([1e10, 1e20, 1e30])))}),
+        10: lambda: mutate(base, {"u.params": good.astype(np.int64)}),
+        11: lambda: mutate(base, {"u.params": np.zeros((1, 0), np.float32)}),
+        12: lambda: mutate(base, {"n_samples": np.array([float(rng.choice([np.nan, np.inf, -np.inf]))])}),
+        13: lambda: mutate(base, {"n_samples": np.array([float(rng.choice([-1.0, 2.5, 1e30, 1e300]))])}),
+        14: lambda: mutate(base, {"n_samples": np.array([5.0, 5.0])}),
+        15: lambda: mutate(base, {"n_samples": np.array([5], dtype=np.int64)}),
+        16: lambda: mutate(base, {"n_samples": None}),
+        17: lambda: mutate(base, {"m.train_loss": np.array([np.nan])}),
+        18: lambda: mutate(base, {"m.train_loss": np.zeros((3, 2))}),
+        19: lambda: mutate(base, meta={"client-id": str(rng.choice(["x", "1.5", ""]))}),
+        20: lambda: mutate(base, meta={"client-id": other}),
+        21: lambda: mutate(base, meta={"config-id": str(rng.choice(["", "0" * 16, "other"]))}),
+        22: lambda: mutate(base, meta={"config-id": None}),
+        23: lambda: mutate(base, {"u.evil": np.zeros((1, 3), np.float32)}, {"payload": ["evil", "params"]}),
+    }[kind]()
+
+
+def _bad_scores(rng: np.random.Generator, m: Message) -> RecordDict:
+    kind = int(rng.integers(0, 6))
+    n = 1
+    ok = {"correct": np.array([3]), "loss_sum": np.array([1.0]), "count": np.array([5]),
+          "confusion": np.zeros((n, 10, 10), dtype=np.int64)}
+    ok["confusion"][0, 0, 0] = 5
+    bad = dict(ok)
+    if kind == 0:
+        bad["correct"] = np.array([9])                          # more correct than counted
+    elif kind == 1:
+        bad["loss_sum"] = np.array([np.nan])
+    elif kind == 2:
+        bad["count"] = np.array([-5])
+    elif kind == 3:
+        bad["confusion"] = np.zeros((n, 3, 3), dtype=np.int64)
+    elif kind == 4:
+        del bad["count"]
+    else:
+        bad["correct"] = np.array([3.0])
+    cid = m.content.config_records["task"]["client-id"]
+    return RecordDict({codec.SCORES: ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in bad.items()}),
+                       codec.META: ConfigRecord({"client-id": int(cid)})})
+
+
+def test_fuzzed_messages_never_stop_the_server(tmp_path, task_identity):
+    """At least 200 malformed identity replies (from 200 nodes that never identify properly) and 200
+    malformed train replies (22 of 24 clients, 12 rounds; missing fields, wrong types and shapes, NaN,
+    huge values, wrong experiment id), plus malformed evaluation replies: the run completes with the two
+    honest clients, and every forged message has its record."""
+    exp = ("method=fedavg dataset=digits clients=24 rounds=12 fraction=1.0 local_epochs=1 lr=0.05 model=mlp "
+           "device=cpu engine=sequential partition.alpha=5.0 seed=4 eval_every=12")
+    rng = np.random.default_rng(20261123)
+    honest = {2000: {"client-id": 0}, 2001: {"client-id": 1}}
+    hostile = {3000 + c: {"client-id": c} for c in range(2, 24)}
+    noisy = {5000 + k: {"client-id": int(k % 24)} for k in range(200)}
+    rc = run_config(exp, tmp_path / "z.db", min_nodes=24, update_norm_bound=100.0, probe_timeout=3600.0)
+    template_node = build_node(exp, 0)
+    good_ident = template_node.identity()
+    from fedprism.protocol import Update
+    template = codec.encode_update(Update(np.array([0]), {"params": torch.zeros(1, template_node.engine.spec.size)},
+                                          torch.tensor([50.0], dtype=torch.float64),
+                                          {"train_loss": torch.tensor([0.5], dtype=torch.float64)}), 0,
+                                   parse_experiment(exp).run_id)
+
+    def hostile_fn(m, real):
+        cid = int(hostile[m.metadata.dst_node_id]["client-id"])
+        t = m.metadata.message_type
+        if t == "query.identity":
+            info = {**good_ident, "client-id": cid, "num-examples": 50}
+            return RecordDict({codec.IDENTITY: ConfigRecord(info)})
+        if t == "train":
+            return _bad_train(rng, m, template, other=(cid + 1) % 24)
+        return _bad_scores(rng, m)
+
+    def noisy_fn(m, real):
+        return _bad_identity(rng, {**good_ident, "client-id": int(noisy[m.metadata.dst_node_id]["client-id"])})
+
+    forge = {**{nid: (hostile_fn, False) for nid in hostile}, **{nid: (noisy_fn, False) for nid in noisy}}
+    grid = HostileGrid({**honest, **hostile, **noisy}, rc, forge=forge)
+    res = serve(grid, rc)
+    assert res.status == "finished"
+    s = Store(tmp_path / "z.db")
+    idents = [f for f in grid.forged if f[1] == "query.identity" and f[0] in noisy]
+    trains = [f for f in grid.forged if f[1] == "train"]
+    evals = [f for f in grid.forged if f[1] == "evaluate"]
+    assert len(idents) >= 200 and len(trains) >= 200 and evals
+    fails = s.records(res.run_id, "failure") + s.records(res.run_id, "rejected")
+    by_node = {}
+    for f in fails:
+        if f["data"].get("phase") == "identity":
+            by_node[f["data"]["node"]] = by_node.get(f["data"]["node"], 0) + 1
+    for nid in noisy:
+        assert by_node.get(nid, 0) == sum(1 for f in idents if f[0] == nid), nid
+    train_recs = {(f["round"], f["client"]) for f in fails if "phase" not in f["data"]}
+    missing = [(r, c) for _, _, r, c in trains if (r, c) not in train_recs]
+    assert not missing, missing[:5]
+    eval_recs = {f["client"] for f in fails if f["data"].get("phase") == "evaluate"}
+    assert {c for *_, c in evals} <= eval_recs
+    assert all(m["accepted"] == 2 for m in s.round_metrics(res.run_id))
+    assert Store(tmp_path / "z.db").run(res.run_id)["status"] == "finished"
+
+
+# -- evaluation trust -----------------------------------------------------------------------------------------
+def test_global_test_set_is_scored_on_the_server(tmp_path, task_identity):
+    """A node that reports perfect scores for everything it is asked to evaluate: with global-eval=server
+    (the default) the global accuracy is the in-process one; the local scores it reports are stored, and
+    marked node-reported. With global-eval=nodes its lie reaches the global accuracy."""
+    exp = FEDAVG4.replace("rounds=3", "rounds=1")
+    ref, final = in_process(exp, tmp_path / "ref.db")
+    nodes = nodes_for(4)
+
+    def liar(m, real):
+        if m.metadata.message_type != "evaluate":
+            return None
+        sc = real.array_records[codec.SCORES]
+        count = sc["count"].numpy()
+        conf = np.zeros_like(sc["confusion"].numpy())
+        conf[:, 0, 0] = count
+        return RecordDict({codec.SCORES: ArrayRecord({"correct": Array(count.copy()), "count": Array(count.copy()),
+                                                      "loss_sum": Array(np.zeros(len(count))),
+                                                      "confusion": Array(conf)}),
+                           codec.META: real.config_records[codec.META]})
+
+    out = {}
+    for mode in ("server", "nodes"):
+        rc = run_config(exp, tmp_path / f"{mode}.db", global_eval=mode)
+        res = serve(HostileGrid(nodes, rc, forge={_node(nodes, 0): (liar, True)}), rc)
+        s = Store(tmp_path / f"{mode}.db")
+        out[mode] = (res, s.round_metrics(res.run_id)[-1], s.records(res.run_id, "eval_trust"))
+    res, last, trust = out["server"]
+    assert res.final["global_acc"] == pytest.approx(final["global_acc"], abs=1e-12)
+    assert last["node_reported"] == 1 and last["global_on_server"] == 1
+    assert "local_acc" in trust[-1]["data"]["node_reported"] and "global_acc" in trust[-1]["data"]["server_scored"]
+    assert res.final["local_acc"] > final["local_acc"]              # the lie about its own test split stands
+    res_n, last_n, trust_n = out["nodes"]
+    assert last_n["global_on_server"] == 0 and "global_acc" in trust_n[-1]["data"]["node_reported"]
+    assert res_n.final["global_acc"] > final["global_acc"]
