@@ -124,7 +124,8 @@ def test_identity_fields_are_named():
     for field, bad in (("client-id", "1"), ("client-id", 4), ("client-id", True), ("config-id", 7),
                        ("config-id", "other"), ("input-shape", "64"), ("input-shape", [0]), ("num-classes", 2.0),
                        ("param-size", -1), ("num-examples", float("nan")), ("num-examples", 10 ** 30),
-                       ("label-hist", [1, 2]), ("label-hist", [1, -2, 2]), ("label-hist", None)):
+                       ("label-hist", [1, 2]), ("label-hist", [1, -2, 2]), ("label-hist", None),
+                       ("label-hist", [1, 1, 1])):
         with pytest.raises(Refused) as e:
             parse_identity({**ok, field: bad}, 4, "abc")
         assert e.value.field == field, (field, bad)
@@ -149,12 +150,13 @@ def test_registry_files(tmp_path):
 
 def test_default_cap_is_the_largest_training_split():
     s = RunSettings.from_run_config({"experiment": FEDAVG4})
-    shared, biggest = server_data(s)
+    shared, biggest, sizes = server_data(s)
     from fedprism.experiment.federation import build_federation
     fed = build_federation(s.cfg)
     assert biggest == int(max(len(ix) for ix in fed.train_idx))
     assert len(shared.x_train) == 0 and all(len(ix) == 0 for ix in shared.train_idx + shared.test_idx)
     assert torch.equal(shared.x_test, fed.x_test)                     # the public test split, nothing else
+    assert sizes["local"].tolist() == [len(ix) for ix in fed.test_idx] and sizes["global"] == len(fed.y_test)
 
 
 # -- sample counts and update checks ------------------------------------------------------------------
@@ -214,7 +216,9 @@ def test_a_billion_samples_weigh_as_the_cap(tmp_path, task_identity):
             if m.metadata.message_type == "query.identity":
                 rec = real.config_records[codec.IDENTITY]
                 info = {k: rec[k] for k in rec.keys()}
-                info["num-examples"] = int(n)
+                hist = [int(v) for v in info["label-hist"]]
+                hist[0] += int(n) - sum(hist)                           # a histogram that agrees with the count
+                info["num-examples"], info["label-hist"] = int(n), hist
                 return RecordDict({codec.IDENTITY: ConfigRecord(info)})
             return None
         return fn
@@ -230,6 +234,8 @@ def test_a_billion_samples_weigh_as_the_cap(tmp_path, task_identity):
     capped = s.records(res.run_id, "capped")
     assert {(r["client"], r["data"]["field"]) for r in capped} == {(0, "num-examples"), (0, "n_samples")}
     assert all(r["data"]["used"] == cap for r in capped)
+    from fedprism.flower.trust import scaled_hist
+    assert scaled_hist((10 ** 9 - 2, 1, 1), cap).sum() == cap and scaled_hist((3, 1), 4).tolist() == [3, 1]
     assert out["cap"][1].records(out["cap"][0].run_id, "capped") == []
 
 
@@ -452,7 +458,7 @@ def test_fuzzed_messages_never_stop_the_server(tmp_path, task_identity):
         cid = int(hostile[m.metadata.dst_node_id]["client-id"])
         t = m.metadata.message_type
         if t == "query.identity":
-            info = {**good_ident, "client-id": cid, "num-examples": 50}
+            info = {**good_ident, "client-id": cid}
             return RecordDict({codec.IDENTITY: ConfigRecord(info)})
         if t == "train":
             return _bad_train(rng, m, template, other=(cid + 1) % 24)
@@ -521,3 +527,91 @@ def test_global_test_set_is_scored_on_the_server(tmp_path, task_identity):
     res_n, last_n, trust_n = out["nodes"]
     assert last_n["global_on_server"] == 0 and "global_acc" in trust_n[-1]["data"]["node_reported"]
     assert res_n.final["global_acc"] > final["global_acc"]
+
+
+def test_only_the_registered_key_moves_a_client_to_a_new_node(tmp_path):
+    """Link-level: client 1's registered key reconnects under a new node id while its old node id is
+    still listed online (Flower drops a dead node only after missed heartbeats): re-mapped. Another node
+    claiming client 1 is refused, with or without a registry, while the holder is online."""
+    from fedprism.flower.server import Link
+
+    class Stub:
+        def __init__(self):
+            self.keys: dict[int, bytes] = {}
+
+        def get_node_ids(self):
+            return list(self.keys)
+
+        def get_nodes(self):
+            return [NodeInfo(node_id=n, public_key=k) for n, k in self.keys.items()]
+
+    info = {"client-id": 1, "config-id": "cfg", "input-shape": [64], "num-classes": 10, "param-size": 100,
+            "num-examples": 40, "label-hist": [4] * 10}
+    (tmp_path / "reg.json").write_text(json.dumps({"nodes": {fingerprint(b"K1"): {"client": 1}}}))
+    grid = Stub()
+    link = Link(grid, 4, "cfg", log=lambda m: None, registry=Registry.load(str(tmp_path / "reg.json"), 4))
+    grid.keys = {10: b"K1", 20: b"K1", 30: b"K9"}
+    link._admit(10, info)
+    link._admit(30, info)                                             # not registered
+    link._admit(20, info)                                             # the registered key, new node id
+    assert link.node_of == {1: 20} and 10 not in link.client_of
+    ev = [(k, c, d.get("event"), d.get("field"), d.get("node")) for k, c, d in link.pop_events()]
+    assert ("failure", 1, None, "registry", 30) in ev and ("flower_node", 1, "remapped", None, 20) in ev
+
+    plain = Link(grid, 4, "cfg", log=lambda m: None)
+    plain._admit(10, info)
+    plain._admit(20, info)                                            # no registry: 10 is online, refused
+    assert plain.node_of == {1: 10}
+    assert [d["field"] for k, c, d in plain.pop_events() if k == "failure"] == ["client-id"]
+    del grid.keys[10]                                                  # node 10 goes offline ...
+    plain.refresh = lambda: None
+    plain._forget(10, "offline")
+    plain._admit(20, info)                                             # ... then node 20 may take client 1
+    assert plain.node_of == {1: 20}
+
+
+def test_a_node_cannot_reweigh_its_scores(tmp_path, task_identity):
+    """A node that claims 100 times its test rows (all correct) to weigh more in the sample-weighted
+    means: the server knows each split's size (it builds the partition), refuses the score (field
+    'count') and the client has no score that round."""
+    exp = FEDAVG4.replace("rounds=3", "rounds=1")
+    nodes = nodes_for(4)
+
+    def inflate(m, real):
+        if m.metadata.message_type != "evaluate":
+            return None
+        sc = real.array_records[codec.SCORES]
+        count = sc["count"].numpy() * 100
+        conf = np.zeros_like(sc["confusion"].numpy())
+        conf[:, 0, 0] = count
+        return RecordDict({codec.SCORES: ArrayRecord({"correct": Array(count.copy()), "count": Array(count.copy()),
+                                                      "loss_sum": Array(np.zeros(len(count))),
+                                                      "confusion": Array(conf)}),
+                           codec.META: real.config_records[codec.META]})
+
+    rc = run_config(exp, tmp_path / "w.db")
+    res = serve(HostileGrid(nodes, rc, forge={_node(nodes, 1): (inflate, True)}), rc)
+    s = Store(tmp_path / "w.db")
+    f = [r for r in s.records(res.run_id, "failure") if r["data"].get("phase") == "evaluate"]
+    assert f and all(r["client"] == 1 and "field 'count'" in r["data"]["reason"] for r in f)
+    rows = {r["client"]: r for r in s.client_rows(res.run_id, 0)}
+    assert rows[1]["local_acc"] is None or rows[1]["n_test"] == 0
+    assert rows[0]["local_acc"] is not None
+
+
+def test_registered_sample_count_is_the_weight(tmp_path, task_identity):
+    """The registry lists client 0 with 100 samples: its replies weigh 100 whatever it reports (as a
+    node that reports 100 without a registry), recorded `registry_count`."""
+    nodes = nodes_for(4)
+    reg = {f"node:{nid}": ({"client": 0, "samples": 100} if c["client-id"] == 0 else c["client-id"])
+           for nid, c in nodes.items()}
+    (tmp_path / "reg.json").write_text(json.dumps({"nodes": reg}))
+    rc = run_config(FEDAVG4, tmp_path / "r.db", registry=str(tmp_path / "reg.json"), save_final=str(tmp_path / "r.pt"))
+    res = serve(FakeGrid(nodes, rc), rc)
+    recs = Store(tmp_path / "r.db").records(res.run_id, "registry_count")
+    assert sorted(r["data"]["field"] for r in recs) == ["n_samples"] * 3 + ["num-examples"]
+    assert all(r["client"] == 0 and r["data"]["used"] == 100 for r in recs)
+    rc2 = run_config(FEDAVG4, tmp_path / "f.db", save_final=str(tmp_path / "f.pt"))
+    serve(HostileGrid(nodes, rc2, forge={_node(nodes, 0): (_train(lambda m, real: mutate(
+        real, {"n_samples": np.array([100.0])})), True)}), rc2)
+    assert_same_state(_state(tmp_path / "f.pt"), _state(tmp_path / "r.pt"), atol=0)

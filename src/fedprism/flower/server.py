@@ -39,8 +39,8 @@ from fedprism.experiment.runner import Experiment, RunResult, make_algorithm, ma
 from fedprism.experiment.store import Store
 from fedprism.flower import codec
 from fedprism.flower.settings import RunSettings, flower_label, flower_run_id
-from fedprism.flower.trust import FLOAT32_MAX, Refused, Registry, clip_update, node_keys, parse_identity, sample_count, \
-    update_norm
+from fedprism.flower.trust import (FLOAT32_MAX, Refused, Registry, clip_update, node_keys, parse_identity, sample_count,
+                                  scaled_hist, update_norm)
 from fedprism.params import Functional, ParamSpec
 from fedprism.protocol import EvalResult, Plan, Rows, Update
 
@@ -106,9 +106,9 @@ class Link:
             return {}
 
     def cap(self, cid: int) -> int | None:
-        """The most samples client `cid` may claim: its registered count, else `max-samples` (None: no cap)."""
-        reg = self.registry.samples_of(cid) if self.registry is not None else None
-        return reg if reg is not None else self.max_samples
+        """The most samples client `cid` may claim (`max-samples`; None: no cap). A count in the registry
+        replaces the node's word altogether (`_admit`, `FlowerExperiment.trust`)."""
+        return self.max_samples
 
     def refresh(self) -> None:
         """Forget nodes that went offline, take in identity replies, query new nodes (no waiting)."""
@@ -228,12 +228,14 @@ class Link:
         n = ident.num_examples
         reg = self.registry.samples_of(cid) if self.registry is not None else None
         if reg is not None:
+            if reg != n:
+                self.events.append(("registry_count", cid, {"field": "num-examples", "reported": n, "used": reg}))
             n = reg
         elif cap is not None and n > cap:
             self.events.append(("capped", cid, {"field": "num-examples", "reported": ident.num_examples, "used": cap}))
             n = cap
         self.n_train[cid] = n
-        self.label_hist[cid] = np.asarray(ident.label_hist, dtype=np.int64)
+        self.label_hist[cid] = scaled_hist(ident.label_hist, n)      # sums to the count the server uses
 
     def _forget(self, nid: int, why: str) -> None:
         cid = self.client_of.pop(nid, None)
@@ -325,7 +327,8 @@ class RemoteTrainer:
     name = "flower"
     remote = True
 
-    def __init__(self, link: Link, spec: ParamSpec, num_classes: int, timeout: float, shared=None):
+    def __init__(self, link: Link, spec: ParamSpec, num_classes: int, timeout: float, shared=None,
+                 sizes: dict | None = None):
         self.link, self.spec, self.C, self.timeout = link, spec, num_classes, timeout
         self.num_classes = num_classes
         self.cache: dict[tuple, tuple] = {}     # (split, client or None, row hash) -> scores
@@ -333,12 +336,30 @@ class RemoteTrainer:
         #: a Trainer over the public shared splits only ('global', 'global_val'), on the server
         #: (`global-eval=server`); None: the nodes score them
         self.shared = shared
+        #: the size of every client's split when the server could build the partition: a score over
+        #: another number of rows is refused (a node cannot reweigh itself in the weighted means)
+        self.sizes = sizes
 
     def train(self, *args: Any, **kw: Any):
         raise NotImplementedError("on Flower, clients train in their ClientApp (FlowerExperiment.local_work)")
 
     def logits(self, params: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError("the server holds no data on Flower")
+
+    def check_counts(self, r: EvalResult, splits: list[str], clients: list[int | None]) -> None:
+        """Raise ValueError when a score covers another number of rows than the split has."""
+        if self.sizes is None:
+            return
+        for i, (split, c) in enumerate(zip(splits, clients)):
+            want = self.sizes.get(split)
+            if want is None:
+                continue
+            if not isinstance(want, int):
+                if c is None:
+                    continue
+                want = int(want[c])
+            if int(r.count[i]) != want:
+                raise ValueError(f"field 'count': {int(r.count[i])} rows scored on split {split!r}, it has {want}")
 
     def _zero(self) -> tuple:
         return (0, 0.0, 0, torch.zeros(self.C, self.C, dtype=torch.long), {})
@@ -399,6 +420,7 @@ class RemoteTrainer:
                         r = codec.decode_scores(replies[c], self.C)
                         if len(r.count) != len(js):
                             raise ValueError(f"{len(r.count)} scores for {len(js)} rows")
+                        self.check_counts(r, [jobs[j][1] for j in js], [jobs[j][2] for j in js])
                     except Exception as e:  # noqa: BLE001 - a malformed reply is a failure of that node
                         failed[c] = f"evaluate: malformed reply ({type(e).__name__}: {e})"
                     else:
@@ -458,6 +480,7 @@ class RemoteTrainer:
                 r = codec.decode_scores(content, self.C)
                 if len(r.count) != len(splits):
                     raise ValueError(f"{len(r.count)} scores for {len(splits)} splits")
+                self.check_counts(r, splits, [c] * len(splits))
                 got[c] = self._tuples(r)
             except Exception as e:  # noqa: BLE001 - a malformed reply is a failure of that client
                 failed[c] = f"evaluate: malformed reply ({type(e).__name__}: {e})"
@@ -499,7 +522,8 @@ class RemoteTrainer:
 class FlowerExperiment(Experiment):
     """The runner's round loop with the clients on Flower nodes and no data on the server."""
 
-    def __init__(self, settings: RunSettings, store: Store, link: Link, shared_data=None):
+    def __init__(self, settings: RunSettings, store: Store, link: Link, shared_data=None,
+                 sizes: dict | None = None):
         if link.input_shape is None:
             raise RuntimeError("no node has been identified yet: call link.discover() first")
         cfg = flower_label(settings.cfg)
@@ -520,7 +544,7 @@ class FlowerExperiment(Experiment):
             from fedprism.engine.sequential import SequentialEngine
             from fedprism.experiment.runner import local_config
             shared = SequentialEngine(shared_data, self.model, local_config(cfg), cfg["seed"], "cpu")
-        self.engine = RemoteTrainer(link, self.ctx.spec, link.num_classes, settings.round_timeout, shared)
+        self.engine = RemoteTrainer(link, self.ctx.spec, link.num_classes, settings.round_timeout, shared, sizes)
         self._records: list[Record] = []
         self._rnd = -1
 
@@ -569,9 +593,10 @@ class FlowerExperiment(Experiment):
     def trust(self, up: Update, row: Plan) -> Update:
         """The server's checks of one decoded train reply, before `receive` (which checks the declared
         upload's shapes, dtypes and finiteness): the sample count (`trust.sample_count`: refused unless an
-        exact count; capped at the client's registered count or `max-samples`, recorded `capped`), and
-        the update norm relative to what the client was sent (refused above float32's range; above
-        `update-norm-bound`: rejected or clipped, recorded `norm_bound`). Raises `Refused`."""
+        exact count; capped at `max-samples`, recorded `capped`; a
+        registered count replaces the node's, recorded `registry_count`), and the update norm relative
+        to what the client was sent (refused above float32's range; above `update-norm-bound`: rejected
+        or clipped, recorded `norm_bound`). Raises `Refused`."""
         c = int(up.clients[0])
         _, bad = validate_update(up, self.upload)           # this row alone: a bad row never reaches concat
         if bad:
@@ -583,6 +608,10 @@ class FlowerExperiment(Experiment):
         n, capped = sample_count(reported, self.link.cap(c))
         if capped:
             self._records.append(("capped", c, {"field": "n_samples", "reported": reported, "used": n}))
+        reg = self.link.registry.samples_of(c) if self.link.registry is not None else None
+        if reg is not None and n != reg:                  # the operator's count, not the node's
+            self._records.append(("registry_count", c, {"field": "n_samples", "reported": reported, "used": reg}))
+            n = float(reg)
         up.n_samples = torch.tensor([n], dtype=torch.float64)
         for k, v in up.payload.items():
             if v.is_floating_point() and not bool(torch.isfinite(v).all()):

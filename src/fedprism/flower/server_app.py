@@ -29,11 +29,11 @@ from fedprism.flower.trust import Registry
 
 def server_data(s: RunSettings):
     """What the server may hold of the data: (a federation with only the public shared splits -- the
-    global test set and the global validation set -- or None, the largest training split the
-    experiment's partition gives a client or None). Built like a node builds it (same experiment, same
-    deterministic partition) when the dataset is readable on the server; the clients' rows are dropped."""
-    if s.global_eval != "server" and s.max_samples:
-        return None, None
+    global test set and the global validation set -- or None; the largest training split the
+    experiment's partition gives a client or None; the size of every client's split, {'train': [N],
+    'local': [N], 'val': [N], 'global': n, 'global_val': n}, or None). Built like a node builds it
+    (same experiment, same deterministic partition) when the dataset is readable on the server; the
+    clients' rows are dropped."""
     try:
         from fedprism.experiment import federation as fedmod
         from fedprism.federation import Federation
@@ -41,8 +41,14 @@ def server_data(s: RunSettings):
         fed = fedmod.build_federation(s.cfg)
     except Exception as e:  # noqa: BLE001 - no data on the server: the nodes score, no default cap
         _log(f"the dataset is not readable on the server ({type(e).__name__}: {e})")
-        return None, None
+        return None, None, None
     biggest = int(max(len(ix) for ix in fed.train_idx)) if len(fed.train_idx) else 0
+    sizes = {"train": np.array([len(ix) for ix in fed.train_idx]), "local": np.array([len(ix) for ix in fed.test_idx]),
+             "global": len(fed.y_test)}
+    if fed.val_idx is not None:
+        sizes["val"] = np.array([len(ix) for ix in fed.val_idx])
+    if fed.y_val is not None:
+        sizes["global_val"] = len(fed.y_val)
     N = fed.num_clients
     empty = np.zeros(0, dtype=np.int64)
     shared = Federation(fed.x_train[:0].clone(), fed.y_train[:0].clone(), fed.x_test, fed.y_test, [empty] * N,
@@ -52,7 +58,7 @@ def server_data(s: RunSettings):
     clear = getattr(fedmod._federation, "cache_clear", None)
     if clear is not None:
         clear()
-    return (shared if s.global_eval == "server" else None), biggest
+    return (shared if s.global_eval == "server" else None), biggest, sizes
 
 
 def serve(grid: Grid, run_config: dict[str, Any]) -> RunResult:
@@ -65,7 +71,7 @@ def serve(grid: Grid, run_config: dict[str, Any]) -> RunResult:
         if row is not None and row["status"] == "finished":
             _log(f"run {run_id} is already finished in {s.db}; nothing to do")
             return FlowerExperiment.finished(store, run_id)
-        shared, biggest = server_data(s)
+        shared, biggest, sizes = server_data(s)
         cap = s.max_samples or biggest
         registry = Registry.load(s.registry, s.cfg["clients"]) if s.registry else None
         link = Link(grid, s.cfg["clients"], s.cfg.run_id, s.poll_interval, s.probe_timeout, registry=registry,
@@ -77,7 +83,7 @@ def serve(grid: Grid, run_config: dict[str, Any]) -> RunResult:
         _log(f"run {run_id}: {s.cfg['method']} on {s.cfg['dataset']}, {s.cfg['clients']} clients, "
              f"{s.cfg['rounds']} rounds; waiting for {s.min_nodes} node(s) (at most {s.nodes_timeout:g}s)")
         link.discover(s.min_nodes, s.nodes_timeout)
-        exp = FlowerExperiment(s, store, link, shared)
+        exp = FlowerExperiment(s, store, link, shared, sizes)
         res = exp.run(stop_after=s.stop_after or None)
         _log(f"run {run_id} {res.status}" + (f" (resumed after round {res.resumed_from})"
                                               if res.resumed_from is not None else "")

@@ -170,7 +170,23 @@ def parse_identity(info: Any, num_clients: int, config_id: str) -> Identity:
     psize = _int(info, "param-size", 1, 2 ** 40)
     n = _int(info, "num-examples", 0, EXACT_COUNT)
     hist = tuple(_int_list(info, "label-hist", length=classes, low=0))
+    if sum(hist) != n:
+        raise Refused("label-hist", f"sums to {sum(hist)}, num-examples says {n}")
     return Identity(cid, cfg, shape, classes, psize, n, hist)
+
+
+def scaled_hist(hist: tuple[int, ...], n: int) -> np.ndarray:
+    """A label histogram scaled to sum to n (largest remainders), for a capped or registered count."""
+    h = np.asarray(hist, dtype=np.float64)
+    total = h.sum()
+    if total <= 0 or int(total) == n:
+        return np.asarray(hist, dtype=np.int64)
+    exact = h * (n / total)
+    out = np.floor(exact).astype(np.int64)
+    rest = n - int(out.sum())
+    if rest > 0:
+        out[np.argsort(-(exact - out), kind="stable")[:rest]] += 1
+    return out
 
 
 def sample_count(value: Any, cap: int | None, field_name: str = "n_samples") -> tuple[float, bool]:
