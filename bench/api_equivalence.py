@@ -5,6 +5,8 @@
     python bench/api_equivalence.py run --out new.json
     # 2. compare the two, and each with the stored rounds
     python bench/api_equivalence.py compare old.json new.json
+    # the same on a small digits federation (every original method, both engines; seconds)
+    PYTHONPATH=/path/to/old/src python bench/api_equivalence.py run --small --out old-small.json
 
 `run` opens `results/fedprism.db` read-only, takes the seed-0 runs of `--sweep` (default
 `paper_fmnist_dir01`: all eight methods, the Fed-PRISM server with its five clusterings), and re-runs
@@ -49,6 +51,21 @@ def stored_rounds(db: Path, run_id: str, n: int) -> list[dict]:
     return [{"round": r, **json.loads(m)} for r, m in rows]
 
 
+#: the small federation of `run --small`: every original method, both engines, seconds each
+SMALL = [("fedavg", {}), ("local", {}), ("fedprism", {"fedprism.k": 2, "fedprism.m": 2}),
+         ("fedprism", {"fedprism.k": 3, "fedprism.clustering": "covariance"}), ("fedprism_dual", {"fedprism_dual.k": 2}),
+         ("fedclust", {"fedclust.k": 2}), ("ifca", {"ifca.k": 3}),
+         ("cfl", {"cfl.warmup": 1, "cfl.eps1": 10.0, "cfl.eps2": 0.0}), ("fedamp", {})]
+
+
+def small_configs() -> list[tuple[str, dict]]:
+    base = {"dataset": "digits", "clients": 8, "rounds": 4, "fraction": 0.5, "local_epochs": 1, "model": "mlp",
+            "compile": False, "lr": 0.05, "seed": 3}
+    return [(f"{engine}:{m}" + (":covariance" if "fedprism.clustering" in extra else ""),
+             {**base, "method": m, "engine": engine, **extra})
+            for engine in ("sequential", "vectorized") for m, extra in SMALL]
+
+
 def cmd_run(a: argparse.Namespace) -> None:
     import torch
 
@@ -59,7 +76,9 @@ def cmd_run(a: argparse.Namespace) -> None:
     from fedprism.experiment.store import Store
 
     out = json.loads(Path(a.out).read_text()) if Path(a.out).exists() else {}
-    for label, rid, cfg in stored_runs(Path(a.db), a.sweep, a.seed):
+    todo = [(label, resolve(cfg).run_id + ":" + label, cfg) for label, cfg in small_configs()] if a.small \
+        else stored_runs(Path(a.db), a.sweep, a.seed)
+    for label, rid, cfg in todo:
         if a.only and label not in a.only:
             continue
         if rid in out and len(out[rid]["rounds"]) >= a.rounds:
@@ -78,9 +97,10 @@ def cmd_run(a: argparse.Namespace) -> None:
 
 
 def first_difference(x: list[dict], y: list[dict], skip: set[str] = TIMING | WORK) -> str | None:
-    """'round r: key a != b' for the first differing metric (keys in `skip` ignored), or None."""
+    """'round r: key a != b' for the first differing metric of `x` (keys in `skip` ignored; keys only `y`
+    has are additions, not differences), or None."""
     for r, (m1, m2) in enumerate(zip(x, y)):
-        for k in sorted(set(m1) | set(m2)):
+        for k in sorted(m1):
             if k in skip:
                 continue
             v1, v2 = m1.get(k), m2.get(k)
@@ -103,7 +123,11 @@ def cmd_compare(a: argparse.Namespace) -> int:
             continue
         n = len(new[rid]["rounds"])
         d = first_difference(old[rid]["rounds"], new[rid]["rounds"])
-        s = first_difference(stored_rounds(Path(a.db), rid, n), new[rid]["rounds"])
+        stored = stored_rounds(Path(a.db), rid, n)
+        s = first_difference(stored, new[rid]["rounds"]) if stored else "(not a stored run)"
+        added = sorted(set().union(*new[rid]["rounds"]) - set().union(*old[rid]["rounds"]))
+        if added:
+            d = (d or f"identical ({n} rounds)") + f"; new keys {', '.join(added)}"
         work = [(h1.get(k), h2.get(k)) for h1, h2 in zip(old[rid]["rounds"], new[rid]["rounds"]) for k in WORK
                 if h1.get(k) != h2.get(k)]
         bad += d is not None
@@ -123,6 +147,9 @@ def main() -> int:
     r.add_argument("--rounds", type=int, default=10)
     r.add_argument("--threads", type=int, default=1)
     r.add_argument("--only", nargs="*", help="row labels to run (default: all)")
+    r.add_argument("--small", action="store_true",
+                   help="instead of the stored runs: every original method on a small digits federation, both "
+                        "engines (4 rounds, seconds each)")
     c = sub.add_parser("compare")
     c.add_argument("old")
     c.add_argument("new")
