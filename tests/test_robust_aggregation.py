@@ -133,3 +133,33 @@ def test_soft_cluster_step_robust_cluster_by_cluster():
     assert out[0].tolist() == [2.0, 10.0]            # cluster 0: equal weights over the three rows
     assert out[1].tolist() == [51.0, 7.5]            # cluster 1: rows 1 and 2 at 0.5 each (half reached exactly)
     assert torch.equal(soft_cluster_step(w_c, W_S, X, robust={"rule": "mean"}), soft_cluster_step(w_c, W_S, X))
+
+
+@pytest.mark.parametrize("rule", ["median", "trimmed_mean", "clipped_mean"])
+@pytest.mark.parametrize("method, extra", [
+    ("fedavg", ""), ("ifca", "ifca.k=2"), ("ifca", "ifca.k=2 ifca.init=warmup ifca.warmup_rounds=1"),
+    ("fedclust", "fedclust.k=2"), ("cfl", "cfl.warmup=0 cfl.eps1=100 cfl.eps2=0"),
+    ("fedprism", "fedprism.k=2 fedprism.every=1"), ("fedprism", "fedprism.k=2 fedprism.every=1 fedprism.update=model"),
+    ("fedprism_dual", "fedprism_dual.k=2"),
+])
+def test_every_averaging_method_runs_each_rule(method, extra, rule, tmp_path):
+    """Each rule through the whole round loop (plan, local training, aggregate, evaluation): finite
+    models, and not the mean's numbers."""
+    from fedprism.experiment.runner import Experiment
+    from fedprism.experiment.store import Store
+    from fedprism.flower.settings import parse_experiment
+
+    exp = (f"method={method} dataset=digits clients=5 rounds=2 fraction=1.0 local_epochs=1 lr=0.05 model=mlp "
+           f"device=cpu engine=sequential partition.alpha=0.5 seed=3 {extra}")
+    runs = {}
+    for r in ("mean", rule):
+        e = Experiment(parse_experiment(exp + f" {method}.aggregation={r} {method}.aggregation.trim=0.2"),
+                       Store(tmp_path / f"{r}.db"))
+        res = e.run()
+        assert res.status == "finished"
+        runs[r] = e.state
+    for k, v in runs[rule].items():
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            assert bool(torch.isfinite(v).all()), k
+    w = "w_g" if "w_g" in runs[rule] else "w"
+    assert not torch.equal(runs[rule][w], runs["mean"][w])
