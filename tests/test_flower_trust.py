@@ -396,7 +396,7 @@ def _bad_train(rng: np.random.Generator, m: Message, template: RecordDict, other
         10: lambda: mutate(base, {"u.params": good.astype(np.int64)}),
         11: lambda: mutate(base, {"u.params": np.zeros((1, 0), np.float32)}),
         12: lambda: mutate(base, {"n_samples": np.array([float(rng.choice([np.nan, np.inf, -np.inf]))])}),
-        13: lambda: mutate(base, {"n_samples": np.array([float(rng.choice([-1.0, 2.5, 1e30, 1e300]))])}),
+        13: lambda: mutate(base, {"n_samples": np.array([float(rng.choice([-1.0, 0.0, 2.5, 1e30, 1e300]))])}),
         14: lambda: mutate(base, {"n_samples": np.array([5.0, 5.0])}),
         15: lambda: mutate(base, {"n_samples": np.array([5], dtype=np.int64)}),
         16: lambda: mutate(base, {"n_samples": None}),
@@ -615,3 +615,55 @@ def test_registered_sample_count_is_the_weight(tmp_path, task_identity):
     serve(HostileGrid(nodes, rc2, forge={_node(nodes, 0): (_train(lambda m, real: mutate(
         real, {"n_samples": np.array([100.0])})), True)}), rc2)
     assert_same_state(_state(tmp_path / "f.pt"), _state(tmp_path / "r.pt"), atol=0)
+
+
+# -- differentially private statistics --------------------------------------------------------------------------
+def test_laplace_hist_scale():
+    from fedprism.flower.trust import laplace_hist
+    rng = np.random.default_rng(0)
+    hist = np.full(20_000, 50)
+    for eps in (0.5, 2.0):
+        out = laplace_hist(hist, eps, rng)
+        assert out.dtype == np.int64 and (out >= 0).all()
+        # |Laplace(b)| is Exp(1/b); rounded: P(k) = e^{-(k-1/2)/b} - e^{-(k+1/2)/b}, so
+        # E|round(X)| = sum_{k>=1} e^{-(k-1/2)/b} = e^{-1/(2b)} / (1 - e^{-1/b}), b = 1/eps
+        b = 1 / eps
+        assert np.mean(np.abs(out - hist)) == pytest.approx(np.exp(-0.5 / b) / (1 - np.exp(-1 / b)), rel=0.05)
+
+
+def test_nodes_release_their_label_counts_with_dp(tmp_path, task_identity):
+    """stats-epsilon > 0: each node's label histogram reaches the server noised once (the same release
+    at every later query), its total is the node's num-examples and train-reply n_samples; the run
+    finishes. stats-epsilon = 0 (default): exact counts."""
+    exp = FEDAVG4.replace("rounds=3", "rounds=2")
+    nodes = nodes_for(4)
+    seen: list[tuple[int, list[int], int]] = []
+    train_n: list[tuple[int, float]] = []
+
+    def spy(m, real):
+        if m.metadata.message_type == "query.identity":
+            rec = real.config_records[codec.IDENTITY]
+            seen.append((int(rec["client-id"]), list(rec["label-hist"]), int(rec["num-examples"])))
+        elif m.metadata.message_type == "train":
+            train_n.append((int(real.config_records[codec.META]["client-id"]),
+                            float(real.array_records[codec.UPDATE]["n_samples"].numpy()[0])))
+        return None
+
+    rc = run_config(exp, tmp_path / "dp.db", stats_epsilon=1.0)
+    grid = HostileGrid(nodes, rc, forge={nid: (spy, True) for nid in nodes})
+    res = serve(grid, rc)
+    assert res.status == "finished"
+    true = {c: build_node(exp, c).label_hist.tolist() for c in range(4)}
+    assert {c for c, _, _ in seen} == {0, 1, 2, 3}
+    assert any(h != true[c] for c, h, _ in seen)            # noised (all 40 counts exact: probability ~1e-16)
+    assert all(sum(h) == n for _, h, n in seen)
+    released = {c: n for c, _, n in seen}
+    assert all(n == max(released[c], 1) for c, n in train_n)
+    # a second identity query of the same node gets the same release
+    nid = next(iter(nodes))
+    q = Message(RecordDict({codec.TASK: ConfigRecord({"config-id": "x"})}), dst_node_id=nid,
+                message_type="query.identity")
+    again = []
+    grid.forge[nid] = (lambda m, real: again.append(list(real.config_records[codec.IDENTITY]["label-hist"])), True)
+    grid.push_messages([q])
+    assert again and again[0] == next(h for c, h, _ in seen if c == nodes[nid]["client-id"])

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedprism.flower import codec
 from fedprism.flower.node import Node, build_node
 from fedprism.flower.settings import RUN_KEYS, client_id_of, parse_experiment
+from fedprism.flower.trust import laplace_hist
 
 
 def node_for(context: Context, defaults: dict[str, Any]) -> Node:
@@ -51,15 +54,42 @@ def save_store(node: Node, context: Context) -> None:
         context.state[STORE] = ArrayRecord({k: Array(v) for k, v in node.store.to_arrays().items()})
 
 
+#: the name of the node's released statistics in its Flower `Context.state` (stats-epsilon > 0)
+RELEASED = "fedprism-released-stats"
+
+
+def released_hist(node: Node, context: Context, epsilon: float) -> np.ndarray:
+    """The node's label histogram as it tells the server: exact (epsilon 0), or released once with
+    epsilon-DP (`trust.laplace_hist`, noise from the OS's entropy, never from the run seed, which the
+    server knows) and kept in the node's Context.state, so every later query gets the same release
+    (no privacy spent again)."""
+    if epsilon <= 0:
+        return np.asarray(node.label_hist, dtype=np.int64)
+    rec = context.state.array_records[RELEASED] if RELEASED in context.state.array_records else None
+    if rec is not None and "eps" in rec.keys() and float(rec["eps"].numpy()[0]) == epsilon:
+        return rec["hist"].numpy().astype(np.int64)
+    hist = laplace_hist(node.label_hist, epsilon, np.random.default_rng())
+    context.state[RELEASED] = ArrayRecord({"hist": Array(hist), "eps": Array(np.array([epsilon]))})
+    return hist
+
+
 def make_client_app(**defaults: Any) -> ClientApp:
     """A ClientApp whose run-config defaults are `defaults` (keys of `settings.RUN_KEYS`)."""
     defaults = {k.replace("_", "-"): v for k, v in defaults.items()}
     app = ClientApp()
 
+    def epsilon(context: Context) -> float:
+        return float({**defaults, **dict(context.run_config)}.get("stats-epsilon", 0.0) or 0.0)
+
     @app.query("identity")
     def identity(msg: Message, context: Context) -> Message:
         node = node_for(context, defaults)
-        return Message(RecordDict({codec.IDENTITY: ConfigRecord(node.identity())}), reply_to=msg)
+        info = node.identity()
+        eps = epsilon(context)
+        if eps > 0:
+            hist = released_hist(node, context, eps)
+            info.update({"label-hist": [int(v) for v in hist], "num-examples": int(hist.sum())})
+        return Message(RecordDict({codec.IDENTITY: ConfigRecord(info)}), reply_to=msg)
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
@@ -72,6 +102,10 @@ def make_client_app(**defaults: Any) -> ClientApp:
         load_store(node, context)
         update = node.train(plan, rnd)
         save_store(node, context)          # only after a successful update (client_update commits last)
+        eps = epsilon(context)
+        if eps > 0:                        # the released total, not the exact one
+            total = max(int(released_hist(node, context, eps).sum()), 1)     # a weight of 0 carries nothing
+            update.n_samples = torch.tensor([float(total)], dtype=torch.float64)
         return Message(codec.encode_update(update, node.client, node.cfg.run_id), reply_to=msg)
 
     @app.evaluate()

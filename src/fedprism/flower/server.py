@@ -606,6 +606,8 @@ class FlowerExperiment(Experiment):
                 raise Refused(f"m.{k}", f"a metric is one number per client, got shape {tuple(v.shape)}")
         reported = float(up.n_samples[0])
         n, capped = sample_count(reported, self.link.cap(c))
+        if n == 0:                                         # all-zero weights would leave nothing to average
+            raise Refused("n_samples", "0 samples: an update without weight")
         if capped:
             self._records.append(("capped", c, {"field": "n_samples", "reported": reported, "used": n}))
         reg = self.link.registry.samples_of(c) if self.link.registry is not None else None

@@ -29,6 +29,9 @@ Run config (the same on the ServerApp and every ClientApp of a run):
                         or clip (scaled to the bound); recorded either way
     registry            optional JSON or TOML file written by the operator: node key -> client id (and
                         optionally its sample count); a node may only claim its registered client id
+    stats-epsilon       0: nodes report exact label counts; > 0: each node releases its label histogram once
+                        with epsilon-DP (Laplace noise, kept in its Context.state and reused), and that
+                        total as its sample count in identity and train replies
     global-eval         server: the server scores the global test set itself (methods whose inference is
                         the server's model, when the server can build the dataset); nodes: the nodes do
 
@@ -78,6 +81,9 @@ RUN_KEYS: dict[str, Param] = {
     "norm-action": Param("reject", "an update above update-norm-bound is rejected or clipped to it",
                          choices=("reject", "clip")),
     "registry": Param("", "JSON or TOML file: node key -> client id [, samples] ('' = no registry)"),
+    "stats-epsilon": Param(0.0, "nodes release their label histogram (and so their sample count) with "
+                           "epsilon-differential privacy (Laplace); 0 = exact", lambda v: v >= 0 and math.isfinite(v),
+                           "a finite number >= 0"),
     "global-eval": Param("server", "who scores the global test set: the server (when it can build the "
                          "dataset) or the nodes", choices=("server", "nodes")),
 }
@@ -118,6 +124,7 @@ class RunSettings:
     norm_action: str = "reject"
     registry: str = ""
     global_eval: str = "server"
+    stats_epsilon: float = 0.0
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> RunSettings:
@@ -136,7 +143,8 @@ class RunSettings:
                    poll_interval=v["poll-interval"], probe_timeout=v["probe-timeout"],
                    save_final=v["save-final"], stop_after=v["stop-after"], max_samples=v["max-samples"],
                    update_norm_bound=v["update-norm-bound"], norm_action=v["norm-action"],
-                   registry=v["registry"], global_eval=v["global-eval"])
+                   registry=v["registry"], global_eval=v["global-eval"],
+                   stats_epsilon=v["stats-epsilon"])
 
 
 def client_id_of(node_config: Mapping[str, Any], num_clients: int) -> int:

@@ -206,6 +206,17 @@ def sample_count(value: Any, cap: int | None, field_name: str = "n_samples") -> 
     return v, False
 
 
+def laplace_hist(hist, epsilon: float, rng: np.random.Generator) -> np.ndarray:
+    """A label histogram released with epsilon-differential privacy (Laplace mechanism; Dwork, McSherry,
+    Nissim, Smith 2006, "Calibrating Noise to Sensitivity in Private Data Analysis"): adding or removing
+    one sample changes one count by 1 (L1 sensitivity 1), so each count gets Laplace(1/epsilon) noise;
+    rounding to integers and clipping at 0 are post-processing. The total of the released histogram is
+    the released sample count."""
+    h = np.asarray(hist, dtype=np.float64)
+    noisy = h + rng.laplace(0.0, 1.0 / epsilon, size=h.shape)
+    return np.clip(np.rint(noisy), 0, None).astype(np.int64)
+
+
 def update_norm(payload: dict[str, torch.Tensor], sent: dict[str, torch.Tensor]) -> float:
     """The norm (float64) of one client's upload relative to what it was sent, over its floating tensors:
     a tensor with a sent tensor of the same name and shape counts as the difference; one whose sent
