@@ -667,3 +667,14 @@ def test_nodes_release_their_label_counts_with_dp(tmp_path, task_identity):
     grid.forge[nid] = (lambda m, real: again.append(list(real.config_records[codec.IDENTITY]["label-hist"])), True)
     grid.push_messages([q])
     assert again and again[0] == next(h for c, h, _ in seen if c == nodes[nid]["client-id"])
+
+
+def test_zero_samples_is_refused(tmp_path, task_identity):
+    nodes = nodes_for(4)
+    rc = run_config(FEDAVG4.replace("rounds=3", "rounds=2"), tmp_path / "zero.db")
+    zero = _train(lambda m, real: mutate(real, {"n_samples": np.array([0.0])}))
+    res = serve(HostileGrid(nodes, rc, forge={_node(nodes, 1): (zero, True)}), rc)
+    s = Store(tmp_path / "zero.db")
+    f = [(r["round"], r["client"]) for r in s.records(res.run_id, "failure") if "0 samples" in r["data"]["reason"]]
+    assert f == [(0, 1), (1, 1)]
+    assert [m["accepted"] for m in s.round_metrics(res.run_id)] == [3, 3]
