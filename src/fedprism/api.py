@@ -42,15 +42,24 @@ def run(cfg: Config | dict | str | Path, db: str | Path = "fedprism-results.db",
         store.close()
 
 
-def results(db: str | Path = "fedprism-results.db", **where: Any) -> list[dict]:
-    """Every stored run as a plain dict (id, method, status, config, final metrics), filtered by column
-    values (`method="fedavg"`, `status="finished"`, `sweep="paper_fmnist_dir01"`)."""
+def results(db: str | Path = "fedprism-results.db", frame: bool = False, **where: Any):
+    """Every stored run as a plain dict (id, method, name, seed, status, config, final metrics), filtered
+    by column values (`method="fedavg"`, `status="finished"`, `sweep="paper_fmnist_dir01"`). The store is
+    opened read-only. `frame=True` returns a pandas DataFrame instead (one row per run, the final metrics
+    as columns; needs pandas)."""
     import json
 
-    store = Store(db)
+    store = Store(db, readonly=True)
     try:
-        return [{"run_id": r["run_id"], "method": r["method"], "name": r["label"], "seed": r["seed"],
+        rows = [{"run_id": r["run_id"], "method": r["method"], "name": r["label"], "seed": r["seed"],
                  "status": r["status"], "config": json.loads(r["config"]), "final": json.loads(r["final"] or "{}")}
                 for r in store.runs(**where)]
     finally:
         store.close()
+    if not frame:
+        return rows
+    try:
+        import pandas as pd
+    except ImportError:
+        raise ImportError("results(frame=True) needs pandas (pip install pandas)") from None
+    return pd.DataFrame([{k: v for k, v in r.items() if k not in ("config", "final")} | r["final"] for r in rows])
