@@ -31,13 +31,12 @@ import itertools
 import json
 import sys
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
 from fedprism.algorithms import REGISTRY
 from fedprism.errors import ConfigError
-from fedprism.experiment.config import Config, flatten, resolve
+from fedprism.experiment.config import Config, flatten, read_toml, resolve
 
 
 def load_sweep(path: str | Path, quick: bool = False, overrides: dict[str, Any] | None = None
@@ -51,12 +50,23 @@ def load_sweep(path: str | Path, quick: bool = False, overrides: dict[str, Any] 
         raise ConfigError(f"{p.name}: {sorted(unknown)[0]}", "",
                           "sweep files have name, description, db, base, grid, runs, quick")
     name = doc.get("name", p.stem)
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{p.name}: name", name, "a non-empty string")
+    for section in ("base", "grid", "quick"):
+        if not isinstance(doc.get(section, {}), dict):
+            raise ConfigError(f"{p.name}: {section}", doc[section], f"a table ([{section}])")
     base = flatten(doc.get("base", {}))
     grid = flatten(doc.get("grid", {}))
     for k, v in grid.items():
         if not isinstance(v, list) or not v:
             raise ConfigError(f"grid.{k}", v, "a non-empty list of values")
-    runs = doc.get("runs") or [{}]
+    runs = doc.get("runs", [{}])
+    if not isinstance(runs, list) or not all(isinstance(r, dict) for r in runs):
+        raise ConfigError(f"{p.name}: runs", runs, "an array of tables ([[runs]] sections)")
+    runs = runs or [{}]
+    for i, r in enumerate(runs):
+        if "label" in r and (not isinstance(r["label"], str) or not r["label"]):
+            raise ConfigError(f"{p.name}: runs[{i}].label", r["label"], "a non-empty string")
     quick_over = flatten(doc.get("quick", {})) if quick else {}
     configs = []
     for variant in runs:
@@ -116,12 +126,7 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
 
 
 def _read(p: Path) -> dict[str, Any]:
-    if not p.is_file():
-        raise ConfigError("sweep file", str(p), "an existing TOML file")
-    try:
-        return tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError("sweep file", str(p), f"valid TOML ({e})") from None
+    return read_toml(p, "sweep file")
 
 
 def sweep_db(path: str | Path) -> str | None:
