@@ -23,6 +23,7 @@ from fedprism.engine.base import LocalConfig
 from fedprism.experiment.config import Config
 from fedprism.experiment.evaluate import Evaluator, summarize
 from fedprism.experiment.federation import build_federation, resolve_model_name
+from fedprism.experiment.limits import check_limits
 from fedprism.experiment.store import Store
 from fedprism.federation import Federation
 from fedprism.models import build_model
@@ -138,6 +139,7 @@ class Experiment:
         self.run_id = cfg.run_id
         self.fed = fed if fed is not None else build_federation(cfg)
         self.model = make_model(cfg, self.fed.input_shape, self.fed.num_classes)
+        check_limits(cfg, self.fed.n_train, sum(p.numel() for p in self.model.parameters()))
         self.ctx = make_context(cfg, self.model, self.fed.n_train, self.fed.label_hist())
         self.engine = make_engine(cfg["engine"], self.fed, self.model, local_config(cfg), cfg["seed"], cfg["device"],
                                   compile=cfg["compile"], rounds=cfg["rounds"])
@@ -272,6 +274,8 @@ def final_metrics(history: list[dict], seconds: float) -> dict:
     out["bytes_down"] = sum(h.get("bytes_down", 0) for h in history)
     out["bytes_up"] = sum(h.get("bytes_up", 0) for h in history)
     out["rejected"] = sum(h.get("rejected", 0) for h in history)
+    out["accepted"] = sum(h.get("accepted", 0) for h in history)
+    out["diverged"] = out["accepted"] == 0 and out["rejected"] > 0      # no update was ever usable
     return out
 
 

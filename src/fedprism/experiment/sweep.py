@@ -119,7 +119,8 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
         done += 1
         f = res.final
         print(f"{tag}: global {f.get('global_acc', float('nan')):.4f} local {f.get('local_acc', float('nan')):.4f}"
-              f" ({f.get('seconds', 0):.0f}s)", file=sys.stderr)
+              f" ({f.get('seconds', 0):.0f}s)" + (f", {f['rejected']} updates rejected" if f.get("rejected") else "")
+              + (" -- DIVERGED: every update was rejected" if f.get("diverged") else ""), file=sys.stderr)
     print(f"sweep {name}: {done} run, {skipped} already finished, {time.time() - t0:.0f}s", file=sys.stderr)
     store.close()
     return 0
