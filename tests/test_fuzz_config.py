@@ -5,7 +5,6 @@ configurations resolve."""
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import math
 import tempfile
 from pathlib import Path
@@ -17,10 +16,10 @@ from hypothesis import strategies as st
 
 from fedprism.algorithms import REGISTRY
 from fedprism.cli import _config, main
-from fedprism.errors import ConfigError, FedPrismError, PartitionError
-from fedprism.experiment import sweep as sweep_mod
-from fedprism.experiment.config import KEYS, PARTITION_COMMON, Config, parse_overrides, resolve
 from fedprism.data.partition import PARTITIONS, make_partition
+from fedprism.errors import ConfigError, PartitionError
+from fedprism.experiment import sweep as sweep_mod
+from fedprism.experiment.config import KEYS, PARTITION_COMMON, Config, resolve
 
 FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -261,3 +260,13 @@ def test_partitions_of_random_parameters(name, n, classes, clients, seed, min_tr
         return
     assert len(part.train) == clients
     assert all(len(t) >= min_train for t in part.train)
+
+
+def test_nul_characters_in_paths_are_config_errors(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("FEDPRISM_DB", raising=False)
+    f = tmp_path / "s.toml"
+    f.write_text('db = "a\\u0000b"\n[[runs]]\nmethod = "fedavg"\n')
+    assert main(["sweep", str(f), "--quiet"]) == 2                  # found by fuzzing: ValueError before
+    assert "db" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="data.root"):
+        resolve({"data.root": "/tmp/\0x"})

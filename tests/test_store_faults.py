@@ -231,3 +231,30 @@ def test_a_full_disk_for_the_checkpoint_is_a_one_line_error(tmp_path, capsys, mo
     monkeypatch.undo()
     (run,) = Store(db).runs()
     assert run["status"] == "failed"
+
+
+def test_a_sweep_skips_runs_held_by_another_process(tmp_path, capsys):
+    from fedprism.experiment.sweep import load_sweep, run_sweep
+    f = tmp_path / "s.toml"
+    f.write_text('name = "par"\n[base]\ndataset = "digits"\nclients = 6\nrounds = 2\nlocal_epochs = 1\n'
+                 'engine = "sequential"\n[[runs]]\nlabel = "A"\nmethod = "fedavg"\n[[runs]]\nlabel = "B"\n'
+                 'method = "local"\n')
+    _, (a, b) = load_sweep(f)
+    db = tmp_path / "par.db"
+    Store(db).close()
+    held = RunLock(Path(str(db) + ".ckpt") / f"{a.run_id}.lock")
+    held.path.parent.mkdir(exist_ok=True)
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+        "fcntl.flock(fd, fcntl.LOCK_EX); print('ready', flush=True); time.sleep(60)"), str(held.path)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ready"
+        assert run_sweep(str(f), str(db), progress=False) == 0
+    finally:
+        holder.kill()
+        holder.wait()
+    err = capsys.readouterr().err
+    assert "skipped, run" in err and "1 running in other processes" in err
+    s = Store(db)
+    assert s.run(a.run_id) is None and s.run(b.run_id)["status"] == "finished"

@@ -92,6 +92,7 @@ def load_sweep(path: str | Path, quick: bool = False, overrides: dict[str, Any] 
 def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, progress: bool = True,
               limit: int | None = None, seeds: list[int] | None = None,
               overrides: dict[str, Any] | None = None) -> int:
+    from fedprism.experiment.runlock import RunBusyError
     from fedprism.experiment.runner import Experiment
     from fedprism.experiment.store import Store
 
@@ -101,7 +102,7 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
     if seeds:
         configs = [c for c in configs if c["seed"] in seeds]
     store = Store(db)
-    done = skipped = 0
+    done = skipped = busy = 0
     t0 = time.time()
     for i, cfg in enumerate(configs):
         if limit is not None and done >= limit:
@@ -114,14 +115,20 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
             supersede(store, name, cfg)
             print(f"{tag}: finished earlier, skipped", file=sys.stderr)
             continue
-        res = Experiment(cfg, store, progress=progress, sweep=name).run()
+        try:
+            res = Experiment(cfg, store, progress=progress, sweep=name).run()
+        except RunBusyError as e:        # another process (e.g. a second copy of this sweep) runs it
+            busy += 1
+            print(f"{tag}: skipped, {e}", file=sys.stderr)
+            continue
         supersede(store, name, cfg)
         done += 1
         f = res.final
         print(f"{tag}: global {f.get('global_acc', float('nan')):.4f} local {f.get('local_acc', float('nan')):.4f}"
               f" ({f.get('seconds', 0):.0f}s)" + (f", {f['rejected']} updates rejected" if f.get("rejected") else "")
               + (" -- DIVERGED: every update was rejected" if f.get("diverged") else ""), file=sys.stderr)
-    print(f"sweep {name}: {done} run, {skipped} already finished, {time.time() - t0:.0f}s", file=sys.stderr)
+    print(f"sweep {name}: {done} run, {skipped} already finished"
+          + (f", {busy} running in other processes" if busy else "") + f", {time.time() - t0:.0f}s", file=sys.stderr)
     store.close()
     return 0
 
@@ -136,7 +143,7 @@ def sweep_db(path: str | Path) -> str | None:
     db = _read(p).get("db")
     if db is None:
         return None
-    if not isinstance(db, str) or not db:
+    if not isinstance(db, str) or not db or "\0" in db:
         raise ConfigError(f"{p.name}: db", db, "a path to a SQLite file (relative to the sweep file)")
     return str((p.parent / db).resolve())          # an absolute `db` stays itself
 
