@@ -104,6 +104,7 @@ def test_each_file_is_hashed_once_per_process(known, tmp_path, monkeypatch):
     assert len(reads) == 4                                        # four files, once each
 
 
+@pytest.mark.filterwarnings("ignore::fedprism.data.integrity.UnverifiedDataWarning")
 def test_a_data_root_missing_a_file_is_an_error_not_a_fallback(known, tmp_path, monkeypatch):
     write_fake("mnist", tmp_path / "complete")
     monkeypatch.setenv("FEDPRISM_DATA", str(tmp_path / "complete"))
