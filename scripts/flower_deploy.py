@@ -45,6 +45,21 @@ def log(msg: str) -> None:
 
 
 # -- certificates and keys ---------------------------------------------------------------------------------
+def write_private(path: Path, data: bytes) -> Path:
+    """Write a private key readable by its owner only from the first byte on: created with mode 0600
+    (whatever the umask), an existing file narrowed to 0600 before anything is written into it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            fd = -1
+            f.write(data)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    return path
+
+
 def make_certificates(d: Path) -> dict[str, Path]:
     """CA + server certificate (SAN IP:127.0.0.1, DNS:localhost), PEM files."""
     from cryptography import x509
@@ -78,9 +93,8 @@ def make_certificates(d: Path) -> dict[str, Path]:
     files = {"ca": d / "ca.crt", "cert": d / "server.pem", "key": d / "server.key"}
     files["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     files["cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    files["key"].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                               serialization.NoEncryption()))
-    os.chmod(files["key"], 0o600)
+    write_private(files["key"], key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                  serialization.NoEncryption()))
     return files
 
 
@@ -91,9 +105,8 @@ def make_node_key(d: Path, name: str) -> tuple[Path, Path]:
 
     k = ec.generate_private_key(ec.SECP384R1())
     priv, pub = d / name, d / f"{name}.pub"
-    priv.write_bytes(k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
-                                     serialization.NoEncryption()))
-    os.chmod(priv, 0o600)
+    write_private(priv, k.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                        serialization.NoEncryption()))
     pub.write_bytes(k.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
                     + f" {name}\n".encode())
     return priv, pub
@@ -216,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     (work / "logs").mkdir(exist_ok=True)
     certs_dir = work / "certs"
-    certs_dir.mkdir(exist_ok=True)
+    certs_dir.mkdir(mode=0o700, exist_ok=True)
+    os.chmod(certs_dir, 0o700)
     from fedprism.experiment.store import Store
     from fedprism.flower.app_dir import write_app
     from fedprism.flower.settings import OFFLINE_ENV, flower_run_id, parse_experiment

@@ -39,9 +39,12 @@ class FakeData:
 
 
 def isolate(monkeypatch, tmp_path: Path) -> Path:
-    """Send FEDPRISM_CACHE to ``tmp_path/cache``, unset FEDPRISM_DATA, hide Debian's FMNIST copy."""
-    from fedprism.data import datasets
+    """Send FEDPRISM_CACHE to ``tmp_path/cache``, unset FEDPRISM_DATA, hide Debian's FMNIST copy, and
+    forget the known dataset digests (fake files are reported unverified, never mismatched)."""
+    from fedprism.data import datasets, integrity
 
+    # fake files carry official names but not the official bytes: no known digests for them
+    monkeypatch.setattr(integrity, "KNOWN", {})
     monkeypatch.setenv("FEDPRISM_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("FEDPRISM_DATA", raising=False)
     monkeypatch.setattr(datasets, "DEBIAN_FMNIST", tmp_path / "no-debian-fmnist")

@@ -27,6 +27,11 @@ from fedprism.data.datasets import DATASETS, NORMALIZATION, load_dataset, read_i
 from fedprism.errors import ConfigError, DataError
 
 
+#: fake files have no known digests: each is (correctly) reported unverified; tests/test_data_integrity.py
+#: covers that report
+pytestmark = pytest.mark.filterwarnings("ignore::fedprism.data.integrity.UnverifiedDataWarning")
+
+
 @pytest.fixture(autouse=True)
 def _isolated(monkeypatch, tmp_path):
     """No test reads or writes the real ~/.cache, $FEDPRISM_DATA or Debian's dataset folder."""
@@ -206,11 +211,11 @@ def test_search_paths_order(tmp_path, monkeypatch):
 def test_missing_lists_every_place_and_the_command(tmp_path, monkeypatch):
     monkeypatch.setenv("FEDPRISM_DATA", str(tmp_path / "data"))
     (tmp_path / "data").mkdir()
-    write_idx(tmp_path / "r" / "train-images-idx3-ubyte.gz", np.zeros((2, 28, 28), np.uint8))
+    write_idx(tmp_path / "data" / "fmnist" / "train-images-idx3-ubyte.gz", np.zeros((2, 28, 28), np.uint8))
     with pytest.raises(DataError) as e:
-        load_dataset("fmnist", root=tmp_path / "r")
+        load_dataset("fmnist")
     msg = str(e.value)
-    for p in search_paths("fmnist", root=tmp_path / "r"):
+    for p in search_paths("fmnist"):
         assert str(p) in msg
     assert "fedprism data download fmnist" in msg
     assert "apt-get install dataset-fashion-mnist" in msg
@@ -437,9 +442,12 @@ def test_synthetic_deterministic_shapes_and_devices():
 @pytest.mark.skipif(not (Path("/usr/share/datasets/fashion-mnist") / "train-images-idx3-ubyte.gz").is_file(),
                     reason="Debian's dataset-fashion-mnist is not installed")
 def test_real_fashion_mnist(tmp_path, monkeypatch):
+    from fedprism.data import integrity
     monkeypatch.setattr(datasets, "DEBIAN_FMNIST", Path("/usr/share/datasets/fashion-mnist"))
+    monkeypatch.setattr(integrity, "KNOWN", integrity._known())          # the real digests
     ds = load_dataset("fmnist", pad32=True, cache_dir=False)
     assert ds.source == "/usr/share/datasets/fashion-mnist" and ds.classes[0] == "T-shirt/top"
+    assert set(ds.integrity.values()) == {"sha256 verified"}
     assert ds.x_train.shape == (60000, 1, 32, 32) and ds.x_test.shape == (10000, 1, 32, 32)
     assert np.bincount(ds.y_train.numpy()).tolist() == [6000] * 10
     assert np.bincount(ds.y_test.numpy()).tolist() == [1000] * 10

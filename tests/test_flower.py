@@ -303,12 +303,12 @@ def test_every_method_runs_the_same_on_flower(method, tmp_path, task_identity):
     aggregate / evaluation gives the in-process numbers. Client-side rows (fedprism_dual's P_i and L_i)
     live only in the nodes' Context.state: the server's state has none, and every node's rows equal
     the simulator's."""
-    exp = (f"method={method} dataset=digits clients=4 rounds=2 fraction=1.0 local_epochs=1 lr=0.05 model=mlp "
+    exp = (f"method={method} dataset=digits clients=5 rounds=2 fraction=1.0 local_epochs=1 lr=0.05 model=mlp "
            "device=cpu engine=sequential partition.alpha=0.5 seed=2")
     db = tmp_path / "m.db"
     rc = run_config(exp, db, save_final=str(tmp_path / "final.pt"))
     ref, final = in_process(exp, tmp_path / "ref.db")
-    grid = FakeGrid(nodes_for(4), rc)
+    grid = FakeGrid(nodes_for(5), rc)
     res = serve(grid, rc)
     assert res.status == "finished"
     got = torch.load(tmp_path / "final.pt", weights_only=False)["state"]
@@ -335,7 +335,7 @@ def test_every_method_runs_the_same_on_flower(method, tmp_path, task_identity):
             for t in payload.values():
                 for k in private:
                     assert not any(t.shape == ref.clients.data[k][c].shape and
-                                   torch.equal(t.float(), ref.clients.data[k][c].float()) for c in range(4))
+                                   torch.equal(t.float(), ref.clients.data[k][c].float()) for c in range(5))
 
 
 def test_failures_are_recorded_and_survivors_aggregate(tmp_path, task_identity):

@@ -62,10 +62,13 @@ def test_torn_checkpoint_restarts_cleanly(tmp_path):
     c = cfg(method="fedavg")
     s = Store(tmp_path / "c.db")
     Experiment(c, s).run(stop_after=2)
-    (s.ckpt_dir / f"{c.run_id}.pt").write_bytes(b"garbage")
+    assert s.checkpoint_path(c.run_id).is_file()
+    s.checkpoint_path(c.run_id).write_bytes(b"garbage")
     res = Experiment(c, s).run()
     assert res.status == "finished" and res.resumed_from is None
     assert len(s.round_metrics(c.run_id)) == 4
+    (note,) = s.records(c.run_id, "checkpoint_discarded")
+    assert note["round"] == 0 and "truncated" in note["data"]["reason"]
 
 
 def test_nan_update_is_rejected_and_the_round_goes_on(tmp_path, monkeypatch):

@@ -41,14 +41,23 @@ def cmd_run(args) -> int:
     exp = Experiment(cfg, store, progress=not args.quiet)        # progress goes to stderr, also with --json
     res = exp.run()
     f = res.final
+    if f.get("diverged"):
+        print(f"fedprism: warning: run {res.run_id} DIVERGED: all {f.get('rejected')} updates of all rounds were "
+              "rejected (non-finite values); its metrics are those of the initial model (lower lr?)",
+              file=sys.stderr)
     if not args.json:
         print(f"run {res.run_id} ({cfg['method']} on {cfg['dataset']}, {cfg['clients']} clients, "
-              f"{cfg['rounds']} rounds) -> {res.status}" + (f", resumed after round {res.resumed_from}"
-                                                              if res.resumed_from is not None else ""))
+              f"{cfg['rounds']} rounds) -> {res.status}" + (" (DIVERGED)" if f.get("diverged") else "")
+              + (f", resumed after round {res.resumed_from}" if res.resumed_from is not None else ""))
         keys = [k for k in ("global_acc", "local_acc", "local_acc_weighted", "ad", "sdad", "local_f1",
                             "global_model_acc", "seconds") if k in f]
-        print(_table([[k, f[k], f.get(f"best_{k}")] for k in keys], ["metric", "final", "best"]))
-    out = {k: f.get(k) for k in ("global_acc", "local_acc", "ad", "sdad", "seconds")}
+        rows = [[k, f[k], f.get(f"best_{k}")] for k in keys]
+        if "rejected" in f:
+            rows.append(["rejected updates", f["rejected"], None])
+        print(_table(rows, ["metric", "final", "best"]))
+    out = {k: f.get(k) for k in ("global_acc", "local_acc", "ad", "sdad", "seconds", "rejected")}
+    out["diverged"] = bool(f.get("diverged", False))
+    out["status"] = res.status
     out["run_id"] = res.run_id
     if args.json:
         print(json.dumps(out))

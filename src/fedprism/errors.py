@@ -12,7 +12,21 @@ class ConfigError(FedPrismError, ValueError):
 
     def __init__(self, key: str, value: object, allowed: str):
         self.key, self.value, self.allowed = key, value, allowed
-        super().__init__(f"config key '{key}' = {value!r} is not valid: {allowed}")
+        super().__init__(f"config key '{_line(str(key))}' = {_line(_repr(value))} is not valid: {_line(allowed)}")
+
+
+def _repr(value: object, limit: int = 200) -> str:
+    try:
+        r = repr(value)
+    except Exception:  # noqa: BLE001 - a value whose repr fails is still reported
+        r = f"<{type(value).__name__}>"
+    return r if len(r) <= limit else r[:limit] + f"... ({len(r)} characters)"
+
+
+def _line(text: str) -> str:
+    """One printable line: control characters (newlines included) escaped."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else c.encode("unicode_escape").decode()
+                                                    for c in text)
 
 
 class DataError(FedPrismError):

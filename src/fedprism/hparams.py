@@ -1,7 +1,14 @@
-"""Typed, validated parameters shared by methods, partitions and the experiment config."""
+"""Typed, validated parameters shared by methods, partitions and the experiment config.
+
+Every value goes through `Param.validate` (subclasses that override it included): a float must be
+finite (NaN and +-inf are refused for every key, whatever its own check says) and an integer must fit
+in 64 bits (|v| < 2**63: the store keeps seeds as SQLite integers, torch and numpy take int64).
+"""
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -22,7 +29,27 @@ class Param:
     #: True: added after runs were first stored; left out of the run id while at its default
     new: bool = False
 
+    def __init_subclass__(cls, **kw: Any) -> None:
+        """A subclass's own `validate` gets the same finite / 64-bit checks first."""
+        super().__init_subclass__(**kw)
+        own = cls.__dict__.get("validate")
+        if own is not None and not getattr(own, "_prechecked", False):
+            @functools.wraps(own)
+            def validate(self: Param, key: str, value: Any) -> Any:
+                self._precheck(key, value)
+                return own(self, key, value)
+            validate._prechecked = True  # type: ignore[attr-defined]
+            cls.validate = validate  # type: ignore[method-assign]
+
+    def _precheck(self, key: str, value: Any) -> None:
+        extra = f"; {self.allowed}" if self.allowed else ""
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(key, value, f"a finite number{extra}")
+        if isinstance(value, int) and not isinstance(value, bool) and not -2**63 < value < 2**63:
+            raise ConfigError(key, value, f"an integer of magnitude below 2**63{extra}")
+
     def validate(self, key: str, value: Any) -> Any:
+        self._precheck(key, value)
         t = type(self.default)
         if self.choices is not None:
             if value not in self.choices:
@@ -37,6 +64,7 @@ class Param:
             if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
                 raise ConfigError(key, value, f"an integer{'; ' + self.allowed if self.allowed else ''}")
             value = int(value)
+            self._precheck(key, value)              # 1e300 is an integer-valued float
         elif t is float:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(key, value, f"a number{'; ' + self.allowed if self.allowed else ''}")

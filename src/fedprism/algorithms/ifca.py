@@ -52,6 +52,7 @@ def choose(losses: np.ndarray, clients: np.ndarray, key: list[int]) -> np.ndarra
     """argmin_j of each row of `losses` [n, K]; ties broken by an RNG seeded by (*key, client)."""
     out = np.empty(len(clients), dtype=np.int64)
     for r, (row, c) in enumerate(zip(losses, clients)):
+        row = np.where(np.isnan(row), np.inf, row)      # a diverged model's NaN loss: never preferred
         m = row.min()
         ties = np.flatnonzero(row <= m + TIE_RTOL * max(abs(m), 1e-12))
         out[r] = ties[0] if len(ties) == 1 else np.random.default_rng([*key, int(c)]).choice(ties)

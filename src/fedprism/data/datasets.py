@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from fedprism.data import download as _download
+from fedprism.data import integrity as _integrity
 from fedprism.errors import ConfigError, DataError
 
 __all__ = [
@@ -90,6 +91,7 @@ class Dataset:
     mean: tuple[float, ...] = ()
     std: tuple[float, ...] = ()
     source: str = ""
+    integrity: dict[str, str] | None = None     # file -> 'sha256 verified' | 'unverified: ...' (files only)
 
     def __post_init__(self) -> None:
         if len(self.x_train) != len(self.y_train) or len(self.x_test) != len(self.y_test):
@@ -259,6 +261,9 @@ def _locate(name: str, root: str | Path | None) -> tuple[dict[str, Path], Path] 
         found = _find(name, d)
         if isinstance(found, dict):
             return found, d
+        if root is not None and not looked:       # an explicit data.root is never silently passed over
+            raise DataError(f"data.root {d} does not hold dataset '{name}' ({found}); needed: {_needed(name)}. "
+                            "Fix data.root or leave it empty to search the default locations")
         looked.append((d, found))
     return looked
 
@@ -709,6 +714,7 @@ def load_dataset(name: str, root: str | Path | None = None, download: bool = Fal
     if isinstance(found, list):
         raise _missing_error(name, found)
     files, where = found
+    integrity = _integrity.verify(name, files)    # before the decoded cache: it is keyed by size and mtime
 
     if cache_dir is False:
         cache = None
@@ -724,5 +730,6 @@ def load_dataset(name: str, root: str | Path | None = None, download: bool = Fal
         _check_raw(name, raw, where)
         if cfile is not None:
             _write_cache(cfile, raw)
-    return _images(name, raw.x_train, raw.y_train, raw.x_test, raw.y_test, raw.classes, 255.0, pad32,
-                   str(where))
+    ds = _images(name, raw.x_train, raw.y_train, raw.x_test, raw.y_test, raw.classes, 255.0, pad32, str(where))
+    ds.integrity = integrity
+    return ds

@@ -31,7 +31,8 @@ KEYS: dict[str, Param] = {
     "method": Param("fedprism", "algorithm (see `fedprism methods`)"),
     "name": Param("", "free-form label stored with the run (not part of its id)"),
     "dataset": Param("digits", "fmnist, mnist, cifar10, cifar100, svhn, digits, synthetic"),
-    "data.root": Param("", "directory to look for dataset files first"),
+    "data.root": Param("", "directory to look for dataset files first", lambda v: "\0" not in v,
+                       "a folder path (no NUL character)"),
     "data.download": Param(False, "download missing dataset files (network)"),
     "data.pad32": Param("auto", "pad 28x28 images to 32x32 (auto: when the model needs 32x32)",
                         choices=("auto", "true", "false", True, False)),
@@ -103,13 +104,28 @@ def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
+    return flatten(read_toml(path, "config file"))
+
+
+def read_toml(path: str | Path, what: str) -> dict[str, Any]:
+    """A TOML file as a dict; every way it can fail (missing, unreadable, not UTF-8, not TOML) is a
+    one-line ConfigError naming the file."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError("config file", str(p), "an existing TOML file")
+        raise ConfigError(what, str(p), "an existing TOML file")
     try:
-        return flatten(tomllib.loads(p.read_text()))
+        text = p.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise ConfigError(what, str(p), f"a readable TOML file ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(what, str(p), f"UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start} "
+                          "is not UTF-8)") from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError("config file", str(p), f"valid TOML ({e})") from None
+        raise ConfigError(what, str(p), f"valid TOML ({e})") from None
+    except RecursionError:
+        raise ConfigError(what, str(p), "valid TOML (nested too deeply)") from None
 
 
 def parse_overrides(args: list[str]) -> dict[str, Any]:
@@ -186,6 +202,9 @@ def resolve(raw: dict[str, Any]) -> Config:
     raw = dict(raw)
     if "partition.name" in raw:        # TOML: [partition] name = "dirichlet", alpha = 0.1
         raw["partition"] = raw.pop("partition.name")
+    for k in ("method", "partition", "dataset"):
+        if k in raw and not isinstance(raw[k], str):
+            raise ConfigError(k, raw[k], "a name (string); see `fedprism methods`")
     method = raw.get("method", KEYS["method"].default)
     if method not in REGISTRY:
         raise ConfigError("method", method, f"one of {', '.join(sorted(REGISTRY))}")

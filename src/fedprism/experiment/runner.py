@@ -24,6 +24,7 @@ from fedprism.experiment.evaluate import Evaluator, summarize
 from fedprism.experiment.federation import build_federation, resolve_model_name
 from fedprism.experiment.progress import Progress
 from fedprism.experiment.provenance import capture, set_threads
+from fedprism.experiment.limits import check_limits
 from fedprism.experiment.store import Store
 from fedprism.federation import Federation
 from fedprism.models import build_model
@@ -213,6 +214,7 @@ class Experiment:
         self.run_id = cfg.run_id
         self.fed = fed if fed is not None else build_federation(cfg)
         self.model = make_model(cfg, self.fed.input_shape, self.fed.num_classes)
+        check_limits(cfg, self.fed.n_train, sum(p.numel() for p in self.model.parameters()))
         self.ctx = make_context(cfg, self.model, self.fed.n_train, self.fed.label_hist())
         self.engine = make_engine(cfg["engine"], self.fed, self.model, local_config(cfg), cfg["seed"], cfg["device"],
                                   compile=cfg["compile"], rounds=cfg["rounds"])
@@ -293,10 +295,10 @@ class Experiment:
                     return row["run_id"], kept
         return None
 
-    def rescore(self, source: str, kept: dict) -> RunResult:
+    def rescore(self, source: str, kept: dict, provenance: dict | None = None) -> RunResult:
         """Evaluate a kept final state under this configuration's evaluation settings (no training)."""
         store, run_id = self.store, self.run_id
-        store.start_run(run_id, self.cfg.values, self.sweep)
+        store.start_run(run_id, self.cfg.values, self.sweep, provenance=provenance)
         try:
             state = self._restore(kept)
             metrics, client_rows = self.evaluate_round(self.evaluator(), state)
@@ -328,7 +330,7 @@ class Experiment:
         if row is None or row["rounds_done"] == 0:
             src = self.rescore_source()
             if src is not None:
-                return self.rescore(*src)
+                return self.rescore(*src, provenance=prov)
         store.start_run(run_id, cfg.values, self.sweep, provenance=prov)
         ckpt = store.load_checkpoint(run_id)
         if ckpt is not None and ckpt.get("run_id") == run_id:
@@ -422,6 +424,8 @@ def final_metrics(history: list[dict], seconds: float) -> dict:
     out["bytes_down"] = sum(h.get("bytes_down", 0) for h in history)
     out["bytes_up"] = sum(h.get("bytes_up", 0) for h in history)
     out["rejected"] = sum(h.get("rejected", 0) for h in history)
+    out["accepted"] = sum(h.get("accepted", 0) for h in history)
+    out["diverged"] = out["accepted"] == 0 and out["rejected"] > 0      # no update was ever usable
     return out
 
 

@@ -11,12 +11,20 @@ Tables
 
 Writes are transactional per round (WAL mode), so a crash never leaves half a round. Checkpoints of
 the algorithm state (weights) are NOT stored here: they live beside the database in `<db>.ckpt/`
-and are deleted when the run finishes, so a committed database holds metrics only.
+(`fedprism.experiment.checkpoint`: JSON + raw tensor bytes, no pickle) and are deleted when the run
+finishes, so a committed database holds metrics only.
+
+Every table has a key: a round's records are keyed (run_id, round, seq), so writing a round twice
+replaces it instead of duplicating it; stores of older versions are migrated when opened for
+writing. One process at a time executes a run (`fedprism.experiment.runlock`). SQLite and file-system
+failures (not a database, read-only, locked by another writer past `timeout` seconds, disk full) are
+raised as `StoreError`, one line naming the file.
 
 `Store(path, readonly=True)` opens an existing file with SQLite's `mode=ro`: it never creates the
 file, never switches its journal mode and never migrates its schema, so reading a committed database
 leaves every byte (and the mtime) as it was. Opening for writing adds columns that newer versions
-need (`provenance`) to an older store.
+need (`provenance`) to an older store. A finished run's final server and client state can be kept
+beside the store (`<db>.final/`, same format as checkpoints) for re-scoring evaluation-only settings.
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ from typing import Any, Iterator
 import torch
 
 from fedprism.errors import FedPrismError
+from fedprism.experiment import checkpoint
+from fedprism.experiment.runlock import RunLock
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -51,7 +61,8 @@ CREATE TABLE IF NOT EXISTS client_metrics (
     PRIMARY KEY (run_id, round, client)
 );
 CREATE TABLE IF NOT EXISTS records (
-    run_id TEXT NOT NULL, round INTEGER NOT NULL, kind TEXT NOT NULL, client INTEGER, data TEXT
+    run_id TEXT NOT NULL, round INTEGER NOT NULL, kind TEXT NOT NULL, client INTEGER, data TEXT,
+    seq INTEGER NOT NULL, PRIMARY KEY (run_id, round, seq)
 );
 CREATE INDEX IF NOT EXISTS records_run ON records (run_id, kind, round);
 CREATE TABLE IF NOT EXISTS sweep_runs (
@@ -83,6 +94,10 @@ def _clean(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [_clean(v) for v in x]
     return x
+
+
+def dumps(x: Any) -> str:
+    return json.dumps(_clean(x), sort_keys=True, separators=(",", ":"))
 
 
 def _json_or_none(s: str | None) -> dict | None:
@@ -143,11 +158,42 @@ class MissingStoreError(FedPrismError):
     """A read-only command was pointed at a results database that does not exist."""
 
 
+class StoreError(FedPrismError):
+    """The results store cannot be opened or written (corrupt, read-only, locked, disk full)."""
+
+
+def _create(db: sqlite3.Connection) -> None:
+    """The schema, statement by statement (`executescript` would commit the open transaction)."""
+    for stmt in SCHEMA.split(";"):
+        if stmt.strip():
+            db.execute(stmt)
+
+
+def _migrate_records(db: sqlite3.Connection) -> None:
+    """Stores written before records had a key: number each round's records in their old order."""
+    cols = {r[1] for r in db.execute("PRAGMA table_info(records)")}
+    if not cols or "seq" in cols:          # a new store, or one already keyed
+        return
+    db.execute("ALTER TABLE records RENAME TO records_unkeyed")
+    db.execute("DROP INDEX IF EXISTS records_run")
+    _create(db)
+    db.execute("INSERT INTO records (run_id, round, kind, client, data, seq) SELECT run_id, round, kind, client, data,"
+               " ROW_NUMBER() OVER (PARTITION BY run_id, round ORDER BY rowid) - 1 FROM records_unkeyed"
+               " ORDER BY rowid")
+    db.execute("DROP TABLE records_unkeyed")
+
+
 class Store:
-    def __init__(self, path: str | Path = "fedprism-results.db", readonly: bool = False):
+    """`timeout`: seconds to wait for another writer's transaction (default `$FEDPRISM_DB_TIMEOUT` or
+    10) before `StoreError`."""
+
+    def __init__(self, path: str | Path = "fedprism-results.db", timeout: float | None = None,
+                 readonly: bool = False):
         self.path = Path(path)
         self.readonly = readonly
         self._scalars: dict[str, Scalars] = {}
+        self._locks: dict[str, RunLock] = {}
+        self._notes: dict[str, list[tuple[str, int | None, Any]]] = {}
         if readonly:
             if not self.path.is_file():
                 raise MissingStoreError(f"no results store at {self.path} (check --db or $FEDPRISM_DB)")
@@ -158,25 +204,79 @@ class Store:
                 self.db.execute("SELECT 1 FROM runs LIMIT 1").fetchall()
             except sqlite3.DatabaseError as e:
                 raise MissingStoreError(f"{self.path} is not a fedprism results store ({e})") from None
+            self.timeout = 60.0
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(str(self.path), timeout=60, isolation_level=None)
-        self.db.row_factory = sqlite3.Row
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=NORMAL")
-        self.db.executescript(SCHEMA)
-        have = {r[1] for r in self.db.execute("PRAGMA table_info(runs)")}
-        for col, typ in MIGRATIONS:
-            if col not in have:
-                self.db.execute(f"ALTER TABLE runs ADD COLUMN {col} {typ}")
+        if timeout is None:
+            try:
+                timeout = float(os.environ.get("FEDPRISM_DB_TIMEOUT", "10"))
+            except ValueError:
+                timeout = 10.0
+        self.timeout = timeout if math.isfinite(timeout) and timeout >= 0 else 10.0
+        self._locks: dict[str, RunLock] = {}
+        self._notes: dict[str, list[tuple[str, int | None, Any]]] = {}
+        with self._errors("opening"):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.db = sqlite3.connect(str(self.path), timeout=timeout, isolation_level=None)
+            self.db.row_factory = sqlite3.Row
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=NORMAL")
+            with self.transaction():
+                _migrate_records(self.db)
+                _create(self.db)
+                have = {r[1] for r in self.db.execute("PRAGMA table_info(runs)")}
+                for col, typ in MIGRATIONS:
+                    if col not in have:
+                        self.db.execute(f"ALTER TABLE runs ADD COLUMN {col} {typ}")
+            self._recover_stale()
+
+    def _recover_stale(self) -> None:
+        """A run marked 'running' whose lock nobody holds was stopped without being able to say so
+        (killed, or its store could not be written at the end): mark it 'interrupted'."""
+        for (run_id,) in self.db.execute("SELECT run_id FROM runs WHERE status='running'").fetchall():
+            lock = RunLock(self.ckpt_dir / f"{run_id}.lock")
+            try:
+                lock.acquire()
+            except (OSError, FedPrismError):
+                continue                  # executed by another process right now (or unlockable)
+            try:
+                with self.transaction() as db:
+                    db.execute("UPDATE runs SET status='interrupted' WHERE run_id=? AND status='running'", (run_id,))
+            finally:
+                lock.release()
+                try:
+                    self.ckpt_dir.rmdir()
+                except OSError:
+                    pass
+
+    @contextmanager
+    def _errors(self, doing: str) -> Iterator[None]:
+        """SQLite and OS failures as one-line `StoreError`s naming the file and what was being done."""
+        try:
+            yield
+        except sqlite3.DatabaseError as e:
+            msg = str(e)
+            if "locked" in msg or "busy" in msg:
+                msg = f"locked by another writer (waited {self.timeout:g} s)"
+            elif "not a database" in msg or "malformed" in msg:
+                msg = f"not a fedprism results store, or corrupt ({msg})"
+            elif "readonly" in msg or "read-only" in msg:
+                msg = f"read-only ({msg})"
+            raise StoreError(f"results store {self.path}: {msg} ({doing})") from None
+        except OSError as e:
+            raise StoreError(f"results store {self.path}: {e.strerror or e} ({doing})") from None
 
     def close(self) -> None:
         """Fold the write-ahead log into the database file (so a committed .db is complete) and close."""
         if self.readonly:
             self.db.close()
             return
+        for lock in self._locks.values():
+            lock.release()
+        self._locks.clear()
         try:
             self.db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        except sqlite3.DatabaseError:
+            pass                          # read-only or busy: the WAL stays for the next writer
         finally:
             self.db.close()
 
@@ -187,14 +287,19 @@ class Store:
         self.close()
 
     @contextmanager
-    def transaction(self) -> Iterator[sqlite3.Connection]:
-        self.db.execute("BEGIN IMMEDIATE")
-        try:
-            yield self.db
-        except BaseException:
-            self.db.execute("ROLLBACK")
-            raise
-        self.db.execute("COMMIT")
+    def transaction(self, doing: str = "writing") -> Iterator[sqlite3.Connection]:
+        with self._errors(doing):
+            self.db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self.db
+                self.db.execute("COMMIT")
+            except BaseException:
+                if self.db.in_transaction:
+                    try:
+                        self.db.execute("ROLLBACK")
+                    except sqlite3.DatabaseError:
+                        pass
+                raise
 
     # -- runs ---------------------------------------------------------------------------------------
     def run(self, run_id: str) -> sqlite3.Row | None:
@@ -212,6 +317,9 @@ class Store:
         from fedprism.experiment.provenance import check
 
         now = time.time()
+        row = self.run(run_id)
+        if row is None or row["status"] != "finished":
+            self.lock(run_id)             # RunBusyError when another process executes this run
         with self.transaction() as db:
             row = db.execute("SELECT * FROM runs WHERE run_id=?", (run_id,)).fetchone()
             if row is None:
@@ -233,6 +341,8 @@ class Store:
                            (now, code_version(), run_id))
                 if provenance is not None and row["provenance"] is None:
                     db.execute("UPDATE runs SET provenance=? WHERE run_id=?", (dumps(provenance), run_id))
+        if row is not None and row["status"] == "finished":
+            self.unlock(run_id)           # finished meanwhile: nothing to execute
         if config.get("scalars"):
             self._scalars[run_id] = Scalars(config["scalars"], run_id)
         return self.run(run_id)
@@ -275,39 +385,75 @@ class Store:
             raise FedPrismError(f"run id prefix {prefix!r} is ambiguous: {', '.join(r['run_id'] for r in rows[:5])}")
         return rows[0]
 
+
+
+    def lock(self, run_id: str) -> None:
+        """Hold the run's lock (`runlock`) until `finish`, `mark` or `close`."""
+        if run_id not in self._locks:
+            lock = RunLock(self.ckpt_dir / f"{run_id}.lock")
+            with self._errors("locking the run"):
+                lock.acquire()
+            self._locks[run_id] = lock
+
+    def unlock(self, run_id: str) -> None:
+        lock = self._locks.pop(run_id, None)
+        if lock is not None:
+            lock.release()
+            try:
+                self.ckpt_dir.rmdir()
+            except OSError:
+                pass
+
     def truncate(self, run_id: str, after_round: int) -> None:
         """Drop rows of rounds > after_round (rounds redone after resuming from a checkpoint)."""
         with self.transaction() as db:
             for t in ("rounds", "client_metrics", "records"):
                 db.execute(f"DELETE FROM {t} WHERE run_id=? AND round>?", (run_id, after_round))
             db.execute("UPDATE runs SET rounds_done=? WHERE run_id=?", (after_round + 1, run_id))
-        if run_id in self._scalars:
-            self._scalars[run_id].truncate(after_round)
+            if run_id in self._scalars:
+                self._scalars[run_id].truncate(after_round)
+            # notes of `load_checkpoint` (a discarded checkpoint) belong to the round the run restarts
+            # from; negative seq keeps them apart from that round's own records
+            for i, (kind, client, data) in enumerate(self._notes.pop(run_id, [])):
+                db.execute("INSERT OR REPLACE INTO records (run_id, round, kind, client, data, seq)"
+                           " VALUES (?,?,?,?,?,?)", (run_id, after_round + 1, kind, client, dumps(data), -1 - i))
 
     def write_round(self, run_id: str, rnd: int, metrics: dict | None, clients: list[tuple] | None,
                     records: list[tuple[str, int | None, Any]], wall_s: float) -> None:
-        """One transaction: round metrics, per-client rows, records, progress counter."""
+        """One transaction: round metrics, per-client rows, records, progress counter. Writing the
+        same round again replaces it (every row is keyed by run and round)."""
         with self.transaction() as db:
             if metrics is not None:
                 db.execute("INSERT OR REPLACE INTO rounds VALUES (?,?,?,?)", (run_id, rnd, dumps(metrics), wall_s))
             if clients:
                 db.executemany("INSERT OR REPLACE INTO client_metrics VALUES (?,?,?,?,?,?,?,?)",
                                [(run_id, rnd, *map(_clean, c)) for c in clients])
+            db.execute("DELETE FROM records WHERE run_id=? AND round=? AND seq>=0", (run_id, rnd))
             if records:
-                db.executemany("INSERT INTO records VALUES (?,?,?,?,?)",
-                               [(run_id, rnd, k, c, dumps(d)) for k, c, d in records])
+                db.executemany("INSERT INTO records (run_id, round, kind, client, data, seq) VALUES (?,?,?,?,?,?)",
+                               [(run_id, rnd, k, c, dumps(d), i) for i, (k, c, d) in enumerate(records)])
             db.execute("UPDATE runs SET rounds_done=?, updated=? WHERE run_id=?", (rnd + 1, time.time(), run_id))
         if run_id in self._scalars:
             self._scalars[run_id].write(rnd, metrics, clients)
 
     def finish(self, run_id: str, final: dict, status: str = "finished") -> None:
-        with self.transaction() as db:
-            db.execute("UPDATE runs SET status=?, final=?, updated=? WHERE run_id=?",
-                       (status, dumps(final), time.time(), run_id))
+        try:
+            with self.transaction() as db:
+                db.execute("UPDATE runs SET status=?, final=?, updated=? WHERE run_id=?",
+                           (status, dumps(final), time.time(), run_id))
+        finally:
+            if status != "running":
+                self.unlock(run_id)
 
     def mark(self, run_id: str, status: str) -> None:
-        with self.transaction() as db:
-            db.execute("UPDATE runs SET status=?, updated=? WHERE run_id=?", (status, time.time(), run_id))
+        """Set a run's status; for any status but 'running' the run's lock is released (even when the
+        store cannot be written: the lock, not the row, says whether a process executes the run)."""
+        try:
+            with self.transaction() as db:
+                db.execute("UPDATE runs SET status=?, updated=? WHERE run_id=?", (status, time.time(), run_id))
+        finally:
+            if status != "running":
+                self.unlock(run_id)
 
     # -- reading -----------------------------------------------------------------------------------
     def add_to_sweep(self, sweep: str, run_id: str, label: str | None) -> None:
@@ -351,43 +497,73 @@ class Store:
             q += " AND kind=?"
             args.append(kind)
         return [{"round": r[0], "kind": r[1], "client": r[2], "data": json.loads(r[3])}
-                for r in self.db.execute(q + " ORDER BY rowid", args)]
+                for r in self.db.execute(q + " ORDER BY round, seq", args)]
 
     # -- checkpoints (beside the db, never inside) -------------------------------------------------
     @property
     def ckpt_dir(self) -> Path:
         return self.path.with_name(self.path.name + ".ckpt")
 
+    def checkpoint_path(self, run_id: str) -> Path:
+        return self.ckpt_dir / f"{run_id}{checkpoint.SUFFIX}"
+
+    def save_checkpoint(self, run_id: str, payload: dict) -> None:
+        with self._errors(f"writing the checkpoint of run {run_id}"):
+            checkpoint.save(self.checkpoint_path(run_id), payload)
+
+    def load_checkpoint(self, run_id: str) -> dict | None:
+        """The run's checkpoint, or None. A checkpoint that cannot be trusted (unreadable, truncated,
+        modified, of another run, or a pickle of an older version: pickle can run code) is deleted,
+        never loaded; the run starts from round 0 and a `checkpoint_discarded` record says why."""
+        reasons = []
+        legacy = self.ckpt_dir / f"{run_id}.pt"
+        if legacy.exists():
+            reasons.append((legacy, "a pickle checkpoint (older format, or planted): pickle can run code, never loaded"))
+        p = self.checkpoint_path(run_id)
+        payload = None
+        if p.exists():
+            try:
+                payload = checkpoint.load(p)
+                if not (isinstance(payload, dict) and payload.get("run_id") == run_id
+                        and isinstance(payload.get("round"), int) and isinstance(payload.get("state"), dict)):
+                    raise checkpoint.CheckpointError("not a checkpoint of this run")
+            except checkpoint.CheckpointError as e:
+                reasons.append((p, str(e)))
+                payload = None
+        for path, why in reasons:
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:
+                pass
+            self._notes.setdefault(run_id, []).append(
+                ("checkpoint_discarded", None, {"file": path.name, "reason": why}))
+        return payload
+
     @property
     def final_dir(self) -> Path:
         return self.path.with_name(self.path.name + ".final")
 
-    def save_checkpoint(self, run_id: str, payload: dict, directory: Path | None = None) -> None:
-        d = directory or self.ckpt_dir
-        d.mkdir(exist_ok=True)
-        tmp = d / f"{run_id}.pt.tmp"
-        torch.save(payload, tmp)
-        os.replace(tmp, d / f"{run_id}.pt")
+    def save_final(self, train_id: str, payload: dict) -> None:
+        """Keep a finished run's final server and client state (beside the store, in the checkpoint
+        format), so that evaluation-only settings can re-score it without training (`keep_final=false`
+        opts out)."""
+        with self._errors(f"writing the final state {train_id}"):
+            checkpoint.save(self.final_dir / f"{train_id}{checkpoint.SUFFIX}", payload)
 
-    def load_checkpoint(self, run_id: str, directory: Path | None = None) -> dict | None:
-        p = (directory or self.ckpt_dir) / f"{run_id}.pt"
+    def load_final(self, train_id: str) -> dict | None:
+        """A kept final state, or None (also when it cannot be trusted: it is then deleted)."""
+        p = self.final_dir / f"{train_id}{checkpoint.SUFFIX}"
         if not p.exists():
             return None
         try:
-            return torch.load(p, weights_only=False)
-        except Exception:  # a torn or corrupt checkpoint: start the run again rather than trust it
+            payload = checkpoint.load(p)
+        except checkpoint.CheckpointError:
+            p.unlink(missing_ok=True)
             return None
-
-    def save_final(self, train_id: str, payload: dict) -> None:
-        """Keep a finished run's final server and client state (beside the store, like checkpoints), so
-        that evaluation-only settings can re-score it without training (`keep_final=false` opts out)."""
-        self.save_checkpoint(train_id, payload, self.final_dir)
-
-    def load_final(self, train_id: str) -> dict | None:
-        return self.load_checkpoint(train_id, self.final_dir)
+        return payload if isinstance(payload, dict) and isinstance(payload.get("state"), dict) else None
 
     def drop_checkpoint(self, run_id: str) -> None:
-        (self.ckpt_dir / f"{run_id}.pt").unlink(missing_ok=True)
+        self.checkpoint_path(run_id).unlink(missing_ok=True)
         try:
             self.ckpt_dir.rmdir()
         except OSError:

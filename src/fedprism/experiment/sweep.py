@@ -36,13 +36,12 @@ import json
 import os
 import sys
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
 from fedprism.algorithms import REGISTRY
 from fedprism.errors import ConfigError
-from fedprism.experiment.config import Config, flatten, resolve
+from fedprism.experiment.config import Config, flatten, read_toml, resolve
 
 
 def load_sweep(path: str | Path, quick: bool = False, overrides: dict[str, Any] | None = None
@@ -56,12 +55,23 @@ def load_sweep(path: str | Path, quick: bool = False, overrides: dict[str, Any] 
         raise ConfigError(f"{p.name}: {sorted(unknown)[0]}", "",
                           "sweep files have name, description, db, base, grid, runs, quick")
     name = doc.get("name", p.stem)
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{p.name}: name", name, "a non-empty string")
+    for section in ("base", "grid", "quick"):
+        if not isinstance(doc.get(section, {}), dict):
+            raise ConfigError(f"{p.name}: {section}", doc[section], f"a table ([{section}])")
     base = flatten(doc.get("base", {}))
     grid = flatten(doc.get("grid", {}))
     for k, v in grid.items():
         if not isinstance(v, list) or not v:
             raise ConfigError(f"grid.{k}", v, "a non-empty list of values")
-    runs = doc.get("runs") or [{}]
+    runs = doc.get("runs", [{}])
+    if not isinstance(runs, list) or not all(isinstance(r, dict) for r in runs):
+        raise ConfigError(f"{p.name}: runs", runs, "an array of tables ([[runs]] sections)")
+    runs = runs or [{}]
+    for i, r in enumerate(runs):
+        if "label" in r and (not isinstance(r["label"], str) or not r["label"]):
+            raise ConfigError(f"{p.name}: runs[{i}].label", r["label"], "a non-empty string")
     quick_over = flatten(doc.get("quick", {})) if quick else {}
     configs = []
     for variant in runs:
@@ -140,6 +150,7 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
     runs at once in separate processes, the machine's cores split between them (torch threads per
     worker = cores // workers), each printing one line when its run finishes."""
     from fedprism.experiment.provenance import check, fingerprints
+    from fedprism.experiment.runlock import RunBusyError
     from fedprism.experiment.runner import Experiment
     from fedprism.experiment.store import Store
 
@@ -151,7 +162,7 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
     if not isinstance(workers, int) or workers < 1:
         raise ConfigError("--workers", workers, "an integer >= 1")
     store = Store(db)
-    done = skipped = 0
+    done = skipped = busy = 0
     t0 = time.time()
     todo: list[tuple[str, Config]] = []
     for i, cfg in enumerate(configs):
@@ -172,11 +183,17 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
 
     def line(tag: str, f: dict) -> str:
         return (f"{tag}: global {f.get('global_acc', float('nan')):.4f} local {f.get('local_acc', float('nan')):.4f}"
-                f" ({f.get('seconds', 0):.0f}s)")
+                f" ({f.get('seconds', 0):.0f}s)" + (f", {f['rejected']} updates rejected" if f.get("rejected") else "")
+                + (" -- DIVERGED: every update was rejected" if f.get("diverged") else ""))
 
     if workers == 1 or len(todo) <= 1:
         for tag, cfg in todo:
-            res = Experiment(cfg, store, progress=progress, sweep=name).run()
+            try:
+                res = Experiment(cfg, store, progress=progress, sweep=name).run()
+            except RunBusyError as e:        # another process (e.g. a second copy of this sweep) runs it
+                busy += 1
+                print(f"{tag}: skipped, {e}", file=sys.stderr)
+                continue
             supersede(store, name, cfg)
             done += 1
             print(line(tag, res.final), file=sys.stderr)
@@ -191,22 +208,23 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
                                  initargs=(threads,)) as pool:
             futures = {pool.submit(_sweep_job, db, name, cfg): tag for tag, cfg in todo}
             for fut in as_completed(futures):
+                try:
+                    f = fut.result()
+                except RunBusyError as e:
+                    busy += 1
+                    print(f"{futures[fut]}: skipped, {e}", file=sys.stderr)
+                    continue
                 done += 1
-                print(f"{line(futures[fut], fut.result())}  [{done}/{len(todo)} done, "
-                      f"{time.time() - t0:.0f}s]", file=sys.stderr)
+                print(f"{line(futures[fut], f)}  [{done}/{len(todo)} done, {time.time() - t0:.0f}s]", file=sys.stderr)
         store = Store(db)
-    print(f"sweep {name}: {done} run, {skipped} already finished, {time.time() - t0:.0f}s", file=sys.stderr)
+    print(f"sweep {name}: {done} run, {skipped} already finished"
+          + (f", {busy} running in other processes" if busy else "") + f", {time.time() - t0:.0f}s", file=sys.stderr)
     store.close()
     return 0
 
 
 def _read(p: Path) -> dict[str, Any]:
-    if not p.is_file():
-        raise ConfigError("sweep file", str(p), "an existing TOML file")
-    try:
-        return tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError("sweep file", str(p), f"valid TOML ({e})") from None
+    return read_toml(p, "sweep file")
 
 
 def sweep_db(path: str | Path) -> str | None:
@@ -215,7 +233,7 @@ def sweep_db(path: str | Path) -> str | None:
     db = _read(p).get("db")
     if db is None:
         return None
-    if not isinstance(db, str) or not db:
+    if not isinstance(db, str) or not db or "\0" in db:
         raise ConfigError(f"{p.name}: db", db, "a path to a SQLite file (relative to the sweep file)")
     return str((p.parent / db).resolve())          # an absolute `db` stays itself
 

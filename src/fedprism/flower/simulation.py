@@ -17,6 +17,21 @@ from fedprism.experiment.store import Store
 from fedprism.flower.settings import OFFLINE_ENV, RunSettings, flower_run_id
 
 
+#: Ray turns a node address of 127.0.0.1 into this machine's routable address (its
+#: `resolve_ip_for_localhost`) unless multi-node clusters are disabled; with them disabled the node
+#: address stays 127.0.0.1 and Ray's GCS, raylet, worker gRPC servers and runtime-env / dashboard
+#: agents listen on loopback only (they bind 0.0.0.0 otherwise, whatever `_node_ip_address` says)
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def loopback_only() -> None:
+    """Make the Ray started by this process (and its children) bind 127.0.0.1 only."""
+    os.environ.update(LOOPBACK_ENV)
+    import sys
+    if "ray._private.ray_constants" in sys.modules:         # Ray imported already: its constant is read
+        sys.modules["ray._private.ray_constants"].ENABLE_RAY_CLUSTER = False   # at call time
+
+
 def backend_config(num_cpus: int = 2, cpus_per_client: float = 1.0) -> dict:
     """Ray on loopback only, explicit resources (Flower's default of 2 CPUs per client serialises a
     2-core machine)."""
@@ -36,6 +51,7 @@ def simulate(experiment: str, db: str | Path = "fedprism-results.db", num_nodes:
     """
     for k, v in OFFLINE_ENV.items():
         os.environ.setdefault(k, v)
+    loopback_only()
     from fedprism.flower.client_app import make_client_app
     from fedprism.flower.server_app import make_server_app
 

@@ -1,0 +1,115 @@
+"""Upper bounds for the size keys of a run, derived from its data and from this machine's memory.
+
+`check_limits(cfg, n_train, num_params)` runs once the federation and the model exist (so the client
+sizes and the parameter count P are known) and before anything large is allocated. Each bound raises
+`ConfigError` naming the key, its value, the largest value allowed here and why:
+
+    batch_size     at most the federation's train samples (a larger batch is the whole data anyway)
+    local_epochs   the batch orders (and the vectorized engine's schedule) of the largest cohort for
+                   all epochs of a round fit in a quarter of the available memory
+    <method>.k     at most `clients` (a cluster model nobody can join is never trained), and the K
+                   cluster models (IFCA: scored by every client of a cohort, cohort x K copies) fit
+                   in half of the available memory
+    clients        N <= train samples / partition.min_train is the partitioner's own check
+                   (PartitionError); methods that keep a model per client (local, fedamp, cfl,
+                   fedprism_dual) also need N x P x 4 bytes to fit in half of the available memory
+
+Available memory is MemAvailable of /proc/meminfo, capped by the cgroup limit where there is one.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+from fedprism.errors import ConfigError
+
+#: bytes per sample and per batch of one epoch's batch order: int64 index + the vectorized engine's
+#: [T, W, B] index (int64) and weight (float32) schedule; a torch view object per batch
+_PER_SAMPLE = 8 + 8 + 4
+_PER_BATCH = 256
+#: methods whose state holds per-client models ([N, P] rows), and how many
+_PER_CLIENT_MODELS = {"local": 1, "fedamp": 2, "cfl": 1, "fedprism_dual": 2}
+_K_METHODS = ("fedprism", "fedprism_dual", "ifca", "fedclust")
+
+
+def available_memory() -> int:
+    """Bytes of memory this process may still use (MemAvailable, capped by a cgroup limit)."""
+    avail = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+                break
+    except (OSError, ValueError, IndexError):
+        pass
+    if avail is None:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            avail = 8 << 30
+    for f in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(f).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            try:
+                used = int(Path(f).with_name("memory.current" if f.endswith(".max") else "memory.usage_in_bytes")
+                           .read_text())
+            except (OSError, ValueError):
+                used = 0
+            avail = min(avail, max(int(text) - used, 0))
+    return int(avail)
+
+
+def _gb(b: float) -> str:
+    return f"{b / 2**30:.1f} GB" if b >= 2**30 else f"{b / 2**20:.1f} MB"
+
+
+def check_limits(cfg, n_train: np.ndarray, num_params: int, memory: int | None = None) -> None:
+    """Raise ConfigError for a size key beyond what this data and this machine allow (module doc)."""
+    mem = available_memory() if memory is None else memory
+    n_train = np.asarray(n_train, dtype=np.int64)
+    N, P, total = len(n_train), int(num_params), int(n_train.sum())
+    method = cfg["method"]
+
+    B = cfg["batch_size"]
+    if B > max(total, 1):
+        raise ConfigError("batch_size", B, f"at most {total} here (the federation's train samples)")
+
+    cohort = N if (method == "local" and cfg.get("local.participation") == "all") else \
+        min(N, max(int(math.floor(cfg["fraction"] * N + 1e-9)), 1))
+    largest = np.sort(n_train)[::-1][:cohort]
+    per_epoch = int(_PER_SAMPLE * largest.sum() + _PER_BATCH * np.ceil(largest / B).sum())
+    E = cfg["local_epochs"]
+    budget = mem // 4
+    if per_epoch and E * per_epoch > budget:
+        raise ConfigError("local_epochs", E, f"at most {budget // per_epoch} here: one epoch's batch order of the "
+                          f"largest cohort ({cohort} clients, {int(largest.sum())} samples) takes "
+                          f"{_gb(per_epoch)}; a round may use a quarter of the available memory ({_gb(mem)})")
+
+    if method in _K_METHODS and f"{method}.k" in cfg.values:
+        K = cfg[f"{method}.k"]
+        unused = method == "fedclust" and cfg.get("fedclust.variant") == "original"
+        if not unused:
+            if K > N:
+                raise ConfigError(f"{method}.k", K, f"at most clients={N} (a cluster model no client can join "
+                                  "is never trained)")
+            copies = cohort + 1 if method == "ifca" else 3
+            need = K * P * 4 * copies
+            if need > mem // 2:
+                most = max((mem // 2) // (P * 4 * copies), 0)
+                raise ConfigError(f"{method}.k", K, f"at most {most} here: {K} cluster models of {P} parameters "
+                                  f"(x{copies} copies) need {_gb(need)}, more than half the available memory "
+                                  f"({_gb(mem)})")
+
+    per_client = _PER_CLIENT_MODELS.get(method, 0)
+    if per_client and N * P * 4 * per_client > mem // 2:
+        most = (mem // 2) // (P * 4 * per_client)
+        raise ConfigError("clients", N, f"at most {most} here for {method}: {per_client} model(s) of {P} parameters "
+                          f"per client need {_gb(N * P * 4 * per_client)}, more than half the available memory "
+                          f"({_gb(mem)})")

@@ -1,0 +1,183 @@
+"""Checkpoints without pickle: exact round trips, and hostile files that restart the run, never run code."""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from fedprism.experiment import checkpoint
+from fedprism.experiment.checkpoint import CheckpointError
+from fedprism.experiment.config import resolve
+from fedprism.experiment.runner import Experiment
+from fedprism.experiment.store import Store
+
+SMALL = dict(dataset="digits", clients=8, rounds=4, fraction=0.5, local_epochs=1, batch_size=16, lr=0.05,
+             partition="dirichlet", **{"partition.alpha": 0.5}, engine="sequential")
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().contiguous()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return t.numpy().tobytes()
+
+
+def same(a, b) -> bool:
+    """Exact equality, type included (tuples stay tuples, numpy scalars keep their dtype, -0.0, NaN)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.shape, a.device, a.requires_grad) == (b.dtype, b.shape, b.device, b.requires_grad) \
+            and _bytes(a) == _bytes(b)
+    if isinstance(a, np.ndarray):
+        return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    if isinstance(a, np.generic):
+        return a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    if isinstance(a, float):
+        return (math.isnan(a) and math.isnan(b)) or (a == b and math.copysign(1, a) == math.copysign(1, b))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(same(k1, k2) and same(a[k1], b[k2]) for k1, k2 in zip(a, b))
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+EVERY_TYPE = {
+    "f32": torch.randn(3, 4), "f64": torch.randn(5, dtype=torch.float64), "f16": torch.randn(2).half(),
+    "bf16": torch.randn(3).bfloat16(), "i64": torch.arange(7), "i32": torch.arange(3, dtype=torch.int32),
+    "u8": torch.tensor([0, 255], dtype=torch.uint8), "bool_t": torch.tensor([True, False]),
+    "empty": torch.zeros(0, 5), "scalar_t": torch.tensor(3.5), "c64": torch.randn(2, dtype=torch.complex64),
+    "grad": torch.ones(2, requires_grad=True), "strided": torch.arange(12.).view(3, 4).t(),
+    "nan_inf": torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0]),
+    "np_f64": np.linspace(0, 1, 5), "np_bool": np.array([True, False]), "np_i8": np.arange(-3, 3, dtype=np.int8),
+    "np_2d": np.arange(6, dtype=np.float32).reshape(2, 3), "np_be": np.arange(3, dtype=">f8"),
+    "np_0d": np.array(2.5), "np_u64": np.array([2**64 - 1], dtype=np.uint64),
+    "np_scalars": [np.float32(1.5), np.int64(-7), np.bool_(True), np.float64("nan"), np.uint8(9)],
+    "py": [True, False, 0, -1, 2**100, 1.0, -0.0, float("nan"), float("inf"), 1e-310, "", "ünï\u0000code", None],
+    "tuple": (1, (2, [3, {"x": (4,)}])), "int_keys": {0: "a", 5: torch.ones(1), -3: None},
+    "mixed_keys": {None: 1, True: 2, 1.5: 3, "s": 4, (1, 2): 5},
+    "nested": {"a": {"b": {"c": [np.zeros(2), torch.zeros(2)]}}}, "empty_dict": {}, "empty_list": [],
+}
+
+
+def test_round_trip_of_every_state_type():
+    blob = checkpoint.dumps(EVERY_TYPE)
+    back = checkpoint.loads(blob)
+    big_endian = back.pop("np_be")             # stored little-endian, same values
+    assert same(back, {k: v for k, v in EVERY_TYPE.items() if k != "np_be"})
+    assert isinstance(back["tuple"], tuple) and isinstance(back["np_scalars"][0], np.float32)
+    assert big_endian.dtype == np.dtype("<f8") and big_endian.tolist() == [0.0, 1.0, 2.0]
+    assert back["strided"].is_contiguous() and torch.equal(back["strided"], EVERY_TYPE["strided"])
+    assert checkpoint.dumps(back) == checkpoint.dumps(checkpoint.loads(checkpoint.dumps(back)))  # deterministic
+
+
+@pytest.mark.parametrize("bad", [object(), {1, 2}, np.array([object()], dtype=object), b"bytes", lambda: 0,
+                                 torch.zeros(2).to_sparse()])
+def test_unsupported_values_are_refused_at_save_with_their_path(bad):
+    with pytest.raises(TypeError, match=r"state\['w'\]\[1\]"):
+        checkpoint.dumps({"w": [0, bad]})
+
+
+def test_every_method_state_round_trips(tmp_path):
+    from fedprism.algorithms import REGISTRY
+    for method in sorted(REGISTRY):
+        exp = Experiment(resolve({**SMALL, "method": method, "rounds": 1}), Store(tmp_path / f"{method}.db"))
+        exp.run()
+        state = exp.state
+        assert same(checkpoint.loads(checkpoint.dumps(state)), state), method
+
+
+def test_tampered_truncated_and_foreign_files_raise(tmp_path):
+    blob = checkpoint.dumps({"w": torch.arange(10.)})
+    flipped = bytearray(blob)
+    flipped[len(blob) // 2] ^= 1
+    forged = blob[:-32]
+    header_only = blob[:20]
+    with pytest.raises(CheckpointError, match="checksum"):
+        checkpoint.loads(bytes(flipped))
+    with pytest.raises(CheckpointError, match="checksum"):
+        checkpoint.loads(forged + b"\0" * 32)
+    with pytest.raises(CheckpointError, match="truncated"):
+        checkpoint.loads(header_only)
+    with pytest.raises(CheckpointError, match="magic"):
+        checkpoint.loads(pickle.dumps({"w": 1}) + b"\0" * 64)
+    # a consistent checksum over a lying skeleton (offsets outside the data) is still refused
+    import hashlib
+    import json
+    import struct
+    hdr = json.dumps({"format": checkpoint.FORMAT, "version": 1, "skeleton": {"t": "tensor", "i": 0},
+                      "tensors": [{"kind": "torch", "dtype": "float32", "shape": [1000], "offset": 0,
+                                   "nbytes": 4000}]}).encode()
+    body = checkpoint.MAGIC + struct.pack("<Q", len(hdr)) + hdr + b"\0" * 8
+    with pytest.raises(CheckpointError, match="outside"):
+        checkpoint.loads(body + hashlib.sha256(body).digest())
+    hdr2 = hdr.replace(b'"version": 1', b'"version": 99')
+    body2 = checkpoint.MAGIC + struct.pack("<Q", len(hdr2)) + hdr2
+    with pytest.raises(CheckpointError, match="version"):
+        checkpoint.loads(body2 + hashlib.sha256(body2).digest())
+    with pytest.raises(CheckpointError, match="cannot read"):
+        checkpoint.load(tmp_path / "absent.ckpt")
+
+
+def test_save_is_atomic_with_unique_temporary_names(tmp_path, monkeypatch):
+    p = tmp_path / "r.ckpt"
+    checkpoint.save(p, {"a": 1})
+    real = os.replace
+
+    def crash(*a):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError):
+        checkpoint.save(p, {"a": 2})
+    monkeypatch.setattr(os, "replace", real)
+    assert checkpoint.load(p) == {"a": 1}                      # the old checkpoint is intact
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["r.ckpt"]   # no temporary file left
+
+
+class _Evil:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("where", ["legacy", "current"])
+def test_planted_pickle_checkpoint_runs_nothing_and_the_run_completes(tmp_path, where):
+    marker = tmp_path / "pwned"
+    c = resolve({**SMALL, "method": "fedavg"})
+    s = Store(tmp_path / "p.db")
+    Experiment(c, s).run(stop_after=2)
+    evil = pickle.dumps({"run_id": c.run_id, "round": 1, "state": _Evil(marker), "x": _Evil(marker)})
+    target = s.ckpt_dir / f"{c.run_id}.pt" if where == "legacy" else s.checkpoint_path(c.run_id)
+    s.checkpoint_path(c.run_id).unlink()          # a results folder of an older version: only the .pt
+    target.write_bytes(evil)
+    res = Experiment(c, s).run()
+    assert not marker.exists()
+    assert res.status == "finished" and res.resumed_from is None
+    assert [m["round"] for m in s.round_metrics(c.run_id)] == [0, 1, 2, 3]
+    (note,) = s.records(c.run_id, "checkpoint_discarded")
+    assert note["data"]["file"] == target.name
+    assert not target.exists()
+    # the attack is real: loading it the old way would have run the command
+    if where == "legacy":
+        pickle.loads(evil)
+        assert marker.exists()
+
+
+def test_checkpoint_of_another_run_is_discarded(tmp_path):
+    c = resolve({**SMALL, "method": "fedavg"})
+    s = Store(tmp_path / "o.db")
+    Experiment(c, s).run(stop_after=2)
+    payload = checkpoint.load(s.checkpoint_path(c.run_id))
+    payload["run_id"] = "someone-else"
+    checkpoint.save(s.checkpoint_path(c.run_id), payload)
+    res = Experiment(c, s).run()
+    assert res.resumed_from is None
+    assert "not a checkpoint of this run" in s.records(c.run_id, "checkpoint_discarded")[0]["data"]["reason"]

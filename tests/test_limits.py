@@ -1,0 +1,80 @@
+"""Bounded resources: size keys beyond this data / this machine are ConfigErrors before any allocation;
+a run whose every update is rejected says so (final['diverged'], CLI warning, `rejected` shown)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from fedprism.algorithms.ifca import choose
+from fedprism.cli import main
+from fedprism.errors import ConfigError
+from fedprism.experiment.config import resolve
+from fedprism.experiment.limits import available_memory, check_limits
+from fedprism.experiment.runner import Experiment
+from fedprism.experiment.store import Store
+
+BASE = dict(dataset="digits", clients=6, rounds=2, fraction=0.5, local_epochs=1, engine="sequential")
+
+
+def build(tmp_path, **kw):
+    return Experiment(resolve({**BASE, **kw}), Store(tmp_path / "b.db"))
+
+
+@pytest.mark.parametrize("kw,key,needle", [
+    ({"method": "fedavg", "local_epochs": 10**9}, "local_epochs", "batch order"),
+    ({"method": "ifca", "ifca.k": 10**6}, "ifca.k", "at most clients=6"),
+    ({"method": "fedprism", "fedprism.k": 7}, "fedprism.k", "at most clients=6"),
+    ({"method": "fedprism_dual", "fedprism_dual.k": 10**6}, "fedprism_dual.k", "at most clients=6"),
+    ({"method": "fedavg", "batch_size": 10**9}, "batch_size", "train samples"),
+])
+def test_size_keys_beyond_the_data_or_the_machine_are_config_errors(tmp_path, kw, key, needle):
+    with pytest.raises(ConfigError) as e:
+        build(tmp_path, **kw)
+    assert e.value.key == key and needle in str(e.value) and "at most" in str(e.value)
+
+
+def test_memory_bounds_use_the_parameter_count(tmp_path):
+    cfg = resolve({**BASE, "method": "ifca", "ifca.k": 5, "clients": 50})
+    n = np.full(50, 100)
+    check_limits(cfg, n, num_params=1000, memory=8 << 30)                       # fits
+    with pytest.raises(ConfigError, match=r"ifca.k.*at most 1 here.*cluster models of 10000000 parameters"):
+        check_limits(cfg, n, num_params=10_000_000, memory=2 << 30)
+    local = resolve({**BASE, "method": "local", "clients": 50})
+    with pytest.raises(ConfigError, match=r"'clients' = 50.*at most 26 here for local"):
+        check_limits(local, n, num_params=10_000_000, memory=2 << 30)
+    with pytest.raises(ConfigError, match=r"local_epochs.*at most 9 here"):
+        check_limits(resolve({**BASE, "method": "fedavg", "local_epochs": 10, "clients": 50}),
+                     np.full(50, 10_000), num_params=10, memory=4 * 9 * 25 * (20 * 10_000 + 256 * 313))   # cohort of 25
+    assert available_memory() > 0
+
+
+def test_valid_sizes_still_run(tmp_path):
+    exp = build(tmp_path, method="ifca", **{"ifca.k": 6})                     # k == clients
+    assert exp.run().status == "finished"
+
+
+def test_ifca_choice_survives_nan_losses():
+    losses = np.array([[np.nan, np.nan], [np.nan, 1.0], [np.inf, 2.0], [3.0, 3.0]])
+    j = choose(losses, np.arange(4), [0, 0])
+    assert j[1] == 1 and j[2] == 1 and set(j) <= {0, 1}
+
+
+@pytest.mark.parametrize("method", ["ifca", "fedavg"])
+def test_exploding_learning_rates_finish_and_report_rejections(tmp_path, capsys, method):
+    db = str(tmp_path / "d.db")
+    args = ["run", "--db", db, "dataset=digits", f"method={method}", "clients=6", "rounds=3", "local_epochs=1",
+            "engine=sequential"] + (["ifca.k=2"] if method == "ifca" else [])
+    assert main([*args, "lr=1e6", "--json"]) == 0                 # huge but finite weights: NaN losses downstream
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["status"] == "finished" and "rejected" in out
+    assert main([*args, "lr=1e30", "--json"]) == 0      # every update non-finite: diverged
+    cap = capsys.readouterr()
+    out = json.loads(cap.out.strip().splitlines()[-1])
+    assert out["diverged"] is True and out["rejected"] == 3 and out["status"] == "finished"
+    assert "DIVERGED" in cap.err
+    assert main([*args, "lr=1e30", "--quiet"]) == 0   # stored: table shows it
+    text = capsys.readouterr().out
+    assert "(DIVERGED)" in text and "rejected updates" in text
