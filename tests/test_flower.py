@@ -517,12 +517,12 @@ def test_loopback_deployment_with_tls_auth_and_a_killed_node(tmp_path):
 
 @pytest.mark.parametrize("method", ["fedavg", "fedprism_dual", "local"])
 def test_validation_splits_score_the_same_on_flower(method, tmp_path, task_identity):
-    exp = (f"method={method} dataset=digits clients=4 rounds=2 fraction=1.0 local_epochs=1 lr=0.05 model=mlp "
-           "device=cpu engine=sequential seed=5 data.val_fraction=0.25 data.global_val=120")
+    exp = (f"method={method} dataset=digits clients=5 rounds=2 fraction=1.0 local_epochs=1 lr=0.05 model=mlp "
+           "device=cpu engine=sequential seed=5 data.val_fraction=0.25 data.global_val=120")   # clients >= k = 5
     db = tmp_path / "v.db"
     rc = run_config(exp, db)
     ref, final = in_process(exp, tmp_path / "ref.db")
-    res = serve(FakeGrid(nodes_for(4), rc), rc)
+    res = serve(FakeGrid(nodes_for(5), rc), rc)
     assert res.status == "finished"
     a, b = ref.store.round_metrics(ref.run_id)[-1], Store(db).round_metrics(res.run_id)[-1]
     keys = [k for k in a if k.startswith(("val_acc", "global_val_acc"))]
