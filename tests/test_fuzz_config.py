@@ -97,6 +97,11 @@ def test_random_mixtures_never_raise_anything_else(raw):
 
 def _valid_value(p):
     """Strategy of values the Param accepts on its own."""
+    from fedprism.experiment.config import KEYS
+    from fedprism.models import MODELS
+
+    if p is KEYS["model"]:                  # a model name: the built-in ones (plugins add more at run time)
+        return st.sampled_from(("auto", *MODELS))
     if p.choices is not None:
         return st.sampled_from(p.choices)
     d = p.default

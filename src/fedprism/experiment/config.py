@@ -217,6 +217,8 @@ def resolve(raw: dict[str, Any]) -> Config:
     if ds not in DATASETS and ds not in plugins.DATASETS:
         raise ConfigError("dataset", ds, f"one of {', '.join((*DATASETS, *plugins.DATASETS))}")
     model = raw.get("model", KEYS["model"].default)
+    if not isinstance(model, str):
+        raise ConfigError("model", model, f"one of auto, {', '.join((*MODELS, *plugins.MODELS))}")
     if model != "auto" and model not in MODELS and model not in plugins.MODELS:
         raise ConfigError("model", model, f"one of auto, {', '.join((*MODELS, *plugins.MODELS))}")
 

@@ -496,8 +496,10 @@ class Store:
         if kind:
             q += " AND kind=?"
             args.append(kind)
+        # a store of an older schema opened read-only has no `seq` (never migrated): its rowid order is the same
+        keyed = "seq" in {r[1] for r in self.db.execute("PRAGMA table_info(records)")}
         return [{"round": r[0], "kind": r[1], "client": r[2], "data": json.loads(r[3])}
-                for r in self.db.execute(q + " ORDER BY round, seq", args)]
+                for r in self.db.execute(q + (" ORDER BY round, seq" if keyed else " ORDER BY rowid"), args)]
 
     # -- checkpoints (beside the db, never inside) -------------------------------------------------
     @property
