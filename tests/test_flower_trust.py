@@ -492,6 +492,18 @@ def test_fuzzed_messages_never_stop_the_server(tmp_path, task_identity):
     assert Store(tmp_path / "z.db").run(res.run_id)["status"] == "finished"
 
 
+def _all_correct(real: RecordDict, scale: int = 1) -> RecordDict:
+    """A node's evaluation reply rewritten to claim every row correct (row counts times `scale`)."""
+    sc = real.array_records[codec.SCORES]
+    count = sc["count"].numpy() * scale
+    conf = np.zeros_like(sc["confusion"].numpy())
+    conf[:, 0, 0] = count
+    return RecordDict({codec.SCORES: ArrayRecord({"correct": Array(count.copy()), "count": Array(count.copy()),
+                                                  "loss_sum": Array(np.zeros(len(count))),
+                                                  "confusion": Array(conf)}),
+                       codec.META: real.config_records[codec.META]})
+
+
 # -- evaluation trust -----------------------------------------------------------------------------------------
 def test_global_test_set_is_scored_on_the_server(tmp_path, task_identity):
     """A node that reports perfect scores for everything it is asked to evaluate: with global-eval=server
@@ -504,14 +516,7 @@ def test_global_test_set_is_scored_on_the_server(tmp_path, task_identity):
     def liar(m, real):
         if m.metadata.message_type != "evaluate":
             return None
-        sc = real.array_records[codec.SCORES]
-        count = sc["count"].numpy()
-        conf = np.zeros_like(sc["confusion"].numpy())
-        conf[:, 0, 0] = count
-        return RecordDict({codec.SCORES: ArrayRecord({"correct": Array(count.copy()), "count": Array(count.copy()),
-                                                      "loss_sum": Array(np.zeros(len(count))),
-                                                      "confusion": Array(conf)}),
-                           codec.META: real.config_records[codec.META]})
+        return _all_correct(real)
 
     out = {}
     for mode in ("server", "nodes"):
@@ -580,14 +585,7 @@ def test_a_node_cannot_reweigh_its_scores(tmp_path, task_identity):
     def inflate(m, real):
         if m.metadata.message_type != "evaluate":
             return None
-        sc = real.array_records[codec.SCORES]
-        count = sc["count"].numpy() * 100
-        conf = np.zeros_like(sc["confusion"].numpy())
-        conf[:, 0, 0] = count
-        return RecordDict({codec.SCORES: ArrayRecord({"correct": Array(count.copy()), "count": Array(count.copy()),
-                                                      "loss_sum": Array(np.zeros(len(count))),
-                                                      "confusion": Array(conf)}),
-                           codec.META: real.config_records[codec.META]})
+        return _all_correct(real, 100)
 
     rc = run_config(exp, tmp_path / "w.db")
     res = serve(HostileGrid(nodes, rc, forge={_node(nodes, 1): (inflate, True)}), rc)
