@@ -1,6 +1,6 @@
 """Engine benchmark: the FedPrism paper workload, PFLlib-style reference vs fedprism's VectorizedEngine.
 
-Workload (FedPrism paper 4.x, specs/performance.md): Fashion-MNIST padded to 32x32, 100 clients,
+Workload (FedPrism paper, arXiv:2603.08252, section 4): Fashion-MNIST padded to 32x32, 100 clients,
 Dirichlet(alpha=0.1) label skew, 10 clients per round, E=10 local epochs, batch 32, SGD lr 0.01
 momentum 0.9, LeNet-5; every round all 100 personalized models (the Local method: every client keeps
 its own model) are evaluated on their clients' local test splits and on the 10k global test set.

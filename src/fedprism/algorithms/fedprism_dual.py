@@ -389,7 +389,7 @@ class FedPrismDual(FedPrism):
             return Inference({"expert": cstate["expert"]})
         rule = self.hp["routing"]
         alternatives = {"backbone": lambda z, e: z["backbone"], "expert": lambda z, e: z["expert"]}
-        extras = self._label_prior(trainer, clients, cstate["expert"].device)
+        extras = self._label_prior(clients, cstate["expert"].device)
         if weight is None:
             alternatives.update({f"T={t:g}": (lambda z, e, t=t: route(z["expert"], z["backbone"], None, t))
                                  for t in DIAGNOSTIC_TEMPERATURES if not (rule == "confidence" and t == T)})
@@ -400,10 +400,10 @@ class FedPrismDual(FedPrism):
             head = lambda z, e: route(z["expert"], z["backbone"], weight, T)  # noqa: E731
         return Inference({"expert": cstate["expert"], "backbone": backbone}, head, alternatives, extras)
 
-    def _label_prior(self, trainer, clients, device) -> dict:
-        """Each client's own label distribution (add-one smoothed) and seen-class mask, from its train rows."""
+    def _label_prior(self, clients, device) -> dict:
+        """Each client's own label distribution (add-one smoothed) and seen-class mask, from its train label
+        counts (`ctx.label_hist`, which a client knows of itself; computed once per federation)."""
         C = self.ctx.num_classes
-        counts = torch.stack([torch.bincount(trainer.data(int(c), "train")[1].cpu(), minlength=C)
-                              for c in np.asarray(clients)]).double() if len(clients) else torch.zeros(0, C)
+        counts = torch.as_tensor(self.ctx.label_hist[np.asarray(clients, dtype=np.int64)], dtype=torch.float64)
         prior = (counts + 1) / (counts.sum(1, keepdim=True) + C)
         return {"prior": prior.float().to(device), "seen": (counts > 0).float().to(device)}

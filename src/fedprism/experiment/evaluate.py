@@ -228,18 +228,19 @@ class Evaluator:
         results: dict[str, list[tuple]] = {}
         raw: dict[str, EvalResult] = {}
         evaluated = 0
+        hashes = row_hashes(params) if params is not None else None          # once for every split
         for split in self.splits:
             if params is None:
                 raw[split] = self.streams(inf, clients, split)
                 results[split] = _rows(raw[split])
                 evaluated += self.n
             else:
-                results[split], k = self._cached(params, clients, split)
+                results[split], k = self._cached(params, hashes, clients, split)
                 evaluated += k
         return self._scores(results, evaluated, _alternatives(raw))
 
-    def _cached(self, params: torch.Tensor, clients: np.ndarray, split: str) -> tuple[list, int]:
-        hashes = row_hashes(params)
+    def _cached(self, params: torch.Tensor, hashes: list[bytes], clients: np.ndarray, split: str
+                ) -> tuple[list, int]:
         if split not in SHARED:
             cache = self._own.setdefault(split, {})
             todo = [i for i in clients if cache.get(int(i), (None,))[0] != hashes[i]]

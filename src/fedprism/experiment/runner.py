@@ -102,11 +102,14 @@ def validate_update(update: Update, upload: dict[str, TensorSpec]) -> tuple[Upda
     return update.select(keep), bad
 
 
-def receive(update: Update, plan: Plan, clients: ClientStore | None, upload: dict[str, TensorSpec]
+def receive(update: Update | None, plan: Plan, clients: ClientStore | None, upload: dict[str, TensorSpec]
             ) -> tuple[Update, dict[int, str]]:
     """What the server does with the clients' replies before aggregating: the clients keep their new
     state (the simulator writes it to `clients`), the rows each client was sent are attached
-    (`Update.sent`), and rows that do not match the declared upload are rejected."""
+    (`Update.sent`), and rows that do not match the declared upload are rejected. No reply at all
+    (`update` None) is an empty update."""
+    if update is None:
+        return Update(plan.clients[:0], sent=plan.subset(np.zeros(0, dtype=np.int64)).payload), {}
     if clients is not None and update.client_state:
         clients.write(update.clients, update.client_state)
     pos = {int(c): i for i, c in enumerate(plan.clients)}
@@ -131,11 +134,7 @@ class Simulator:
     def round(self, rnd: int, clients: np.ndarray) -> tuple[Plan, Update, dict]:
         plan = self.algo.plan(self.state, rnd, np.asarray(clients))
         update, failed = _local_work(self.algo, plan, self.engine, rnd, self.clients)
-        if update is None:
-            update = Update(plan.clients[:0], sent=plan.subset(np.zeros(0, dtype=np.int64)).payload)
-            rejected: dict[int, str] = {}
-        else:
-            update, rejected = receive(update, plan, self.clients, self.upload)
+        update, rejected = receive(update, plan, self.clients, self.upload)
         update.rejected = {**failed, **rejected}
         return plan, update, self.algo.aggregate(self.state, rnd, update) or {}
 
@@ -357,11 +356,7 @@ class Experiment:
                 t_train = time.time()
                 update, failed = self.local_work(plan, rnd)
                 t_train = time.time() - t_train
-                rejected: dict[int, str] = {}
-                if update is not None:
-                    update, rejected = receive(update, plan, self.clients, self.upload)
-                else:
-                    update = Update(plan.clients[:0], sent=plan.subset(np.zeros(0, dtype=np.int64)).payload)
+                update, rejected = receive(update, plan, self.clients, self.upload)
                 update.rejected = {**failed, **rejected}
                 seen[update.clients] = True
                 recs = self.algo.aggregate(state, rnd, update) or {}
