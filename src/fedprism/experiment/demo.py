@@ -1,7 +1,8 @@
 """`fedprism demo`: the main job. A real Fed-PRISM comparison on the embedded default dataset.
 
 Fashion-MNIST (Debian package dataset-fashion-mnist) when present, else scikit-learn's bundled
-digits. Sized to finish in about 3 minutes on 2 CPU cores: the FedPrism paper's method (dual-stream,
+digits. Measured: 563 s on the 2-core VM with a test run sharing it, 319 s of it the FedPrism paper's
+method (three trainings per client and round; the other eight runs 23-34 s each). The FedPrism paper's method (dual-stream,
 routed), every clustering method of the Fed-PRISM server, FedClust, FedAvg and Local on one shared
 Dirichlet(0.3) partition and one cohort sequence.
 """
