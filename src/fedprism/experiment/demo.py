@@ -2,7 +2,7 @@
 
 Fashion-MNIST (Debian package dataset-fashion-mnist) when present, else scikit-learn's bundled
 digits. Measured: 563 s on the 2-core VM with a test run sharing it, 319 s of it the FedPrism paper's
-method (three trainings per client and round; the other eight runs 23-34 s each). The FedPrism paper's method (dual-stream,
+method (three trainings per client and round; the other eight runs 23-34 s each). It runs the FedPrism paper's method (dual-stream,
 routed), every clustering method of the Fed-PRISM server, FedClust, FedAvg and Local on one shared
 Dirichlet(0.3) partition and one cohort sequence.
 """
