@@ -173,6 +173,37 @@ def test_slot_cap_and_order_do_not_change_results(mlp_setup):
         assert_close(ref, got)
 
 
+def test_schedule_built_in_chunks_gives_the_same_bits(mlp_setup):
+    """The vectorized schedule is drawn lazily, a chunk of steps at a time: one step per chunk, a few
+    steps per chunk and the whole round at once give identical models and losses (plain and BatchNorm
+    models, whose partial batches run outside the vmap)."""
+    bn_fed = make_fed((3, 32, 32), sizes=(5, 19, 10), n_test=(6, 0, 9))
+    cases = [(mlp_setup[0], mlp_setup[1], np.array([0, 1, 2, 3, 4, 5])),
+             (bn_fed, build_model("cnn", (3, 32, 32), 10, seed=0), np.array([0, 1, 2]))]
+    for fed, model, clients in cases:
+        plan = TrainJob(clients, starts(model, len(clients), seed=5))
+        runs = []
+        for entries in (1 << 30, 1, 3 * 8 * 2):
+            eng = VectorizedEngine(fed, model, CFG, 3, "cpu", compile=False)
+            eng.schedule_entries = entries
+            runs.append(eng.train(plan, 4))
+        for r in runs[1:]:
+            assert torch.equal(r.params, runs[0].params) and torch.equal(r.loss, runs[0].loss)
+        assert eng.samples_trained == CFG.epochs * int(fed.n_train[clients].sum())
+
+
+def test_batch_orders_are_lazy_and_match_the_eager_list():
+    from fedprism.engine.base import batch_order, iter_batches, n_batches
+    for n, e, b in [(0, 3, 4), (1, 2, 4), (33, 3, 8), (64, 2, 8)]:
+        eager = batch_order(n, e, b, seed=11)
+        assert len(eager) == n_batches(n, e, b)
+        assert all(torch.equal(x, y) for x, y in zip(eager, iter_batches(n, e, b, seed=11)))
+    # a billion epochs cost nothing until they are drawn
+    it = iter_batches(10, 10**9, 4, seed=0)
+    assert [len(next(it)) for _ in range(4)] == [4, 4, 2, 4]
+    assert n_batches(10, 10**9, 4) == 3 * 10**9
+
+
 @pytest.mark.parametrize("setup", ["mlp_setup", "lenet_setup"])
 def test_evaluate_matches_sequential(setup, request):
     fed, model = request.getfixturevalue(setup)

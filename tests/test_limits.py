@@ -24,7 +24,7 @@ def build(tmp_path, **kw):
 
 
 @pytest.mark.parametrize("kw,key,needle", [
-    ({"method": "fedavg", "local_epochs": 10**9}, "local_epochs", "batch order"),
+    ({"method": "fedavg", "local_epochs": 10**9}, "local_epochs", "steps per client"),
     ({"method": "ifca", "ifca.k": 10**6}, "ifca.k", "at most clients=6"),
     ({"method": "fedprism", "fedprism.k": 7}, "fedprism.k", "at most clients=6"),
     ({"method": "fedprism_dual", "fedprism_dual.k": 10**6}, "fedprism_dual.k", "at most clients=6"),
@@ -45,9 +45,14 @@ def test_memory_bounds_use_the_parameter_count(tmp_path):
     local = resolve({**BASE, "method": "local", "clients": 50})
     with pytest.raises(ConfigError, match=r"'clients' = 50.*at most 26 here for local"):
         check_limits(local, n, num_params=10_000_000, memory=2 << 30)
-    with pytest.raises(ConfigError, match=r"local_epochs.*at most 9 here"):
-        check_limits(resolve({**BASE, "method": "fedavg", "local_epochs": 10, "clients": 50}),
-                     np.full(50, 10_000), num_params=10, memory=4 * 9 * 25 * (20 * 10_000 + 256 * 313))   # cohort of 25
+    # epochs cost work, not memory (lazy batch orders): 10^9 steps per client and round at most
+    big = resolve({**BASE, "method": "fedavg", "local_epochs": 10**6, "clients": 50})
+    check_limits(big, np.full(50, 10_000), num_params=10, memory=8 << 30)            # 313 * 10^6 steps: fits
+    with pytest.raises(ConfigError, match=r"local_epochs.*at most 3194888 here.*313 steps per epoch"):
+        check_limits(resolve({**BASE, "method": "fedavg", "local_epochs": 3194889, "clients": 50}),
+                     np.full(50, 10_000), num_params=10, memory=8 << 30)
+    with pytest.raises(ConfigError, match=r"local_epochs.*no epoch fits here"):         # cohort of 25
+        check_limits(big, np.full(50, 10_000), num_params=10, memory=4 * (25 * (20 * 10_000 + 256 * 313)) - 4)
     assert available_memory() > 0
 
 

@@ -8,7 +8,9 @@ at once). The engines implement the `fedprism.protocol.Trainer` protocol and imp
 
 from __future__ import annotations
 
+import functools
 import hashlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,15 +67,23 @@ def stream_seed(seed: int, rnd: int, client: int, stream: str = "train") -> int:
     return int(np.random.SeedSequence([seed, rnd, client, h]).generate_state(1, np.uint64)[0] % (2**62))
 
 
-def batch_order(n: int, epochs: int, batch_size: int, seed: int) -> list[torch.Tensor]:
+def iter_batches(n: int, epochs: int, batch_size: int, seed: int) -> Iterator[torch.Tensor]:
     """Index batches for `epochs` passes over n samples, reshuffled each epoch; last batch kept
-    (drop_last=False)."""
+    (drop_last=False). Lazy: one epoch's permutation at a time, so memory does not grow with epochs;
+    the generator is drawn in the same order as an eager list, so the batches are the same."""
     g = torch.Generator().manual_seed(seed)
-    out: list[torch.Tensor] = []
     for _ in range(epochs):
-        perm = torch.randperm(n, generator=g)
-        out.extend(perm.split(batch_size))
-    return out
+        yield from torch.randperm(n, generator=g).split(batch_size)
+
+
+def n_batches(n: int, epochs: int, batch_size: int) -> int:
+    """len(list(iter_batches(n, epochs, batch_size, seed))) without drawing anything."""
+    return epochs * max(1, -(-n // batch_size))      # n = 0: one empty batch per epoch, as split() gives
+
+
+def batch_order(n: int, epochs: int, batch_size: int, seed: int) -> list[torch.Tensor]:
+    """The batches of `iter_batches` as a list (tests and small tools; the engines iterate lazily)."""
+    return list(iter_batches(n, epochs, batch_size, seed))
 
 
 def optimizer_state(cfg: LocalConfig, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -152,10 +162,15 @@ class EngineBase:
         self.samples_trained = 0
 
     # -- shared helpers ---------------------------------------------------------------------------
-    def _orders(self, job: TrainJob, rnd: int) -> list[list[torch.Tensor]]:
+    def _orders(self, job: TrainJob, rnd: int) -> list[tuple[int, Callable[[], Iterator[torch.Tensor]]]]:
+        """Per client of the job: (number of batches, a function giving its lazy batch iterator)."""
         epochs = self.cfg.epochs if job.epochs is None else job.epochs
-        return [batch_order(len(self._train_idx[c]), epochs, self.cfg.batch_size,
-                            stream_seed(self.seed, rnd, int(c), job.stream)) for c in job.clients]
+        B = self.cfg.batch_size
+        out = []
+        for c in job.clients:
+            n, seed = len(self._train_idx[int(c)]), stream_seed(self.seed, rnd, int(c), job.stream)
+            out.append((n_batches(n, epochs, B), functools.partial(iter_batches, n, epochs, B, seed)))
+        return out
 
     def _config(self, job: TrainJob) -> LocalConfig:
         if job.optimizer is None or job.optimizer == self.cfg.optimizer:

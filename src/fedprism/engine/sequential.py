@@ -16,14 +16,14 @@ class SequentialEngine(EngineBase):
         mask = None if job.mask is None else job.mask.to(self.device)
         out = torch.empty_like(job.start)
         losses = torch.zeros(len(job.clients), dtype=torch.float64)
-        for k, (c, order) in enumerate(zip(job.clients, self._orders(job, rnd))):
+        for k, (c, (_, batches)) in enumerate(zip(job.clients, self._orders(job, rnd))):
             idx = self._train_idx[int(c)]
             extras = {n: v[k].to(self.device) for n, v in job.extras.items()}
             m = mask[k] if mask is not None and mask.dim() == 2 else mask
             w = job.start[k].to(self.device, copy=True)
             st = optimizer_state(cfg, w)
-            total = 0.0
-            for b in order:
+            total, count = 0.0, 0
+            for b in batches():
                 bi = idx[b.to(self.device)]
                 x, y = self.fed.x_train[bi], self.fed.y_train[bi]
                 wr = w.detach().requires_grad_(True)
@@ -32,7 +32,8 @@ class SequentialEngine(EngineBase):
                 with torch.no_grad():
                     w, st = optimizer_step(w, g, st, cfg, m)
                 total += float(loss.detach()) * len(y)
+                count += len(y)
                 self.samples_trained += len(y)
             out[k] = w.to(out.device)
-            losses[k] = total / max(1, sum(len(b) for b in order))
+            losses[k] = total / max(1, count)
         return Trained(job.clients, out, self._n_train(job.clients), losses)

@@ -228,6 +228,7 @@ class VectorizedEngine(EngineBase):
         self.own_samples = 64 if not cuda else 256
         self.own_rows = int(max(1, min(1024, budget // (2 * 4 * act * self.own_samples))))
         self._train_idx_np = [np.asarray(i, dtype=np.int64) for i in fed.train_idx]
+        self.schedule_entries = 1 << 21              # batch entries of the schedule built at once
         self.step_overhead = 32.0 if cuda else 1.0   # fixed cost of a step, in units of one slot's work
         self._slot_graphs: set[int] = set()
         self._steps: dict[str, _MaybeCompiled] = {}
@@ -293,7 +294,7 @@ class VectorizedEngine(EngineBase):
         if n == 0:
             return Trained(job.clients, job.start.clone(), self._n_train(job.clients), losses)
         orders = self._orders(job, rnd)
-        steps = [len(o) for o in orders]
+        steps = [m for m, _ in orders]
         out = start.clone()                       # clients with no steps (epochs=0) keep their start
         busy = [k for k in range(n) if steps[k] > 0]
         if not busy:
@@ -301,73 +302,80 @@ class VectorizedEngine(EngineBase):
         W = self.slots_for([steps[k] for k in busy])
         queues = [[busy[j] for j in q] for q in lpt_slots([steps[k] for k in busy], W)]
         T = max(sum(steps[k] for k in q) for q in queues)
+        counts = torch.zeros(n, dtype=torch.float64)
 
-        # the whole round's schedule, built on the CPU and moved once
-        idx = torch.zeros(T, W, B, dtype=torch.long)
-        wt = torch.zeros(T, W, B)
-        owner = torch.full((T, W), -1, dtype=torch.long)
-        starts: dict[int, list[tuple[int, int]]] = defaultdict(list)
-        ends: dict[int, list[tuple[int, int]]] = defaultdict(list)
-        partial: dict[int, list[tuple[int, int, torch.Tensor]]] = defaultdict(list)
-        for s, q in enumerate(queues):
-            t = 0
+        def slot_stream(q: list[int]):
+            """(client, first?, last?, sample rows) of one slot's queue, batch by batch, drawn lazily."""
             for k in q:
                 gidx = torch.from_numpy(self._train_idx_np[int(job.clients[k])])
-                o = orders[k]
-                starts[t].append((s, k))
-                for j, b in enumerate(o):
-                    m = len(b)
-                    if self.batchnorm and m < B:
-                        partial[t + j].append((s, k, gidx[b]))   # run unpadded, outside the vmap
-                    else:
-                        idx[t + j, s, :m] = gidx[b]
-                        wt[t + j, s, :m] = 1.0
-                    owner[t + j, s] = k
-                t += len(o)
-                ends[t - 1].append((s, k))
-        counts = torch.tensor([sum(len(b) for b in o) for o in orders], dtype=torch.float64)
-        active = owner >= 0
-        for t, lst in partial.items():
-            for s, _, _ in lst:
-                active[t, s] = False
-        idx, wt, active = idx.to(dev), wt.to(dev), active.to(dev)
+                for j, b in enumerate(orders[k][1]()):
+                    yield k, j == 0, j == steps[k] - 1, gidx[b]
 
+        streams = [slot_stream(q) for q in queues]
         step = self._step_fn(job.loss, cfg, per_client)
         w = torch.zeros(W, start.shape[1], device=dev, dtype=start.dtype)
         st = optimizer_state(cfg, w)
         ex = {k: torch.zeros((W, *v.shape[1:]), device=dev, dtype=v.dtype) for k, v in extras.items()}
-        lvals = torch.zeros(T, W, device=dev, dtype=torch.float64)
         xtr, ytr = self.fed.x_train, self.fed.y_train
-        for t in range(T):
-            for s, k in starts.get(t, ()):
-                w[s] = start[k]
-                for z in st:
-                    z[s] = 0
-                for name, v in extras.items():
-                    ex[name][s] = v[k]
-            it = idx[t]
-            m = ex.pop("__mask__") if per_client else mask
-            w, st, lv = step(w, st, xtr[it], ytr[it], wt[t], ex, active[t], m)
-            if per_client:
-                ex["__mask__"] = m
-            lvals[t] = lv
-            for s, k, bi in partial.get(t, ()):
-                lvals[t, s] = self._single_step(job.loss, cfg, w, st, s, k, bi.to(dev), extras,
-                                                ex["__mask__"][s] if per_client else mask)
-            for s, k in ends.get(t, ()):
-                out[k] = w[s]
-        # per-client mean loss, weighted by batch sizes (as the sequential engine)
-        bsz = torch.zeros(T, W, dtype=torch.float64)
-        for s, q in enumerate(queues):
-            t = 0
-            for k in q:
-                for j, b in enumerate(orders[k]):
-                    bsz[t + j, s] = len(b)
-                t += len(orders[k])
-        lv_cpu = lvals.cpu() * bsz
-        own = owner.clone()
-        sel = own >= 0
-        losses.index_add_(0, own[sel], lv_cpu[sel])
+        # the schedule is built on the CPU a chunk of steps at a time (about 2M batch entries), so
+        # memory does not grow with the number of epochs; each chunk is moved once
+        chunk = max(1, min(T, self.schedule_entries // max(1, W * B)))
+        for t0 in range(0, T, chunk):
+            L = min(chunk, T - t0)
+            idx = torch.zeros(L, W, B, dtype=torch.long)
+            wt = torch.zeros(L, W, B)
+            owner = torch.full((L, W), -1, dtype=torch.long)
+            bsz = torch.zeros(L, W, dtype=torch.float64)
+            starts: dict[int, list[tuple[int, int]]] = defaultdict(list)
+            ends: dict[int, list[tuple[int, int]]] = defaultdict(list)
+            partial: dict[int, list[tuple[int, int, torch.Tensor]]] = defaultdict(list)
+            for s, stream in enumerate(streams):
+                for t in range(L):
+                    item = next(stream, None)
+                    if item is None:
+                        break
+                    k, first, last, rows = item
+                    m = len(rows)
+                    if first:
+                        starts[t].append((s, k))
+                    if self.batchnorm and m < B:
+                        partial[t].append((s, k, rows))   # run unpadded, outside the vmap
+                    else:
+                        idx[t, s, :m] = rows
+                        wt[t, s, :m] = 1.0
+                    owner[t, s] = k
+                    bsz[t, s] = m
+                    counts[k] += m
+                    if last:
+                        ends[t].append((s, k))
+            active = owner >= 0
+            for t, lst in partial.items():
+                for s, _, _ in lst:
+                    active[t, s] = False
+            idx, wt, active = idx.to(dev), wt.to(dev), active.to(dev)
+            lvals = torch.zeros(L, W, device=dev, dtype=torch.float64)
+            for t in range(L):
+                for s, k in starts.get(t, ()):
+                    w[s] = start[k]
+                    for z in st:
+                        z[s] = 0
+                    for name, v in extras.items():
+                        ex[name][s] = v[k]
+                it = idx[t]
+                m = ex.pop("__mask__") if per_client else mask
+                w, st, lv = step(w, st, xtr[it], ytr[it], wt[t], ex, active[t], m)
+                if per_client:
+                    ex["__mask__"] = m
+                lvals[t] = lv
+                for s, k, bi in partial.get(t, ()):
+                    lvals[t, s] = self._single_step(job.loss, cfg, w, st, s, k, bi.to(dev), extras,
+                                                    ex["__mask__"][s] if per_client else mask)
+                for s, k in ends.get(t, ()):
+                    out[k] = w[s]
+            # per-client mean loss, weighted by batch sizes (as the sequential engine), summed in step order
+            lv_cpu = lvals.cpu() * bsz
+            sel = owner >= 0
+            losses.index_add_(0, owner[sel], lv_cpu[sel])
         losses /= counts.clamp(min=1)
         self.samples_trained += int(counts.sum())
         return Trained(job.clients, out.to(job.start.device, job.start.dtype), self._n_train(job.clients), losses)

@@ -5,8 +5,11 @@ sizes and the parameter count P are known) and before anything large is allocate
 `ConfigError` naming the key, its value, the largest value allowed here and why:
 
     batch_size     at most the federation's train samples (a larger batch is the whole data anyway)
-    local_epochs   the batch orders (and the vectorized engine's schedule) of the largest cohort for
-                   all epochs of a round fit in a quarter of the available memory
+    local_epochs   batch orders are drawn lazily, one epoch at a time (memory does not grow with
+                   epochs), so the bound is on work: at most MAX_STEPS (10^9) optimiser steps for the
+                   largest client in one round (more than a day of a tiny model's steps: a typo);
+                   and one epoch's batch order of the largest cohort must fit in a quarter of
+                   the available memory
     <method>.k     at most `clients` (a cluster model nobody can join is never trained), and the K
                    cluster models (IFCA: scored by every client of a cohort, cohort x K copies) fit
                    in half of the available memory
@@ -31,6 +34,8 @@ from fedprism.errors import ConfigError
 #: [T, W, B] index (int64) and weight (float32) schedule; a torch view object per batch
 _PER_SAMPLE = 8 + 8 + 4
 _PER_BATCH = 256
+#: optimiser steps one client may take in one round (local_epochs x batches per epoch)
+MAX_STEPS = 10**9
 #: methods whose state holds per-client models ([N, P] rows), and how many
 _PER_CLIENT_MODELS = {"local": 1, "fedamp": 2, "cfl": 1, "fedprism_dual": 2}
 _K_METHODS = ("fedprism", "fedprism_dual", "ifca", "fedclust")
@@ -87,10 +92,15 @@ def check_limits(cfg, n_train: np.ndarray, num_params: int, memory: int | None =
     per_epoch = int(_PER_SAMPLE * largest.sum() + _PER_BATCH * np.ceil(largest / B).sum())
     E = cfg["local_epochs"]
     budget = mem // 4
-    if per_epoch and E * per_epoch > budget:
-        raise ConfigError("local_epochs", E, f"at most {budget // per_epoch} here: one epoch's batch order of the "
-                          f"largest cohort ({cohort} clients, {int(largest.sum())} samples) takes "
-                          f"{_gb(per_epoch)}; a round may use a quarter of the available memory ({_gb(mem)})")
+    if per_epoch > budget:
+        raise ConfigError("local_epochs", E, f"no epoch fits here: one epoch's batch order of the largest cohort "
+                          f"({cohort} clients, {int(largest.sum())} samples) takes {_gb(per_epoch)}, more than a "
+                          f"quarter of the available memory ({_gb(mem)}); lower fraction or clients")
+    per_epoch_steps = int(np.ceil(largest[0] / B)) if len(largest) else 0
+    if per_epoch_steps and E * per_epoch_steps > MAX_STEPS:
+        raise ConfigError("local_epochs", E, f"at most {MAX_STEPS // per_epoch_steps} here: the largest client "
+                          f"takes {per_epoch_steps} steps per epoch and a round may take at most {MAX_STEPS:.0e} "
+                          "steps per client (batch orders are drawn lazily; the bound is on work, not memory)")
 
     if method in _K_METHODS and f"{method}.k" in cfg.values:
         K = cfg[f"{method}.k"]
