@@ -676,3 +676,20 @@ def test_zero_samples_is_refused(tmp_path, task_identity):
     f = [(r["round"], r["client"]) for r in s.records(res.run_id, "failure") if "0 samples" in r["data"]["reason"]]
     assert f == [(0, 1), (1, 1)]
     assert [m["accepted"] for m in s.round_metrics(res.run_id)] == [3, 3]
+
+
+# -- bounded resources ----------------------------------------------------------------------------------------
+def test_size_keys_are_bounded_on_the_server_and_on_the_nodes(tmp_path):
+    """A size key beyond the data or the machine is a ConfigError naming the key: on the server before it
+    waits for any node, and on a node before it builds its engine (its reply is then an error)."""
+    from fedprism.errors import ConfigError
+
+    exp = FEDAVG4.replace("local_epochs=1", "local_epochs=1000000000")
+    rc = run_config(exp, tmp_path / "r.db")
+    grid = FakeGrid(nodes_for(4), rc)
+    with pytest.raises(ConfigError, match=r"'local_epochs' = 1000000000.*at most \d+ here"):
+        serve(grid, rc)
+    assert grid.log == []                                   # refused before a single message went out
+    with pytest.raises(ConfigError, match="local_epochs"):
+        build_node(exp, 0)
+    assert Store(tmp_path / "r.db").runs() == []

@@ -75,15 +75,19 @@ def _gb(b: float) -> str:
     return f"{b / 2**30:.1f} GB" if b >= 2**30 else f"{b / 2**20:.1f} MB"
 
 
-def check_limits(cfg, n_train: np.ndarray, num_params: int, memory: int | None = None) -> None:
-    """Raise ConfigError for a size key beyond what this data and this machine allow (module doc)."""
+def check_limits(cfg, n_train: np.ndarray, num_params: int, memory: int | None = None,
+                 sizes_complete: bool = True) -> None:
+    """Raise ConfigError for a size key beyond what this data and this machine allow (module doc).
+
+    `sizes_complete=False` (a Flower server that only knows the counts its nodes reported so far):
+    the batch-size bound, which needs the federation's total, is skipped."""
     mem = available_memory() if memory is None else memory
     n_train = np.asarray(n_train, dtype=np.int64)
     N, P, total = len(n_train), int(num_params), int(n_train.sum())
     method = cfg["method"]
 
     B = cfg["batch_size"]
-    if B > max(total, 1):
+    if sizes_complete and B > max(total, 1):
         raise ConfigError("batch_size", B, f"at most {total} here (the federation's train samples)")
 
     cohort = N if (method == "local" and cfg.get("local.participation") == "all") else \

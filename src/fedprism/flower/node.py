@@ -25,6 +25,7 @@ from fedprism.experiment import federation as _fedmod
 from fedprism.experiment.config import Config
 from fedprism.experiment.evaluate import StreamScorer, score_inference
 from fedprism.experiment.runner import local_config, make_algorithm, make_context, make_model
+from fedprism.experiment.limits import check_limits
 from fedprism.federation import Federation
 from fedprism.flower.settings import parse_experiment
 from fedprism.protocol import ClientState, Context, EvalResult, Plan, Rows, Update
@@ -157,6 +158,7 @@ def build_node(experiment: str, client: int, data_root: str = "", device: str = 
         raise ValueError(f"client id {client} outside [0, {cfg['clients'] - 1}]")
     fed = _fedmod.build_federation(cfg)
     model = make_model(cfg, fed.input_shape, fed.num_classes)
+    check_limits(cfg, fed.n_train, sum(p.numel() for p in model.parameters()))   # before anything large
     ctx = make_context(cfg, model, fed.n_train, fed.label_hist())
     local = client_slice(fed, client)
     hist = fed.label_hist()[client].copy()

@@ -35,6 +35,7 @@ from flwr.app import ConfigRecord, Message, RecordDict
 
 from fedprism.algorithms.base import Algorithm
 from fedprism.experiment.evaluate import Evaluator, row_hashes
+from fedprism.experiment.limits import check_limits
 from fedprism.experiment.runner import Experiment, RunResult, make_algorithm, make_context, make_model, validate_update
 from fedprism.experiment.store import Store
 from fedprism.flower import codec
@@ -534,6 +535,10 @@ class FlowerExperiment(Experiment):
         self.model = make_model(cfg, link.input_shape, link.num_classes)
         self.ctx = make_context(cfg, self.model, link.n_train, link.label_hist)   # arrays filled as nodes report
         self.ctx.spec = Functional(self.model).spec
+        # the size keys against this machine and the data: the partition's sizes when the server could
+        # build it, else the counts the nodes reported (clients not seen yet count 0)
+        check_limits(cfg, sizes["train"] if sizes is not None else link.n_train, self.ctx.spec.size,
+                     sizes_complete=sizes is not None)
         if self.ctx.spec.size != link.param_size:
             raise RuntimeError(f"the nodes' model has {link.param_size} parameters, the server's {self.ctx.spec.size}")
         self.algo: Algorithm = make_algorithm(cfg, self.ctx)

@@ -20,7 +20,9 @@ import torch
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedprism.experiment.runner import RunResult
+from fedprism.errors import ConfigError
+from fedprism.experiment.limits import check_limits
+from fedprism.experiment.runner import RunResult, make_model
 from fedprism.experiment.store import Store
 from fedprism.flower.server import FlowerExperiment, Link, _log
 from fedprism.flower.settings import RunSettings, flower_run_id
@@ -49,6 +51,9 @@ def server_data(s: RunSettings):
         sizes["val"] = np.array([len(ix) for ix in fed.val_idx])
     if fed.y_val is not None:
         sizes["global_val"] = len(fed.y_val)
+    # the size keys against the data and this machine, before waiting for any node
+    model = make_model(s.cfg, fed.input_shape, fed.num_classes)
+    check_limits(s.cfg, sizes["train"], sum(p.numel() for p in model.parameters()))
     N = fed.num_clients
     empty = np.zeros(0, dtype=np.int64)
     shared = Federation(fed.x_train[:0].clone(), fed.y_train[:0].clone(), fed.x_test, fed.y_test, [empty] * N,
@@ -71,7 +76,11 @@ def serve(grid: Grid, run_config: dict[str, Any]) -> RunResult:
         if row is not None and row["status"] == "finished":
             _log(f"run {run_id} is already finished in {s.db}; nothing to do")
             return FlowerExperiment.finished(store, run_id)
-        shared, biggest, sizes = server_data(s)
+        try:
+            shared, biggest, sizes = server_data(s)
+        except ConfigError as e:
+            _log(f"refused: {e}")            # one line naming the key, its value and what is allowed
+            raise
         cap = s.max_samples or biggest
         registry = Registry.load(s.registry, s.cfg["clients"]) if s.registry else None
         link = Link(grid, s.cfg["clients"], s.cfg.run_id, s.poll_interval, s.probe_timeout, registry=registry,
@@ -83,7 +92,11 @@ def serve(grid: Grid, run_config: dict[str, Any]) -> RunResult:
         _log(f"run {run_id}: {s.cfg['method']} on {s.cfg['dataset']}, {s.cfg['clients']} clients, "
              f"{s.cfg['rounds']} rounds; waiting for {s.min_nodes} node(s) (at most {s.nodes_timeout:g}s)")
         link.discover(s.min_nodes, s.nodes_timeout)
-        exp = FlowerExperiment(s, store, link, shared, sizes)
+        try:
+            exp = FlowerExperiment(s, store, link, shared, sizes)
+        except ConfigError as e:
+            _log(f"refused: {e}")            # one line naming the key, its value and what is allowed
+            raise
         res = exp.run(stop_after=s.stop_after or None)
         _log(f"run {run_id} {res.status}" + (f" (resumed after round {res.resumed_from})"
                                               if res.resumed_from is not None else "")
