@@ -52,6 +52,7 @@ class Context:
     rounds: int
     fraction: float
     feature_dim: int = 0               # width of the model's penultimate features (prototype methods)
+    privacy: Any = None                # fedprism.privacy.Privacy when `privacy.epsilon` > 0, else None
 
 
 # -- declarations ------------------------------------------------------------------------------------

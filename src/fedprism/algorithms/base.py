@@ -55,6 +55,9 @@ class Algorithm:
     client_state: ClassVar[dict[str, ClientState]] = {}
     #: alternative predictions stored beside the headline metrics (name -> report row label), in report order
     predictions: ClassVar[dict[str, str]] = {}
+    #: True when clients upload class prototypes: `privacy.epsilon` then plans one DP release per round
+    #: (fedprism.privacy) and the method must release them through `fedproto.local_prototypes(..., ctx, rnd)`
+    shares_prototypes: ClassVar[bool] = False
 
     def __init__(self, ctx: Context, **hp: Any):
         self.ctx = ctx

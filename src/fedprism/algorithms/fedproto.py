@@ -66,6 +66,7 @@ from fedprism.algorithms.base import (Algorithm, ClientState, Inference, Plan, T
                                       register)
 from fedprism.errors import ConfigError
 from fedprism.hparams import Param
+from fedprism.privacy import clip_rows
 
 #: which clients' prototypes the server averages (see the module docstring)
 AGGREGATE_OVER = ("seen", "round")
@@ -90,21 +91,32 @@ def prototype_loss(model, w, x, y, weight, extras):
     return ce + extras["lam"] * reg
 
 
-def local_prototypes(trainer, clients: np.ndarray, params: torch.Tensor, num_classes: int
+def local_prototypes(trainer, clients: np.ndarray, params: torch.Tensor, num_classes: int, ctx=None, rnd: int = 0
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Eq. 4 for each client: (protos [n, C, d] float32, counts [n, C] float32) over its train split, with
-    the model rows `params` [n, P]. A class the client does not have is a zero row with count 0."""
+    the model rows `params` [n, P]. A class the client does not have is a zero row with count 0.
+
+    With `ctx.privacy` (`privacy.epsilon` > 0) each feature vector is clipped to `privacy.clip` and the
+    class sums and counts are released with Gaussian noise before they leave the client
+    (fedprism.privacy): noisy sum / max(noisy count, 1), noisy count clamped at 0."""
+    privacy = getattr(ctx, "privacy", None)
     protos, counts = [], []
     for i, c in enumerate(clients):
         x, y = trainer.data(int(c), "train")
         sums = None
         for s0 in range(0, len(y), PROTO_CHUNK):
             z = trainer.features(params[i:i + 1], x[s0:s0 + PROTO_CHUNK])[0].to(torch.float64)
+            if privacy is not None:
+                z = clip_rows(z, privacy.clip)
             if sums is None:
                 sums = torch.zeros(num_classes, z.shape[-1], dtype=torch.float64, device=z.device)
             sums.index_add_(0, y[s0:s0 + PROTO_CHUNK].to(z.device), z)
         n = torch.bincount(y.cpu(), minlength=num_classes).to(torch.float64)
-        protos.append((sums.cpu() / n.clamp(min=1)[:, None]).float())
+        if privacy is not None:
+            p, n = privacy.prototype_sums(sums.cpu(), n, privacy.generator(ctx.seed, rnd, int(c), "prototypes"))
+        else:
+            p = sums.cpu() / n.clamp(min=1)[:, None]
+        protos.append(p.float())
         counts.append(n.float())
     return torch.stack(protos), torch.stack(counts)
 
@@ -179,6 +191,7 @@ class FedProto(Algorithm):
     }
     client_state = {"w": ClientState(("P",), init="model")}
     predictions = {"proto": "nearest global prototype"}
+    shares_prototypes = True             # `privacy.epsilon` releases them with DP (fedprism.privacy)
 
     def __init__(self, ctx, **hp):
         super().__init__(ctx, **hp)
@@ -203,7 +216,7 @@ class FedProto(Algorithm):
         extras = {"protos": plan.payload["protos"], "present": plan.payload["present"],
                   "lam": torch.full((len(S),), float(self.hp["lam"]))}
         t = trainer.train(TrainJob(S, cstate["w"].clone(), loss=prototype_loss, extras=extras), rnd)
-        protos, counts = local_prototypes(trainer, S, t.params, self.ctx.num_classes)
+        protos, counts = local_prototypes(trainer, S, t.params, self.ctx.num_classes, self.ctx, rnd)
         return Update(S, {"protos": protos, "counts": counts}, t.n_samples, {"train_loss": t.loss},
                       client_state={"w": t.params})
 

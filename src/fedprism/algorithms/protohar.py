@@ -90,6 +90,7 @@ class ProtoHAR(Algorithm):
                                 "client's latest upload (seen)", choices=AGGREGATE_OVER),
     }
     client_state = {"w": ClientState(("P",), init="model")}
+    shares_prototypes = True             # `privacy.epsilon` releases them with DP (fedprism.privacy)
 
     def __init__(self, ctx, **hp):
         super().__init__(ctx, **hp)
@@ -139,7 +140,7 @@ class ProtoHAR(Algorithm):
             w = head_phase(w)
         t = trainer.train(TrainJob(S, w, loss=prototype_loss, extras=extras, mask=self.mask_body), rnd)
         w = t.params
-        protos, counts = local_prototypes(trainer, S, w, self.ctx.num_classes)     # features need the body only
+        protos, counts = local_prototypes(trainer, S, w, self.ctx.num_classes, self.ctx, rnd)   # body only
         if hp["order"] == "body_first":
             w = head_phase(w)
         return Update(S, {"body": w[:, self.body].clone(), "protos": protos, "counts": counts}, t.n_samples,

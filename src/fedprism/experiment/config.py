@@ -69,6 +69,16 @@ KEYS: dict[str, Param] = {
                      "stored ('' = none; not part of the run id)"),
     "optimizer": Param("sgd", "client optimiser: sgd (lr, momentum, weight_decay) or adam (lr, weight_decay; "
                        "betas 0.9/0.999, eps 1e-8)", choices=("sgd", "adam"), new=True),
+    "privacy.epsilon": Param(0.0, "(epsilon, delta)-DP per client for the statistics clients share (label "
+                             "counts; class prototypes): Gaussian noise calibrated by an RDP accountant "
+                             "(fedprism.privacy); 0 = exact statistics", lambda v: v >= 0 and math.isfinite(v),
+                             "a finite number >= 0 (0: off)", new=True),
+    "privacy.delta": Param(1e-5, "delta of the privacy budget", lambda v: 0 < v < 1, "a number in (0, 1)", new=True),
+    "privacy.clip": Param(1.0, "L2 bound on each sample's feature vector before class prototypes are summed",
+                          lambda v: v > 0 and math.isfinite(v), "a finite number > 0", new=True),
+    "privacy.noise": Param("seeded", "where the privacy noise comes from: seeded (a stream of the run seed: "
+                           "reproducible simulations) or system (OS entropy: deployments, where the server "
+                           "knows the seed)", choices=("seeded", "system"), new=True),
     "keep_final": Param(True, "keep the final server and client state beside the store (re-scoring of "
                         "evaluation-only settings without training)"),
 }

@@ -29,6 +29,7 @@ from fedprism.experiment.store import Store
 from fedprism.federation import Federation
 from fedprism.models import build_model
 from fedprism.params import flatten
+from fedprism.privacy import LABEL_RELEASES, Privacy
 from fedprism.protocol import ClientState, Context, Plan, Rows, TensorSpec, Update
 
 
@@ -180,10 +181,42 @@ def make_model(cfg: Config, input_shape: tuple[int, ...], num_classes: int) -> t
 
 def make_context(cfg: Config, model: torch.nn.Module, n_train: np.ndarray, label_hist: np.ndarray) -> Context:
     """The algorithm's view of the federation (sizes and label counts, no raw data). `spec` is
-    filled in by the caller once the engine (or a `Functional`) has laid the parameters out."""
+    filled in by the caller once the engine (or a `Functional`) has laid the parameters out.
+
+    With `privacy.epsilon` > 0 the label counts are the clients' DP releases (fedprism.privacy), made
+    once per client, and `ctx.privacy` holds the calibrated plan for the prototype releases."""
+    privacy = privacy_plan(cfg)
+    if privacy is not None:
+        label_hist = np.stack([privacy.label_counts(h, privacy.generator(cfg["seed"], 0, i, "labels")).numpy()
+                               for i, h in enumerate(label_hist)]) if len(label_hist) else label_hist
     return Context(num_clients=len(n_train), num_classes=int(label_hist.shape[1]), spec=None, init=flatten(model),
                    n_train=n_train, label_hist=label_hist, seed=cfg["seed"], rounds=cfg["rounds"],
-                   fraction=cfg["fraction"], feature_dim=feature_dim(model))
+                   fraction=cfg["fraction"], feature_dim=feature_dim(model), privacy=privacy)
+
+
+def privacy_plan(cfg: Config) -> Privacy | None:
+    """The run's privacy plan (None when `privacy.epsilon` is 0)."""
+    eps = cfg.get("privacy.epsilon", 0.0)
+    if not eps:
+        return None
+    return Privacy.plan(eps, cfg["privacy.delta"], cfg["privacy.clip"], cfg["privacy.noise"], cfg["rounds"],
+                        getattr(REGISTRY[cfg["method"]], "shares_prototypes", False))
+
+
+def privacy_metrics(cfg: Config, privacy: Privacy | None) -> dict[str, float]:
+    """What the run spent: epsilon of the most-sampled client's releases (its label counts once, its
+    prototypes each round it was sampled, for a prototype method), at the run's delta."""
+    if privacy is None:
+        return {}
+    k = 0
+    if privacy.releases > LABEL_RELEASES:
+        n = cfg["clients"]
+        times = np.zeros(n, dtype=np.int64)
+        for rnd in range(cfg["rounds"]):
+            times[sample_clients(cfg["seed"], rnd, n, cfg["fraction"])] += 1
+        k = int(times.max())
+    return {"dp_epsilon": privacy.spent(LABEL_RELEASES + k), "dp_delta": privacy.delta,
+            "dp_noise_multiplier": privacy.z, "dp_target_epsilon": privacy.epsilon}
 
 
 def feature_dim(model: torch.nn.Module) -> int:
@@ -311,6 +344,7 @@ class Experiment:
             raise
         history = store.round_metrics(run_id)
         final = final_metrics(history, 0.0)
+        final.update(privacy_metrics(self.cfg, self.ctx.privacy))
         final["rescored_from"] = source
         store.finish(run_id, final)
         return RunResult(run_id, "finished", final, history)
@@ -390,6 +424,7 @@ class Experiment:
         self.state = state
         history = store.round_metrics(run_id)
         final = final_metrics(history, elapsed)
+        final.update(privacy_metrics(cfg, self.ctx.privacy))
         if cfg["keep_final"]:
             store.save_final(cfg.train_id, self._snapshot(T - 1, state, seen, elapsed))
         store.finish(run_id, final)

@@ -58,18 +58,28 @@ def save_store(node: Node, context: Context) -> None:
 RELEASED = "fedprism-released-stats"
 
 
-def released_hist(node: Node, context: Context, epsilon: float) -> np.ndarray:
-    """The node's label histogram as it tells the server: exact (epsilon 0), or released once with
-    epsilon-DP (`trust.laplace_hist`, noise from the OS's entropy, never from the run seed, which the
-    server knows) and kept in the node's Context.state, so every later query gets the same release
-    (no privacy spent again)."""
-    if epsilon <= 0:
-        return np.asarray(node.label_hist, dtype=np.int64)
+def released_hist(node: Node, context: Context, epsilon: float) -> np.ndarray | None:
+    """The node's label histogram as it tells the server: None when it is exact; otherwise released
+    once and kept in the node's Context.state, so every later query gets the same release (no privacy
+    spent again; Flower starts a new ClientApp process per message). Two mechanisms:
+
+    * `privacy.epsilon` of the experiment (Gaussian, calibrated with the run's other releases by the RDP
+      accountant, fedprism.privacy): the node's context already holds its release (`ctx.label_hist`,
+      noise from the run seed or, with `privacy.noise=system`, from the OS), rounded to integers;
+    * the run config's `stats-epsilon` (Laplace, `trust.laplace_hist`, noise from the OS's entropy,
+      never from the run seed, which the server knows)."""
+    privacy = node.algo.ctx.privacy
+    if privacy is None and epsilon <= 0:
+        return None
+    mech = np.array([1.0, privacy.z]) if privacy is not None else np.array([0.0, epsilon])
     rec = context.state.array_records[RELEASED] if RELEASED in context.state.array_records else None
-    if rec is not None and "eps" in rec.keys() and float(rec["eps"].numpy()[0]) == epsilon:
+    if rec is not None and "mech" in rec.keys() and np.array_equal(rec["mech"].numpy(), mech):
         return rec["hist"].numpy().astype(np.int64)
-    hist = laplace_hist(node.label_hist, epsilon, np.random.default_rng())
-    context.state[RELEASED] = ArrayRecord({"hist": Array(hist), "eps": Array(np.array([epsilon]))})
+    if privacy is not None:
+        hist = np.rint(node.algo.ctx.label_hist[node.client]).astype(np.int64)
+    else:
+        hist = laplace_hist(node.label_hist, epsilon, np.random.default_rng())
+    context.state[RELEASED] = ArrayRecord({"hist": Array(hist), "mech": Array(mech)})
     return hist
 
 
@@ -85,9 +95,8 @@ def make_client_app(**defaults: Any) -> ClientApp:
     def identity(msg: Message, context: Context) -> Message:
         node = node_for(context, defaults)
         info = node.identity()
-        eps = epsilon(context)
-        if eps > 0:
-            hist = released_hist(node, context, eps)
+        hist = released_hist(node, context, epsilon(context))
+        if hist is not None:
             info.update({"label-hist": [int(v) for v in hist], "num-examples": int(hist.sum())})
         return Message(RecordDict({codec.IDENTITY: ConfigRecord(info)}), reply_to=msg)
 
@@ -102,9 +111,9 @@ def make_client_app(**defaults: Any) -> ClientApp:
         load_store(node, context)
         update = node.train(plan, rnd)
         save_store(node, context)          # only after a successful update (client_update commits last)
-        eps = epsilon(context)
-        if eps > 0:                        # the released total, not the exact one
-            total = max(int(released_hist(node, context, eps).sum()), 1)     # a weight of 0 carries nothing
+        hist = released_hist(node, context, epsilon(context))
+        if hist is not None:               # the released total, not the exact one
+            total = max(int(hist.sum()), 1)     # a weight of 0 carries nothing
             update.n_samples = torch.tensor([float(total)], dtype=torch.float64)
         return Message(codec.encode_update(update, node.client, node.cfg.run_id), reply_to=msg)
 

@@ -138,6 +138,9 @@ class RunSettings:
             raise ConfigError("min-replies", v["min-replies"], f"an integer in [1, clients={cfg['clients']}]")
         if v["min-nodes"] > cfg["clients"]:
             raise ConfigError("min-nodes", v["min-nodes"], f"an integer in [1, clients={cfg['clients']}]")
+        if v["stats-epsilon"] > 0 and cfg.get("privacy.epsilon", 0.0) > 0:
+            raise ConfigError("stats-epsilon", v["stats-epsilon"], "0 when the experiment sets privacy.epsilon "
+                              "(the label counts are then released once, with the run's Gaussian mechanism)")
         return cls(cfg=cfg, db=v["db"], min_nodes=v["min-nodes"], nodes_timeout=v["nodes-timeout"],
                    min_replies=v["min-replies"], round_timeout=v["round-timeout"],
                    poll_interval=v["poll-interval"], probe_timeout=v["probe-timeout"],

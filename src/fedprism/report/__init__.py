@@ -223,6 +223,28 @@ def alternatives_table(groups) -> list[str]:
     return md
 
 
+def privacy_table(groups) -> list[str]:
+    """Runs with `privacy.epsilon` > 0: the budget, the calibrated noise and the epsilon spent."""
+    md: list[str] = []
+    for setting in sorted(groups):
+        for label in sorted(groups[setting]):
+            for r in sorted(groups[setting][label], key=lambda x: x["config"]["seed"]):
+                f = r["final"]
+                if "dp_epsilon" not in f:
+                    continue
+                if not md:
+                    md = ["## Differential privacy of shared statistics", "",
+                          "Label counts and class prototypes released with Gaussian noise before they leave a client "
+                          "(`privacy.*`; fedprism.privacy): the target budget per client, the noise multiplier the "
+                          "RDP accountant calibrated for the planned releases, and the epsilon the most-sampled "
+                          "client spent.", "",
+                          "| method | setting | seed | target ε | δ | noise multiplier z | ε spent |",
+                          "|---|---|---|---|---|---|---|"]
+                md.append(f"| {label} | {setting} | {r['config']['seed']} | {f['dp_target_epsilon']:g} | "
+                          f"{f['dp_delta']:g} | {f['dp_noise_multiplier']:.3f} | {f['dp_epsilon']:.3f} |")
+    return md + [""] if md else md
+
+
 def tables(groups, reference: str | None = None,
            figures: dict[str, list[tuple[str, str]]] | None = None) -> tuple[str, list[list]]:
     """results.md and the CSV rows. `figures`: setting -> [(relative path, caption)] to link."""
@@ -231,6 +253,7 @@ def tables(groups, reference: str | None = None,
     if reference:
         md += reference_table(groups, reference)
     md += alternatives_table(groups)
+    md += privacy_table(groups)
     for setting in sorted(groups):
         md += [f"## {setting}", "", "| method | seeds | " + " | ".join(h for _, h in COLUMNS) + " |",
                "|---|---|" + "---|" * len(COLUMNS)]
