@@ -186,3 +186,71 @@ def test_tiny_mixed_skew_run_learns(tmp_path):
     assert all(np.isfinite(v) for v in last.values() if isinstance(v, float))
     assert last["local_acc"] > 0.8, last                          # 3 classes per client: chance is 1/3
     assert last["bytes_up"] > 0 and e.store.records(e.run_id, "pfpl_clusters")
+    # per-domain accuracy for the report: every client's domain is stored with round 0
+    from fedprism.report import collect, domain_accuracy, domain_table
+    doms = {r["client"]: r["data"]["domain"] for r in e.store.records(e.run_id, "client_domain")}
+    assert doms == dict(enumerate(e.fed.meta["client_domains"])) and len(doms) == 8
+    rows = e.store.client_rows(e.run_id)
+    by_hand = {d: np.mean([r["local_acc"] for r in rows if doms[r["client"]] == d]) for d in set(doms.values())}
+    assert domain_accuracy(e.store, e.run_id) == pytest.approx(by_hand)
+    md = "\n".join(domain_table(e.store, collect(e.store)))
+    assert "Local accuracy per domain" in md and "1: rot90" in md and "| pfpl |" in md
+
+
+# -- the mixed label + feature skew protocol ---------------------------------------------------------------------
+def _digits_labels():
+    from fedprism.data.datasets import load_dataset
+    ds = load_dataset("digits")
+    return ds.y_train.numpy(), ds.y_test.numpy()
+
+
+@pytest.mark.parametrize("n", [3, 4, 5])
+def test_mixed_protocol_gives_each_client_n_classes_of_one_domain(n):
+    from fedprism.data.partition import make_partition
+    y_tr, y_te = _digits_labels()
+    kw = dict(num_domains=4, min_classes=n, max_classes=n)
+    part = make_partition("domain_mix", y_tr, y_te, 12, seed=0, **kw)
+    again = make_partition("domain_mix", y_tr, y_te, 12, seed=0, **kw)
+    other = make_partition("domain_mix", y_tr, y_te, 12, seed=1, **kw)
+    assert all(np.array_equal(a, b) for a, b in zip(part.train + part.test, again.train + again.test))
+    assert np.array_equal(part.domains, again.domains) and part.meta == again.meta
+    assert any(not np.array_equal(a, b) for a, b in zip(part.train, other.train))
+    assert part.domains.shape == (12,) and set(part.domains.tolist()) == {0, 1, 2, 3}   # one domain each
+    assert part.meta["client_domains"] == part.domains.tolist()
+    for tr, te in zip(part.train, part.test):
+        classes = set(y_tr[tr].tolist())
+        assert len(classes) == n
+        assert len(te) and set(y_te[te].tolist()) <= classes
+
+
+def test_mixed_protocol_refuses_impossible_settings_naming_the_field():
+    from fedprism.data.partition import make_partition
+    from fedprism.errors import PartitionError
+    y_tr, y_te = _digits_labels()
+    with pytest.raises(PartitionError, match=r"partition\.max_classes = 11 .*at most 10"):
+        make_partition("domain_mix", y_tr, y_te, 8, seed=0, min_classes=11, max_classes=11)
+    with pytest.raises(PartitionError, match=r"partition\.num_domains"):
+        make_partition("domain_mix", y_tr, y_te, 8, seed=0, num_domains=6)
+    with pytest.raises(PartitionError, match=r"partition\.max_classes"):
+        make_partition("domain_mix", y_tr, y_te, 8, seed=0, min_classes=4, max_classes=3)
+    with pytest.raises(ConfigError, match=r"partition\.num_domains"):
+        cfg(method="pfpl", partition="domain_mix", partition__num_domains=6)
+
+
+def test_mixed_protocol_test_split_comes_from_the_clients_domain_and_classes():
+    from fedprism.data.domains import apply_domain
+    from fedprism.data.datasets import load_dataset
+    from fedprism.experiment.federation import build_federation
+    c = cfg(method="pfpl", clients=8, partition="domain_mix", partition__num_domains=4, partition__min_classes=3,
+            partition__max_classes=3)
+    fed = build_federation(c)
+    doms = fed.meta["client_domains"]
+    base = load_dataset("digits")
+    n_tr, n_te = len(base.y_train), len(base.y_test)
+    slot = {d: k for k, d in enumerate(sorted(set(doms)))}
+    for i, d in enumerate(doms):
+        tr, te = fed.train_idx[i], fed.test_idx[i]
+        assert set((tr // n_tr).tolist()) == {slot[d]} and set((te // n_te).tolist()) == {slot[d]}
+        assert set(fed.y_test[te].tolist()) <= set(fed.y_train[tr].tolist())
+        want = apply_domain(base.x_test[te % n_te].numpy(), d, seed=c["seed"] + 1)
+        assert np.array_equal(fed.x_test[te].numpy(), want)                 # the client's own transform
