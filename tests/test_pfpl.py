@@ -84,6 +84,14 @@ def test_alpha_one_is_local_training_bit_for_bit(tmp_path):
     assert a == b
 
 
+def test_vectorized_engine_gives_the_sequential_models(tmp_path):
+    seq = run(tmp_path, "seq", method="pfpl", rounds=2)
+    vec = run(tmp_path, "vec", method="pfpl", rounds=2, engine="vectorized", pfpl__distance="norm")
+    seq_norm = run(tmp_path, "seqn", method="pfpl", rounds=2, pfpl__distance="norm")
+    assert torch.allclose(vec.clients.data["w"], seq_norm.clients.data["w"], atol=1e-5)
+    assert not torch.allclose(seq.clients.data["w"], seq_norm.clients.data["w"], atol=1e-5)
+
+
 # -- the weights of Eq. 4 -----------------------------------------------------------------------------------
 def test_inverse_weights_favour_the_near_same_domain_client_and_as_printed_the_far_one():
     # client 0 and client 1 share a domain (near prototypes), client 2 is far; one class, d = 2
