@@ -106,8 +106,8 @@ def test_bytes_per_round_are_the_payload_sizes(method, tmp_path):
     body = e.ctx.spec.body.stop - e.ctx.spec.body.start
     protos = C * d + C                                      # [C, d] prototypes + [C] counts or presence
     per_down = {"local": 0, "fedprism_dual": P + 1, "ifca": 3 * P, "fedper": body, "fedrep": body,
-                "fedproto": protos, "protohar": body + protos}.get(method, P)
-    per_up = {"local": 0, "ifca": P + 1, "fedper": body, "fedrep": body, "fedproto": protos,
+                "fedproto": protos, "pfpl": protos, "protohar": body + protos}.get(method, P)
+    per_up = {"local": 0, "ifca": P + 1, "fedper": body, "fedrep": body, "fedproto": protos, "pfpl": protos,
               "protohar": body + protos}.get(method, P)
     res = e.run()
     for h in res.history:

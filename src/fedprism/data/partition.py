@@ -621,4 +621,6 @@ def make_partition(name: str, y_train: np.ndarray, y_test: np.ndarray, num_clien
         **extra,
         **test_meta,
     }
+    if domains is not None:
+        meta["client_domains"] = domains.tolist()        # per-client domain, for per-domain accuracy
     return Partition(train=train, test=test, domains=domains, meta=meta)

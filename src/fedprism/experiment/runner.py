@@ -264,6 +264,13 @@ class Experiment:
         """Further (kind, client, data) records to store with round `rnd`."""
         return []
 
+    def partition_records(self) -> list[tuple[str, int | None, Any]]:
+        """Per-client facts of the partition, stored with round 0: each client's domain under `domain_mix`
+        (kind `client_domain`), from which the report computes per-domain accuracy."""
+        fed = getattr(self, "fed", None)
+        doms = (fed.meta if fed is not None else {}).get("client_domains") or []
+        return [("client_domain", int(c), {"domain": int(d)}) for c, d in enumerate(doms)]
+
     def evaluate_round(self, evaluator: Evaluator, state: dict) -> tuple[dict, list[tuple]]:
         """Round metrics and per-client rows of one evaluation."""
         t_eval = time.time()
@@ -409,7 +416,7 @@ class Experiment:
                 })
                 if "train_loss" in update.metrics and len(update.clients):
                     metrics["train_loss"] = float(update.metrics["train_loss"].mean())
-                records += self.extra_records(rnd)
+                records += self.extra_records(rnd) + (self.partition_records() if rnd == 0 else [])
                 wall = time.time() - t0
                 elapsed += wall
                 store.write_round(run_id, rnd, metrics, client_rows, records, wall)

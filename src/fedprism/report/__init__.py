@@ -243,17 +243,61 @@ def privacy_table(groups) -> list[str]:
                 md.append(f"| {label} | {setting} | {r['config']['seed']} | {f['dp_target_epsilon']:g} | "
                           f"{f['dp_delta']:g} | {f['dp_noise_multiplier']:.3f} | {f['dp_epsilon']:.3f} |")
     return md + [""] if md else md
+def domain_accuracy(store: Store, run_id: str) -> dict[int, float]:
+    """Local accuracy per domain at the last evaluated round: mean over the clients of each domain that
+    have a local test split. Domains come from the run's `client_domain` records (stored with round 0
+    for partitions that give each client a domain, `domain_mix`); {} for any other run."""
+    dom = {r["client"]: int(r["data"]["domain"]) for r in store.records(run_id, "client_domain")}
+    if not dom:
+        return {}
+    acc: dict[int, list[float]] = defaultdict(list)
+    for row in store.client_rows(run_id):
+        if row["n_test"] and row["local_acc"] is not None and row["client"] in dom:
+            acc[dom[row["client"]]].append(float(row["local_acc"]))
+    return {d: float(np.mean(v)) for d, v in sorted(acc.items())}
+
+
+def domain_table(store: Store, groups) -> list[str]:
+    """Per-domain local accuracy (final round; mean ± std over seeds) of the settings whose runs have
+    client domains (mixed label + feature skew, `partition=domain_mix`)."""
+    from fedprism.data.domains import DOMAINS
+
+    md: list[str] = []
+    for setting in sorted(groups):
+        rows, doms = [], set()
+        for label in sorted(groups[setting]):
+            per_seed = [a for r in groups[setting][label] if (a := domain_accuracy(store, r["run_id"]))]
+            if per_seed:
+                rows.append((label, per_seed))
+                doms |= {d for a in per_seed for d in a}
+        if not rows:
+            continue
+        if not md:
+            md = ["## Local accuracy per domain (final round, %)", "",
+                  "Mean local accuracy of the clients of each domain (the fixed image transforms of "
+                  "`fedprism.data.domains`).", ""]
+        cols = sorted(doms)
+        md += [f"### {setting}", "", "| method | " + " | ".join(f"{d}: {DOMAINS[d]}" for d in cols) + " |",
+               "|---|" + "---|" * len(cols)]
+        md += [f"| {label} | " + " | ".join(_pm([a.get(d) for a in per_seed]) for d in cols) + " |"
+               for label, per_seed in rows]
+        md.append("")
+    return md
 
 
 def tables(groups, reference: str | None = None,
-           figures: dict[str, list[tuple[str, str]]] | None = None) -> tuple[str, list[list]]:
-    """results.md and the CSV rows. `figures`: setting -> [(relative path, caption)] to link."""
+           figures: dict[str, list[tuple[str, str]]] | None = None,
+           store: Store | None = None) -> tuple[str, list[list]]:
+    """results.md and the CSV rows. `figures`: setting -> [(relative path, caption)] to link; `store`:
+    also the per-domain table of mixed-skew runs."""
     md, rows = ["# fedprism results", "", "## Paper layout (final round; mean ± std over seeds, %)", ""], []
     md += paper_tables(groups)
     if reference:
         md += reference_table(groups, reference)
     md += alternatives_table(groups)
     md += privacy_table(groups)
+    if store is not None:
+        md += domain_table(store, groups)
     for setting in sorted(groups):
         md += [f"## {setting}", "", "| method | seeds | " + " | ".join(h for _, h in COLUMNS) + " |",
                "|---|---|" + "---|" * len(COLUMNS)]
@@ -471,7 +515,7 @@ def write_report(db: str, out: str, sweep: str | list[str] | None = None, plots:
         outdir = Path(out)
         outdir.mkdir(parents=True, exist_ok=True)
         plan = plan_figures(store, groups) if plots else {}
-        md, rows = tables(groups, reference, {s: [(p, c) for p, c, _ in f] for s, f in plan.items()})
+        md, rows = tables(groups, reference, {s: [(p, c) for p, c, _ in f] for s, f in plan.items()}, store)
         paths = [outdir / "results.md", outdir / "results.csv"]
         paths[0].write_text(md)
         with open(paths[1], "w", newline="") as f:
