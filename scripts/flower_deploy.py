@@ -8,11 +8,16 @@ What it does (every wait has a deadline; every process it starts is stopped by i
  2. starts `flower-superlink` with TLS, `--enable-supernode-auth` and no runtime `uv sync`;
  3. registers the N node keys (`flwr supernode register`), checks that a SuperNode with the
     unregistered key is refused, then starts N SuperNodes (`--node-config client-id=i`);
- 4. writes a Flower app directory and runs Fed-PRISM (`flwr run ... --stream`); when round 1 is
-    stored it SIGKILLs the SuperNode of `--kill-client` (during round 2), the run goes on with the
-    survivors;
- 5. checks the store (status, rounds, failures of the killed client, round-0 rows intact), renders
-    `fedprism report`, writes a JSON summary, and stops every process it started.
+ 4. writes the operator's key registry (`registry.json`: the SHA-256 fingerprint of node i's public key
+    -> client i) and a Flower app directory that reads it, and runs Fed-PRISM (`flwr run ... --stream`);
+ 5. a scripted hostile node (`--impostor`, default on): a key registered with Flower -- so it passes
+    node authentication -- but absent from the registry, started as `client-id=0` while client 0's
+    node is online. The server must refuse it (a `failure` record naming the field `registry`) and
+    client 0 must keep its own node in every round;
+ 6. when round 1 is stored it SIGKILLs the SuperNode of `--kill-client` (during round 2), the run goes
+    on with the survivors;
+ 7. checks the store (status, rounds, failures of the killed client, the impostor refused, round-0
+    rows intact), renders `fedprism report`, writes a JSON summary, and stops every process it started.
 
     .venv/bin/python scripts/flower_deploy.py [--workdir DIR] [--json summary.json] [--kill-client -1]
 
@@ -213,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--round-timeout", type=float, default=120.0)
     ap.add_argument("--timeout", type=float, default=900.0, help="deadline for the whole script (s)")
     ap.add_argument("--json", help="write a JSON summary here")
+    ap.add_argument("--no-impostor", dest="impostor", action="store_false",
+                    help="do not start the hostile node that claims client 0 with a key outside the registry")
     args = ap.parse_args(argv)
     # SIGTERM (e.g. a test's timeout) -> SystemExit, so that `finally` stops every process started here
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -250,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         files = make_certificates(certs_dir)
         keys = [make_node_key(certs_dir, f"node{i}") for i in range(args.nodes)]
         stranger = make_node_key(certs_dir, "unregistered")
+        impostor = make_node_key(certs_dir, "impostor") if args.impostor else None
         port = free_port()
         procs.start("superlink", [str(BIN / "flower-superlink"), "--ssl-ca-certfile", str(files["ca"]),
                                   "--ssl-certfile", str(files["cert"]), "--ssl-keyfile", str(files["key"]),
@@ -264,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
         flwr = str(BIN / "flwr")
         # register the node keys (retry while the SuperLink finishes starting)
         node_ids = []
-        for i, (_, pub) in enumerate(keys):
+        to_register = keys + ([impostor] if impostor else [])
+        for i, (_, pub) in enumerate(to_register):
             t_end = time.monotonic() + left(90)
             while True:
                 p = run_cmd([flwr, "supernode", "register", str(pub), "deploy"], cli_env, left(60), check=False)
@@ -274,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                     raise RuntimeError(f"flwr supernode register failed:\n{p.stdout}\n{p.stderr}")
                 time.sleep(2)
             node_ids.append(p.stdout.strip().splitlines()[-1] if p.stdout.strip() else "")
-            log(f"registered node{i}: {node_ids[-1][:120]}")
+            log(f"registered {'impostor' if i == len(keys) else f'node{i}'} with Flower: {node_ids[-1][:120]}")
         # a SuperNode with an unregistered key must be refused
         common = ["--root-certificates", str(files["ca"]), "--superlink", f"{HOST}:{port}"]
         stray = procs.start("unregistered", [str(BIN / "flower-supernode"), *common, "--auth-supernode-private-key",
@@ -299,6 +308,15 @@ def main(argv: list[str] | None = None) -> int:
             procs.start(f"supernode{i}", [str(BIN / "flower-supernode"), *common, "--auth-supernode-private-key",
                                           str(priv), "--port", str(free_port()), "--node-config", f"client-id={i}",
                                           "--max-wait-time", str(int(args.timeout))], env_for(f"supernode{i}"))
+        # the operator's registry: which key may serve which client (the impostor's key is not in it)
+        from fedprism.flower.trust import openssh_fingerprint
+        registry = work / "registry.json"
+        registry.write_text(json.dumps({"nodes": {openssh_fingerprint(pub.read_bytes()): {"client": i}
+                                                  for i, (_, pub) in enumerate(keys)}}, indent=1))
+        if impostor:
+            procs.start("impostor", [str(BIN / "flower-supernode"), *common, "--auth-supernode-private-key",
+                                     str(impostor[0]), "--port", str(free_port()), "--node-config", "client-id=0",
+                                     "--max-wait-time", str(int(args.timeout))], env_for("impostor"))
         # the app and its run config
         experiment = EXPERIMENT.format(n=args.nodes, rounds=args.rounds)
         cfg = parse_experiment(experiment)
@@ -308,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         write_app(app, {"experiment": experiment, "db": str(db), "min-nodes": args.nodes,
                         "min-replies": max(1, args.nodes - 1), "round-timeout": args.round_timeout,
                         "nodes-timeout": 300.0, "poll-interval": 0.5, "probe-timeout": 60.0,
-                        "save-final": str(work / "final_state.pt")})
+                        "save-final": str(work / "final_state.pt"), "registry": str(registry)})
         t_run = time.monotonic()
         runner = procs.start("flwr-run", [flwr, "run", str(app), "deploy", "--stream"], cli_env)
         killed_at = None
@@ -338,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
             raise RuntimeError(f"no run {run_id} in {db}; see {work / 'logs'}")
         hist = s.round_metrics(run_id)
         fails = s.records(run_id, "failure")
+        refused = [f for f in fails if f["data"].get("phase") == "identity" and f["data"].get("field") == "registry"]
         by_round: dict[str, list[int]] = {}
         for f in fails:
             if "phase" not in f["data"]:
@@ -349,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
             "killed_client": args.kill_client if killed_at is not None else None, "killed_after_rounds": killed_at,
             "failed_clients_round": by_round, "failures": [(f["round"], f["client"], f["data"]) for f in fails],
             "round0_clients_with_metrics": sum(r["local_acc"] is not None for r in s.client_rows(run_id, 0)),
+            "impostor_refusals": [f["data"] for f in refused],
+            "client0_failures": [f["round"] for f in fails if f["client"] == 0 and "phase" not in f["data"]],
             "final": json.loads(row["final"] or "{}"),
         })
         s.close()
@@ -362,6 +383,9 @@ def main(argv: list[str] | None = None) -> int:
             "report": summary["report_ok"],
             "round 0 intact": summary["round0_clients_with_metrics"] == args.nodes,
         }
+        if args.impostor:
+            checks["impostor refused"] = bool(refused)
+            checks["client 0 kept its node"] = not summary["client0_failures"] and args.kill_client != 0
         if args.kill_client >= 0:
             checks["kill happened"] = killed_at is not None
             checks["failure recorded"] = args.kill_client in by_round.get(str(args.kill_after_round), [])

@@ -499,8 +499,10 @@ simulate({EXP6!r}, db={str(tmp_path / 'sim.db')!r}, save_final={str(tmp_path / '
 @pytest.mark.timeout(1200)
 def test_loopback_deployment_with_tls_auth_and_a_killed_node(tmp_path):
     """scripts/flower_deploy.py: SuperLink + 3 SuperNodes on 127.0.0.1 with generated TLS certificates and
-    node authentication; an unregistered key is refused; one SuperNode is killed in round 2; the run
-    finishes with the survivors and the store records the failure; every process is stopped."""
+    node authentication; an unregistered key is refused; a hostile node whose key Flower accepts but the
+    operator's registry does not claims client 0 and is refused, client 0 keeps its node; one SuperNode
+    is killed in round 2; the run finishes with the survivors and the store records the failure; every
+    process is stopped."""
     pytest.importorskip("cryptography")
     out = tmp_path / "deploy"
     p = run_bounded([sys.executable, str(ROOT / "scripts" / "flower_deploy.py"), "--workdir", str(out),
@@ -512,6 +514,8 @@ def test_loopback_deployment_with_tls_auth_and_a_killed_node(tmp_path):
     assert summary["killed_client"] in summary["failed_clients_round"]["1"]
     assert summary["accepted"][0] == 3 and all(a == 2 for a in summary["accepted"][1:])
     assert summary["round0_clients_with_metrics"] == 3
+    assert summary["impostor_refusals"] and all(d["field"] == "registry" for d in summary["impostor_refusals"])
+    assert summary["client0_failures"] == []
     assert summary["leftover_processes"] == []
 
 

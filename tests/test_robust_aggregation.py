@@ -94,7 +94,8 @@ def test_one_hostile_client_in_ten():
     assert float((plain - h_mean).norm()) > 100 * float(M)
 
 
-AVERAGING = ("fedavg", "ifca", "fedclust", "cfl", "fedprism", "fedprism_dual")
+AVERAGING = ("fedavg", "ifca", "fedclust", "cfl", "fedprism", "fedprism_dual", "fedprox", "ditto", "apfl", "fedper",
+             "fedrep", "fedbn", "protohar")
 
 
 @pytest.mark.parametrize("method", AVERAGING)
@@ -140,7 +141,8 @@ def test_soft_cluster_step_robust_cluster_by_cluster():
     ("fedavg", ""), ("ifca", "ifca.k=2"), ("ifca", "ifca.k=2 ifca.init=warmup ifca.warmup_rounds=1"),
     ("fedclust", "fedclust.k=2"), ("cfl", "cfl.warmup=0 cfl.eps1=100 cfl.eps2=0"),
     ("fedprism", "fedprism.k=2 fedprism.every=1"), ("fedprism", "fedprism.k=2 fedprism.every=1 fedprism.update=model"),
-    ("fedprism_dual", "fedprism_dual.k=2"),
+    ("fedprism_dual", "fedprism_dual.k=2"), ("fedprox", ""), ("ditto", ""), ("apfl", ""), ("fedper", ""),
+    ("fedrep", ""), ("fedbn", "model=mlp_bn"), ("protohar", ""),
 ])
 def test_every_averaging_method_runs_each_rule(method, extra, rule, tmp_path):
     """Each rule through the whole round loop (plan, local training, aggregate, evaluation): finite
@@ -161,5 +163,5 @@ def test_every_averaging_method_runs_each_rule(method, extra, rule, tmp_path):
     for k, v in runs[rule].items():
         if isinstance(v, torch.Tensor) and v.is_floating_point():
             assert bool(torch.isfinite(v).all()), k
-    w = "w_g" if "w_g" in runs[rule] else "w"
+    w = next(k for k in ("w_g", "w", "shared", "body") if k in runs[rule])     # the averaged model
     assert not torch.equal(runs[rule][w], runs["mean"][w])

@@ -65,6 +65,7 @@ from __future__ import annotations
 import torch
 
 from fedprism.algorithms.base import ClientState, Inference, Plan, TrainJob, Update, register
+from fedprism.algorithms.aggregation import ROBUST_PARAMS
 from fedprism.algorithms.fedavg import FedAvg
 from fedprism.hparams import Param
 from fedprism.objectives import ce
@@ -102,6 +103,7 @@ class APFL(FedAvg):
         "alpha_mode": Param("adaptive", "alpha_k learnt by Eq. 10 (adaptive) or kept at `alpha` (fixed)",
                             choices=("adaptive", "fixed")),
         "weighting": FedAvg.params["weighting"],
+        **ROBUST_PARAMS,
     }
 
     def __init__(self, ctx, **hp):

@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 
 from fedprism.algorithms.base import Plan, TrainJob, Update, register, train_update
+from fedprism.algorithms.aggregation import ROBUST_PARAMS
 from fedprism.algorithms.fedavg import FedAvg
 from fedprism.hparams import Param
 
@@ -57,6 +58,7 @@ class FedProx(FedAvg):
         "mu": Param(0.01, "proximal weight: local loss F_k(w) + (mu/2)||w - w^t||^2", lambda v: v >= 0,
                     "a number >= 0"),
         "weighting": FedAvg.params["weighting"],
+        **ROBUST_PARAMS,
     }
 
     def client_update(self, plan: Plan, trainer, rnd: int, cstate: dict) -> Update:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedprism.algorithms.aggregation import WEIGHTINGS, client_weights, weighted_mean
+from fedprism.algorithms.aggregation import WEIGHTINGS, average, client_weights, robust_args
 from fedprism.algorithms.base import Algorithm, ClientState, Inference, Plan, TensorSpec, TrainJob, Update
 from fedprism.hparams import Param
 from fedprism.protocol import Trained
@@ -85,7 +85,8 @@ class PartialSharing(Algorithm):
     def aggregate(self, state: dict, rnd: int, update: Update) -> dict:
         if len(update.clients):
             w = client_weights(update, self.hp["weighting"])
-            state["shared"] = weighted_mean(update.payload["shared"], w)
+            x = update.payload["shared"]
+            state["shared"] = average(x, w, update.sent.get("shared"), **robust_args(self.hp)).to(x.dtype)
         return {}
 
     def eval_payload(self, state: dict, clients: np.ndarray) -> dict:

@@ -63,7 +63,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedprism.algorithms.aggregation import WEIGHTINGS, client_weights, weighted_mean
+from fedprism.algorithms.aggregation import ROBUST_PARAMS, WEIGHTINGS, average, client_weights, robust_args
 from fedprism.algorithms.base import (Algorithm, ClientState, Inference, Plan, TensorSpec, TrainJob, Update,
                                       register)
 from fedprism.algorithms.fedproto import (AGGREGATE_OVER, check_feature_dim, local_prototypes, prototype_loss,
@@ -88,6 +88,7 @@ class ProtoHAR(Algorithm):
                                  "over clients, the authors' code)", choices=WEIGHTINGS),
         "aggregate_over": Param("round", "global prototype over this round's reporters (round) or every "
                                 "client's latest upload (seen)", choices=AGGREGATE_OVER),
+        **ROBUST_PARAMS,             # the body's average (prototypes: a per-class weighted mean)
     }
     client_state = {"w": ClientState(("P",), init="model")}
     shares_prototypes = True             # `privacy.epsilon` releases them with DP (fedprism.privacy)
@@ -148,7 +149,9 @@ class ProtoHAR(Algorithm):
 
     def aggregate(self, state: dict, rnd: int, update: Update) -> dict:
         if len(update.clients):
-            state["body"] = weighted_mean(update.payload["body"], client_weights(update))
+            x = update.payload["body"]
+            state["body"] = average(x, client_weights(update), update.sent.get("body"),
+                                    **robust_args(self.hp)).to(x.dtype)
             update_prototypes(state, update, self.hp["proto_weighting"], self.hp["aggregate_over"])
         return {}
 

@@ -43,6 +43,15 @@ def fingerprint(public_key: bytes) -> str:
     return "sha256:" + hashlib.sha256(bytes(public_key)).hexdigest()
 
 
+def openssh_fingerprint(openssh_public_key: bytes) -> str:
+    """The registry key of an OpenSSH EC public key file (what `flwr supernode register` takes): Flower
+    stores and reports it as PEM SubjectPublicKeyInfo bytes, whose SHA-256 is the fingerprint."""
+    from cryptography.hazmat.primitives import serialization
+
+    key = serialization.load_ssh_public_key(openssh_public_key)
+    return fingerprint(key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+
+
 def node_keys(node_id: int, public_key: bytes | None) -> list[str]:
     """The registry keys a node is recognised by, strongest first: its key fingerprint, its node id."""
     keys = [fingerprint(public_key)] if public_key else []
