@@ -171,25 +171,37 @@ def reference_table(groups, name: str) -> list[str]:
         raise UnknownReference(f"unknown reference {name!r}; known: {', '.join(sorted(REFERENCES))}")
     ref = REFERENCES[name]
     md = [f"## Ours vs {name} (final round, %; ours mean over seeds)", "",
-          "| setting | method | seeds | Glob ours | Glob paper | Δ | Loc ours | Loc paper | Δ | G ours |",
+          "| setting | method | seeds | Glob ours | Glob paper | Δ | Loc ours | Loc paper | Δ | "
+          "Glob of the personalized prediction |",
           "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def mean(runs, k):
+        v = [r["final"].get(k) for r in runs if r["final"].get(k) is not None]
+        return 100 * float(np.mean(v)) if v else None
+
+    def cmp(o, p):
+        if o is None:
+            return ["-", f"{p:.2f}", "-"]
+        d = o - p
+        return [f"{o:.2f}", f"{p:.2f}", f"**{d:+.2f}**" if abs(d) > FLAG_POINTS else f"{d:+.2f}"]
+
     for setting in sorted(ref):
         ours = groups.get(setting, {})
-        for lab, paper in ref[setting].items():
+        for lab, (p_glob, p_loc) in ref[setting].items():
             runs = ours.get(lab, [])
-            cells = []
-            for k, p in zip(("global_acc", "local_acc"), paper):
-                v = [r["final"].get(k) for r in runs if r["final"].get(k) is not None]
-                if v:
-                    o = 100 * float(np.mean(v))
-                    d = o - p
-                    cells += [f"{o:.2f}", f"{p:.2f}", f"**{d:+.2f}**" if abs(d) > FLAG_POINTS else f"{d:+.2f}"]
-                else:
-                    cells += ["-", f"{p:.2f}", "-"]
-            g = [r["final"].get("global_model_acc") for r in runs if r["final"].get("global_model_acc") is not None]
-            cells.append(f"{100 * float(np.mean(g)):.2f}" if g else "-")
+            g, routed = mean(runs, "global_model_acc"), mean(runs, "global_acc")
+            glob = cmp(g if g is not None else routed, p_glob)
+            if g is not None and glob[0] != "-":
+                glob[0] += " (G)"
+            cells = glob + cmp(mean(runs, "local_acc"), p_loc)
+            cells.append("-" if routed is None else f"{routed:.2f}" if g is not None else "(= Glob)")
             md.append(f"| {setting} | {lab} | {len(runs)} | " + " | ".join(cells) + " |")
-    md += ["", f"Bold: |Δ| > {FLAG_POINTS:g} points. '-': not run (yet), or no shared global model (G).", ""]
+    md += ["", f"Bold: |Δ| > {FLAG_POINTS:g} points. '-': not run (yet). Glob ours is the quantity the paper's "
+           "Glob column behaves like: for a method with a shared global model (G: Fed-PRISM's w_g, FedPrism's "
+           "backbone G) that model on the global test set, marked (G), because the paper's Glob does not move "
+           "when its routing goes from backbone-only to specialist-only (its Tables 4 and 10); otherwise the "
+           "clients' own models. The last column is each client's personalized (for FedPrism: routed) "
+           "prediction on the global test set, mean over clients, for the methods with G.", ""]
     return md
 
 
@@ -220,6 +232,27 @@ def alternatives_table(groups) -> list[str]:
                 md += [f"| {label_of.get(n, n)} | {_pm([f.get('global_acc@' + n)])} | "
                        f"{_pm([f.get('local_acc@' + n)])} |" for n in names]
                 md.append("")
+    return md
+
+
+def dispersion_table(groups) -> list[str]:
+    """Table 1 extended: per setting, Glob and Loc with AD / SDAD and the bytes each round moves (the
+    tensors actually sent; mean over the run's rounds, MB = 10^6 bytes)."""
+    md = ["## Accuracy, dispersion and communication (final round; mean ± std over seeds)", "",
+          "AD = 1 - mean local accuracy and SDAD = its std over clients (×100); MB down / up: bytes per round "
+          "server -> clients and clients -> server, from the payloads each method declares.", ""]
+    for setting in sorted(groups):
+        md += [f"### {setting}", "", "| method | seeds | Glob | Loc | AD | SDAD | MB down / round | MB up / round |",
+               "|---|---|---|---|---|---|---|---|"]
+        for label in sorted(groups[setting]):
+            runs = groups[setting][label]
+            per_round = {k: [r["final"][k] / r["final"]["rounds"] for r in runs
+                             if r["final"].get(k) is not None and r["final"].get("rounds")]
+                         for k in ("bytes_down", "bytes_up")}
+            md.append(f"| {label} | {len(runs)} | " + " | ".join(
+                [_pm([r["final"].get(k) for r in runs]) for k in ("global_acc", "local_acc", "ad", "sdad")]
+                + [_pm(per_round[k], 1e-6) for k in ("bytes_down", "bytes_up")]) + " |")
+        md.append("")
     return md
 
 
@@ -295,6 +328,7 @@ def tables(groups, reference: str | None = None,
     if reference:
         md += reference_table(groups, reference)
     md += alternatives_table(groups)
+    md += dispersion_table(groups)
     md += privacy_table(groups)
     if store is not None:
         md += domain_table(store, groups)
