@@ -69,6 +69,16 @@ KEYS: dict[str, Param] = {
                      "stored ('' = none; not part of the run id)"),
     "optimizer": Param("sgd", "client optimiser: sgd (lr, momentum, weight_decay) or adam (lr, weight_decay; "
                        "betas 0.9/0.999, eps 1e-8)", choices=("sgd", "adam"), new=True),
+    "selection": Param("uniform", "client selection each round: uniform (seeded uniform draw), poc "
+                       "(Power-of-Choice), haccs (label-histogram groups, low latency first), fedcls (label "
+                       "diversity by Hamming distance); fedprism.selection",
+                       choices=("uniform", "poc", "haccs", "fedcls"), new=True),
+    "selection.d": Param(0, "Power-of-Choice candidate set size d, m_t <= d <= clients (0: min(clients, "
+                         "2 m_t))", _nonneg, "an integer >= 0", new=True),
+    "selection.rho": Param(0.95, "HACCS: probability of picking a group's fastest client", lambda v: 0 <= v <= 1,
+                           "a number in [0, 1]", new=True),
+    "selection.tau": Param(0.1, "FedCLS: a class is present at a client when its count is at least tau x the "
+                           "client's largest class count", lambda v: 0 < v <= 1, "a number in (0, 1]", new=True),
     "privacy.epsilon": Param(0.0, "(epsilon, delta)-DP per client for the statistics clients share (label "
                              "counts; class prototypes): Gaussian noise calibrated by an RDP accountant "
                              "(fedprism.privacy); 0 = exact statistics", lambda v: v >= 0 and math.isfinite(v),

@@ -19,6 +19,7 @@ from fedprism.algorithms import REGISTRY
 from fedprism.algorithms.base import Algorithm
 from fedprism.engine import make_engine
 from fedprism.engine.base import LocalConfig
+from fedprism.errors import ConfigError
 from fedprism.experiment.config import Config
 from fedprism.experiment.evaluate import Evaluator, summarize
 from fedprism.experiment.federation import build_federation, resolve_model_name
@@ -31,14 +32,7 @@ from fedprism.models import build_model
 from fedprism.params import flatten
 from fedprism.privacy import LABEL_RELEASES, Privacy
 from fedprism.protocol import ClientState, Context, Plan, Rows, TensorSpec, Update
-
-
-def sample_clients(seed: int, rnd: int, num_clients: int, fraction: float) -> np.ndarray:
-    """m_t = max(floor(qN), 1) clients without replacement from a stream seeded by (seed, round)
-    only, so every method sees the same cohorts."""
-    m = max(int(math.floor(fraction * num_clients + 1e-9)), 1)
-    rng = np.random.default_rng([seed, rnd, 0x5A3])
-    return np.sort(rng.choice(num_clients, size=m, replace=False))
+from fedprism.selection import Selector, cohort_size, sample_clients  # noqa: F401 (sample_clients: public here)
 
 
 @dataclass
@@ -209,7 +203,9 @@ def privacy_metrics(cfg: Config, privacy: Privacy | None) -> dict[str, float]:
     if privacy is None:
         return {}
     k = 0
-    if privacy.releases > LABEL_RELEASES:
+    if privacy.releases > LABEL_RELEASES and cfg.get("selection", "uniform") != "uniform":
+        k = cfg["rounds"]                          # adaptive cohorts: the worst case, every round
+    elif privacy.releases > LABEL_RELEASES:
         n = cfg["clients"]
         times = np.zeros(n, dtype=np.int64)
         for rnd in range(cfg["rounds"]):
@@ -224,6 +220,22 @@ def feature_dim(model: torch.nn.Module) -> int:
     head = getattr(model, "head", None)
     lin = [m for m in head.modules() if isinstance(m, torch.nn.Linear)] if head is not None else []
     return int(lin[0].in_features) if lin else 0
+
+
+def make_selector(cfg: Config, ctx: Context, algo: Algorithm) -> Selector:
+    """The run's client-selection rule (fedprism.selection), its settings checked against the run."""
+    rule, N = cfg.get("selection", "uniform"), ctx.num_clients
+    m = cohort_size(N, cfg["fraction"])
+    d = cfg.get("selection.d", 0) or min(N, 2 * m)
+    if rule == "poc":
+        if not m <= d <= N:
+            raise ConfigError("selection.d", cfg["selection.d"], f"an integer in [{m}, {N}] (m_t = {m} clients per "
+                              f"round, {N} clients), or 0 for min(clients, 2 m_t)")
+        if type(algo).model_for is Algorithm.model_for:
+            raise ConfigError("selection", "poc", f"a method whose server holds each client's model (model_for); "
+                              f"{cfg['method']} keeps its models on the clients")
+    return Selector(rule, cfg["seed"], N, cfg["fraction"], np.asarray(ctx.n_train), np.asarray(ctx.label_hist), d=d,
+                    rho=cfg.get("selection.rho", 0.95), tau=cfg.get("selection.tau", 0.1))
 
 
 def make_algorithm(cfg: Config, ctx: Context) -> Algorithm:
@@ -356,12 +368,18 @@ class Experiment:
         store.finish(run_id, final)
         return RunResult(run_id, "finished", final, history)
 
+    def _losses(self, state: dict, clients: np.ndarray) -> np.ndarray:
+        """Mean training loss of the model each client would be sent (Power-of-Choice candidates)."""
+        r = self.engine.evaluate(self.algo.model_for(state, clients), clients, "train")
+        return (r.loss_sum / r.count.clamp(min=1)).numpy()
+
     # -- the round loop -------------------------------------------------------------------------------
     def run(self, stop_after: int | None = None) -> RunResult:
         """Run to the end (or for `stop_after` more rounds, for tests of resumption)."""
         cfg, store = self.cfg, self.store
         run_id = self.run_id
         set_threads(cfg)                                   # `threads=`: execution-only, recorded below
+        selector = make_selector(cfg, self.ctx, self.algo)
         prov = capture(self)                               # compared with a stored run's (docs/reproducibility.md)
         row = store.run(run_id)
         if row is not None and row["status"] == "finished":
@@ -392,7 +410,7 @@ class Experiment:
                     store.mark(run_id, "interrupted")
                     return RunResult(run_id, "interrupted", {}, store.round_metrics(run_id), resumed)
                 t0 = time.time()
-                sampled = sample_clients(cfg["seed"], rnd, self.ctx.num_clients, cfg["fraction"])
+                sampled, chosen_by = selector.select(rnd, lambda cand: self._losses(state, cand))
                 plan = self.algo.plan(state, rnd, sampled)
                 t_train = time.time()
                 update, failed = self.local_work(plan, rnd)
@@ -404,6 +422,10 @@ class Experiment:
                 records = [("failure", c, {"reason": r}) for c, r in failed.items()]
                 records += [("rejected", c, {"reason": r}) for c, r in rejected.items()]
                 records += [(k, None, v) for k, v in recs.items()]
+                if chosen_by:
+                    records.append(("selection", None, chosen_by))
+                if rnd == 0:
+                    records += selector.records()
                 metrics, client_rows = None, None
                 if (rnd + 1) % cfg["eval_every"] == 0 or rnd == T - 1:
                     metrics, client_rows = self.evaluate_round(evaluator, state)
