@@ -99,16 +99,16 @@ def test_bytes_per_round_are_the_payload_sizes(method, tmp_path):
     """Every registered method: bytes up = the declared upload of the accepted rows, bytes down = the
     payload each method's paper sends (hand values; floats of 4 bytes)."""
     k = {"fedprism": {"fedprism.k": 2, "fedprism.m": 1}, "ifca": {"ifca.k": 3}, "fedprism_dual": {"fedprism_dual.k": 2},
-         "fedclust": {"fedclust.k": 2}}.get(method, {})
+         "fedclust": {"fedclust.k": 2}, "fedsoft": {"fedsoft.k": 2}}.get(method, {})
     c = cfg(method=method, **{key.replace(".", "__"): v for key, v in k.items()})
     e = Experiment(c, Store(tmp_path / "b.db"))
     P, C, d = e.ctx.spec.size, e.ctx.num_classes, e.ctx.feature_dim
     body = e.ctx.spec.body.stop - e.ctx.spec.body.start
     protos = C * d + C                                      # [C, d] prototypes + [C] counts or presence
     per_down = {"local": 0, "fedprism_dual": P + 1, "ifca": 3 * P, "fedper": body, "fedrep": body,
-                "fedproto": protos, "pfpl": protos, "protohar": body + protos}.get(method, P)
+                "fedproto": protos, "pfpl": protos, "protohar": body + protos, "fedsoft": 2 * P}.get(method, P)
     per_up = {"local": 0, "ifca": P + 1, "fedper": body, "fedrep": body, "fedproto": protos, "pfpl": protos,
-              "protohar": body + protos}.get(method, P)
+              "protohar": body + protos, "fedsoft": P + 2}.get(method, P)
     res = e.run()
     for h in res.history:
         assert h["bytes_down"] == 4 * per_down * h["clients"], h
