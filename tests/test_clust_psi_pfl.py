@@ -54,6 +54,16 @@ def test_silhouette_hand_value_and_smallest_tau_on_ties():
     assert k == 3 and scores[3] == pytest.approx(1.0) and 4 not in scores      # 3 distinct rows: j > 3 skipped
 
 
+def test_ties_go_to_the_smallest_tau(monkeypatch):
+    """Every candidate scores the same: the strict '>' of the paper's loop keeps the first, j = 2."""
+    import sklearn.metrics
+
+    monkeypatch.setattr(sklearn.metrics, "silhouette_score", lambda *a, **k: 0.5)
+    h, _ = _planted_hist()
+    cl = psi_clusters(h, seed=0)
+    assert set(cl.scores.values()) == {0.5} and len(cl.scores) > 2 and cl.tau == 2
+
+
 def _planted_hist(seed: int = 0, centres=(0.9, 0.2), jitter: float = 0.01) -> tuple[np.ndarray, np.ndarray]:
     """Two groups of five clients with pmfs [p, 1 - p] jittered around the two centres."""
     rng = np.random.default_rng(seed)
