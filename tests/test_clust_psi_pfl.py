@@ -205,3 +205,31 @@ def test_tiny_run_records_wpsi_and_counts_the_label_upload(tmp_path):
     assert res.final["sdad"] == pytest.approx(accs.std(), abs=1e-9)
     # the paper's global accuracy sum_k n_k A_k / sum_k n_k (n_k: client k's test samples)
     assert res.final["local_acc_weighted"] == pytest.approx((n * accs).sum() / n.sum(), abs=1e-9)
+
+
+def test_paper_fmnist_cnn_shape():
+    """Three 3x3 convolution stages 8/16/32, one 2x2 max-pool, dense 2048, classifier."""
+    from fedprism.models import build_model
+
+    m = build_model("clustpsi_fmnist_cnn", (1, 28, 28), 10, seed=0)
+    convs = [l for l in m.body if isinstance(l, torch.nn.Conv2d)]
+    assert [c.out_channels for c in convs] == [8, 16, 32] and all(c.kernel_size == (3, 3) for c in convs)
+    dense = [l for l in m.body if isinstance(l, torch.nn.Linear)]
+    assert [(d.in_features, d.out_features) for d in dense] == [(32 * 11 * 11, 2048)]
+    assert m(torch.zeros(2, 1, 28, 28)).shape == (2, 10) and m.head[0].in_features == 2048
+
+
+def test_paper_protocol_sweep_loads():
+    from pathlib import Path
+
+    from fedprism.experiment.sweep import load_sweep
+
+    path = Path(__file__).resolve().parents[1] / "sweeps" / "clust_psi_pfl_fmnist.toml"
+    name, cfgs = load_sweep(path)
+    assert name == "clust_psi_pfl_fmnist"
+    ours = [c for c in cfgs if c["method"] == "clust_psi_pfl"]
+    assert ours and all(c["clients"] == 100 and c["rounds"] == 40 and c["fraction"] == 0.5 and c["local_epochs"] == 5
+                        and c["optimizer"] == "adam" and c["lr"] == 1e-3 and c["batch_size"] == 32
+                        and c["model"] == "clustpsi_fmnist_cnn" for c in cfgs)
+    parts = {(c["partition"], c.get("partition.alpha"), c.get("partition.s")) for c in ours}
+    assert len(parts) == 9 and {c["seed"] for c in ours} == {0, 1}
