@@ -110,9 +110,11 @@ def test_bytes_per_round_are_the_payload_sizes(method, tmp_path):
     per_up = {"local": 0, "ifca": P + 1, "fedper": body, "fedrep": body, "fedproto": protos, "pfpl": protos,
               "protohar": body + protos, "fedsoft": P + 2}.get(method, P)
     res = e.run()
-    for h in res.history:
-        assert h["bytes_down"] == 4 * per_down * h["clients"], h
-        assert h["bytes_up"] == 4 * per_up * h["accepted"], h
+    setup_down, setup_up = e.algo.setup_bytes()       # a declared one-off exchange before round 0
+    assert (setup_down, setup_up) == ((0, e.ctx.num_clients * C * 8) if method == "clust_psi_pfl" else (0, 0))
+    for i, h in enumerate(res.history):
+        assert h["bytes_down"] == 4 * per_down * h["clients"] + (setup_down if i == 0 else 0), h
+        assert h["bytes_up"] == 4 * per_up * h["accepted"] + (setup_up if i == 0 else 0), h
     declared = sum(int(np.prod(s.shape)) * torch.empty(0, dtype=s.dtype).element_size() for s in e.upload.values())
     assert declared == 4 * per_up
 

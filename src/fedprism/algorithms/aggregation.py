@@ -207,3 +207,88 @@ def average(x: torch.Tensor, w: torch.Tensor, sent: torch.Tensor | None = None, 
     if rule == "clipped_mean":
         return clipped_mean(x, w, sent, clip)
     raise ValueError(f"aggregation must be one of {RULES}, got {rule!r}")
+
+
+# -- server optimisers -----------------------------------------------------------------------------
+#: server steps every model-averaging method can take after averaging (`<method>.server_opt`)
+SERVER_OPTS = ("none", "avgm", "adagrad", "yogi", "adam")
+
+_unit = lambda v: 0 <= v < 1  # noqa: E731
+_pos_finite = lambda v: v > 0 and math.isfinite(v)  # noqa: E731
+
+#: the server-optimiser parameters a method merges into its `params` (`params = {..., **SERVER_OPT_PARAMS}`).
+#: All `new=True`: at `server_opt = none` a run's id and numbers are those it had before they existed.
+SERVER_OPT_PARAMS = {
+    "server_opt": Param("none", "server step after averaging: none (the average is the new model), avgm "
+                        "(FedAvgM, server momentum), adagrad, yogi or adam (FedOpt, Reddi et al. 2021)",
+                        choices=SERVER_OPTS, new=True),
+    "server_lr": Param(1.0, "server learning rate eta (avgm: 1 is Hsu et al.'s; the adaptive steps move each "
+                       "coordinate by about eta at first: use 1e-3 .. 0.3, e.g. Clust-PSI-PFL Table II: adagrad "
+                       "0.3162, yogi and adam 0.001)", _pos_finite, "a finite number > 0", new=True),
+    "server_momentum": Param(0.9, "avgm: momentum beta of m <- beta m + Delta", _unit, "a number in [0, 1)",
+                             new=True),
+    "server_beta1": Param(0.9, "adagrad / yogi / adam: beta1 of m <- beta1 m + (1 - beta1) Delta (0 gives "
+                          "Flower's FedAdagrad, which has no first moment)", _unit, "a number in [0, 1)", new=True),
+    "server_beta2": Param(0.99, "yogi / adam: beta2 of the second-moment recursion", _unit, "a number in [0, 1)",
+                          new=True),
+    "server_tau": Param(1e-3, "adagrad / yogi / adam: adaptivity tau of eta m / (sqrt(v) + tau); v starts at "
+                        "tau^2", _pos_finite, "a finite number > 0", new=True),
+}
+
+
+def server_opt_state(hp: dict, size: int, rows: int | None = None) -> dict:
+    """The server optimiser's initial state to merge into a method's server state: {} for `none`, else
+    {"opt": {"m": zeros, "v": tau^2}} in float64, [size] for one model or [rows, size] for one row per
+    model (cluster models). Kept in the server state, so it is checkpointed and resumed with it."""
+    if hp.get("server_opt", "none") == "none":
+        return {}
+    shape = (size,) if rows is None else (rows, size)
+    return {"opt": {"m": torch.zeros(shape, dtype=torch.float64),
+                    "v": torch.full(shape, float(hp["server_tau"]) ** 2, dtype=torch.float64)}}
+
+
+def server_step(w: torch.Tensor, avg: torch.Tensor, opt: dict | None, hp: dict, row: int | None = None
+                ) -> torch.Tensor:
+    """The new server model from the current one `w` [P] and the clients' average `avg` (float64 [P], the
+    value of `average`), in w's dtype. `opt` is the `"opt"` entry of `server_opt_state` (mutated in place;
+    `row` picks one model's row of it). With Delta = avg - w (the mean update; clients minus server):
+
+        none     x' = avg                                             (FedAvg; the same code path as before)
+        avgm     m = beta m + Delta;  x' = w + eta m                  (Hsu, Qi, Brown 2019, arXiv:1909.06335)
+                 computed as avg + (eta - 1) Delta + eta beta m_old, the same value, so eta = 1 and beta = 0
+                 give `avg` bit for bit
+        adagrad  m = b1 m + (1 - b1) Delta;  v = v + Delta^2
+        yogi     m as adagrad;  v = v - (1 - b2) Delta^2 sign(v - Delta^2)
+        adam     m as adagrad;  v = b2 v + (1 - b2) Delta^2
+                 x' = w + eta m / (sqrt(v) + tau), no bias correction, v starting at tau^2
+                 (Reddi et al. 2021, "Adaptive Federated Optimization", arXiv:2003.00295, Algorithm 2)
+
+    Everything element-wise in float64, one rounding to w's dtype."""
+    how = hp.get("server_opt", "none")
+    if how == "none":
+        return avg.to(w.dtype)
+    if opt is None:
+        raise ValueError(f"server_opt={how} needs the optimiser state (server_opt_state) in the server state")
+    m = opt["m"] if row is None else opt["m"][row]
+    v = opt["v"] if row is None else opt["v"][row]
+    x = w.to(torch.float64)
+    avg = avg.to(torch.float64)
+    delta = avg - x
+    lr = float(hp["server_lr"])
+    if how == "avgm":
+        beta = float(hp["server_momentum"])
+        new = avg + (lr - 1.0) * delta + (lr * beta) * m
+        m.copy_(beta * m + delta)
+        return new.to(w.dtype)
+    b1, b2, tau = float(hp["server_beta1"]), float(hp["server_beta2"]), float(hp["server_tau"])
+    m.copy_(b1 * m + (1.0 - b1) * delta)
+    d2 = delta * delta
+    if how == "adagrad":
+        v.copy_(v + d2)
+    elif how == "yogi":
+        v.copy_(v - (1.0 - b2) * d2 * torch.sign(v - d2))
+    elif how == "adam":
+        v.copy_(b2 * v + (1.0 - b2) * d2)
+    else:
+        raise ValueError(f"server_opt must be one of {SERVER_OPTS}, got {how!r}")
+    return (x + lr * m / (v.sqrt() + tau)).to(w.dtype)

@@ -95,6 +95,11 @@ class Algorithm:
         """Every tensor a client sends, per client (default: its trained parameter vector)."""
         return {"params": TensorSpec(("P",))}
 
+    def setup_bytes(self) -> tuple[int, int]:
+        """(down, up) bytes of a one-off exchange before round 0 that is not a round's payload (e.g. label
+        counts every client reports once); the runner adds them to round 0's `bytes_down` / `bytes_up`."""
+        return 0, 0
+
     # -- the round -------------------------------------------------------------------------------
     def init_state(self) -> dict[str, Any]:
         raise NotImplementedError

@@ -5,6 +5,12 @@ Data", arXiv:1602.05629); the Fed-PRISM technical report's third algorithm.
 
 Participant-normalised weights, float64 accumulation (`fedprism.algorithms.aggregation`).
 `fedavg.weighting=uniform` gives the 1/|S_t| mean that Fed-PRISM's global stream uses.
+
+`fedavg.server_opt` turns the server step into FedAvgM (`avgm`; Hsu, Qi, Brown 2019, "Measuring the
+Effects of Non-Identical Data Distribution for Federated Visual Classification", arXiv:1909.06335) or
+FedAdagrad / FedYogi / FedAdam (Reddi et al. 2021, "Adaptive Federated Optimization",
+arXiv:2003.00295), applied to Delta_t = (the average above) - w^t (`aggregation.server_step`); the
+default `none` keeps w^{t+1} = the average.
 """
 
 from __future__ import annotations
@@ -12,7 +18,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedprism.algorithms.aggregation import ROBUST_PARAMS, WEIGHTINGS, average, client_weights, robust_args
+from fedprism.algorithms.aggregation import (ROBUST_PARAMS, SERVER_OPT_PARAMS, WEIGHTINGS, average, client_weights,
+                                             robust_args, server_opt_state, server_step)
 from fedprism.algorithms.base import Algorithm, Plan, Update, register
 from fedprism.hparams import Param
 
@@ -25,10 +32,11 @@ class FedAvg(Algorithm):
     params = {
         "weighting": Param("samples", "aggregation weights: n_k (samples) or 1/|S_t| (uniform)", choices=WEIGHTINGS),
         **ROBUST_PARAMS,
+        **SERVER_OPT_PARAMS,
     }
 
     def init_state(self) -> dict:
-        return {"w": self.ctx.init.clone()}
+        return {"w": self.ctx.init.clone(), **server_opt_state(self.hp, self.ctx.init.numel())}
 
     def plan(self, state: dict, rnd: int, clients: np.ndarray) -> Plan:
         return Plan(clients, {"params": state["w"].expand(len(clients), -1).clone()})
@@ -36,8 +44,9 @@ class FedAvg(Algorithm):
     def aggregate(self, state: dict, rnd: int, update: Update) -> dict:
         if len(update.clients):
             x = update.params
-            state["w"] = average(x, client_weights(update, self.hp["weighting"]), update.sent.get("params"),
-                                 **robust_args(self.hp)).to(x.dtype)
+            avg = average(x, client_weights(update, self.hp["weighting"]), update.sent.get("params"),
+                          **robust_args(self.hp))
+            state["w"] = server_step(state["w"], avg, state.get("opt"), self.hp)
         return {}
 
     def model_for(self, state: dict, clients: np.ndarray) -> torch.Tensor:

@@ -30,6 +30,8 @@ Decisions where the paper is silent or differs from this protocol:
   with a CNN, 100 clients and Dirichlet label splits (grid {0.001, 0.01, 0.1}, Adam clients) by
   Jimenez-Gutierrez et al., "Clust-PSI-PFL: A Population Stability Index Approach for Clustered
   Non-IID Personalized Federated Learning", Table II. Set `fedprox.mu` for another of the paper's values.
+* `fedprox.server_opt` (avgm, adagrad, yogi, adam) applies a server optimiser to the averaged update as
+  for FedAvg (`aggregation.server_step`); default `none`.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from fedprism.algorithms.base import Plan, TrainJob, Update, register, train_update
-from fedprism.algorithms.aggregation import ROBUST_PARAMS
+from fedprism.algorithms.aggregation import ROBUST_PARAMS, SERVER_OPT_PARAMS
 from fedprism.algorithms.fedavg import FedAvg
 from fedprism.hparams import Param
 
@@ -59,6 +61,7 @@ class FedProx(FedAvg):
                     "a number >= 0"),
         "weighting": FedAvg.params["weighting"],
         **ROBUST_PARAMS,
+        **SERVER_OPT_PARAMS,
     }
 
     def client_update(self, plan: Plan, trainer, rnd: int, cstate: dict) -> Update:

@@ -205,6 +205,31 @@ class EngineBase:
             return self.fed.x_train[i], self.fed.y_train[i]
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
 
+    def train_pooled(self, start: torch.Tensor, clients, rnd: int, stream: str = "pooled") -> Trained:
+        """One model [1, P] trained from `start` [P] on the union of `clients`' train rows (the centralised
+        reference: minibatches drawn from the pooled data), E epochs with the run's optimiser. Needs every
+        client's data in this process, so only the simulator's engines have it."""
+        cfg, f = self.cfg, self.f
+        idx = torch.cat([self._train_idx[int(c)] for c in clients])
+        loss_fn = resolve_loss("ce")
+        w = start.to(self.device, copy=True)
+        st = optimizer_state(cfg, w)
+        total, count = 0.0, 0
+        for b in iter_batches(len(idx), cfg.epochs, cfg.batch_size, stream_seed(self.seed, rnd, 0, stream)):
+            bi = idx[b.to(self.device)]
+            x, y = self.fed.x_train[bi], self.fed.y_train[bi]
+            wr = w.detach().requires_grad_(True)
+            loss = loss_fn(f, wr, x, y, torch.ones(len(y), device=self.device), {})
+            (g,) = torch.autograd.grad(loss, wr)
+            with torch.no_grad():
+                w, st = optimizer_step(w, g, st, cfg, None)
+            total += float(loss.detach()) * len(y)
+            count += len(y)
+            self.samples_trained += len(y)
+        return Trained(np.asarray(clients)[:1], w.unsqueeze(0).to(start.device),
+                       torch.tensor([float(len(idx))], dtype=torch.float64),
+                       torch.tensor([total / max(1, count)], dtype=torch.float64))
+
     @property
     def num_classes(self) -> int:
         return self.fed.num_classes

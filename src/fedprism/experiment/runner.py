@@ -436,6 +436,10 @@ class Experiment:
                     "rejected": len(update.rejected), "bytes_down": plan.bytes,
                     "bytes_up": update.bytes, "never_sampled": int((~seen).sum()),
                 })
+                if rnd == 0:                               # a declared one-off exchange before round 0
+                    down, up = self.algo.setup_bytes()
+                    metrics["bytes_down"] += down
+                    metrics["bytes_up"] += up
                 if "train_loss" in update.metrics and len(update.clients):
                     metrics["train_loss"] = float(update.metrics["train_loss"].mean())
                 records += self.extra_records(rnd) + (self.partition_records() if rnd == 0 else [])

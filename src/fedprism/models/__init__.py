@@ -53,7 +53,10 @@ class MLP(_Split):
 
 
 class CifarCNN(_Split):
-    """The Clust-PSI-PFL CIFAR CNN (Clust-PSI-PFL): two conv(3x3)-BN-ReLU-pool blocks, fc256, fc(classes).
+    """A small CNN for 32x32 inputs (`cnn`): two conv(3x3)-BN-ReLU-pool blocks, fc256, fc(classes). It is
+    not the CIFAR-10 network of Clust-PSI-PFL (arXiv:2512.20363: three blocks of two convolutions 32/64/128
+    with BatchNorm and dropout 0.2/0.3/0.4, dense 128 with BatchNorm and dropout 0.5), which is not
+    provided: the functional engines have no dropout randomness stream yet.
 
     BatchNorm uses batch statistics only (`track_running_stats=False`): no buffers, so the flat vector
     holds everything that is averaged (see `fedprism.params`).
@@ -69,6 +72,27 @@ class CifarCNN(_Split):
             nn.Flatten(), nn.Linear(64 * 8 * 8, 256), nn.ReLU(),
         )
         self.head = nn.Sequential(nn.Linear(256, num_classes))
+
+
+class PsiFmnistCNN(_Split):
+    """The FMNIST CNN of Clust-PSI-PFL (Jimenez-Gutierrez et al. 2025, arXiv:2512.20363, section IV-A):
+    "three convolutional stages with 8, 16, and 32 feature maps ... followed by max-pooling and a dense
+    layer with 2048 ReLU units before the final classifier" (`clustpsi_fmnist_cnn`).
+
+    Where the paper is silent: 3x3 kernels with no padding (the paper names "same" padding for its CIFAR
+    network only), ReLU after each convolution, one 2x2 max-pooling after the stack (as written), inputs
+    at their own size (28x28 FMNIST: 22x22x32 -> 11x11x32 -> 2048; about 8 M parameters).
+    """
+
+    def __init__(self, in_channels: int, size: tuple[int, int], num_classes: int = 10):
+        super().__init__()
+        h, w = size[0] - 6, size[1] - 6
+        self.body = nn.Sequential(
+            nn.Conv2d(in_channels, 8, 3), nn.ReLU(), nn.Conv2d(8, 16, 3), nn.ReLU(),
+            nn.Conv2d(16, 32, 3), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Linear(32 * (h // 2) * (w // 2), 2048), nn.ReLU(),
+        )
+        self.head = nn.Sequential(nn.Linear(2048, num_classes))
 
 
 _BATCH_STATS = {"track_running_stats": False}
@@ -121,7 +145,7 @@ class MLPBN(_Split):
         self.head = nn.Sequential(nn.Linear(hidden, num_classes))
 
 
-MODELS = ("lenet5", "mlp", "cnn", "lenet5_bn", "mlp_bn")
+MODELS = ("lenet5", "mlp", "cnn", "lenet5_bn", "mlp_bn", "clustpsi_fmnist_cnn")
 
 
 def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, seed: int = 0) -> nn.Module:
@@ -148,4 +172,9 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, seed:
             if len(input_shape) != 3 or input_shape[1:] != (32, 32):
                 raise ConfigError("model", name, f"cnn needs [C, 32, 32] inputs, data has {list(input_shape)}")
             return CifarCNN(input_shape[0], num_classes)
+        if name == "clustpsi_fmnist_cnn":
+            if len(input_shape) != 3 or min(input_shape[1:]) < 8:
+                raise ConfigError("model", name, f"{name} needs [C, H, W] images of at least 8x8, data has "
+                                  f"{list(input_shape)}")
+            return PsiFmnistCNN(input_shape[0], tuple(input_shape[1:]), num_classes)
     raise ConfigError("model", name, f"one of {', '.join(MODELS)}")

@@ -1,0 +1,235 @@
+"""Clust-PSI-PFL (Jimenez-Gutierrez et al. 2025, arXiv:2512.20363): PSI by hand, the silhouette search,
+planted groups, per-cluster sampling, late clients, the one-off label-count upload, a tiny run."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fedprism.algorithms.clust_psi_pfl import ClustPsiPfl, psi_clusters, psi_features, zscore
+from fedprism.clustering import choose_k_silhouette
+from fedprism.data.heterogeneity import psi, wpsi
+from fedprism.experiment.config import resolve
+from fedprism.protocol import Context, Update
+
+TINY = ("method=clust_psi_pfl dataset=digits clients=8 rounds=2 fraction=0.5 local_epochs=1 lr=0.05 model=mlp "
+        "device=cpu engine=sequential partition.alpha=0.3 seed=3")
+
+
+def test_psi_hand_values():
+    # PSI([0.5, 0.5] vs [0.25, 0.75]) = 0.25 ln 2 + 0.25 ln(1.5) = 0.274653 (global first, client second)
+    total, terms = psi(np.array([[1.0, 3.0]]), np.array([1.0, 1.0]), eps=0.0)
+    assert total[0] == pytest.approx(0.25 * math.log(2) + 0.25 * math.log(1.5), abs=1e-12)
+    assert total[0] == pytest.approx(0.274653, abs=1e-6)
+    assert terms[0].tolist() == pytest.approx([0.25 * math.log(2), 0.25 * math.log(1.5)], abs=1e-12)
+    # a missing class with the authors' eps = 1e-6: 0.5 ln(0.5 / 1e-6) twice-ish = 6.9078
+    total, _ = psi(np.array([[0.0, 4.0]]), np.array([1.0, 1.0]))
+    assert total[0] == pytest.approx(6.9078, abs=1e-4)
+    # WPSI = 0 when every client has the global pmf; sample-weighted otherwise
+    assert wpsi(np.array([[2.0, 2.0], [5.0, 5.0]])) == 0.0
+    h = np.array([[1.0, 3.0], [3.0, 1.0], [2.0, 2.0]])
+    per, _ = psi(h)
+    assert wpsi(h) == pytest.approx(float((h.sum(1) * per).sum() / h.sum()), abs=1e-12)
+    # the feature row is [PSI_i, PSI_i1 .. PSI_iC]
+    x = psi_features(h)
+    assert x.shape == (3, 3) and np.allclose(x[:, 0], x[:, 1:].sum(1))
+
+
+def test_zscore_constant_column_is_zero():
+    z, mean, std = zscore(np.array([[1.0, 5.0], [3.0, 5.0]]))
+    assert z.tolist() == [[-1.0, 0.0], [1.0, 0.0]] and std.tolist() == [1.0, 0.0]
+
+
+def test_silhouette_hand_value_and_smallest_tau_on_ties():
+    # 1-D points 0, 1, 10, 11 in two clusters: s = mean(9.5/10.5, 8.5/9.5, 8.5/9.5, 9.5/10.5)
+    x = np.array([[0.0], [1.0], [10.0], [11.0]])
+    k, scores = choose_k_silhouette(x, seed=0)
+    assert k == 2 and scores[2] == pytest.approx((9.5 / 10.5 + 8.5 / 9.5) / 2, abs=1e-12)   # 0.899749
+    # three identical pairs: j = 3 is perfect (silhouette 1), j = 2 is not; j = 4, 5 have singletons (s = 0)
+    x = np.array([[0.0], [0.0], [5.0], [5.0], [10.0], [10.0]])
+    k, scores = choose_k_silhouette(x, seed=0)
+    assert k == 3 and scores[3] == pytest.approx(1.0) and 4 not in scores      # 3 distinct rows: j > 3 skipped
+
+
+def test_ties_go_to_the_smallest_tau(monkeypatch):
+    """Every candidate scores the same: the strict '>' of the paper's loop keeps the first, j = 2."""
+    import sklearn.metrics
+
+    monkeypatch.setattr(sklearn.metrics, "silhouette_score", lambda *a, **k: 0.5)
+    h, _ = _planted_hist()
+    cl = psi_clusters(h, seed=0)
+    assert set(cl.scores.values()) == {0.5} and len(cl.scores) > 2 and cl.tau == 2
+
+
+def _planted_hist(seed: int = 0, centres=(0.9, 0.2), jitter: float = 0.01) -> tuple[np.ndarray, np.ndarray]:
+    """Two groups of five clients with pmfs [p, 1 - p] jittered around the two centres."""
+    rng = np.random.default_rng(seed)
+    rows, truth = [], []
+    for g, p in enumerate(centres):
+        for _ in range(5):
+            q = p + rng.uniform(-jitter, jitter)
+            rows.append([round(1000 * q), 1000 - round(1000 * q)])
+            truth.append(g)
+    return np.array(rows, dtype=float), np.array(truth)
+
+
+def _same_groups(labels: np.ndarray, truth: np.ndarray) -> bool:
+    return all(len(set(labels[truth == g])) == 1 for g in set(truth)) and len(set(labels)) == len(set(truth))
+
+
+def test_planted_groups_give_tau_2_and_those_groups():
+    h, truth = _planted_hist()
+    cl = psi_clusters(h, seed=0)
+    assert cl.tau == 2 and max(cl.scores, key=cl.scores.get) == 2 and len(cl.scores) == 8     # j = 2..9 tried
+    assert _same_groups(cl.labels, truth)
+    assert cl.wpsi == pytest.approx(wpsi(h), abs=1e-12)
+
+
+def test_equal_psi_groups_are_separated_by_the_per_class_terms():
+    """Mirrored pmfs [0.9, 0.1] and [0.1, 0.9]: every client has the same PSI_i (its column standardises
+    to 0); only the per-class terms tell the groups apart."""
+    h, truth = _planted_hist(centres=(0.9, 0.1), jitter=0.0)
+    x = psi_features(h)
+    assert np.allclose(x[:, 0], x[0, 0]) and not np.allclose(x[:, 1], x[0, 1])
+    cl = psi_clusters(h, seed=0)
+    assert cl.tau == 2 and _same_groups(cl.labels, truth)
+    assert list(cl.scores) == [2]                     # two distinct rows: j > 2 is skipped, not scored
+
+
+def test_identical_rows_give_one_cluster_with_a_reason_and_fixed_tau():
+    h = np.tile([[10.0, 10.0, 5.0]], (6, 1))
+    cl = psi_clusters(h, seed=0)
+    assert cl.tau == 1 and (cl.labels == 0).all() and "no feasible" in cl.reason
+    h, _ = _planted_hist()
+    assert psi_clusters(h, seed=0, clusters=3).tau == 3
+    assert psi_clusters(h, seed=0, max_clusters=2).scores.keys() == {2}
+
+
+def _ctx(hist: np.ndarray, fraction: float = 0.5, P: int = 3) -> Context:
+    hist = np.asarray(hist, dtype=float)
+    return Context(num_clients=len(hist), num_classes=hist.shape[1], spec=None, init=torch.zeros(P),
+                   n_train=hist.sum(1), label_hist=hist, seed=0, rounds=3, fraction=fraction)
+
+
+def test_per_cluster_sampling_takes_q_of_each_cluster():
+    h, truth = _planted_hist()
+    algo = ClustPsiPfl(_ctx(h, fraction=0.4))
+    assert _same_groups(algo.init_state()["assign"].numpy(), truth)
+    state = algo.init_state()
+    plan = algo.plan(state, 0, np.arange(3))                     # the runner's cohort is replaced
+    g = truth[plan.clients]
+    assert len(plan.clients) == 4 and (g == 0).sum() == 2 and (g == 1).sum() == 2
+    assert not np.array_equal(algo.plan(state, 1, np.arange(3)).clients, plan.clients) or \
+        not np.array_equal(algo.plan(state, 2, np.arange(3)).clients, plan.clients)
+    glob = ClustPsiPfl(_ctx(h, fraction=0.4), sampling="global")
+    assert glob.plan(glob.init_state(), 0, np.arange(3)).clients.tolist() == [0, 1, 2]
+
+
+def test_aggregation_is_per_cluster_and_an_idle_cluster_keeps_its_model():
+    h, truth = _planted_hist()
+    algo = ClustPsiPfl(_ctx(h, fraction=1.0))
+    state = algo.init_state()
+    a = state["assign"].numpy()
+    c0 = a[0]
+    members = np.flatnonzero(a == c0)
+    x = torch.arange(len(members) * 3, dtype=torch.float32).view(-1, 3)
+    n = torch.arange(1, len(members) + 1, dtype=torch.float64)
+    before = state["w"].clone()
+    algo.aggregate(state, 1, Update(members, {"params": x}, n, sent={"params": torch.zeros_like(x)}))
+    want = (n[:, None] * x.double()).sum(0) / n.sum()
+    assert torch.equal(state["w"][c0], want.float())
+    other = 1 - c0
+    assert torch.equal(state["w"][other], before[other])
+
+
+def test_late_client_joins_the_nearest_centroid():
+    h, truth = _planted_hist()
+    late = np.vstack([h, [[0.0, 0.0]]])                          # client 10 has not reported yet
+    ctx = _ctx(late, fraction=1.0)
+    algo = ClustPsiPfl(ctx)
+    state = algo.init_state()
+    assert int(state["assign"][10]) == -1 and state["psi"]["clustered"] == 10
+    ctx.label_hist[10] = [91.0, 9.0]                             # it reports a group-0 pmf
+    assert algo.clusters_of(state, np.array([10]))[0] == state["assign"][0]
+    plan = algo.plan(state, 0, np.arange(11))
+    assert 10 in plan.clients.tolist()
+    up = Update(plan.clients, {"params": plan.payload["params"].clone()}, torch.ones(len(plan.clients), dtype=torch.float64),
+                sent=dict(plan.payload))
+    rec = algo.aggregate(state, 0, up)
+    assert int(state["assign"][10]) == int(state["assign"][0]) and rec["joined"]["clients"].tolist() == [10]
+
+
+def test_new_keys_at_defaults_keep_run_ids():
+    base = resolve({"method": "fedavg"})
+    for method in ("fedavg", "fedprox", "clust_psi_pfl"):
+        b = resolve({"method": method})
+        same = resolve({"method": method, f"{method}.server_opt": "none", f"{method}.server_lr": 1.0,
+                        f"{method}.server_momentum": 0.9, f"{method}.server_beta1": 0.9,
+                        f"{method}.server_beta2": 0.99, f"{method}.server_tau": 1e-3,
+                        f"{method}.aggregation": "mean"})
+        assert b.run_id == same.run_id, method
+        assert resolve({"method": method, f"{method}.server_opt": "adam"}).run_id != b.run_id
+    assert base.run_id == resolve({"method": "fedavg", "fedavg.weighting": "samples"}).run_id
+
+
+def test_tiny_run_records_wpsi_and_counts_the_label_upload(tmp_path):
+    from fedprism.experiment.runner import Experiment
+    from fedprism.experiment.store import Store
+    from fedprism.flower.settings import parse_experiment
+
+    e = Experiment(parse_experiment(TINY), Store(tmp_path / "r.db"))
+    res = e.run()
+    assert res.status == "finished" and 0 <= res.final["local_acc"] <= 1
+    rec = e.store.records(res.run_id, "psi")
+    assert len(rec) == 1 and rec[0]["round"] == 0
+    d = rec[0]["data"]
+    assert d["wpsi"] == pytest.approx(wpsi(e.ctx.label_hist), abs=1e-12) and d["tau"] == len(e.state["w"]) >= 2
+    assert d["tau"] == int(max(d["silhouette"], key=lambda k: (d["silhouette"][k], -int(k))))
+    clusters = e.store.records(res.run_id, "clusters")[0]["data"]["labels"]
+    assert sorted(set(clusters)) == list(range(d["tau"]))
+    hist = e.store.round_metrics(res.run_id)
+    # round 0: the models went down and up, plus every client's 10 counts of 8 bytes once
+    assert hist[0]["bytes_up"] - hist[0]["bytes_down"] == 8 * 10 * 8
+    assert hist[1]["bytes_up"] == hist[1]["bytes_down"]
+    # each client is scored with its cluster's model
+    a = e.state["assign"]
+    assert torch.equal(e.algo.model_for(e.state, np.arange(8)), e.state["w"][a])
+    # AD and SDAD as the paper defines them: 1 - mean A_k and the population std of A_k
+    rows = e.store.client_rows(res.run_id, 1)
+    accs = np.array([r["local_acc"] for r in rows], dtype=float)
+    n = np.array([r["n_test"] for r in rows], dtype=float)
+    assert res.final["ad"] == pytest.approx(1 - accs.mean(), abs=1e-9)
+    assert res.final["sdad"] == pytest.approx(accs.std(), abs=1e-9)
+    # the paper's global accuracy sum_k n_k A_k / sum_k n_k (n_k: client k's test samples)
+    assert res.final["local_acc_weighted"] == pytest.approx((n * accs).sum() / n.sum(), abs=1e-9)
+
+
+def test_paper_fmnist_cnn_shape():
+    """Three 3x3 convolution stages 8/16/32, one 2x2 max-pool, dense 2048, classifier."""
+    from fedprism.models import build_model
+
+    m = build_model("clustpsi_fmnist_cnn", (1, 28, 28), 10, seed=0)
+    convs = [l for l in m.body if isinstance(l, torch.nn.Conv2d)]
+    assert [c.out_channels for c in convs] == [8, 16, 32] and all(c.kernel_size == (3, 3) for c in convs)
+    dense = [l for l in m.body if isinstance(l, torch.nn.Linear)]
+    assert [(d.in_features, d.out_features) for d in dense] == [(32 * 11 * 11, 2048)]
+    assert m(torch.zeros(2, 1, 28, 28)).shape == (2, 10) and m.head[0].in_features == 2048
+
+
+def test_paper_protocol_sweep_loads():
+    from pathlib import Path
+
+    from fedprism.experiment.sweep import load_sweep
+
+    path = Path(__file__).resolve().parents[1] / "sweeps" / "clust_psi_pfl_fmnist.toml"
+    name, cfgs = load_sweep(path)
+    assert name == "clust_psi_pfl_fmnist"
+    ours = [c for c in cfgs if c["method"] == "clust_psi_pfl"]
+    assert ours and all(c["clients"] == 100 and c["rounds"] == 40 and c["fraction"] == 0.5 and c["local_epochs"] == 5
+                        and c["optimizer"] == "adam" and c["lr"] == 1e-3 and c["batch_size"] == 32
+                        and c["model"] == "clustpsi_fmnist_cnn" for c in cfgs)
+    parts = {(c["partition"], c.get("partition.alpha"), c.get("partition.s")) for c in ours}
+    assert len(parts) == 9 and {c["seed"] for c in ours} == {0, 1}
