@@ -79,6 +79,13 @@ KEYS: dict[str, Param] = {
     "privacy.noise": Param("seeded", "where the privacy noise comes from: seeded (a stream of the run seed: "
                            "reproducible simulations) or system (OS entropy: deployments, where the server "
                            "knows the seed)", choices=("seeded", "system"), new=True),
+    "drift.fraction": Param(0.0, "dynamic data: fraction of the clients whose classes leave and come back "
+                            "(fedprism.data.drift; 0 = static data)", lambda v: 0 <= v <= 1, "a number in [0, 1]",
+                            new=True),
+    "drift.remove": Param(0.8, "dynamic data: share of a drifting client's classes removed before round 0",
+                          lambda v: 0 <= v <= 1, "a number in [0, 1]", new=True),
+    "drift.every": Param(50, "dynamic data: rounds between two returns (one class per drifting client each time)",
+                         _pos, "an integer >= 1", new=True),
     "keep_final": Param(True, "keep the final server and client state beside the store (re-scoring of "
                         "evaluation-only settings without training)"),
 }

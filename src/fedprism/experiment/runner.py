@@ -226,6 +226,15 @@ def feature_dim(model: torch.nn.Module) -> int:
     return int(lin[0].in_features) if lin else 0
 
 
+def drift_schedule(cfg: Config, fed: Federation):
+    """The run's class-drift schedule (`drift.*`, fedprism.data.drift), None for static data."""
+    if not cfg.get("drift.fraction", 0.0):
+        return None
+    from fedprism.data.drift import make_schedule
+    return make_schedule(fed.label_hist(), cfg["drift.fraction"], cfg["drift.remove"], cfg["drift.every"],
+                         cfg["seed"])
+
+
 def make_algorithm(cfg: Config, ctx: Context) -> Algorithm:
     return REGISTRY[cfg["method"]](ctx, **cfg.method_params)
 
@@ -254,6 +263,26 @@ class Experiment:
         self.algo: Algorithm = make_algorithm(cfg, self.ctx)
         self.clients: ClientStore | None = ClientStore(self.algo.client_state, self.ctx)
         self.upload = {k: spec.resolve(self.ctx) for k, spec in self.algo.upload().items()}
+        self.drift = drift_schedule(cfg, self.fed)
+        self._drift_key: tuple | None = None
+
+    def apply_drift(self, rnd: int, evaluator: Evaluator | None) -> int:
+        """Give the engine round `rnd`'s local data under `drift.*` (fedprism.data.drift); the evaluator's
+        per-client scores are dropped when the data change. Returns the number of absent (client, class)
+        pairs (0 without drift)."""
+        schedule = getattr(self, "drift", None)
+        if schedule is None:
+            return 0
+        gone = schedule.removed(rnd)
+        key = tuple(sorted((k, tuple(v)) for k, v in gone.items()))
+        if key != self._drift_key:
+            fed, y_tr, y_te = self.fed, self.fed.y_train.cpu().numpy(), self.fed.y_test.cpu().numpy()
+            self.engine.set_rows(schedule.rows(fed.train_idx, y_tr, rnd), schedule.rows(fed.test_idx, y_te, rnd),
+                                 None if fed.val_idx is None else schedule.rows(fed.val_idx, y_tr, rnd))
+            if evaluator is not None:
+                evaluator.forget()
+            self._drift_key = key
+        return sum(len(v) for v in gone.values())
 
     # -- hooks (overridden by the Flower ServerApp) -------------------------------------------------
     def local_work(self, plan: Plan, rnd: int) -> tuple[Update | None, dict[int, str]]:
@@ -392,6 +421,7 @@ class Experiment:
                     store.mark(run_id, "interrupted")
                     return RunResult(run_id, "interrupted", {}, store.round_metrics(run_id), resumed)
                 t0 = time.time()
+                drift_removed = self.apply_drift(rnd, evaluator)
                 sampled = sample_clients(cfg["seed"], rnd, self.ctx.num_clients, cfg["fraction"])
                 plan = self.algo.plan(state, rnd, sampled)
                 t_train = time.time()
@@ -414,9 +444,13 @@ class Experiment:
                     "rejected": len(update.rejected), "bytes_down": plan.bytes,
                     "bytes_up": update.bytes, "never_sampled": int((~seen).sum()),
                 })
+                if getattr(self, "drift", None) is not None:
+                    metrics["drift_removed"] = drift_removed
                 if "train_loss" in update.metrics and len(update.clients):
                     metrics["train_loss"] = float(update.metrics["train_loss"].mean())
                 records += self.extra_records(rnd) + (self.partition_records() if rnd == 0 else [])
+                if rnd == 0 and getattr(self, "drift", None) is not None:
+                    records += self.drift.records()
                 wall = time.time() - t0
                 elapsed += wall
                 store.write_round(run_id, rnd, metrics, client_rows, records, wall)
