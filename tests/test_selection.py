@@ -99,6 +99,9 @@ def test_bad_selection_settings_name_the_key(tmp_path):
     assert Store(tmp_path / "b.db").runs() == []                  # refused before the run is stored
     with pytest.raises(ConfigError):
         resolve({**TINY, "selection": "best"})
+    with pytest.raises(ConfigError) as e:                         # a method that draws its own cohorts
+        Experiment(resolve({**TINY, "method": "clust_psi_pfl", "selection": "fedcls"}), Store(tmp_path / "c.db")).run()
+    assert e.value.key == "selection" and "sampling=global" in str(e.value)
 
 
 def test_power_of_choice_on_flower_equals_in_process(tmp_path, task_identity):

@@ -59,6 +59,12 @@ class Algorithm:
     #: (fedprism.privacy) and the method must release them through `fedproto.local_prototypes(..., ctx, rnd)`
     shares_prototypes: ClassVar[bool] = False
 
+    @property
+    def own_cohort(self) -> bool:
+        """True when `plan` replaces the runner's cohort by one the method draws itself (then only the
+        default `selection=uniform` is allowed)."""
+        return False
+
     def __init__(self, ctx: Context, **hp: Any):
         self.ctx = ctx
         self.hp = self.resolve(hp)

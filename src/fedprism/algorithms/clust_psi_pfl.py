@@ -205,6 +205,10 @@ class ClustPsiPfl(Algorithm):
         return a
 
     # -- the round -------------------------------------------------------------------------------
+    @property
+    def own_cohort(self) -> bool:
+        return self.hp["sampling"] == "per_cluster"
+
     def plan(self, state: dict, rnd: int, clients: np.ndarray) -> Plan:
         if self.hp["sampling"] == "per_cluster":
             a = self.clusters_of(state, np.arange(self.ctx.num_clients))

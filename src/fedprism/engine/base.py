@@ -161,6 +161,19 @@ class EngineBase:
             [torch.as_tensor(i, dtype=torch.long, device=self.device) for i in fed.val_idx]
         self.samples_trained = 0
 
+    def set_rows(self, train_idx: list, test_idx: list, val_idx: list | None = None) -> None:
+        """Replace every client's train / local test / validation rows (indices into the same pools): a
+        time-varying local dataset (`fedprism.data.drift`). The federation object the engine was built from
+        is not changed (a sweep shares it between runs)."""
+        from dataclasses import replace as _replace
+        self.fed = _replace(self.fed, train_idx=list(train_idx), test_idx=list(test_idx),
+                            val_idx=None if val_idx is None else list(val_idx))
+        t = lambda idx: [torch.as_tensor(i, dtype=torch.long, device=self.device) for i in idx]  # noqa: E731
+        self._train_idx, self._test_idx = t(train_idx), t(test_idx)
+        self._val_idx = None if val_idx is None else t(val_idx)
+        if hasattr(self, "_train_idx_np"):
+            self._train_idx_np = [np.asarray(i, dtype=np.int64) for i in train_idx]
+
     # -- shared helpers ---------------------------------------------------------------------------
     def _orders(self, job: TrainJob, rnd: int) -> list[tuple[int, Callable[[], Iterator[torch.Tensor]]]]:
         """Per client of the job: (number of batches, a function giving its lazy batch iterator)."""

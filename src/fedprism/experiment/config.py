@@ -45,8 +45,8 @@ KEYS: dict[str, Param] = {
                                lambda v: 0 <= v <= 0.5, "a number in [0, 0.5]", new=True),
     "data.global_val": Param(0, "size of a global validation set carved from the training pool before "
                              "partitioning (0 = none)", _nonneg, "an integer >= 0", new=True),
-    "model": Param("auto", "lenet5, lenet5_bn, mlp, mlp_bn, cnn, a registered model, or auto (lenet5 for images "
-                   ">= 28px, else mlp)"),
+    "model": Param("auto", "lenet5, lenet5_bn, mlp, mlp_bn, cnn, clustpsi_fmnist_cnn, mlp_fedsub, a registered "
+                   "model, or auto (lenet5 for images >= 28px, else mlp)"),
     "partition": Param("dirichlet", "how the data is split across clients (see `fedprism partition --help`)"),
     "clients": Param(100, "number of clients N", _pos, "an integer >= 1"),
     "rounds": Param(100, "communication rounds T", _pos, "an integer >= 1"),
@@ -89,6 +89,13 @@ KEYS: dict[str, Param] = {
     "privacy.noise": Param("seeded", "where the privacy noise comes from: seeded (a stream of the run seed: "
                            "reproducible simulations) or system (OS entropy: deployments, where the server "
                            "knows the seed)", choices=("seeded", "system"), new=True),
+    "drift.fraction": Param(0.0, "dynamic data: fraction of the clients whose classes leave and come back "
+                            "(fedprism.data.drift; 0 = static data)", lambda v: 0 <= v <= 1, "a number in [0, 1]",
+                            new=True),
+    "drift.remove": Param(0.8, "dynamic data: share of a drifting client's classes removed before round 0",
+                          lambda v: 0 <= v <= 1, "a number in [0, 1]", new=True),
+    "drift.every": Param(50, "dynamic data: rounds between two returns (one class per drifting client each time)",
+                         _pos, "an integer >= 1", new=True),
     "keep_final": Param(True, "keep the final server and client state beside the store (re-scoring of "
                         "evaluation-only settings without training)"),
 }

@@ -210,6 +210,10 @@ class Evaluator:
         self._own: dict[str, dict[int, tuple[bytes, tuple]]] = {}
         self._shared: dict[str, dict[bytes, tuple]] = {}
 
+    def forget(self) -> None:
+        """Drop the cached per-client scores of the clients' own splits (their data changed)."""
+        self._own.clear()
+
     @property
     def splits(self) -> list[str]:
         return ["local"] + (["global"] if self.do_global else []) + list(self.validation)

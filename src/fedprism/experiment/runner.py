@@ -227,6 +227,9 @@ def make_selector(cfg: Config, ctx: Context, algo: Algorithm) -> Selector:
     rule, N = cfg.get("selection", "uniform"), ctx.num_clients
     m = cohort_size(N, cfg["fraction"])
     d = cfg.get("selection.d", 0) or min(N, 2 * m)
+    if rule != "uniform" and algo.own_cohort:
+        raise ConfigError("selection", rule, f"uniform: {cfg['method']} draws its own cohort (per cluster); "
+                          f"set {cfg['method']}.sampling=global to combine it with a selection rule")
     if rule == "poc":
         if not m <= d <= N:
             raise ConfigError("selection.d", cfg["selection.d"], f"an integer in [{m}, {N}] (m_t = {m} clients per "
@@ -236,6 +239,15 @@ def make_selector(cfg: Config, ctx: Context, algo: Algorithm) -> Selector:
                               f"{cfg['method']} keeps its models on the clients")
     return Selector(rule, cfg["seed"], N, cfg["fraction"], np.asarray(ctx.n_train), np.asarray(ctx.label_hist), d=d,
                     rho=cfg.get("selection.rho", 0.95), tau=cfg.get("selection.tau", 0.1))
+
+
+def drift_schedule(cfg: Config, fed: Federation):
+    """The run's class-drift schedule (`drift.*`, fedprism.data.drift), None for static data."""
+    if not cfg.get("drift.fraction", 0.0):
+        return None
+    from fedprism.data.drift import make_schedule
+    return make_schedule(fed.label_hist(), cfg["drift.fraction"], cfg["drift.remove"], cfg["drift.every"],
+                         cfg["seed"])
 
 
 def make_algorithm(cfg: Config, ctx: Context) -> Algorithm:
@@ -266,6 +278,26 @@ class Experiment:
         self.algo: Algorithm = make_algorithm(cfg, self.ctx)
         self.clients: ClientStore | None = ClientStore(self.algo.client_state, self.ctx)
         self.upload = {k: spec.resolve(self.ctx) for k, spec in self.algo.upload().items()}
+        self.drift = drift_schedule(cfg, self.fed)
+        self._drift_key: tuple | None = None
+
+    def apply_drift(self, rnd: int, evaluator: Evaluator | None) -> int:
+        """Give the engine round `rnd`'s local data under `drift.*` (fedprism.data.drift); the evaluator's
+        per-client scores are dropped when the data change. Returns the number of absent (client, class)
+        pairs (0 without drift)."""
+        schedule = getattr(self, "drift", None)
+        if schedule is None:
+            return 0
+        gone = schedule.removed(rnd)
+        key = tuple(sorted((k, tuple(v)) for k, v in gone.items()))
+        if key != self._drift_key:
+            fed, y_tr, y_te = self.fed, self.fed.y_train.cpu().numpy(), self.fed.y_test.cpu().numpy()
+            self.engine.set_rows(schedule.rows(fed.train_idx, y_tr, rnd), schedule.rows(fed.test_idx, y_te, rnd),
+                                 None if fed.val_idx is None else schedule.rows(fed.val_idx, y_tr, rnd))
+            if evaluator is not None:
+                evaluator.forget()
+            self._drift_key = key
+        return sum(len(v) for v in gone.values())
 
     # -- hooks (overridden by the Flower ServerApp) -------------------------------------------------
     def local_work(self, plan: Plan, rnd: int) -> tuple[Update | None, dict[int, str]]:
@@ -410,6 +442,7 @@ class Experiment:
                     store.mark(run_id, "interrupted")
                     return RunResult(run_id, "interrupted", {}, store.round_metrics(run_id), resumed)
                 t0 = time.time()
+                drift_removed = self.apply_drift(rnd, evaluator)
                 sampled, chosen_by = selector.select(rnd, lambda cand: self._losses(state, cand))
                 plan = self.algo.plan(state, rnd, sampled)
                 t_train = time.time()
@@ -440,9 +473,13 @@ class Experiment:
                     down, up = self.algo.setup_bytes()
                     metrics["bytes_down"] += down
                     metrics["bytes_up"] += up
+                if getattr(self, "drift", None) is not None:
+                    metrics["drift_removed"] = drift_removed
                 if "train_loss" in update.metrics and len(update.clients):
                     metrics["train_loss"] = float(update.metrics["train_loss"].mean())
                 records += self.extra_records(rnd) + (self.partition_records() if rnd == 0 else [])
+                if rnd == 0 and getattr(self, "drift", None) is not None:
+                    records += self.drift.records()
                 wall = time.time() - t0
                 elapsed += wall
                 store.write_round(run_id, rnd, metrics, client_rows, records, wall)

@@ -528,7 +528,12 @@ class FlowerExperiment(Experiment):
         if link.input_shape is None:
             raise RuntimeError("no node has been identified yet: call link.discover() first")
         cfg = flower_label(settings.cfg)
+        if cfg.get("drift.fraction", 0.0):
+            from fedprism.errors import ConfigError
+            raise ConfigError("drift.fraction", cfg["drift.fraction"], "0 on Flower: class drift "
+                              "(fedprism.data.drift) is simulated in process only")
         self.cfg, self.store, self.sweep, self.progress = cfg, store, None, False
+        self.drift = None
         self.settings, self.link = settings, link
         self.run_id = flower_run_id(settings.cfg)
         self.fed = None

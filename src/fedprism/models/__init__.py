@@ -52,6 +52,18 @@ class MLP(_Split):
         self.head = nn.Sequential(nn.Linear(hidden, num_classes))
 
 
+class MLPFedSub(_Split):
+    """The FedSub paper's network (Campana and Delmastro, Section 4.3): input-128-512-classes, ReLU.
+    Its body is the two hidden layers (the penultimate features are the 512 activations), its head the
+    output layer."""
+
+    def __init__(self, in_features: int, num_classes: int):
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(in_features, 128), nn.ReLU(),
+                                  nn.Linear(128, 512), nn.ReLU())
+        self.head = nn.Sequential(nn.Linear(512, num_classes))
+
+
 class CifarCNN(_Split):
     """A small CNN for 32x32 inputs (`cnn`): two conv(3x3)-BN-ReLU-pool blocks, fc256, fc(classes). It is
     not the CIFAR-10 network of Clust-PSI-PFL (arXiv:2512.20363: three blocks of two convolutions 32/64/128
@@ -145,7 +157,7 @@ class MLPBN(_Split):
         self.head = nn.Sequential(nn.Linear(hidden, num_classes))
 
 
-MODELS = ("lenet5", "mlp", "cnn", "lenet5_bn", "mlp_bn", "clustpsi_fmnist_cnn")
+MODELS = ("lenet5", "mlp", "cnn", "lenet5_bn", "mlp_bn", "clustpsi_fmnist_cnn", "mlp_fedsub")
 
 
 def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, seed: int = 0) -> nn.Module:
@@ -163,10 +175,12 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, seed:
                                   f"{list(input_shape)}"
                                   " (set data.pad32=true for 28x28 images)")
             return (LeNet5 if name == "lenet5" else LeNet5BN)(input_shape[0], num_classes)
-        if name in ("mlp", "mlp_bn"):
+        if name in ("mlp", "mlp_bn", "mlp_fedsub"):
             feat = 1
             for d in input_shape:
                 feat *= d
+            if name == "mlp_fedsub":
+                return MLPFedSub(feat, num_classes)
             return (MLP if name == "mlp" else MLPBN)(feat, num_classes)
         if name == "cnn":
             if len(input_shape) != 3 or input_shape[1:] != (32, 32):

@@ -1,0 +1,410 @@
+"""FedSub (Campana and Delmastro, "FedSub: Introducing Class-aware Subnetworks Fusion to Enhance Personalized
+Federated Learning"; the text we worked from states neither a year nor an arXiv identifier): class
+prototypes clustered per class on the server, class-level subnetworks fused inside each cluster, and a
+personalised partial overwrite of every client's model. Algorithm 1 (client) and Algorithm 2 (server):
+
+    client k (round t), holding its model theta_k (client state `w`):
+      theta_k <- theta_k with the server's update U_k written where U_k has entries     Alg. 1 line 13
+      theta_k <- E epochs of cross-entropy on D_k                                        Alg. 1 line 2
+      P_k^c = mean_{x in D_k^c} f(x)   for every local class c                           Eq. 1
+      r_k^c = reliability score (`reliability`: 1, |D_k^c|, class-c accuracy, or both)  Alg. 1 line 5
+      M_k^c = neuron mask of class c:                                                    Alg. 1 lines 6-7
+                naive: neurons whose mean activation over D_k^c is > 0                   Eq. 2
+                LRP:   neurons whose mean relevance over D_k^c is > 0                    Eqs. 3-5
+      S_k^c = theta_k (.) M_k^c   (a neuron's parameters: its incoming weight row and its bias)  line 8
+      -> server: P_k^c, S_k^c with M_k^c, r_k^c for every local class                    line 11
+    server (round t):
+      cache[k] <- the artifacts of every participant, with the round they were made      Alg. 2 lines 4-6
+      for each class c: K-Means on the cached {P_k^c}, K in [2, n_c - 1] with the lowest
+                        Davies-Bouldin index                                              line 7
+      for each cluster G of class c, the fused subnetwork Sbar_G:                         line 9
+        avg:        Sbar_G = sum_{k in G} r_k^c S_k^c / sum_{k in G} r_k^c                Eq. 6
+        leadership: Sbar_G = S_l^c,  l = argmax_{k in G} r_k^c                           Eq. 8
+        overlap:    Eq. 6 on the neurons in the mask of every member of G, 0 elsewhere   Eq. 9
+      U_k = element-wise average of the Sbar_G of the clusters k belongs to               Eqs. 7, 8, 10
+            (overlap: only where all of those clusters share the neuron; elsewhere k keeps its own)
+      -> client k: U_k                                                                    line 11
+
+Decisions where the paper is silent or ambiguous:
+
+* Round order. A fedprism round is plan -> client work -> aggregate, so the server's answer of round t
+  (U_k from the artifacts of rounds <= t) reaches client k at the start of its next round (or its
+  evaluation), and the client writes it into its model before training: Algorithm 1's line 13 followed
+  by line 2 of the next round. Evaluation scores the client's model with its current U_k written in.
+* Models. Subnetworks are defined on neurons of dense layers: FedSub needs a ReLU MLP (`mlp`, `mlp_fedsub`:
+  Linear layers, ReLU, no normalisation; the layout is read from `ParamSpec.layers`, never from names, and
+  the first client update checks that the reconstructed forward pass equals the engine's logits).
+* Output layer. Class c's subnetwork holds row c of the last layer (weights and bias) and no other output
+  row: LRP starts from logit c, and "positive activation" of a logit means nothing for the naive rule.
+* Masks are explicit. Every upload carries its neuron masks [C, U] (U = neurons with parameters), so a
+  trained weight that is exactly 0 is still part of a subnetwork (the paper reads relevance from
+  non-zero entries).
+* Eq. 6 / Eq. 7 "element-wise average among a set of parameter matrices": every element is averaged over
+  the subnetworks (Eq. 6) or fused subnetworks (Eq. 7) whose mask contains it; averaging in the zeros of
+  absent entries would shrink the weights.
+* Eq. 10 (overlap) across classes: a hidden neuron is written only when it is in the fused mask of every
+  cluster k belongs to; output row c belongs to class c's cluster only, so it is written when that
+  cluster's fused mask has it.
+* LRP. The relevance of the output layer is max(logit_c, 0) at neuron c, 0 elsewhere: the alpha-beta rule
+  assumes a positive logit, so a sample whose class-c logit is not positive contributes no relevance.
+  Rules in `fedprism.explain.lrp` (bias left out of the alpha-beta denominators). `lrp_eps` (epsilon
+  rule, `lrp_eps` = eps) is an extra the paper does not use.
+* Prototypes: FedProto's Eq. 4 with the model's penultimate features, computed after local training on
+  the whole train split (`fedproto.local_prototypes`, so `privacy.epsilon` releases them with DP). The
+  paper keeps prototypes unchanged while the local data do not change; here the features change with the
+  model every round, so they are recomputed every round (which also covers data that change). Subnetworks
+  and scores are sent without noise (the paper's privacy section covers prototypes only).
+* Reliability (Section 4.3's four options): `uniform` 1 (the paper's reported setting, default),
+  `samples` |D_k^c|, `accuracy` the trained model's accuracy on the client's class-c train samples,
+  `combined` |D_k^c| x accuracy. Scores are divided by the maximum inside each cluster; a cluster whose
+  scores are all 0 uses equal scores. Leadership ties go to the lowest client index.
+* Clustering over the cache: every client's latest artifacts, each stored with the round it was made
+  (`made`); a class's members are the cached clients whose latest upload holds a subnetwork of it.
+  K-Means (sklearn, n_init 10, seeded by (seed, round, class)) for K in [2, n_c - 1] with the lowest
+  Davies-Bouldin index (`clustering.select_k.choose_k_davies_bouldin`); one cluster when n_c <= 2 or the
+  prototypes allow no K (all equal). The paper's upper end "the number of available prototypes" would make
+  every prototype its own cluster and Davies-Bouldin is undefined there.
+* All cached clients are clustered every round, sampled or not; the server's answer to a client that has
+  never uploaded is empty (it keeps its model).
+* Communication. What travels is dense and fixed-shape (the simulator's rows and the Flower codec's arrays):
+  up, theta_k [P] with every entry outside the union of its masks zeroed (nothing outside a subnetwork
+  leaves the client), the masks [C, U] (uint8), the prototypes [C, d] and the scores [C]; down, U_k [P] and
+  its neuron mask [U]. The runner counts those bytes. The paper's Figure 6 counts each class subnetwork
+  separately; `subnetwork_bytes` gives that (and the size with shared parameters sent once) from the
+  uploaded masks, and `aggregate` records it every round (record `fedsub`).
+
+Defaults (paper, Section 4.3): one local epoch, all clients every round, SGD, equal reliability, the
+MLP input-128-512-classes (`model=mlp_fedsub`); Overlapping Components is the paper's best fusion and the
+default here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fedprism.algorithms.base import Algorithm, ClientState, Inference, Plan, TensorSpec, TrainJob, Update, register
+from fedprism.algorithms.fedproto import check_feature_dim, local_prototypes
+from fedprism.errors import ConfigError
+from fedprism.explain import lrp
+from fedprism.hparams import Param
+from fedprism.params import ParamSpec
+
+SUBNETWORKS = ("naive", "lrp_a1b0", "lrp_a2b1", "lrp_eps")
+FUSIONS = ("avg", "leadership", "overlap")
+RELIABILITY = ("uniform", "samples", "accuracy", "combined")
+#: (rule, alpha, beta) of each LRP variant
+LRP_RULES = {"lrp_a1b0": ("alpha_beta", 1.0, 0.0), "lrp_a2b1": ("alpha_beta", 2.0, 1.0), "lrp_eps": ("epsilon", 1.0, 0.0)}
+CHUNK = 1024
+
+
+# -- the neurons of a flat vector -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Layout:
+    """Dense layers of a ReLU MLP in the flat vector: per layer the weight slice [out, in] and bias slice."""
+
+    weights: tuple[slice, ...]
+    biases: tuple[slice, ...]
+    shapes: tuple[tuple[int, int], ...]
+    size: int
+
+    @property
+    def units(self) -> int:
+        return sum(o for o, _ in self.shapes)
+
+    @property
+    def unit_offsets(self) -> list[int]:
+        return list(np.cumsum([0] + [o for o, _ in self.shapes]))
+
+    def unit_of_param(self) -> torch.Tensor:
+        """[P] long: the neuron each parameter belongs to (weight row j and bias j: neuron j of its layer)."""
+        idx = torch.empty(self.size, dtype=torch.long)
+        for (o, i), ws, bs, u0 in zip(self.shapes, self.weights, self.biases, self.unit_offsets):
+            idx[ws] = (u0 + torch.arange(o)).repeat_interleave(i)
+            idx[bs] = u0 + torch.arange(o)
+        return idx
+
+    def layers(self, flat: torch.Tensor) -> list[lrp.Layer]:
+        return [(flat[ws].view(o, i), flat[bs]) for (o, i), ws, bs in zip(self.shapes, self.weights, self.biases)]
+
+    def class_domain(self, num_classes: int) -> torch.Tensor:
+        """[C, U] bool: the neurons a class subnetwork may hold (every hidden neuron, output neuron c)."""
+        dom = torch.zeros(num_classes, self.units, dtype=torch.bool)
+        out0 = self.unit_offsets[-2]
+        dom[:, :out0] = True
+        dom[torch.arange(num_classes), out0 + torch.arange(num_classes)] = True
+        return dom
+
+
+def mlp_layout(spec: ParamSpec, num_classes: int) -> Layout:
+    """The dense-layer layout of `spec`, or a ConfigError when the model is not a chain of Linear layers."""
+    why = None
+    ws, bs, shapes = [], [], []
+    for _, sl in spec.layers:
+        idx = [i for i in range(len(spec.names)) if sl.start <= spec.offsets[i] < sl.stop]
+        sh = [spec.shapes[i] for i in idx]
+        if len(sh) != 2 or len(sh[0]) != 2 or sh[1] != (sh[0][0],):
+            why = f"a layer with parameter shapes {sh} (only Linear layers with a bias)"
+            break
+        a = sl.start
+        ws.append(slice(a, a + sh[0][0] * sh[0][1]))
+        bs.append(slice(a + sh[0][0] * sh[0][1], sl.stop))
+        if shapes and shapes[-1][0] != sh[0][1]:
+            why = f"layer widths that do not chain ({shapes[-1][0]} -> {sh[0][1]})"
+            break
+        shapes.append(sh[0])
+    if why is None and (not shapes or shapes[-1][0] != num_classes):
+        why = "no output layer with one neuron per class"
+    if why is not None:
+        raise ConfigError("model", f"a model with {why}", "a ReLU MLP (model=mlp or mlp_fedsub): FedSub's class "
+                          "subnetworks are sets of neurons of dense layers")
+    return Layout(tuple(ws), tuple(bs), tuple(shapes), spec.size)
+
+
+# -- client side ----------------------------------------------------------------------------------------------
+def class_subnetworks(layout: Layout, w: torch.Tensor, x: torch.Tensor, y: torch.Tensor, num_classes: int,
+                      how: str, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One client's neuron masks [C, U] bool (Eqs. 2 and 4), its class counts [C] and class accuracies [C]
+    on (x, y) with model w [P]. A class without samples has an empty mask, count 0 and accuracy 0."""
+    layers = [(a.double(), b.double()) for a, b in layout.layers(w.detach().cpu())]
+    x, y = x.cpu(), y.cpu()
+    U, off = layout.units, layout.unit_offsets
+    out0 = off[-2]
+    masks = torch.zeros(num_classes, U, dtype=torch.bool)
+    counts = torch.bincount(y, minlength=num_classes).double()
+    correct = torch.zeros(num_classes, dtype=torch.float64)
+    for c in torch.nonzero(counts > 0).flatten().tolist():
+        xc = x[y == c]
+        score = torch.zeros(out0, dtype=torch.float64)         # summed activation / relevance of hidden neurons
+        for s in range(0, len(xc), CHUNK):
+            acts = lrp.forward(layers, xc[s:s + CHUNK].double())
+            logits = acts[-1]
+            correct[c] += (logits.argmax(-1) == c).sum()
+            if how == "naive":
+                score += torch.cat([a.sum(0) for a in acts[1:-1]])
+            else:
+                rule, alpha, beta = LRP_RULES[how]
+                start = torch.zeros_like(logits)
+                start[:, c] = logits[:, c].clamp(min=0)
+                rel = lrp.relevance(layers, acts, start, rule, alpha, beta, eps)
+                score += torch.cat([r.sum(0) for r in rel[1:-1]])
+        masks[c, :out0] = score > 0                # mean > 0 <=> sum > 0
+        masks[c, out0 + c] = True
+    return masks, counts, correct / counts.clamp(min=1)
+
+
+def reliability(how: str, counts: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+    """r_k^c for every class (before the per-cluster normalisation): Section 4.3's four options."""
+    r = {"uniform": torch.ones_like(counts), "samples": counts, "accuracy": acc, "combined": counts * acc}[how]
+    return torch.where(counts > 0, r, torch.zeros_like(r)).float()
+
+
+def subnetwork_bytes(masks: torch.Tensor, layout: Layout, value_bytes: int = 4) -> dict:
+    """Bytes of a client's class subnetworks (masks [C, U]) in sparse form: `separate` counts each class's
+    parameters once per subnetwork (the paper's Figure 6), `union` each kept parameter once; plus one bit
+    per neuron and class for the masks. `full_model` is the dense model for comparison."""
+    unit = layout.unit_of_param()
+    per_unit = torch.bincount(unit, minlength=layout.units).to(torch.float64)        # parameters per neuron
+    m = masks.to(torch.bool)
+    bits = m.shape[0] * layout.units / 8.0
+    return {"separate": float((m.double() @ per_unit).sum()) * value_bytes + bits,
+            "union": float(per_unit[m.any(0)].sum()) * value_bytes + bits,
+            "full_model": float(layout.size * value_bytes)}
+
+
+# -- server side ----------------------------------------------------------------------------------------------
+def fuse(theta: torch.Tensor, masks: torch.Tensor, r: torch.Tensor, fusion: str, unit: torch.Tensor
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused subnetwork of one cluster (Eqs. 6, 8, 9): (values [P] float64, neuron mask [U] bool).
+
+    theta [m, P] the members' models, masks [m, U] bool their class masks, r [m] their scores."""
+    r = r.to(torch.float64)
+    r = r / r.max() if r.max() > 0 else torch.ones_like(r)          # normalised by the cluster's maximum
+    if fusion == "leadership":
+        lead = int(torch.argmax(r))                                 # first maximum: lowest client index
+        mask = masks[lead]
+        return torch.where(mask[unit], theta[lead].to(torch.float64), torch.zeros((), dtype=torch.float64)), mask
+    if fusion == "overlap":
+        mask = masks.all(0)
+        a = r[:, None].expand(-1, theta.shape[1]) * mask[unit].to(torch.float64)
+    elif fusion == "avg":
+        mask = masks.any(0)
+        a = r[:, None] * masks[:, unit].to(torch.float64)          # [m, P]: only members that hold the element
+    else:
+        raise ValueError(f"fusion must be one of {FUSIONS}, got {fusion!r}")
+    den = a.sum(0)
+    num = (a * theta.to(torch.float64)).sum(0)
+    return torch.where(den > 0, num / den.clamp(min=1e-300), torch.zeros_like(num)), mask
+
+
+def personal_update(fused: list[tuple[torch.Tensor, torch.Tensor]], classes: list[int], fusion: str,
+                    domain: torch.Tensor, unit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """U_k (Eqs. 7, 8, 10): (values [P] float32, written neurons [U] bool) from the fused subnetworks of the
+    clusters k belongs to (`classes[i]`: the class of `fused[i]`)."""
+    P, U = unit.shape[0], domain.shape[1]
+    if not fused:
+        return torch.zeros(P), torch.zeros(U, dtype=torch.bool)
+    vals = torch.stack([v for v, _ in fused])                         # [m, P]
+    held = torch.stack([m for _, m in fused]) & domain[classes]       # [m, U]
+    if fusion == "overlap":       # a neuron is written only if every cluster whose class may hold it has it
+        dom = domain[classes]
+        write = (held.sum(0) == dom.sum(0)) & (dom.sum(0) > 0)
+    else:
+        write = held.any(0)
+    a = (held & write)[:, unit].to(torch.float64)                    # [m, P]
+    den = a.sum(0)
+    out = torch.where(den > 0, (a * vals).sum(0) / den.clamp(min=1e-300), torch.zeros(P, dtype=torch.float64))
+    return out.float(), write
+
+
+def cluster_class(protos: np.ndarray, seed: int) -> tuple[np.ndarray, dict]:
+    """K-Means labels of one class's cached prototypes, K in [2, n - 1] by Davies-Bouldin (1 cluster if none)."""
+    from fedprism.clustering.hard import euclidean_embedding, euclidean_labels
+    from fedprism.clustering.select_k import choose_k_davies_bouldin
+
+    n = protos.shape[0]
+    if n <= 2:
+        return np.zeros(n, dtype=np.int64), {}
+    k, scores = choose_k_davies_bouldin(protos, seed=seed)
+    if k == 1:
+        return np.zeros(n, dtype=np.int64), scores
+    labels = euclidean_labels(euclidean_embedding(protos), k, "kmeans", seed, n_features=protos.shape[1])
+    _, labels = np.unique(labels, return_inverse=True)
+    return labels.astype(np.int64), scores
+
+
+@register
+class FedSub(Algorithm):
+    name = "fedsub"
+    paper = "Campana and Delmastro, FedSub: Introducing Class-aware Subnetworks Fusion to Enhance Personalized FL"
+    params = {
+        "subnetwork": Param("naive", "class subnetworks: naive (positive mean activation, Eq. 2), lrp_a1b0 / "
+                            "lrp_a2b1 (positive mean LRP-alpha-beta relevance, Eq. 5) or lrp_eps (LRP-epsilon, "
+                            "not in the paper)", choices=SUBNETWORKS),
+        "fusion": Param("overlap", "cluster fusion: avg (Cluster AVG, Eq. 6), leadership (Eq. 8) or overlap "
+                        "(Overlapping Components, Eqs. 9-10)", choices=FUSIONS),
+        "reliability": Param("uniform", "reliability score r_k^c: uniform (1), samples (|D_k^c|), accuracy "
+                             "(class-c train accuracy) or combined (samples x accuracy)", choices=RELIABILITY),
+        "lrp_eps": Param(1e-6, "epsilon of subnetwork=lrp_eps", lambda v: v > 0, "a number > 0"),
+    }
+    client_state = {"w": ClientState(("P",), init="model")}
+    shares_prototypes = True             # `privacy.epsilon` releases them with DP (fedprism.privacy)
+
+    def __init__(self, ctx, **hp):
+        super().__init__(ctx, **hp)
+        check_feature_dim(ctx, self.name)
+        self.layout = mlp_layout(ctx.spec, ctx.num_classes)
+        self.unit = self.layout.unit_of_param()
+        self.domain = self.layout.class_domain(ctx.num_classes)
+        self._checked = False
+
+    @classmethod
+    def headline(cls, config: dict) -> str:
+        return "own model with the fused class subnetworks written in"
+
+    def upload(self) -> dict:
+        U = self.layout.units
+        return {"params": TensorSpec(("P",)), "masks": TensorSpec(("C", U), torch.uint8, low=0, high=2),
+                "protos": TensorSpec(("C", "d")), "scores": TensorSpec(("C",), low=0)}
+
+    def init_state(self) -> dict:
+        N, C, d, U, P = self.ctx.num_clients, self.ctx.num_classes, self.ctx.feature_dim, self.layout.units, self.ctx.spec.size
+        return {"params": torch.zeros(N, P), "masks": torch.zeros(N, C, U, dtype=torch.uint8),
+                "protos": torch.zeros(N, C, d), "scores": torch.zeros(N, C),
+                "made": torch.full((N,), -1, dtype=torch.long),            # round of each client's artifacts
+                "assign": torch.full((C, N), -1, dtype=torch.long)}        # cluster of client k for class c
+
+    # -- the server's answer --------------------------------------------------------------------------------
+    def updates_for(self, state: dict, clients: np.ndarray) -> dict:
+        """U_k for each client: {'values': [n, P], 'write': [n, U] uint8}."""
+        masks = state["masks"].to(torch.bool)
+        fused_cache: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        vals, writes = [], []
+        for k in clients:
+            k = int(k)
+            fused, classes = [], []
+            for c in torch.nonzero(state["assign"][:, k] >= 0).flatten().tolist():
+                g = int(state["assign"][c, k])
+                if (c, g) not in fused_cache:
+                    m = torch.nonzero(state["assign"][c] == g).flatten()
+                    fused_cache[c, g] = fuse(state["params"][m], masks[m, c] & self.domain[c], state["scores"][m, c],
+                                             self.hp["fusion"], self.unit)
+                fused.append(fused_cache[c, g])
+                classes.append(c)
+            v, w = personal_update(fused, classes, self.hp["fusion"], self.domain, self.unit)
+            vals.append(v)
+            writes.append(w.to(torch.uint8))
+        return {"values": torch.stack(vals), "write": torch.stack(writes)}
+
+    def integrate(self, w: torch.Tensor, payload: dict) -> torch.Tensor:
+        """Alg. 1 line 13: the client's rows w [n, P] with U_k written where it has entries."""
+        write = payload["write"].to(torch.bool).cpu()[:, self.unit]
+        return torch.where(write.to(w.device), payload["values"].to(w.device, w.dtype), w)
+
+    def plan(self, state: dict, rnd: int, clients: np.ndarray) -> Plan:
+        return Plan(clients, self.updates_for(state, clients))
+
+    # -- client ---------------------------------------------------------------------------------------------
+    def _check_model(self, trainer, w: torch.Tensor, x: torch.Tensor) -> None:
+        if self._checked or not len(x):
+            return
+        ref = trainer.logits(w[None].to(trainer.device), x[:8].to(trainer.device))[0].double().cpu()
+        mine = lrp.forward([(a.double(), b.double()) for a, b in self.layout.layers(w.cpu())], x[:8].cpu().double())[-1]
+        if not torch.allclose(ref, mine, atol=1e-4, rtol=1e-4):
+            raise ConfigError("model", "not a ReLU MLP", "a ReLU MLP (Linear layers and ReLU, no normalisation): "
+                              "FedSub's forward pass over the flat vector does not give the model's logits")
+        self._checked = True
+
+    def client_update(self, plan: Plan, trainer, rnd: int, cstate: dict) -> Update:
+        S, C = plan.clients, self.ctx.num_classes
+        w = self.integrate(cstate["w"], plan.payload)
+        t = trainer.train(TrainJob(S, w), rnd)
+        protos, _ = local_prototypes(trainer, S, t.params, C, self.ctx, rnd)          # Eq. 1 (DP when asked)
+        masks, scores, sent = [], [], []
+        for i, c in enumerate(S):
+            x, y = trainer.data(int(c), "train")
+            self._check_model(trainer, t.params[i], x)
+            m, counts, acc = class_subnetworks(self.layout, t.params[i], x, y, C, self.hp["subnetwork"],
+                                               self.hp["lrp_eps"])
+            masks.append(m.to(torch.uint8))
+            scores.append(reliability(self.hp["reliability"], counts, acc))
+            keep = m.any(0)[self.unit].to(t.params.device)                # nothing outside a subnetwork leaves
+            sent.append(torch.where(keep, t.params[i], torch.zeros((), dtype=t.params.dtype, device=t.params.device)))
+        payload = {"params": torch.stack(sent), "masks": torch.stack(masks), "protos": protos,
+                   "scores": torch.stack(scores)}
+        return Update(S, payload, t.n_samples, {"train_loss": t.loss}, client_state={"w": t.params})
+
+    # -- server ---------------------------------------------------------------------------------------------
+    def aggregate(self, state: dict, rnd: int, update: Update) -> dict:
+        if not len(update.clients):
+            return {}
+        S = torch.as_tensor(update.clients)
+        for k in ("params", "masks", "protos", "scores"):
+            state[k][S] = update.payload[k].to(state[k].dtype)
+        state["made"][S] = rnd
+        cached = state["made"] >= 0
+        holds = state["masks"].to(torch.bool).any(-1) & cached[:, None]          # [N, C]
+        state["assign"].fill_(-1)
+        ks = {}
+        for c in range(self.ctx.num_classes):
+            members = torch.nonzero(holds[:, c]).flatten()
+            if not len(members):
+                continue
+            seed = int(np.random.SeedSequence([self.ctx.seed, rnd, c]).generate_state(1)[0])
+            labels, _ = cluster_class(state["protos"][members, c].double().numpy(), seed)
+            state["assign"][c, members] = torch.as_tensor(labels)
+            ks[c] = int(labels.max()) + 1
+        sizes = [subnetwork_bytes(m, self.layout) for m in update.payload["masks"]]
+        return {"fedsub": {"k": ks, "oldest_artifact": int(state["made"][cached].min()),
+                           "subnet_bytes_separate": sum(s["separate"] for s in sizes),
+                           "subnet_bytes_union": sum(s["union"] for s in sizes),
+                           "full_model_bytes": sum(s["full_model"] for s in sizes)}}
+
+    # -- evaluation -----------------------------------------------------------------------------------------
+    def eval_payload(self, state: dict, clients: np.ndarray) -> dict:
+        return self.updates_for(state, clients)
+
+    def inference(self, trainer, clients, payload: dict, cstate: dict) -> Inference:
+        return Inference({"model": self.integrate(cstate["w"], payload)})

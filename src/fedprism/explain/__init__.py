@@ -1,0 +1,1 @@
+"""Explanations of a model's predictions used by methods (Layer-wise Relevance Propagation: `lrp`)."""

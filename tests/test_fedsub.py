@@ -1,0 +1,219 @@
+"""FedSub: the reducing settings of the three fusions, LRP by hand, explicit masks, bytes from the payloads,
+validation, and a tiny end-to-end run on digits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fedprism.algorithms import REGISTRY
+from fedprism.algorithms.aggregation import weighted_mean
+from fedprism.algorithms.base import Context, Update
+from fedprism.algorithms.fedsub import class_subnetworks, mlp_layout, subnetwork_bytes
+from fedprism.errors import ConfigError
+from fedprism.experiment.config import resolve
+from fedprism.experiment.runner import Experiment
+from fedprism.experiment.store import Store
+from fedprism.explain import lrp
+from fedprism.models import MLP
+from fedprism.params import ParamSpec, flatten
+
+SMALL = dict(dataset="digits", clients=6, rounds=3, fraction=1.0, local_epochs=1, batch_size=16, lr=0.05,
+             model="mlp", engine="sequential", device="cpu", seed=1, method="fedsub")
+
+
+def make(n=4, classes=3, hidden=4, features=5, **hp):
+    """A FedSub server for a tiny MLP (features-hidden-hidden-classes) and random client models [n, P]."""
+    torch.manual_seed(0)
+    spec = ParamSpec.of(MLP(features, classes, hidden))
+    ctx = Context(num_clients=n, num_classes=classes, spec=spec, init=torch.zeros(spec.size),
+                  n_train=np.full(n, 10), label_hist=np.full((n, classes), 3), seed=0, rounds=2, fraction=1.0,
+                  feature_dim=hidden)
+    algo = REGISTRY["fedsub"](ctx, **hp)
+    theta = torch.randn(n, spec.size)
+    return algo, theta
+
+
+def upload(algo, theta, masks, protos, scores, clients=None):
+    n = theta.shape[0]
+    clients = np.arange(n) if clients is None else np.asarray(clients)
+    return Update(clients, {"params": theta, "masks": masks.to(torch.uint8), "protos": protos, "scores": scores},
+                  torch.ones(n, dtype=torch.float64))
+
+
+def full_masks(algo, n):
+    """Every client's class masks = the whole class domain (every hidden neuron, its own output row)."""
+    return algo.domain[None].expand(n, -1, -1).clone()
+
+
+# -- reducing settings -----------------------------------------------------------------------------------------
+def test_one_cluster_per_class_avg_is_uniform_fedavg_and_overlap_equals_avg():
+    outs = {}
+    for fusion in ("avg", "overlap"):
+        algo, theta = make(fusion=fusion)
+        n, C = theta.shape[0], algo.ctx.num_classes
+        state = algo.init_state()
+        protos = torch.ones(n, C, algo.ctx.feature_dim)                  # identical prototypes: one cluster
+        algo.aggregate(state, 0, upload(algo, theta, full_masks(algo, n), protos, torch.ones(n, C)))
+        assert (state["assign"] == 0).all()
+        u = algo.updates_for(state, np.arange(n))
+        assert u["write"].all()
+        fedavg = weighted_mean(theta, torch.ones(n, dtype=torch.float64))
+        for k in range(n):
+            assert torch.allclose(u["values"][k], fedavg, atol=1e-6), fusion
+            assert torch.allclose(algo.integrate(theta[k:k + 1], {k2: v[k:k + 1] for k2, v in u.items()})[0],
+                                  fedavg, atol=1e-6)
+        outs[fusion] = u["values"]
+    assert torch.equal(outs["avg"], outs["overlap"])
+
+
+@pytest.mark.parametrize("fusion", ["leadership", "avg", "overlap"])
+def test_one_member_clusters_are_the_identity(fusion):
+    """Each client alone in its class clusters (distinct prototypes, 2 clients): U_k is its own subnetwork and
+    writing it back leaves its model unchanged, bit for bit."""
+    algo, theta = make(n=2, fusion=fusion)
+    state = algo.init_state()
+    C, d = algo.ctx.num_classes, algo.ctx.feature_dim
+    masks = full_masks(algo, 2)
+    masks[0, :, 1] = False                                # client 0: hidden neuron 1 not in its subnetworks
+    protos = torch.stack([torch.zeros(C, d), torch.ones(C, d)])
+    # n_c = 2 clients per class: one cluster; so give each client its own classes instead
+    masks[0, 1:] = False
+    masks[1, :1] = False
+    algo.aggregate(state, 0, upload(algo, theta, masks, protos, torch.rand(2, C)))
+    u = algo.updates_for(state, np.arange(2))
+    for k in range(2):
+        back = algo.integrate(theta[k:k + 1], {n: v[k:k + 1] for n, v in u.items()})[0]
+        assert torch.equal(back, theta[k]), fusion
+        assert u["write"][k].any()
+
+
+def test_leadership_takes_the_leader_and_overlap_only_shared_neurons():
+    algo, theta = make(n=2, fusion="leadership")
+    state = algo.init_state()
+    C, d = algo.ctx.num_classes, algo.ctx.feature_dim
+    masks = full_masks(algo, 2)
+    masks[0, :, 0] = False                                  # client 0 lacks hidden neuron 0 in every class
+    scores = torch.tensor([[1.0] * C, [2.0] * C])          # client 1 leads
+    algo.aggregate(state, 0, upload(algo, theta, masks, torch.ones(2, C, d), scores))
+    u = algo.updates_for(state, np.arange(2))
+    assert torch.equal(u["values"][0], u["values"][1])
+    assert torch.allclose(u["values"][0][u["write"][0].bool()[algo.unit]], theta[1][u["write"][0].bool()[algo.unit]])
+    algo.hp["fusion"] = "overlap"
+    u = algo.updates_for(state, np.arange(2))
+    assert not u["write"][:, 0].any() and u["write"][:, 1:].all()    # neuron 0 is not shared: kept
+
+
+def test_masks_not_values_decide_presence():
+    """A neuron in the mask with parameters exactly 0 takes part in the average (and is written back);
+    the same neuron outside the mask does not."""
+    algo, theta = make(n=2, fusion="avg")
+    C, d = algo.ctx.num_classes, algo.ctx.feature_dim
+    zero = algo.unit == 2                                    # hidden neuron 2: its weight row and bias
+    theta[0, zero] = 0.0
+    state = algo.init_state()
+    algo.aggregate(state, 0, upload(algo, theta, full_masks(algo, 2), torch.ones(2, C, d), torch.ones(2, C)))
+    u = algo.updates_for(state, np.arange(2))
+    assert u["write"][:, 2].all()
+    assert torch.allclose(u["values"][0][zero], theta[1, zero] / 2)
+    masks = full_masks(algo, 2)
+    masks[0, :, 2] = False
+    algo.aggregate(state, 1, upload(algo, theta, masks, torch.ones(2, C, d), torch.ones(2, C)))
+    u = algo.updates_for(state, np.arange(2))
+    assert torch.allclose(u["values"][0][zero], theta[1, zero])
+
+
+# -- LRP ---------------------------------------------------------------------------------------------------------
+def test_lrp_two_layer_net_by_hand_and_conservation():
+    W1, b1 = torch.tensor([[1.0, 0.5], [2.0, -0.5]], dtype=torch.float64), torch.tensor([0.5, 0.0], dtype=torch.float64)
+    W2, b2 = torch.tensor([[1.0, -1.0], [0.5, 2.0]], dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+    layers = [(W1, b1), (W2, b2)]
+    x = torch.tensor([[1.0, 2.0]], dtype=torch.float64)
+    acts = lrp.forward(layers, x)
+    assert torch.allclose(acts[1], torch.tensor([[2.5, 1.0]], dtype=torch.float64))
+    assert torch.allclose(acts[2], torch.tensor([[1.5, 3.25]], dtype=torch.float64))
+    start = torch.tensor([[0.0, 3.25]], dtype=torch.float64)        # relevance of logit 1
+    # alpha 1, beta 0: z_i1 = a_i w_1i = (1.25, 2), R1 = (1.25, 2); layer 1: z_.0 = (1, 1), z_.1 = (2, -1)
+    # R0_0 = 1/2 * 1.25 + 2/2 * 2 = 2.625, R0_1 = 1/2 * 1.25 = 0.625
+    r = lrp.relevance(layers, acts, start, "alpha_beta", 1.0, 0.0)
+    assert torch.allclose(r[1], torch.tensor([[1.25, 2.0]], dtype=torch.float64))
+    assert torch.allclose(r[0], torch.tensor([[2.625, 0.625]], dtype=torch.float64))
+    for R in r:
+        assert float(R.sum()) == pytest.approx(3.25, abs=1e-12)      # conservation
+    # alpha 2, beta 1: no negative z in layer 2, R1 = 2 * (1.25, 2); R0_0 = 2 (1/2 2.5 + 2/2 4) = 10.5,
+    # R0_1 = 2 (1/2 2.5) - (-1 / -1) 4 = -1.5
+    r = lrp.relevance(layers, acts, start, "alpha_beta", 2.0, 1.0)
+    assert torch.allclose(r[1], torch.tensor([[2.5, 4.0]], dtype=torch.float64))
+    assert torch.allclose(r[0], torch.tensor([[10.5, -1.5]], dtype=torch.float64))
+    with pytest.raises(ValueError):
+        lrp.relevance(layers, acts, start, "alpha_beta", 2.0, 0.0)
+
+
+def test_lrp_a1b0_subnetworks_lie_inside_the_naive_ones():
+    """Positive alpha-1-beta-0 relevance needs a positive activation, so LRP keeps a subset of the naive
+    neurons (the paper's smaller LRP subnetworks); both hold output row c only."""
+    torch.manual_seed(3)
+    net = MLP(6, 3, 16)
+    spec = ParamSpec.of(net)
+    layout = mlp_layout(spec, 3)
+    w = flatten(net)
+    x, y = torch.randn(60, 6), torch.arange(60) % 3
+    naive, counts, _ = class_subnetworks(layout, w, x, y, 3, "naive")
+    lrp_m, _, _ = class_subnetworks(layout, w, x, y, 3, "lrp_a1b0")
+    assert (lrp_m <= naive).all() and lrp_m.sum() < naive.sum()
+    out0 = layout.unit_offsets[-2]
+    assert torch.equal(naive[:, out0:], torch.eye(3, dtype=torch.bool))
+    assert torch.equal(lrp_m[:, out0:], torch.eye(3, dtype=torch.bool))
+    b = [subnetwork_bytes(m, layout) for m in (naive, lrp_m)]
+    assert b[1]["separate"] < b[0]["separate"] and b[1]["union"] <= b[0]["union"]
+
+
+# -- the run ----------------------------------------------------------------------------------------------------
+def run(tmp_path, name, **kw):
+    e = Experiment(resolve({**SMALL, **{k.replace("__", "."): v for k, v in kw.items()}}), Store(tmp_path / f"{name}.db"))
+    res = e.run()
+    assert res.status == "finished"
+    return e, res
+
+
+def test_bytes_per_round_from_the_payloads(tmp_path):
+    e, res = run(tmp_path, "n", fedsub__subnetwork="naive", rounds=1, fedsub__fusion="avg")
+    P, C, d, U, n = e.ctx.spec.size, e.ctx.num_classes, e.ctx.feature_dim, e.algo.layout.units, 6
+    h = res.history[0]
+    assert h["bytes_up"] == n * (4 * P + C * U + 4 * C * d + 4 * C)     # params, uint8 masks, protos, scores
+    assert h["bytes_down"] == n * (4 * P + U)                           # U_k and its neuron mask
+    _, fa = run(tmp_path, "fa", method="fedavg", rounds=1)
+    assert fa.history[0]["bytes_up"] == n * 4 * P                       # the full model
+    sizes = {}
+    for sub in ("naive", "lrp_a1b0", "lrp_a2b1"):
+        e, _ = run(tmp_path, sub, fedsub__subnetwork=sub, rounds=1, fedsub__fusion="avg")
+        rec = e.store.records(e.run_id, "fedsub")[0]["data"]
+        assert rec["full_model_bytes"] == n * 4 * P
+        sizes[sub] = rec["subnet_bytes_separate"]
+    # round 0 trains the same models (same stream, nothing received yet): the masks alone differ
+    assert sizes["lrp_a1b0"] < sizes["naive"]
+
+
+def test_end_to_end_digits_beats_stated_accuracy(tmp_path):
+    e, res = run(tmp_path, "e2e", fedsub__subnetwork="lrp_a1b0", fedsub__fusion="overlap")
+    f = res.final
+    for k in ("local_acc", "global_acc", "bytes_up", "bytes_down"):
+        assert np.isfinite(f[k]), k
+    assert f["local_acc"] > 0.85                      # measured 0.95 (digits, 6 clients, 3 rounds, MLP)
+    recs = e.store.records(e.run_id, "fedsub")
+    assert len(recs) == 3 and all(1 <= k <= 5 for r in recs for k in r["data"]["k"].values())
+
+
+@pytest.mark.parametrize("bad, why", [({"fedsub.fusion": "mean"}, "fedsub.fusion"),
+                                       ({"fedsub.subnetwork": "lrp"}, "fedsub.subnetwork"),
+                                       ({"fedsub.reliability": "loss"}, "fedsub.reliability"),
+                                       ({"fedsub.lrp_eps": 0.0}, "fedsub.lrp_eps")])
+def test_parameters_are_validated(bad, why):
+    with pytest.raises(ConfigError, match=why.replace(".", r"\.")):
+        resolve({**SMALL, **bad})
+
+
+def test_needs_a_relu_mlp(tmp_path):
+    with pytest.raises(ConfigError, match="ReLU MLP"):
+        Experiment(resolve({**SMALL, "model": "mlp_bn"}), Store(tmp_path / "x.db")).run()
