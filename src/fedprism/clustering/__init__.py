@@ -4,7 +4,7 @@ Every function accepts numpy arrays or torch tensors and returns float64 numpy a
 
 - :mod:`.hard` — :func:`hard_cluster` with the five methods of the Fed-PRISM technical report section 3.2.
 - :mod:`.soft` — :func:`soft_assign` (top-m softmax of cosine similarity, the report's section 3.3).
-- :mod:`.matching` — Hungarian matching of new clusters to persistent models (algorithms.md 0.7).
+- :mod:`.matching` — Hungarian matching of new clusters to persistent models.
 - :mod:`.select_k` — choice of K by silhouette (Clust-PSI-PFL) or Davies-Bouldin (FedSub).
 - :mod:`.bipartition` — CFL's optimal min-max bipartition.
 """
