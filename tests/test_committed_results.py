@@ -17,7 +17,8 @@ DB = RESULTS / "fedprism.db"
 PAPER_SWEEPS = ["paper_fmnist_dir01", "paper_fmnist_dir03", "paper_fmnist_dir05"]    # Tables 1, 6, 7
 #: out dir -> the `fedprism report` arguments that made it (results/README.md lists the same commands)
 REPORTS = {
-    "paper_fmnist": dict(sweep=PAPER_SWEEPS + ["fedprism_ablation_temperature", "fedamp_ablation_mu"],
+    "paper_fmnist": dict(sweep=PAPER_SWEEPS + ["fedprism_ablation_temperature", "fedamp_ablation_mu",
+                                               "paper_fmnist_dir01_pfl"],
                          reference="fedprism-paper-fmnist"),
 }
 
@@ -161,3 +162,26 @@ def test_fedamp_mu_rule_as_results_readme_states(db_copy):
     assert loc["FedAMP mu=1"] < loc["Local"] - 0.05, loc
     from fedprism.algorithms.fedamp import FedAMP
     assert FedAMP.params["mu"].default == 0.1
+
+
+def test_pfl_baselines_as_results_readme_states(db_copy):
+    """results/README.md, "Personalized-FL baselines": FedProx is one shared model next to FedAvg; Ditto's
+    personal models hold Local's local accuracy (within 0.2 points) and its shared model FedAvg's global
+    accuracy (within 0.5), with personal models far above Local's on the global test set; APFL's
+    adaptive alpha collapses, so its local accuracy stays near the shared model's."""
+    store = Store(db_copy)
+    base, pfl = _finals(store, "paper_fmnist_dir01"), _finals(store, "paper_fmnist_dir01_pfl")
+    if ("FedAvg", 0) not in base or ("Local", 0) not in base or not pfl:
+        pytest.skip("the seed-0 baselines are not in the committed database yet")
+    fedavg, local = base[("FedAvg", 0)], base[("Local", 0)]
+    if ("FedProx", 0) in pfl:
+        fp = pfl[("FedProx", 0)]
+        assert abs(fp["global_acc"] - fedavg["global_acc"]) < 0.005 and abs(fp["local_acc"] - fp["global_acc"]) < 0.001
+    if ("Ditto", 0) in pfl:
+        d = pfl[("Ditto", 0)]
+        assert d["local_acc"] >= local["local_acc"] - 0.002
+        assert abs(d["global_model_acc"] - fedavg["global_acc"]) < 0.005
+        assert d["global_acc"] >= local["global_acc"] + 0.40
+    if ("APFL", 0) in pfl:
+        a = pfl[("APFL", 0)]
+        assert a["local_acc"] < local["local_acc"] - 0.05 and abs(a["local_acc"] - a["global_model_acc"]) < 0.05
