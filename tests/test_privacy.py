@@ -143,3 +143,13 @@ def test_flower_nodes_release_what_the_simulator_releases(tmp_path, task_identit
     with pytest.raises(ConfigError, match="stats-epsilon"):
         from fedprism.flower.settings import RunSettings
         RunSettings.from_run_config({**rc, "stats-epsilon": 1.0})
+
+
+def test_every_method_that_uploads_prototypes_plans_their_releases(tmp_path):
+    """A method whose upload holds class prototypes must declare `shares_prototypes`, so that
+    `privacy.epsilon` budgets one release per round for them (and releases them through the DP path)."""
+    from fedprism.algorithms import REGISTRY
+    for name in sorted(m for m in REGISTRY if not m.startswith("test_")):
+        exp = Experiment(resolve({**TINY, "method": name, "clients": 12}), Store(tmp_path / f"{name}.db"))
+        sends = "protos" in exp.algo.upload()
+        assert sends == type(exp.algo).shares_prototypes, name
