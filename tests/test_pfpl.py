@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from fedprism.algorithms import REGISTRY
 from fedprism.algorithms.base import Context
@@ -21,6 +20,7 @@ from fedprism.experiment.runner import Experiment, Simulator
 from fedprism.experiment.store import Store
 from fedprism.federation import Federation
 from fedprism.params import Functional, flatten
+from test_fedproto_protohar import Identity2  # features = the 2-d input, a linear head
 
 SMALL = dict(dataset="digits", clients=6, rounds=3, fraction=0.5, local_epochs=1, batch_size=16, lr=0.05,
              model="mlp", engine="sequential", device="cpu", seed=1)
@@ -37,19 +37,6 @@ def run(tmp_path, name="r", **kw) -> Experiment:
 
 
 # -- alpha = 1 is Local training ------------------------------------------------------------------------------
-class Identity2(nn.Module):
-    """features = the input itself (2-d), a linear head over 4 classes: prototypes are class means of x."""
-
-    def __init__(self, classes: int = 4):
-        super().__init__()
-        self.body = nn.Identity()
-        self.head = nn.Sequential(nn.Linear(2, classes))
-
-    def forward(self, x, features_only=False):
-        z = self.body(x)
-        return z if features_only else self.head(z)
-
-
 def test_loss_by_hand_and_zero_regulariser_at_alpha_one():
     torch.manual_seed(0)
     f = Functional(Identity2())

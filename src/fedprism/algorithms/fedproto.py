@@ -177,20 +177,12 @@ def check_feature_dim(ctx, method: str) -> None:
                           f"layer ({method} needs the width of the penultimate features)")
 
 
-@register
-class FedProto(Algorithm):
-    name = "fedproto"
-    paper = "Tan et al. 2022, FedProto, AAAI, arXiv:2105.00243"
-    params = {
-        "lam": Param(1.0, "lambda: weight of the prototype regulariser (Eq. 8)", lambda v: v >= 0,
-                     "a number >= 0"),
-        "weighting": Param("samples", "global prototype: samples (|D_ij|-weighted, Eq. 6) or uniform "
-                           "(plain mean over clients, the authors' code)", choices=WEIGHTINGS),
-        "aggregate_over": Param("seen", "global prototype over every client's latest upload (seen) or this "
-                                "round's reporters (round)", choices=AGGREGATE_OVER),
-    }
+class PrototypeClients(Algorithm):
+    """What FedProto and PFPL share: each client keeps its whole model as client state, uploads its class
+    prototypes [C, d] and counts [C] (Eq. 4, through `local_prototypes`, so `privacy.epsilon` applies),
+    and predicts with its own model's head."""
+
     client_state = {"w": ClientState(("P",), init="model")}
-    predictions = {"proto": "nearest global prototype"}
     shares_prototypes = True             # `privacy.epsilon` releases them with DP (fedprism.privacy)
 
     def __init__(self, ctx, **hp):
@@ -203,6 +195,21 @@ class FedProto(Algorithm):
 
     def upload(self) -> dict:
         return {"protos": TensorSpec(("C", "d")), "counts": TensorSpec(("C",), low=0)}
+
+
+@register
+class FedProto(PrototypeClients):
+    name = "fedproto"
+    paper = "Tan et al. 2022, FedProto, AAAI, arXiv:2105.00243"
+    params = {
+        "lam": Param(1.0, "lambda: weight of the prototype regulariser (Eq. 8)", lambda v: v >= 0,
+                     "a number >= 0"),
+        "weighting": Param("samples", "global prototype: samples (|D_ij|-weighted, Eq. 6) or uniform "
+                           "(plain mean over clients, the authors' code)", choices=WEIGHTINGS),
+        "aggregate_over": Param("seen", "global prototype over every client's latest upload (seen) or this "
+                                "round's reporters (round)", choices=AGGREGATE_OVER),
+    }
+    predictions = {"proto": "nearest global prototype"}
 
     def init_state(self) -> dict:
         return prototype_state(self.ctx, self.hp["aggregate_over"])

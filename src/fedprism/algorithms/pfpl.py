@@ -79,9 +79,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fedprism.algorithms.base import (Algorithm, ClientState, Inference, Plan, TensorSpec, TrainJob, Update,
-                                      register)
-from fedprism.algorithms.fedproto import check_feature_dim, local_prototypes
+from fedprism.algorithms.base import Inference, Plan, TrainJob, Update, register
+from fedprism.algorithms.fedproto import PrototypeClients, local_prototypes
 from fedprism.hparams import Param
 
 WEIGHTINGS = ("inverse", "softmax", "as_printed")
@@ -210,7 +209,7 @@ def pfpl_loss_norm(model, w, x, y, weight, extras):
 
 
 @register
-class PFPL(Algorithm):
+class PFPL(PrototypeClients):
     name = "pfpl"
     paper = "Zeng et al. 2025, Personalized federated prototype learning in mixed heterogeneous data scenarios"
     params = {
@@ -228,20 +227,6 @@ class PFPL(Algorithm):
         "distance": Param("squared", "l_R of Eq. 7: squared (sum of squares, the paper's 'L2 distance') or "
                           "norm (Euclidean norm)", choices=DISTANCES),
     }
-    client_state = {"w": ClientState(("P",), init="model")}
-    shares_prototypes = True             # `privacy.epsilon` releases them with DP (fedprism.privacy)
-
-    def __init__(self, ctx, **hp):
-        super().__init__(ctx, **hp)
-        check_feature_dim(ctx, self.name)
-
-    @classmethod
-    def headline(cls, config: dict) -> str:
-        return "own model (head)"
-
-    def upload(self) -> dict:
-        return {"protos": TensorSpec(("C", "d")), "counts": TensorSpec(("C",), low=0)}
-
     def init_state(self) -> dict:
         C, d, N = self.ctx.num_classes, self.ctx.feature_dim, self.ctx.num_clients
         return {"client_protos": torch.zeros(N, C, d), "client_counts": torch.zeros(N, C),

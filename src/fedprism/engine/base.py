@@ -218,30 +218,36 @@ class EngineBase:
             return self.fed.x_train[i], self.fed.y_train[i]
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
 
+    def _local_sgd(self, w: torch.Tensor, rows: torch.Tensor, batches, loss_fn, cfg: LocalConfig, mask,
+                   extras: dict) -> tuple[torch.Tensor, float]:
+        """One model's local training, a step per batch of positions into `rows` (global train indices):
+        the sequential engine's per-client loop and the pooled reference share it. Returns (w, mean loss)."""
+        st = optimizer_state(cfg, w)
+        total, count = 0.0, 0
+        for b in batches:
+            bi = rows[b.to(self.device)]
+            x, y = self.fed.x_train[bi], self.fed.y_train[bi]
+            wr = w.detach().requires_grad_(True)
+            loss = loss_fn(self.f, wr, x, y, torch.ones(len(y), device=self.device), extras)
+            (g,) = torch.autograd.grad(loss, wr)
+            with torch.no_grad():
+                w, st = optimizer_step(w, g, st, cfg, mask)
+            total += float(loss.detach()) * len(y)
+            count += len(y)
+            self.samples_trained += len(y)
+        return w, total / max(1, count)
+
     def train_pooled(self, start: torch.Tensor, clients, rnd: int, stream: str = "pooled") -> Trained:
         """One model [1, P] trained from `start` [P] on the union of `clients`' train rows (the centralised
         reference: minibatches drawn from the pooled data), E epochs with the run's optimiser. Needs every
         client's data in this process, so only the simulator's engines have it."""
-        cfg, f = self.cfg, self.f
+        cfg = self.cfg
         idx = torch.cat([self._train_idx[int(c)] for c in clients])
-        loss_fn = resolve_loss("ce")
-        w = start.to(self.device, copy=True)
-        st = optimizer_state(cfg, w)
-        total, count = 0.0, 0
-        for b in iter_batches(len(idx), cfg.epochs, cfg.batch_size, stream_seed(self.seed, rnd, 0, stream)):
-            bi = idx[b.to(self.device)]
-            x, y = self.fed.x_train[bi], self.fed.y_train[bi]
-            wr = w.detach().requires_grad_(True)
-            loss = loss_fn(f, wr, x, y, torch.ones(len(y), device=self.device), {})
-            (g,) = torch.autograd.grad(loss, wr)
-            with torch.no_grad():
-                w, st = optimizer_step(w, g, st, cfg, None)
-            total += float(loss.detach()) * len(y)
-            count += len(y)
-            self.samples_trained += len(y)
+        batches = iter_batches(len(idx), cfg.epochs, cfg.batch_size, stream_seed(self.seed, rnd, 0, stream))
+        w, loss = self._local_sgd(start.to(self.device, copy=True), idx, batches, resolve_loss("ce"), cfg, None, {})
         return Trained(np.asarray(clients)[:1], w.unsqueeze(0).to(start.device),
                        torch.tensor([float(len(idx))], dtype=torch.float64),
-                       torch.tensor([total / max(1, count)], dtype=torch.float64))
+                       torch.tensor([loss], dtype=torch.float64))
 
     @property
     def num_classes(self) -> int:

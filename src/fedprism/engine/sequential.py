@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fedprism.engine.base import EngineBase, optimizer_state, optimizer_step, resolve_loss
+from fedprism.engine.base import EngineBase, resolve_loss
 from fedprism.protocol import Trained, TrainJob
 
 
@@ -20,20 +20,7 @@ class SequentialEngine(EngineBase):
             idx = self._train_idx[int(c)]
             extras = {n: v[k].to(self.device) for n, v in job.extras.items()}
             m = mask[k] if mask is not None and mask.dim() == 2 else mask
-            w = job.start[k].to(self.device, copy=True)
-            st = optimizer_state(cfg, w)
-            total, count = 0.0, 0
-            for b in batches():
-                bi = idx[b.to(self.device)]
-                x, y = self.fed.x_train[bi], self.fed.y_train[bi]
-                wr = w.detach().requires_grad_(True)
-                loss = loss_fn(self.f, wr, x, y, torch.ones(len(y), device=self.device), extras)
-                (g,) = torch.autograd.grad(loss, wr)
-                with torch.no_grad():
-                    w, st = optimizer_step(w, g, st, cfg, m)
-                total += float(loss.detach()) * len(y)
-                count += len(y)
-                self.samples_trained += len(y)
+            w, losses[k] = self._local_sgd(job.start[k].to(self.device, copy=True), idx, batches(), loss_fn, cfg, m,
+                                           extras)
             out[k] = w.to(out.device)
-            losses[k] = total / max(1, count)
         return Trained(job.clients, out, self._n_train(job.clients), losses)

@@ -540,10 +540,8 @@ class FlowerExperiment(Experiment):
         self.model = make_model(cfg, link.input_shape, link.num_classes)
         self.ctx = make_context(cfg, self.model, link.n_train, link.label_hist)   # arrays filled as nodes report
         self.ctx.spec = Functional(self.model).spec
-        # the size keys against this machine and the data: the partition's sizes when the server could
-        # build it, else the counts the nodes reported (clients not seen yet count 0)
-        check_limits(cfg, sizes["train"] if sizes is not None else link.n_train, self.ctx.spec.size,
-                     sizes_complete=sizes is not None)
+        if sizes is None:      # with the partition's sizes, `server_data` checked the size keys already
+            check_limits(cfg, link.n_train, self.ctx.spec.size, sizes_complete=False)   # the nodes' counts
         if self.ctx.spec.size != link.param_size:
             raise RuntimeError(f"the nodes' model has {link.param_size} parameters, the server's {self.ctx.spec.size}")
         self.algo: Algorithm = make_algorithm(cfg, self.ctx)
