@@ -372,6 +372,14 @@ def test_a_sweep_does_not_skip_a_run_stored_from_other_code(tmp_path, capsys):
     assert main(["sweep", str(f), "--db", db, "--quiet"]) == 2
     err = capsys.readouterr().err
     assert "stored from other code or data" in err and "model code" in err and "skipped" not in err
+    # a run added to the file still runs; the stale one is reported, neither re-used nor re-run
+    f.write_text(f.read_text() + '[[runs]]\nlabel = "B"\nmethod = "local"\n')
+    assert main(["sweep", str(f), "--db", db, "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "1 run, 0 already finished, 1 stored from other code or data" in err
+    runs = {r["method"]: r for r in Store(db).runs()}
+    assert runs["local"]["status"] == "finished" and runs["fedavg"]["run_id"] == run_id
+    assert json.loads(Store(db).run(run_id)["provenance"])["code"]["model"]["sha256"] == "1" * 64
 
 
 def test_scalars_are_written_per_round_and_client_as_csv(tmp_path):

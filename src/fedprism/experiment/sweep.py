@@ -161,17 +161,25 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
         configs = [c for c in configs if c["seed"] in seeds]
     if not isinstance(workers, int) or workers < 1:
         raise ConfigError("--workers", workers, "an integer >= 1")
+    from fedprism.experiment.provenance import ProvenanceMismatch
+
     store = Store(db)
     done = skipped = busy = 0
     t0 = time.time()
     todo: list[tuple[str, Config]] = []
+    other_code: list[str] = []          # finished under other code or data: neither re-used nor re-run
     for i, cfg in enumerate(configs):
         row = store.run(cfg.run_id)
         tag = f"[{i + 1}/{len(configs)}] {cfg['name']} seed={cfg['seed']}"
         if row is not None and row["status"] == "finished":
             stored = row["provenance"] if "provenance" in row.keys() else None
             if stored:                         # other code or data: never skipped as if it were this run's
-                check(cfg.run_id, json.loads(stored), fingerprints(cfg))
+                try:
+                    check(cfg.run_id, json.loads(stored), fingerprints(cfg))
+                except ProvenanceMismatch as e:  # the others still run; the sweep ends with status 2
+                    other_code.append(f"{tag}: {e}")
+                    print(f"{tag}: not run, {e}", file=sys.stderr)
+                    continue
             skipped += 1
             store.add_to_sweep(name, cfg.run_id, cfg["name"])
             supersede(store, name, cfg)
@@ -218,8 +226,14 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
                 print(f"{line(futures[fut], f)}  [{done}/{len(todo)} done, {time.time() - t0:.0f}s]", file=sys.stderr)
         store = Store(db)
     print(f"sweep {name}: {done} run, {skipped} already finished"
-          + (f", {busy} running in other processes" if busy else "") + f", {time.time() - t0:.0f}s", file=sys.stderr)
+          + (f", {busy} running in other processes" if busy else "")
+          + (f", {len(other_code)} stored from other code or data (listed above; neither re-used nor re-run)"
+             if other_code else "") + f", {time.time() - t0:.0f}s", file=sys.stderr)
     store.close()
+    if other_code:
+        raise ProvenanceMismatch(f"{len(other_code)} run(s) of sweep {name} are stored from other code or data: "
+                                 "`fedprism verify RUN` checks whether the current code reproduces one, "
+                                 "`fedprism run --fresh ...` re-runs it")
     return 0
 
 
