@@ -539,6 +539,20 @@ def test_loopback_deployment_with_tls_auth_and_a_killed_node(tmp_path):
     assert summary["leftover_processes"] == []
 
 
+def test_dropout_model_runs_the_same_on_flower(tmp_path, task_identity):
+    """A model with seeded dropout (the Clust-PSI-PFL CIFAR-10 CNN, `fedprism.models.dropout`): each node
+    derives its client's masks from (run seed, round, client, stream, step) as the simulator does, so the
+    Flower run equals the in-process one."""
+    exp = ("method=fedavg dataset=digits clients=3 rounds=2 fraction=1.0 local_epochs=1 lr=0.01 "
+           "model=clustpsi_cifar_cnn device=cpu engine=sequential partition.alpha=0.5 seed=4")
+    rc = run_config(exp, tmp_path / "d.db", save_final=str(tmp_path / "final.pt"))
+    ref, final = in_process(exp, tmp_path / "ref.db")
+    res = serve(FakeGrid(nodes_for(3), rc), rc)
+    assert res.status == "finished"
+    assert_same_state(ref.state, torch.load(tmp_path / "final.pt", weights_only=False)["state"])
+    assert res.final["local_acc"] == pytest.approx(final["local_acc"], abs=1e-9)
+
+
 @pytest.mark.parametrize("method", ["fedavg", "fedprism_dual", "local"])
 def test_validation_splits_score_the_same_on_flower(method, tmp_path, task_identity):
     exp = (f"method={method} dataset=digits clients=5 rounds=2 fraction=1.0 local_epochs=1 lr=0.05 model=mlp "

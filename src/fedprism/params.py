@@ -134,23 +134,65 @@ def load_flat(module: nn.Module, flat: torch.Tensor) -> nn.Module:
 
 
 class Functional:
-    """A model as a pure function `logits = f(flat_params, x)` (meta-device skeleton + functional_call)."""
+    """A model as a pure function `logits = f(flat_params, x)` (meta-device skeleton + functional_call).
+
+    Dropout (`fedprism.models.dropout.SeededDropout`): `f(flat, x)` runs without dropout (evaluation);
+    `f.keyed(key)` is the same function with the step's dropout key (int64 [3], one per vmap slot) in
+    every dropout layer, for local training. Layers are numbered (`salt`) in module order here, so their
+    masks differ."""
 
     def __init__(self, module: nn.Module):
+        from fedprism.models.dropout import dropout_layers
+
         self.spec = ParamSpec.of(module)
         self.module = module
         self.buffers = {k: v for k, v in module.named_buffers()}
+        self.dropout = tuple(f"{n}.key" for n, _ in dropout_layers(module))
+        for i, (_, m) in enumerate(dropout_layers(module)):
+            m.salt = i
 
-    def __call__(self, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return functional_call(self.module, (self.spec.unflatten(flat), self.buffers), (x,))
+    def _buffers(self, key: torch.Tensor | None, prefix: str = "") -> dict[str, torch.Tensor]:
+        if key is None or not self.dropout:
+            bufs = self.buffers
+        else:
+            bufs = {**self.buffers, **{n: key for n in self.dropout}}
+        if prefix:
+            bufs = {k[len(prefix):]: v for k, v in bufs.items() if k.startswith(prefix)}
+        return bufs
 
-    def features(self, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, flat: torch.Tensor, x: torch.Tensor, key: torch.Tensor | None = None) -> torch.Tensor:
+        return functional_call(self.module, (self.spec.unflatten(flat), self._buffers(key)), (x,))
+
+    def features(self, flat: torch.Tensor, x: torch.Tensor, key: torch.Tensor | None = None) -> torch.Tensor:
         """Penultimate representation (input of `head`), for prototype methods."""
         params = self.spec.unflatten(flat)
-        return functional_call(self.module, (params, self.buffers), (x,), {"features_only": True})
+        return functional_call(self.module, (params, self._buffers(key)), (x,), {"features_only": True})
 
-    def head(self, flat: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    def head(self, flat: torch.Tensor, z: torch.Tensor, key: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of penultimate features `z` under the head of `flat` (for losses on features)."""
         params = self.spec.unflatten(flat)
         p = self.spec.head_prefix
-        return functional_call(self.module.head, {k[len(p):]: v for k, v in params.items() if k.startswith(p)}, (z,))
+        head_params = {k[len(p):]: v for k, v in params.items() if k.startswith(p)}
+        return functional_call(self.module.head, (head_params, self._buffers(key, p)), (z,))
+
+    def keyed(self, key: torch.Tensor | None) -> "Functional | Keyed":
+        """This function with dropout key `key` (itself when the model has no dropout or key is None)."""
+        return self if key is None or not self.dropout else Keyed(self, key)
+
+
+class Keyed:
+    """A `Functional` bound to one training step's dropout key: what an objective receives as `f` when
+    the model has dropout (`f(flat, x)`, `f.features`, `f.head` all use the key)."""
+
+    def __init__(self, f: Functional, key: torch.Tensor):
+        self.f, self.key = f, key
+        self.spec, self.module = f.spec, f.module
+
+    def __call__(self, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.f(flat, x, self.key)
+
+    def features(self, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.f.features(flat, x, self.key)
+
+    def head(self, flat: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return self.f.head(flat, z, self.key)

@@ -67,6 +67,19 @@ def stream_seed(seed: int, rnd: int, client: int, stream: str = "train") -> int:
     return int(np.random.SeedSequence([seed, rnd, client, h]).generate_state(1, np.uint64)[0] % (2**62))
 
 
+def dropout_seed(seed: int, rnd: int, client: int, stream: str = "train") -> int:
+    """Seed of the dropout masks of `client` in round `rnd` for the training job on the named stream: the
+    stream `"dropout:" + stream` (`stream_seed`), independent of the batch order's stream, the cohort and
+    the engine (`fedprism.models.dropout`)."""
+    return stream_seed(seed, rnd, client, "dropout:" + stream)
+
+
+def dropout_key(seed: int, step: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The dropout key of local step `step` (0, 1, ... over all epochs) of the job seeded `seed`
+    (`dropout_seed`): int64 [3] = (seed mod 2^32, seed div 2^32, step)."""
+    return torch.tensor([seed & 0xFFFFFFFF, seed >> 32, step], dtype=torch.int64, device=device)
+
+
 def iter_batches(n: int, epochs: int, batch_size: int, seed: int) -> Iterator[torch.Tensor]:
     """Index batches for `epochs` passes over n samples, reshuffled each epoch; last batch kept
     (drop_last=False). Lazy: one epoch's permutation at a time, so memory does not grow with epochs;
@@ -218,17 +231,23 @@ class EngineBase:
             return self.fed.x_train[i], self.fed.y_train[i]
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
 
+    def _dropout_seed(self, rnd: int, client: int, stream: str) -> int | None:
+        """The job's dropout seed (`dropout_seed`), None for a model without dropout layers."""
+        return dropout_seed(self.seed, rnd, client, stream) if self.f.dropout else None
+
     def _local_sgd(self, w: torch.Tensor, rows: torch.Tensor, batches, loss_fn, cfg: LocalConfig, mask,
-                   extras: dict) -> tuple[torch.Tensor, float]:
+                   extras: dict, drop: int | None = None) -> tuple[torch.Tensor, float]:
         """One model's local training, a step per batch of positions into `rows` (global train indices):
-        the sequential engine's per-client loop and the pooled reference share it. Returns (w, mean loss)."""
+        the sequential engine's per-client loop and the pooled reference share it. `drop`: the dropout
+        seed (`dropout_seed`; step j trains with `dropout_key(drop, j)`). Returns (w, mean loss)."""
         st = optimizer_state(cfg, w)
         total, count = 0.0, 0
-        for b in batches:
+        for j, b in enumerate(batches):
             bi = rows[b.to(self.device)]
             x, y = self.fed.x_train[bi], self.fed.y_train[bi]
             wr = w.detach().requires_grad_(True)
-            loss = loss_fn(self.f, wr, x, y, torch.ones(len(y), device=self.device), extras)
+            f = self.f if drop is None else self.f.keyed(dropout_key(drop, j, self.device))
+            loss = loss_fn(f, wr, x, y, torch.ones(len(y), device=self.device), extras)
             (g,) = torch.autograd.grad(loss, wr)
             with torch.no_grad():
                 w, st = optimizer_step(w, g, st, cfg, mask)
@@ -244,7 +263,8 @@ class EngineBase:
         cfg = self.cfg
         idx = torch.cat([self._train_idx[int(c)] for c in clients])
         batches = iter_batches(len(idx), cfg.epochs, cfg.batch_size, stream_seed(self.seed, rnd, 0, stream))
-        w, loss = self._local_sgd(start.to(self.device, copy=True), idx, batches, resolve_loss("ce"), cfg, None, {})
+        w, loss = self._local_sgd(start.to(self.device, copy=True), idx, batches, resolve_loss("ce"), cfg, None, {},
+                                  self._dropout_seed(rnd, 0, stream))
         return Trained(np.asarray(clients)[:1], w.unsqueeze(0).to(start.device),
                        torch.tensor([float(len(idx))], dtype=torch.float64),
                        torch.tensor([loss], dtype=torch.float64))

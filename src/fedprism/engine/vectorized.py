@@ -25,6 +25,10 @@ Same numbers as `SequentialEngine` for the same seed (to float tolerance), compu
 BatchNorm models (batch statistics, `fedprism.params`) cannot be padded without changing the
 statistics: their partial training batches run unpadded outside the vmap, their global evaluation
 uses the sequential engine's chunk boundaries, and their per-client evaluation uses the reference loop.
+
+Dropout models (`fedprism.models.dropout`): every slot carries its client's dropout key for the step
+(`engine.base.dropout_key`, built with the schedule), so each client trains with the masks the sequential
+engine uses; masks depend on a sample's position in its batch, not on the padding.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import grad_and_value, vmap
 
-from fedprism.engine.base import (SHARED_SPLITS, SPLITS, EngineBase, LocalConfig, optimizer_state,
+from fedprism.engine.base import (SHARED_SPLITS, SPLITS, EngineBase, LocalConfig, dropout_key, optimizer_state,
                                   optimizer_step, resolve_loss)
 from fedprism.federation import Federation
 from fedprism.protocol import EvalResult, Trained, TrainJob
@@ -241,16 +245,27 @@ class VectorizedEngine(EngineBase):
         key = (loss, cfg.optimizer, per_client_mask)
         if key not in self._steps:
             obj, f = resolve_loss(loss), self.f
+            if f.dropout:
+                # each slot's own dropout key (`dropout_key`): the masks of its client's step
+                def loss_of(flat, x, y, wt, extras, dkey):
+                    return obj(f.keyed(dkey), flat, x, y, wt, extras)
 
-            def loss_of(flat, x, y, wt, extras):
-                return obj(f, flat, x, y, wt, extras)
+                vg = vmap(grad_and_value(loss_of))
 
-            vg = vmap(grad_and_value(loss_of))
+                def step(w, st, x, y, wt, extras, active, mask, dkey):
+                    g, lv = vg(w, x, y, wt, extras, dkey)
+                    w, st = optimizer_step(w, g, st, cfg, mask, active.unsqueeze(1))
+                    return w, st, lv
+            else:
+                def loss_of(flat, x, y, wt, extras):
+                    return obj(f, flat, x, y, wt, extras)
 
-            def step(w, st, x, y, wt, extras, active, mask):
-                g, lv = vg(w, x, y, wt, extras)
-                w, st = optimizer_step(w, g, st, cfg, mask, active.unsqueeze(1))
-                return w, st, lv
+                vg = vmap(grad_and_value(loss_of))
+
+                def step(w, st, x, y, wt, extras, active, mask):
+                    g, lv = vg(w, x, y, wt, extras)
+                    w, st = optimizer_step(w, g, st, cfg, mask, active.unsqueeze(1))
+                    return w, st, lv
 
             self._steps[key] = _MaybeCompiled(step, self.compiled)
         return self._steps[key]
@@ -303,13 +318,14 @@ class VectorizedEngine(EngineBase):
         queues = [[busy[j] for j in q] for q in lpt_slots([steps[k] for k in busy], W)]
         T = max(sum(steps[k] for k in q) for q in queues)
         counts = torch.zeros(n, dtype=torch.float64)
+        drop = [self._dropout_seed(rnd, int(c), job.stream) for c in job.clients] if self.f.dropout else None
 
         def slot_stream(q: list[int]):
-            """(client, first?, last?, sample rows) of one slot's queue, batch by batch, drawn lazily."""
+            """(client, step, first?, last?, sample rows) of one slot's queue, batch by batch, drawn lazily."""
             for k in q:
                 gidx = torch.from_numpy(self._train_idx_np[int(job.clients[k])])
                 for j, b in enumerate(orders[k][1]()):
-                    yield k, j == 0, j == steps[k] - 1, gidx[b]
+                    yield k, j, j == 0, j == steps[k] - 1, gidx[b]
 
         streams = [slot_stream(q) for q in queues]
         step = self._step_fn(job.loss, cfg, per_client)
@@ -326,6 +342,7 @@ class VectorizedEngine(EngineBase):
             wt = torch.zeros(L, W, B)
             owner = torch.full((L, W), -1, dtype=torch.long)
             bsz = torch.zeros(L, W, dtype=torch.float64)
+            dkeys = torch.zeros(L, W, 3, dtype=torch.long) if drop is not None else None
             starts: dict[int, list[tuple[int, int]]] = defaultdict(list)
             ends: dict[int, list[tuple[int, int]]] = defaultdict(list)
             partial: dict[int, list[tuple[int, int, torch.Tensor]]] = defaultdict(list)
@@ -334,8 +351,10 @@ class VectorizedEngine(EngineBase):
                     item = next(stream, None)
                     if item is None:
                         break
-                    k, first, last, rows = item
+                    k, j, first, last, rows = item
                     m = len(rows)
+                    if dkeys is not None:
+                        dkeys[t, s] = dropout_key(drop[k], j)
                     if first:
                         starts[t].append((s, k))
                     if self.batchnorm and m < B:
@@ -353,6 +372,8 @@ class VectorizedEngine(EngineBase):
                 for s, _, _ in lst:
                     active[t, s] = False
             idx, wt, active = idx.to(dev), wt.to(dev), active.to(dev)
+            if dkeys is not None:
+                dkeys = dkeys.to(dev)
             lvals = torch.zeros(L, W, device=dev, dtype=torch.float64)
             for t in range(L):
                 for s, k in starts.get(t, ()):
@@ -363,13 +384,17 @@ class VectorizedEngine(EngineBase):
                         ex[name][s] = v[k]
                 it = idx[t]
                 m = ex.pop("__mask__") if per_client else mask
-                w, st, lv = step(w, st, xtr[it], ytr[it], wt[t], ex, active[t], m)
+                if dkeys is None:
+                    w, st, lv = step(w, st, xtr[it], ytr[it], wt[t], ex, active[t], m)
+                else:
+                    w, st, lv = step(w, st, xtr[it], ytr[it], wt[t], ex, active[t], m, dkeys[t])
                 if per_client:
                     ex["__mask__"] = m
                 lvals[t] = lv
                 for s, k, bi in partial.get(t, ()):
                     lvals[t, s] = self._single_step(job.loss, cfg, w, st, s, k, bi.to(dev), extras,
-                                                    ex["__mask__"][s] if per_client else mask)
+                                                    ex["__mask__"][s] if per_client else mask,
+                                                    None if dkeys is None else dkeys[t, s])
                 for s, k in ends.get(t, ()):
                     out[k] = w[s]
             # per-client mean loss, weighted by batch sizes (as the sequential engine), summed in step order
@@ -380,13 +405,14 @@ class VectorizedEngine(EngineBase):
         self.samples_trained += int(counts.sum())
         return Trained(job.clients, out.to(job.start.device, job.start.dtype), self._n_train(job.clients), losses)
 
-    def _single_step(self, loss, cfg, w, st, s, k, bi, extras, mask) -> torch.Tensor:
-        """One unpadded step of slot s (BatchNorm models' partial batches), in place."""
+    def _single_step(self, loss, cfg, w, st, s, k, bi, extras, mask, dkey=None) -> torch.Tensor:
+        """One unpadded step of slot s (BatchNorm models' partial batches), in place; `dkey` its dropout key."""
         obj = resolve_loss(loss)
         ex = {n: v[k] for n, v in extras.items() if n != "__mask__"}
         x, y = self.fed.x_train[bi], self.fed.y_train[bi]
         ones = torch.ones(len(y), device=self.device)
-        g, lv = grad_and_value(lambda p: obj(self.f, p, x, y, ones, ex))(w[s].clone())
+        f = self.f.keyed(dkey)
+        g, lv = grad_and_value(lambda p: obj(f, p, x, y, ones, ex))(w[s].clone())
         ws, sts = optimizer_step(w[s].clone(), g, tuple(z[s].clone() for z in st), cfg, mask)
         w[s] = ws
         for z, v in zip(st, sts):

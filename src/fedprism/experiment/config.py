@@ -45,7 +45,8 @@ KEYS: dict[str, Param] = {
                                lambda v: 0 <= v <= 0.5, "a number in [0, 0.5]", new=True),
     "data.global_val": Param(0, "size of a global validation set carved from the training pool before "
                              "partitioning (0 = none)", _nonneg, "an integer >= 0", new=True),
-    "model": Param("auto", "lenet5, lenet5_bn, mlp, mlp_bn, cnn, clustpsi_fmnist_cnn, mlp_fedsub, a registered "
+    "model": Param("auto", "lenet5, lenet5_bn, mlp, mlp_bn, cnn, clustpsi_fmnist_cnn, clustpsi_cifar_cnn, mlp_fedsub, "
+                   "a registered "
                    "model, or auto (lenet5 for images >= 28px, else mlp)"),
     "partition": Param("dirichlet", "how the data is split across clients (see `fedprism partition --help`)"),
     "clients": Param(100, "number of clients N", _pos, "an integer >= 1"),

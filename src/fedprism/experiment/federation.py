@@ -24,7 +24,7 @@ def _pad32(cfg: Config, dataset: str) -> bool:
         return True
     if v in (False, "false"):
         return False
-    return dataset in ("fmnist", "mnist") and cfg["model"] in ("auto", "lenet5", "lenet5_bn", "cnn")
+    return dataset in ("fmnist", "mnist") and cfg["model"] in ("auto", "lenet5", "lenet5_bn", "cnn", "clustpsi_cifar_cnn")
 
 
 @lru_cache(maxsize=4)

@@ -1,10 +1,12 @@
-"""Small networks with a body/head split (FedPrism paper 4.3; Clust-PSI-PFL CIFAR CNN).
+"""Small networks with a body/head split (FedPrism paper 4.3; the Clust-PSI-PFL FMNIST and CIFAR-10 CNNs).
 
 Every model is `head(body(x))`: `body` ends with the penultimate features, `head` holds the
 classifier. Prototype and head-only methods use `ParamSpec.head` / `.body` slices, never layer names;
 methods that keep normalisation layers apart use `ParamSpec.batchnorm`. `forward(x, features_only=True)`
 returns the body output. `lenet5_bn` and `mlp_bn` are LeNet-5 and the MLP with BatchNorm after each
 convolution / hidden linear layer (batch statistics, see `fedprism.params` and docs/architecture.md).
+Dropout is `fedprism.models.dropout.SeededDropout` (masks from a key the engines derive per run seed,
+round, client and step; identity at evaluation), never `torch.nn.Dropout`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedprism.errors import ConfigError
+from fedprism.models.dropout import SeededDropout
 
 
 class _Split(nn.Module):
@@ -64,11 +67,10 @@ class MLPFedSub(_Split):
         self.head = nn.Sequential(nn.Linear(512, num_classes))
 
 
-class CifarCNN(_Split):
-    """A small CNN for 32x32 inputs (`cnn`): two conv(3x3)-BN-ReLU-pool blocks, fc256, fc(classes). It is
-    not the CIFAR-10 network of Clust-PSI-PFL (arXiv:2512.20363: three blocks of two convolutions 32/64/128
-    with BatchNorm and dropout 0.2/0.3/0.4, dense 128 with BatchNorm and dropout 0.5), which is not
-    provided: the functional engines have no dropout randomness stream yet.
+class SmallCNN(_Split):
+    """A small CNN for 32x32 inputs (`cnn`): two conv(3x3)-BN-ReLU-pool blocks, fc256, fc(classes); no
+    published architecture. It is not the CIFAR-10 network of Clust-PSI-PFL (that one is
+    `clustpsi_cifar_cnn`, `PsiCifarCNN`).
 
     BatchNorm uses batch statistics only (`track_running_stats=False`): no buffers, so the flat vector
     holds everything that is averaged (see `fedprism.params`).
@@ -84,6 +86,47 @@ class CifarCNN(_Split):
             nn.Flatten(), nn.Linear(64 * 8 * 8, 256), nn.ReLU(),
         )
         self.head = nn.Sequential(nn.Linear(256, num_classes))
+
+
+class PsiCifarCNN(_Split):
+    """The CIFAR-10 CNN of Clust-PSI-PFL (Jimenez-Gutierrez et al. 2025, arXiv:2512.20363, section IV-A)
+    (`clustpsi_cifar_cnn`): "three feature-extraction blocks. In each block, two 3x3 convolutions (ReLU,
+    same padding) are applied and regularized with batch normalization, after which a 2x2 max-pooling
+    ... dropout after each block, increasing the rate from 0.2 to 0.3 and 0.4 ... 32, 64, and 128
+    filters ... a 128-unit fully connected ReLU layer with batch normalization and dropout (p=0.5), and a
+    softmax output over the C classes":
+
+        block(f, p) = conv3x3(f, same) - ReLU - BN - conv3x3(f, same) - ReLU - BN - maxpool 2x2 - dropout(p)
+        body = block(32, 0.2) - block(64, 0.3) - block(128, 0.4) - flatten - fc128 - ReLU - BN
+        head = dropout(0.5) - fc(classes)          (softmax in the loss)
+
+    Where the paper is silent: ReLU before BatchNorm (the order in which it names them; a convolution
+    with a ReLU activation followed by a BatchNorm layer), the last dropout at the start of the head
+    (the same function as at the end of the body; this way the penultimate features that prototype
+    methods use carry no dropout noise), BatchNorm on batch statistics like every BatchNorm here
+    (`fedprism.params`), inputs of any size whose sides are multiples of 8 (32x32: 128 x 4 x 4 = 2048
+    features into fc128; about 0.55 M parameters). Dropout is `SeededDropout`: the masks of a local step
+    are fixed by (run seed, round, client, stream, step), the same in both engines and on Flower nodes,
+    and evaluation runs without dropout.
+    """
+
+    RATES = (0.2, 0.3, 0.4)
+    HEAD_RATE = 0.5
+
+    def __init__(self, in_channels: int, size: tuple[int, int], num_classes: int = 10,
+                 rates: tuple[float, float, float] = RATES, head_rate: float = HEAD_RATE):
+        super().__init__()
+        layers: list[nn.Module] = []
+        c = in_channels
+        for f, p in zip((32, 64, 128), rates):
+            layers += [nn.Conv2d(c, f, 3, padding=1), nn.ReLU(), nn.BatchNorm2d(f, **_BATCH_STATS),
+                       nn.Conv2d(f, f, 3, padding=1), nn.ReLU(), nn.BatchNorm2d(f, **_BATCH_STATS),
+                       nn.MaxPool2d(2), SeededDropout(p)]
+            c = f
+        h, w = size[0] // 8, size[1] // 8
+        layers += [nn.Flatten(), nn.Linear(128 * h * w, 128), nn.ReLU(), BatchNorm1d(128)]
+        self.body = nn.Sequential(*layers)
+        self.head = nn.Sequential(SeededDropout(head_rate), nn.Linear(128, num_classes))
 
 
 class PsiFmnistCNN(_Split):
@@ -157,7 +200,7 @@ class MLPBN(_Split):
         self.head = nn.Sequential(nn.Linear(hidden, num_classes))
 
 
-MODELS = ("lenet5", "mlp", "cnn", "lenet5_bn", "mlp_bn", "clustpsi_fmnist_cnn", "mlp_fedsub")
+MODELS = ("lenet5", "mlp", "cnn", "lenet5_bn", "mlp_bn", "clustpsi_fmnist_cnn", "clustpsi_cifar_cnn", "mlp_fedsub")
 
 
 def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, seed: int = 0) -> nn.Module:
@@ -185,10 +228,15 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, seed:
         if name == "cnn":
             if len(input_shape) != 3 or input_shape[1:] != (32, 32):
                 raise ConfigError("model", name, f"cnn needs [C, 32, 32] inputs, data has {list(input_shape)}")
-            return CifarCNN(input_shape[0], num_classes)
+            return SmallCNN(input_shape[0], num_classes)
         if name == "clustpsi_fmnist_cnn":
             if len(input_shape) != 3 or min(input_shape[1:]) < 8:
                 raise ConfigError("model", name, f"{name} needs [C, H, W] images of at least 8x8, data has "
                                   f"{list(input_shape)}")
             return PsiFmnistCNN(input_shape[0], tuple(input_shape[1:]), num_classes)
+        if name == "clustpsi_cifar_cnn":
+            if len(input_shape) != 3 or input_shape[1] % 8 or input_shape[2] % 8 or min(input_shape[1:]) < 8:
+                raise ConfigError("model", name, f"{name} needs [C, H, W] images with H and W multiples of 8 "
+                                  f"(three 2x2 poolings), data has {list(input_shape)}")
+            return PsiCifarCNN(input_shape[0], tuple(input_shape[1:]), num_classes)
     raise ConfigError("model", name, f"one of {', '.join(MODELS)}")
