@@ -553,6 +553,23 @@ def test_dropout_model_runs_the_same_on_flower(tmp_path, task_identity):
     assert res.final["local_acc"] == pytest.approx(final["local_acc"], abs=1e-9)
 
 
+@pytest.mark.parametrize("method", ["fedavg", "local"])
+def test_held_out_local_test_rows_score_the_same_on_flower(method, tmp_path, task_identity):
+    """`data.local_test = "split"`: each node builds its client's 80/20 split of its own rows as the
+    simulator does and scores its local test rows there (they travel with its train rows)."""
+    exp = (f"method={method} dataset=digits clients=4 rounds=2 fraction=1.0 local_epochs=1 lr=0.05 model=mlp "
+           "device=cpu engine=sequential partition.alpha=0.5 seed=6 data.local_test=split data.val_fraction=0.2")
+    db = tmp_path / "s.db"
+    rc = run_config(exp, db)
+    ref, final = in_process(exp, tmp_path / "ref.db")
+    res = serve(FakeGrid(nodes_for(4), rc), rc)
+    assert res.status == "finished"
+    assert res.final["local_acc"] == pytest.approx(final["local_acc"], abs=1e-9)
+    a = [tuple(r)[2:] for r in Store(tmp_path / "ref.db").client_rows(ref.run_id)]
+    b = [tuple(r)[2:] for r in Store(db).client_rows(res.run_id)]
+    assert np.allclose(np.array(a, dtype=float), np.array(b, dtype=float), atol=1e-9)     # n_test included
+
+
 @pytest.mark.parametrize("method", ["fedavg", "fedprism_dual", "local"])
 def test_validation_splits_score_the_same_on_flower(method, tmp_path, task_identity):
     exp = (f"method={method} dataset=digits clients=5 rounds=2 fraction=1.0 local_epochs=1 lr=0.05 model=mlp "

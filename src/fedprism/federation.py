@@ -4,6 +4,10 @@ Built once per experiment (`fedprism.experiment.build_federation`) and shared by
 methods see the same partition. Client test indices point into the global test set: each client's
 local test split follows its train label distribution (FedPrism paper 4.2).
 
+Local test rows from the clients' own data (optional, `data.local_test = "split"`): each client's rows
+are split into train and test (`fedprism.data.partition.local_holdout`) and `test_idx` then points into
+the training pool (`local_pool = "train"`); the global test set is unchanged.
+
 Validation (optional, `data.val_fraction` / `data.global_val`): each client's own validation rows are
 held out of its training rows (`val_idx`, same label mix as its train split), and a global validation
 set (`x_val`, `y_val`) is carved from the training pool before partitioning. Hyper-parameters are chosen
@@ -25,7 +29,7 @@ class Federation:
     x_test: torch.Tensor               # [N_test, ...] the global (IID) test set
     y_test: torch.Tensor
     train_idx: list[np.ndarray]        # per client, indices into x_train
-    test_idx: list[np.ndarray]         # per client, indices into x_test
+    test_idx: list[np.ndarray]         # per client, indices into x_test (into x_train: local_pool "train")
     num_classes: int
     class_names: list[str] = field(default_factory=list)
     name: str = ""
@@ -35,10 +39,15 @@ class Federation:
     #: a global validation set carved from the training pool before partitioning (None: none)
     x_val: torch.Tensor | None = None
     y_val: torch.Tensor | None = None
+    #: the pool `test_idx` indexes: "test" (x_test, the default) or "train" (x_train: each client's own
+    #: held-out rows, `data.local_test = "split"`)
+    local_pool: str = "test"
 
     def __post_init__(self) -> None:
         if len(self.train_idx) != len(self.test_idx):
             raise ValueError("train_idx and test_idx must list the same clients")
+        if self.local_pool not in ("test", "train"):
+            raise ValueError(f"local_pool must be 'test' or 'train', got {self.local_pool!r}")
         if self.val_idx is not None and len(self.val_idx) != len(self.train_idx):
             raise ValueError("val_idx must list the same clients as train_idx")
 
@@ -66,9 +75,13 @@ class Federation:
     def n_test(self) -> np.ndarray:
         return np.array([len(i) for i in self.test_idx], dtype=np.int64)
 
+    def local_xy(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y) of the pool the clients' local test rows `test_idx` index."""
+        return (self.x_train, self.y_train) if self.local_pool == "train" else (self.x_test, self.y_test)
+
     def label_hist(self, split: str = "train") -> np.ndarray:
         """[clients, classes] label counts (the input of PSI, histogram clustering, FedSub)."""
-        y = (self.y_train if split == "train" else self.y_test).numpy()
+        y = (self.y_train if split == "train" else self.local_xy()[1]).cpu().numpy()
         idx = self.train_idx if split == "train" else self.test_idx
         return np.stack([np.bincount(y[i], minlength=self.num_classes) for i in idx]).astype(np.int64)
 

@@ -40,6 +40,7 @@ __all__ = [
     "PARTITIONS",
     "Partition",
     "label_histograms",
+    "local_holdout",
     "make_partition",
     "summarize",
 ]
@@ -543,6 +544,59 @@ def _test_split(train, y_train, y_test, num_classes, min_test, test_ratio, rng):
     if not idx_parts:
         return [np.zeros(0, dtype=np.int64) for _ in range(n_clients)], meta
     return _assemble(np.concatenate(idx_parts), np.concatenate(owner_parts), n_clients), meta
+
+
+def local_holdout(idx: list[np.ndarray], y: np.ndarray, fraction: float, seed: int, min_test: int = 1
+                  ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Split each client's own rows into (train, test): the protocol "a random train/test split of
+    80%/20%" of Jimenez-Gutierrez et al. 2025, "Clust-PSI-PFL: A Population Stability Index Approach for
+    Clustered Non-IID Personalized Federated Learning", arXiv:2512.20363, section IV-A, applied per client
+    (`data.local_test = "split"`, `fraction` = `data.local_test_fraction`).
+
+    Client k with n rows, n_c of class c:
+        T   = min(max(floor(fraction n + 1/2), min_test), n - 1)     test rows (at least one train row;
+                                                                      none for n <= 1)
+        T_c = largest-remainder rounding of fraction n_c to a total of T (ties: a seeded order), so the
+              test rows follow the client's label mix as closely as integers allow (stratified)
+        the T_c test rows of class c: the first T_c of a seeded permutation of the client's class-c rows
+    Seeded by (seed, k) alone (`numpy.random.default_rng([seed, 0x7E57, k])`): a client's split does not
+    depend on the other clients. Both outputs are sorted index arrays into the same pool as `idx`,
+    disjoint, and together they are exactly `idx[k]`."""
+    if not 0.0 < float(fraction) < 1.0:
+        raise ValueError(f"fraction must be in (0, 1), got {fraction!r}")
+    y = np.asarray(y)
+    train, test = [], []
+    for k, rows in enumerate(idx):
+        rows = np.asarray(rows, dtype=np.int64)
+        n = len(rows)
+        T = min(max(int(math.floor(fraction * n + 0.5)), int(min_test)), max(n - 1, 0))
+        rng = np.random.default_rng([int(seed), 0x7E57, k])
+        classes, inverse = np.unique(y[rows], return_inverse=True)
+        n_c = np.bincount(inverse, minlength=len(classes))
+        raw = fraction * n_c
+        t_c = np.minimum(np.floor(raw).astype(np.int64), n_c)
+        rem = T - int(t_c.sum())                              # >= 0: sum_c floor(fraction n_c) <= T
+        tie = rng.permutation(len(classes))                   # seeded tie-break between equal remainders
+        frac = raw - t_c
+        if rem > 0:                                           # largest remainders first, where rows remain
+            order = np.lexsort((tie, -frac))
+            for c in order:
+                if rem == 0:
+                    break
+                if t_c[c] < n_c[c]:
+                    t_c[c] += 1
+                    rem -= 1
+            while rem > 0:                                    # min_test above fraction n: fill anywhere
+                c = next(c for c in np.lexsort((tie, -(n_c - t_c))) if t_c[c] < n_c[c])
+                t_c[c] += 1
+                rem -= 1
+        held = np.zeros(n, dtype=bool)
+        for c in range(len(classes)):
+            members = np.flatnonzero(inverse == c)
+            held[members[rng.permutation(len(members))[: t_c[c]]]] = True
+        train.append(np.sort(rows[~held]))
+        test.append(np.sort(rows[held]))
+    return train, test
 
 
 # --------------------------------------------------------------------------------------------------

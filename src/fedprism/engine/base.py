@@ -225,7 +225,8 @@ class EngineBase:
             return self.fed.x_train[i], self.fed.y_train[i]
         if split == "local":
             i = self._test_idx[client]
-            return self.fed.x_test[i], self.fed.y_test[i]
+            x, y = self.fed.local_xy()           # the official test set, or the clients' own held-out rows
+            return x[i], y[i]
         if split == "train":
             i = self._train_idx[client]
             return self.fed.x_train[i], self.fed.y_train[i]

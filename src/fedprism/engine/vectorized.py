@@ -460,8 +460,7 @@ class VectorizedEngine(EngineBase):
         if split == "val" and self.fed.val_idx is None:
             raise ValueError("this federation has no validation splits (data.val_fraction=0)")
         idx = {"local": self.fed.test_idx, "train": self.fed.train_idx, "val": self.fed.val_idx}[split]
-        x_all, y_all = (self.fed.x_test, self.fed.y_test) if split == "local" else \
-            (self.fed.x_train, self.fed.y_train)
+        x_all, y_all = self.fed.local_xy() if split == "local" else (self.fed.x_train, self.fed.y_train)
         return self._evaluate_own(params, [np.asarray(idx[int(c)], dtype=np.int64) for c in clients], x_all, y_all)
 
     def _evaluate_shared(self, params, x, y) -> EvalResult:

@@ -45,6 +45,14 @@ KEYS: dict[str, Param] = {
                                lambda v: 0 <= v <= 0.5, "a number in [0, 0.5]", new=True),
     "data.global_val": Param(0, "size of a global validation set carved from the training pool before "
                              "partitioning (0 = none)", _nonneg, "an integer >= 0", new=True),
+    "data.local_test": Param("official", "where each client's local test rows come from: official (drawn from "
+                             "the dataset's test split with the client's label mix) or split (a seeded, "
+                             "stratified hold-out of `data.local_test_fraction` of the client's own rows; "
+                             "the global test set stays the official one)", choices=("official", "split"),
+                             new=True),
+    "data.local_test_fraction": Param(0.2, "data.local_test=split: share of each client's rows held out as its "
+                                      "local test split (Clust-PSI-PFL: 0.2, an 80/20 split)",
+                                      lambda v: 0 < v < 1, "a number in (0, 1)", new=True),
     "model": Param("auto", "lenet5, lenet5_bn, mlp, mlp_bn, cnn, clustpsi_fmnist_cnn, clustpsi_cifar_cnn, mlp_fedsub, "
                    "a registered "
                    "model, or auto (lenet5 for images >= 28px, else mlp)"),

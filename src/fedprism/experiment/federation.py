@@ -30,7 +30,8 @@ def _pad32(cfg: Config, dataset: str) -> bool:
 @lru_cache(maxsize=4)
 def _federation(dataset: str, root: str, download: bool, pad32: bool, partition: str,
                 part_items: tuple, clients: int, seed: int, train_subset: int = 0, test_subset: int = 0,
-                val_fraction: float = 0.0, global_val: int = 0) -> Federation:
+                val_fraction: float = 0.0, global_val: int = 0, local_test: str = "official",
+                local_test_fraction: float = 0.2) -> Federation:
     from fedprism.data.datasets import DATASETS, load_dataset
     from fedprism.data.partition import make_partition
 
@@ -71,6 +72,12 @@ def _federation(dataset: str, root: str, download: bool, pad32: bool, partition:
         train_idx = [i + slot[int(d)] * n_tr for i, d in zip(train_idx, part.domains)]
         test_idx = [i + slot[int(d)] * n_te for i, d in zip(test_idx, part.domains)]
     train_idx = [np.asarray(i, dtype=np.int64) for i in train_idx]
+    meta = {"partition": partition, **params, **dict(part.meta)}
+    if local_test == "split":       # each client's own 80/20 (`local_test_fraction`) split; before validation
+        from fedprism.data.partition import local_holdout
+        train_idx, test_idx = local_holdout(train_idx, y_tr.numpy(), local_test_fraction, seed,
+                                            int(params.get("min_test", 1)))
+        meta.update(local_test="split", local_test_fraction=local_test_fraction)
     val_idx = None
     if val_fraction > 0:            # each client's own validation rows, held out of its training rows
         val_idx = []
@@ -83,8 +90,8 @@ def _federation(dataset: str, root: str, download: bool, pad32: bool, partition:
     return Federation(x_tr.float().contiguous(), y_tr.long(), x_te.float().contiguous(), y_te.long(),
                       train_idx, [np.asarray(i, dtype=np.int64) for i in test_idx],
                       num_classes=len(ds.classes), class_names=list(ds.classes), name=dataset,
-                      meta={"partition": partition, **params, **dict(part.meta)},
-                      val_idx=val_idx, x_val=x_val, y_val=y_val)
+                      meta=meta, val_idx=val_idx, x_val=x_val, y_val=y_val,
+                      local_pool="train" if local_test == "split" else "test")
 
 
 def build_federation(cfg: Config) -> Federation:
@@ -92,6 +99,8 @@ def build_federation(cfg: Config) -> Federation:
     params = tuple(sorted(cfg.partition_params.items()))
     fed = _federation(cfg["dataset"], cfg["data.root"], bool(cfg["data.download"]), _pad32(cfg, cfg["dataset"]),
                       cfg["partition"], params, cfg["clients"], cfg["seed"], cfg["data.train_subset"],
-                      cfg["data.test_subset"], cfg["data.val_fraction"], cfg["data.global_val"])
+                      cfg["data.test_subset"], cfg["data.val_fraction"], cfg["data.global_val"],
+                      cfg["data.local_test"], cfg["data.local_test_fraction"])
     return Federation(fed.x_train, fed.y_train, fed.x_test, fed.y_test, fed.train_idx, fed.test_idx,
-                      fed.num_classes, fed.class_names, fed.name, dict(fed.meta), fed.val_idx, fed.x_val, fed.y_val)
+                      fed.num_classes, fed.class_names, fed.name, dict(fed.meta), fed.val_idx, fed.x_val, fed.y_val,
+                      fed.local_pool)

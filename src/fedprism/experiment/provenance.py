@@ -90,6 +90,9 @@ def data_fingerprint(fed: Any) -> str | None:
     for name in ("train_idx", "test_idx"):
         for idx in getattr(fed, name, None) or []:
             _hash_tensor(h, np.asarray(idx, dtype=np.int64))
+    pool = getattr(fed, "local_pool", "test")
+    if pool != "test":                  # test_idx index the training pool (data.local_test = "split")
+        h.update(f"local_pool={pool}".encode())
     return h.hexdigest()
 
 

@@ -291,7 +291,7 @@ class Experiment:
         gone = schedule.removed(rnd)
         key = tuple(sorted((k, tuple(v)) for k, v in gone.items()))
         if key != self._drift_key:
-            fed, y_tr, y_te = self.fed, self.fed.y_train.cpu().numpy(), self.fed.y_test.cpu().numpy()
+            fed, y_tr, y_te = self.fed, self.fed.y_train.cpu().numpy(), self.fed.local_xy()[1].cpu().numpy()
             self.engine.set_rows(schedule.rows(fed.train_idx, y_tr, rnd), schedule.rows(fed.test_idx, y_te, rnd),
                                  None if fed.val_idx is None else schedule.rows(fed.val_idx, y_tr, rnd))
             if evaluator is not None:

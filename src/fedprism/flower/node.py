@@ -36,23 +36,27 @@ def client_slice(fed: Federation, client: int) -> Federation:
     (and the global validation set); nothing else.
 
     Client ids keep their meaning (other clients hold no rows), so seeds derived from
-    (seed, round, client) are those of the in-process run.
+    (seed, round, client) are those of the in-process run. With local test rows held out of the client's
+    own data (`data.local_test = "split"`, `local_pool = "train"`) they travel with its train rows.
     """
     tr = np.asarray(fed.train_idx[client], dtype=np.int64)
     va = np.asarray(fed.val_idx[client], dtype=np.int64) if fed.val_idx is not None else np.zeros(0, np.int64)
-    rows = torch.as_tensor(np.concatenate([tr, va]), dtype=torch.long)
+    own_test = fed.local_pool == "train"
+    te = np.asarray(fed.test_idx[client], dtype=np.int64) if own_test else np.zeros(0, np.int64)
+    rows = torch.as_tensor(np.concatenate([tr, va, te]), dtype=torch.long)
     empty = np.zeros(0, dtype=np.int64)
     train_idx = [empty] * fed.num_clients
     test_idx = [empty] * fed.num_clients
     train_idx[client] = np.arange(len(tr), dtype=np.int64)
-    test_idx[client] = np.asarray(fed.test_idx[client], dtype=np.int64)
+    test_idx[client] = (np.arange(len(tr) + len(va), len(tr) + len(va) + len(te), dtype=np.int64) if own_test
+                        else np.asarray(fed.test_idx[client], dtype=np.int64))
     val_idx = None
     if fed.val_idx is not None:
         val_idx = [empty] * fed.num_clients
         val_idx[client] = np.arange(len(tr), len(tr) + len(va), dtype=np.int64)
     return Federation(fed.x_train[rows].clone(), fed.y_train[rows].clone(), fed.x_test, fed.y_test, train_idx,
                       test_idx, fed.num_classes, list(fed.class_names), fed.name, dict(fed.meta), val_idx,
-                      fed.x_val, fed.y_val)
+                      fed.x_val, fed.y_val, fed.local_pool)
 
 
 class NodeStore:
