@@ -8,6 +8,7 @@ accumulation, then one rounding to the parameters' dtype) everywhere.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -213,38 +214,104 @@ def average(x: torch.Tensor, w: torch.Tensor, sent: torch.Tensor | None = None, 
 #: server steps every model-averaging method can take after averaging (`<method>.server_opt`)
 SERVER_OPTS = ("none", "avgm", "adagrad", "yogi", "adam")
 
+#: `server_lr` and `server_tau` of each optimiser when left at `auto`. avgm: eta = 1, FedAvgM as Hsu, Qi,
+#: Brown 2019 ("Measuring the Effects of Non-Identical Data Distribution for Federated Visual
+#: Classification", arXiv:1909.06335) write it (w <- w - v, v <- beta v + Delta); tau is not used.
+#: adagrad / yogi / adam: the values tuned for these servers on FMNIST, CIFAR-10 and four other data sets,
+#: 100 clients, by Jimenez-Gutierrez et al. 2025 ("Clust-PSI-PFL: A Population Stability Index Approach
+#: for Clustered Non-IID Personalized Federated Learning", arXiv:2512.20363, Table II: FedAdagrad eta
+#: 0.3162 from {0.1, 0.3162} with tau 0.1; FedYogi eta 0.001 from {0.001, 0.01} with tau 0.01; FedAdam
+#: eta 0.001 from {0.001, 0.01} with tau 0.001), inside the grid Reddi et al. 2021 ("Adaptive Federated
+#: Optimization", arXiv:2003.00295) search. The adaptive steps move every coordinate by about eta at
+#: first whatever the size of Delta, so eta = 1 (avgm's) would move each weight by ~1 per round.
+SERVER_OPT_DEFAULTS: dict[str, tuple[float, float | None]] = {
+    "none": (1.0, None), "avgm": (1.0, None),
+    "adagrad": (0.3162, 0.1), "yogi": (0.001, 0.01), "adam": (0.001, 0.001),
+}
+#: the fixed defaults of `server_lr` / `server_tau` before they became `auto` (kept for run ids, see below)
+_LEGACY_LR, _LEGACY_TAU = 1.0, 1e-3
+
 _unit = lambda v: 0 <= v < 1  # noqa: E731
 _pos_finite = lambda v: v > 0 and math.isfinite(v)  # noqa: E731
 
-#: the server-optimiser parameters a method merges into its `params` (`params = {..., **SERVER_OPT_PARAMS}`).
-#: All `new=True`: at `server_opt = none` a run's id and numbers are those it had before they existed.
+
+class AutoNumber(Param):
+    """A finite number > 0, or `auto` (stored as None): the server optimiser's own default."""
+
+    def validate(self, key, value):
+        if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not _pos_finite(float(value)):
+            from fedprism.errors import ConfigError
+            raise ConfigError(key, value, self.allowed)
+        return float(value)
+
+
+#: the server-optimiser parameters a method merges into its `params` (`params = {..., **SERVER_OPT_PARAMS}`)
+#: and applies with `server_update`. All `new=True`: at `server_opt = none` a run's id and numbers are those
+#: it had before they existed.
 SERVER_OPT_PARAMS = {
     "server_opt": Param("none", "server step after averaging: none (the average is the new model), avgm "
                         "(FedAvgM, server momentum), adagrad, yogi or adam (FedOpt, Reddi et al. 2021)",
                         choices=SERVER_OPTS, new=True),
-    "server_lr": Param(1.0, "server learning rate eta (avgm: 1 is Hsu et al.'s; the adaptive steps move each "
-                       "coordinate by about eta at first: use 1e-3 .. 0.3, e.g. Clust-PSI-PFL Table II: adagrad "
-                       "0.3162, yogi and adam 0.001)", _pos_finite, "a finite number > 0", new=True),
+    "server_lr": AutoNumber(None, "server learning rate eta; auto: 1 for avgm, Clust-PSI-PFL's Table II for the "
+                            "adaptive steps (adagrad 0.3162, yogi 0.001, adam 0.001)",
+                            allowed="auto or a finite number > 0", new=True),
     "server_momentum": Param(0.9, "avgm: momentum beta of m <- beta m + Delta", _unit, "a number in [0, 1)",
                              new=True),
     "server_beta1": Param(0.9, "adagrad / yogi / adam: beta1 of m <- beta1 m + (1 - beta1) Delta (0 gives "
                           "Flower's FedAdagrad, which has no first moment)", _unit, "a number in [0, 1)", new=True),
     "server_beta2": Param(0.99, "yogi / adam: beta2 of the second-moment recursion", _unit, "a number in [0, 1)",
                           new=True),
-    "server_tau": Param(1e-3, "adagrad / yogi / adam: adaptivity tau of eta m / (sqrt(v) + tau); v starts at "
-                        "tau^2", _pos_finite, "a finite number > 0", new=True),
+    "server_tau": AutoNumber(None, "adagrad / yogi / adam: adaptivity tau of eta m / (sqrt(v) + tau); v starts at "
+                             "tau^2; auto: Clust-PSI-PFL's Table II (adagrad 0.1, yogi 0.01, adam 0.001)",
+                             allowed="auto or a finite number > 0", new=True),
 }
 
 
+def normalise_server_opt(hp: dict) -> dict:
+    """Resolve `auto` where it changes numbers, so that run ids tell runs apart (in place; idempotent).
+
+    Called by `Algorithm.resolve` for every method that takes SERVER_OPT_PARAMS:
+    * adagrad / yogi / adam: `auto` becomes the number of SERVER_OPT_DEFAULTS, so the run id names it
+      (and differs from that of a run stored when the default was eta = 1, tau = 1e-3).
+    * none / avgm: `auto` stays (None) and an explicit 1.0 (`server_lr`) or 1e-3 (`server_tau`, unused
+      there), the fixed defaults they replaced, become `auto`: configs written with those values keep
+      their run ids."""
+    how = hp.get("server_opt", "none")
+    lr, tau = SERVER_OPT_DEFAULTS[how]
+    if how in ("none", "avgm"):
+        if hp.get("server_lr") == _LEGACY_LR:
+            hp["server_lr"] = None
+        if hp.get("server_tau") == _LEGACY_TAU:
+            hp["server_tau"] = None
+    else:
+        if hp.get("server_lr") is None:
+            hp["server_lr"] = lr
+        if hp.get("server_tau") is None:
+            hp["server_tau"] = tau
+    return hp
+
+
+def _lr_tau(hp: dict) -> tuple[float, float]:
+    """(eta, tau) of the configured optimiser, `auto` (None) resolved by SERVER_OPT_DEFAULTS."""
+    how = hp.get("server_opt", "none")
+    lr, tau = SERVER_OPT_DEFAULTS.get(how, (1.0, None))
+    lr = lr if hp.get("server_lr") is None else float(hp["server_lr"])
+    tau = (tau if tau is not None else _LEGACY_TAU) if hp.get("server_tau") is None else float(hp["server_tau"])
+    return lr, tau
+
+
 def server_opt_state(hp: dict, size: int, rows: int | None = None) -> dict:
-    """The server optimiser's initial state to merge into a method's server state: {} for `none`, else
-    {"opt": {"m": zeros, "v": tau^2}} in float64, [size] for one model or [rows, size] for one row per
-    model (cluster models). Kept in the server state, so it is checkpointed and resumed with it."""
+    """One model's initial optimiser state: {} for `none`, else {"opt": {"m": zeros, "v": tau^2}} in
+    float64, [size] for one model or [rows, size] for one row per model (cluster models). `server_update`
+    keeps one such state per averaged model of a method under `state["opt"][<state key>]`, so it is
+    checkpointed and resumed with the server state."""
     if hp.get("server_opt", "none") == "none":
         return {}
     shape = (size,) if rows is None else (rows, size)
     return {"opt": {"m": torch.zeros(shape, dtype=torch.float64),
-                    "v": torch.full(shape, float(hp["server_tau"]) ** 2, dtype=torch.float64)}}
+                    "v": torch.full(shape, _lr_tau(hp)[1] ** 2, dtype=torch.float64)}}
 
 
 def server_step(w: torch.Tensor, avg: torch.Tensor, opt: dict | None, hp: dict, row: int | None = None
@@ -263,7 +330,8 @@ def server_step(w: torch.Tensor, avg: torch.Tensor, opt: dict | None, hp: dict, 
                  x' = w + eta m / (sqrt(v) + tau), no bias correction, v starting at tau^2
                  (Reddi et al. 2021, "Adaptive Federated Optimization", arXiv:2003.00295, Algorithm 2)
 
-    Everything element-wise in float64, one rounding to w's dtype."""
+    eta and tau at `auto` are SERVER_OPT_DEFAULTS. Everything element-wise (any shape) in float64, one
+    rounding to w's dtype."""
     how = hp.get("server_opt", "none")
     if how == "none":
         return avg.to(w.dtype)
@@ -274,13 +342,13 @@ def server_step(w: torch.Tensor, avg: torch.Tensor, opt: dict | None, hp: dict, 
     x = w.to(torch.float64)
     avg = avg.to(torch.float64)
     delta = avg - x
-    lr = float(hp["server_lr"])
+    lr, tau = _lr_tau(hp)
     if how == "avgm":
         beta = float(hp["server_momentum"])
         new = avg + (lr - 1.0) * delta + (lr * beta) * m
         m.copy_(beta * m + delta)
         return new.to(w.dtype)
-    b1, b2, tau = float(hp["server_beta1"]), float(hp["server_beta2"]), float(hp["server_tau"])
+    b1, b2 = float(hp["server_beta1"]), float(hp["server_beta2"])
     m.copy_(b1 * m + (1.0 - b1) * delta)
     d2 = delta * delta
     if how == "adagrad":
@@ -292,3 +360,55 @@ def server_step(w: torch.Tensor, avg: torch.Tensor, opt: dict | None, hp: dict, 
     else:
         raise ValueError(f"server_opt must be one of {SERVER_OPTS}, got {how!r}")
     return (x + lr * m / (v.sqrt() + tau)).to(w.dtype)
+
+
+def _opt_slot(state: dict, key: str, target: torch.Tensor, hp: dict) -> dict:
+    """The optimiser state of model `state[key]` (created on first use; rows appended to a model matrix
+    later, e.g. a CFL split, get fresh rows; a model whose shape changed otherwise starts afresh)."""
+    opt = state.setdefault("opt", {})
+    if isinstance(opt.get("m"), torch.Tensor):        # checkpoints written with one state, of "w", under "opt"
+        opt = state["opt"] = {"w": opt}
+    slot = opt.get(key)
+    if slot is not None and slot["m"].shape != target.shape:
+        grows = (target.dim() == 2 and slot["m"].dim() == 2 and slot["m"].shape[1] == target.shape[1]
+                 and slot["m"].shape[0] < target.shape[0])
+        if grows:
+            fresh = server_opt_state(hp, target.shape[1], target.shape[0] - slot["m"].shape[0])["opt"]
+            slot = {k: torch.cat([slot[k], fresh[k]]) for k in ("m", "v")}
+        else:
+            slot = None
+    if slot is None:
+        slot = server_opt_state(hp, target.shape[-1], target.shape[0] if target.dim() == 2 else None)["opt"]
+    opt[key] = slot
+    return slot
+
+
+def server_update(state: dict, key: str, avg: torch.Tensor, hp: dict, rows=None) -> None:
+    """Write the server step of `hp["server_opt"]` (`server_step`) for the averaged model `state[key]`:
+    the one place where every model-averaging method applies its server optimiser.
+
+    `avg` is the clients' aggregate in place of the model: [P] for a vector model (`rows` None); for a
+    matrix of models [R, P] (cluster models), `rows` = an int (avg [P], that row) or a sequence of row
+    indices (avg [len(rows), P]); rows not named are left bit-identical, optimiser state included (a
+    cluster nobody trained this round takes no step). With `server_opt = none` this is the plain
+    assignment `state[key] (rows) = avg` in the model's dtype, the code path of every method before the
+    optimisers existed. Otherwise each model (row) keeps its own state under `state["opt"][key]`."""
+    target = state[key]
+    if hp.get("server_opt", "none") == "none":
+        if rows is None:
+            state[key] = avg.to(target.dtype)
+        else:
+            target[int(rows) if isinstance(rows, numbers.Integral) else torch.as_tensor(rows, dtype=torch.long)] = \
+                avg.to(target.dtype)
+        return
+    slot = _opt_slot(state, key, target, hp)
+    if rows is None:
+        state[key] = server_step(target, avg, slot, hp)
+    elif isinstance(rows, numbers.Integral):
+        target[int(rows)] = server_step(target[int(rows)], avg, slot, hp, row=int(rows))
+    else:
+        idx = torch.as_tensor(rows, dtype=torch.long)
+        sub = {k: slot[k][idx].clone() for k in ("m", "v")}
+        target[idx] = server_step(target[idx], avg, sub, hp)
+        for k in ("m", "v"):
+            slot[k][idx] = sub[k]

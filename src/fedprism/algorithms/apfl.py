@@ -65,7 +65,7 @@ from __future__ import annotations
 import torch
 
 from fedprism.algorithms.base import ClientState, Inference, Plan, TrainJob, Update, register
-from fedprism.algorithms.aggregation import ROBUST_PARAMS
+from fedprism.algorithms.aggregation import ROBUST_PARAMS, SERVER_OPT_PARAMS
 from fedprism.algorithms.fedavg import FedAvg
 from fedprism.hparams import Param
 from fedprism.objectives import ce
@@ -104,6 +104,7 @@ class APFL(FedAvg):
                             choices=("adaptive", "fixed")),
         "weighting": FedAvg.params["weighting"],
         **ROBUST_PARAMS,
+        **SERVER_OPT_PARAMS,         # the global model's server step (FedAvg's aggregate)
     }
 
     def __init__(self, ctx, **hp):

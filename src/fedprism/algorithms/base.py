@@ -79,6 +79,9 @@ class Algorithm:
                 raise ConfigError(f"{cls.name}.{k}", hp[k], f"unknown parameter; {cls.name} takes {allowed}")
         for k, p in cls.params.items():
             out[k] = p.validate(f"{cls.name}.{k}", hp[k]) if k in hp else p.default
+        if "server_opt" in cls.params:           # `auto` server steps (aggregation.normalise_server_opt)
+            from fedprism.algorithms.aggregation import normalise_server_opt
+            normalise_server_opt(out)
         cls.check_params(out)
         return out
 

@@ -11,6 +11,8 @@ Every client belongs to one cluster c with model theta_c (at first one cluster: 
         both children start from theta_c
     theta_c  += sum_{i in c, S_t} a_i Delta_i     per (new) cluster, a_i renormalised in the cluster;
                                                    a cluster without participants stays bit-identical
+    (`cfl.server_opt`, `aggregation.server_update`: a server optimiser step towards that value instead,
+    one state per cluster model, a split's child with fresh state; default `none`)
 
 Splits are tested on every cluster every round, so clustering is recursive (a tree). Defaults:
 eps1 = 0.4, eps2 = 1.6, no split before round 20, only clusters with more than 2 clients (the
@@ -30,7 +32,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedprism.algorithms.aggregation import (ROBUST_PARAMS, WEIGHTINGS, average, client_weights, robust_args,
+from fedprism.algorithms.aggregation import (ROBUST_PARAMS, SERVER_OPT_PARAMS, WEIGHTINGS, average, client_weights,
+                                             robust_args, server_update,
                                              weighted_mean)
 from fedprism.algorithms.base import Algorithm, Plan, Update, register
 from fedprism.clustering import max_cross_similarity, optimal_bipartition, pairwise_cosine
@@ -68,6 +71,7 @@ class CFL(Algorithm):
         "bipartition": Param("optimal", "optimal min-max cut (paper) or complete linkage (notebook)",
                              choices=("optimal", "complete")),
         **ROBUST_PARAMS,
+        **SERVER_OPT_PARAMS,         # a step on each cluster model (a split's child starts with fresh state)
     }
 
     def init_state(self) -> dict:
@@ -102,7 +106,8 @@ class CFL(Algorithm):
                     splits.append({"round": rnd, "mean_norm": mean_norm, "max_norm": max_norm, **split})
         for c in torch.unique(state["assign"][S]).tolist():                      # per-cluster FedAvg of Delta
             sel = state["assign"][S] == c
-            state["w"][c] = state["w"][c] + average(D[sel], a[sel], **robust_args(hp)).to(D.dtype)
+            server_update(state, "w", state["w"][c] + average(D[sel], a[sel], **robust_args(hp)).to(D.dtype), hp,
+                          rows=c)
         records: dict = {"cfl": norms}
         if splits:
             records["cfl_split"] = splits

@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 from fedprism.algorithms.aggregation import (ROBUST_PARAMS, SERVER_OPT_PARAMS, WEIGHTINGS, average, client_weights,
-                                             robust_args, server_opt_state, server_step)
+                                             robust_args, server_update)
 from fedprism.algorithms.base import Algorithm, Plan, Update, register
 from fedprism.clustering import TooFewPoints, choose_k_silhouette, hard_cluster
 from fedprism.data.heterogeneity import PSI_EPS, psi, wpsi
@@ -179,8 +179,7 @@ class ClustPsiPfl(Algorithm):
                 "scaler": torch.as_tensor(np.stack([cl.mean, cl.std])), "centroids": torch.as_tensor(cl.centroids),
                 "psi": {"wpsi": cl.wpsi, "tau": cl.tau, "silhouette": {str(k): v for k, v in cl.scores.items()},
                         "eps": hp["eps"], "smoothing": hp["smoothing"], "clustered": int(known.sum()),
-                        "reason": cl.reason},
-                **server_opt_state(hp, P, cl.tau)}
+                        "reason": cl.reason}}
 
     def setup_bytes(self) -> tuple[int, int]:
         """The one-off message before round 0: every client uploads its C label counts."""
@@ -244,7 +243,7 @@ class ClustPsiPfl(Algorithm):
         for c in torch.unique(a).tolist():
             sel = a == c
             avg = average(x[sel], w[sel], None if sent is None else sent[sel], **rb)
-            state["w"][c] = server_step(state["w"][c], avg, state.get("opt"), self.hp, row=c)
+            server_update(state, "w", avg, self.hp, rows=c)
         return records
 
     def model_for(self, state: dict, clients: np.ndarray) -> torch.Tensor:

@@ -9,8 +9,8 @@ Participant-normalised weights, float64 accumulation (`fedprism.algorithms.aggre
 `fedavg.server_opt` turns the server step into FedAvgM (`avgm`; Hsu, Qi, Brown 2019, "Measuring the
 Effects of Non-Identical Data Distribution for Federated Visual Classification", arXiv:1909.06335) or
 FedAdagrad / FedYogi / FedAdam (Reddi et al. 2021, "Adaptive Federated Optimization",
-arXiv:2003.00295), applied to Delta_t = (the average above) - w^t (`aggregation.server_step`); the
-default `none` keeps w^{t+1} = the average.
+arXiv:2003.00295), applied to Delta_t = (the average above) - w^t (`aggregation.server_update`); the
+default `none` keeps w^{t+1} = the average. Ditto's and APFL's global model w inherit this step.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from fedprism.algorithms.aggregation import (ROBUST_PARAMS, SERVER_OPT_PARAMS, WEIGHTINGS, average, client_weights,
-                                             robust_args, server_opt_state, server_step)
+                                             robust_args, server_update)
 from fedprism.algorithms.base import Algorithm, Plan, Update, register
 from fedprism.hparams import Param
 
@@ -36,7 +36,7 @@ class FedAvg(Algorithm):
     }
 
     def init_state(self) -> dict:
-        return {"w": self.ctx.init.clone(), **server_opt_state(self.hp, self.ctx.init.numel())}
+        return {"w": self.ctx.init.clone()}
 
     def plan(self, state: dict, rnd: int, clients: np.ndarray) -> Plan:
         return Plan(clients, {"params": state["w"].expand(len(clients), -1).clone()})
@@ -46,7 +46,7 @@ class FedAvg(Algorithm):
             x = update.params
             avg = average(x, client_weights(update, self.hp["weighting"]), update.sent.get("params"),
                           **robust_args(self.hp))
-            state["w"] = server_step(state["w"], avg, state.get("opt"), self.hp)
+            server_update(state, "w", avg, self.hp)
         return {}
 
     def model_for(self, state: dict, clients: np.ndarray) -> torch.Tensor:

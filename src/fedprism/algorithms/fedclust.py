@@ -14,6 +14,8 @@ variant=original (Islam et al. 2024):
     (`threshold`, 0 = the largest gap in the merge distances) fixes the clusters for the whole run.
     All clients take part in the setup, so there are no newcomers in simulation; on Flower a
     newcomer joins the cluster with the smallest average-linkage distance to its p_j.
+`fedclust.server_opt` (`aggregation.server_update`): a server optimiser step on every cluster model that
+has members in the round and on w_g, one state per model; default `none`: the averages themselves.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedprism.algorithms.aggregation import ROBUST_PARAMS, average, robust_args
+from fedprism.algorithms.aggregation import ROBUST_PARAMS, SERVER_OPT_PARAMS, average, robust_args, server_update
 from fedprism.algorithms.base import Algorithm, Plan, Update, register
 from fedprism.clustering import TooFewPoints, hard_cluster
 from fedprism.clustering.matching import match_clusters
@@ -61,6 +63,7 @@ class FedClust(Algorithm):
         "threshold": Param(0.0, "original variant: distance threshold (0 = largest merge gap)",
                            lambda v: v >= 0, "a number >= 0"),
         **ROBUST_PARAMS,
+        **SERVER_OPT_PARAMS,         # a step on every cluster model and on w_g
     }
 
     def init_state(self) -> dict:
@@ -124,8 +127,9 @@ class FedClust(Algorithm):
         x, n, rb, sent = update.params, update.n_samples, robust_args(self.hp), update.sent.get("params")
         for c in torch.unique(a[a >= 0]).tolist():
             sel = a == c
-            state["w_c"][c] = average(x[sel], n[sel], None if sent is None else sent[sel], **rb).to(x.dtype)
-        state["w_g"] = average(x, n, sent, **rb).to(x.dtype)
+            server_update(state, "w_c", average(x[sel], n[sel], None if sent is None else sent[sel], **rb), self.hp,
+                          rows=c)
+        server_update(state, "w_g", average(x, n, sent, **rb), self.hp)
         return records
 
     def model_for(self, state: dict, clients: np.ndarray) -> torch.Tensor:

@@ -30,6 +30,8 @@ Decisions where the report is silent (README "Design decisions"):
 Options for the FedPrism paper's variant of the same server (the FedPrism paper's Algorithm 2), defaults = the report's:
 `global_weighting=samples`, `temperature` (softmax of Sim/T), `m=K` (all clusters),
 `cluster_lr` (w_c moves by cluster_lr times its soft-weighted mean update), `features=last_layer`.
+`server_opt` (`aggregation.server_update`, default `none`): a server optimiser step towards the value of
+step 3a for w_g and of step 3b for each cluster model with sum_i W[i,c] > 0 (one state per model).
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedprism.algorithms.aggregation import (ROBUST_PARAMS, average, client_weights, personalize, robust_args,
-                                             soft_cluster_step)
+from fedprism.algorithms.aggregation import (ROBUST_PARAMS, SERVER_OPT_PARAMS, average, client_weights, personalize,
+                                             robust_args, server_update, soft_cluster_step)
 from fedprism.algorithms.base import Algorithm, Plan, Update, register
 from fedprism.clustering import TooFewPoints, hard_cluster, soft_assign
 from fedprism.clustering.matching import match_clusters, overlap_cost
@@ -98,6 +100,7 @@ class FedPrism(Algorithm):
                           choices=("full", "last_layer")),
         "affinity": Param("shifted", "covariance affinity: (1+R)/2 or max(R,0)", choices=("shifted", "clip")),
         **ROBUST_PARAMS,
+        **SERVER_OPT_PARAMS,         # a step on w_g and on each cluster model that moved (`_server_step`)
     }
 
     @classmethod
@@ -133,20 +136,28 @@ class FedPrism(Algorithm):
         return records
 
     def _server_step(self, state: dict, update: Update) -> None:
-        """Global step (3a) and soft-weighted cluster step (3b) with the rows of W used this round."""
+        """Global step (3a) and soft-weighted cluster step (3b) with the rows of W used this round.
+
+        `server_opt` (`aggregation.server_update`): the value each step gives is the server optimiser's
+        average, for w_g and for every cluster model with Z_c > 0 (the others keep model and state)."""
         hp = self.hp
         S = torch.as_tensor(update.clients)
         w = client_weights(update, hp["global_weighting"])
         rb = robust_args(hp)
+        W_S = state["W"][S]
         if hp["update"] == "delta":                  # the rows are updates already (clipped around 0)
             delta = update.delta
-            state["w_g"] = (state["w_g"].double() + average(delta, w, **rb)).float()
-            state["w_c"] = soft_cluster_step(state["w_c"], state["W"][S], delta, hp["cluster_lr"], robust=rb)
+            g = state["w_g"].double() + average(delta, w, **rb)
+            c = soft_cluster_step(state["w_c"], W_S, delta, hp["cluster_lr"], robust=rb)
         else:
             sent = update.sent.get("params")
-            state["w_g"] = average(update.params, w, sent, **rb).float()
-            state["w_c"] = soft_cluster_step(state["w_c"], state["W"][S], update.params, hp["cluster_lr"], toward=True,
-                                             robust=rb, sent=sent)
+            g = average(update.params, w, sent, **rb)
+            c = soft_cluster_step(state["w_c"], W_S, update.params, hp["cluster_lr"], toward=True, robust=rb,
+                                  sent=sent)
+        server_update(state, "w_g", g, hp)
+        live = torch.nonzero(W_S.to(torch.float64).sum(0) > 0).flatten().tolist()
+        if live:
+            server_update(state, "w_c", c[live], hp, rows=live)
 
     def _recluster_due(self, rnd: int) -> bool:
         """The report's step 4: UpdateClusters when t mod C == 0 (rounds count from 0)."""

@@ -103,7 +103,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedprism.algorithms.aggregation import ROBUST_PARAMS, personalize
+from fedprism.algorithms.aggregation import ROBUST_PARAMS, SERVER_OPT_PARAMS, personalize
 from fedprism.algorithms.base import ClientState, Inference, Plan, TrainJob, Update, register
 from fedprism.algorithms.fedprism import FedPrism
 from fedprism.errors import ConfigError
@@ -227,6 +227,7 @@ class FedPrismDual(FedPrism):
         "routing": Param("confidence", "how the specialist and the backbone combine (confidence: Eq. 2; margin; "
                          "seen_mass; prior: see fedprism_dual.ROUTINGS)", choices=ROUTINGS, eval_only=True, new=True),
         **ROBUST_PARAMS,
+        **SERVER_OPT_PARAMS,         # the step on G and the C_k (FedPrism._server_step)
     }
 
     def __init__(self, ctx, **hp: Any):

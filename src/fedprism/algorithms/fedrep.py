@@ -48,7 +48,7 @@ import torch
 
 from fedprism.algorithms.base import TrainJob, register
 from fedprism.algorithms.fedper import PERSONAL, FedPer
-from fedprism.algorithms.aggregation import ROBUST_PARAMS
+from fedprism.algorithms.aggregation import ROBUST_PARAMS, SERVER_OPT_PARAMS
 from fedprism.algorithms.partial import WEIGHTING
 from fedprism.errors import ConfigError
 from fedprism.hparams import Param
@@ -67,6 +67,7 @@ class FedRep(FedPer):
         "personal": PERSONAL,
         "weighting": WEIGHTING,
         **ROBUST_PARAMS,
+        **SERVER_OPT_PARAMS,
     }
 
     @classmethod

@@ -31,6 +31,8 @@ Decisions where the paper is silent or our interface differs from its code (gith
 * The smoother sigma keeps every u_ks > 0 (no renormalisation after smoothing, as the authors' code).
 
 Defaults: S = 2 (`k`), lambda = 0.1 and sigma = 1e-4 (the authors' MNIST values), tau = 2.
+`fedsoft.server_opt` (`aggregation.server_update`) takes a server optimiser step on each cluster model
+from its Eq. 5 average (one optimiser state per cluster; default `none`: Eq. 5 itself).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import torch.nn.functional as F
 
 from fedprism.algorithms.base import (Algorithm, ClientState, Inference, Plan, TensorSpec, TrainJob, Update,
                                       register)
+from fedprism.algorithms.aggregation import SERVER_OPT_PARAMS, server_update
 from fedprism.algorithms.ifca import permuted_inits
 from fedprism.hparams import Param
 
@@ -73,6 +76,7 @@ class FedSoft(Algorithm):
         "sigma": Param(1e-4, "smoother of zero importance shares", lambda v: 0 < v < 1, "a number in (0, 1)"),
         "tau": Param(2, "importance re-estimation period in rounds", lambda v: isinstance(v, int) and v >= 1,
                      "an integer >= 1"),
+        **SERVER_OPT_PARAMS,         # a server step on each cluster model after Eq. 5
     }
     client_state = {"w": ClientState(("P",), init="model")}      # + u [S], sized in __init__
 
@@ -118,7 +122,7 @@ class FedSoft(Algorithm):
         x = update.params.to(torch.float64)
         for s in range(state["c"].shape[0]):
             if total[s] > 0:
-                state["c"][s] = ((a[:, s] / total[s]) @ x).to(state["c"].dtype)
+                server_update(state, "c", (a[:, s] / total[s]) @ x, self.hp, rows=s)
         return {"fedsoft_importance": {"clients": update.clients.tolist(),
                                        "u": [[round(float(v), 6) for v in row] for row in update.payload["u"]]}}
 

@@ -24,6 +24,10 @@ Decisions where the paper is silent:
   * `model_for(i)` is the model client i chose when it was last sampled. A client that never chose (never sampled, or
     only during warm-up) does at evaluation what an IFCA client does at inference: it picks the
     lowest-loss model on its own train data (the `evaluate` hook; `model_for` alone returns model 0).
+
+`ifca.server_opt` (`aggregation.server_update`): a server optimiser step on each chosen cluster model
+from its average, one optimiser state per cluster model (during warm-up the K equal copies take the same
+step); default `none`: the average itself.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedprism.algorithms.aggregation import ROBUST_PARAMS, WEIGHTINGS, average, client_weights, robust_args
+from fedprism.algorithms.aggregation import (ROBUST_PARAMS, SERVER_OPT_PARAMS, WEIGHTINGS, average, client_weights,
+                                             robust_args, server_update)
 from fedprism.algorithms.base import Algorithm, Inference, Plan, TensorSpec, TrainJob, Update, register, train_update
 from fedprism.hparams import Param
 
@@ -72,6 +77,7 @@ class IFCA(Algorithm):
         "weighting": Param("samples", "per-cluster average: n_i (samples) or 1 (uniform, as the paper)",
                            choices=WEIGHTINGS),
         **ROBUST_PARAMS,
+        **SERVER_OPT_PARAMS,
     }
 
     def init_state(self) -> dict:
@@ -119,12 +125,14 @@ class IFCA(Algorithm):
         models = update.sent.get("models")                                      # what each client started from
         if self._warming(rnd):                                                  # FedAvg on K copies
             start = None if models is None else models[:, 0]
-            state["w"][:] = average(x, a, start, **rb).to(x.dtype)
+            K = len(state["w"])             # the K equal copies take the same step (and keep equal states)
+            server_update(state, "w", average(x, a, start, **rb).expand(K, -1), self.hp, rows=list(range(K)))
             return {}
         start = None if models is None else models[torch.arange(len(j)), j]
         for c in torch.unique(j).tolist():
             sel = j == c
-            state["w"][c] = average(x[sel], a[sel], None if start is None else start[sel], **rb).to(x.dtype)
+            server_update(state, "w", average(x[sel], a[sel], None if start is None else start[sel], **rb), self.hp,
+                          rows=c)
         state["assign"][torch.as_tensor(update.clients)] = j
         return {"clusters": {"clients": update.clients, "labels": j.numpy()}}
 

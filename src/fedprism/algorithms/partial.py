@@ -10,7 +10,8 @@ that pattern, and each method module sets the split and its local training:
                    w_k = local training from start (the method's `local_training`)
                    keeps w_k (client state 'local', never sent), uploads w_k's shared coordinates
     aggregate      s <- sum_k n_k s_k / sum_k n_k over the accepted uploads (`weighting=uniform`: the
-                   1/|S_t| mean); a round without uploads leaves s bit-identical
+                   1/|S_t| mean; `aggregation`: a robust rule), then the `server_opt` step on s
+                   (`aggregation.server_update`); a round without uploads leaves s bit-identical
     inference      client k predicts with its own model, shared coordinates replaced by the current s
 
 Decisions:
@@ -28,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedprism.algorithms.aggregation import WEIGHTINGS, average, client_weights, robust_args
+from fedprism.algorithms.aggregation import WEIGHTINGS, average, client_weights, robust_args, server_update
 from fedprism.algorithms.base import Algorithm, ClientState, Inference, Plan, TensorSpec, TrainJob, Update
 from fedprism.hparams import Param
 from fedprism.protocol import Trained
@@ -86,7 +87,7 @@ class PartialSharing(Algorithm):
         if len(update.clients):
             w = client_weights(update, self.hp["weighting"])
             x = update.payload["shared"]
-            state["shared"] = average(x, w, update.sent.get("shared"), **robust_args(self.hp)).to(x.dtype)
+            server_update(state, "shared", average(x, w, update.sent.get("shared"), **robust_args(self.hp)), self.hp)
         return {}
 
     def eval_payload(self, state: dict, clients: np.ndarray) -> dict:

@@ -63,7 +63,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedprism.algorithms.aggregation import ROBUST_PARAMS, WEIGHTINGS, average, client_weights, robust_args
+from fedprism.algorithms.aggregation import (ROBUST_PARAMS, SERVER_OPT_PARAMS, WEIGHTINGS, average, client_weights,
+                                             robust_args, server_update)
 from fedprism.algorithms.base import (Algorithm, ClientState, Inference, Plan, TensorSpec, TrainJob, Update,
                                       register)
 from fedprism.algorithms.fedproto import (AGGREGATE_OVER, check_feature_dim, local_prototypes, prototype_loss,
@@ -89,6 +90,7 @@ class ProtoHAR(Algorithm):
         "aggregate_over": Param("round", "global prototype over this round's reporters (round) or every "
                                 "client's latest upload (seen)", choices=AGGREGATE_OVER),
         **ROBUST_PARAMS,             # the body's average (prototypes: a per-class weighted mean)
+        **SERVER_OPT_PARAMS,         # a server optimiser step on the body (aggregation.server_update)
     }
     client_state = {"w": ClientState(("P",), init="model")}
     shares_prototypes = True             # `privacy.epsilon` releases them with DP (fedprism.privacy)
@@ -150,8 +152,8 @@ class ProtoHAR(Algorithm):
     def aggregate(self, state: dict, rnd: int, update: Update) -> dict:
         if len(update.clients):
             x = update.payload["body"]
-            state["body"] = average(x, client_weights(update), update.sent.get("body"),
-                                    **robust_args(self.hp)).to(x.dtype)
+            server_update(state, "body", average(x, client_weights(update), update.sent.get("body"),
+                                                 **robust_args(self.hp)), self.hp)
             update_prototypes(state, update, self.hp["proto_weighting"], self.hp["aggregate_over"])
         return {}
 
