@@ -346,3 +346,27 @@ def test_compiled_engine_evaluation_equals_eager(unequal):
     for a, b in zip(res[False], res[True]):
         assert (a.correct - b.correct).abs().max() <= 1 and torch.equal(a.count, b.count)
         assert torch.allclose(a.loss_sum, b.loss_sum, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("rule,gamma1", [("reading", 0.4 / 3), ("as_printed", 0.35 / 3)])
+def test_alpha_trajectory_by_hand(rule, gamma1, tmp_path):
+    """The report's alpha / gamma trajectory: latest alpha of every client updated so far, gamma =
+    1 - alpha - beta clamped at 0 (unclamped when the lines are read as printed)."""
+    from fedprism.report import alpha_table, alpha_trajectory, plot_alpha
+
+    class Recs:
+        def records(self, run_id, kind):
+            return [{"round": 0, "data": {"clients": [0, 1], "alpha": [0.9, 0.8]}},
+                    {"round": 1, "data": {"clients": [1, 2], "alpha": [0.5, 0.95]}}] if kind == "alpha" else []
+
+    cfg = {"clients": 4, "seed": 3, "method": "fedprism_dual", "fedprism_dual.beta": 0.1,
+           "fedprism_dual.components": "full", "fedprism_dual.alpha_rule": rule}
+    run = {"run_id": "r", "config": cfg}
+    t = alpha_trajectory(Recs(), run)
+    assert t["round"].tolist() == [1, 2] and t["seen"].tolist() == [2, 3]
+    assert t["mean"] == pytest.approx([0.85, (0.9 + 0.5 + 0.95) / 3])
+    assert t["min"].tolist() == [0.8, 0.5] and t["max"].tolist() == [0.9, 0.95]
+    assert t["gamma"] == pytest.approx([0.05, gamma1])
+    md = "\n".join(alpha_table(Recs(), {"s": {"FedPrism": [run]}}))
+    assert "| FedPrism | s | 3 | 2 | 0.7833 [0.5000, 0.9500] |" in md
+    assert plot_alpha(Recs(), run, tmp_path, "FedPrism", "a.png")[0].stat().st_size > 1000
