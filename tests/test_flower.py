@@ -317,6 +317,52 @@ def test_partial_participation_runs_the_same_on_flower(method, tmp_path, task_id
     assert acc == [h["accepted"] for h in Store(tmp_path / "m.db").round_metrics(res.run_id)]
 
 
+@pytest.mark.parametrize("method", ["fedavg", "fedsub"])
+def test_class_drift_runs_the_same_on_flower(method, tmp_path, task_identity):
+    """Class drift (fedprism.data.drift) on Flower: every node applies the run's schedule to its own rows for
+    the round its train or evaluation message names, the server checks the nodes' scores against that
+    round's split sizes and stores the schedule. At half participation, with classes returning mid-run, the
+    Flower run equals the in-process one bit for bit: final state, every round's metrics and client rows."""
+    exp = (f"method={method} dataset=digits clients=6 rounds=4 fraction=0.5 local_epochs=1 lr=0.05 model=mlp "
+           "device=cpu engine=sequential partition.alpha=0.5 seed=5 drift.fraction=0.5 drift.every=2")
+    db = tmp_path / "d.db"
+    rc = run_config(exp, db, save_final=str(tmp_path / "final.pt"))
+    ref, final = in_process(exp, tmp_path / "ref.db")
+    res = serve(FakeGrid(nodes_for(6), rc), rc)
+    assert res.status == "finished"
+    got = torch.load(tmp_path / "final.pt", weights_only=False)["state"]
+    assert_same_state({k: v for k, v in ref.state.items() if k not in ref.algo.client_state}, got, atol=0)
+    s = Store(db)
+    a, b = ref.store.round_metrics(ref.run_id), s.round_metrics(res.run_id)
+    removed = [h["drift_removed"] for h in a]
+    assert removed[0] > removed[2]                        # classes came back in round 2
+    assert [h["drift_removed"] for h in b] == removed
+    for x, y in zip(a, b, strict=True):
+        for k in ("local_acc", "global_acc", "local_f1", "train_loss", "accepted", "bytes_up", "bytes_down"):
+            assert y[k] == x[k], (x["round"], k)
+    for rnd in range(4):
+        np.testing.assert_array_equal(np.array([tuple(r)[2:] for r in ref.store.client_rows(ref.run_id, rnd)], float),
+                                      np.array([tuple(r)[2:] for r in s.client_rows(res.run_id, rnd)], float))
+    returns = lambda st, rid: {r["client"]: r["data"]["returns"] for r in st.records(rid, "drift")}  # noqa: E731
+    assert returns(s, res.run_id) == returns(ref.store, ref.run_id) != {}
+    assert s.records(res.run_id, "failure") == []
+
+
+def test_class_drift_needs_the_dataset_on_the_server(monkeypatch):
+    """The drift schedule is drawn from the partition's label counts: a server that cannot build the partition
+    refuses `drift.fraction > 0` before waiting for any node, naming the key; static data run as before."""
+    from fedprism.experiment import federation as fedmod
+    from fedprism.flower.server_app import server_data
+
+    def unreadable(cfg):
+        raise FileNotFoundError("no dataset here")
+
+    monkeypatch.setattr(fedmod, "build_federation", unreadable)
+    with pytest.raises(ConfigError, match=r"drift\.fraction.*readable on the server"):
+        server_data(RunSettings.from_run_config({"experiment": EXP4 + " drift.fraction=0.5"}))
+    assert server_data(RunSettings.from_run_config({"experiment": EXP4})) == (None, None, None, None)
+
+
 @pytest.mark.parametrize("method", _methods())
 def test_every_method_runs_the_same_on_flower(method, tmp_path, task_identity):
     """No algorithm code is duplicated for Flower: each registered method's plan / client_update /

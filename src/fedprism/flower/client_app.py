@@ -3,7 +3,8 @@
 Handlers (Flower Message API):
 
     query "identity"  -> {client-id, config-id, num-examples, label-hist, input-shape, ...}
-    train             -> the algorithm's `client_update` on this client's rows (sequential engine)
+    train             -> the algorithm's `client_update` on this client's rows of the message's round
+                         (sequential engine; the rows change only under class drift)
     evaluate          -> scores of the given parameter rows on the local test split / global test set
 
 Every reply carries the node's `client-id`. An exception becomes an error reply (Flower does that),
@@ -124,7 +125,8 @@ def make_client_app(**defaults: Any) -> ClientApp:
         if cid != node.client:
             raise ValueError(f"message for client {cid} reached the node of client {node.client}")
         load_store(node, context)
-        return Message(codec.encode_scores(node.evaluate(params, splits, payload), node.client), reply_to=msg)
+        scores = node.evaluate(params, splits, payload, codec.eval_round(msg.content))
+        return Message(codec.encode_scores(scores, node.client), reply_to=msg)
 
     return app
 

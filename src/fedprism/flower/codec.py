@@ -122,16 +122,24 @@ def decode_update(content: RecordDict, plan_row: Plan, config_id: str | None = N
 
 
 # -- evaluate ----------------------------------------------------------------------------------------
-def encode_eval(params: torch.Tensor | None, splits: list[str], client: int, payload: Rows | None = None
-                ) -> RecordDict:
+def encode_eval(params: torch.Tensor | None, splits: list[str], client: int, payload: Rows | None = None,
+                rnd: int | None = None) -> RecordDict:
     """Either parameter rows to score (row i on `splits[i]`: 'local' / 'train' on this client's data,
     'global' on the shared test set), or (params None) this client's `eval_payload` row, from which the
-    node builds its own inference and scores it on every split of `splits`."""
+    node builds its own inference and scores it on every split of `splits`. `rnd`: the round whose client
+    data are scored (they change under class drift, fedprism.data.drift)."""
     arrays = {"params": _arr(params)} if params is not None else {}
     arrays.update({f"x.{k}": _arr(v) for k, v in (payload or {}).items()})
-    return RecordDict({MODELS: ArrayRecord(arrays),
-                       TASK: ConfigRecord({"splits": list(splits), "client-id": int(client),
-                                           "payload": sorted(payload) if payload is not None else []})})
+    task = {"splits": list(splits), "client-id": int(client), "payload": sorted(payload) if payload is not None else []}
+    if rnd is not None:
+        task["round"] = int(rnd)
+    return RecordDict({MODELS: ArrayRecord(arrays), TASK: ConfigRecord(task)})
+
+
+def eval_round(content: RecordDict) -> int | None:
+    """The round an evaluation message scores (None when it does not say)."""
+    task = content.config_records[TASK]
+    return _int(task, "round") if "round" in task else None
 
 
 def decode_eval(content: RecordDict) -> tuple[torch.Tensor | None, list[str], int, Rows | None]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,8 @@ import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 
 from fedprism.algorithms.base import Algorithm
+from fedprism.data.drift import DriftSchedule
+from fedprism.errors import ConfigError
 from fedprism.experiment.evaluate import Evaluator, row_hashes
 from fedprism.experiment.limits import check_limits
 from fedprism.experiment.runner import Experiment, RunResult, make_algorithm, make_context, make_model, validate_update
@@ -57,6 +60,20 @@ except ImportError:  # pragma: no cover
 TRANSIENT = {3, 4, NODE_UNAVAILABLE}
 
 Record = tuple[str, "int | None", dict]
+
+NO_DRIFT_WITHOUT_DATA = ("0 unless the dataset is readable on the server: the class-drift schedule "
+                         "(fedprism.data.drift) is drawn from the partition's label counts, and the server needs "
+                         "it for the sizes of the clients' splits in each round and for the stored schedule")
+
+
+@dataclass(frozen=True)
+class ServerDrift:
+    """What the server holds of class drift (`drift.*`): the run's schedule and the static per-class row
+    counts of every client's own splits (`fedprism.data.drift.class_counts`), from which it knows each
+    split's size in every round without holding a row."""
+
+    schedule: DriftSchedule
+    counts: dict[str, np.ndarray]
 
 
 def _log(msg: str) -> None:
@@ -412,8 +429,8 @@ class RemoteTrainer:
                 per.setdefault(target, []).append(j)
             if not per:
                 break
-            bodies = {c: codec.encode_eval(torch.stack([jobs[j][0] for j in js]), [jobs[j][1] for j in js], c)
-                      for c, js in per.items()}
+            bodies = {c: codec.encode_eval(torch.stack([jobs[j][0] for j in js]), [jobs[j][1] for j in js], c,
+                                           rnd=self.rnd) for c, js in per.items()}
             replies, failed = self.link.exchange("evaluate", bodies, self.timeout, group=f"eval-{self.rnd}")
             for c, js in per.items():
                 if c in replies:
@@ -469,7 +486,7 @@ class RemoteTrainer:
         bodies, failed = {}, {}
         for c in range(num_clients):
             if c in self.link.node_of:
-                bodies[c] = codec.encode_eval(None, splits, c, {k: v[c:c + 1] for k, v in payload.items()})
+                bodies[c] = codec.encode_eval(None, splits, c, {k: v[c:c + 1] for k, v in payload.items()}, rnd=rnd)
             else:
                 failed[c] = "evaluate: no connected node for this client"
         replies, lost = self.link.exchange("evaluate", bodies, self.timeout, group=f"eval-{rnd}") if bodies \
@@ -524,16 +541,16 @@ class FlowerExperiment(Experiment):
     """The runner's round loop with the clients on Flower nodes and no data on the server."""
 
     def __init__(self, settings: RunSettings, store: Store, link: Link, shared_data=None,
-                 sizes: dict | None = None):
+                 sizes: dict | None = None, drift: ServerDrift | None = None):
         if link.input_shape is None:
             raise RuntimeError("no node has been identified yet: call link.discover() first")
         cfg = flower_label(settings.cfg)
-        if cfg.get("drift.fraction", 0.0):
-            from fedprism.errors import ConfigError
-            raise ConfigError("drift.fraction", cfg["drift.fraction"], "0 on Flower: class drift "
-                              "(fedprism.data.drift) is simulated in process only")
+        if cfg.get("drift.fraction", 0.0) and (drift is None or sizes is None):
+            raise ConfigError("drift.fraction", cfg["drift.fraction"], NO_DRIFT_WITHOUT_DATA)
         self.cfg, self.store, self.sweep, self.progress = cfg, store, None, False
-        self.drift = None
+        self.drift = drift.schedule if drift is not None else None
+        self._drift_counts = drift.counts if drift is not None else None
+        self._drift_key: tuple | None = None
         self.settings, self.link = settings, link
         self.run_id = flower_run_id(settings.cfg)
         self.fed = None
@@ -555,6 +572,23 @@ class FlowerExperiment(Experiment):
         self.engine = RemoteTrainer(link, self.ctx.spec, link.num_classes, settings.round_timeout, shared, sizes)
         self._records: list[Record] = []
         self._rnd = -1
+
+    def apply_drift(self, rnd: int, evaluator: Evaluator | None) -> int:
+        """Round `rnd` begins: the evaluation messages say it (a node scores its rows of that round). Under
+        class drift, when the clients' rows change, the sizes the replies are checked against become that
+        round's (`DriftSchedule.split_sizes`) and every cached score of the clients' own splits is dropped;
+        the nodes change their rows themselves (`Node.at_round`). Returns the absent (client, class) pairs."""
+        self._rnd = self.engine.rnd = rnd
+        if self.drift is None:
+            return 0
+        key = self.drift.key(rnd)
+        if key != self._drift_key:
+            self.engine.sizes = {**self.engine.sizes, **self.drift.split_sizes(self._drift_counts, rnd)}
+            self.engine.cache = {k: v for k, v in self.engine.cache.items() if k[0] in ("global", "global_val")}
+            if evaluator is not None:
+                evaluator.forget()
+            self._drift_key = key
+        return self.drift.absent(rnd)
 
     @staticmethod
     def finished(store: Store, run_id: str) -> RunResult:
