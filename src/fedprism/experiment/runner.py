@@ -462,8 +462,8 @@ class Experiment:
                     metrics = {}
                 metrics.update({
                     "train_s": t_train, "clients": len(plan.clients), "accepted": len(update.clients),
-                    "rejected": len(update.rejected), "bytes_down": plan.bytes,
-                    "bytes_up": update.bytes, "never_sampled": int((~seen).sum()),
+                    "rejected": len(update.rejected), "bytes_down": self.algo.wire_bytes("plan", plan.payload),
+                    "bytes_up": self.algo.wire_bytes("update", update.payload), "never_sampled": int((~seen).sum()),
                 })
                 if rnd == 0:                               # a declared one-off exchange before round 0
                     down, up = self.algo.setup_bytes()

@@ -346,7 +346,7 @@ class RemoteTrainer:
     remote = True
 
     def __init__(self, link: Link, spec: ParamSpec, num_classes: int, timeout: float, shared=None,
-                 sizes: dict | None = None):
+                 sizes: dict | None = None, wire: Algorithm | None = None):
         self.link, self.spec, self.C, self.timeout = link, spec, num_classes, timeout
         self.num_classes = num_classes
         self.cache: dict[tuple, tuple] = {}     # (split, client or None, row hash) -> scores
@@ -357,6 +357,8 @@ class RemoteTrainer:
         #: the size of every client's split when the server could build the partition: a score over
         #: another number of rows is refused (a node cannot reweigh itself in the weighted means)
         self.sizes = sizes
+        #: how `eval_payload` rows travel (the algorithm's `encode`; None: as they are held)
+        self.wire = wire
 
     def train(self, *args: Any, **kw: Any):
         raise NotImplementedError("on Flower, clients train in their ClientApp (FlowerExperiment.local_work)")
@@ -486,7 +488,8 @@ class RemoteTrainer:
         bodies, failed = {}, {}
         for c in range(num_clients):
             if c in self.link.node_of:
-                bodies[c] = codec.encode_eval(None, splits, c, {k: v[c:c + 1] for k, v in payload.items()}, rnd=rnd)
+                bodies[c] = codec.encode_eval(None, splits, c, {k: v[c:c + 1] for k, v in payload.items()}, rnd=rnd,
+                                              wire=self.wire)
             else:
                 failed[c] = "evaluate: no connected node for this client"
         replies, lost = self.link.exchange("evaluate", bodies, self.timeout, group=f"eval-{rnd}") if bodies \
@@ -569,7 +572,8 @@ class FlowerExperiment(Experiment):
             from fedprism.engine.sequential import SequentialEngine
             from fedprism.experiment.runner import local_config
             shared = SequentialEngine(shared_data, self.model, local_config(cfg), cfg["seed"], "cpu")
-        self.engine = RemoteTrainer(link, self.ctx.spec, link.num_classes, settings.round_timeout, shared, sizes)
+        self.engine = RemoteTrainer(link, self.ctx.spec, link.num_classes, settings.round_timeout, shared, sizes,
+                                    wire=self.algo)
         self._records: list[Record] = []
         self._rnd = -1
 
@@ -601,7 +605,7 @@ class FlowerExperiment(Experiment):
         self._rnd = rnd
         link.refresh()
         t0 = time.time()
-        bodies = {int(c): codec.encode_plan(plan.subset(np.array([r])), rnd, int(c), self.cfg.run_id)
+        bodies = {int(c): codec.encode_plan(plan.subset(np.array([r])), rnd, int(c), self.cfg.run_id, self.algo)
                   for r, c in enumerate(plan.clients)}
         replies, failed = link.exchange("train", bodies, s.round_timeout, group=str(rnd))
         parts = []
@@ -611,7 +615,7 @@ class FlowerExperiment(Experiment):
                 continue
             row = plan.subset(np.array([r]))
             try:
-                up = codec.decode_update(replies[c], row, self.cfg.run_id)
+                up = codec.decode_update(replies[c], row, self.cfg.run_id, self.algo)
                 parts.append(self.trust(up, row))
             except Exception as e:  # noqa: BLE001 - a malformed or refused reply is that client's failure
                 failed[c] = f"train: malformed reply ({type(e).__name__}: {e})" if not isinstance(e, Refused) \
