@@ -85,6 +85,7 @@ class FakeGrid:
         self.replies: dict[str, Message] = {}
         self.log: list[tuple[int, str]] = []
         self.sent: list[tuple[int, int, dict]] = []              # (round, client, payload) of train messages
+        self.up_bytes: list[tuple[int, int, int]] = []           # (round, client, payload bytes) of train replies
         self.states: dict[int, RecordDict] = {}                    # node id -> its Context.state
 
     def add_node(self, nid: int, node_config: dict, run_config: dict | None = None) -> None:
@@ -120,6 +121,10 @@ class FakeGrid:
             except Exception as e:  # noqa: BLE001 - what Flower's runtime does with a raising ClientApp
                 reply = Message(Error(code=2, reason=f"{type(e).__name__}: {e}"), reply_to=m)
             self.replies[mid] = reply
+            if m.metadata.message_type == "train" and not reply.has_error():
+                arrays = reply.content.array_records[codec.UPDATE]
+                self.up_bytes.append((rnd, cid, sum(arrays[k].numpy().nbytes for k in arrays.keys()
+                                                    if k.startswith("u."))))
         return ids
 
     def pull_messages(self, ids):
@@ -346,6 +351,32 @@ def test_class_drift_runs_the_same_on_flower(method, tmp_path, task_identity):
     returns = lambda st, rid: {r["client"]: r["data"]["returns"] for r in st.records(rid, "drift")}  # noqa: E731
     assert returns(s, res.run_id) == returns(ref.store, ref.run_id) != {}
     assert s.records(res.run_id, "failure") == []
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedsub"])
+def test_counted_bytes_are_the_bytes_the_codec_sends(method, tmp_path, task_identity):
+    """bytes_down / bytes_up of every round are the payload arrays of the train messages and replies that
+    crossed the grid (FedSub's sparse subnetworks, FedAvg's full model), and equal the in-process count."""
+    exp = (f"method={method} dataset=digits clients=4 rounds=2 fraction=1.0 local_epochs=1 lr=0.05 model=mlp "
+           "device=cpu engine=sequential partition.alpha=0.5 seed=5")
+    db = tmp_path / "b.db"
+    rc = run_config(exp, db)
+    ref, _ = in_process(exp, tmp_path / "ref.db")
+    grid = FakeGrid(nodes_for(4), rc)
+    res = serve(grid, rc)
+    assert res.status == "finished"
+    got, want = Store(db).round_metrics(res.run_id), ref.store.round_metrics(ref.run_id)
+    for rnd in range(2):
+        sent = sum(v.numel() * v.element_size() for r, _, p in grid.sent if r == rnd for v in p.values())
+        came = sum(b for r, _, b in grid.up_bytes if r == rnd)
+        assert got[rnd]["bytes_down"] == sent == want[rnd]["bytes_down"]
+        assert got[rnd]["bytes_up"] == came == want[rnd]["bytes_up"]
+    P = ref.ctx.spec.size
+    if method == "fedsub":                               # sparse: less than one full model per client each way
+        assert got[1]["bytes_down"] < 4 * 4 * P and got[1]["bytes_up"] - 4 * 4 * ref.ctx.num_classes * \
+            (ref.ctx.feature_dim + 1) < 4 * 4 * P
+    else:
+        assert got[1]["bytes_down"] == got[1]["bytes_up"] == 4 * 4 * P
 
 
 def test_class_drift_needs_the_dataset_on_the_server(monkeypatch):
