@@ -85,6 +85,7 @@ class FakeGrid:
         self.replies: dict[str, Message] = {}
         self.log: list[tuple[int, str]] = []
         self.sent: list[tuple[int, int, dict]] = []              # (round, client, payload) of train messages
+        self.up_bytes: list[tuple[int, int, int]] = []           # (round, client, payload bytes) of train replies
         self.states: dict[int, RecordDict] = {}                    # node id -> its Context.state
 
     def add_node(self, nid: int, node_config: dict, run_config: dict | None = None) -> None:
@@ -120,6 +121,10 @@ class FakeGrid:
             except Exception as e:  # noqa: BLE001 - what Flower's runtime does with a raising ClientApp
                 reply = Message(Error(code=2, reason=f"{type(e).__name__}: {e}"), reply_to=m)
             self.replies[mid] = reply
+            if m.metadata.message_type == "train" and not reply.has_error():
+                arrays = reply.content.array_records[codec.UPDATE]
+                self.up_bytes.append((rnd, cid, sum(arrays[k].numpy().nbytes for k in arrays.keys()
+                                                    if k.startswith("u."))))
         return ids
 
     def pull_messages(self, ids):
@@ -315,6 +320,78 @@ def test_partial_participation_runs_the_same_on_flower(method, tmp_path, task_id
     assert res.final["local_acc"] == pytest.approx(final["local_acc"], abs=1e-9)
     acc = [h["accepted"] for h in ref.store.round_metrics(ref.run_id)]
     assert acc == [h["accepted"] for h in Store(tmp_path / "m.db").round_metrics(res.run_id)]
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedsub"])
+def test_class_drift_runs_the_same_on_flower(method, tmp_path, task_identity):
+    """Class drift (fedprism.data.drift) on Flower: every node applies the run's schedule to its own rows for
+    the round its train or evaluation message names, the server checks the nodes' scores against that
+    round's split sizes and stores the schedule. At half participation, with classes returning mid-run, the
+    Flower run equals the in-process one bit for bit: final state, every round's metrics and client rows."""
+    exp = (f"method={method} dataset=digits clients=6 rounds=4 fraction=0.5 local_epochs=1 lr=0.05 model=mlp "
+           "device=cpu engine=sequential partition.alpha=0.5 seed=5 drift.fraction=0.5 drift.every=2")
+    db = tmp_path / "d.db"
+    rc = run_config(exp, db, save_final=str(tmp_path / "final.pt"))
+    ref, final = in_process(exp, tmp_path / "ref.db")
+    res = serve(FakeGrid(nodes_for(6), rc), rc)
+    assert res.status == "finished"
+    got = torch.load(tmp_path / "final.pt", weights_only=False)["state"]
+    assert_same_state({k: v for k, v in ref.state.items() if k not in ref.algo.client_state}, got, atol=0)
+    s = Store(db)
+    a, b = ref.store.round_metrics(ref.run_id), s.round_metrics(res.run_id)
+    removed = [h["drift_removed"] for h in a]
+    assert removed[0] > removed[2]                        # classes came back in round 2
+    assert [h["drift_removed"] for h in b] == removed
+    for x, y in zip(a, b, strict=True):
+        for k in ("local_acc", "global_acc", "local_f1", "train_loss", "accepted", "bytes_up", "bytes_down"):
+            assert y[k] == x[k], (x["round"], k)
+    for rnd in range(4):
+        np.testing.assert_array_equal(np.array([tuple(r)[2:] for r in ref.store.client_rows(ref.run_id, rnd)], float),
+                                      np.array([tuple(r)[2:] for r in s.client_rows(res.run_id, rnd)], float))
+    returns = lambda st, rid: {r["client"]: r["data"]["returns"] for r in st.records(rid, "drift")}  # noqa: E731
+    assert returns(s, res.run_id) == returns(ref.store, ref.run_id) != {}
+    assert s.records(res.run_id, "failure") == []
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedsub"])
+def test_counted_bytes_are_the_bytes_the_codec_sends(method, tmp_path, task_identity):
+    """bytes_down / bytes_up of every round are the payload arrays of the train messages and replies that
+    crossed the grid (FedSub's sparse subnetworks, FedAvg's full model), and equal the in-process count."""
+    exp = (f"method={method} dataset=digits clients=4 rounds=2 fraction=1.0 local_epochs=1 lr=0.05 model=mlp "
+           "device=cpu engine=sequential partition.alpha=0.5 seed=5")
+    db = tmp_path / "b.db"
+    rc = run_config(exp, db)
+    ref, _ = in_process(exp, tmp_path / "ref.db")
+    grid = FakeGrid(nodes_for(4), rc)
+    res = serve(grid, rc)
+    assert res.status == "finished"
+    got, want = Store(db).round_metrics(res.run_id), ref.store.round_metrics(ref.run_id)
+    for rnd in range(2):
+        sent = sum(v.numel() * v.element_size() for r, _, p in grid.sent if r == rnd for v in p.values())
+        came = sum(b for r, _, b in grid.up_bytes if r == rnd)
+        assert got[rnd]["bytes_down"] == sent == want[rnd]["bytes_down"]
+        assert got[rnd]["bytes_up"] == came == want[rnd]["bytes_up"]
+    P = ref.ctx.spec.size
+    if method == "fedsub":                               # sparse: less than one full model per client each way
+        assert got[1]["bytes_down"] < 4 * 4 * P and got[1]["bytes_up"] - 4 * 4 * ref.ctx.num_classes * \
+            (ref.ctx.feature_dim + 1) < 4 * 4 * P
+    else:
+        assert got[1]["bytes_down"] == got[1]["bytes_up"] == 4 * 4 * P
+
+
+def test_class_drift_needs_the_dataset_on_the_server(monkeypatch):
+    """The drift schedule is drawn from the partition's label counts: a server that cannot build the partition
+    refuses `drift.fraction > 0` before waiting for any node, naming the key; static data run as before."""
+    from fedprism.experiment import federation as fedmod
+    from fedprism.flower.server_app import server_data
+
+    def unreadable(cfg):
+        raise FileNotFoundError("no dataset here")
+
+    monkeypatch.setattr(fedmod, "build_federation", unreadable)
+    with pytest.raises(ConfigError, match=r"drift\.fraction.*readable on the server"):
+        server_data(RunSettings.from_run_config({"experiment": EXP4 + " drift.fraction=0.5"}))
+    assert server_data(RunSettings.from_run_config({"experiment": EXP4})) == (None, None, None, None)
 
 
 @pytest.mark.parametrize("method", _methods())
