@@ -512,6 +512,8 @@ def final_metrics(history: list[dict], seconds: float) -> dict:
             if k in last:
                 out[k] = last[k]
                 vals = [h[k] for h in evald if h.get(k) is not None]
+                if not vals:                # every evaluation of this metric failed: no best value
+                    continue
                 if k in ("ad", "sdad"):
                     out[f"best_{k}"] = min(vals)
                 else:
