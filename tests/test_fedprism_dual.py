@@ -3,6 +3,8 @@ alpha bounds and mixing rows, components, engines, runner (bytes, resume)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -370,3 +372,31 @@ def test_alpha_trajectory_by_hand(rule, gamma1, tmp_path):
     md = "\n".join(alpha_table(Recs(), {"s": {"FedPrism": [run]}}))
     assert "| FedPrism | s | 3 | 2 | 0.7833 [0.5000, 0.9500] |" in md
     assert plot_alpha(Recs(), run, tmp_path, "FedPrism", "a.png")[0].stat().st_size > 1000
+
+
+def test_private_source_specialist_is_the_own_private_on_the_specialists_batch_order(unequal):
+    """P_i = L_i (`private_source=specialist`) is exactly the separate private model trained on the
+    specialist's batch order: Algorithm 1 lines 7 and 10 are one update; one training fewer per client."""
+    runs = {}
+    for src in ("own", "specialist"):
+        algo, eng = setup(unequal, alpha=0.5, beta=0.2, k=2, every=1, private_source=src)   # gamma = 0.3
+        calls = []
+        orig = eng.train
+
+        def train(job, rnd, orig=orig, calls=calls):
+            calls.append(job.stream)
+            return orig(replace(job, stream="expert") if job.stream == "private" else job, rnd)
+
+        eng.train = train
+        sim = drive(algo, eng, 3, fraction=0.5)
+        runs[src] = (sim, calls, algo)
+    (own, own_calls, _), (shared, shared_calls, algo) = runs["own"], runs["specialist"]
+    assert set(shared.clients.data) == {"expert"} and set(own.clients.data) == {"private", "expert"}
+    assert own_calls.count("private") == 3 and "private" not in shared_calls
+    assert len(shared_calls) == 2 * 3 and len(own_calls) == 3 * 3
+    for k in ("w_g", "w_c", "alpha", "W"):
+        assert torch.equal(own.state[k], shared.state[k]), k
+    assert torch.equal(own.clients.data["private"], shared.clients.data["expert"])
+    clients = np.arange(unequal.num_clients)
+    for a, b in zip(backbone_and_expert(own, clients), backbone_and_expert(shared, clients)):
+        assert torch.equal(a, b)
