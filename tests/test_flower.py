@@ -3,7 +3,8 @@
 Fast tests drive the real ServerApp loop (`serve`) and the real ClientApp handlers through an
 in-process grid (`FakeGrid`: push runs the ClientApp at once, with scripted silences and crashes),
 so they need neither Ray nor a SuperLink. Slow tests use Flower's Simulation Runtime through `flwr run`
-(a simulation SuperLink, Ray on loopback) and a loopback deployment (SuperLink + 3 SuperNodes, TLS, node authentication: scripts/flower_deploy.py).
+(a simulation SuperLink; Ray on loopback, or a local multi-node Ray cluster: head + 2 workers) and a
+loopback deployment (SuperLink + 3 SuperNodes, TLS, node authentication: scripts/flower_deploy.py).
 Skipped cleanly when flwr is not installed (`pip install -e ".[flower]"`).
 """
 
@@ -13,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -623,6 +625,159 @@ def test_simulation_runtime_matches_in_process_engine(tmp_path):
     assert_identical_numbers(ref.store, ref.run_id, s, got["run_id"])
     assert s.records(got["run_id"], "failure") == []
     print(f"simulation wall {wall:.1f}s")
+
+
+RAY_PROBE = """
+import json, sys, time
+import ray
+from ray._private.state import actors
+ray.init(address=sys.argv[1], log_to_driver=False, logging_level="ERROR")
+deadline = time.time() + float(sys.argv[3])
+while True:
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    if len(nodes) >= int(sys.argv[2]) or time.time() > deadline:
+        break
+    time.sleep(1)
+print(json.dumps({
+    "nodes": [{"id": n["NodeID"], "ip": n["NodeManagerAddress"], "cpus": n["Resources"].get("CPU", 0),
+               "head": "node:__internal_head__" in n["Resources"]} for n in nodes],
+    "actors": [{"class": a["ActorClassName"], "node": a["Address"]["NodeID"], "ip": a["Address"]["IPAddress"],
+                "state": a["State"], "pid": a["Pid"], "restarts": a["NumRestarts"]} for a in actors().values()]}))
+ray.shutdown()
+"""
+
+
+class RayCluster:
+    """A Ray cluster on this machine as docs/flower.md sets one up on several: `ray start --head --num-cpus 0`
+    and `workers` x `ray start --address HEAD:PORT --num-cpus 1`, each node with its own temporary
+    directory under `root`, each `ray start --block` in a session of its own; `stop` ends them by pid."""
+
+    def __init__(self, root: Path, env: dict, workers: int = 2):
+        self.root, self.env, self.workers = root, env, workers
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.address = ""
+
+    def _ray_start(self, name: str, args: list[str]) -> subprocess.Popen:
+        with open(self.root / f"{name}.log", "wb") as out:
+            p = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", *args, "--block",
+                                  "--disable-usage-stats", "--temp-dir", str(self.root / name)], env=self.env,
+                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.procs[name] = p
+        return p
+
+    def log(self, name: str) -> str:
+        import re
+        return re.sub(r"\x1b\[[0-9;]*m", "", (self.root / f"{name}.log").read_text(errors="replace"))
+
+    def start(self, timeout: float = 240.0) -> RayCluster:
+        import re
+        with socket.socket() as sk:
+            sk.bind(("", 0))
+            port = sk.getsockname()[1]
+        head = self._ray_start("head", ["--head", "--port", str(port), "--num-cpus", "0", "--num-gpus", "0",
+                                        "--include-dashboard", "false"])
+        deadline = time.monotonic() + timeout
+        while not (m := re.search(r"Local node IP: (\S+)", self.log("head"))):
+            assert head.poll() is None and time.monotonic() < deadline, self.log("head")[-3000:]
+            time.sleep(0.5)
+        self.address = f"{m.group(1)}:{port}"
+        for i in range(self.workers):
+            self._ray_start(f"worker{i}", ["--address", self.address, "--num-cpus", "1", "--num-gpus", "0"])
+        info = self.probe(wait_for=1 + self.workers, timeout=deadline - time.monotonic())
+        assert len(info["nodes"]) == 1 + self.workers, (info, {n: self.log(n)[-2000:] for n in self.procs})
+        return self
+
+    def probe(self, wait_for: int = 0, timeout: float = 60.0) -> dict:
+        """The cluster's live nodes and every actor it has run (the GCS keeps dead actors)."""
+        p = run_bounded([sys.executable, "-c", RAY_PROBE, self.address, str(wait_for), f"{max(timeout, 1):.0f}"],
+                        timeout + 120, env=self.env)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    def stop(self, grace: float = 20.0) -> None:
+        """SIGTERM every `ray start` (its reaper takes its processes down), then SIGKILL every process
+        left in their sessions."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        sessions = {p.pid for p in self.procs.values()}
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and self.alive(sessions):
+            time.sleep(0.5)
+        for pid in self.alive(sessions):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    @staticmethod
+    def alive(sessions: set[int]) -> list[int]:
+        out = []
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    if os.getsid(int(d.name)) in sessions and (d / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                        out.append(int(d.name))
+                except (OSError, IndexError):
+                    continue
+        return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_simulation_on_a_multi_node_ray_cluster(tmp_path):
+    """The same `simulate` on an existing Ray cluster (`ray_address`): a head with no CPUs and two workers
+    with one CPU each, started as docs/flower.md shows. Every ClientApp actor of the run was placed on a
+    worker node, both workers served clients, and the numbers equal the in-process run bit for bit.
+    The cluster is torn down whatever happens, and no process of it or of the run is left."""
+    pytest.importorskip("ray")
+    exp = ("method=fedprism dataset=digits clients=4 rounds=2 fraction=1.0 local_epochs=1 lr=0.05 model=mlp "
+           "device=cpu engine=sequential fedprism.k=2 fedprism.every=1 partition.alpha=0.5 seed=7")
+    ref, _ = in_process(exp, tmp_path / "ref.db")
+    root = Path(tempfile.mkdtemp(prefix="fprc-", dir="/tmp"))      # Ray's socket paths must stay < 108 bytes
+    mark = uuid.uuid4().hex
+    env = {**os.environ, **OFFLINE_ENV, "FEDPRISM_TEST_MARK": mark,
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src")] + [q for q in os.environ.get("PYTHONPATH", "").split(
+               os.pathsep) if q])}
+    for k in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"):
+        env.pop(k, None)
+    cluster = RayCluster(root, env, workers=2)
+    try:
+        cluster.start()
+        before = cluster.probe()
+        head = [n["id"] for n in before["nodes"] if n["head"]]
+        workers = {n["id"] for n in before["nodes"] if not n["head"]}
+        assert len(head) == 1 and len(workers) == 2 and all(n["cpus"] == (0 if n["head"] else 1) for n in before["nodes"])
+        p, wall = simulate_in_subprocess(tmp_path, exp, 900, ray_address=cluster.address)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+        after = cluster.probe()
+    finally:
+        cluster.stop()
+        left = marked_processes(mark)
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(root, ignore_errors=True)
+    assert left == [], f"processes of the Ray cluster left behind: {left}"
+    clients = [a for a in after["actors"] if a["class"] == "ClientAppActor"]
+    assert clients, after
+    assert {a["node"] for a in clients} == workers, (clients, head, workers)    # both workers, never the head
+    assert all(a["state"] == "DEAD" and a["restarts"] == 0 for a in clients), clients   # ended with the run
+    got = torch.load(tmp_path / "sim.pt", weights_only=False)
+    assert_identical_state(ref.state, got["state"])
+    s = Store(tmp_path / "sim.db")
+    assert s.run(got["run_id"])["status"] == "finished"
+    assert_identical_numbers(ref.store, ref.run_id, s, got["run_id"])
+    assert s.records(got["run_id"], "failure") == []
+    print(f"multi-node simulation wall {wall:.1f}s on {cluster.address}; ClientApp actors "
+          f"{sorted((a['node'][:8], a['pid']) for a in clients)}")
 
 
 @pytest.mark.slow
