@@ -164,7 +164,7 @@ def _tail(path: Path, n: int = 4000) -> str:
 class LocalSuperLink:
     """`flower-superlink --simulation` on 127.0.0.1:<free port>, stopped with everything it started."""
 
-    def __init__(self, workdir: Path, env: dict[str, str], bin_dir: Path, startup_timeout: float = 120.0):
+    def __init__(self, workdir: Path, env: dict[str, str], bin_dir: Path, startup_timeout: float = 300.0):
         self.workdir, self.env, self.bin_dir = workdir, env, bin_dir
         self.port = _free_port()
         self.log = workdir / "superlink.log"
@@ -241,8 +241,8 @@ def child_env(home: Path, bin_dir: Path, ray_address: str | None) -> dict[str, s
 
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     src = Path(fedprism.__file__).resolve().parents[1]
-    if src.name not in ("site-packages", "dist-packages"):   # a source checkout: the apps run this same code
-        paths.insert(0, str(src))
+    if src.name not in ("site-packages", "dist-packages") and str(src) not in paths:   # a source checkout:
+        paths.insert(0, str(src))                                                      # the apps run this code
     env = {**OFFLINE_ENV, **os.environ, "FLWR_HOME": str(home), "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
            "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(paths)}
