@@ -10,7 +10,7 @@ Handlers (Flower Message API):
 Every reply carries the node's `client-id`. An exception becomes an error reply (Flower does that),
 which the server records as a failure of this client. `app` reads everything from the run config and
 the node config; `make_client_app(**defaults)` supplies defaults for runs without a run config
-(Flower's Python `run_simulation` passes an empty one).
+(tests drive it over an in-process grid).
 """
 
 from __future__ import annotations

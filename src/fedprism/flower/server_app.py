@@ -8,7 +8,7 @@
            writes and a checkpoint after every round; a restarted ServerApp resumes from it
 
 `app` reads its settings from the run config (`flwr run ... -c 'experiment="..." db="/abs/x.db"'`);
-`make_server_app(**defaults)` gives defaults for runs without one (Python `run_simulation`).
+`make_server_app(**defaults)` gives defaults for runs without one (tests drive it over an in-process grid).
 """
 
 from __future__ import annotations
