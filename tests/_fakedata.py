@@ -45,6 +45,7 @@ def isolate(monkeypatch, tmp_path: Path) -> Path:
 
     # fake files carry official names but not the official bytes: no known digests for them
     monkeypatch.setattr(integrity, "KNOWN", {})
+    monkeypatch.setattr(integrity, "KNOWN_MD5", {})
     monkeypatch.setenv("FEDPRISM_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("FEDPRISM_DATA", raising=False)
     monkeypatch.setattr(datasets, "DEBIAN_FMNIST", tmp_path / "no-debian-fmnist")

@@ -40,8 +40,15 @@ def test_known_table_covers_every_official_download():
     from fedprism.data.download import REMOTE
     for name, files in REMOTE.items():
         for f in files:
-            assert f.sha256 in integrity.KNOWN[(name, f.filename)]
+            if f.sha256:
+                assert f.sha256 in integrity.KNOWN[(name, f.filename)]
+                assert (name, f.filename) not in integrity.KNOWN_MD5
+            elif f.md5:                                                 # only an MD5 is published (USPS)
+                assert integrity.KNOWN_MD5[(name, f.filename)] == (f.md5,)
+            else:                                                       # trust on first use (WISDM)
+                assert f.tofu and (name, f.filename) not in integrity.KNOWN
     assert len(integrity.KNOWN[("fmnist", "train-images-idx3-ubyte.gz")]) == 2     # upstream + Debian
+    assert set(integrity.KNOWN_MD5) == {("usps", "usps.bz2"), ("usps", "usps.t.bz2")}
 
 
 def test_matching_files_load_and_are_listed_as_verified(known, tmp_path):

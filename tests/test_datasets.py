@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import bz2
 import hashlib
+import io
 import os
 import pickle
 from pathlib import Path
@@ -354,7 +356,7 @@ def test_download_tries_the_next_mirror(tmp_path):
 
 
 def test_download_all_mirrors_fail(tmp_path):
-    remote = dl.RemoteFile("a.bin", ((tmp_path / "nope1").as_uri(), (tmp_path / "nope2").as_uri()))
+    remote = dl.RemoteFile("a.bin", ((tmp_path / "nope1").as_uri(), (tmp_path / "nope2").as_uri()), md5="0" * 32)
     with pytest.raises(DataError) as e:
         dl.fetch(remote, tmp_path / "dest")
     assert "nope1" in str(e.value) and "nope2" in str(e.value)
@@ -363,13 +365,58 @@ def test_download_all_mirrors_fail(tmp_path):
 def test_download_default_destination_and_registry(tmp_path):
     assert dl.download_dir("mnist") == tmp_path / "cache" / "data" / "mnist"
     assert search_paths("mnist")[-1] == dl.download_dir("mnist")
-    assert set(dl.REMOTE) == {"fmnist", "mnist", "cifar10", "cifar100", "svhn"}
-    for files in dl.REMOTE.values():
+    assert set(dl.REMOTE) == {"fmnist", "mnist", "cifar10", "cifar100", "svhn", "usps", "wisdm"}
+    for name, files in dl.REMOTE.items():
         for f in files:
-            assert len(f.sha256) == 64 and len(f.md5) == 32 and int(f.sha256, 16) >= 0 and int(f.md5, 16) >= 0
+            if name == "usps":                                          # only an MD5 is published
+                assert f.sha256 is None and not f.tofu and len(f.md5) == 32 and int(f.md5, 16) >= 0
+            elif name == "wisdm":                                       # nothing is published
+                assert f.sha256 is None and f.md5 is None and f.tofu
+            else:
+                assert len(f.sha256) == 64 and len(f.md5) == 32 and int(f.sha256, 16) >= 0
+                assert int(f.md5, 16) >= 0 and not f.tofu
             assert all(u.startswith(("https://", "http://")) and u.endswith("/" + f.filename) for u in f.urls)
+    assert {f.filename: f.md5 for f in dl.REMOTE["usps"]} == {"usps.bz2": "ec16c51db3855ca6c91edd34d0e9b197",
+                                                              "usps.t.bz2": "8ea070ee2aca1ac39742fdd1ef5ed118"}
     with pytest.raises(ConfigError):
         dl.download("digits")
+
+
+def test_a_remote_file_must_declare_how_it_is_checked():
+    with pytest.raises(ValueError, match="needs a published checksum .* or tofu=True"):
+        dl.RemoteFile("a.bin", ("https://example.org/a.bin",))
+    with pytest.raises(ValueError, match="not both"):
+        dl.RemoteFile("a.bin", ("https://example.org/a.bin",), md5="0" * 32, tofu=True)
+    with pytest.raises(ValueError, match="md5 must be 32 hex digits"):
+        dl.RemoteFile("a.bin", ("https://example.org/a.bin",), md5="abc")
+    dl.RemoteFile("a.bin", ("https://example.org/a.bin",), md5="0" * 32)          # MD5 alone is a check
+
+
+class _Response(io.BytesIO):
+    """What an opener returns: a readable binary stream usable in a ``with`` statement."""
+
+
+def test_usps_download_refuses_a_wrong_md5_and_keeps_nothing(tmp_path):
+    """The official USPS entries with a fake opener: a payload whose MD5 is not the published one is
+    refused for every file, and the destination holds nothing afterwards (no .part, no final file)."""
+    requested = []
+
+    def opener(url, timeout):
+        requested.append(url)
+        return _Response(bz2.compress(b"1 1:0.5\n") * 100)
+
+    with pytest.raises(DataError, match="MD5 mismatch: expected ec16c51db3855ca6c91edd34d0e9b197") as e:
+        dl.download("usps", tmp_path / "dest", opener=opener)
+    assert "usps.bz2" in str(e.value) and "nothing was kept" in str(e.value)
+    assert requested == ["https://www.csie.ntu.edu.tw/~cjlin/libsvmtools/datasets/multiclass/usps.bz2"]
+    assert list((tmp_path / "dest").iterdir()) == []
+
+
+def test_md5_only_download_accepts_the_matching_file(tmp_path):
+    payload = bz2.compress(b"3 1:0.5\n")
+    remote = dl.RemoteFile("usps.bz2", ("https://mirror.invalid/usps.bz2",), md5=hashlib.md5(payload).hexdigest())
+    path = dl.fetch(remote, tmp_path / "dest", opener=lambda url, timeout: _Response(payload))
+    assert path.read_bytes() == payload and sorted(p.name for p in path.parent.iterdir()) == ["usps.bz2"]
 
 
 def test_load_with_download_fetches_then_loads(tmp_path, monkeypatch):
