@@ -4,7 +4,8 @@
 fmnist/mnist, pickled batches or the .tar.gz for cifar10/cifar100, .mat files for svhn) and returns the
 exact uint8 images ([N, C, H, W]), labels and class names that a loader must give back. Every class
 appears in both splits. ``isolate(monkeypatch, tmp_path)`` points fedprism's data and cache folders at
-``tmp_path`` so that a test never sees the real ~/.cache or /usr/share/datasets.
+``tmp_path`` so that a test never sees the real ~/.cache or /usr/share/datasets. ``write_usps`` writes
+LIBSVM-format ``usps.bz2`` / ``usps.t.bz2``.
 
     from _fakedata import isolate, write_fake
     fake = write_fake("fmnist", tmp_path / "fm", n_train=200, n_test=50)
@@ -13,6 +14,7 @@ appears in both splits. ``isolate(monkeypatch, tmp_path)`` points fedprism's dat
 
 from __future__ import annotations
 
+import bz2
 import gzip
 import pickle
 import tarfile
@@ -177,6 +179,42 @@ def write_svhn(folder: str | Path, n_train: int = 20, n_test: int = 12, seed: in
     return FakeData(*out, DIGITS, folder)
 
 
+# ------------------------------------------------------------------------------------------ USPS
+
+
+def usps_line(image: np.ndarray, label: int) -> str:
+    """One LIBSVM line of a 16x16 uint8 image: ``label+1`` then ``index:value`` with value in [-1, 1]
+    chosen so that ``uint8((value + 1) / 2 * 255)`` gives the pixel back; pixel 127 is written as an
+    absent index (value 0, the sparse convention); a trailing space as in the LIBSVM files."""
+    parts = [str(int(label) + 1)]
+    for i, px in enumerate(np.asarray(image, np.uint8).reshape(-1), 1):
+        if px == 127:
+            continue
+        v = 1.0 if px == 255 else (int(px) + 0.5) / 127.5 - 1.0
+        parts.append(f"{i}:{v:.6f}")
+    return " ".join(parts) + " \n"
+
+
+def write_usps(folder: str | Path, n_train: int = 30, n_test: int = 12, seed: int = 0,
+               compress: bool = True) -> FakeData:
+    """usps.bz2 / usps.t.bz2 (LIBSVM format, labels 1..10 for digits 0..9); plain usps / usps.t when
+    ``compress=False``."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    out = []
+    for base, n in (("usps", n_train), ("usps.t", n_test)):
+        x, y = _images(rng, n, (1, 16, 16)), _labels(rng, n, 10)
+        x[:, :, 0, 0], x[:, :, 0, 1], x[:, :, 0, 2] = 0, 255, 127      # both ends and an absent index
+        text = "".join(usps_line(img, lab) for img, lab in zip(x, y)).encode("ascii")
+        if compress:
+            (folder / f"{base}.bz2").write_bytes(bz2.compress(text))
+        else:
+            (folder / base).write_bytes(text)
+        out += [x, y]
+    return FakeData(*out, DIGITS, folder)
+
+
 # ------------------------------------------------------------------------------------------- any
 
 
@@ -192,4 +230,6 @@ def write_fake(name: str, folder: str | Path, n_train: int = 30, n_test: int = 1
         return write_cifar(folder, name, n_per_batch=n_train, n_test=n_test, seed=seed, **kw)
     if name == "svhn":
         return write_svhn(folder, n_train, n_test, seed=seed)
+    if name == "usps":
+        return write_usps(folder, n_train, n_test, seed=seed, **kw)
     raise ValueError(f"no fake files for dataset {name!r}")

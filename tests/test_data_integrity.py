@@ -92,6 +92,27 @@ def test_same_size_and_mtime_tampering_is_still_caught_by_a_new_process(known, t
         load_dataset("mnist", root=tmp_path / "d")
 
 
+def test_md5_only_files_are_verified_by_md5_and_a_mismatch_is_an_error(known, tmp_path, monkeypatch):
+    md5s: dict = {}
+    monkeypatch.setattr(integrity, "KNOWN_MD5", md5s)
+    write_fake("usps", tmp_path / "d")
+    for p in (tmp_path / "d").iterdir():
+        md5s[("usps", p.name)] = (hashlib.md5(p.read_bytes()).hexdigest(),)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", integrity.UnverifiedDataWarning)
+        ds = load_dataset("usps", root=tmp_path / "d")
+    assert set(ds.integrity.values()) == {"md5 verified (only an MD5 is published)"} and len(ds.integrity) == 2
+    victim = tmp_path / "d" / "usps.t.bz2"
+    expected = md5s[("usps", victim.name)][0]
+    write_fake("usps", tmp_path / "other", seed=1)
+    shutil.copy(tmp_path / "other" / "usps.t.bz2", victim)
+    with pytest.raises(DataError) as e:
+        load_dataset("usps", root=tmp_path / "d")
+    msg = str(e.value)
+    assert str(victim) in msg and "MD5 mismatch" in msg and expected in msg
+    assert hashlib.md5(victim.read_bytes()).hexdigest() in msg and "only an MD5 is published" in msg
+
+
 def test_files_without_a_known_digest_are_loudly_unverified(monkeypatch, tmp_path):
     isolate(monkeypatch, tmp_path)                                # KNOWN is empty here
     write_fake("cifar10", tmp_path / "d", archive=False)

@@ -21,6 +21,7 @@ from _fakedata import (
     write_idx,
     write_idx_dataset,
     write_svhn,
+    write_usps,
 )
 
 from fedprism.data import datasets
@@ -96,6 +97,86 @@ def test_svhn_round_trip_maps_label_10_to_0(tmp_path):
     assert (fake.y_train == 0).any()  # stored as 10 in the .mat file
     ds = load_dataset("svhn", root=tmp_path / "d")
     _assert_same(ds, fake, (3, 32, 32))
+
+
+@pytest.mark.parametrize("compress", [True, False])
+def test_usps_round_trip(tmp_path, compress):
+    fake = write_usps(tmp_path / "d", compress=compress)
+    ds = load_dataset("usps", root=tmp_path / "d")
+    _assert_same(ds, fake, (1, 16, 16))
+    assert {0, 127, 255} <= set(np.unique(fake.x_train).tolist())      # both ends and an absent index
+    assert ds.num_classes == 10 and ds.classes == [str(i) for i in range(10)]
+    assert (ds.mean, ds.std) == NORMALIZATION["usps"]
+    assert load_dataset("usps", root=tmp_path / "d", pad32=True).input_shape == (1, 32, 32)
+
+
+def test_usps_labels_and_pixels_follow_the_libsvm_convention(tmp_path):
+    """Label k is digit k - 1; value v is pixel uint8((v + 1) / 2 * 255); an absent index is 0."""
+    (tmp_path / "d").mkdir()
+    train = "1 1:-1 2:1 3:0.5 256:-0.5 \n10 2:0.999 \n"
+    (tmp_path / "d" / "usps.bz2").write_bytes(bz2.compress(train.encode()))
+    (tmp_path / "d" / "usps.t.bz2").write_bytes(bz2.compress(b"5 1:0\n"))
+    x, y = datasets.read_usps(tmp_path / "d" / "usps.bz2")
+    assert y.tolist() == [0, 9] and x.shape == (2, 1, 16, 16) and x.dtype == np.uint8
+    assert x[0, 0, 0, :4].tolist() == [0, 255, 191, 127] and x[0, 0, 15, 15] == 63
+    assert x[1, 0, 0, :3].tolist() == [127, 254, 127]
+    ds = load_dataset("usps", root=tmp_path / "d", cache_dir=False)
+    assert ds.y_test.tolist() == [4]
+
+
+@pytest.mark.parametrize("line, needle", [
+    ("0 1:0.5", "label 0 is out of range; USPS labels are 1..10"),
+    ("11 1:0.5", "label 11 is out of range"),
+    ("x 1:0.5", "label 'x' is not an integer"),
+    ("3 1:0.5 1:0.2", "feature index 1 is not valid: indices run 1..256, increasing"),
+    ("3 257:0.5", "feature index 257 is not valid"),
+    ("3 0:0.5", "feature index 0 is not valid"),
+    ("3 1=0.5", "feature '1=0.5' is not index:value"),
+    ("3 1:1.5", "feature 1 = '1.5' is outside [-1, 1]"),
+    ("3 1:nan", "feature 1 = 'nan' is outside [-1, 1]"),
+])
+def test_usps_malformed_line_names_file_line_and_token(tmp_path, line, needle):
+    write_usps(tmp_path / "d")
+    p = tmp_path / "d" / "usps.t.bz2"
+    good = bz2.decompress(p.read_bytes()).decode().splitlines(keepends=True)
+    p.write_bytes(bz2.compress("".join(good[:4] + [line + "\n"] + good[4:]).encode()))
+    with pytest.raises(DataError) as e:
+        load_dataset("usps", root=tmp_path / "d")
+    assert f"{p}: line 5: " in str(e.value) and needle in str(e.value)
+
+
+def test_truncated_and_corrupt_usps(tmp_path):
+    write_usps(tmp_path / "d")
+    p = tmp_path / "d" / "usps.bz2"
+    p.write_bytes(p.read_bytes()[:-40])                                 # cut inside the bzip2 stream
+    with pytest.raises(DataError, match="corrupt or truncated bzip2 stream") as e:
+        load_dataset("usps", root=tmp_path / "d")
+    assert str(p) in str(e.value)
+
+    write_usps(tmp_path / "d")
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0xFF                                        # a flipped byte: CRC / stream error
+    p.write_bytes(bytes(data))
+    with pytest.raises(DataError, match="bzip2") as e:
+        load_dataset("usps", root=tmp_path / "d")
+    assert str(p) in str(e.value)
+
+    p.write_bytes(bz2.compress(b""))
+    with pytest.raises(DataError, match="no samples") as e:
+        load_dataset("usps", root=tmp_path / "d")
+    assert str(p) in str(e.value)
+
+    p.write_bytes(b"\x89PNG\r\n\x1a\n")
+    with pytest.raises(DataError, match="not ASCII") as e:
+        load_dataset("usps", root=tmp_path / "d")
+    assert str(p) in str(e.value)
+
+
+def test_usps_missing_file_is_named(tmp_path):
+    write_usps(tmp_path / "d")
+    (tmp_path / "d" / "usps.t.bz2").unlink()
+    with pytest.raises(DataError, match=r"incomplete: missing usps\.t\[\.bz2\]"):
+        load_dataset("usps", root=tmp_path / "d")
 
 
 def test_pad32_pads_raw_zero_then_normalises(tmp_path):
@@ -248,7 +329,7 @@ def test_bad_arguments(tmp_path):
         load_dataset("synthetic", num_devices=0)
     with pytest.raises(ConfigError, match="test_fraction"):
         load_dataset("digits", test_fraction=1.0)
-    assert set(DATASETS) == {"fmnist", "mnist", "cifar10", "cifar100", "svhn", "digits", "synthetic"}
+    assert set(DATASETS) == {"fmnist", "mnist", "cifar10", "cifar100", "svhn", "usps", "digits", "synthetic"}
 
 
 # ------------------------------------------------------------------------------------------ cache

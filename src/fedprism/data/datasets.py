@@ -3,7 +3,8 @@
 ``load_dataset(name)`` looks for the official files in :func:`search_paths` (never the network unless
 ``download=True``), parses them with numpy / scipy only, checks them (magic numbers, sizes, label
 ranges) and returns a :class:`Dataset` of float32 images normalised per channel,
-``(x / 255 - mean) / std``, laid out ``[N, C, H, W]`` (``[N, D]`` for tabular data).
+``(x / 255 - mean) / std``, laid out ``[N, C, H, W]`` (``[N, D]`` for tabular data). docs/datasets.md
+describes every dataset, where it is looked for and how each file is verified.
 
 The decoded uint8 arrays are cached as ``.npz`` under ``<cache_dir>/decoded/``, keyed by the dataset
 name and the names, sizes and mtimes of the source files, and carry a SHA-256 of their content: a cache
@@ -13,10 +14,14 @@ Pickle is used only for the official CIFAR "python version" batches, only from t
 names, and through an unpickler that refuses every global except the few numpy constructors those
 files need. ``digits`` (scikit-learn's bundled copy) and ``synthetic`` (FedProx's generator) need no
 files at all.
+
+``usps`` (Hull 1994, "A database for handwritten text recognition research") is read from LIBSVM's
+``usps.bz2`` / ``usps.t.bz2``.
 """
 
 from __future__ import annotations
 
+import bz2
 import codecs
 import gzip
 import hashlib
@@ -48,7 +53,7 @@ __all__ = [
     "generate_synthetic",
 ]
 
-DATASETS = ("fmnist", "mnist", "cifar10", "cifar100", "svhn", "digits", "synthetic")
+DATASETS = ("fmnist", "mnist", "cifar10", "cifar100", "svhn", "usps", "digits", "synthetic")
 
 DEBIAN_FMNIST = Path("/usr/share/datasets/fashion-mnist")
 """Where Debian's ``dataset-fashion-mnist`` package installs the gzipped IDX files."""
@@ -61,6 +66,9 @@ NORMALIZATION: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
     "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
     "svhn": ((0.4377, 0.4438, 0.4728), (0.1980, 0.2010, 0.1970)),
+    # the values in common use with torchvision's USPS pixels (the conversion read_usps copies); not
+    # recomputed here
+    "usps": ((0.2469,), (0.2989,)),
     "digits": ((0.3053,), (0.3760,)),  # of images / 16 over all 1797 digits
 }
 """Per-channel (mean, std) of the images scaled to [0, 1] (training-set statistics)."""
@@ -68,7 +76,7 @@ NORMALIZATION: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
 FMNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
                   "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
 _DIGIT_CLASSES = tuple(str(i) for i in range(10))
-_NUM_CLASSES = {"fmnist": 10, "mnist": 10, "cifar10": 10, "cifar100": 100, "svhn": 10}
+_NUM_CLASSES = {"fmnist": 10, "mnist": 10, "cifar10": 10, "cifar100": 100, "svhn": 10, "usps": 10}
 
 
 @dataclass
@@ -198,6 +206,7 @@ _CIFAR = {
                              "meta", b"fine_labels", b"fine_label_names"),
 }
 _SVHN_FILES = {"train": "train_32x32.mat", "test": "test_32x32.mat"}
+_USPS_FILES = {"train": "usps", "test": "usps.t"}
 
 
 def _find_idx(d: Path) -> dict[str, Path] | str:
@@ -235,6 +244,19 @@ def _find_svhn(d: Path) -> dict[str, Path] | str:
     return {k: d / f for k, f in _SVHN_FILES.items()}
 
 
+def _find_usps(d: Path) -> dict[str, Path] | str:
+    found, missing = {}, []
+    for key, base in _USPS_FILES.items():
+        hit = next((p for p in (d / f"{base}.bz2", d / base) if p.is_file()), None)
+        if hit is None:
+            missing.append(f"{base}[.bz2]")
+        else:
+            found[key] = hit
+    if not found:
+        return "no usps[.bz2] / usps.t[.bz2] files"
+    return f"incomplete: missing {', '.join(missing)}" if missing else found
+
+
 def _find(name: str, d: Path) -> dict[str, Path] | str:
     if not d.is_dir():
         return "no such folder"
@@ -242,6 +264,8 @@ def _find(name: str, d: Path) -> dict[str, Path] | str:
         return _find_idx(d)
     if name in _CIFAR:
         return _find_cifar(_CIFAR[name], d)
+    if name == "usps":
+        return _find_usps(d)
     return _find_svhn(d)
 
 
@@ -251,6 +275,8 @@ def _needed(name: str) -> str:
     if name in _CIFAR:
         lay = _CIFAR[name]
         return f"{lay.archive}, or the folder {lay.folder}/ with {', '.join(lay.members)}"
+    if name == "usps":
+        return "usps.bz2, usps.t.bz2 (LIBSVM format; also accepted decompressed as usps, usps.t)"
     return ", ".join(_SVHN_FILES.values())
 
 
@@ -461,6 +487,79 @@ def _svhn_mat(path: Path) -> tuple[np.ndarray, np.ndarray]:
 
 def _decode_svhn(files: dict[str, Path]) -> _Raw:
     return _Raw(*_svhn_mat(files["train"]), *_svhn_mat(files["test"]), list(_DIGIT_CLASSES))
+
+
+# -------------------------------------------------------------------------------------------- USPS
+
+_USPS_SIDE = 16
+
+
+def read_usps(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    """Parse a LIBSVM-format USPS file (bzip2-compressed or plain, detected by content).
+
+    Each line is ``label index:value ...`` with labels 1..10 (digit = label - 1) and up to 256 features
+    with indices 1..256 in increasing order and values in [-1, 1]; an absent index is 0 (the LIBSVM
+    sparse convention). Pixels are ``uint8(float32((v + 1) / 2 * 255))``, truncated as torchvision's
+    ``USPS`` class does, so the normalisation constants in common use apply. Returns uint8 images
+    [N, 1, 16, 16] and int64 labels 0..9; a malformed line is a :class:`DataError` naming the file, the
+    line number and the bad token.
+    """
+    path = Path(path)
+    bz = False
+    try:
+        with open(path, "rb") as f:
+            bz = f.read(3) == b"BZh"
+        with (bz2.open(path, "rb") if bz else open(path, "rb")) as f:
+            data = f.read()
+    except (OSError, EOFError, ValueError) as e:  # bz2: OSError 'Invalid data stream', EOFError if cut
+        what = "corrupt or truncated bzip2 stream" if bz else "cannot read file"
+        raise DataError(f"{path}: {what} ({type(e).__name__}: {e}); download it again") from e
+    try:
+        text = data.decode("ascii")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: byte {e.start} is not ASCII; not a LIBSVM text file") from None
+    dim = _USPS_SIDE * _USPS_SIDE
+    rows: list[np.ndarray] = []
+    labels: list[int] = []
+    for no, line in enumerate(text.splitlines(), 1):
+        tokens = line.split()
+        if not tokens:
+            continue
+        where = f"{path}: line {no}"
+        try:
+            label = int(tokens[0])
+        except ValueError:
+            raise DataError(f"{where}: label {tokens[0][:40]!r} is not an integer 1..10") from None
+        if not 1 <= label <= 10:
+            raise DataError(f"{where}: label {label} is out of range; USPS labels are 1..10")
+        row = np.zeros(dim, np.float32)
+        last = 0
+        for tok in tokens[1:]:
+            idx_s, sep, val_s = tok.partition(":")
+            try:
+                if not sep:
+                    raise ValueError
+                idx, val = int(idx_s), float(val_s)
+            except ValueError:
+                raise DataError(f"{where}: feature {tok[:40]!r} is not index:value") from None
+            if not last < idx <= dim:
+                raise DataError(f"{where}: feature index {idx} is not valid: indices run 1..{dim}, "
+                                f"increasing (previous {last})")
+            if not -1.0 - 1e-6 <= val <= 1.0 + 1e-6:  # also refuses nan
+                raise DataError(f"{where}: feature {idx} = {val_s[:40]!r} is outside [-1, 1]")
+            row[idx - 1] = val
+            last = idx
+        rows.append(row)
+        labels.append(label - 1)
+    if not rows:
+        raise DataError(f"{path}: no samples; the file is empty or truncated, download it again")
+    x = np.clip(np.stack(rows), np.float32(-1), np.float32(1))
+    pixels = ((x + np.float32(1)) / np.float32(2) * np.float32(255)).astype(np.uint8)
+    return pixels.reshape(-1, 1, _USPS_SIDE, _USPS_SIDE), np.asarray(labels, np.int64)
+
+
+def _decode_usps(files: dict[str, Path]) -> _Raw:
+    return _Raw(*read_usps(files["train"]), *read_usps(files["test"]), list(_DIGIT_CLASSES))
 
 
 # ------------------------------------------------------------------------------------------- cache
@@ -675,6 +774,8 @@ def _decoder(name: str, scratch: Path) -> Callable[[dict[str, Path]], _Raw]:
         return lambda files: _decode_idx(files, _DIGIT_CLASSES)
     if name in _CIFAR:
         return lambda files: _decode_cifar(name, files, scratch)
+    if name == "usps":
+        return _decode_usps
     return _decode_svhn
 
 
@@ -706,7 +807,6 @@ def load_dataset(name: str, root: str | Path | None = None, download: bool = Fal
         if pad32:
             raise ConfigError("pad32", pad32, "false for the synthetic (tabular) dataset")
         return generate_synthetic(**kw)  # type: ignore[arg-type]
-
     found = _locate(name, root)
     if isinstance(found, list) and download:
         _download.download(name)
