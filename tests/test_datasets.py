@@ -329,7 +329,8 @@ def test_bad_arguments(tmp_path):
         load_dataset("synthetic", num_devices=0)
     with pytest.raises(ConfigError, match="test_fraction"):
         load_dataset("digits", test_fraction=1.0)
-    assert set(DATASETS) == {"fmnist", "mnist", "cifar10", "cifar100", "svhn", "usps", "digits", "synthetic"}
+    assert set(DATASETS) == {"fmnist", "mnist", "cifar10", "cifar100", "svhn", "usps", "digits", "synthetic",
+                             "wisdm"}
 
 
 # ------------------------------------------------------------------------------------------ cache
