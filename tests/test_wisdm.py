@@ -1,5 +1,6 @@
 """WISDM: raw-file parsing and 1-second windows, the checked archive, `dataset=wisdm` with its per-user
-split and trust-on-first-use downloads, all on small generated files in the real format."""
+split, trust-on-first-use downloads, and `partition=natural` (one client per user), all on small generated
+files in the real format."""
 
 from __future__ import annotations
 
@@ -11,14 +12,15 @@ import tarfile
 import numpy as np
 import pytest
 import torch
-from _fakedata import isolate, wisdm_archive_bytes, wisdm_text, write_wisdm
+from _fakedata import isolate, wisdm_archive_bytes, wisdm_text, write_fake, write_wisdm
 
+from fedprism.data import datasets
 from fedprism.data import download as dl
 from fedprism.data import integrity
 from fedprism.data import wisdm
 from fedprism.data.datasets import load_dataset
 from fedprism.data.wisdm import ACTIVITIES, load_raw, parse_raw, split_by_user, windows
-from fedprism.errors import ConfigError, DataError
+from fedprism.errors import ConfigError, DataError, PartitionError
 
 #: generated files have no published digest nor a first-use record unless a test downloads them
 pytestmark = pytest.mark.filterwarnings("ignore::fedprism.data.integrity.UnverifiedDataWarning")
@@ -301,3 +303,59 @@ def test_load_with_download_true_uses_the_recorded_download(iso, monkeypatch):
         load_dataset("wisdm")                                            # download=False never fetches
     ds = load_dataset("wisdm", download=True)
     assert ds.num_classes == 6 and dl.tofu_record_path(dl.download_dir("wisdm") / wisdm.ARCHIVE).is_file()
+
+
+# ----------------------------------------------------------------------------- partition = natural
+
+
+def _federation(root, **kw):
+    from fedprism.experiment.config import resolve
+    from fedprism.experiment.federation import build_federation
+
+    raw = {"dataset": "wisdm", "partition": "natural", "clients": 3, "model": "mlp_fedsub",
+           "data.root": str(root), "method": "fedavg", **kw}
+    return build_federation(resolve(raw))
+
+
+def test_natural_partition_gives_each_client_one_user(iso):
+    fake = write_wisdm(iso / "d")
+    fed = _federation(iso / "d")
+    ds = load_dataset("wisdm", root=iso / "d")
+    assert fed.num_clients == 3 and fed.meta["client_groups"] == [7, 12, 33]
+    for c, user in enumerate([7, 12, 33]):
+        np.testing.assert_array_equal(fed.train_idx[c], np.flatnonzero(ds.groups == user))
+        np.testing.assert_array_equal(fed.test_idx[c], np.flatnonzero(ds.test_groups == user))
+    assert sum(len(t) for t in fed.train_idx) == len(fed.y_train) == len(ds.y_train)
+    assert sum(len(t) for t in fed.test_idx) == len(fed.y_test) == len(ds.y_test)
+    assert len(ds.y_train) + len(ds.y_test) == len(fake.labels)
+    assert fed.input_shape == (3,)
+
+
+def test_natural_partition_needs_one_client_per_user_and_natural_data(iso):
+    write_wisdm(iso / "d")
+    with pytest.raises(PartitionError, match="the data has 3 users/devices .* so set clients = 3"):
+        _federation(iso / "d", clients=4)
+    write_fake("mnist", iso / "m")
+    with pytest.raises(ConfigError) as e:
+        _federation(iso / "m", dataset="mnist", model="mlp")
+    msg = str(e.value)
+    assert "'partition' = 'natural'" in msg and "dataset 'mnist' does not" in msg
+    assert "synthetic, wisdm" in msg
+    assert datasets.NATURAL_CLIENTS == ("synthetic", "wisdm")
+
+
+def test_natural_partition_keeps_users_aligned_through_subsets(iso):
+    """data.train_subset, data.test_subset and data.global_val drop rows before partitioning; each
+    row's user must be dropped with it."""
+    write_wisdm(iso / "d")
+    ds = load_dataset("wisdm", root=iso / "d")
+    fed = _federation(iso / "d", **{"data.train_subset": 45, "data.test_subset": 12, "data.global_val": 6})
+    rng = np.random.default_rng([0, 0xDA7A])
+    keep = np.sort(rng.permutation(len(ds.y_train))[:45])
+    keep_test = np.sort(rng.permutation(len(ds.y_test))[:12])
+    rest = np.sort(np.random.default_rng([0, 0x6A1]).permutation(45)[6:])
+    users, test_users = ds.groups[keep][rest], ds.test_groups[keep_test]
+    assert torch.equal(fed.x_train, ds.x_train[keep][rest]) and len(fed.y_val) == 6
+    for c, user in enumerate(fed.meta["client_groups"]):
+        np.testing.assert_array_equal(fed.train_idx[c], np.flatnonzero(users == user))
+        np.testing.assert_array_equal(fed.test_idx[c], np.flatnonzero(test_users == user))

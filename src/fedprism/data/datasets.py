@@ -18,7 +18,7 @@ files at all.
 ``usps`` (Hull 1994, "A database for handwritten text recognition research") is read from LIBSVM's
 ``usps.bz2`` / ``usps.t.bz2``; ``wisdm`` (Kwapisz, Weiss, Moore 2011, "Activity recognition using cell
 phone accelerometers") from ``WISDM_ar_latest.tar.gz`` through :mod:`fedprism.data.wisdm`, as 3-feature
-windows with each window's user in ``groups`` / ``test_groups``.
+windows with each window's user in ``groups`` / ``test_groups`` (for ``partition=natural``).
 """
 
 from __future__ import annotations
@@ -58,6 +58,9 @@ __all__ = [
 
 DATASETS = ("fmnist", "mnist", "cifar10", "cifar100", "svhn", "usps", "digits", "synthetic", "wisdm")
 
+NATURAL_CLIENTS = ("synthetic", "wisdm")
+"""Datasets whose samples carry their natural client (device or user) in ``groups`` / ``test_groups``."""
+
 DEBIAN_FMNIST = Path("/usr/share/datasets/fashion-mnist")
 """Where Debian's ``dataset-fashion-mnist`` package installs the gzipped IDX files."""
 
@@ -88,7 +91,7 @@ class Dataset:
     """A labelled dataset in memory: normalised float32 inputs, int64 labels, class names.
 
     ``groups`` / ``test_groups`` give each sample's natural client (``synthetic``: the generator's device,
-    ``wisdm``: the user; else None). ``mean`` / ``std`` are the
+    ``wisdm``: the user; else None), which ``partition=natural`` uses. ``mean`` / ``std`` are the
     per-channel constants the images were normalised with (per feature for ``wisdm``; empty for data
     left unnormalised); ``source`` says where the data came from.
     """
