@@ -4,6 +4,7 @@ unverified; each file is hashed once per process; an explicit data.root is never
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import time
@@ -119,6 +120,20 @@ def test_files_without_a_known_digest_are_loudly_unverified(monkeypatch, tmp_pat
     with pytest.warns(integrity.UnverifiedDataWarning, match="UNVERIFIED") as rec:
         ds = load_dataset("cifar10", root=tmp_path / "d")
     assert len(rec) == 7 and all(v.startswith("unverified") for v in ds.integrity.values())
+
+
+def test_a_first_use_record_counts_only_for_files_declared_trust_on_first_use(monkeypatch, tmp_path):
+    """A `.tofu.json` beside a file of a name with no such policy (here a raw IDX file) is ignored: the
+    file stays unverified, whatever the record says."""
+    isolate(monkeypatch, tmp_path)
+    write_fake("mnist", tmp_path / "d", gz=False)
+    victim = tmp_path / "d" / "train-labels-idx1-ubyte"
+    record = victim.with_name(victim.name + ".tofu.json")
+    record.write_text(json.dumps({"file": victim.name, "size": victim.stat().st_size,
+                                  "sha256": hashlib.sha256(victim.read_bytes()).hexdigest()}))
+    with pytest.warns(integrity.UnverifiedDataWarning):
+        ds = load_dataset("mnist", root=tmp_path / "d")
+    assert ds.integrity[str(victim)].startswith("unverified")
 
 
 def test_each_file_is_hashed_once_per_process(known, tmp_path, monkeypatch):

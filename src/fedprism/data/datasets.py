@@ -107,7 +107,8 @@ class Dataset:
     mean: tuple[float, ...] = ()
     std: tuple[float, ...] = ()
     source: str = ""
-    integrity: dict[str, str] | None = None     # file -> 'sha256 verified' | 'unverified: ...' (files only)
+    #: file -> 'sha256 verified...' | 'md5 verified...' | 'unverified: ...' (datasets read from files only)
+    integrity: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         if len(self.x_train) != len(self.y_train) or len(self.x_test) != len(self.y_test):

@@ -136,7 +136,8 @@ def verify(dataset: str, files: dict[str, Path]) -> dict[str, str]:
                 raise _mismatch_error(dataset, path, "MD5", expected, actual, " (only an MD5 is published)")
             status[str(path)] = "md5 verified (only an MD5 is published)"
             continue
-        record = _download.read_tofu_record(path)
+        tofu = any(f.tofu and f.filename == path.name for f in _download.REMOTE.get(dataset, ()))
+        record = _download.read_tofu_record(path) if tofu else None     # only files declared tofu have one
         if record is not None:
             when = f" of {record.get('recorded', 'an unknown date')}"
             size = path.stat().st_size
@@ -151,7 +152,7 @@ def verify(dataset: str, files: dict[str, Path]) -> dict[str, str]:
                                       f" (trust-on-first-use record{when})")
             status[str(path)] = f"sha256 verified against the trust-on-first-use record{when}"
             continue
-        if any(f.tofu and f.filename == path.name for f in _download.REMOTE.get(dataset, ())):
+        if tofu:
             record_name = _download.tofu_record_path(path).name
             why = (f"no published checksum and no trust-on-first-use record {record_name} beside it; "
                    f"`fedprism data download {dataset}` fetches a copy and records it")
