@@ -352,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     da = sub.add_parser("data", help="download or inspect datasets")
     da.add_argument("action", choices=("download", "info"))
-    da.add_argument("names", nargs="+", help="fmnist mnist cifar10 cifar100 svhn")
+    da.add_argument("names", nargs="+", help="fmnist mnist cifar10 cifar100 svhn usps wisdm")
     da.add_argument("--dest", default=None, help="target directory (default: the cache directory)")
     da.set_defaults(fn=cmd_data)
     return p
