@@ -4,7 +4,9 @@
 fmnist/mnist, pickled batches or the .tar.gz for cifar10/cifar100, .mat files for svhn) and returns the
 exact uint8 images ([N, C, H, W]), labels and class names that a loader must give back. Every class
 appears in both splits. ``isolate(monkeypatch, tmp_path)`` points fedprism's data and cache folders at
-``tmp_path`` so that a test never sees the real ~/.cache or /usr/share/datasets.
+``tmp_path`` so that a test never sees the real ~/.cache or /usr/share/datasets. ``write_usps`` writes
+LIBSVM-format ``usps.bz2`` / ``usps.t.bz2``; ``write_wisdm`` the WISDM v1.1 raw text (with the malformed
+records the real file has) inside ``WISDM_ar_latest.tar.gz``, with the windows a loader must find.
 
     from _fakedata import isolate, write_fake
     fake = write_fake("fmnist", tmp_path / "fm", n_train=200, n_test=50)
@@ -13,7 +15,9 @@ appears in both splits. ``isolate(monkeypatch, tmp_path)`` points fedprism's dat
 
 from __future__ import annotations
 
+import bz2
 import gzip
+import io
 import pickle
 import tarfile
 from dataclasses import dataclass
@@ -45,6 +49,7 @@ def isolate(monkeypatch, tmp_path: Path) -> Path:
 
     # fake files carry official names but not the official bytes: no known digests for them
     monkeypatch.setattr(integrity, "KNOWN", {})
+    monkeypatch.setattr(integrity, "KNOWN_MD5", {})
     monkeypatch.setenv("FEDPRISM_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("FEDPRISM_DATA", raising=False)
     monkeypatch.setattr(datasets, "DEBIAN_FMNIST", tmp_path / "no-debian-fmnist")
@@ -176,6 +181,130 @@ def write_svhn(folder: str | Path, n_train: int = 20, n_test: int = 12, seed: in
     return FakeData(*out, DIGITS, folder)
 
 
+# ------------------------------------------------------------------------------------------ USPS
+
+
+def usps_line(image: np.ndarray, label: int) -> str:
+    """One LIBSVM line of a 16x16 uint8 image: ``label+1`` then ``index:value`` with value in [-1, 1]
+    chosen so that ``uint8((value + 1) / 2 * 255)`` gives the pixel back; pixel 127 is written as an
+    absent index (value 0, the sparse convention); a trailing space as in the LIBSVM files."""
+    parts = [str(int(label) + 1)]
+    for i, px in enumerate(np.asarray(image, np.uint8).reshape(-1), 1):
+        if px == 127:
+            continue
+        v = 1.0 if px == 255 else (int(px) + 0.5) / 127.5 - 1.0
+        parts.append(f"{i}:{v:.6f}")
+    return " ".join(parts) + " \n"
+
+
+def write_usps(folder: str | Path, n_train: int = 30, n_test: int = 12, seed: int = 0,
+               compress: bool = True) -> FakeData:
+    """usps.bz2 / usps.t.bz2 (LIBSVM format, labels 1..10 for digits 0..9); plain usps / usps.t when
+    ``compress=False``."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    out = []
+    for base, n in (("usps", n_train), ("usps.t", n_test)):
+        x, y = _images(rng, n, (1, 16, 16)), _labels(rng, n, 10)
+        x[:, :, 0, 0], x[:, :, 0, 1], x[:, :, 0, 2] = 0, 255, 127      # both ends and an absent index
+        text = "".join(usps_line(img, lab) for img, lab in zip(x, y)).encode("ascii")
+        if compress:
+            (folder / f"{base}.bz2").write_bytes(bz2.compress(text))
+        else:
+            (folder / base).write_bytes(text)
+        out += [x, y]
+    return FakeData(*out, DIGITS, folder)
+
+
+# ----------------------------------------------------------------------------------------- WISDM
+
+WISDM_ACTIVITIES = ["Walking", "Jogging", "Upstairs", "Downstairs", "Sitting", "Standing"]
+
+
+@dataclass
+class FakeWisdm:
+    """A WISDM raw text and the windows a parser must find in it, in file order."""
+
+    text: str
+    features: np.ndarray     # [m, 3] per-axis means of 20 readings
+    labels: np.ndarray       # [m] activity index
+    users: np.ndarray        # [m] user id
+    skipped: int             # records that must not parse
+    path: Path | None = None
+
+
+def wisdm_text(runs: list[tuple[int, str, int]] | None = None, seed: int = 0) -> FakeWisdm:
+    """Raw text in the `user,activity,timestamp,x,y,z;` format, one run of readings per (user, activity,
+    n) in ``runs``, with what the real file has besides: blank lines, a record ending ',;', several
+    records on one line, CRLF line ends, and records that must be skipped (truncated, an empty field, an
+    unknown activity, a non-numeric and a non-finite value) between the readings of a run."""
+    rng = np.random.default_rng(seed)
+    if runs is None:
+        runs = [(u, a, n) for u in (33, 7, 12) for a, n in (("Walking", 205), ("Jogging", 167), ("Sitting", 83))]
+    lines: list[str] = []
+    feats, labels, users = [], [], []
+    skipped = 0
+    junk = ["{u},Jogging,1,2.0,;", "{u},Walking,49105962326000,,1.5,2.0;", "{u},Flying,1,1,1,1;",
+            "{u},Sitting,12,abc,0.1,0.2;", "{u},Standing,12,nan,0.1,0.2;"]
+    for r, (u, act, n) in enumerate(runs):
+        xyz = np.round(rng.normal(0, 5, (n, 3)), 4).astype(np.float32)
+        t0 = 49105962326000 + 10**9 * r
+        for i in range(n):
+            rec = f"{u},{act},{t0 + 50_000_000 * i},{xyz[i, 0]},{xyz[i, 1]},{xyz[i, 2]}"
+            if i % 50 == 7:
+                lines.append(rec + ",;")                            # trailing comma before ';'
+            elif i % 50 == 11 and lines:
+                lines[-1] += rec + ";"                              # two records on one line
+            else:
+                lines.append(rec + ";")
+            if i % 40 == 13:
+                lines.append(junk[(i // 40 + r) % len(junk)].format(u=u))
+                skipped += 1
+            if i % 60 == 17:
+                lines.append("")
+        for s in range(0, n - 19, 20):
+            feats.append(xyz[s:s + 20].astype(np.float32).mean(0))
+            labels.append(WISDM_ACTIVITIES.index(act))
+            users.append(u)
+    text = "\r\n".join(lines[: len(lines) // 2]) + "\r\n" + "\n".join(lines[len(lines) // 2:]) + "\n"
+    return FakeWisdm(text, np.asarray(feats, np.float32).reshape(-1, 3), np.asarray(labels, np.int64),
+                     np.asarray(users, np.int64), skipped)
+
+
+def wisdm_archive_bytes(text: str, member: str = "WISDM_ar_v1.1/WISDM_ar_v1.1_raw.txt",
+                        extra: list[tarfile.TarInfo] | None = None) -> bytes:
+    """A .tar.gz laid out as the official WISDM_ar_latest.tar.gz: the raw text and the other v1.1 files."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        def add(name: str, data: bytes) -> None:
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime = len(data), 0
+            tar.addfile(info, io.BytesIO(data))
+        add("WISDM_ar_v1.1/readme.txt", b"Readme file for WISDM's activity prediction dataset v1.1\n")
+        add(member, text.encode("utf-8"))
+        add("WISDM_ar_v1.1/WISDM_ar_v1.1_transformed.arff", b"@relation person_activities_labeled\n")
+        for info in extra or []:
+            tar.addfile(info, io.BytesIO(b"x" * info.size) if info.isfile() else None)
+    return buf.getvalue()
+
+
+def write_wisdm(folder: str | Path, archive: bool = True, seed: int = 0,
+                runs: list[tuple[int, str, int]] | None = None) -> FakeWisdm:
+    """``folder/WISDM_ar_latest.tar.gz`` (or the extracted ``WISDM_ar_v1.1/WISDM_ar_v1.1_raw.txt``)."""
+    folder = Path(folder)
+    fake = wisdm_text(runs, seed)
+    if archive:
+        folder.mkdir(parents=True, exist_ok=True)
+        fake.path = folder / "WISDM_ar_latest.tar.gz"
+        fake.path.write_bytes(wisdm_archive_bytes(fake.text))
+    else:
+        fake.path = folder / "WISDM_ar_v1.1" / "WISDM_ar_v1.1_raw.txt"
+        fake.path.parent.mkdir(parents=True, exist_ok=True)
+        fake.path.write_bytes(fake.text.encode("utf-8"))
+    return fake
+
+
 # ------------------------------------------------------------------------------------------- any
 
 
@@ -191,4 +320,6 @@ def write_fake(name: str, folder: str | Path, n_train: int = 30, n_test: int = 1
         return write_cifar(folder, name, n_per_batch=n_train, n_test=n_test, seed=seed, **kw)
     if name == "svhn":
         return write_svhn(folder, n_train, n_test, seed=seed)
+    if name == "usps":
+        return write_usps(folder, n_train, n_test, seed=seed, **kw)
     raise ValueError(f"no fake files for dataset {name!r}")

@@ -110,11 +110,14 @@ def test_bytes_per_round_are_the_payload_sizes(method, tmp_path):
     per_up = {"local": 0, "ifca": P + 1, "fedper": body, "fedrep": body, "fedproto": protos, "pfpl": protos,
               "protohar": body + protos, "fedsoft": P + 2}.get(method, P)
     res = e.run()
-    if method == "fedsub":          # uint8 neuron masks beside the floats: bytes, not float counts
+    if method == "fedsub":          # sparse: bit masks and the kept parameters only (FedSub.encode)
         U = e.algo.layout.units
-        for h in res.history:
-            assert h["bytes_down"] == (4 * P + U) * h["clients"], h
-            assert h["bytes_up"] == (4 * P + C * U + 4 * C * d + 4 * C) * h["accepted"], h
+        union = {r["round"]: r["data"]["subnet_bytes_union"] for r in e.store.records(e.run_id, "fedsub")}
+        for i, h in enumerate(res.history):     # the record's union counts the mask bits unrounded
+            bits = (C * U + 7) // 8 - C * U / 8
+            assert h["bytes_up"] == pytest.approx(union[i] + h["accepted"] * (bits + 4 * C * d + 4 * C), abs=1e-6), h
+            assert (U + 7) // 8 * h["clients"] <= h["bytes_down"] <= ((U + 7) // 8 + 4 * P) * h["clients"], h
+        assert res.history[0]["bytes_down"] == (U + 7) // 8 * res.history[0]["clients"]   # empty U_k
         return
     setup_down, setup_up = e.algo.setup_bytes()       # a declared one-off exchange before round 0
     assert (setup_down, setup_up) == ((0, e.ctx.num_clients * C * 8) if method == "clust_psi_pfl" else (0, 0))

@@ -233,3 +233,35 @@ def test_paper_protocol_sweep_loads():
                         and c["model"] == "clustpsi_fmnist_cnn" for c in cfgs)
     parts = {(c["partition"], c.get("partition.alpha"), c.get("partition.s")) for c in ours}
     assert len(parts) == 9 and {c["seed"] for c in ours} == {0, 1}
+
+
+def test_partition_study_gives_the_tau_a_run_chose(tmp_path):
+    """The partition study (Figs. 3, 5, 6) clusters the very partition a run trains on: same tau, same
+    silhouette curve and WPSI as the run's `psi` record; infeasible settings are listed, not fatal."""
+    from fedprism.data.datasets import load_dataset
+    from fedprism.experiment.runner import Experiment
+    from fedprism.experiment.store import Store
+    from fedprism.flower.settings import parse_experiment
+    from fedprism.report.partition_study import divergence_rows, markdown, plot, silhouette_rows
+
+    e = Experiment(parse_experiment(TINY), Store(tmp_path / "r.db"))
+    e.run(stop_after=1)
+    d = e.store.records(e.run_id, "psi")[0]["data"]
+    ds = load_dataset("digits")
+    y, yt = ds.y_train.numpy(), ds.y_test.numpy()
+    skipped: list = []
+    (row,) = silhouette_rows(y, yt, 10, clients=(8,), seeds=(3,), settings=(("dirichlet", "alpha", 0.3),),
+                             skipped=skipped)
+    assert row["tau"] == d["tau"] and row["wpsi"] == pytest.approx(d["wpsi"], abs=1e-12)
+    assert row["scores"] == pytest.approx({int(k): v for k, v in d["silhouette"].items()}, abs=1e-12)
+    div = divergence_rows(y, yt, 10, clients=8, seeds=(3,), dirichlet=(0.3,), similarity=(0.0, 1.0),
+                          skipped=skipped)
+    assert [(r["protocol"], r["value"]) for r in div] == [("dirichlet_per_class", 0.3), ("similarity", 0.0),
+                                                          ("similarity", 1.0)]
+    assert div[1]["wpsi"] > div[2]["wpsi"]          # S = 0 (label-sorted) is far less IID than S = 1
+    assert not skipped
+    silhouette_rows(y, yt, 10, clients=(900,), seeds=(0,), settings=(("dirichlet", "alpha", 0.3),), skipped=skipped)
+    assert len(skipped) == 1 and "min_train" in skipped[0][-1]
+    md = markdown(div, [row], "digits", skipped)
+    assert f"| Dirichlet alpha=0.3 | 8 | {d['tau']} |" in md and "cannot be partitioned" in md
+    assert all(p.stat().st_size > 1000 for p in plot(div, [row], tmp_path))

@@ -188,3 +188,57 @@ def test_pfl_baselines_as_results_readme_states(db_copy):
         assert abs(a["global_model_acc"] - fedavg["global_acc"]) < 0.005       # w trains as FedAvg's model
         if ("Ditto", 0) in pfl:
             assert a["local_acc"] < pfl[("Ditto", 0)]["local_acc"] - 0.03
+
+
+PFL_ROWS = ("FedProx", "Ditto", "APFL", "FedPer", "FedRep", "FedBN", "FedProto", "ProtoHAR")
+
+
+def test_personal_head_and_prototype_rows_as_results_readme_states(db_copy):
+    """results/README.md, "Personalized-FL baselines", FedRep / FedBN / FedProto / ProtoHAR: every row is
+    stored; the local-head and local-model methods hold Local's local accuracy and give up global
+    accuracy; FedProto moves only prototypes; FedBN's global accuracy peaked mid-run and fell."""
+    store = Store(db_copy)
+    base, pfl = _finals(store, "paper_fmnist_dir01"), _finals(store, "paper_fmnist_dir01_pfl")
+    assert {(lab, 0) for lab in PFL_ROWS} <= set(pfl), "a personalized-FL row is missing from the store"
+    fedavg, local = base[("FedAvg", 0)], base[("Local", 0)]
+    for lab in ("FedRep", "FedProto", "ProtoHAR"):
+        f = pfl[(lab, 0)]
+        assert f["local_acc"] > local["local_acc"] and f["global_acc"] < local["global_acc"] + 0.05
+    fb = pfl[("FedBN", 0)]
+    assert fb["local_acc"] < local["local_acc"] and fb["global_acc"] < fedavg["global_acc"] - 0.15
+    assert fb["best_global_acc"] > fb["global_acc"] + 0.10               # peaked, then fell
+    fp = pfl[("FedProto", 0)]
+    assert abs(fp["global_acc"] - local["global_acc"]) < 0.005
+    assert fp["local_acc@proto"] < fp["local_acc"]                       # the head beats the prototype rule
+    runs = {r["label"]: r for r in store.runs(sweep="paper_fmnist_dir01_pfl")}
+    per_round = {lab: store.round_metrics(runs[lab]["run_id"])[49] for lab in ("FedProto", "FedRep", "FedAvg")
+                 if lab in runs}
+    assert per_round["FedProto"]["bytes_up"] * 70 < pfl[("FedProx", 0)]["bytes_up"] / pfl[("FedProx", 0)]["rounds"]
+    assert per_round["FedRep"]["bytes_up"] < pfl[("FedProx", 0)]["bytes_up"] / pfl[("FedProx", 0)]["rounds"]
+
+
+def test_seen_class_shares_as_results_readme_states(db_copy):
+    """The "seen-class share" counts of results/README.md: how many clients score above the share of
+    the global test set whose class they hold (Fashion-MNIST's test set has 1000 images per class).
+    Rebuilds the seed-0 partition, so it needs Fashion-MNIST."""
+    import numpy as np
+
+    from fedprism.experiment.config import resolve
+    from fedprism.experiment.federation import build_federation
+
+    store = Store(db_copy)
+    runs = {r["label"]: r for r in store.runs(sweep="paper_fmnist_dir01_pfl")}
+    runs["Local"] = next(r for r in store.runs(sweep="paper_fmnist_dir01") if r["label"] == "Local"
+                         and json.loads(r["config"])["seed"] == 0)
+    try:
+        fed = build_federation(resolve(json.loads(runs["FedRep"]["config"])))
+    except Exception as e:                                 # noqa: BLE001 - data not installed
+        pytest.skip(f"Fashion-MNIST not available: {e}")
+    share = (fed.label_hist() > 0).sum(1) / 10
+    assert abs(share.mean() - 0.486) < 0.0005
+    above = {}
+    for lab, want in (("Local", 0), ("FedRep", 0), ("FedProto", 0), ("ProtoHAR", 0), ("FedPer", 29), ("FedBN", 91)):
+        rows = store.client_rows(runs[lab]["run_id"], 99)
+        above[lab] = int(sum(r["global_acc"] > share[r["client"]] + 1e-9 for r in rows))
+        assert len(rows) == 100
+    assert above == {"Local": 0, "FedRep": 0, "FedProto": 0, "ProtoHAR": 0, "FedPer": 29, "FedBN": 91}

@@ -4,6 +4,7 @@ unverified; each file is hashed once per process; an explicit data.root is never
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import time
@@ -40,8 +41,15 @@ def test_known_table_covers_every_official_download():
     from fedprism.data.download import REMOTE
     for name, files in REMOTE.items():
         for f in files:
-            assert f.sha256 in integrity.KNOWN[(name, f.filename)]
+            if f.sha256:
+                assert f.sha256 in integrity.KNOWN[(name, f.filename)]
+                assert (name, f.filename) not in integrity.KNOWN_MD5
+            elif f.md5:                                                 # only an MD5 is published (USPS)
+                assert integrity.KNOWN_MD5[(name, f.filename)] == (f.md5,)
+            else:                                                       # trust on first use (WISDM)
+                assert f.tofu and (name, f.filename) not in integrity.KNOWN
     assert len(integrity.KNOWN[("fmnist", "train-images-idx3-ubyte.gz")]) == 2     # upstream + Debian
+    assert set(integrity.KNOWN_MD5) == {("usps", "usps.bz2"), ("usps", "usps.t.bz2")}
 
 
 def test_matching_files_load_and_are_listed_as_verified(known, tmp_path):
@@ -85,12 +93,47 @@ def test_same_size_and_mtime_tampering_is_still_caught_by_a_new_process(known, t
         load_dataset("mnist", root=tmp_path / "d")
 
 
+def test_md5_only_files_are_verified_by_md5_and_a_mismatch_is_an_error(known, tmp_path, monkeypatch):
+    md5s: dict = {}
+    monkeypatch.setattr(integrity, "KNOWN_MD5", md5s)
+    write_fake("usps", tmp_path / "d")
+    for p in (tmp_path / "d").iterdir():
+        md5s[("usps", p.name)] = (hashlib.md5(p.read_bytes()).hexdigest(),)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", integrity.UnverifiedDataWarning)
+        ds = load_dataset("usps", root=tmp_path / "d")
+    assert set(ds.integrity.values()) == {"md5 verified (only an MD5 is published)"} and len(ds.integrity) == 2
+    victim = tmp_path / "d" / "usps.t.bz2"
+    expected = md5s[("usps", victim.name)][0]
+    write_fake("usps", tmp_path / "other", seed=1)
+    shutil.copy(tmp_path / "other" / "usps.t.bz2", victim)
+    with pytest.raises(DataError) as e:
+        load_dataset("usps", root=tmp_path / "d")
+    msg = str(e.value)
+    assert str(victim) in msg and "MD5 mismatch" in msg and expected in msg
+    assert hashlib.md5(victim.read_bytes()).hexdigest() in msg and "only an MD5 is published" in msg
+
+
 def test_files_without_a_known_digest_are_loudly_unverified(monkeypatch, tmp_path):
     isolate(monkeypatch, tmp_path)                                # KNOWN is empty here
     write_fake("cifar10", tmp_path / "d", archive=False)
     with pytest.warns(integrity.UnverifiedDataWarning, match="UNVERIFIED") as rec:
         ds = load_dataset("cifar10", root=tmp_path / "d")
     assert len(rec) == 7 and all(v.startswith("unverified") for v in ds.integrity.values())
+
+
+def test_a_first_use_record_counts_only_for_files_declared_trust_on_first_use(monkeypatch, tmp_path):
+    """A `.tofu.json` beside a file of a name with no such policy (here a raw IDX file) is ignored: the
+    file stays unverified, whatever the record says."""
+    isolate(monkeypatch, tmp_path)
+    write_fake("mnist", tmp_path / "d", gz=False)
+    victim = tmp_path / "d" / "train-labels-idx1-ubyte"
+    record = victim.with_name(victim.name + ".tofu.json")
+    record.write_text(json.dumps({"file": victim.name, "size": victim.stat().st_size,
+                                  "sha256": hashlib.sha256(victim.read_bytes()).hexdigest()}))
+    with pytest.warns(integrity.UnverifiedDataWarning):
+        ds = load_dataset("mnist", root=tmp_path / "d")
+    assert ds.integrity[str(victim)].startswith("unverified")
 
 
 def test_each_file_is_hashed_once_per_process(known, tmp_path, monkeypatch):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import bz2
 import hashlib
+import io
 import os
 import pickle
 from pathlib import Path
@@ -19,6 +21,7 @@ from _fakedata import (
     write_idx,
     write_idx_dataset,
     write_svhn,
+    write_usps,
 )
 
 from fedprism.data import datasets
@@ -94,6 +97,86 @@ def test_svhn_round_trip_maps_label_10_to_0(tmp_path):
     assert (fake.y_train == 0).any()  # stored as 10 in the .mat file
     ds = load_dataset("svhn", root=tmp_path / "d")
     _assert_same(ds, fake, (3, 32, 32))
+
+
+@pytest.mark.parametrize("compress", [True, False])
+def test_usps_round_trip(tmp_path, compress):
+    fake = write_usps(tmp_path / "d", compress=compress)
+    ds = load_dataset("usps", root=tmp_path / "d")
+    _assert_same(ds, fake, (1, 16, 16))
+    assert {0, 127, 255} <= set(np.unique(fake.x_train).tolist())      # both ends and an absent index
+    assert ds.num_classes == 10 and ds.classes == [str(i) for i in range(10)]
+    assert (ds.mean, ds.std) == NORMALIZATION["usps"]
+    assert load_dataset("usps", root=tmp_path / "d", pad32=True).input_shape == (1, 32, 32)
+
+
+def test_usps_labels_and_pixels_follow_the_libsvm_convention(tmp_path):
+    """Label k is digit k - 1; value v is pixel uint8((v + 1) / 2 * 255); an absent index is 0."""
+    (tmp_path / "d").mkdir()
+    train = "1 1:-1 2:1 3:0.5 256:-0.5 \n10 2:0.999 \n"
+    (tmp_path / "d" / "usps.bz2").write_bytes(bz2.compress(train.encode()))
+    (tmp_path / "d" / "usps.t.bz2").write_bytes(bz2.compress(b"5 1:0\n"))
+    x, y = datasets.read_usps(tmp_path / "d" / "usps.bz2")
+    assert y.tolist() == [0, 9] and x.shape == (2, 1, 16, 16) and x.dtype == np.uint8
+    assert x[0, 0, 0, :4].tolist() == [0, 255, 191, 127] and x[0, 0, 15, 15] == 63
+    assert x[1, 0, 0, :3].tolist() == [127, 254, 127]
+    ds = load_dataset("usps", root=tmp_path / "d", cache_dir=False)
+    assert ds.y_test.tolist() == [4]
+
+
+@pytest.mark.parametrize("line, needle", [
+    ("0 1:0.5", "label 0 is out of range; USPS labels are 1..10"),
+    ("11 1:0.5", "label 11 is out of range"),
+    ("x 1:0.5", "label 'x' is not an integer"),
+    ("3 1:0.5 1:0.2", "feature index 1 is not valid: indices run 1..256, increasing"),
+    ("3 257:0.5", "feature index 257 is not valid"),
+    ("3 0:0.5", "feature index 0 is not valid"),
+    ("3 1=0.5", "feature '1=0.5' is not index:value"),
+    ("3 1:1.5", "feature 1 = '1.5' is outside [-1, 1]"),
+    ("3 1:nan", "feature 1 = 'nan' is outside [-1, 1]"),
+])
+def test_usps_malformed_line_names_file_line_and_token(tmp_path, line, needle):
+    write_usps(tmp_path / "d")
+    p = tmp_path / "d" / "usps.t.bz2"
+    good = bz2.decompress(p.read_bytes()).decode().splitlines(keepends=True)
+    p.write_bytes(bz2.compress("".join(good[:4] + [line + "\n"] + good[4:]).encode()))
+    with pytest.raises(DataError) as e:
+        load_dataset("usps", root=tmp_path / "d")
+    assert f"{p}: line 5: " in str(e.value) and needle in str(e.value)
+
+
+def test_truncated_and_corrupt_usps(tmp_path):
+    write_usps(tmp_path / "d")
+    p = tmp_path / "d" / "usps.bz2"
+    p.write_bytes(p.read_bytes()[:-40])                                 # cut inside the bzip2 stream
+    with pytest.raises(DataError, match="corrupt or truncated bzip2 stream") as e:
+        load_dataset("usps", root=tmp_path / "d")
+    assert str(p) in str(e.value)
+
+    write_usps(tmp_path / "d")
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0xFF                                        # a flipped byte: CRC / stream error
+    p.write_bytes(bytes(data))
+    with pytest.raises(DataError, match="bzip2") as e:
+        load_dataset("usps", root=tmp_path / "d")
+    assert str(p) in str(e.value)
+
+    p.write_bytes(bz2.compress(b""))
+    with pytest.raises(DataError, match="no samples") as e:
+        load_dataset("usps", root=tmp_path / "d")
+    assert str(p) in str(e.value)
+
+    p.write_bytes(b"\x89PNG\r\n\x1a\n")
+    with pytest.raises(DataError, match="not ASCII") as e:
+        load_dataset("usps", root=tmp_path / "d")
+    assert str(p) in str(e.value)
+
+
+def test_usps_missing_file_is_named(tmp_path):
+    write_usps(tmp_path / "d")
+    (tmp_path / "d" / "usps.t.bz2").unlink()
+    with pytest.raises(DataError, match=r"incomplete: missing usps\.t\[\.bz2\]"):
+        load_dataset("usps", root=tmp_path / "d")
 
 
 def test_pad32_pads_raw_zero_then_normalises(tmp_path):
@@ -246,7 +329,8 @@ def test_bad_arguments(tmp_path):
         load_dataset("synthetic", num_devices=0)
     with pytest.raises(ConfigError, match="test_fraction"):
         load_dataset("digits", test_fraction=1.0)
-    assert set(DATASETS) == {"fmnist", "mnist", "cifar10", "cifar100", "svhn", "digits", "synthetic"}
+    assert set(DATASETS) == {"fmnist", "mnist", "cifar10", "cifar100", "svhn", "usps", "digits", "synthetic",
+                             "wisdm"}
 
 
 # ------------------------------------------------------------------------------------------ cache
@@ -354,7 +438,7 @@ def test_download_tries_the_next_mirror(tmp_path):
 
 
 def test_download_all_mirrors_fail(tmp_path):
-    remote = dl.RemoteFile("a.bin", ((tmp_path / "nope1").as_uri(), (tmp_path / "nope2").as_uri()))
+    remote = dl.RemoteFile("a.bin", ((tmp_path / "nope1").as_uri(), (tmp_path / "nope2").as_uri()), md5="0" * 32)
     with pytest.raises(DataError) as e:
         dl.fetch(remote, tmp_path / "dest")
     assert "nope1" in str(e.value) and "nope2" in str(e.value)
@@ -363,13 +447,58 @@ def test_download_all_mirrors_fail(tmp_path):
 def test_download_default_destination_and_registry(tmp_path):
     assert dl.download_dir("mnist") == tmp_path / "cache" / "data" / "mnist"
     assert search_paths("mnist")[-1] == dl.download_dir("mnist")
-    assert set(dl.REMOTE) == {"fmnist", "mnist", "cifar10", "cifar100", "svhn"}
-    for files in dl.REMOTE.values():
+    assert set(dl.REMOTE) == {"fmnist", "mnist", "cifar10", "cifar100", "svhn", "usps", "wisdm"}
+    for name, files in dl.REMOTE.items():
         for f in files:
-            assert len(f.sha256) == 64 and len(f.md5) == 32 and int(f.sha256, 16) >= 0 and int(f.md5, 16) >= 0
+            if name == "usps":                                          # only an MD5 is published
+                assert f.sha256 is None and not f.tofu and len(f.md5) == 32 and int(f.md5, 16) >= 0
+            elif name == "wisdm":                                       # nothing is published
+                assert f.sha256 is None and f.md5 is None and f.tofu
+            else:
+                assert len(f.sha256) == 64 and len(f.md5) == 32 and int(f.sha256, 16) >= 0
+                assert int(f.md5, 16) >= 0 and not f.tofu
             assert all(u.startswith(("https://", "http://")) and u.endswith("/" + f.filename) for u in f.urls)
+    assert {f.filename: f.md5 for f in dl.REMOTE["usps"]} == {"usps.bz2": "ec16c51db3855ca6c91edd34d0e9b197",
+                                                              "usps.t.bz2": "8ea070ee2aca1ac39742fdd1ef5ed118"}
     with pytest.raises(ConfigError):
         dl.download("digits")
+
+
+def test_a_remote_file_must_declare_how_it_is_checked():
+    with pytest.raises(ValueError, match="needs a published checksum .* or tofu=True"):
+        dl.RemoteFile("a.bin", ("https://example.org/a.bin",))
+    with pytest.raises(ValueError, match="not both"):
+        dl.RemoteFile("a.bin", ("https://example.org/a.bin",), md5="0" * 32, tofu=True)
+    with pytest.raises(ValueError, match="md5 must be 32 hex digits"):
+        dl.RemoteFile("a.bin", ("https://example.org/a.bin",), md5="abc")
+    dl.RemoteFile("a.bin", ("https://example.org/a.bin",), md5="0" * 32)          # MD5 alone is a check
+
+
+class _Response(io.BytesIO):
+    """What an opener returns: a readable binary stream usable in a ``with`` statement."""
+
+
+def test_usps_download_refuses_a_wrong_md5_and_keeps_nothing(tmp_path):
+    """The official USPS entries with a fake opener: a payload whose MD5 is not the published one is
+    refused for every file, and the destination holds nothing afterwards (no .part, no final file)."""
+    requested = []
+
+    def opener(url, timeout):
+        requested.append(url)
+        return _Response(bz2.compress(b"1 1:0.5\n") * 100)
+
+    with pytest.raises(DataError, match="MD5 mismatch: expected ec16c51db3855ca6c91edd34d0e9b197") as e:
+        dl.download("usps", tmp_path / "dest", opener=opener)
+    assert "usps.bz2" in str(e.value) and "nothing was kept" in str(e.value)
+    assert requested == ["https://www.csie.ntu.edu.tw/~cjlin/libsvmtools/datasets/multiclass/usps.bz2"]
+    assert list((tmp_path / "dest").iterdir()) == []
+
+
+def test_md5_only_download_accepts_the_matching_file(tmp_path):
+    payload = bz2.compress(b"3 1:0.5\n")
+    remote = dl.RemoteFile("usps.bz2", ("https://mirror.invalid/usps.bz2",), md5=hashlib.md5(payload).hexdigest())
+    path = dl.fetch(remote, tmp_path / "dest", opener=lambda url, timeout: _Response(payload))
+    assert path.read_bytes() == payload and sorted(p.name for p in path.parent.iterdir()) == ["usps.bz2"]
 
 
 def test_load_with_download_fetches_then_loads(tmp_path, monkeypatch):

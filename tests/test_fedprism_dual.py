@@ -3,6 +3,8 @@ alpha bounds and mixing rows, components, engines, runner (bytes, resume)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -346,3 +348,55 @@ def test_compiled_engine_evaluation_equals_eager(unequal):
     for a, b in zip(res[False], res[True]):
         assert (a.correct - b.correct).abs().max() <= 1 and torch.equal(a.count, b.count)
         assert torch.allclose(a.loss_sum, b.loss_sum, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("rule,gamma1", [("reading", 0.4 / 3), ("as_printed", 0.35 / 3)])
+def test_alpha_trajectory_by_hand(rule, gamma1, tmp_path):
+    """The report's alpha / gamma trajectory: latest alpha of every client updated so far, gamma =
+    1 - alpha - beta clamped at 0 (unclamped when the lines are read as printed)."""
+    from fedprism.report import alpha_table, alpha_trajectory, plot_alpha
+
+    class Recs:
+        def records(self, run_id, kind):
+            return [{"round": 0, "data": {"clients": [0, 1], "alpha": [0.9, 0.8]}},
+                    {"round": 1, "data": {"clients": [1, 2], "alpha": [0.5, 0.95]}}] if kind == "alpha" else []
+
+    cfg = {"clients": 4, "seed": 3, "method": "fedprism_dual", "fedprism_dual.beta": 0.1,
+           "fedprism_dual.components": "full", "fedprism_dual.alpha_rule": rule}
+    run = {"run_id": "r", "config": cfg}
+    t = alpha_trajectory(Recs(), run)
+    assert t["round"].tolist() == [1, 2] and t["seen"].tolist() == [2, 3]
+    assert t["mean"] == pytest.approx([0.85, (0.9 + 0.5 + 0.95) / 3])
+    assert t["min"].tolist() == [0.8, 0.5] and t["max"].tolist() == [0.9, 0.95]
+    assert t["gamma"] == pytest.approx([0.05, gamma1])
+    md = "\n".join(alpha_table(Recs(), {"s": {"FedPrism": [run]}}))
+    assert "| FedPrism | s | 3 | 2 | 0.7833 [0.5000, 0.9500] |" in md
+    assert plot_alpha(Recs(), run, tmp_path, "FedPrism", "a.png")[0].stat().st_size > 1000
+
+
+def test_private_source_specialist_is_the_own_private_on_the_specialists_batch_order(unequal):
+    """P_i = L_i (`private_source=specialist`) is exactly the separate private model trained on the
+    specialist's batch order: Algorithm 1 lines 7 and 10 are one update; one training fewer per client."""
+    runs = {}
+    for src in ("own", "specialist"):
+        algo, eng = setup(unequal, alpha=0.5, beta=0.2, k=2, every=1, private_source=src)   # gamma = 0.3
+        calls = []
+        orig = eng.train
+
+        def train(job, rnd, orig=orig, calls=calls):
+            calls.append(job.stream)
+            return orig(replace(job, stream="expert") if job.stream == "private" else job, rnd)
+
+        eng.train = train
+        sim = drive(algo, eng, 3, fraction=0.5)
+        runs[src] = (sim, calls, algo)
+    (own, own_calls, _), (shared, shared_calls, algo) = runs["own"], runs["specialist"]
+    assert set(shared.clients.data) == {"expert"} and set(own.clients.data) == {"private", "expert"}
+    assert own_calls.count("private") == 3 and "private" not in shared_calls
+    assert len(shared_calls) == 2 * 3 and len(own_calls) == 3 * 3
+    for k in ("w_g", "w_c", "alpha", "W"):
+        assert torch.equal(own.state[k], shared.state[k]), k
+    assert torch.equal(own.clients.data["private"], shared.clients.data["expert"])
+    clients = np.arange(unequal.num_clients)
+    for a, b in zip(backbone_and_expert(own, clients), backbone_and_expert(shared, clients)):
+        assert torch.equal(a, b)

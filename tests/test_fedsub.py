@@ -177,22 +177,115 @@ def run(tmp_path, name, **kw):
     return e, res
 
 
-def test_bytes_per_round_from_the_payloads(tmp_path):
-    e, res = run(tmp_path, "n", fedsub__subnetwork="naive", rounds=1, fedsub__fusion="avg")
-    P, C, d, U, n = e.ctx.spec.size, e.ctx.num_classes, e.ctx.feature_dim, e.algo.layout.units, 6
-    h = res.history[0]
-    assert h["bytes_up"] == n * (4 * P + C * U + 4 * C * d + 4 * C)     # params, uint8 masks, protos, scores
-    assert h["bytes_down"] == n * (4 * P + U)                           # U_k and its neuron mask
-    _, fa = run(tmp_path, "fa", method="fedavg", rounds=1)
-    assert fa.history[0]["bytes_up"] == n * 4 * P                       # the full model
+def test_bytes_per_round_are_the_sparse_messages(tmp_path):
+    """The runner counts what travels: per client up 4 |union of its masks| + ceil(C U / 8) + 4 C d + 4 C,
+    down 4 |written| + ceil(U / 8). On the same model, naive and LRP uploads (subnetworks, and with the
+    prototypes and scores too) and the sparse U_k weigh less than FedAvg's full models."""
+    _, fa = run(tmp_path, "fa", method="fedavg", rounds=2)
+    full_up, full_down = fa.history[0]["bytes_up"], fa.history[1]["bytes_down"]
     sizes = {}
     for sub in ("naive", "lrp_a1b0", "lrp_a2b1"):
-        e, _ = run(tmp_path, sub, fedsub__subnetwork=sub, rounds=1, fedsub__fusion="avg")
+        e, res = run(tmp_path, sub, fedsub__subnetwork=sub, rounds=2, fedsub__fusion="overlap")
+        P, C, d, U, n = e.ctx.spec.size, e.ctx.num_classes, e.ctx.feature_dim, e.algo.layout.units, 6
+        assert full_up == n * 4 * P
+        per_unit = torch.bincount(e.algo.unit, minlength=U)
+        masks = e.state["masks"].bool()                                  # round 1's uploads (all clients)
+        union = [int(per_unit[m.any(0)].sum()) for m in masks]
+        h = res.history
+        assert h[1]["bytes_up"] == sum(4 * k + (C * U + 7) // 8 + 4 * C * d + 4 * C for k in union)
+        written = e.algo.updates_for(e.state, np.arange(n))["write"].bool()       # what round 2 would send
+        assert h[0]["bytes_down"] == n * ((U + 7) // 8)                 # nothing uploaded yet: empty U_k
+        subnets = h[1]["bytes_up"] - n * 4 * C * (d + 1)                # values + bit masks
+        assert subnets < full_up and h[0]["bytes_up"] < full_up and h[1]["bytes_up"] < full_up, sub
+        assert 0 < h[1]["bytes_down"] < full_down, sub
+        assert e.algo.wire_bytes("plan", e.algo.updates_for(e.state, np.arange(n))) == \
+            sum(4 * int(per_unit[w].sum()) + (U + 7) // 8 for w in written)
         rec = e.store.records(e.run_id, "fedsub")[0]["data"]
         assert rec["full_model_bytes"] == n * 4 * P
-        sizes[sub] = rec["subnet_bytes_separate"]
+        sizes[sub] = (rec["subnet_bytes_separate"], h[0]["bytes_up"])
     # round 0 trains the same models (same stream, nothing received yet): the masks alone differ
-    assert sizes["lrp_a1b0"] < sizes["naive"]
+    assert sizes["lrp_a1b0"][0] < sizes["naive"][0] and sizes["lrp_a1b0"][1] <= sizes["naive"][1]
+
+
+def tiny(n=2):
+    """FedSub on MLP(3 -> 2 -> 2 -> 2): P = 20 parameters, U = 6 neurons (4 params each in layer 1, 3 in
+    layers 2 and 3), C = 2 classes, d = 2."""
+    algo, theta = make(n=n, classes=2, hidden=2, features=3)
+    assert (algo.ctx.spec.size, algo.layout.units) == (20, 6)
+    assert torch.bincount(algo.unit).tolist() == [4, 4, 3, 3, 3, 3]
+    return algo, theta
+
+
+def test_wire_bytes_by_hand_for_a_tiny_model():
+    algo, theta = tiny(n=1)
+    masks = torch.zeros(1, 2, 6, dtype=torch.bool)
+    masks[0, 0, [0, 3, 4]] = True                     # class 0: layer-1 neuron 0, layer-2 neuron 1, output 0
+    masks[0, 1, [0, 5]] = True                        # class 1: layer-1 neuron 0, output 1
+    keep = masks[0].any(0)[algo.unit]                 # the union: neurons 0, 3, 4, 5 = 4 + 3 + 3 + 3 = 13 params
+    params = torch.where(keep, theta[0], torch.zeros(()))[None]
+    up = upload(algo, params, masks, torch.randn(1, 2, 2), torch.ones(1, 2)).payload
+    wire = algo.encode("update", up)
+    # mask bits 100110 100001 + 4 zero bits of padding: 0b10011010, 0b00010000
+    assert wire["masks"].tolist() == [[0b10011010, 0b00010000]] and wire["masks"].dtype == torch.uint8
+    assert torch.equal(wire["params"], theta[0][keep][None]) and wire["params"].shape == (1, 13)
+    assert algo.wire_bytes("update", up) == 13 * 4 + 2 + 2 * 2 * 4 + 2 * 4 == 78     # dense: 20*4 + 12 + 16 + 8
+    down = {"values": torch.where((algo.unit == 0) | (algo.unit == 4), theta[0], torch.zeros(()))[None],
+            "write": torch.tensor([[1, 0, 0, 0, 1, 0]], dtype=torch.uint8)}     # neurons 0 and 4: 4 + 3 params
+    assert algo.wire_bytes("plan", down) == 7 * 4 + 1 == 29                       # dense: 20*4 + 6
+    assert algo.encode("eval", down)["write"].tolist() == [[0b10001000]]
+    two = {k: torch.cat([v, v]) for k, v in up.items()}
+    assert algo.wire_bytes("update", two) == 2 * 78                               # each client's message
+
+
+def test_masks_with_zero_weights_round_trip_bit_for_bit():
+    """A kept neuron whose parameters are exactly 0 (and -0.0) stays in the mask and comes back as it was;
+    what the server decodes is the row the client encoded, and the U_k it sends likewise."""
+    algo, theta = tiny(n=1)
+    masks = torch.zeros(1, 2, 6, dtype=torch.bool)
+    masks[0, 0, [1, 4]] = True
+    masks[0, 1, [1, 2, 5]] = True
+    keep = masks[0].any(0)[algo.unit]
+    params = torch.where(keep, theta[0], torch.zeros(()))
+    params[algo.unit == 1] = 0.0                                     # a whole kept neuron at exactly 0
+    params[(algo.unit == 2).nonzero()[0]] = -0.0
+    up = upload(algo, params[None], masks, torch.zeros(1, 2, 2), torch.tensor([[1.0, 0.0]])).payload
+    back = algo.decode("update", algo.encode("update", up))
+    assert set(back) == set(up)
+    for k, v in up.items():
+        assert back[k].dtype == v.dtype and torch.equal(back[k].view(torch.uint8), v.view(torch.uint8)), k
+    assert back["masks"][0, :, 1].all()
+    down = algo.updates_for(_state_with(algo, up), np.arange(1))
+    back = algo.decode("plan", algo.encode("plan", down))
+    for k, v in down.items():
+        assert torch.equal(back[k].view(torch.uint8), v.view(torch.uint8)), k
+    assert back["write"][0, 1] == 1 and (back["values"][0][algo.unit == 1] == 0).all()
+
+
+def _state_with(algo, up):
+    state = algo.init_state()
+    algo.aggregate(state, 0, Update(np.arange(1), up, torch.ones(1, dtype=torch.float64)))
+    return state
+
+
+@pytest.mark.parametrize("field, change, why", [
+    ("masks", lambda w: w[:, :1], "'masks': 1 bytes, expected"),
+    ("masks", lambda w: w | 1, "'masks': padding bits"),
+    ("masks", lambda w: w.to(torch.int32), "'masks': dtype"),
+    ("params", lambda w: w[:, :-1], "'params': 12 values, the mask keeps 13"),
+    ("params", None, "'params' missing"),
+    ("extra", lambda w: w, "'extra' unexpected")])
+def test_malformed_sparse_messages_are_refused_naming_the_field(field, change, why):
+    algo, theta = tiny(n=1)
+    masks = torch.zeros(1, 2, 6, dtype=torch.bool)
+    masks[0, 0, [0, 3, 4]] = True
+    masks[0, 1, [0, 5]] = True
+    wire = algo.encode("update", upload(algo, theta, masks, torch.zeros(1, 2, 2), torch.ones(1, 2)).payload)
+    if change is None:
+        del wire[field]
+    else:
+        wire[field] = change(wire.get(field, wire["params"]))
+    with pytest.raises(ValueError, match=why.replace("(", r"\(")):
+        algo.decode("update", wire)
 
 
 def test_end_to_end_digits_beats_stated_accuracy(tmp_path):

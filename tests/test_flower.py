@@ -2,8 +2,9 @@
 
 Fast tests drive the real ServerApp loop (`serve`) and the real ClientApp handlers through an
 in-process grid (`FakeGrid`: push runs the ClientApp at once, with scripted silences and crashes),
-so they need neither Ray nor a SuperLink. Slow tests use Flower's Simulation Runtime (Ray, loopback)
-and a loopback deployment (SuperLink + 3 SuperNodes, TLS, node authentication: scripts/flower_deploy.py).
+so they need neither Ray nor a SuperLink. Slow tests use Flower's Simulation Runtime through `flwr run`
+(a simulation SuperLink; Ray on loopback, or a local multi-node Ray cluster: head + 2 workers) and a
+loopback deployment (SuperLink + 3 SuperNodes, TLS, node authentication: scripts/flower_deploy.py).
 Skipped cleanly when flwr is not installed (`pip install -e ".[flower]"`).
 """
 
@@ -13,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -85,6 +87,7 @@ class FakeGrid:
         self.replies: dict[str, Message] = {}
         self.log: list[tuple[int, str]] = []
         self.sent: list[tuple[int, int, dict]] = []              # (round, client, payload) of train messages
+        self.up_bytes: list[tuple[int, int, int]] = []           # (round, client, payload bytes) of train replies
         self.states: dict[int, RecordDict] = {}                    # node id -> its Context.state
 
     def add_node(self, nid: int, node_config: dict, run_config: dict | None = None) -> None:
@@ -120,6 +123,10 @@ class FakeGrid:
             except Exception as e:  # noqa: BLE001 - what Flower's runtime does with a raising ClientApp
                 reply = Message(Error(code=2, reason=f"{type(e).__name__}: {e}"), reply_to=m)
             self.replies[mid] = reply
+            if m.metadata.message_type == "train" and not reply.has_error():
+                arrays = reply.content.array_records[codec.UPDATE]
+                self.up_bytes.append((rnd, cid, sum(arrays[k].numpy().nbytes for k in arrays.keys()
+                                                    if k.startswith("u."))))
         return ids
 
     def pull_messages(self, ids):
@@ -198,6 +205,43 @@ def test_client_id_comes_from_node_config():
     for bad in ({"client-id": 5}, {"client-id": -1}, {"client-id": "x"}, {}):
         with pytest.raises(ConfigError, match="client-id|partition-id"):
             client_id_of(bad, 5)
+
+
+def test_simulation_federation_is_what_flwr_run_takes(tmp_path, monkeypatch):
+    """The simulation federation `simulate` submits (`flwr run --federation-config`) parses with Flower's
+    own parser into the SimulationConfig we meant, and Flower reads the SuperLink connection we write;
+    bad values are refused naming the field before anything starts."""
+    from flwr.cli.flower_config import read_superlink_connection
+    from flwr.common.config import parse_config_args
+    from flwr.supercore.utils import simulation_config_from_json
+
+    from fedprism.flower.simulation import CONNECTION, federation_config, federation_config_arg, flower_config
+
+    def proto(fc):
+        parsed = parse_config_args([federation_config_arg(fc)])
+        return simulation_config_from_json({k.replace("-", "_"): v for k, v in parsed.items()})
+
+    p = proto(federation_config(6, cpus_per_client=2, gpus_per_client=0.5, num_cpus=4, verbose=True))
+    assert (p.num_supernodes, p.client_resources_num_cpus, p.client_resources_num_gpus, p.init_args_num_cpus,
+            p.backend, p.verbose, p.init_args_log_to_driver) == (6, 2, 0.5, 4, "ray", True, True)
+    # attached to a Ray cluster: no num_cpus for ray.init (Ray refuses it when connecting to a cluster)
+    p = proto(federation_config(3, ray_address="10.0.0.1:6379"))
+    assert p.num_supernodes == 3 and p.client_resources_num_cpus == 1 and not p.HasField("init_args_num_cpus")
+    monkeypatch.setenv("FLWR_HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "config.toml").write_text(flower_config(43210))
+    conn = read_superlink_connection(CONNECTION)
+    assert conn.address == "127.0.0.1:43210" and conn.insecure and conn.options is None
+    for kw, field in [({"num_nodes": 0}, "num-supernodes"), ({"cpus_per_client": 0.5}, "client-resources-num-cpus"),
+                      ({"gpus_per_client": -1.0}, "client-resources-num-gpus"), ({"num_cpus": 0}, "init-args-num-cpus"),
+                      ({"cpus_per_client": 2, "num_cpus": 1}, "init-args-num-cpus"),
+                      ({"ray_address": "head-without-port"}, "ray-address"), ({"ray_address": "h:70000"}, "ray-address")]:
+        with pytest.raises(ConfigError, match=field):
+            federation_config(**{"num_nodes": 3, **kw})
+    from fedprism.flower.__main__ import main as cli
+    assert cli(["simulate", "--experiment", EXP4, "--db", str(tmp_path / "x.db"), "--cpus-per-client", "0.5"]) == 2
+    assert cli(["simulate", "--experiment", EXP4, "--db", str(tmp_path / "x.db"), "--ray-address", "nowhere"]) == 2
+    assert not (tmp_path / "x.db").exists()
 
 
 def test_flower_run_id_is_stable_and_distinct():
@@ -315,6 +359,78 @@ def test_partial_participation_runs_the_same_on_flower(method, tmp_path, task_id
     assert res.final["local_acc"] == pytest.approx(final["local_acc"], abs=1e-9)
     acc = [h["accepted"] for h in ref.store.round_metrics(ref.run_id)]
     assert acc == [h["accepted"] for h in Store(tmp_path / "m.db").round_metrics(res.run_id)]
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedsub"])
+def test_class_drift_runs_the_same_on_flower(method, tmp_path, task_identity):
+    """Class drift (fedprism.data.drift) on Flower: every node applies the run's schedule to its own rows for
+    the round its train or evaluation message names, the server checks the nodes' scores against that
+    round's split sizes and stores the schedule. At half participation, with classes returning mid-run, the
+    Flower run equals the in-process one bit for bit: final state, every round's metrics and client rows."""
+    exp = (f"method={method} dataset=digits clients=6 rounds=4 fraction=0.5 local_epochs=1 lr=0.05 model=mlp "
+           "device=cpu engine=sequential partition.alpha=0.5 seed=5 drift.fraction=0.5 drift.every=2")
+    db = tmp_path / "d.db"
+    rc = run_config(exp, db, save_final=str(tmp_path / "final.pt"))
+    ref, final = in_process(exp, tmp_path / "ref.db")
+    res = serve(FakeGrid(nodes_for(6), rc), rc)
+    assert res.status == "finished"
+    got = torch.load(tmp_path / "final.pt", weights_only=False)["state"]
+    assert_same_state({k: v for k, v in ref.state.items() if k not in ref.algo.client_state}, got, atol=0)
+    s = Store(db)
+    a, b = ref.store.round_metrics(ref.run_id), s.round_metrics(res.run_id)
+    removed = [h["drift_removed"] for h in a]
+    assert removed[0] > removed[2]                        # classes came back in round 2
+    assert [h["drift_removed"] for h in b] == removed
+    for x, y in zip(a, b, strict=True):
+        for k in ("local_acc", "global_acc", "local_f1", "train_loss", "accepted", "bytes_up", "bytes_down"):
+            assert y[k] == x[k], (x["round"], k)
+    for rnd in range(4):
+        np.testing.assert_array_equal(np.array([tuple(r)[2:] for r in ref.store.client_rows(ref.run_id, rnd)], float),
+                                      np.array([tuple(r)[2:] for r in s.client_rows(res.run_id, rnd)], float))
+    returns = lambda st, rid: {r["client"]: r["data"]["returns"] for r in st.records(rid, "drift")}  # noqa: E731
+    assert returns(s, res.run_id) == returns(ref.store, ref.run_id) != {}
+    assert s.records(res.run_id, "failure") == []
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedsub"])
+def test_counted_bytes_are_the_bytes_the_codec_sends(method, tmp_path, task_identity):
+    """bytes_down / bytes_up of every round are the payload arrays of the train messages and replies that
+    crossed the grid (FedSub's sparse subnetworks, FedAvg's full model), and equal the in-process count."""
+    exp = (f"method={method} dataset=digits clients=4 rounds=2 fraction=1.0 local_epochs=1 lr=0.05 model=mlp "
+           "device=cpu engine=sequential partition.alpha=0.5 seed=5")
+    db = tmp_path / "b.db"
+    rc = run_config(exp, db)
+    ref, _ = in_process(exp, tmp_path / "ref.db")
+    grid = FakeGrid(nodes_for(4), rc)
+    res = serve(grid, rc)
+    assert res.status == "finished"
+    got, want = Store(db).round_metrics(res.run_id), ref.store.round_metrics(ref.run_id)
+    for rnd in range(2):
+        sent = sum(v.numel() * v.element_size() for r, _, p in grid.sent if r == rnd for v in p.values())
+        came = sum(b for r, _, b in grid.up_bytes if r == rnd)
+        assert got[rnd]["bytes_down"] == sent == want[rnd]["bytes_down"]
+        assert got[rnd]["bytes_up"] == came == want[rnd]["bytes_up"]
+    P = ref.ctx.spec.size
+    if method == "fedsub":                               # sparse: less than one full model per client each way
+        assert got[1]["bytes_down"] < 4 * 4 * P and got[1]["bytes_up"] - 4 * 4 * ref.ctx.num_classes * \
+            (ref.ctx.feature_dim + 1) < 4 * 4 * P
+    else:
+        assert got[1]["bytes_down"] == got[1]["bytes_up"] == 4 * 4 * P
+
+
+def test_class_drift_needs_the_dataset_on_the_server(monkeypatch):
+    """The drift schedule is drawn from the partition's label counts: a server that cannot build the partition
+    refuses `drift.fraction > 0` before waiting for any node, naming the key; static data run as before."""
+    from fedprism.experiment import federation as fedmod
+    from fedprism.flower.server_app import server_data
+
+    def unreadable(cfg):
+        raise FileNotFoundError("no dataset here")
+
+    monkeypatch.setattr(fedmod, "build_federation", unreadable)
+    with pytest.raises(ConfigError, match=r"drift\.fraction.*readable on the server"):
+        server_data(RunSettings.from_run_config({"experiment": EXP4 + " drift.fraction=0.5"}))
+    assert server_data(RunSettings.from_run_config({"experiment": EXP4})) == (None, None, None, None)
 
 
 @pytest.mark.parametrize("method", _methods())
@@ -482,37 +598,263 @@ def test_restarted_server_resumes_from_its_checkpoint(tmp_path, task_identity):
 
 
 # -- Flower's runtimes (slow) ------------------------------------------------------------------------------
+def assert_identical_state(a: dict, b: dict) -> None:
+    """Bit for bit: same keys, dtypes, shapes and values."""
+    assert set(a) == set(b)
+    for k, x in a.items():
+        assert isinstance(b[k], torch.Tensor) and x.dtype == b[k].dtype and x.shape == b[k].shape, k
+        assert torch.equal(x, b[k]), (k, (x.double() - b[k].double()).abs().max())
+
+
+#: round-metric keys that are not results: timings, and the Flower run's flags for who scored what
+NOT_RESULTS = ("wall_s", "train_s", "eval_s", "seconds", "node_reported", "global_on_server")
+
+
+def assert_identical_numbers(ref: Store, ref_id: str, got: Store, got_id: str) -> None:
+    """Every stored round metric and every client's row of every round equal the in-process run's."""
+    a, b = ref.round_metrics(ref_id), got.round_metrics(got_id)
+    assert len(a) == len(b) > 0
+    for ra, rb in zip(a, b):
+        keys = [k for k in ra if k not in NOT_RESULTS]
+        assert {k: ra[k] for k in keys} == {k: rb.get(k) for k in keys}, ra["round"]
+        rows_a = [tuple(r)[2:] for r in ref.client_rows(ref_id, ra["round"])]
+        rows_b = [tuple(r)[2:] for r in got.client_rows(got_id, rb["round"])]
+        assert rows_a == rows_b, ra["round"]
+    fa, fb = json.loads(ref.run(ref_id)["final"]), json.loads(got.run(got_id)["final"])
+    keys = [k for k in fa if k not in NOT_RESULTS]
+    assert keys and {k: fa[k] for k in keys} == {k: fb.get(k) for k in keys}
+
+
+def marked_processes(mark: str) -> list[int]:
+    """Live processes whose environment carries FEDPRISM_TEST_MARK=`mark` (everything a test started)."""
+    needle = f"FEDPRISM_TEST_MARK={mark}".encode()
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                if needle in (d / "environ").read_bytes().split(b"\0") and "Z" != (d / "stat").read_text().rsplit(
+                        ")", 1)[1].split()[0]:
+                    out.append(int(d.name))
+            except OSError:
+                continue
+    return out
+
+
+def simulate_in_subprocess(tmp_path: Path, exp: str, timeout: float,
+                           **kw) -> tuple[subprocess.CompletedProcess, float]:
+    """`fedprism.flower.simulation.simulate(exp, ...)` in a child process (its own Flower and Ray); returns
+    the finished process and its wall time. Every process it starts carries a test mark in its
+    environment; the test fails if any of them is alive the moment the child has returned (they are
+    SIGKILLed then)."""
+    mark = uuid.uuid4().hex
+    code = ("import signal, sys\nsignal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # cleanup runs\n"
+            "from fedprism.flower.simulation import simulate\n"
+            f"simulate({exp!r}, db={str(tmp_path / 'sim.db')!r}, save_final={str(tmp_path / 'sim.pt')!r}, "
+            f"round_timeout=300, nodes_timeout=600, timeout={timeout - 60:g}, "
+            + "".join(f"{k}={v!r}, " for k, v in kw.items()) + ")\n")
+    ray_tmp = tempfile.mkdtemp(prefix="fpray-", dir="/tmp")     # Ray's socket paths must stay < 108 bytes
+    env = {**os.environ, "FLWR_HOME": str(tmp_path / "flwr-home"), "RAY_TMPDIR": ray_tmp, "FEDPRISM_TEST_MARK": mark,
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src")] + [q for q in os.environ.get("PYTHONPATH", "").split(
+               os.pathsep) if q])}
+    t0 = time.time()
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True, env=env, cwd=tmp_path)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.terminate()                                           # SIGTERM: simulate stops what it started
+        out, err = p.communicate(timeout=120)
+        raise AssertionError(f"simulate timed out after {timeout}s\n{out[-3000:]}\n{err[-3000:]}") from None
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        left = marked_processes(mark)                           # at once: nothing may outlive simulate
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert left == [], f"processes left behind by simulate: {left}"
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err), time.time() - t0
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_simulation_runtime_matches_in_process_engine(tmp_path):
-    """Fed-PRISM, 3 rounds, 6 virtual SuperNodes on Flower's Simulation Runtime (Ray on 127.0.0.1)
-    reach the in-process sequential engine's final parameters."""
+    """Fed-PRISM, 3 rounds, 6 virtual SuperNodes: `simulate` submits the app with `flwr run` to a
+    simulation SuperLink (the federation: 6 SuperNodes, Ray on 127.0.0.1) and reaches the in-process
+    sequential engine's numbers bit for bit: final parameters, every round's metrics, every client's
+    row. Nothing it started is left running."""
     pytest.importorskip("ray")
     ref, final = in_process(EXP6, tmp_path / "ref.db")
-    code = f"""
-import sys
-from fedprism.flower.simulation import simulate
-simulate({EXP6!r}, db={str(tmp_path / 'sim.db')!r}, save_final={str(tmp_path / 'sim.pt')!r}, round_timeout=300,
-         nodes_timeout=600)
-"""
-    ray_tmp = tempfile.mkdtemp(prefix="fpray-", dir="/tmp")     # Ray's socket paths must stay < 108 bytes
-    env = {**os.environ, "FLWR_HOME": str(tmp_path / "flwr-home"), "RAY_TMPDIR": ray_tmp}
-    t0 = time.time()
-    try:
-        p = run_bounded([sys.executable, "-c", code], 840, env=env, cwd=tmp_path)
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
-    wall = time.time() - t0
+    p, wall = simulate_in_subprocess(tmp_path, EXP6, 840)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    # the run went through `flwr run` with the federation config (6 simulated SuperNodes)
+    assert "Federation `@none/default` (6 simulated SuperNodes)" in p.stdout + p.stderr, p.stdout[-3000:]
     got = torch.load(tmp_path / "sim.pt", weights_only=False)
-    assert_same_state(ref.state, got["state"], atol=1e-5)
+    assert_identical_state(ref.state, got["state"])
     s = Store(tmp_path / "sim.db")
     run = s.run(got["run_id"])
     assert run["status"] == "finished"
-    fin = json.loads(run["final"])
-    assert fin["local_acc"] == pytest.approx(final["local_acc"], abs=1e-6)
+    assert json.loads(run["final"])["local_acc"] == final["local_acc"]
+    assert_identical_numbers(ref.store, ref.run_id, s, got["run_id"])
     assert s.records(got["run_id"], "failure") == []
     print(f"simulation wall {wall:.1f}s")
+
+
+RAY_PROBE = """
+import json, sys, time
+import ray
+from ray._private.state import actors
+ray.init(address=sys.argv[1], log_to_driver=False, logging_level="ERROR")
+deadline = time.time() + float(sys.argv[3])
+while True:
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    if len(nodes) >= int(sys.argv[2]) or time.time() > deadline:
+        break
+    time.sleep(1)
+print(json.dumps({
+    "nodes": [{"id": n["NodeID"], "ip": n["NodeManagerAddress"], "cpus": n["Resources"].get("CPU", 0),
+               "head": "node:__internal_head__" in n["Resources"]} for n in nodes],
+    "actors": [{"class": a["ActorClassName"], "node": a["Address"]["NodeID"], "ip": a["Address"]["IPAddress"],
+                "state": a["State"], "pid": a["Pid"], "restarts": a["NumRestarts"]} for a in actors().values()]}))
+ray.shutdown()
+"""
+
+
+class RayCluster:
+    """A Ray cluster on this machine as docs/flower.md sets one up on several: `ray start --head --num-cpus 0`
+    and `workers` x `ray start --address HEAD:PORT --num-cpus 1`, each node with its own temporary
+    directory under `root`, each `ray start --block` in a session of its own; `stop` ends them by pid."""
+
+    def __init__(self, root: Path, env: dict, workers: int = 2):
+        self.root, self.env, self.workers = root, env, workers
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.address = ""
+
+    def _ray_start(self, name: str, args: list[str]) -> subprocess.Popen:
+        with open(self.root / f"{name}.log", "wb") as out:
+            p = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", *args, "--block",
+                                  "--disable-usage-stats", "--temp-dir", str(self.root / name)], env=self.env,
+                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.procs[name] = p
+        return p
+
+    def log(self, name: str) -> str:
+        import re
+        return re.sub(r"\x1b\[[0-9;]*m", "", (self.root / f"{name}.log").read_text(errors="replace"))
+
+    def start(self, timeout: float = 240.0) -> RayCluster:
+        import re
+        with socket.socket() as sk:
+            sk.bind(("", 0))
+            port = sk.getsockname()[1]
+        head = self._ray_start("head", ["--head", "--port", str(port), "--num-cpus", "0", "--num-gpus", "0",
+                                        "--include-dashboard", "false"])
+        deadline = time.monotonic() + timeout
+        while not (m := re.search(r"Local node IP: (\S+)", self.log("head"))):
+            assert head.poll() is None and time.monotonic() < deadline, self.log("head")[-3000:]
+            time.sleep(0.5)
+        self.address = f"{m.group(1)}:{port}"
+        for i in range(self.workers):
+            self._ray_start(f"worker{i}", ["--address", self.address, "--num-cpus", "1", "--num-gpus", "0"])
+        info = self.probe(wait_for=1 + self.workers, timeout=deadline - time.monotonic())
+        assert len(info["nodes"]) == 1 + self.workers, (info, {n: self.log(n)[-2000:] for n in self.procs})
+        return self
+
+    def probe(self, wait_for: int = 0, timeout: float = 60.0) -> dict:
+        """The cluster's live nodes and every actor it has run (the GCS keeps dead actors)."""
+        p = run_bounded([sys.executable, "-c", RAY_PROBE, self.address, str(wait_for), f"{max(timeout, 1):.0f}"],
+                        timeout + 120, env=self.env)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    def stop(self, grace: float = 20.0) -> None:
+        """SIGTERM every `ray start` (its reaper takes its processes down), then SIGKILL every process
+        left in their sessions."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        sessions = {p.pid for p in self.procs.values()}
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and self.alive(sessions):
+            time.sleep(0.5)
+        for pid in self.alive(sessions):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    @staticmethod
+    def alive(sessions: set[int]) -> list[int]:
+        out = []
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    if os.getsid(int(d.name)) in sessions and (d / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                        out.append(int(d.name))
+                except (OSError, IndexError):
+                    continue
+        return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_simulation_on_a_multi_node_ray_cluster(tmp_path):
+    """The same `simulate` on an existing Ray cluster (`ray_address`): a head with no CPUs and two workers
+    with one CPU each, started as docs/flower.md shows. Every ClientApp actor of the run was placed on a
+    worker node, both workers served clients, and the numbers equal the in-process run bit for bit.
+    The cluster is torn down whatever happens, and no process of it or of the run is left."""
+    pytest.importorskip("ray")
+    exp = ("method=fedprism dataset=digits clients=4 rounds=2 fraction=1.0 local_epochs=1 lr=0.05 model=mlp "
+           "device=cpu engine=sequential fedprism.k=2 fedprism.every=1 partition.alpha=0.5 seed=7")
+    ref, _ = in_process(exp, tmp_path / "ref.db")
+    root = Path(tempfile.mkdtemp(prefix="fprc-", dir="/tmp"))      # Ray's socket paths must stay < 108 bytes
+    mark = uuid.uuid4().hex
+    env = {**os.environ, **OFFLINE_ENV, "FEDPRISM_TEST_MARK": mark,
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src")] + [q for q in os.environ.get("PYTHONPATH", "").split(
+               os.pathsep) if q])}
+    for k in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"):
+        env.pop(k, None)
+    cluster = RayCluster(root, env, workers=2)
+    try:
+        cluster.start()
+        before = cluster.probe()
+        head = [n["id"] for n in before["nodes"] if n["head"]]
+        workers = {n["id"] for n in before["nodes"] if not n["head"]}
+        assert len(head) == 1 and len(workers) == 2 and all(n["cpus"] == (0 if n["head"] else 1) for n in before["nodes"])
+        p, wall = simulate_in_subprocess(tmp_path, exp, 900, ray_address=cluster.address)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+        after = cluster.probe()
+    finally:
+        cluster.stop()
+        left = marked_processes(mark)
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(root, ignore_errors=True)
+    assert left == [], f"processes of the Ray cluster left behind: {left}"
+    clients = [a for a in after["actors"] if a["class"] == "ClientAppActor"]
+    assert clients, after
+    assert {a["node"] for a in clients} == workers, (clients, head, workers)    # both workers, never the head
+    assert all(a["state"] == "DEAD" and a["restarts"] == 0 for a in clients), clients   # ended with the run
+    got = torch.load(tmp_path / "sim.pt", weights_only=False)
+    assert_identical_state(ref.state, got["state"])
+    s = Store(tmp_path / "sim.db")
+    assert s.run(got["run_id"])["status"] == "finished"
+    assert_identical_numbers(ref.store, ref.run_id, s, got["run_id"])
+    assert s.records(got["run_id"], "failure") == []
+    print(f"multi-node simulation wall {wall:.1f}s on {cluster.address}; ClientApp actors "
+          f"{sorted((a['node'][:8], a['pid']) for a in clients)}")
 
 
 @pytest.mark.slow

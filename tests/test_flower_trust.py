@@ -150,13 +150,14 @@ def test_registry_files(tmp_path):
 
 def test_default_cap_is_the_largest_training_split():
     s = RunSettings.from_run_config({"experiment": FEDAVG4})
-    shared, biggest, sizes = server_data(s)
+    shared, biggest, sizes, drift = server_data(s)
     from fedprism.experiment.federation import build_federation
     fed = build_federation(s.cfg)
     assert biggest == int(max(len(ix) for ix in fed.train_idx))
     assert len(shared.x_train) == 0 and all(len(ix) == 0 for ix in shared.train_idx + shared.test_idx)
     assert torch.equal(shared.x_test, fed.x_test)                     # the public test split, nothing else
     assert sizes["local"].tolist() == [len(ix) for ix in fed.test_idx] and sizes["global"] == len(fed.y_test)
+    assert drift is None                                              # static data
 
 
 # -- sample counts and update checks ------------------------------------------------------------------

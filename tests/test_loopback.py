@@ -1,5 +1,5 @@
-"""Nothing listens beyond loopback: Ray under `python -m fedprism.flower simulate`, and the deployment
-script's private keys are owner-only from the moment they exist."""
+"""Nothing listens beyond loopback: the SuperLink and Ray under `python -m fedprism.flower simulate`, and
+the deployment script's private keys are owner-only from the moment they exist."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from fedprism.flower.simulation import descendants
 
 ROOT = Path(__file__).resolve().parents[1]
 LOOPBACK = re.compile(r"^(127\.\d+\.\d+\.\d+|\[::1\]|\[::ffff:127\.\d+\.\d+\.\d+\]|localhost):\d+$")
@@ -46,18 +48,13 @@ def test_private_keys_are_created_owner_only(tmp_path, monkeypatch):
     assert b"PRIVATE KEY" in files["key"].read_bytes() and pub.read_text().startswith("ecdsa-sha2-nistp384 ")
 
 
-def _listening(session: int) -> dict[str, str]:
-    """Local address -> process name of every listening TCP/UDP socket of the given session."""
+def _listening(pids: set[int]) -> dict[str, str]:
+    """Local address -> process name of every listening TCP/UDP socket of the given processes."""
     out = subprocess.run(["ss", "-ltnupH"], capture_output=True, text=True).stdout
     found = {}
     for line in out.splitlines():
         m = re.search(r"pid=(\d+)", line)
-        if not m:
-            continue
-        try:
-            if os.getsid(int(m.group(1))) != session:
-                continue
-        except OSError:
+        if not m or int(m.group(1)) not in pids:
             continue
         name = re.search(r'\(\("([^"]+)"', line)
         found[line.split()[4]] = name.group(1) if name else "?"
@@ -78,10 +75,13 @@ def test_ray_under_simulate_listens_on_loopback_only(tmp_path):
            "method=fedavg dataset=digits clients=2 rounds=12 local_epochs=1 model=mlp engine=sequential fraction=1.0"]
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     seen: dict[str, str] = {}
+    tree: set[int] = set()
     try:
         t0 = time.time()
         while p.poll() is None and time.time() - t0 < 500:
-            seen.update(_listening(p.pid))
+            # the process tree, not the session: Flower's SuperExec detaches into a session of its own
+            tree = descendants({p.pid} | tree)
+            seen.update(_listening(tree))
             time.sleep(0.3)
         out = p.communicate(timeout=60)[0].decode(errors="replace")
     finally:
@@ -91,5 +91,6 @@ def test_ray_under_simulate_listens_on_loopback_only(tmp_path):
     assert p.returncode == 0, out[-3000:]
     names = set(seen.values())
     assert {"gcs_server", "raylet"} <= names, seen                     # the probe saw Ray's servers
+    assert any(n.startswith("flower-superlin") for n in names), seen    # and the simulation SuperLink
     exposed = {a: n for a, n in seen.items() if not LOOPBACK.match(a)}
     assert exposed == {}, f"listening beyond loopback: {exposed}"

@@ -222,7 +222,8 @@ def test_summarize_and_histograms():
 
 def test_partitions_registry_lists_parameters():
     assert set(PARTITIONS) == {"iid", "dirichlet", "dirichlet_per_class", "pathological", "similarity",
-                               "domain_mix"}
+                               "domain_mix", "natural"}
+    assert PARTITIONS["natural"] == {}
     assert PARTITIONS["dirichlet"]["alpha"].default == 0.1
     assert PARTITIONS["dirichlet_per_class"]["alpha"].default == 0.5
     assert PARTITIONS["pathological"]["shards_per_client"].default == 2
@@ -375,3 +376,53 @@ def test_plot_class_distribution_writes_png(tmp_path):
     assert Path(out).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="first"):
         plot_class_distribution(part.hist(Y_TRAIN, C), tmp_path / "x.png", first=0)
+
+
+# ---------------------------------------------------------------------------------- natural clients
+
+GROUPS = np.random.default_rng(5).choice([4, 17, 30, 102], size=len(Y_TRAIN))
+TEST_GROUPS = np.random.default_rng(6).choice([4, 17, 30, 102, 999], size=len(Y_TEST))   # 999: no train
+
+
+def test_natural_gives_each_client_one_group_and_its_own_test_rows():
+    part = make_partition("natural", Y_TRAIN, Y_TEST, 4, 0, groups=GROUPS, test_groups=TEST_GROUPS)
+    assert part.meta["client_groups"] == [4, 17, 30, 102] and part.meta["partition"] == "natural"
+    for c, g in enumerate([4, 17, 30, 102]):
+        assert np.array_equal(part.train[c], np.flatnonzero(GROUPS == g))
+        assert np.array_equal(part.test[c], np.flatnonzero(TEST_GROUPS == g))
+        assert part.train[c].dtype == np.int64 and part.test[c].dtype == np.int64
+    assert part.meta["n_test_unused"] == int((TEST_GROUPS == 999).sum()) > 0
+    assert part.meta["n_train_unused"] == 0 and part.meta["test_with_replacement"] is False
+    again = make_partition("natural", Y_TRAIN, Y_TEST, 4, 7, groups=GROUPS, test_groups=TEST_GROUPS)
+    assert all(np.array_equal(a, b) for a, b in zip(part.train, again.train))     # the seed plays no part
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({}, "the data records none (datasets with natural clients: synthetic, wisdm)"),
+    ({"groups": GROUPS}, "the data records none"),
+    ({"groups": GROUPS[:-1], "test_groups": TEST_GROUPS}, "groups must give one user/device id per sample"),
+    ({"groups": GROUPS.astype(float), "test_groups": TEST_GROUPS}, "integer user/device ids"),
+    ({"groups": GROUPS, "test_groups": TEST_GROUPS, "num_clients": 3},
+     "num_clients = 3 is not valid for partition 'natural': the data has 4 users/devices"),
+    ({"groups": GROUPS, "test_groups": TEST_GROUPS, "test_ratio": 0.5},
+     "test_ratio = 0.5 is not valid for partition 'natural'"),
+    ({"groups": GROUPS, "test_groups": TEST_GROUPS, "min_train": 5000}, "min_train = 5000 is not reachable"),
+    ({"groups": GROUPS, "test_groups": np.full(len(Y_TEST), 4), "min_test": 1},
+     "min_test = 1 is not reachable: user 17 (client 1) has 0 test samples"),
+])
+def test_natural_refuses_what_it_cannot_do(kwargs, needle):
+    kwargs = {"num_clients": 4, **kwargs}
+    n = kwargs.pop("num_clients")
+    with pytest.raises(PartitionError) as e:
+        make_partition("natural", Y_TRAIN, Y_TEST, n, 0, **kwargs)
+    assert needle in str(e.value)
+
+
+def test_natural_on_the_synthetic_devices():
+    from fedprism.data.datasets import load_dataset
+
+    ds = load_dataset("synthetic", num_devices=6, seed=0)
+    part = make_partition("natural", ds.y_train.numpy(), ds.y_test.numpy(), 6, 0, groups=ds.groups,
+                          test_groups=ds.test_groups)
+    assert [len(t) for t in part.train] == np.bincount(ds.groups).tolist()
+    assert [len(t) for t in part.test] == np.bincount(ds.test_groups).tolist()

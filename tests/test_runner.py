@@ -161,3 +161,10 @@ def test_cli_run_json_and_error_exit(tmp_path, capsys):
     assert main(["run", "--db", db, "rounds=-3"]) == 2
     err = capsys.readouterr().err
     assert "rounds" in err and "-3" in err
+
+
+def test_final_metrics_when_no_evaluation_gave_a_value():
+    from fedprism.experiment.runner import final_metrics
+
+    f = final_metrics([{"local_acc": None, "global_acc": None, "bytes_up": 3}], 1.0)
+    assert f["local_acc"] is None and "best_local_acc" not in f and f["bytes_up"] == 3

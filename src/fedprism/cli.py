@@ -84,6 +84,13 @@ def cmd_sweep(args) -> int:
 def cmd_report(args) -> int:
     from fedprism.report import write_report
 
+    if args.partition_study:                     # partitions only: no store is read
+        from fedprism.report.partition_study import write_partition_study
+
+        for p in write_partition_study(args.partition_study, args.out, seeds=tuple(args.seed or (0, 1, 2)),
+                                       plots=not args.no_plots):
+            print(p)
+        return 0
     paths = write_report(args.db, args.out, sweep=args.sweep, plots=not args.no_plots, reference=args.reference,
                          html=args.html)
     for p in paths:
@@ -295,6 +302,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also write report.html: one self-contained page (plots embedded, no external files)")
     rp.add_argument("--reference", default=None,
                     help="put a published table next to ours, e.g. fedprism-paper-fmnist")
+    rp.add_argument("--partition-study", metavar="DATASET", default=None,
+                    help="instead of the store: Clust-PSI-PFL's partition figures for DATASET (WPSI and HD/JSD/EMD "
+                         "against alpha and S; silhouette curves and the chosen number of clusters against K)")
+    rp.add_argument("--seed", type=int, action="append", default=None,
+                    help="partition seeds of --partition-study (repeatable; default 0 1 2)")
     rp.set_defaults(fn=cmd_report)
 
     ru = with_db(sub.add_parser("runs", help="list the stored runs (read-only)"))
@@ -340,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     da = sub.add_parser("data", help="download or inspect datasets")
     da.add_argument("action", choices=("download", "info"))
-    da.add_argument("names", nargs="+", help="fmnist mnist cifar10 cifar100 svhn")
+    da.add_argument("names", nargs="+", help="fmnist mnist cifar10 cifar100 svhn usps wisdm")
     da.add_argument("--dest", default=None, help="target directory (default: the cache directory)")
     da.set_defaults(fn=cmd_data)
     return p

@@ -34,7 +34,8 @@ def _take(rows: Rows, index: torch.Tensor) -> Rows:
 
 
 def payload_bytes(rows: Rows) -> int:
-    """Bytes of every tensor of every row (the wire size of a payload, element sizes as stored)."""
+    """Bytes of every tensor of every row, element sizes as stored (the wire size of a payload that travels
+    as it is held; `Algorithm.wire_bytes` counts a method's own encoding)."""
     return int(sum(v.numel() * v.element_size() for v in rows.values()))
 
 
@@ -142,7 +143,8 @@ class Plan:
 class Update:
     """What came back from the clients that finished their work.
 
-    payload       the tensors they sent (checked against `Algorithm.upload`; counted in bytes_up)
+    payload       the tensors they sent (checked against `Algorithm.upload`; counted in bytes_up as they
+                  travel, `Algorithm.wire_bytes`)
     n_samples     [n] float64 train samples (metadata: a scalar per client, not counted)
     metrics       [n] per-client diagnostics (e.g. 'train_loss'; not counted)
     client_state  new rows of the clients' own state (stays on the client; never sent)

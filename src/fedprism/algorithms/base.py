@@ -18,6 +18,11 @@ side: in memory, in checkpoints, in a Flower node's state), `upload()` (name -> 
 tensor a client sends; anything else is rejected), `predictions` (alternative predictions the
 evaluation stores, for the report's headings).
 
+The wire: messages hold fixed-shape rows in memory; `encode(kind, row)` / `decode(kind, wire)` say how
+one client's row travels (default: as it is), and `wire_bytes(kind, rows)` counts it. The runner's
+`bytes_down` / `bytes_up` are `wire_bytes('plan', ...)` / `wire_bytes('update', ...)`, in process and on
+Flower alike, and the Flower codec sends the encoded rows (FedSub's sparse subnetworks).
+
 `cstate` is the clients' own rows of the declared client state ({} when none is declared);
 `client_update` returns the new rows in `Update.client_state` and never writes state by side effect.
 """
@@ -32,7 +37,7 @@ import torch
 from fedprism.errors import ConfigError
 from fedprism.hparams import Param
 from fedprism.protocol import (ClientState, Context, EvalResult, Inference, Plan, Rows, TensorSpec, Trainer,
-                               TrainJob, Update)
+                               TrainJob, Update, payload_bytes)
 
 __all__ = ["Algorithm", "ClientState", "Context", "EvalResult", "Inference", "Plan", "REGISTRY", "TensorSpec",
            "Trainer", "TrainJob", "Update", "register", "train_update"]
@@ -108,6 +113,29 @@ class Algorithm:
         """(down, up) bytes of a one-off exchange before round 0 that is not a round's payload (e.g. label
         counts every client reports once); the runner adds them to round 0's `bytes_down` / `bytes_up`."""
         return 0, 0
+
+    # -- the wire --------------------------------------------------------------------------------
+    #: the kinds of message a row belongs to: server -> client `plan`, client -> server `client_update`'s
+    #: payload, server -> client `eval_payload`
+    WIRE_KINDS: ClassVar[tuple[str, ...]] = ("plan", "update", "eval")
+
+    def encode(self, kind: str, row: Rows) -> Rows:
+        """One client's row ([1, ...] tensors) of a message of `kind` as it travels. Default: unchanged.
+        A method with a compact encoding returns other [1, ...] tensors, and `decode` must give the row
+        back exactly."""
+        return row
+
+    def decode(self, kind: str, wire: Rows) -> Rows:
+        """The row `encode` made `wire` from; ValueError naming the field when `wire` is malformed."""
+        return wire
+
+    def wire_bytes(self, kind: str, rows: Rows) -> int:
+        """Bytes of every client's row of a message of `kind` ([n, ...] tensors) as it travels (`encode`,
+        element sizes as stored): the runner's `bytes_down` ('plan') and `bytes_up` ('update')."""
+        if type(self).encode is Algorithm.encode:
+            return payload_bytes(rows)
+        n = len(next(iter(rows.values()))) if rows else 0
+        return sum(payload_bytes(self.encode(kind, {k: v[i:i + 1] for k, v in rows.items()})) for i in range(n))
 
     # -- the round -------------------------------------------------------------------------------
     def init_state(self) -> dict[str, Any]:

@@ -41,6 +41,12 @@ Decisions where the paper is silent or inconsistent (copy to the README):
   Configurations where P_i has weight 0 forever (components pure_global / global_cluster /
   pure_cluster, or full with fixed alpha and alpha + beta = 1) skip that training: it cannot change
   any number. Likewise the specialist is not trained when `inference_weight = 0` (it is never used).
+* `private_source=specialist` (default `own`): P_i and L_i are one persisted model. Algorithm 1 lines 7
+  and 10 apply the same update to the same initial value on the same data, so with the pseudocode's
+  deterministic gradient steps L_i^(t) = P_i^(t) at every t; what tells them apart in `own` is only that
+  they draw separate batch orders. Sharing them saves one of the three local trainings per participation
+  and one N x P client state (`tests/test_fedprism_dual.py` shows it equals `own` with the private
+  model trained on the specialist's batch order, bit for bit). Default `own` keeps the stored runs.
 * Initial values: G, every C_k, every P_i and every L_i start as the run's common initial model, so
   W_i = init in round 0 whatever the coefficients; alpha_i starts at `alpha` (0.9, with beta 0.1: the
   paper's "Full FedPrism" equals its alpha = 0.9, beta = 0.1 row, Tables 3/5); w_i uniform (1/K).
@@ -219,6 +225,10 @@ class FedPrismDual(FedPrism):
                             "alpha clipped to [0, 1]; gamma = 1 - alpha - beta, negative when alpha > 1 - beta)",
                             choices=("reading", "as_printed"), new=True),
         "components": Param("full", "which Prism components the backbone mixes", choices=COMPONENTS),
+        "private_source": Param("own", "own: P_i trained on its own batch order (stream 'private'); specialist: "
+                                "P_i is L_i (Algorithm 1 lines 7 and 10 are the same update of the same start on "
+                                "the same data), one training fewer per participation",
+                                choices=("own", "specialist"), new=True),
         "inference_weight": Param(None, "specialist weight at inference: auto (confidence routing, Eq. 2) "
                                   "or a fixed number in [0, 1]", _inference_weight_ok,
                                   "auto or a number in [0, 1]", eval_only=True),
@@ -233,6 +243,8 @@ class FedPrismDual(FedPrism):
     def __init__(self, ctx, **hp: Any):
         super().__init__(ctx, **hp)
         self.hp = {**self.hp, **_FIXED, "m": self.hp["m"] or self.hp["k"]}
+        if self.private_is_specialist:                      # one persisted model serves as P_i and L_i
+            self.client_state = {"expert": ClientState(("P",), init="model")}
 
     @classmethod
     def headline(cls, config: dict[str, Any]) -> str:
@@ -276,7 +288,14 @@ class FedPrismDual(FedPrism):
 
     @property
     def uses_expert(self) -> bool:
-        return self.hp["inference_weight"] != 0
+        return self.hp["inference_weight"] != 0 or self.private_is_specialist
+
+    @property
+    def private_is_specialist(self) -> bool:
+        return self.hp["private_source"] == "specialist"
+
+    def _private(self, cstate: dict) -> torch.Tensor:
+        return cstate["expert" if self.private_is_specialist else "private"]
 
     def mixing(self, alpha: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(global, cluster, private) coefficients [n] float64 for clients with global weights `alpha`."""
@@ -324,8 +343,10 @@ class FedPrismDual(FedPrism):
         S, new = plan.clients, {}
         if self.uses_expert:                                                  # Path A
             new["expert"] = trainer.train(TrainJob(S, cstate["expert"].clone(), stream="expert"), rnd).params
-        private = cstate["private"]
-        if self.uses_private:                                                 # Path B, step 1
+        private = self._private(cstate)
+        if self.private_is_specialist:                                        # step 1 is Path A's update
+            private = new.get("expert", private)
+        elif self.uses_private:                                               # Path B, step 1
             private = new["private"] = trainer.train(TrainJob(S, private.clone(), stream="private"), rnd).params
         start = self._add_private(plan.start, plan.payload["gamma"], private.to(plan.start.device))  # step 2
         t = trainer.train(TrainJob(S, start), rnd)
@@ -383,7 +404,7 @@ class FedPrismDual(FedPrism):
         the other `DIAGNOSTIC_TEMPERATURES` are stored as alternative predictions."""
         weight, T = self.hp["inference_weight"], self.hp["inference_temperature"]
         params = payload["params"]
-        backbone = self._add_private(params, payload["gamma"].reshape(-1), cstate["private"].to(params.device))
+        backbone = self._add_private(params, payload["gamma"].reshape(-1), self._private(cstate).to(params.device))
         if weight == 0:
             return Inference({"backbone": backbone})
         if weight == 1:

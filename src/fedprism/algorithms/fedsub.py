@@ -36,9 +36,9 @@ Decisions where the paper is silent or ambiguous:
   the first client update checks that the reconstructed forward pass equals the engine's logits).
 * Output layer. Class c's subnetwork holds row c of the last layer (weights and bias) and no other output
   row: LRP starts from logit c, and "positive activation" of a logit means nothing for the naive rule.
-* Masks are explicit. Every upload carries its neuron masks [C, U] (U = neurons with parameters), so a
-  trained weight that is exactly 0 is still part of a subnetwork (the paper reads relevance from
-  non-zero entries).
+* Masks are explicit. Every upload carries its neuron masks [C, U] (U = neurons with parameters; one bit
+  each on the wire, "Communication" below), so a trained weight that is exactly 0 is still part of a
+  subnetwork (the paper reads relevance from non-zero entries).
 * Eq. 6 / Eq. 7 "element-wise average among a set of parameter matrices": every element is averaged over
   the subnetworks (Eq. 6) or fused subnetworks (Eq. 7) whose mask contains it; averaging in the zeros of
   absent entries would shrink the weights.
@@ -66,12 +66,28 @@ Decisions where the paper is silent or ambiguous:
   every prototype its own cluster and Davies-Bouldin is undefined there.
 * All cached clients are clustered every round, sampled or not; the server's answer to a client that has
   never uploaded is empty (it keeps its model).
-* Communication. What travels is dense and fixed-shape (the simulator's rows and the Flower codec's arrays):
-  up, theta_k [P] with every entry outside the union of its masks zeroed (nothing outside a subnetwork
-  leaves the client), the masks [C, U] (uint8), the prototypes [C, d] and the scores [C]; down, U_k [P] and
-  its neuron mask [U]. The runner counts those bytes. The paper's Figure 6 counts each class subnetwork
-  separately; `subnetwork_bytes` gives that (and the size with shared parameters sent once) from the
-  uploaded masks, and `aggregate` records it every round (record `fedsub`).
+* Communication: sparse subnetworks (`encode` / `decode`; the runner counts `wire_bytes`, and the Flower
+  codec sends exactly these arrays, so the counted bytes are what travels). In memory the rows keep their
+  fixed shapes (theta_k [P] zero outside the union of its masks, masks [C, U] uint8; U_k [P] zero outside
+  its written neurons, write [U] uint8). One client's message travels as
+    up:    'masks'  the class masks [C, U] as bits, row-major (class by class, neuron by neuron in the
+                    flat vector's layer order), most significant bit first, zero-padded to whole bytes:
+                    ceil(C U / 8) bytes (uint8);
+           'params' the parameters of the neurons in the union of the masks (a neuron's weight row and
+                    bias), in the flat vector's order: 4 bytes each (float32); each kept parameter once,
+                    however many class subnetworks hold it;
+           'protos' [C, d] and 'scores' [C], dense (4 bytes each): every class's row travels, as
+                    `privacy.epsilon` releases every class's prototype;
+    down:  'write'  the written neurons [U] as bits, ceil(U / 8) bytes; 'values' the parameters of the
+                    written neurons, 4 bytes each (the same for the evaluation payload).
+  Decoding puts the values back at the neurons the bits name and zeros elsewhere, which is the row that
+  was encoded, bit for bit: a kept weight that is exactly 0 travels as a value (the mask, not the value,
+  says it is kept). A malformed message (bit string of another length, non-zero padding bits, another
+  number of values than the bits ask for) is refused naming the field. Per client up: 4 |union| +
+  ceil(C U / 8) + 4 C d + 4 C bytes, against 4 P for FedAvg's full model; down: 4 |written| +
+  ceil(U / 8). The paper's Figure 6 counts each class subnetwork separately (shared parameters once per
+  class); `subnetwork_bytes` gives that measure and the union's from the uploaded masks, and `aggregate`
+  records both every round (record `fedsub`).
 
 Defaults (paper, Section 4.3): one local epoch, all clients every round, SGD, equal reliability, the
 MLP input-128-512-classes (`model=mlp_fedsub`); Overlapping Components is the paper's best fusion and the
@@ -214,6 +230,55 @@ def subnetwork_bytes(masks: torch.Tensor, layout: Layout, value_bytes: int = 4) 
             "full_model": float(layout.size * value_bytes)}
 
 
+# -- the wire -------------------------------------------------------------------------------------------------
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """[1, ceil(n / 8)] uint8: the n entries of a bool mask (row-major), one bit each, most significant bit
+    first, zero-padded to whole bytes."""
+    return torch.from_numpy(np.packbits(mask.detach().cpu().reshape(-1).numpy().astype(bool)))[None]
+
+
+def _one_row(wire: dict, name: str, dtype: torch.dtype | None = None, floating: bool = False) -> torch.Tensor:
+    t = wire.get(name)
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"field {name!r} missing")
+    if t.dim() != 2 or t.shape[0] != 1:
+        raise ValueError(f"field {name!r}: one row [1, n] expected, got shape {tuple(t.shape)}")
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"field {name!r}: dtype {t.dtype}, expected {dtype}")
+    if floating and not t.is_floating_point():
+        raise ValueError(f"field {name!r}: dtype {t.dtype}, expected floating point")
+    return t[0]
+
+
+def unpack_bits(wire: dict, name: str, n: int) -> torch.Tensor:
+    """[n] bool from `pack_bits`'s bytes `wire[name]`; ValueError naming the field when the byte string has
+    another length than ceil(n / 8), another dtype than uint8, or a padding bit set."""
+    b = _one_row(wire, name, torch.uint8)
+    if b.numel() != (n + 7) // 8:
+        raise ValueError(f"field {name!r}: {b.numel()} bytes, expected ceil({n} / 8) = {(n + 7) // 8}")
+    bits = np.unpackbits(b.numpy())
+    if bits[n:].any():
+        raise ValueError(f"field {name!r}: padding bits after the {n} mask bits must be 0")
+    return torch.from_numpy(bits[:n].astype(bool))
+
+
+def sparse_values(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """[1, k]: the entries of `values` [P] where `keep` [P] bool, in flat order."""
+    return values[keep.to(values.device)].cpu()[None]
+
+
+def dense_values(wire: dict, name: str, keep: torch.Tensor) -> torch.Tensor:
+    """[1, P]: `wire[name]`'s values at the entries where `keep` [P] bool, zeros elsewhere; ValueError naming
+    the field when the number of values is not the number of kept entries."""
+    v = _one_row(wire, name, floating=True)
+    k = int(keep.sum())
+    if v.numel() != k:
+        raise ValueError(f"field {name!r}: {v.numel()} values, the mask keeps {k} parameters")
+    out = torch.zeros(keep.shape[0], dtype=v.dtype)
+    out[keep] = v
+    return out[None]
+
+
 # -- server side ----------------------------------------------------------------------------------------------
 def fuse(theta: torch.Tensor, masks: torch.Tensor, r: torch.Tensor, fusion: str, unit: torch.Tensor
          ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -337,6 +402,34 @@ class FedSub(Algorithm):
             vals.append(v)
             writes.append(w.to(torch.uint8))
         return {"values": torch.stack(vals), "write": torch.stack(writes)}
+
+    # -- the wire: sparse subnetworks (module docstring, "Communication") ---------------------------------------
+    def encode(self, kind: str, row: dict) -> dict:
+        if kind == "update":
+            masks = row["masks"][0].to(torch.bool)                                  # [C, U]
+            return {"params": sparse_values(row["params"][0], masks.any(0)[self.unit]), "masks": pack_bits(masks),
+                    "protos": row["protos"], "scores": row["scores"]}
+        if kind in ("plan", "eval"):
+            write = row["write"][0].to(torch.bool)                                  # [U]
+            return {"values": sparse_values(row["values"][0], write[self.unit]), "write": pack_bits(write)}
+        raise ValueError(f"kind must be one of {self.WIRE_KINDS}, got {kind!r}")
+
+    def decode(self, kind: str, wire: dict) -> dict:
+        C, U = self.ctx.num_classes, self.layout.units
+        names = {"update": ("masks", "params", "protos", "scores"), "plan": ("values", "write"),
+                 "eval": ("values", "write")}.get(kind)
+        if names is None:
+            raise ValueError(f"kind must be one of {self.WIRE_KINDS}, got {kind!r}")
+        odd = sorted(set(names) ^ set(wire))
+        if odd:
+            raise ValueError(f"field {odd[0]!r} {'missing' if odd[0] in names else 'unexpected'}: a FedSub {kind} "
+                             f"message holds {', '.join(names)}")
+        if kind == "update":                   # 'protos' and 'scores' travel dense (checked against `upload`)
+            masks = unpack_bits(wire, "masks", C * U).view(C, U)
+            return {"params": dense_values(wire, "params", masks.any(0)[self.unit]),
+                    "masks": masks.to(torch.uint8)[None], "protos": wire["protos"], "scores": wire["scores"]}
+        write = unpack_bits(wire, "write", U)
+        return {"values": dense_values(wire, "values", write[self.unit]), "write": write.to(torch.uint8)[None]}
 
     def integrate(self, w: torch.Tensor, payload: dict) -> torch.Tensor:
         """Alg. 1 line 13: the client's rows w [n, P] with U_k written where it has entries."""

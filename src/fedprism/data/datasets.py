@@ -3,7 +3,8 @@
 ``load_dataset(name)`` looks for the official files in :func:`search_paths` (never the network unless
 ``download=True``), parses them with numpy / scipy only, checks them (magic numbers, sizes, label
 ranges) and returns a :class:`Dataset` of float32 images normalised per channel,
-``(x / 255 - mean) / std``, laid out ``[N, C, H, W]`` (``[N, D]`` for tabular data).
+``(x / 255 - mean) / std``, laid out ``[N, C, H, W]`` (``[N, D]`` for tabular data). docs/datasets.md
+describes every dataset, where it is looked for and how each file is verified.
 
 The decoded uint8 arrays are cached as ``.npz`` under ``<cache_dir>/decoded/``, keyed by the dataset
 name and the names, sizes and mtimes of the source files, and carry a SHA-256 of their content: a cache
@@ -13,10 +14,16 @@ Pickle is used only for the official CIFAR "python version" batches, only from t
 names, and through an unpickler that refuses every global except the few numpy constructors those
 files need. ``digits`` (scikit-learn's bundled copy) and ``synthetic`` (FedProx's generator) need no
 files at all.
+
+``usps`` (Hull 1994, "A database for handwritten text recognition research") is read from LIBSVM's
+``usps.bz2`` / ``usps.t.bz2``; ``wisdm`` (Kwapisz, Weiss, Moore 2011, "Activity recognition using cell
+phone accelerometers") from ``WISDM_ar_latest.tar.gz`` through :mod:`fedprism.data.wisdm`, as 3-feature
+windows with each window's user in ``groups`` / ``test_groups`` (for ``partition=natural``).
 """
 
 from __future__ import annotations
 
+import bz2
 import codecs
 import gzip
 import hashlib
@@ -36,6 +43,7 @@ import torch
 
 from fedprism.data import download as _download
 from fedprism.data import integrity as _integrity
+from fedprism.data import wisdm as _wisdm
 from fedprism.errors import ConfigError, DataError
 
 __all__ = [
@@ -48,7 +56,10 @@ __all__ = [
     "generate_synthetic",
 ]
 
-DATASETS = ("fmnist", "mnist", "cifar10", "cifar100", "svhn", "digits", "synthetic")
+DATASETS = ("fmnist", "mnist", "cifar10", "cifar100", "svhn", "usps", "digits", "synthetic", "wisdm")
+
+NATURAL_CLIENTS = ("synthetic", "wisdm")
+"""Datasets whose samples carry their natural client (device or user) in ``groups`` / ``test_groups``."""
 
 DEBIAN_FMNIST = Path("/usr/share/datasets/fashion-mnist")
 """Where Debian's ``dataset-fashion-mnist`` package installs the gzipped IDX files."""
@@ -61,23 +72,28 @@ NORMALIZATION: dict[str, tuple[tuple[float, ...], tuple[float, ...]]] = {
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
     "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
     "svhn": ((0.4377, 0.4438, 0.4728), (0.1980, 0.2010, 0.1970)),
+    # the values in common use with torchvision's USPS pixels (the conversion read_usps copies); not
+    # recomputed here
+    "usps": ((0.2469,), (0.2989,)),
     "digits": ((0.3053,), (0.3760,)),  # of images / 16 over all 1797 digits
 }
-"""Per-channel (mean, std) of the images scaled to [0, 1] (training-set statistics)."""
+"""Per-channel (mean, std) of the images scaled to [0, 1] (training-set statistics). ``wisdm`` is
+standardised with its own training windows' per-axis mean and std at load time instead."""
 
 FMNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
                   "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
 _DIGIT_CLASSES = tuple(str(i) for i in range(10))
-_NUM_CLASSES = {"fmnist": 10, "mnist": 10, "cifar10": 10, "cifar100": 100, "svhn": 10}
+_NUM_CLASSES = {"fmnist": 10, "mnist": 10, "cifar10": 10, "cifar100": 100, "svhn": 10, "usps": 10}
 
 
 @dataclass
 class Dataset:
     """A labelled dataset in memory: normalised float32 inputs, int64 labels, class names.
 
-    ``groups`` / ``test_groups`` give each sample's natural device (``synthetic`` only, else None), so a
-    partitioner can use the generator's own devices. ``mean`` / ``std`` are the per-channel constants
-    the images were normalised with (empty for tabular data); ``source`` says where the data came from.
+    ``groups`` / ``test_groups`` give each sample's natural client (``synthetic``: the generator's device,
+    ``wisdm``: the user; else None), which ``partition=natural`` uses. ``mean`` / ``std`` are the
+    per-channel constants the images were normalised with (per feature for ``wisdm``; empty for data
+    left unnormalised); ``source`` says where the data came from.
     """
 
     name: str
@@ -91,7 +107,8 @@ class Dataset:
     mean: tuple[float, ...] = ()
     std: tuple[float, ...] = ()
     source: str = ""
-    integrity: dict[str, str] | None = None     # file -> 'sha256 verified' | 'unverified: ...' (files only)
+    #: file -> 'sha256 verified...' | 'md5 verified...' | 'unverified: ...' (datasets read from files only)
+    integrity: dict[str, str] | None = None
 
     def __post_init__(self) -> None:
         if len(self.x_train) != len(self.y_train) or len(self.x_test) != len(self.y_test):
@@ -198,6 +215,7 @@ _CIFAR = {
                              "meta", b"fine_labels", b"fine_label_names"),
 }
 _SVHN_FILES = {"train": "train_32x32.mat", "test": "test_32x32.mat"}
+_USPS_FILES = {"train": "usps", "test": "usps.t"}
 
 
 def _find_idx(d: Path) -> dict[str, Path] | str:
@@ -235,6 +253,26 @@ def _find_svhn(d: Path) -> dict[str, Path] | str:
     return {k: d / f for k, f in _SVHN_FILES.items()}
 
 
+def _find_usps(d: Path) -> dict[str, Path] | str:
+    found, missing = {}, []
+    for key, base in _USPS_FILES.items():
+        hit = next((p for p in (d / f"{base}.bz2", d / base) if p.is_file()), None)
+        if hit is None:
+            missing.append(f"{base}[.bz2]")
+        else:
+            found[key] = hit
+    if not found:
+        return "no usps[.bz2] / usps.t[.bz2] files"
+    return f"incomplete: missing {', '.join(missing)}" if missing else found
+
+
+def _find_wisdm(d: Path) -> dict[str, Path] | str:
+    for p in (d / _wisdm.ARCHIVE, d / _wisdm.MEMBER, d / _wisdm.RAW_FILE):
+        if p.is_file():
+            return {"archive" if p.name == _wisdm.ARCHIVE else "raw": p}
+    return f"no {_wisdm.ARCHIVE} and no {_wisdm.RAW_FILE}"
+
+
 def _find(name: str, d: Path) -> dict[str, Path] | str:
     if not d.is_dir():
         return "no such folder"
@@ -242,6 +280,10 @@ def _find(name: str, d: Path) -> dict[str, Path] | str:
         return _find_idx(d)
     if name in _CIFAR:
         return _find_cifar(_CIFAR[name], d)
+    if name == "usps":
+        return _find_usps(d)
+    if name == "wisdm":
+        return _find_wisdm(d)
     return _find_svhn(d)
 
 
@@ -251,6 +293,10 @@ def _needed(name: str) -> str:
     if name in _CIFAR:
         lay = _CIFAR[name]
         return f"{lay.archive}, or the folder {lay.folder}/ with {', '.join(lay.members)}"
+    if name == "usps":
+        return "usps.bz2, usps.t.bz2 (LIBSVM format; also accepted decompressed as usps, usps.t)"
+    if name == "wisdm":
+        return f"{_wisdm.ARCHIVE}, or {_wisdm.RAW_FILE} (on its own or in WISDM_ar_v1.1/)"
     return ", ".join(_SVHN_FILES.values())
 
 
@@ -272,7 +318,11 @@ def _missing_error(name: str, looked: list[tuple[Path, str]]) -> DataError:
     lines = [f"dataset '{name}' not found. Looked in:"]
     lines += [f"  - {p}  ({why})" for p, why in looked]
     lines.append(f"Needed files: {_needed(name)}.")
-    lines.append(f"Download them (checksum-verified) with:\n    fedprism data download {name}")
+    if name == "wisdm":
+        lines.append("Download them (no checksum is published: the first download is recorded and later "
+                     f"ones are checked against it) with:\n    fedprism data download {name}")
+    else:
+        lines.append(f"Download them (checksum-verified) with:\n    fedprism data download {name}")
     if name == "fmnist":
         lines.append("or, on Debian/Ubuntu:\n    sudo apt-get install dataset-fashion-mnist")
     lines.append("or copy them into one of the folders above (set $FEDPRISM_DATA or pass root=...).")
@@ -463,6 +513,79 @@ def _decode_svhn(files: dict[str, Path]) -> _Raw:
     return _Raw(*_svhn_mat(files["train"]), *_svhn_mat(files["test"]), list(_DIGIT_CLASSES))
 
 
+# -------------------------------------------------------------------------------------------- USPS
+
+_USPS_SIDE = 16
+
+
+def read_usps(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
+    """Parse a LIBSVM-format USPS file (bzip2-compressed or plain, detected by content).
+
+    Each line is ``label index:value ...`` with labels 1..10 (digit = label - 1) and up to 256 features
+    with indices 1..256 in increasing order and values in [-1, 1]; an absent index is 0 (the LIBSVM
+    sparse convention). Pixels are ``uint8(float32((v + 1) / 2 * 255))``, truncated as torchvision's
+    ``USPS`` class does, so the normalisation constants in common use apply. Returns uint8 images
+    [N, 1, 16, 16] and int64 labels 0..9; a malformed line is a :class:`DataError` naming the file, the
+    line number and the bad token.
+    """
+    path = Path(path)
+    bz = False
+    try:
+        with open(path, "rb") as f:
+            bz = f.read(3) == b"BZh"
+        with (bz2.open(path, "rb") if bz else open(path, "rb")) as f:
+            data = f.read()
+    except (OSError, EOFError, ValueError) as e:  # bz2: OSError 'Invalid data stream', EOFError if cut
+        what = "corrupt or truncated bzip2 stream" if bz else "cannot read file"
+        raise DataError(f"{path}: {what} ({type(e).__name__}: {e}); download it again") from e
+    try:
+        text = data.decode("ascii")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: byte {e.start} is not ASCII; not a LIBSVM text file") from None
+    dim = _USPS_SIDE * _USPS_SIDE
+    rows: list[np.ndarray] = []
+    labels: list[int] = []
+    for no, line in enumerate(text.splitlines(), 1):
+        tokens = line.split()
+        if not tokens:
+            continue
+        where = f"{path}: line {no}"
+        try:
+            label = int(tokens[0])
+        except ValueError:
+            raise DataError(f"{where}: label {tokens[0][:40]!r} is not an integer 1..10") from None
+        if not 1 <= label <= 10:
+            raise DataError(f"{where}: label {label} is out of range; USPS labels are 1..10")
+        row = np.zeros(dim, np.float32)
+        last = 0
+        for tok in tokens[1:]:
+            idx_s, sep, val_s = tok.partition(":")
+            try:
+                if not sep:
+                    raise ValueError
+                idx, val = int(idx_s), float(val_s)
+            except ValueError:
+                raise DataError(f"{where}: feature {tok[:40]!r} is not index:value") from None
+            if not last < idx <= dim:
+                raise DataError(f"{where}: feature index {idx} is not valid: indices run 1..{dim}, "
+                                f"increasing (previous {last})")
+            if not -1.0 - 1e-6 <= val <= 1.0 + 1e-6:  # also refuses nan
+                raise DataError(f"{where}: feature {idx} = {val_s[:40]!r} is outside [-1, 1]")
+            row[idx - 1] = val
+            last = idx
+        rows.append(row)
+        labels.append(label - 1)
+    if not rows:
+        raise DataError(f"{path}: no samples; the file is empty or truncated, download it again")
+    x = np.clip(np.stack(rows), np.float32(-1), np.float32(1))
+    pixels = ((x + np.float32(1)) / np.float32(2) * np.float32(255)).astype(np.uint8)
+    return pixels.reshape(-1, 1, _USPS_SIDE, _USPS_SIDE), np.asarray(labels, np.int64)
+
+
+def _decode_usps(files: dict[str, Path]) -> _Raw:
+    return _Raw(*read_usps(files["train"]), *read_usps(files["test"]), list(_DIGIT_CLASSES))
+
+
 # ------------------------------------------------------------------------------------------- cache
 
 
@@ -514,23 +637,124 @@ def _read_cache(path: Path, name: str) -> _Raw | None:
     return raw
 
 
-def _write_cache(path: Path, raw: _Raw) -> None:
+def _save_npz(path: Path, **arrays: np.ndarray) -> None:
     """Write atomically (temporary file + rename); a cache that cannot be written is only a warning."""
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".part", dir=path.parent)
         with os.fdopen(fd, "wb") as f:
-            np.savez(f, x_train=raw.x_train, y_train=raw.y_train, x_test=raw.x_test, y_test=raw.y_test,
-                     classes=np.array(raw.classes, dtype=str), digest=np.array(_digest(raw)))
+            np.savez(f, **arrays)
         os.chmod(tmp, 0o644)  # mkstemp creates 0600
         os.replace(tmp, path)
         tmp = None
     except OSError as e:
-        warnings.warn(f"could not write dataset cache {path}: {e}", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"could not write dataset cache {path}: {e}", RuntimeWarning, stacklevel=4)
     finally:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
+
+
+def _write_cache(path: Path, raw: _Raw) -> None:
+    _save_npz(path, x_train=raw.x_train, y_train=raw.y_train, x_test=raw.x_test, y_test=raw.y_test,
+              classes=np.array(raw.classes, dtype=str), digest=np.array(_digest(raw)))
+
+
+# ------------------------------------------------------------------------------------------- WISDM
+
+_WINDOW_KEYS = ("features", "labels", "users", "skipped")
+
+
+def _window_digest(arrays: dict[str, np.ndarray]) -> str:
+    h = hashlib.sha256(b"wisdm-windows")
+    for key in _WINDOW_KEYS:
+        a = np.ascontiguousarray(arrays[key])
+        h.update(f"{key}{a.dtype.str}{a.shape}".encode())
+        h.update(a.data)
+    return h.hexdigest()
+
+
+def _check_windows(arrays: dict[str, np.ndarray], where: object) -> None:
+    f, y, u = arrays["features"], arrays["labels"], arrays["users"]
+    n = len(f)
+    if f.dtype != np.float32 or f.ndim != 2 or f.shape[1] != 3 or y.shape != (n,) or u.shape != (n,):
+        raise DataError(f"{where}: windows have features {f.dtype} {f.shape}, labels {y.shape}, "
+                        f"users {u.shape}")
+    if len(y) and (y.min() < 0 or y.max() >= len(_wisdm.ACTIVITIES)):
+        raise DataError(f"{where}: activity labels must lie in 0..{len(_wisdm.ACTIVITIES) - 1}, "
+                        f"found {y.min()}..{y.max()}")
+    if not np.isfinite(f).all():
+        raise DataError(f"{where}: non-finite window features")
+
+
+def _read_windows_cache(path: Path) -> dict[str, np.ndarray] | None:
+    """The cached windows, or None when absent; a cache that fails any check is ignored with a warning."""
+    if not path.is_file():
+        return None
+    try:
+        with open(path, "rb") as f, np.load(f, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in _WINDOW_KEYS}
+            stored = str(z["digest"])
+        if stored != _window_digest(arrays):
+            raise ValueError("content digest mismatch")
+        _check_windows(arrays, path)
+    except Exception as e:  # zipfile.BadZipFile, KeyError, ValueError, OSError, EOFError, DataError
+        warnings.warn(f"ignoring corrupt dataset cache {path} ({type(e).__name__}: {e}); rebuilding it",
+                      RuntimeWarning, stacklevel=4)
+        return None
+    return arrays
+
+
+def _wisdm_windows(files: dict[str, Path], cache: Path | None) -> dict[str, np.ndarray]:
+    """1-second windows (features [m, 3], labels, users) of the raw file, through the decoded cache."""
+    cfile = _cache_file("wisdm", files, cache) if cache is not None else None
+    arrays = _read_windows_cache(cfile) if cfile is not None else None
+    if arrays is not None:
+        return arrays
+    path = files.get("archive") or files["raw"]
+    if "archive" in files:
+        text = _wisdm.read_archive(path)
+    else:
+        try:
+            if path.stat().st_size > _wisdm.MAX_RAW_BYTES:
+                raise DataError(f"{path}: {path.stat().st_size} bytes, more than the {_wisdm.MAX_RAW_BYTES} "
+                                f"accepted; not {_wisdm.RAW_FILE}")
+            text = path.read_text(encoding="utf-8", errors="replace")
+        except OSError as e:
+            raise DataError(f"{path}: cannot read file ({e.strerror or e})") from None
+    users, labels, xyz, skipped = _wisdm.parse_raw(text)
+    features, y, u = _wisdm.windows(users, labels, xyz)
+    if len(y) == 0:
+        raise DataError(f"{path}: no complete window of {_wisdm.RATE_HZ} readings of one user and activity "
+                        f"({len(users)} records parsed, {skipped} skipped); not the WISDM raw data")
+    arrays = {"features": features, "labels": y, "users": u, "skipped": np.array(skipped, np.int64)}
+    _check_windows(arrays, path)
+    if cfile is not None:
+        _save_npz(cfile, **arrays, digest=np.array(_window_digest(arrays)))
+    return arrays
+
+
+def _load_wisdm(files: dict[str, Path], where: Path, cache: Path | None, seed: int,
+                test_fraction: float) -> Dataset:
+    """Windows split per user (`wisdm.split_by_user`), standardised with the training windows' per-axis
+    mean and std; each window's user goes to ``groups`` / ``test_groups``."""
+    arrays = _wisdm_windows(files, cache)
+    x, y, users = arrays["features"], arrays["labels"], arrays["users"]
+    tr, te = _wisdm.split_by_user(y, users, seed=seed, test_fraction=test_fraction)
+    if len(tr) == 0:
+        raise DataError(f"{where}: no training windows left with test_fraction={test_fraction} "
+                        f"({len(y)} windows in all)")
+    mean = x[tr].astype(np.float64).mean(axis=0)
+    std = x[tr].astype(np.float64).std(axis=0)
+    std[std == 0] = 1.0
+    xs = ((x - mean) / std).astype(np.float32)
+    return Dataset(name="wisdm",
+                   x_train=torch.from_numpy(xs[tr]), y_train=torch.from_numpy(y[tr].astype(np.int64)),
+                   x_test=torch.from_numpy(xs[te]), y_test=torch.from_numpy(y[te].astype(np.int64)),
+                   classes=list(_wisdm.ACTIVITIES), groups=users[tr].astype(np.int64),
+                   test_groups=users[te].astype(np.int64),
+                   mean=tuple(float(v) for v in mean), std=tuple(float(v) for v in std),
+                   source=f"{where} ({int(arrays['skipped'])} malformed records skipped)")
 
 
 # ---------------------------------------------------------------------------------- to tensors
@@ -665,6 +889,7 @@ def generate_synthetic(alpha: float = 1.0, beta: float = 1.0, num_devices: int =
 _OPTIONS: dict[str, tuple[str, ...]] = {
     "digits": ("seed", "test_fraction"),
     "synthetic": ("alpha", "beta", "num_devices", "seed", "test_fraction", "iid"),
+    "wisdm": ("seed", "test_fraction"),
 }
 
 
@@ -675,6 +900,8 @@ def _decoder(name: str, scratch: Path) -> Callable[[dict[str, Path]], _Raw]:
         return lambda files: _decode_idx(files, _DIGIT_CLASSES)
     if name in _CIFAR:
         return lambda files: _decode_cifar(name, files, scratch)
+    if name == "usps":
+        return _decode_usps
     return _decode_svhn
 
 
@@ -689,7 +916,8 @@ def load_dataset(name: str, root: str | Path | None = None, download: bool = Fal
     FMNIST, FedPrism paper 4.3). ``cache_dir`` holds the decoded-array cache and the temporary CIFAR
     extraction (default ``$FEDPRISM_CACHE`` or ``~/.cache/fedprism``; ``False`` disables the cache).
     Extra options: ``digits`` takes ``seed``, ``test_fraction``; ``synthetic`` takes those of
-    :func:`generate_synthetic`.
+    :func:`generate_synthetic`; ``wisdm`` takes ``seed`` (0) and ``test_fraction`` (0.2) of its per-user
+    split (:func:`fedprism.data.wisdm.split_by_user`).
     """
     name = _check_name(name)
     for key, value in (("download", download), ("pad32", pad32)):
@@ -706,6 +934,12 @@ def load_dataset(name: str, root: str | Path | None = None, download: bool = Fal
         if pad32:
             raise ConfigError("pad32", pad32, "false for the synthetic (tabular) dataset")
         return generate_synthetic(**kw)  # type: ignore[arg-type]
+    if name == "wisdm":
+        if pad32:
+            raise ConfigError("pad32", pad32, "false for the wisdm (tabular) dataset")
+        split = {"seed": _int_kw("seed", kw.get("seed", 0), 0),
+                 "test_fraction": _float_kw("test_fraction", kw.get("test_fraction", 0.2), 0.0, 1.0,
+                                            open_low=True)}
 
     found = _locate(name, root)
     if isinstance(found, list) and download:
@@ -722,6 +956,10 @@ def load_dataset(name: str, root: str | Path | None = None, download: bool = Fal
         cache = _download.cache_root()
     else:
         cache = Path(cache_dir).expanduser()
+    if name == "wisdm":
+        ds = _load_wisdm(files, where, cache, **split)
+        ds.integrity = integrity
+        return ds
     scratch = cache if cache is not None else Path(tempfile.gettempdir())
     cfile = _cache_file(name, files, cache) if cache is not None else None
     raw = _read_cache(cfile, name) if cfile is not None else None

@@ -6,19 +6,31 @@ This is the only module of fedprism that touches the network, and only when the 
 Each file is streamed to a temporary ``<name>.<random>.part`` file in the destination folder while its
 SHA-256 and MD5 are computed; only when every known checksum matches is it renamed (atomically) to its
 final name. A mismatch deletes the partial file and raises :class:`DataError`, so the destination never
-holds an unverified file.
+holds a file that failed verification.
 
-Checksums: the MD5 values are the ones the dataset authors and torchvision publish; the SHA-256 values
-are the ones published by Keras (CIFAR), the torchvision prototype datasets (CIFAR-100, SVHN) and
-several independent checksum lists (MNIST, Fashion-MNIST), cross-checked against each other. Both are
-verified when known.
+Checksum policy, one of three per file (a :class:`RemoteFile` must declare one; a file with no checksum
+and no trust-on-first-use declaration is refused when it is defined):
+
+* **pinned SHA-256 and MD5** (fmnist, mnist, cifar10, cifar100, svhn): the MD5 values are the ones the
+  dataset authors and torchvision publish; the SHA-256 values are the ones published by Keras (CIFAR),
+  the torchvision prototype datasets (CIFAR-100, SVHN) and several independent checksum lists (MNIST,
+  Fashion-MNIST), cross-checked against each other. Both are verified.
+* **pinned MD5 only** (usps): only an MD5 is published (torchvision's ``USPS`` dataset class and other
+  independent loaders list the same values). It is verified at download and at every load; MD5 catches
+  corrupt and truncated files but is no defence against a deliberately crafted substitute.
+* **trust on first use** (wisdm): no checksum of ``WISDM_ar_latest.tar.gz`` is published. The first
+  download records the file's size, SHA-256 and MD5 in ``<file>.tofu.json`` next to it; every later
+  download and every load is checked against that record (``fedprism.data.integrity``). The first copy
+  itself is trusted unverified; delete both files to start over.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import tempfile
+import time
 import urllib.request
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -27,7 +39,8 @@ from typing import IO
 
 from fedprism.errors import ConfigError, DataError
 
-__all__ = ["RemoteFile", "REMOTE", "cache_root", "download_dir", "download", "fetch", "file_digests"]
+__all__ = ["RemoteFile", "REMOTE", "cache_root", "download_dir", "download", "fetch", "file_digests",
+           "tofu_record_path", "read_tofu_record"]
 
 Opener = Callable[..., IO[bytes]]
 """``opener(url, timeout=...)`` returning a readable binary stream usable in a ``with`` statement
@@ -39,21 +52,37 @@ _USER_AGENT = "fedprism-dataset-download/1 (+urllib)"
 
 @dataclass(frozen=True)
 class RemoteFile:
-    """One file to download: its local name, the mirrors to try in order, and its known checksums."""
+    """One file to download: its local name, the mirrors to try in order, and how it is verified.
+
+    ``sha256`` / ``md5``: published checksums (every one given is verified). ``tofu=True`` declares that
+    none is published: the first download is recorded and later ones must match the record. A file
+    must have a checksum or ``tofu=True``, never both, never neither.
+    """
 
     filename: str
     urls: tuple[str, ...]
     sha256: str | None = None
     md5: str | None = None
+    tofu: bool = False
 
     def __post_init__(self) -> None:
         if not self.urls:
             raise ValueError(f"RemoteFile {self.filename!r} needs at least one URL")
         if Path(self.filename).name != self.filename or self.filename in ("", ".", ".."):
             raise ValueError(f"RemoteFile filename must be a plain file name, got {self.filename!r}")
+        for algo, length in (("sha256", 64), ("md5", 32)):
+            value = getattr(self, algo)
+            if value is not None and (len(value) != length or any(c not in "0123456789abcdefABCDEF"
+                                                                  for c in value)):
+                raise ValueError(f"RemoteFile {self.filename!r}: {algo} must be {length} hex digits, "
+                                 f"got {value!r}")
+        pinned = self.sha256 is not None or self.md5 is not None
+        if pinned == bool(self.tofu):
+            raise ValueError(f"RemoteFile {self.filename!r} needs a published checksum (sha256 and/or md5) "
+                             "or tofu=True when none is published, not both and not neither")
 
 
-def _mirrored(filename: str, bases: Sequence[str], sha256: str, md5: str) -> RemoteFile:
+def _mirrored(filename: str, bases: Sequence[str], sha256: str | None, md5: str) -> RemoteFile:
     return RemoteFile(filename, tuple(b + filename for b in bases), sha256=sha256, md5=md5)
 
 
@@ -65,6 +94,7 @@ _MNIST_MIRRORS = (
     "https://ossci-datasets.s3.amazonaws.com/mnist/",
     "https://storage.googleapis.com/cvdf-datasets/mnist/",
 )
+_LIBSVM_MULTICLASS = ("https://www.csie.ntu.edu.tw/~cjlin/libsvmtools/datasets/multiclass/",)
 
 REMOTE: dict[str, tuple[RemoteFile, ...]] = {
     "fmnist": (
@@ -113,6 +143,17 @@ REMOTE: dict[str, tuple[RemoteFile, ...]] = {
                   "cdce80dfb2a2c4c6160906d0bd7c68ec5a99d7ca4831afa54f09182025b6a75b",
                   "eb5a983be6a315427106f1b164d9cef3"),
     ),
+    # MD5 only: no SHA-256 is published (torchvision's USPS class lists these MD5 values)
+    "usps": (
+        _mirrored("usps.bz2", _LIBSVM_MULTICLASS, None, "ec16c51db3855ca6c91edd34d0e9b197"),
+        _mirrored("usps.t.bz2", _LIBSVM_MULTICLASS, None, "8ea070ee2aca1ac39742fdd1ef5ed118"),
+    ),
+    # no checksum is published: trust on first use (see the module docstring)
+    "wisdm": (
+        RemoteFile("WISDM_ar_latest.tar.gz",
+                   ("https://www.cis.fordham.edu/wisdm/includes/datasets/latest/WISDM_ar_latest.tar.gz",),
+                   tofu=True),
+    ),
 }
 """Official files of every downloadable dataset (``digits`` and ``synthetic`` need no download)."""
 
@@ -139,12 +180,74 @@ def file_digests(path: str | Path) -> dict[str, str]:
 
 
 def _mismatch(remote: RemoteFile, digests: dict[str, str]) -> str | None:
-    """Describe the first checksum that does not match, or None when all known ones match."""
+    """Describe the first published checksum that does not match, or None when all of them match.
+
+    Only the checksums given are compared: a file with an MD5 alone is checked by its MD5 alone. A file
+    with none (``tofu=True``) is checked against its first-use record by :func:`fetch` instead.
+    """
     for algo in ("sha256", "md5"):
         expected = getattr(remote, algo)
         if expected is not None and digests[algo] != expected.lower():
             return f"{algo.upper()} mismatch: expected {expected.lower()}, got {digests[algo]}"
     return None
+
+
+# ----------------------------------------------------------------------------- trust on first use
+
+_TOFU_SUFFIX = ".tofu.json"
+
+
+def tofu_record_path(path: str | Path) -> Path:
+    """Where the trust-on-first-use record of a downloaded file lives: ``<file>.tofu.json`` beside it."""
+    path = Path(path)
+    return path.with_name(path.name + _TOFU_SUFFIX)
+
+
+def read_tofu_record(path: str | Path) -> dict | None:
+    """The first-use record of file ``path`` ({file, size, sha256, md5, url, recorded}), or None when
+    there is none. A record that cannot be read or lacks a field is a :class:`DataError` naming it."""
+    rec_path = tofu_record_path(path)
+    if not rec_path.is_file():
+        return None
+    try:
+        rec = json.loads(rec_path.read_text(encoding="utf-8"))
+        ok = (isinstance(rec, dict) and rec.get("file") == Path(path).name
+              and isinstance(rec.get("size"), int) and not isinstance(rec.get("size"), bool)
+              and isinstance(rec.get("sha256"), str) and len(rec["sha256"]) == 64
+              and int(rec["sha256"], 16) >= 0)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
+        raise DataError(f"{rec_path}: cannot read the trust-on-first-use record ({type(e).__name__}: {e}); "
+                        f"delete it and {Path(path).name}, then download again") from None
+    if not ok:
+        raise DataError(f"{rec_path}: not a trust-on-first-use record of {Path(path).name} (needs 'file', "
+                        f"an integer 'size' and a 64-hex-digit 'sha256'); delete it and {Path(path).name}, "
+                        "then download again")
+    return rec
+
+
+def _record_mismatch(rec: dict, size: int, digests: dict[str, str]) -> str | None:
+    if size != rec["size"]:
+        return (f"size {size} bytes differs from the {rec['size']} bytes recorded on first use "
+                f"({rec.get('recorded')})")
+    if digests["sha256"] != rec["sha256"].lower():
+        return (f"SHA-256 mismatch with the first-use record ({rec.get('recorded')}): expected "
+                f"{rec['sha256'].lower()}, got {digests['sha256']}")
+    return None
+
+
+def _write_tofu_record(final: Path, size: int, digests: dict[str, str], url: str) -> None:
+    rec = {"file": final.name, "size": size, "sha256": digests["sha256"], "md5": digests["md5"], "url": url,
+           "recorded": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "policy": "trust on first use: no published checksum; later downloads and loads must match"}
+    rec_path = tofu_record_path(final)
+    fd, tmp = tempfile.mkstemp(prefix=rec_path.name + ".", suffix=".part", dir=rec_path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(rec, f, indent=1)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, rec_path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
 
 
 def _default_opener(url: str, timeout: float) -> IO[bytes]:
@@ -157,28 +260,43 @@ def fetch(remote: RemoteFile, dest_dir: str | Path, *, opener: Opener | None = N
     """Download one file into ``dest_dir`` (trying each mirror in turn) and verify it.
 
     A file already present with matching checksums is kept as is (one that does not match is replaced
-    only by a verified download). Raises :class:`DataError` naming every mirror tried and what went
-    wrong; a failed download leaves nothing new at the destination.
+    only by a verified download). For a ``tofu`` file the checksums are those of its first-use record
+    (:func:`tofu_record_path`); without a record the download is trusted and recorded. Raises
+    :class:`DataError` naming every mirror tried and what went wrong; a failed download leaves nothing
+    new at the destination.
     """
     dest_dir = Path(dest_dir)
     dest_dir.mkdir(parents=True, exist_ok=True)
     final = dest_dir / remote.filename
-    if final.is_file() and _mismatch(remote, file_digests(final)) is None:
-        return final
+    record = read_tofu_record(final) if remote.tofu else None
+    if final.is_file():
+        if remote.tofu:
+            size = final.stat().st_size
+            if record is not None and _record_mismatch(record, size, file_digests(final)) is None:
+                return final
+        elif _mismatch(remote, file_digests(final)) is None:
+            return final
     open_url = opener or _default_opener
     problems: list[str] = []
     for url in remote.urls:
         fd, tmp_name = tempfile.mkstemp(prefix=remote.filename + ".", suffix=".part", dir=dest_dir)
         tmp = Path(tmp_name)
         try:
-            sha, md5 = hashlib.sha256(), hashlib.md5(usedforsecurity=False)
+            sha, md5, size = hashlib.sha256(), hashlib.md5(usedforsecurity=False), 0
             with os.fdopen(fd, "wb") as out, open_url(url, timeout=timeout) as response:
                 for chunk in iter(lambda: response.read(_CHUNK), b""):
                     out.write(chunk)
                     sha.update(chunk)
                     md5.update(chunk)
-            problem = _mismatch(remote, {"sha256": sha.hexdigest(), "md5": md5.hexdigest()})
+                    size += len(chunk)
+            digests = {"sha256": sha.hexdigest(), "md5": md5.hexdigest()}
+            if remote.tofu:
+                problem = _record_mismatch(record, size, digests) if record is not None else None
+            else:
+                problem = _mismatch(remote, digests)
             if problem is None:
+                if remote.tofu and record is None:
+                    _write_tofu_record(final, size, digests, url)   # before the file: never a file without it
                 os.chmod(tmp, 0o644)  # mkstemp creates 0600
                 os.replace(tmp, final)
                 return final

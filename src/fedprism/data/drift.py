@@ -13,6 +13,14 @@ local test follows what the client currently sees and a returning class shows up
 as in the paper, where the drops in F1 come when classes are reintroduced. The global test set never
 changes. The schedule is a pure function of (seed, the partition's label counts, the three keys), drawn from
 its own random stream, and is stored with round 0 of the run (records `drift`).
+
+One schedule, two places that apply it: the in-process runner (`Experiment.apply_drift`, over the whole
+federation) and every Flower node (`fedprism.flower.node`, over its own client's slice) build it with
+`fedprism.experiment.runner.drift_schedule` from the same config and partition, and give their engine
+round t's rows through the same `DriftedData.apply`; the node learns t from the message it answers (a
+train message's `round`, an evaluation message's `round`). The Flower server, which holds no client
+rows, takes each split's size in round t from `split_sizes` (the sizes it checks evaluation replies
+against) and stores the same `drift` records and `drift_removed` metric as the in-process runner.
 """
 
 from __future__ import annotations
@@ -38,8 +46,66 @@ class DriftSchedule:
         gone = self.removed(rnd)
         return [i[~np.isin(y[i], gone[k])] if k in gone else i for k, i in enumerate(idx)]
 
+    def key(self, rnd: int) -> tuple:
+        """The removed classes of round `rnd` as one hashable value: the clients' rows change exactly when
+        it does."""
+        return tuple(sorted((k, tuple(v)) for k, v in self.removed(rnd).items()))
+
+    def absent(self, rnd: int) -> int:
+        """The number of absent (client, class) pairs in round `rnd` (the metric `drift_removed`)."""
+        return sum(len(v) for v in self.removed(rnd).values())
+
+    def split_rows(self, fed, rnd: int) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray] | None]:
+        """(train, local test, validation) rows of every client of the federation `fed` in round `rnd`, the
+        arguments of `EngineBase.set_rows`. `fed` may be a Flower node's slice (other clients hold no rows)."""
+        y_tr, y_te = fed.y_train.cpu().numpy(), fed.local_xy()[1].cpu().numpy()   # local rows: test or own pool
+        return (self.rows(fed.train_idx, y_tr, rnd), self.rows(fed.test_idx, y_te, rnd),
+                None if fed.val_idx is None else self.rows(fed.val_idx, y_tr, rnd))
+
+    def split_sizes(self, counts: dict[str, np.ndarray], rnd: int) -> dict[str, np.ndarray]:
+        """Each client's number of rows of each split in round `rnd`, from the static per-class counts
+        `counts[split]` [N, C] (`class_counts`): the size of `split_rows`'s lists, without the rows."""
+        gone = self.removed(rnd)
+        out = {}
+        for split, cnt in counts.items():
+            n = cnt.sum(1).astype(np.int64)
+            for k, classes in gone.items():
+                n[k] -= int(cnt[k, classes].sum())
+            out[split] = n
+        return out
+
     def records(self) -> list[tuple[str, int, dict]]:
         return [("drift", int(k), {"returns": [[int(c), int(r)] for c, r in ret]}) for k, ret in self.returns.items()]
+
+
+class DriftedData:
+    """A federation whose clients' rows follow a schedule. `apply(engine, rnd)` gives the engine round `rnd`'s
+    rows (`EngineBase.set_rows`) when they differ from the last ones it gave, and says whether they changed.
+    The in-process runner (the whole federation) and a Flower node (its own slice) both use it."""
+
+    def __init__(self, schedule: DriftSchedule, fed):
+        self.schedule, self.fed = schedule, fed
+        self.last: tuple | None = None
+
+    def apply(self, engine, rnd: int) -> bool:
+        key = self.schedule.key(rnd)
+        if key == self.last:
+            return False
+        engine.set_rows(*self.schedule.split_rows(self.fed, rnd))
+        self.last = key
+        return True
+
+
+def class_counts(fed) -> dict[str, np.ndarray]:
+    """Per-class row counts [N, C] of every client's own splits ('train', 'local', and 'val' when the
+    federation has validation rows): what `DriftSchedule.split_sizes` takes."""
+    C = fed.num_classes
+    y_tr, y_te = fed.y_train.cpu().numpy(), fed.local_xy()[1].cpu().numpy()
+    count = lambda y, idx: np.stack([np.bincount(y[i], minlength=C) for i in idx]).astype(np.int64)  # noqa: E731
+    out = {"train": count(y_tr, fed.train_idx), "local": count(y_te, fed.test_idx)}
+    if fed.val_idx is not None:
+        out["val"] = count(y_tr, fed.val_idx)
+    return out
 
 
 def make_schedule(label_hist: np.ndarray, fraction: float, remove: float, every: int, seed: int) -> DriftSchedule:

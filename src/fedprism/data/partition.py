@@ -18,6 +18,8 @@ Partitions (``PARTITIONS`` lists their parameters; config keys are ``partition.<
 ``similarity``       Similarity(S): an IID share ``S`` plus label-sorted slices (Clust-PSI-PFL)
 ``domain_mix``       mixed feature + label skew: one image domain and ``n`` classes per client (PFPL;
                      the domain transforms live in :mod:`fedprism.data.domains`)
+``natural``          one client per natural user or device of the data (``groups=``, e.g. the WISDM
+                     users); each client's test rows are its own user's held-out samples
 ==================== ================================================================================
 
 Everything is vectorised numpy (one ``lexsort`` assembles all clients); loops run over clients or
@@ -182,6 +184,7 @@ PARTITIONS: dict[str, dict[str, Param]] = {
         "min_classes": Param(2, "fewest classes a client holds", lambda v: v >= 1, "an integer >= 1"),
         "max_classes": Param(5, "most classes a client holds", lambda v: v >= 1, "an integer >= 1"),
     },
+    "natural": {},
 }
 
 
@@ -600,6 +603,50 @@ def local_holdout(idx: list[np.ndarray], y: np.ndarray, fraction: float, seed: i
 
 
 # --------------------------------------------------------------------------------------------------
+# Natural clients
+# --------------------------------------------------------------------------------------------------
+
+
+def _group_ids(groups: Any, n: int, name: str) -> np.ndarray:
+    g = np.asarray(groups)
+    if g.ndim != 1 or len(g) != n:
+        raise PartitionError(f"{name} must give one user/device id per sample: {n} ids expected, "
+                             f"got shape {g.shape}")
+    if g.size and not np.issubdtype(g.dtype, np.integer):
+        raise PartitionError(f"{name} must hold integer user/device ids, got dtype {g.dtype}")
+    return g.astype(np.int64)
+
+
+def _natural(y_train: np.ndarray, y_test: np.ndarray, num_clients: int, min_train: int, min_test: int,
+             groups: Any, test_groups: Any) -> tuple[list[np.ndarray], list[np.ndarray], dict]:
+    """Client i holds every train and test sample of the i-th smallest group id (user or device)."""
+    if groups is None or test_groups is None:
+        raise PartitionError("partition = 'natural' is not valid for this data: it gives each client the "
+                             "samples of one user or device, and the data records none (datasets with "
+                             "natural clients: synthetic, wisdm)")
+    g_tr = _group_ids(groups, len(y_train), "groups")
+    g_te = _group_ids(test_groups, len(y_test), "test_groups")
+    users = np.unique(g_tr)
+    if num_clients != len(users):
+        raise PartitionError(f"num_clients = {num_clients} is not valid for partition 'natural': the data "
+                             f"has {len(users)} users/devices with train samples, one client each, so set "
+                             f"clients = {len(users)}")
+    train = _assemble(np.arange(len(g_tr)), np.searchsorted(users, g_tr), num_clients)
+    _check_min_train(np.array([len(t) for t in train]), min_train, "partition 'natural'")
+    known = np.isin(g_te, users)
+    test = _assemble(np.flatnonzero(known), np.searchsorted(users, g_te[known]), num_clients)
+    n_test = np.array([len(t) for t in test])
+    if len(n_test) and n_test.min() < min_test:
+        i = int(np.argmin(n_test))
+        raise PartitionError(f"min_test = {min_test} is not reachable: user {int(users[i])} (client {i}) has "
+                             f"{int(n_test[i])} test samples; use a lower min_test")
+    meta = {"client_groups": users.tolist(), "test_with_replacement": False, "test_reused_classes": [],
+            "test_reused_samples": 0, "clients_without_test": int((n_test == 0).sum()),
+            "n_test_unused": int((~known).sum())}
+    return train, test, meta
+
+
+# --------------------------------------------------------------------------------------------------
 # Entry point
 # --------------------------------------------------------------------------------------------------
 
@@ -625,13 +672,19 @@ def _int_arg(key: str, value: Any, lo: int) -> int:
 
 def make_partition(name: str, y_train: np.ndarray, y_test: np.ndarray, num_clients: int, seed: int,
                    min_train: int = 10, min_test: int = 1, test_ratio: float | None = None,
-                   **params: Any) -> Partition:
+                   *, groups: Any = None, test_groups: Any = None, **params: Any) -> Partition:
     """Split ``y_train`` over ``num_clients`` with partition ``name`` and draw matching test splits.
 
     ``params`` are the partition's parameters (``PARTITIONS[name]``); unknown ones are errors.
     ``min_train`` / ``min_test`` are the fewest train / test samples a client may get; ``test_ratio``
     sets test size per train sample (default ``len(y_test)/len(y_train)``). The same arguments and
     seed always give the same partition. Raises :class:`PartitionError` for impossible requests.
+
+    ``natural`` needs ``groups`` / ``test_groups`` (each train / test sample's user or device id, as
+    :class:`fedprism.data.datasets.Dataset` records them) and exactly one client per train group;
+    client i gets the samples of the i-th smallest id, its test rows are that user's own test samples
+    (``meta["client_groups"]`` lists the ids), and ``test_ratio`` does not apply. The other partitions
+    ignore ``groups``.
     """
     if name not in PARTITIONS:
         raise PartitionError(f"partition = {name!r} is not valid: one of {', '.join(PARTITIONS)}")
@@ -645,6 +698,9 @@ def make_partition(name: str, y_train: np.ndarray, y_test: np.ndarray, num_clien
                                    or not _positive_finite(float(test_ratio))):
         raise PartitionError(f"test_ratio = {test_ratio!r} is not valid: None or a finite number > 0")
     n = len(y_train)
+    if name == "natural":
+        return _make_natural(y_train, y_test, num_clients, seed, min_train, min_test, test_ratio, groups,
+                             test_groups)
     if num_clients * min_train > n:
         raise PartitionError(
             f"num_clients = {num_clients} is not valid: with min_train = {min_train} the {n} train samples "
@@ -678,3 +734,28 @@ def make_partition(name: str, y_train: np.ndarray, y_test: np.ndarray, num_clien
     if domains is not None:
         meta["client_domains"] = domains.tolist()        # per-client domain, for per-domain accuracy
     return Partition(train=train, test=test, domains=domains, meta=meta)
+
+
+def _make_natural(y_train: np.ndarray, y_test: np.ndarray, num_clients: int, seed: int, min_train: int,
+                  min_test: int, test_ratio: float | None, groups: Any, test_groups: Any) -> Partition:
+    if test_ratio is not None:
+        raise PartitionError(f"test_ratio = {test_ratio!r} is not valid for partition 'natural': each "
+                             "client's test rows are its own user's held-out samples; leave test_ratio unset")
+    train, test, test_meta = _natural(y_train, y_test, num_clients, min_train, min_test, groups, test_groups)
+    n = len(y_train)
+    used = int(sum(len(t) for t in train))
+    meta = {
+        "partition": "natural",
+        "params": {},
+        "seed": seed,
+        "num_clients": num_clients,
+        "num_classes": int(max(y_train.max(initial=-1), y_test.max(initial=-1))) + 1,
+        "min_train": min_train,
+        "min_test": min_test,
+        "test_ratio": len(y_test) / n if n else 0.0,
+        "num_redraws": 0,
+        "n_train_used": used,
+        "n_train_unused": n - used,
+        **test_meta,
+    }
+    return Partition(train=train, test=test, meta=meta)

@@ -6,19 +6,34 @@ into 1-second windows without overlap, each window reduced to the mean of each a
 Raw format, one reading per record: `user,activity,timestamp,x,y,z;` (records end with ';', several may
 share a line, some lines are blank or truncated). Decisions: a window is 20 consecutive readings of the same
 user and activity (a change of user or activity starts a new window; a last partial window is dropped);
-records that do not parse (wrong field count, non-numeric values, unknown activity) are skipped and counted.
+records that do not parse (wrong field count, empty or non-numeric or non-finite values, unknown activity)
+are skipped and counted.
 
-Not wired into `dataset=` yet, and no download: the archive's SHA-256 is not pinned here (see docs/fedsub.md).
+`dataset=wisdm` (`fedprism.data.datasets.load_dataset`) reads the raw file from the official archive
+`WISDM_ar_latest.tar.gz` (`read_archive`: only the member `WISDM_ar_v1.1/WISDM_ar_v1.1_raw.txt`, a regular
+file, read into memory; nothing is extracted to disk) or from the extracted file, and splits each user's
+windows into train and test with `split_by_user`. The archive has no published checksum: its download is
+trusted on first use (`fedprism.data.download`, docs/datasets.md).
 """
 
 from __future__ import annotations
 
+import math
+import tarfile
+import zlib
 from pathlib import Path
 
 import numpy as np
 
+from fedprism.errors import DataError
+
 ACTIVITIES = ("Walking", "Jogging", "Upstairs", "Downstairs", "Sitting", "Standing")
 RATE_HZ = 20
+ARCHIVE = "WISDM_ar_latest.tar.gz"
+RAW_FILE = "WISDM_ar_v1.1_raw.txt"
+MEMBER = f"WISDM_ar_v1.1/{RAW_FILE}"
+MAX_RAW_BYTES = 256 << 20
+"""Largest raw file accepted (the real one is about 49 MiB), so a hostile archive cannot exhaust memory."""
 
 
 def parse_raw(text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
@@ -34,6 +49,8 @@ def parse_raw(text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
             if len(f) != 6 or f[1] not in index:
                 raise ValueError
             u, x, y, z = int(f[0]), float(f[3]), float(f[4]), float(f[5])
+            if not (math.isfinite(x) and math.isfinite(y) and math.isfinite(z)):
+                raise ValueError
         except ValueError:
             skipped += 1
             continue
@@ -64,3 +81,67 @@ def load_raw(path: str | Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Windows of a `WISDM_ar_v1.1_raw.txt` file: (features [m, 3], labels [m], users [m])."""
     users, labels, xyz, _ = parse_raw(Path(path).read_text(encoding="utf-8", errors="replace"))
     return windows(users, labels, xyz)
+
+
+def read_archive(path: str | Path) -> str:
+    """The text of `WISDM_ar_v1.1/WISDM_ar_v1.1_raw.txt` inside the official archive, read in memory.
+
+    Only that member is read, and only if it is a regular file (not a link, device or folder) of at most
+    `MAX_RAW_BYTES`; every other member is ignored and nothing is written to disk, so member names such as
+    `../x` or absolute paths cannot place files anywhere. A missing, duplicated or oversized member and an
+    unreadable archive are :class:`DataError`s naming the archive.
+    """
+    path = Path(path)
+    found = []
+    try:
+        with tarfile.open(path, "r:gz") as tar:
+            for member in tar:
+                if member.name.removeprefix("./") != MEMBER:
+                    continue
+                if not member.isfile():
+                    kind = "a link" if member.issym() or member.islnk() else "not a regular file"
+                    raise DataError(f"{path}: member {member.name!r} is {kind}; refusing it (the official "
+                                    "archive holds a regular file there)")
+                if member.size > MAX_RAW_BYTES:
+                    raise DataError(f"{path}: member {member.name!r} is {member.size} bytes, more than the "
+                                    f"{MAX_RAW_BYTES} accepted; not the official archive")
+                src = tar.extractfile(member)
+                assert src is not None
+                with src:
+                    data = src.read(MAX_RAW_BYTES + 1)
+                found.append(data)
+    except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
+        raise DataError(f"{path}: cannot read the archive ({type(e).__name__}: {e}); "
+                        "it is truncated or corrupt, download it again") from e
+    if not found:
+        raise DataError(f"{path}: the archive lacks {MEMBER}; not the WISDM v1.1 archive")
+    if len(found) > 1:
+        raise DataError(f"{path}: the archive holds {MEMBER} {len(found)} times; "
+                        "refusing an ambiguous archive")
+    return found[0].decode("utf-8", errors="replace")
+
+
+def split_by_user(labels: np.ndarray, users: np.ndarray, seed: int = 0, test_fraction: float = 0.2
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted (train, test) window indices: within each (user, activity), a seeded random
+    `round(test_fraction * n)` of its n windows go to test, the rest to train.
+
+    One `numpy.random.default_rng(seed)` stream visits the (user, activity) groups in ascending order, so
+    the split depends on the data and `seed` only. Every user keeps the activity mix of its windows in
+    both splits. Windows next to each other in time can fall on both sides (a random split, as is usual
+    for WISDM; neighbouring 1-second windows are correlated, so test accuracy is optimistic compared
+    with a split by time).
+    """
+    labels, users = np.asarray(labels, np.int64), np.asarray(users, np.int64)
+    rng = np.random.default_rng(seed)
+    order = np.lexsort((np.arange(len(labels)), labels, users))          # by user, activity, position
+    key = users[order] * len(ACTIVITIES) + labels[order]
+    bounds = np.flatnonzero(np.diff(key)) + 1 if len(key) else np.zeros(0, np.int64)
+    test = []
+    for group in np.split(order, bounds) if len(key) else []:
+        n_test = int(round(test_fraction * len(group)))
+        test.append(rng.permutation(group)[:n_test])
+    test_idx = np.sort(np.concatenate(test)) if test else np.zeros(0, np.int64)
+    is_test = np.zeros(len(labels), bool)
+    is_test[test_idx] = True
+    return np.flatnonzero(~is_test).astype(np.int64), test_idx.astype(np.int64)

@@ -30,7 +30,8 @@ _nonneg = lambda v: v >= 0  # noqa: E731
 KEYS: dict[str, Param] = {
     "method": Param("fedprism", "algorithm (see `fedprism methods`)"),
     "name": Param("", "free-form label stored with the run (not part of its id)"),
-    "dataset": Param("digits", "fmnist, mnist, cifar10, cifar100, svhn, digits, synthetic"),
+    "dataset": Param("digits", "fmnist, mnist, cifar10, cifar100, svhn, usps, digits, synthetic, wisdm "
+                     "(docs/datasets.md)"),
     "data.root": Param("", "directory to look for dataset files first", lambda v: "\0" not in v,
                        "a folder path (no NUL character)"),
     "data.download": Param(False, "download missing dataset files (network)"),

@@ -32,8 +32,9 @@ def _federation(dataset: str, root: str, download: bool, pad32: bool, partition:
                 part_items: tuple, clients: int, seed: int, train_subset: int = 0, test_subset: int = 0,
                 val_fraction: float = 0.0, global_val: int = 0, local_test: str = "official",
                 local_test_fraction: float = 0.2) -> Federation:
-    from fedprism.data.datasets import DATASETS, load_dataset
+    from fedprism.data.datasets import DATASETS, NATURAL_CLIENTS, load_dataset
     from fedprism.data.partition import make_partition
+    from fedprism.errors import ConfigError
 
     from fedprism import plugins
 
@@ -42,24 +43,32 @@ def _federation(dataset: str, root: str, download: bool, pad32: bool, partition:
     else:
         ds = load_dataset(dataset, root=root or None, download=download, pad32=pad32)
     x_tr, y_tr, x_te, y_te = ds.x_train, ds.y_train, ds.x_test, ds.y_test
+    g_tr, g_te = getattr(ds, "groups", None), getattr(ds, "test_groups", None)   # natural clients, if any
+    if partition == "natural" and (g_tr is None or g_te is None):
+        raise ConfigError("partition", partition, "a partition this dataset supports: 'natural' gives each "
+                          "client the samples of one user or device and needs a dataset that records them "
+                          f"(built in: {', '.join(NATURAL_CLIENTS)}); dataset '{dataset}' does not")
     rng = np.random.default_rng([seed, 0xDA7A])
     if 0 < train_subset < len(y_tr):
         keep = torch.as_tensor(np.sort(rng.permutation(len(y_tr))[:train_subset]))
         x_tr, y_tr = x_tr[keep], y_tr[keep]
+        g_tr = None if g_tr is None else np.asarray(g_tr)[keep.numpy()]
     if 0 < test_subset < len(y_te):
         keep = torch.as_tensor(np.sort(rng.permutation(len(y_te))[:test_subset]))
         x_te, y_te = x_te[keep], y_te[keep]
+        g_te = None if g_te is None else np.asarray(g_te)[keep.numpy()]
     x_val = y_val = None
     if global_val > 0:              # carved from the training pool before partitioning (seeded)
         if global_val >= len(y_tr):
-            from fedprism.errors import ConfigError
             raise ConfigError("data.global_val", global_val, f"an integer < the {len(y_tr)} training samples")
         perm = np.random.default_rng([seed, 0x6A1]).permutation(len(y_tr))
         gv, rest = torch.as_tensor(np.sort(perm[:global_val])), torch.as_tensor(np.sort(perm[global_val:]))
         x_val, y_val = x_tr[gv].float().contiguous(), y_tr[gv].long()
         x_tr, y_tr = x_tr[rest], y_tr[rest]
+        g_tr = None if g_tr is None else np.asarray(g_tr)[rest.numpy()]
     params = dict(part_items)
-    part = make_partition(partition, y_tr.numpy(), y_te.numpy(), clients, seed, **params)
+    natural = {"groups": g_tr, "test_groups": g_te} if partition == "natural" else {}
+    part = make_partition(partition, y_tr.numpy(), y_te.numpy(), clients, seed, **params, **natural)
     train_idx, test_idx = list(part.train), list(part.test)
     if part.domains is not None:
         from fedprism.data.domains import apply_domain

@@ -279,25 +279,21 @@ class Experiment:
         self.clients: ClientStore | None = ClientStore(self.algo.client_state, self.ctx)
         self.upload = {k: spec.resolve(self.ctx) for k, spec in self.algo.upload().items()}
         self.drift = drift_schedule(cfg, self.fed)
-        self._drift_key: tuple | None = None
+        self._drifted = None
 
     def apply_drift(self, rnd: int, evaluator: Evaluator | None) -> int:
-        """Give the engine round `rnd`'s local data under `drift.*` (fedprism.data.drift); the evaluator's
-        per-client scores are dropped when the data change. Returns the number of absent (client, class)
-        pairs (0 without drift)."""
+        """Give the engine round `rnd`'s local data under `drift.*` (fedprism.data.drift; a Flower node
+        applies the same `DriftedData` to its own slice); the evaluator's per-client scores are dropped
+        when the data change. Returns the number of absent (client, class) pairs (0 without drift)."""
         schedule = getattr(self, "drift", None)
         if schedule is None:
             return 0
-        gone = schedule.removed(rnd)
-        key = tuple(sorted((k, tuple(v)) for k, v in gone.items()))
-        if key != self._drift_key:
-            fed, y_tr, y_te = self.fed, self.fed.y_train.cpu().numpy(), self.fed.local_xy()[1].cpu().numpy()
-            self.engine.set_rows(schedule.rows(fed.train_idx, y_tr, rnd), schedule.rows(fed.test_idx, y_te, rnd),
-                                 None if fed.val_idx is None else schedule.rows(fed.val_idx, y_tr, rnd))
-            if evaluator is not None:
-                evaluator.forget()
-            self._drift_key = key
-        return sum(len(v) for v in gone.values())
+        from fedprism.data.drift import DriftedData
+        if getattr(self, "_drifted", None) is None or self._drifted.schedule is not schedule:
+            self._drifted = DriftedData(schedule, self.fed)
+        if self._drifted.apply(self.engine, rnd) and evaluator is not None:
+            evaluator.forget()
+        return schedule.absent(rnd)
 
     # -- hooks (overridden by the Flower ServerApp) -------------------------------------------------
     def local_work(self, plan: Plan, rnd: int) -> tuple[Update | None, dict[int, str]]:
@@ -466,8 +462,8 @@ class Experiment:
                     metrics = {}
                 metrics.update({
                     "train_s": t_train, "clients": len(plan.clients), "accepted": len(update.clients),
-                    "rejected": len(update.rejected), "bytes_down": plan.bytes,
-                    "bytes_up": update.bytes, "never_sampled": int((~seen).sum()),
+                    "rejected": len(update.rejected), "bytes_down": self.algo.wire_bytes("plan", plan.payload),
+                    "bytes_up": self.algo.wire_bytes("update", update.payload), "never_sampled": int((~seen).sum()),
                 })
                 if rnd == 0:                               # a declared one-off exchange before round 0
                     down, up = self.algo.setup_bytes()
@@ -516,6 +512,8 @@ def final_metrics(history: list[dict], seconds: float) -> dict:
             if k in last:
                 out[k] = last[k]
                 vals = [h[k] for h in evald if h.get(k) is not None]
+                if not vals:                # every evaluation of this metric failed: no best value
+                    continue
                 if k in ("ad", "sdad"):
                     out[f"best_{k}"] = min(vals)
                 else:

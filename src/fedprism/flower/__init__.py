@@ -4,7 +4,8 @@
                                      gets its own start vector (Fed-PRISM's per-client models)
     fedprism.flower.client_app:app   ClientApp: the algorithm's `client_update` with a sequential engine
                                      on the node's own partition; evaluation on the node
-    fedprism.flower.simulation       Flower's Simulation Runtime from Python (loopback Ray)
+    fedprism.flower.simulation       Flower's Simulation Runtime from Python via `flwr run` (a simulation
+                                     SuperLink on 127.0.0.1; Ray on loopback or a Ray cluster)
     python -m fedprism.flower        `app DIR` writes a Flower app directory for `flwr run`;
                                      `simulate` runs an experiment on the Simulation Runtime
 

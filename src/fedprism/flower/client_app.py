@@ -3,13 +3,14 @@
 Handlers (Flower Message API):
 
     query "identity"  -> {client-id, config-id, num-examples, label-hist, input-shape, ...}
-    train             -> the algorithm's `client_update` on this client's rows (sequential engine)
+    train             -> the algorithm's `client_update` on this client's rows of the message's round
+                         (sequential engine; the rows change only under class drift)
     evaluate          -> scores of the given parameter rows on the local test split / global test set
 
 Every reply carries the node's `client-id`. An exception becomes an error reply (Flower does that),
 which the server records as a failure of this client. `app` reads everything from the run config and
 the node config; `make_client_app(**defaults)` supplies defaults for runs without a run config
-(Flower's Python `run_simulation` passes an empty one).
+(tests drive it over an in-process grid).
 """
 
 from __future__ import annotations
@@ -103,11 +104,12 @@ def make_client_app(**defaults: Any) -> ClientApp:
     @app.train()
     def train(msg: Message, context: Context) -> Message:
         node = node_for(context, defaults)
-        plan, rnd, cid, config_id = codec.decode_plan(msg.content)
+        plan, rnd, cid, config_id = codec.decode_plan(msg.content)          # the rows as they travel
         if config_id != node.cfg.run_id:
             raise ValueError(f"the server runs experiment {config_id}, this node was configured for {node.cfg.run_id}")
         if cid != node.client:
             raise ValueError(f"message for client {cid} reached the node of client {node.client}")
+        plan.payload = codec.decode_rows(node.algo, "plan", plan.payload)
         load_store(node, context)
         update = node.train(plan, rnd)
         save_store(node, context)          # only after a successful update (client_update commits last)
@@ -115,16 +117,19 @@ def make_client_app(**defaults: Any) -> ClientApp:
         if hist is not None:               # the released total, not the exact one
             total = max(int(hist.sum()), 1)     # a weight of 0 carries nothing
             update.n_samples = torch.tensor([float(total)], dtype=torch.float64)
-        return Message(codec.encode_update(update, node.client, node.cfg.run_id), reply_to=msg)
+        return Message(codec.encode_update(update, node.client, node.cfg.run_id, node.algo), reply_to=msg)
 
     @app.evaluate()
     def evaluate(msg: Message, context: Context) -> Message:
         node = node_for(context, defaults)
-        params, splits, cid, payload = codec.decode_eval(msg.content)
+        params, splits, cid, payload = codec.decode_eval(msg.content)      # the rows as they travel
         if cid != node.client:
             raise ValueError(f"message for client {cid} reached the node of client {node.client}")
+        if payload is not None:
+            payload = codec.decode_rows(node.algo, "eval", payload)
         load_store(node, context)
-        return Message(codec.encode_scores(node.evaluate(params, splits, payload), node.client), reply_to=msg)
+        scores = node.evaluate(params, splits, payload, codec.eval_round(msg.content))
+        return Message(codec.encode_scores(scores, node.client), reply_to=msg)
 
     return app
 

@@ -8,6 +8,10 @@ method's `eval_payload`, from which the node builds its own inference. Tensors t
 (dtype and shape preserved), nothing received is ever unpickled, and every field of a reply is parsed
 under a guard: a malformed reply raises `ValueError` naming the field (the server records it as that
 client's failure).
+
+Payload rows travel as the method encodes them (`wire`: the algorithm, whose `encode(kind, row)` /
+`decode(kind, wire)` give e.g. FedSub's sparse subnetworks; None: as they are held), so the bytes the
+runner counts (`Algorithm.wire_bytes`) are the bytes of the arrays sent here.
 """
 
 from __future__ import annotations
@@ -64,40 +68,60 @@ def _int(cfg: Any, key: str) -> int:
     return int(v)
 
 
+def _encode(wire: Any, kind: str, row: Rows) -> Rows:
+    return row if wire is None else wire.encode(kind, row)
+
+
+def decode_rows(wire: Any, kind: str, rows: Rows) -> Rows:
+    """One client's row of a message of `kind` from the tensors that travelled (`wire.decode`); anything
+    malformed raises ValueError."""
+    if wire is None:
+        return rows
+    try:
+        return wire.decode(kind, rows)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - anything a malformed encoding trips is a malformed field
+        raise ValueError(f"{kind} payload undecodable ({type(e).__name__}: {e})") from None
+
+
 # -- train -------------------------------------------------------------------------------------------
-def encode_plan(plan: Plan, rnd: int, client: int, config_id: str) -> RecordDict:
-    """One client's plan row (len(plan.clients) == 1) as a train message body."""
+def encode_plan(plan: Plan, rnd: int, client: int, config_id: str, wire: Any = None) -> RecordDict:
+    """One client's plan row (len(plan.clients) == 1) as a train message body, encoded by `wire`."""
     if len(plan.clients) != 1 or int(plan.clients[0]) != client:
         raise ValueError(f"a train message carries exactly client {client}'s row, got clients {plan.clients}")
-    arrays = {f"p.{k}": _arr(v) for k, v in plan.payload.items()}
-    task = {"round": int(rnd), "client-id": int(client), "config-id": config_id, "payload": sorted(plan.payload)}
+    payload = _encode(wire, "plan", plan.payload)
+    arrays = {f"p.{k}": _arr(v) for k, v in payload.items()}
+    task = {"round": int(rnd), "client-id": int(client), "config-id": config_id, "payload": sorted(payload)}
     return RecordDict({PLAN: ArrayRecord(arrays), TASK: ConfigRecord(task)})
 
 
-def decode_plan(content: RecordDict) -> tuple[Plan, int, int, str]:
-    """-> (plan for one client, round, client id, config id)."""
+def decode_plan(content: RecordDict, wire: Any = None) -> tuple[Plan, int, int, str]:
+    """-> (plan for one client, round, client id, config id), decoded by `wire`."""
     arrays, task = content.array_records[PLAN], content.config_records[TASK]
     cid = _int(task, "client-id")
-    payload = _tensors(arrays, "p.", _names(task, "payload"))
+    payload = decode_rows(wire, "plan", _tensors(arrays, "p.", _names(task, "payload")))
     return Plan(np.array([cid], dtype=np.int64), payload), _int(task, "round"), cid, str(task["config-id"])
 
 
-def encode_update(up: Update, client: int, config_id: str | None = None) -> RecordDict:
-    """A client's Update (one row) as a train reply body: payload, sample count, metrics (not its state),
-    and the experiment it was computed for (`config_id`)."""
-    arrays = {f"u.{k}": _arr(v) for k, v in up.payload.items()}
+def encode_update(up: Update, client: int, config_id: str | None = None, wire: Any = None) -> RecordDict:
+    """A client's Update (one row) as a train reply body: payload (encoded by `wire`), sample count,
+    metrics (not its state), and the experiment it was computed for (`config_id`)."""
+    payload = _encode(wire, "update", up.payload)
+    arrays = {f"u.{k}": _arr(v) for k, v in payload.items()}
     arrays.update({f"m.{k}": _arr(v) for k, v in up.metrics.items()})
     arrays["n_samples"] = _arr(up.n_samples.to(torch.float64))
-    meta = {"client-id": int(client), "payload": sorted(up.payload), "metrics": sorted(up.metrics)}
+    meta = {"client-id": int(client), "payload": sorted(payload), "metrics": sorted(up.metrics)}
     if config_id is not None:
         meta["config-id"] = str(config_id)
     return RecordDict({UPDATE: ArrayRecord(arrays), META: ConfigRecord(meta)})
 
 
-def decode_update(content: RecordDict, plan_row: Plan, config_id: str | None = None) -> Update:
-    """The reply to `plan_row`'s message -> Update of one client (shapes are checked by the runner
-    against the method's declared upload). With `config_id`, the reply must say it was computed for
-    that experiment. Metrics must be finite numbers (they are the node's word, stored as is)."""
+def decode_update(content: RecordDict, plan_row: Plan, config_id: str | None = None, wire: Any = None) -> Update:
+    """The reply to `plan_row`'s message -> Update of one client, its payload decoded by `wire` (shapes are
+    checked by the runner against the method's declared upload). With `config_id`, the reply must say it
+    was computed for that experiment. Metrics must be finite numbers (they are the node's word, stored as
+    is)."""
     try:
         arrays, meta = content.array_records[UPDATE], content.config_records[META]
     except Exception as e:  # noqa: BLE001 - KeyError, or records of the wrong kind
@@ -118,28 +142,39 @@ def decode_update(content: RecordDict, plan_row: Plan, config_id: str | None = N
     for k, v in metrics.items():
         if v.dtype == torch.bool or v.is_complex() or not bool(torch.isfinite(v.double()).all()):
             raise ValueError(f"tensor 'm.{k}' must hold finite numbers")
+    payload = decode_rows(wire, "update", payload)
     return Update(plan_row.clients.copy(), payload, n.to(torch.float64).reshape(1), metrics)
 
 
 # -- evaluate ----------------------------------------------------------------------------------------
-def encode_eval(params: torch.Tensor | None, splits: list[str], client: int, payload: Rows | None = None
-                ) -> RecordDict:
+def encode_eval(params: torch.Tensor | None, splits: list[str], client: int, payload: Rows | None = None,
+                rnd: int | None = None, wire: Any = None) -> RecordDict:
     """Either parameter rows to score (row i on `splits[i]`: 'local' / 'train' on this client's data,
-    'global' on the shared test set), or (params None) this client's `eval_payload` row, from which the
-    node builds its own inference and scores it on every split of `splits`."""
+    'global' on the shared test set), or (params None) this client's `eval_payload` row (encoded by
+    `wire`), from which the node builds its own inference and scores it on every split of `splits`.
+    `rnd`: the round whose client data are scored (they change under class drift, fedprism.data.drift)."""
+    if payload is not None:
+        payload = _encode(wire, "eval", payload)
     arrays = {"params": _arr(params)} if params is not None else {}
     arrays.update({f"x.{k}": _arr(v) for k, v in (payload or {}).items()})
-    return RecordDict({MODELS: ArrayRecord(arrays),
-                       TASK: ConfigRecord({"splits": list(splits), "client-id": int(client),
-                                           "payload": sorted(payload) if payload is not None else []})})
+    task = {"splits": list(splits), "client-id": int(client), "payload": sorted(payload) if payload is not None else []}
+    if rnd is not None:
+        task["round"] = int(rnd)
+    return RecordDict({MODELS: ArrayRecord(arrays), TASK: ConfigRecord(task)})
 
 
-def decode_eval(content: RecordDict) -> tuple[torch.Tensor | None, list[str], int, Rows | None]:
-    """-> (parameter rows or None, splits, client id, eval payload row or None)."""
+def eval_round(content: RecordDict) -> int | None:
+    """The round an evaluation message scores (None when it does not say)."""
+    task = content.config_records[TASK]
+    return _int(task, "round") if "round" in task else None
+
+
+def decode_eval(content: RecordDict, wire: Any = None) -> tuple[torch.Tensor | None, list[str], int, Rows | None]:
+    """-> (parameter rows or None, splits, client id, eval payload row (decoded by `wire`) or None)."""
     task, a = content.config_records[TASK], content.array_records[MODELS]
     names = _names(task, "payload")
     params = _ten(a["params"]) if "params" in a else None
-    payload = _tensors(a, "x.", names) if params is None else None
+    payload = decode_rows(wire, "eval", _tensors(a, "x.", names)) if params is None else None
     return params, _names(task, "splits"), _int(task, "client-id"), payload
 
 

@@ -6,6 +6,11 @@ global test set, and drops the rest. The algorithm object is built exactly as th
 builds it (`fedprism.experiment.runner.make_*`), so `algo.client_update(plan, engine, rnd)` here runs
 the same code, on the same numbers, as the simulator's sequential engine.
 
+Class drift (`drift.*`, fedprism.data.drift): the node draws the run's schedule from the whole partition
+before dropping the other clients' rows (`drift_schedule`, as the in-process runner does) and, before it
+trains or scores for round t (the message says t), gives its engine its own rows of round t through the
+runner's `DriftedData.apply`.
+
 No Flower import: this module is the ClientApp's payload and is unit-tested without Flower.
 """
 
@@ -24,7 +29,8 @@ from fedprism.engine.sequential import SequentialEngine
 from fedprism.experiment import federation as _fedmod
 from fedprism.experiment.config import Config
 from fedprism.experiment.evaluate import StreamScorer, score_inference
-from fedprism.experiment.runner import local_config, make_algorithm, make_context, make_model
+from fedprism.data.drift import DriftedData
+from fedprism.experiment.runner import drift_schedule, local_config, make_algorithm, make_context, make_model
 from fedprism.experiment.limits import check_limits
 from fedprism.federation import Federation
 from fedprism.flower.settings import parse_experiment
@@ -110,6 +116,7 @@ class Node:
     num_classes: int
     store: NodeStore                  # this client's rows of the method's `client_state`
     scorer: StreamScorer              # multi-stream scoring with its logits caches
+    drift: DriftedData | None = None  # this client's rows under the run's class-drift schedule (None: static)
 
     @property
     def n_train(self) -> int:
@@ -123,23 +130,36 @@ class Node:
                 "input-shape": [int(v) for v in self.input_shape], "num-classes": self.num_classes,
                 "param-size": int(self.engine.spec.size)}
 
+    def at_round(self, rnd: int | None) -> None:
+        """The engine holds this client's rows of round `rnd` (they change only under class drift)."""
+        if self.drift is None:
+            return
+        if rnd is None:
+            raise ValueError("field 'round' missing: under drift.fraction > 0 the node needs the round to know "
+                             "which of its classes are present")
+        self.drift.apply(self.engine, rnd)
+
     def train(self, plan: Plan, rnd: int) -> Update:
-        """The method's `client_update` for this client, with its own state; the new state is kept
-        (`store.write`) only after the update succeeded."""
+        """The method's `client_update` for this client, with its own state, on its rows of round `rnd`;
+        the new state is kept (`store.write`) only after the update succeeded."""
         if plan.clients.tolist() != [self.client]:
             raise ValueError(f"this node is client {self.client}; the message is for clients {plan.clients.tolist()}")
+        self.at_round(rnd)
         up = self.algo.client_update(plan, self.engine, rnd, self.store.rows())
         self.store.write(up.client_state)
         up.client_state = {}
         return up
 
-    def evaluate(self, params: torch.Tensor | None, splits: list[str], payload: Rows | None = None) -> EvalResult:
+    def evaluate(self, params: torch.Tensor | None, splits: list[str], payload: Rows | None = None,
+                 rnd: int | None = None) -> EvalResult:
         """Either row i of `params` scored on `splits[i]` ('local': this client's test split, 'train': its
         train rows, 'global': the global test set), or (params None) this client's inference built from the
-        method's `payload` row and its own state, scored on every split of `splits`."""
+        method's `payload` row and its own state, scored on every split of `splits`; on this client's rows
+        of round `rnd` (needed under class drift only)."""
         bad = sorted(set(splits) - set(SPLITS))
         if bad:
             raise ValueError(f"unknown split {bad[0]!r}: one of {', '.join(SPLITS)}")
+        self.at_round(rnd)
         me = np.array([self.client])
         if params is None:
             inf = self.algo.inference(self.engine, me, payload or {}, self.store.rows())
@@ -164,6 +184,7 @@ def build_node(experiment: str, client: int, data_root: str = "", device: str = 
     model = make_model(cfg, fed.input_shape, fed.num_classes)
     check_limits(cfg, fed.n_train, sum(p.numel() for p in model.parameters()))   # before anything large
     ctx = make_context(cfg, model, fed.n_train, fed.label_hist())
+    schedule = drift_schedule(cfg, fed)                    # drawn from the whole partition, as in process
     local = client_slice(fed, client)
     hist = fed.label_hist()[client].copy()
     del fed
@@ -174,4 +195,5 @@ def build_node(experiment: str, client: int, data_root: str = "", device: str = 
     ctx.spec = engine.spec
     algo = make_algorithm(cfg, ctx)
     return Node(cfg, client, engine, algo, hist, len(local.test_idx[client]), local.input_shape,
-                local.num_classes, NodeStore(client, algo.client_state, ctx), StreamScorer(engine, ctx.num_clients))
+                local.num_classes, NodeStore(client, algo.client_state, ctx), StreamScorer(engine, ctx.num_clients),
+                None if schedule is None else DriftedData(schedule, local))

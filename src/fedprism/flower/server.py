@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,8 @@ import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 
 from fedprism.algorithms.base import Algorithm
+from fedprism.data.drift import DriftSchedule
+from fedprism.errors import ConfigError
 from fedprism.experiment.evaluate import Evaluator, row_hashes
 from fedprism.experiment.limits import check_limits
 from fedprism.experiment.runner import Experiment, RunResult, make_algorithm, make_context, make_model, validate_update
@@ -57,6 +60,20 @@ except ImportError:  # pragma: no cover
 TRANSIENT = {3, 4, NODE_UNAVAILABLE}
 
 Record = tuple[str, "int | None", dict]
+
+NO_DRIFT_WITHOUT_DATA = ("0 unless the dataset is readable on the server: the class-drift schedule "
+                         "(fedprism.data.drift) is drawn from the partition's label counts, and the server needs "
+                         "it for the sizes of the clients' splits in each round and for the stored schedule")
+
+
+@dataclass(frozen=True)
+class ServerDrift:
+    """What the server holds of class drift (`drift.*`): the run's schedule and the static per-class row
+    counts of every client's own splits (`fedprism.data.drift.class_counts`), from which it knows each
+    split's size in every round without holding a row."""
+
+    schedule: DriftSchedule
+    counts: dict[str, np.ndarray]
 
 
 def _log(msg: str) -> None:
@@ -329,7 +346,7 @@ class RemoteTrainer:
     remote = True
 
     def __init__(self, link: Link, spec: ParamSpec, num_classes: int, timeout: float, shared=None,
-                 sizes: dict | None = None):
+                 sizes: dict | None = None, wire: Algorithm | None = None):
         self.link, self.spec, self.C, self.timeout = link, spec, num_classes, timeout
         self.num_classes = num_classes
         self.cache: dict[tuple, tuple] = {}     # (split, client or None, row hash) -> scores
@@ -340,6 +357,8 @@ class RemoteTrainer:
         #: the size of every client's split when the server could build the partition: a score over
         #: another number of rows is refused (a node cannot reweigh itself in the weighted means)
         self.sizes = sizes
+        #: how `eval_payload` rows travel (the algorithm's `encode`; None: as they are held)
+        self.wire = wire
 
     def train(self, *args: Any, **kw: Any):
         raise NotImplementedError("on Flower, clients train in their ClientApp (FlowerExperiment.local_work)")
@@ -412,8 +431,8 @@ class RemoteTrainer:
                 per.setdefault(target, []).append(j)
             if not per:
                 break
-            bodies = {c: codec.encode_eval(torch.stack([jobs[j][0] for j in js]), [jobs[j][1] for j in js], c)
-                      for c, js in per.items()}
+            bodies = {c: codec.encode_eval(torch.stack([jobs[j][0] for j in js]), [jobs[j][1] for j in js], c,
+                                           rnd=self.rnd) for c, js in per.items()}
             replies, failed = self.link.exchange("evaluate", bodies, self.timeout, group=f"eval-{self.rnd}")
             for c, js in per.items():
                 if c in replies:
@@ -469,7 +488,8 @@ class RemoteTrainer:
         bodies, failed = {}, {}
         for c in range(num_clients):
             if c in self.link.node_of:
-                bodies[c] = codec.encode_eval(None, splits, c, {k: v[c:c + 1] for k, v in payload.items()})
+                bodies[c] = codec.encode_eval(None, splits, c, {k: v[c:c + 1] for k, v in payload.items()}, rnd=rnd,
+                                              wire=self.wire)
             else:
                 failed[c] = "evaluate: no connected node for this client"
         replies, lost = self.link.exchange("evaluate", bodies, self.timeout, group=f"eval-{rnd}") if bodies \
@@ -524,16 +544,16 @@ class FlowerExperiment(Experiment):
     """The runner's round loop with the clients on Flower nodes and no data on the server."""
 
     def __init__(self, settings: RunSettings, store: Store, link: Link, shared_data=None,
-                 sizes: dict | None = None):
+                 sizes: dict | None = None, drift: ServerDrift | None = None):
         if link.input_shape is None:
             raise RuntimeError("no node has been identified yet: call link.discover() first")
         cfg = flower_label(settings.cfg)
-        if cfg.get("drift.fraction", 0.0):
-            from fedprism.errors import ConfigError
-            raise ConfigError("drift.fraction", cfg["drift.fraction"], "0 on Flower: class drift "
-                              "(fedprism.data.drift) is simulated in process only")
+        if cfg.get("drift.fraction", 0.0) and (drift is None or sizes is None):
+            raise ConfigError("drift.fraction", cfg["drift.fraction"], NO_DRIFT_WITHOUT_DATA)
         self.cfg, self.store, self.sweep, self.progress = cfg, store, None, False
-        self.drift = None
+        self.drift = drift.schedule if drift is not None else None
+        self._drift_counts = drift.counts if drift is not None else None
+        self._drift_key: tuple | None = None
         self.settings, self.link = settings, link
         self.run_id = flower_run_id(settings.cfg)
         self.fed = None
@@ -552,9 +572,27 @@ class FlowerExperiment(Experiment):
             from fedprism.engine.sequential import SequentialEngine
             from fedprism.experiment.runner import local_config
             shared = SequentialEngine(shared_data, self.model, local_config(cfg), cfg["seed"], "cpu")
-        self.engine = RemoteTrainer(link, self.ctx.spec, link.num_classes, settings.round_timeout, shared, sizes)
+        self.engine = RemoteTrainer(link, self.ctx.spec, link.num_classes, settings.round_timeout, shared, sizes,
+                                    wire=self.algo)
         self._records: list[Record] = []
         self._rnd = -1
+
+    def apply_drift(self, rnd: int, evaluator: Evaluator | None) -> int:
+        """Round `rnd` begins: the evaluation messages say it (a node scores its rows of that round). Under
+        class drift, when the clients' rows change, the sizes the replies are checked against become that
+        round's (`DriftSchedule.split_sizes`) and every cached score of the clients' own splits is dropped;
+        the nodes change their rows themselves (`Node.at_round`). Returns the absent (client, class) pairs."""
+        self._rnd = self.engine.rnd = rnd
+        if self.drift is None:
+            return 0
+        key = self.drift.key(rnd)
+        if key != self._drift_key:
+            self.engine.sizes = {**self.engine.sizes, **self.drift.split_sizes(self._drift_counts, rnd)}
+            self.engine.cache = {k: v for k, v in self.engine.cache.items() if k[0] in ("global", "global_val")}
+            if evaluator is not None:
+                evaluator.forget()
+            self._drift_key = key
+        return self.drift.absent(rnd)
 
     @staticmethod
     def finished(store: Store, run_id: str) -> RunResult:
@@ -567,7 +605,7 @@ class FlowerExperiment(Experiment):
         self._rnd = rnd
         link.refresh()
         t0 = time.time()
-        bodies = {int(c): codec.encode_plan(plan.subset(np.array([r])), rnd, int(c), self.cfg.run_id)
+        bodies = {int(c): codec.encode_plan(plan.subset(np.array([r])), rnd, int(c), self.cfg.run_id, self.algo)
                   for r, c in enumerate(plan.clients)}
         replies, failed = link.exchange("train", bodies, s.round_timeout, group=str(rnd))
         parts = []
@@ -577,7 +615,7 @@ class FlowerExperiment(Experiment):
                 continue
             row = plan.subset(np.array([r]))
             try:
-                up = codec.decode_update(replies[c], row, self.cfg.run_id)
+                up = codec.decode_update(replies[c], row, self.cfg.run_id, self.algo)
                 parts.append(self.trust(up, row))
             except Exception as e:  # noqa: BLE001 - a malformed or refused reply is that client's failure
                 failed[c] = f"train: malformed reply ({type(e).__name__}: {e})" if not isinstance(e, Refused) \

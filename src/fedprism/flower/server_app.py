@@ -8,7 +8,7 @@
            writes and a checkpoint after every round; a restarted ServerApp resumes from it
 
 `app` reads its settings from the run config (`flwr run ... -c 'experiment="..." db="/abs/x.db"'`);
-`make_server_app(**defaults)` gives defaults for runs without one (Python `run_simulation`).
+`make_server_app(**defaults)` gives defaults for runs without one (tests drive it over an in-process grid).
 """
 
 from __future__ import annotations
@@ -22,9 +22,10 @@ from flwr.serverapp import Grid, ServerApp
 
 from fedprism.errors import ConfigError
 from fedprism.experiment.limits import check_limits
-from fedprism.experiment.runner import RunResult, make_model
+from fedprism.data.drift import class_counts
+from fedprism.experiment.runner import RunResult, drift_schedule, make_model
 from fedprism.experiment.store import Store
-from fedprism.flower.server import FlowerExperiment, Link, _log
+from fedprism.flower.server import NO_DRIFT_WITHOUT_DATA, FlowerExperiment, Link, ServerDrift, _log
 from fedprism.flower.settings import RunSettings, flower_run_id
 from fedprism.flower.trust import Registry
 
@@ -33,9 +34,11 @@ def server_data(s: RunSettings):
     """What the server may hold of the data: (a federation with only the public shared splits -- the
     global test set and the global validation set -- or None; the largest training split the
     experiment's partition gives a client or None; the size of every client's split, {'train': [N],
-    'local': [N], 'val': [N], 'global': n, 'global_val': n}, or None). Built like a node builds it
-    (same experiment, same deterministic partition) when the dataset is readable on the server; the
-    clients' rows are dropped."""
+    'local': [N], 'val': [N], 'global': n, 'global_val': n}, or None; under class drift (`drift.*`) the
+    run's schedule with every client's per-class split counts (`ServerDrift`), else None). Built like a
+    node builds it (same experiment, same deterministic partition) when the dataset is readable on the
+    server; the clients' rows are dropped. Class drift needs the dataset on the server: without it a
+    ConfigError names `drift.fraction`."""
     try:
         from fedprism.experiment import federation as fedmod
         from fedprism.federation import Federation
@@ -43,7 +46,9 @@ def server_data(s: RunSettings):
         fed = fedmod.build_federation(s.cfg)
     except Exception as e:  # noqa: BLE001 - no data on the server: the nodes score, no default cap
         _log(f"the dataset is not readable on the server ({type(e).__name__}: {e})")
-        return None, None, None
+        if s.cfg.get("drift.fraction", 0.0):
+            raise ConfigError("drift.fraction", s.cfg["drift.fraction"], NO_DRIFT_WITHOUT_DATA) from e
+        return None, None, None, None
     biggest = int(max(len(ix) for ix in fed.train_idx)) if len(fed.train_idx) else 0
     sizes = {"train": np.array([len(ix) for ix in fed.train_idx]), "local": np.array([len(ix) for ix in fed.test_idx]),
              "global": len(fed.y_test)}
@@ -54,6 +59,8 @@ def server_data(s: RunSettings):
     # the size keys against the data and this machine, before waiting for any node
     model = make_model(s.cfg, fed.input_shape, fed.num_classes)
     check_limits(s.cfg, sizes["train"], sum(p.numel() for p in model.parameters()))
+    schedule = drift_schedule(s.cfg, fed)              # the nodes and the in-process runner draw the same
+    drift = None if schedule is None else ServerDrift(schedule, class_counts(fed))
     N = fed.num_clients
     empty = np.zeros(0, dtype=np.int64)
     shared = Federation(fed.x_train[:0].clone(), fed.y_train[:0].clone(), fed.x_test, fed.y_test, [empty] * N,
@@ -63,7 +70,7 @@ def server_data(s: RunSettings):
     clear = getattr(fedmod._federation, "cache_clear", None)
     if clear is not None:
         clear()
-    return (shared if s.global_eval == "server" else None), biggest, sizes
+    return (shared if s.global_eval == "server" else None), biggest, sizes, drift
 
 
 def serve(grid: Grid, run_config: dict[str, Any]) -> RunResult:
@@ -77,7 +84,7 @@ def serve(grid: Grid, run_config: dict[str, Any]) -> RunResult:
             _log(f"run {run_id} is already finished in {s.db}; nothing to do")
             return FlowerExperiment.finished(store, run_id)
         try:
-            shared, biggest, sizes = server_data(s)
+            shared, biggest, sizes, drift = server_data(s)
         except ConfigError as e:
             _log(f"refused: {e}")            # one line naming the key, its value and what is allowed
             raise
@@ -93,7 +100,7 @@ def serve(grid: Grid, run_config: dict[str, Any]) -> RunResult:
              f"{s.cfg['rounds']} rounds; waiting for {s.min_nodes} node(s) (at most {s.nodes_timeout:g}s)")
         link.discover(s.min_nodes, s.nodes_timeout)
         try:
-            exp = FlowerExperiment(s, store, link, shared, sizes)
+            exp = FlowerExperiment(s, store, link, shared, sizes, drift)
         except ConfigError as e:
             _log(f"refused: {e}")            # one line naming the key, its value and what is allowed
             raise

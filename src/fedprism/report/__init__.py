@@ -276,6 +276,79 @@ def privacy_table(groups) -> list[str]:
                 md.append(f"| {label} | {setting} | {r['config']['seed']} | {f['dp_target_epsilon']:g} | "
                           f"{f['dp_delta']:g} | {f['dp_noise_multiplier']:.3f} | {f['dp_epsilon']:.3f} |")
     return md + [""] if md else md
+def alpha_trajectory(store: Store, run: dict) -> dict[str, np.ndarray] | None:
+    """FedPrism's adaptive alpha_i and the private share gamma_i over the rounds (Algorithm 2 lines
+    27-31, from the run's `alpha` records): per recorded round, the mean / min / max of alpha over every
+    client updated so far (its latest value; never-sampled clients keep alpha_0 and are left out) and the
+    mean gamma = 1 - alpha - beta (clamped at 0 unless `alpha_rule=as_printed`). None: no such records."""
+    recs = store.records(run["run_id"], "alpha")
+    if not recs:
+        return None
+    cfg, m = run["config"], run["config"]["method"]
+    beta = float(cfg.get(f"{m}.beta", 0.0))
+    full = cfg.get(f"{m}.components", "full") == "full"
+    printed = cfg.get(f"{m}.alpha_rule", "reading") == "as_printed"
+    latest = np.full(int(cfg["clients"]), np.nan)
+    out: dict[str, list] = defaultdict(list)
+    for x in recs:
+        latest[np.asarray(x["data"]["clients"], dtype=int)] = x["data"]["alpha"]
+        a = latest[np.isfinite(latest)]
+        g = (1 - a - beta) if full else np.zeros_like(a)
+        g = g if printed else np.clip(g, 0, None)
+        for k, v in (("round", x["round"] + 1), ("mean", a.mean()), ("min", a.min()), ("max", a.max()),
+                     ("p10", np.percentile(a, 10)), ("p90", np.percentile(a, 90)), ("gamma", g.mean()),
+                     ("gamma_max", g.max()), ("seen", a.size)):
+            out[k].append(v)
+    return {k: np.asarray(v) for k, v in out.items()}
+
+
+def alpha_table(store: Store, groups) -> list[str]:
+    """The alpha / gamma trajectory of every run with an adaptive alpha, at six rounds of the run."""
+    md: list[str] = []
+    for setting in sorted(groups):
+        for label in sorted(groups[setting]):
+            for r in sorted(groups[setting][label], key=lambda x: x["config"]["seed"]):
+                t = alpha_trajectory(store, r)
+                if t is None:
+                    continue
+                if not md:
+                    md = ["## Adaptive alpha and the private share (FedPrism, Algorithm 2 lines 27-31)", "",
+                          "alpha_i: weight of the global model in W_i; gamma_i = 1 - alpha_i - beta: weight of "
+                          "the private model P_i. Over the clients updated so far (latest value each): mean "
+                          "[min, max] of alpha, mean gamma, and how many clients have been updated.", "",
+                          "| method | setting | seed | round | alpha mean [min, max] | gamma mean (max) | clients |",
+                          "|---|---|---|---|---|---|---|"]
+                n = len(t["round"])
+                for i in sorted({0, n // 10, n // 4, n // 2, (3 * n) // 4, n - 1}):
+                    md.append(f"| {label} | {setting} | {r['config']['seed']} | {int(t['round'][i])} | "
+                              f"{t['mean'][i]:.4f} [{t['min'][i]:.4f}, {t['max'][i]:.4f}] | "
+                              f"{t['gamma'][i]:.4f} ({t['gamma_max'][i]:.4f}) | {int(t['seen'][i])} |")
+    return md + [""] if md else md
+
+
+def plot_alpha(store: Store, run: dict, out: Path, label: str, name: str) -> list[Path]:
+    """alpha_i (mean and 10-90 % band over the clients updated so far) and mean gamma_i per round."""
+    t = alpha_trajectory(store, run)
+    if t is None:
+        return []
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.fill_between(t["round"], t["p10"], t["p90"], alpha=0.25, color="C0", label="alpha, 10-90 % of clients")
+    ax.plot(t["round"], t["mean"], color="C0", label="alpha, mean")
+    ax.plot(t["round"], t["gamma"], color="C3", linestyle="--", label="gamma = 1 - alpha - beta, mean")
+    ax.set_xlabel("round")
+    ax.set_ylabel("mixing weight")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.set_title(f"adaptive alpha: {label} (seed {run['config']['seed']})")
+    ax.legend(loc="center right", frameon=False)
+    fig.tight_layout()
+    p = out / name
+    _save(fig, p)
+    plt.close(fig)
+    return [p]
+
+
 def domain_accuracy(store: Store, run_id: str) -> dict[int, float]:
     """Local accuracy per domain at the last evaluated round: mean over the clients of each domain that
     have a local test split. Domains come from the run's `client_domain` records (stored with round 0
@@ -332,6 +405,7 @@ def tables(groups, reference: str | None = None,
     md += privacy_table(groups)
     if store is not None:
         md += domain_table(store, groups)
+        md += alpha_table(store, groups)
     for setting in sorted(groups):
         md += [f"## {setting}", "", "| method | seeds | " + " | ".join(h for _, h in COLUMNS) + " |",
                "|---|---|" + "---|" * len(COLUMNS)]
@@ -531,6 +605,11 @@ def plan_figures(store: Store, groups) -> dict[str, list[tuple[str, str, object]
                     figs.append((f"plots/{name}", f"Cluster assignment of every client over the rounds: "
                                  f"{label}, seed {run['config']['seed']}, {setting} (run {run['run_id']}).",
                                  ("clusters", setting, label, run, name)))
+                if store.records(run["run_id"], "alpha")[:1]:
+                    name = "alpha" + cluster_name(setting, label, run)[len("clusters"):]
+                    figs.append((f"plots/{name}", f"Adaptive alpha_i and private share gamma_i over the rounds: "
+                                 f"{label}, seed {run['config']['seed']}, {setting} (run {run['run_id']}).",
+                                 ("alpha", setting, label, run, name)))
         plan[setting] = figs
     return plan
 
@@ -571,6 +650,9 @@ def write_report(db: str, out: str, sweep: str | list[str] | None = None, plots:
                     if how[0] == "clusters":
                         _, _, label, run, name = how
                         paths += plot_clusters(store, run, pdir, label=label, name=name)
+                    elif how[0] == "alpha":
+                        _, _, label, run, name = how
+                        paths += plot_alpha(store, run, pdir, label, name)
         if html:
             from fedprism.report.html import render_html
 

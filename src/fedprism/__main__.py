@@ -1,0 +1,7 @@
+"""`python -m fedprism ...` is the `fedprism` command."""
+
+import sys
+
+from fedprism.cli import main
+
+sys.exit(main())
