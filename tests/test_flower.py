@@ -895,12 +895,15 @@ def test_dropout_model_runs_the_same_on_flower(tmp_path, task_identity):
     assert res.final["local_acc"] == pytest.approx(final["local_acc"], abs=1e-9)
 
 
-@pytest.mark.parametrize("method", ["fedavg", "local"])
-def test_held_out_local_test_rows_score_the_same_on_flower(method, tmp_path, task_identity):
+@pytest.mark.parametrize("method, extra", [("fedavg", ""), ("local", ""),
+                                           ("fedavg", "drift.fraction=0.5 drift.every=1 drift.remove=0.5")])
+def test_held_out_local_test_rows_score_the_same_on_flower(method, extra, tmp_path, task_identity):
     """`data.local_test = "split"`: each node builds its client's 80/20 split of its own rows as the
-    simulator does and scores its local test rows there (they travel with its train rows)."""
+    simulator does and scores its local test rows there (they travel with its train rows; under drift a
+    class that leaves a client leaves its held-out rows too)."""
     exp = (f"method={method} dataset=digits clients=4 rounds=2 fraction=1.0 local_epochs=1 lr=0.05 model=mlp "
-           "device=cpu engine=sequential partition.alpha=0.5 seed=6 data.local_test=split data.val_fraction=0.2")
+           "device=cpu engine=sequential partition.alpha=0.5 seed=6 data.local_test=split data.val_fraction=0.2 "
+           f"{extra}")
     db = tmp_path / "s.db"
     rc = run_config(exp, db)
     ref, final = in_process(exp, tmp_path / "ref.db")
