@@ -42,7 +42,7 @@ def without_dropout(model: nn.Module) -> nn.Module:
 
 
 def test_hash32_is_the_published_triple32():
-    # triple32 of 0 is 0 (xorshift-multiply rounds fix 0); of 1 a value worked out by hand with 64-bit ints
+    # the reference: the published rounds on Python's unbounded integers, reduced mod 2^32 after each product
     def ref(x: int) -> int:
         M = 0xFFFFFFFF
         x ^= x >> 17
