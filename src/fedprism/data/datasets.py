@@ -218,17 +218,22 @@ _SVHN_FILES = {"train": "train_32x32.mat", "test": "test_32x32.mat"}
 _USPS_FILES = {"train": "usps", "test": "usps.t"}
 
 
-def _find_idx(d: Path) -> dict[str, Path] | str:
+def _find_each(d: Path, files: dict[str, str], ext: str, none: str) -> dict[str, Path] | str:
+    """Each of `files` (key -> base name) in `d`, compressed (`ext`) or plain; or why not."""
     found, missing = {}, []
-    for key, base in _IDX_FILES.items():
-        hit = next((p for p in (d / f"{base}.gz", d / base) if p.is_file()), None)
+    for key, base in files.items():
+        hit = next((p for p in (d / f"{base}{ext}", d / base) if p.is_file()), None)
         if hit is None:
-            missing.append(f"{base}[.gz]")
+            missing.append(f"{base}[{ext}]")
         else:
             found[key] = hit
     if not found:
-        return "no IDX files"
+        return none
     return f"incomplete: missing {', '.join(missing)}" if missing else found
+
+
+def _find_idx(d: Path) -> dict[str, Path] | str:
+    return _find_each(d, _IDX_FILES, ".gz", "no IDX files")
 
 
 def _find_cifar(layout: _CifarLayout, d: Path) -> dict[str, Path] | str:
@@ -254,16 +259,7 @@ def _find_svhn(d: Path) -> dict[str, Path] | str:
 
 
 def _find_usps(d: Path) -> dict[str, Path] | str:
-    found, missing = {}, []
-    for key, base in _USPS_FILES.items():
-        hit = next((p for p in (d / f"{base}.bz2", d / base) if p.is_file()), None)
-        if hit is None:
-            missing.append(f"{base}[.bz2]")
-        else:
-            found[key] = hit
-    if not found:
-        return "no usps[.bz2] / usps.t[.bz2] files"
-    return f"incomplete: missing {', '.join(missing)}" if missing else found
+    return _find_each(d, _USPS_FILES, ".bz2", "no usps[.bz2] / usps.t[.bz2] files")
 
 
 def _find_wisdm(d: Path) -> dict[str, Path] | str:

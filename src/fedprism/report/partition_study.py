@@ -50,6 +50,17 @@ def _hist(y_train: np.ndarray, y_test: np.ndarray, C: int, scheme: str, key: str
 Skipped = list[tuple[str, str, float, int, int, str]]
 
 
+def _drawn(y_train, y_test, C: int, scheme: str, key: str, value: float, K: int, seed: int,
+           skipped: Skipped | None) -> np.ndarray | None:
+    """`_hist`, with a setting that cannot be drawn noted in `skipped` (None returned)."""
+    h = _hist(y_train, y_test, C, scheme, key, value, K, seed)
+    if isinstance(h, str):
+        if skipped is not None:
+            skipped.append((scheme, key, float(value), K, seed, h))
+        return None
+    return h
+
+
 def divergence_rows(y_train, y_test, C: int, clients: int = 100, seeds=(0, 1, 2),
                     dirichlet=DIRICHLET_ALPHAS, similarity=SIMILARITY_S, skipped: Skipped | None = None) -> list[dict]:
     """Fig. 3's data: one row per (protocol, value, seed) with WPSI^L, HD, JSD and EMD; partitions that
@@ -60,9 +71,8 @@ def divergence_rows(y_train, y_test, C: int, clients: int = 100, seeds=(0, 1, 2)
     for scheme, key, values in (("dirichlet_per_class", "alpha", dirichlet), ("similarity", "s", similarity)):
         for v in values:
             for seed in seeds:
-                h = _hist(y_train, y_test, C, scheme, key, v, clients, seed)
-                if isinstance(h, str):
-                    (skipped if skipped is not None else []).append((scheme, key, float(v), clients, seed, h))
+                h = _drawn(y_train, y_test, C, scheme, key, v, clients, seed, skipped)
+                if h is None:
                     continue
                 rows.append({"protocol": scheme, "param": key, "value": float(v), "seed": int(seed),
                              "clients": clients, "wpsi": wpsi(h), "hd": hellinger(h, fedartml_compat=True),
@@ -79,9 +89,8 @@ def silhouette_rows(y_train, y_test, C: int, clients=CLIENT_COUNTS, seeds=(0, 1,
     for scheme, key, v in settings:
         for K in clients:
             for seed in seeds:
-                h = _hist(y_train, y_test, C, scheme, key, v, K, seed)
-                if isinstance(h, str):
-                    (skipped if skipped is not None else []).append((scheme, key, float(v), K, seed, h))
+                h = _drawn(y_train, y_test, C, scheme, key, v, K, seed, skipped)
+                if h is None:
                     continue
                 cl = psi_clusters(h, seed=seed)
                 rows.append({"protocol": scheme, "param": key, "value": float(v), "clients": K, "seed": int(seed),
