@@ -43,6 +43,10 @@ KEYS: dict[str, Param] = {
     "data.val_fraction": Param(0.0, "fraction of each client's training rows held out as its validation split "
                                "(hyper-parameters are chosen on validation data, never on test data)",
                                lambda v: 0 <= v <= 0.5, "a number in [0, 0.5]", new=True),
+    "data.synthetic_devices": Param(30, "dataset=synthetic: number of the generator's natural devices (FedProx's "
+                                    "Synthetic(1, 1)); more devices, more samples (30: 4 308 train samples; 1000: "
+                                    "about 286 000)", lambda v: 1 <= v <= 100_000, "an integer in [1, 100000]",
+                                    new=True),
     "data.global_val": Param(0, "size of a global validation set carved from the training pool before "
                              "partitioning (0 = none)", _nonneg, "an integer >= 0", new=True),
     "model": Param("auto", "lenet5, lenet5_bn, mlp, mlp_bn, cnn, clustpsi_fmnist_cnn, mlp_fedsub, a registered "
@@ -277,8 +281,9 @@ def resolve(raw: dict[str, Any]) -> Config:
             raise ConfigError(k, raw[k], f"a {other} parameter, but method={method}")
         raise ConfigError(k, raw[k], f"unknown key{hint}; known keys: {', '.join(KEYS)} and {method}.*, "
                                      "partition.*")
-    if out["clients"] * out["fraction"] < 1 - 1e-12:
-        pass  # m_t = max(floor(qN), 1): still one client per round
+    if out["data.synthetic_devices"] != KEYS["data.synthetic_devices"].default and out["dataset"] != "synthetic":
+        raise ConfigError("data.synthetic_devices", out["data.synthetic_devices"],
+                          f"only with dataset=synthetic (dataset={out['dataset']}); leave it out")
     return Config(out)
 
 
