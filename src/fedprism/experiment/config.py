@@ -63,6 +63,14 @@ KEYS: dict[str, Param] = {
     "seed": Param(0, "run seed (partition, init, sampling, shuffling)", _nonneg, "an integer >= 0"),
     "eval_every": Param(1, "evaluate every this many rounds (and at the end)", _pos, "an integer >= 1"),
     "eval.global": Param(True, "score every client's model on the full global test set"),
+    "eval.clients": Param(0, "clients scored per evaluation round, drawn seeded per round (0 = every client); the "
+                          "final round always scores every client; sampled rounds are marked by the round metric "
+                          "`eval_clients` and an `eval_sample` record", _nonneg, "an integer >= 0 (0: every client)",
+                          new=True),
+    "state.storage": Param("memory", "where the clients' own state (private models, specialists, local models) is "
+                           "kept: memory (RAM, bit for bit the stored runs), float16 (RAM at half precision: "
+                           "numbers change) or mmap (rows in files beside the checkpoint, RAM holds only the rows "
+                           "in use: same numbers as memory)", choices=("memory", "float16", "mmap"), new=True),
     "device": Param("auto", "auto, cpu or cuda", choices=("auto", "cpu", "cuda")),
     "engine": Param("auto", "auto, sequential or vectorized", choices=("auto", "sequential", "vectorized")),
     "compile": Param("auto", "torch.compile the vectorized kernels (auto: on for long runs)",
@@ -281,6 +289,9 @@ def resolve(raw: dict[str, Any]) -> Config:
             raise ConfigError(k, raw[k], f"a {other} parameter, but method={method}")
         raise ConfigError(k, raw[k], f"unknown key{hint}; known keys: {', '.join(KEYS)} and {method}.*, "
                                      "partition.*")
+    if out["eval.clients"] > out["clients"]:
+        raise ConfigError("eval.clients", out["eval.clients"], f"an integer in [0, clients={out['clients']}] "
+                          "(0: every client)")
     if out["data.synthetic_devices"] != KEYS["data.synthetic_devices"].default and out["dataset"] != "synthetic":
         raise ConfigError("data.synthetic_devices", out["data.synthetic_devices"],
                           f"only with dataset=synthetic (dataset={out['dataset']}); leave it out")

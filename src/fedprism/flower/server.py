@@ -528,10 +528,16 @@ class FlowerExperiment(Experiment):
         if link.input_shape is None:
             raise RuntimeError("no node has been identified yet: call link.discover() first")
         cfg = flower_label(settings.cfg)
+        from fedprism.errors import ConfigError
         if cfg.get("drift.fraction", 0.0):
-            from fedprism.errors import ConfigError
             raise ConfigError("drift.fraction", cfg["drift.fraction"], "0 on Flower: class drift "
                               "(fedprism.data.drift) is simulated in process only")
+        if cfg.get("eval.clients", 0):
+            raise ConfigError("eval.clients", cfg["eval.clients"], "0 on Flower: every connected node scores "
+                              "its client at each evaluation (sampled evaluation is simulated in process only)")
+        if cfg.get("state.storage", "memory") != "memory":
+            raise ConfigError("state.storage", cfg["state.storage"], "memory on Flower: each node keeps its own "
+                              "client's rows in its Context.state")
         self.cfg, self.store, self.sweep, self.progress = cfg, store, None, False
         self.drift = None
         self.settings, self.link = settings, link
