@@ -151,7 +151,12 @@ def test_mmap_rereads_written_rows_and_initial_rows(tmp_path):
     assert (tmp_path / "rows" / "w.rows").stat().st_size == 7 * 5 * 4
 
 
-def test_float16_storage_rounds_to_half_precision_and_refuses_overflow():
+def test_float16_storage_rounds_to_half_precision_and_refuses_overflow(monkeypatch):
+    asked = []
+    real = ClientState.initial
+    monkeypatch.setattr(ClientState, "initial", lambda self, cx, n: asked.append(n) or real(self, cx, n))
+    make_store("float16", {"w": ClientState(("P",)), "v": ClientState(("P",))}, ctx(1000))
+    assert asked == [1, 1]                   # one initial row per name, copied: no [N, P] float32 on the way
     c = ctx(4)
     decl = {"w": ClientState(("P",), init="model"), "n": ClientState((2,), init=0.0, dtype=torch.int64)}
     st = make_store("float16", decl, c)

@@ -126,6 +126,14 @@ class Float16Store(ClientStore):
 
     storage = "float16"
 
+    def __init__(self, decls: dict[str, ClientState], ctx: Context):
+        # every client's initial row is the same: convert one row, then copy it (no [N, P] float32 on the way)
+        self.decls, self.ctx = dict(decls), ctx
+        self.data = {}
+        for k, d in self.decls.items():
+            one = self._stored(k, d.initial(ctx, 1))
+            self.data[k] = one.expand(ctx.num_clients, *one.shape[1:]).clone()
+
     def _half(self, name: str) -> bool:
         return self.decls[name].dtype.is_floating_point
 
