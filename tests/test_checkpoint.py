@@ -76,6 +76,23 @@ def test_round_trip_of_every_state_type():
     assert checkpoint.dumps(back) == checkpoint.dumps(checkpoint.loads(checkpoint.dumps(back)))  # deterministic
 
 
+def test_save_streams_the_bytes_of_dumps_without_copying_the_tensors(tmp_path):
+    import tracemalloc
+
+    path = tmp_path / "s.ckpt"
+    checkpoint.save(path, EVERY_TYPE)
+    assert path.read_bytes() == checkpoint.dumps(EVERY_TYPE)             # the same file, piece by piece
+    big = {"client_state": {"w": torch.ones(4 << 20), "m": np.ones(1 << 20)}}   # 16 MiB + 8 MiB
+    tracemalloc.start()
+    try:
+        checkpoint.save(tmp_path / "big.ckpt", big)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20                                   # no bytes copy of the 24 MiB (it made three)
+    assert checkpoint.load(tmp_path / "big.ckpt")["client_state"]["w"].sum() == 4 << 20
+
+
 @pytest.mark.parametrize("bad", [object(), {1, 2}, np.array([object()], dtype=object), b"bytes", lambda: 0,
                                  torch.zeros(2).to_sparse()])
 def test_unsupported_values_are_refused_at_save_with_their_path(bad):

@@ -433,6 +433,17 @@ def test_class_drift_needs_the_dataset_on_the_server(monkeypatch):
     assert server_data(RunSettings.from_run_config({"experiment": EXP4})) == (None, None, None, None)
 
 
+@pytest.mark.parametrize("key, value", [("eval.clients", "2"), ("state.storage", "float16"), ("state.storage", "mmap")])
+def test_simulator_only_scale_keys_are_refused_on_flower(key, value, tmp_path, task_identity):
+    """`eval.clients` (sampled evaluation) and `state.storage` other than memory are simulated in process
+    only: the ServerApp refuses them naming the key, and stores no round."""
+    db = tmp_path / "s.db"
+    rc = run_config(EXP4 + f" {key}={value}", db)
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.") + ".*on Flower"):
+        serve(FakeGrid(nodes_for(4), rc), rc)
+    assert Store(db).round_metrics(flower_run_id(parse_experiment(rc["experiment"]))) == []
+
+
 @pytest.mark.parametrize("method", _methods())
 def test_every_method_runs_the_same_on_flower(method, tmp_path, task_identity):
     """No algorithm code is duplicated for Flower: each registered method's plan / client_update /

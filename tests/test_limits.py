@@ -56,6 +56,26 @@ def test_memory_bounds_use_the_parameter_count(tmp_path):
     assert available_memory() > 0
 
 
+def test_client_limit_follows_state_storage():
+    n = np.full(10_000, 6)
+    P = 61_706                                   # LeNet-5
+    dual = lambda st: resolve({**BASE, "method": "fedprism_dual", "clients": 10_000, "fraction": 0.01,  # noqa: E731
+                               "partition.min_train": 1, "state.storage": st})
+    with pytest.raises(ConfigError, match=r"'clients' = 10000.*at most 4350 here.*4 bytes per parameter"):
+        check_limits(dual("memory"), n, P, memory=4 << 30)
+    with pytest.raises(ConfigError, match=r"at most 8700 here.*2 bytes per parameter.*state.storage=float16"):
+        check_limits(dual("float16"), n, P, memory=4 << 30)
+    check_limits(dual("mmap"), n, P, memory=4 << 30, disk=8 << 30)      # rows on disk, not in memory
+    with pytest.raises(ConfigError, match=r"at most 4350 here.*state.storage=mmap.*on disk beside the store"):
+        check_limits(dual("mmap"), n, P, memory=4 << 30, disk=2 << 30)
+    check_limits(dual("memory"), n, P, memory=16 << 30)
+    seen = resolve({**BASE, "method": "fedprism_dual", "clients": 10_000, "fraction": 0.01, "state.storage": "mmap",
+                    "fedprism_dual.cluster_on": "seen", "fedprism_dual.features": "full"})
+    with pytest.raises(ConfigError, match=r"'fedprism_dual.cluster_on' = 'seen'.*features=last_layer.*9.2 GB"):
+        check_limits(seen, n, P, memory=16 << 30, disk=8 << 30)
+    check_limits(seen.with_(fedprism_dual__features="last_layer"), n, P, memory=16 << 30, disk=8 << 30)
+
+
 def test_valid_sizes_still_run(tmp_path):
     exp = build(tmp_path, method="ifca", **{"ifca.k": 6})                     # k == clients
     assert exp.run().status == "finished"

@@ -59,6 +59,35 @@ def test_haccs_covers_the_groups_and_prefers_the_fast():
     assert len(set(picks)) > 3                                                          # random within groups
 
 
+def _haccs_reference(seed, rnd, groups, latency, m, rho):
+    """The list-membership implementation HACCS had before (same draws, quadratic in a group's size)."""
+    rng = np.random.default_rng([seed, rnd, 0x4AC])
+    members = {g: list(np.flatnonzero(groups == g)) for g in np.unique(groups)}
+    order = [int(g) for g in rng.permutation(sorted(members))]
+    chosen: list[int] = []
+    while len(chosen) < m:
+        for g in order:
+            left = [c for c in members[g] if c not in chosen]
+            if not left or len(chosen) == m:
+                continue
+            if rng.random() < rho:
+                chosen.append(int(min(left, key=lambda c: (latency[c], c))))
+            else:
+                chosen.append(int(left[rng.integers(len(left))]))
+    return np.sort(np.asarray(chosen, dtype=np.int64))
+
+
+@pytest.mark.parametrize("n,groups,m,rho", [(60, 3, 20, 0.5), (200, 7, 50, 0.95), (40, 2, 40, 0.0)])
+def test_haccs_with_set_membership_draws_what_the_list_version_drew(n, groups, m, rho):
+    rng = np.random.default_rng(n)
+    g = rng.integers(0, groups, n)
+    lat = rng.random(n)
+    for rnd in range(3):
+        got = haccs_choose(1, rnd, g, lat, m, rho)
+        assert np.array_equal(got, _haccs_reference(1, rnd, g, lat, m, rho))
+        assert len(set(got.tolist())) == m
+
+
 def test_fedcls_picks_complementary_labels():
     hist = np.array([[50, 40, 0, 0], [60, 55, 2, 0], [0, 0, 30, 30], [0, 20, 25, 0]])
     b = presence(hist, 0.1)

@@ -156,7 +156,7 @@ def cmd_show(args) -> int:
     store.close()
     if hist:
         keys = [k for k in ("global_acc", "local_acc", "sdad", "global_model_acc", "train_loss", "accepted",
-                            "rejected", "train_s", "eval_s") if any(k in h for h in hist)]
+                            "rejected", "eval_clients", "train_s", "eval_s") if any(k in h for h in hist)]
         print("\nRounds:")
         print(_table([[h["round"] + 1] + [h.get(k) for k in keys] for h in hist], ["round"] + keys))
     return 0

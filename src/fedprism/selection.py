@@ -96,15 +96,17 @@ def haccs_choose(seed: int, rnd: int, groups: np.ndarray, latency: np.ndarray, m
     members = {g: list(np.flatnonzero(groups == g)) for g in np.unique(groups)}
     order = [int(g) for g in rng.permutation(sorted(members))]
     chosen: list[int] = []
+    taken: set[int] = set()              # membership in O(1): a group's scan is linear in its size
     while len(chosen) < m:
         for g in order:
-            left = [c for c in members[g] if c not in chosen]
+            left = [c for c in members[g] if c not in taken]
             if not left or len(chosen) == m:
                 continue
             if rng.random() < rho:
                 chosen.append(int(min(left, key=lambda c: (latency[c], c))))
             else:
                 chosen.append(int(left[rng.integers(len(left))]))
+            taken.add(chosen[-1])
     return np.sort(np.asarray(chosen, dtype=np.int64))
 
 

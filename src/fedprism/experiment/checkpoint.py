@@ -64,17 +64,25 @@ class CheckpointError(Exception):
 
 
 # -- encoding -------------------------------------------------------------------------------------------
+def _bytes_view(a: np.ndarray) -> memoryview:
+    """The C-order bytes of `a` without copying them (a copy only when `a` is not contiguous)."""
+    return memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+
+
 class _Writer:
+    """Encodes a structure into the skeleton and the list of tensor byte buffers (views, not copies: a
+    checkpoint of a large client state is streamed to its file without a second copy in memory)."""
+
     def __init__(self) -> None:
         self.entries: list[dict] = []
-        self.chunks: list[bytes] = []
+        self.chunks: list[memoryview] = []
         self.offset = 0
 
-    def _add(self, meta: dict, data: bytes) -> int:
-        meta.update(offset=self.offset, nbytes=len(data))
+    def _add(self, meta: dict, data: memoryview) -> int:
+        meta.update(offset=self.offset, nbytes=data.nbytes)
         self.entries.append(meta)
         self.chunks.append(data)
-        self.offset += len(data)
+        self.offset += data.nbytes
         return len(self.entries) - 1
 
     def tensor(self, t: torch.Tensor, where: str) -> dict:
@@ -86,7 +94,7 @@ class _Writer:
         c = t.detach().to("cpu").contiguous()
         if name == "bfloat16":
             c = c.view(torch.int16)
-        data = c.numpy().astype(_TORCH_DTYPES[name][1], copy=False).tobytes()
+        data = _bytes_view(c.numpy().astype(_TORCH_DTYPES[name][1], copy=False))
         i = self._add({"kind": "torch", "dtype": name, "shape": list(t.shape), "device": str(t.device),
                        "requires_grad": bool(t.requires_grad)}, data)
         return {"t": "tensor", "i": i}
@@ -95,7 +103,7 @@ class _Writer:
         dt = a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype
         if dt.str not in _NP_DTYPES:
             raise TypeError(f"{where}: cannot checkpoint a numpy array of dtype {a.dtype}")
-        data = np.ascontiguousarray(a, dtype=dt).tobytes()
+        data = _bytes_view(np.ascontiguousarray(a, dtype=dt))
         i = self._add({"kind": "numpy", "dtype": dt.str, "shape": list(a.shape)}, data)
         return {"t": tag, "i": i}
 
@@ -122,13 +130,18 @@ class _Writer:
                         "tuple, torch tensors, numpy arrays and scalars, bool, int, float, str, None)")
 
 
-def dumps(obj: Any) -> bytes:
-    """The checkpoint bytes of `obj` (raises TypeError naming the first value it cannot hold)."""
+def _parts(obj: Any) -> list[bytes | memoryview]:
+    """The pieces of the checkpoint body of `obj`, in order (magic, header length, header, tensor bytes)."""
     w = _Writer()
     skeleton = w.encode(obj, "state")
     header = json.dumps({"format": FORMAT, "version": VERSION, "skeleton": skeleton, "tensors": w.entries},
                         separators=(",", ":"), allow_nan=False).encode()
-    body = MAGIC + struct.pack("<Q", len(header)) + header + b"".join(w.chunks)
+    return [MAGIC, struct.pack("<Q", len(header)), header, *w.chunks]
+
+
+def dumps(obj: Any) -> bytes:
+    """The checkpoint bytes of `obj` (raises TypeError naming the first value it cannot hold)."""
+    body = b"".join(_parts(obj))
     return body + hashlib.sha256(body).digest()
 
 
@@ -241,12 +254,16 @@ def loads(blob: bytes) -> Any:
 def save(path: str | Path, obj: Any) -> None:
     """Write `obj` to `path` atomically (unique temporary file in the same folder, fsync, rename)."""
     path = Path(path)
-    blob = dumps(obj)
+    parts = _parts(obj)                   # the same bytes as `dumps`, written piece by piece
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(blob)
+            digest = hashlib.sha256()
+            for piece in parts:
+                digest.update(piece)
+                f.write(piece)
+            f.write(digest.digest())
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -44,6 +44,10 @@ KEYS: dict[str, Param] = {
     "data.val_fraction": Param(0.0, "fraction of each client's training rows held out as its validation split "
                                "(hyper-parameters are chosen on validation data, never on test data)",
                                lambda v: 0 <= v <= 0.5, "a number in [0, 0.5]", new=True),
+    "data.synthetic_devices": Param(30, "dataset=synthetic: number of the generator's natural devices (FedProx's "
+                                    "Synthetic(1, 1)); more devices, more samples (30: 4 308 train samples; 1000: "
+                                    "about 286 000)", lambda v: 1 <= v <= 100_000, "an integer in [1, 100000]",
+                                    new=True),
     "data.global_val": Param(0, "size of a global validation set carved from the training pool before "
                              "partitioning (0 = none)", _nonneg, "an integer >= 0", new=True),
     "data.local_test": Param("official", "where each client's local test rows come from: official (drawn from "
@@ -69,6 +73,14 @@ KEYS: dict[str, Param] = {
     "seed": Param(0, "run seed (partition, init, sampling, shuffling)", _nonneg, "an integer >= 0"),
     "eval_every": Param(1, "evaluate every this many rounds (and at the end)", _pos, "an integer >= 1"),
     "eval.global": Param(True, "score every client's model on the full global test set"),
+    "eval.clients": Param(0, "clients scored per evaluation round, drawn seeded per round (0 = every client); the "
+                          "final round always scores every client; sampled rounds are marked by the round metric "
+                          "`eval_clients` and an `eval_sample` record", _nonneg, "an integer >= 0 (0: every client)",
+                          new=True),
+    "state.storage": Param("memory", "where the clients' own state (private models, specialists, local models) is "
+                           "kept: memory (RAM, bit for bit the stored runs), float16 (RAM at half precision: "
+                           "numbers change) or mmap (rows in files beside the checkpoint, RAM holds only the rows "
+                           "in use: same numbers as memory)", choices=("memory", "float16", "mmap"), new=True),
     "device": Param("auto", "auto, cpu or cuda", choices=("auto", "cpu", "cuda")),
     "engine": Param("auto", "auto, sequential or vectorized", choices=("auto", "sequential", "vectorized")),
     "compile": Param("auto", "torch.compile the vectorized kernels (auto: on for long runs)",
@@ -287,8 +299,12 @@ def resolve(raw: dict[str, Any]) -> Config:
             raise ConfigError(k, raw[k], f"a {other} parameter, but method={method}")
         raise ConfigError(k, raw[k], f"unknown key{hint}; known keys: {', '.join(KEYS)} and {method}.*, "
                                      "partition.*")
-    if out["clients"] * out["fraction"] < 1 - 1e-12:
-        pass  # m_t = max(floor(qN), 1): still one client per round
+    if out["eval.clients"] > out["clients"]:
+        raise ConfigError("eval.clients", out["eval.clients"], f"an integer in [0, clients={out['clients']}] "
+                          "(0: every client)")
+    if out["data.synthetic_devices"] != KEYS["data.synthetic_devices"].default and out["dataset"] != "synthetic":
+        raise ConfigError("data.synthetic_devices", out["data.synthetic_devices"],
+                          f"only with dataset=synthetic (dataset={out['dataset']}); leave it out")
     return Config(out)
 
 

@@ -33,6 +33,21 @@ SPLITS = ("local", "global", "train", "val", "global_val")
 SHARED = ("global", "global_val")
 #: largest per-stream logit cache on the global test set (bytes); beyond it logits are recomputed
 STREAM_CACHE_BYTES = 512 << 20
+#: an evaluation scores clients in blocks whose model rows take at most this many bytes in float64
+#: (LeNet-5: 543 clients); federations of one block are scored in one call, as before blocks existed
+EVAL_BLOCK_BYTES = 256 << 20
+
+
+def _is_all(clients: np.ndarray, n: int) -> bool:
+    c = np.asarray(clients)
+    return len(c) == n and bool((c == np.arange(n)).all())
+
+
+def sample_eval_clients(seed: int, rnd: int, num_clients: int, k: int) -> np.ndarray:
+    """`eval.clients`: the k clients (sorted, without replacement) scored at round `rnd`, from a stream
+    seeded by (seed, round) only, so every method of a comparison scores the same clients."""
+    rng = np.random.default_rng([seed, rnd, 0xE7A1])
+    return np.sort(rng.choice(num_clients, size=k, replace=False)).astype(np.int64)
 
 
 def row_hashes(params: torch.Tensor) -> list[bytes]:
@@ -174,8 +189,10 @@ def score_inference(engine, scorer: StreamScorer, inf: Inference, clients: np.nd
 
 @dataclass
 class ClientScores:
-    """Per-client arrays of one evaluation (NaN where a split is empty or not evaluated)."""
+    """Per-client arrays of one evaluation (NaN where a split is empty or not evaluated); entry j belongs
+    to client `clients[j]` (every client, or the clients sampled for this evaluation: `eval.clients`)."""
 
+    clients: np.ndarray
     local_acc: np.ndarray
     local_loss: np.ndarray
     local_f1: np.ndarray
@@ -222,12 +239,54 @@ class Evaluator:
         clients = np.arange(self.n)
         return algo.inference(self.engine, clients, algo.eval_payload(state, clients), cstate)
 
-    def __call__(self, algo, state: dict, cstate: Rows | None = None) -> ClientScores:
-        """Score `algo`'s inference for every client; `cstate` = every client's client-state rows."""
-        return self.score(self.inference(algo, state, cstate or {}))
+    def block_size(self) -> int:
+        """Clients evaluated together: as many as keep one float64 copy of their model rows within
+        `EVAL_BLOCK_BYTES` (a server's personalised models are mixed in float64), at least one."""
+        spec = getattr(self.engine, "spec", None)
+        P = int(getattr(spec, "size", 0) or 0)
+        return max(1, EVAL_BLOCK_BYTES // (8 * P)) if P else max(1, self.n)
 
-    def score(self, inf: Inference) -> ClientScores:
-        clients = np.arange(self.n)
+    def __call__(self, algo, state: dict, cstate=None, clients: np.ndarray | None = None) -> ClientScores:
+        """Score `algo`'s inference for `clients` (default: every client). `cstate` is the clients' own
+        state: every client's rows (a dict) or a client store (`fedprism.experiment.clientstore`, whose
+        `view(clients)` gives a block's rows). Clients are scored in blocks of `block_size()`, each block's
+        payload and inference built on its own, so no [N, P] float64 (or [N, P] client state) is ever
+        materialised; a federation of at most one block is scored exactly as one call."""
+        everyone = clients is None
+        clients = np.arange(self.n) if everyone else np.asarray(clients, dtype=np.int64)
+        if cstate is None:
+            cstate = {}
+        if isinstance(cstate, dict):
+            def rows_of(c):
+                return cstate if _is_all(c, self.n) else {k: v[torch.as_tensor(c)] for k, v in cstate.items()}
+        else:
+            rows_of = cstate.view
+        size = self.block_size()
+        if everyone and self.n <= size:
+            return self.score(self.inference(algo, state, rows_of(clients)))
+        parts = []
+        live: dict[str, set] = {}
+        for b0 in range(0, len(clients), size):
+            block = clients[b0:b0 + size]
+            inf = algo.inference(self.engine, block, algo.eval_payload(state, block), rows_of(block))
+            parts.append(self._score_block(inf, block, live))
+            del inf
+        self._prune(live)
+        results = {s: [r for p in parts for r in p[0][s]] for s in self.splits}
+        raw = {s: EvalResult.concat([p[1][s] for p in parts], self.engine.num_classes)
+               for s in (parts[0][1] if parts else {})}
+        return self._scores(results, sum(p[2] for p in parts), _alternatives(raw), clients)
+
+    def score(self, inf: Inference, clients: np.ndarray | None = None) -> ClientScores:
+        """Score one inference of `clients` (default: every client; its rows are those clients' rows)."""
+        clients = np.arange(self.n) if clients is None else np.asarray(clients, dtype=np.int64)
+        live: dict[str, set] = {}
+        results, raw, evaluated = self._score_block(inf, clients, live)
+        self._prune(live)
+        return self._scores(results, evaluated, _alternatives(raw), clients)
+
+    def _score_block(self, inf: Inference, clients: np.ndarray, live: dict[str, set]
+                     ) -> tuple[dict[str, list[tuple]], dict[str, EvalResult], int]:
         params = inf.single
         results: dict[str, list[tuple]] = {}
         raw: dict[str, EvalResult] = {}
@@ -237,22 +296,28 @@ class Evaluator:
             if params is None:
                 raw[split] = self.streams(inf, clients, split)
                 results[split] = _rows(raw[split])
-                evaluated += self.n
+                evaluated += len(clients)
             else:
-                results[split], k = self._cached(params, hashes, clients, split)
+                results[split], k = self._cached(params, hashes, clients, split, live)
                 evaluated += k
-        return self._scores(results, evaluated, _alternatives(raw))
+        return results, raw, evaluated
 
-    def _cached(self, params: torch.Tensor, hashes: list[bytes], clients: np.ndarray, split: str
-                ) -> tuple[list, int]:
+    def _prune(self, live: dict[str, set]) -> None:
+        """Keep only the shared-split scores of models evaluated this time."""
+        for split, hs in live.items():
+            self._shared[split] = {h: r for h, r in self._shared.get(split, {}).items() if h in hs}
+
+    def _cached(self, params: torch.Tensor, hashes: list[bytes], clients: np.ndarray, split: str,
+                live: dict[str, set]) -> tuple[list, int]:
+        """Row j of `params` is client clients[j]'s model."""
         if split not in SHARED:
             cache = self._own.setdefault(split, {})
-            todo = [i for i in clients if cache.get(int(i), (None,))[0] != hashes[i]]
+            todo = [j for j, c in enumerate(clients) if cache.get(int(c), (None,))[0] != hashes[j]]
             if todo:
-                res = _rows(self.engine.evaluate(params[torch.as_tensor(todo)], np.array(todo), split))
-                for i, r in zip(todo, res):
-                    cache[int(i)] = (hashes[i], r)
-            return [cache[int(i)][1] for i in clients], len(todo)
+                res = _rows(self.engine.evaluate(params[torch.as_tensor(todo)], clients[todo], split))
+                for j, r in zip(todo, res):
+                    cache[int(clients[j])] = (hashes[j], r)
+            return [cache[int(c)][1] for c in clients], len(todo)
         cache = self._shared.setdefault(split, {})
         need = {}
         for i, h in enumerate(hashes):
@@ -260,27 +325,28 @@ class Evaluator:
                 need[h] = i
         if need:
             idx = list(need.values())
-            res = _rows(self.engine.evaluate(params[torch.as_tensor(idx)], np.array(idx), split))
+            res = _rows(self.engine.evaluate(params[torch.as_tensor(idx)], clients[idx], split))
             for h, r in zip(need, res):
                 cache[h] = r
-        rows = [cache[h] for h in hashes]
-        live = set(hashes)
-        self._shared[split] = {h: r for h, r in cache.items() if h in live}
-        return rows, len(need)
+        live.setdefault(split, set()).update(hashes)
+        return [cache[h] for h in hashes], len(need)
 
-    def _scores(self, results: dict[str, list], evaluated: int, alternatives: dict) -> ClientScores:
+    def _scores(self, results: dict[str, list], evaluated: int, alternatives: dict,
+                clients: np.ndarray | None = None) -> ClientScores:
         def acc(rows):
             return np.array([r[0] / r[1] if r[1] else np.nan for r in rows])
 
         local, glob = results["local"], results.get("global")
+        n = len(local)
         n_test = np.array([r[1] for r in local])
         return ClientScores(
+            clients=np.arange(n) if clients is None else np.asarray(clients, dtype=np.int64),
             local_acc=acc(local),
             local_loss=np.array([r[2] / r[1] if r[1] else np.nan for r in local]),
             local_f1=np.array([r[3] if r[1] else np.nan for r in local]),
             n_test=n_test,
-            global_acc=acc(glob) if glob is not None else np.full(self.n, np.nan),
-            global_f1=np.array([r[3] for r in glob]) if glob is not None else np.full(self.n, np.nan),
+            global_acc=acc(glob) if glob is not None else np.full(n, np.nan),
+            global_f1=np.array([r[3] for r in glob]) if glob is not None else np.full(n, np.nan),
             evaluated=evaluated,
             alternatives=alternatives,
             validation={f"{s}_acc": acc(results[s]) for s in self.validation if s in results},

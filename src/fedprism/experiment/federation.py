@@ -31,7 +31,7 @@ def _pad32(cfg: Config, dataset: str) -> bool:
 def _federation(dataset: str, root: str, download: bool, pad32: bool, partition: str,
                 part_items: tuple, clients: int, seed: int, train_subset: int = 0, test_subset: int = 0,
                 val_fraction: float = 0.0, global_val: int = 0, local_test: str = "official",
-                local_test_fraction: float = 0.2) -> Federation:
+                local_test_fraction: float = 0.2, synthetic_devices: int = 30) -> Federation:
     from fedprism.data.datasets import DATASETS, NATURAL_CLIENTS, load_dataset
     from fedprism.data.partition import make_partition
     from fedprism.errors import ConfigError
@@ -40,6 +40,8 @@ def _federation(dataset: str, root: str, download: bool, pad32: bool, partition:
 
     if dataset in plugins.DATASETS and dataset not in DATASETS:
         ds = plugins.DATASETS[dataset](pad32=pad32, root=root or None)
+    elif dataset == "synthetic":
+        ds = load_dataset(dataset, root=root or None, download=download, pad32=pad32, num_devices=synthetic_devices)
     else:
         ds = load_dataset(dataset, root=root or None, download=download, pad32=pad32)
     x_tr, y_tr, x_te, y_te = ds.x_train, ds.y_train, ds.x_test, ds.y_test
@@ -109,7 +111,7 @@ def build_federation(cfg: Config) -> Federation:
     fed = _federation(cfg["dataset"], cfg["data.root"], bool(cfg["data.download"]), _pad32(cfg, cfg["dataset"]),
                       cfg["partition"], params, cfg["clients"], cfg["seed"], cfg["data.train_subset"],
                       cfg["data.test_subset"], cfg["data.val_fraction"], cfg["data.global_val"],
-                      cfg["data.local_test"], cfg["data.local_test_fraction"])
+                      cfg["data.local_test"], cfg["data.local_test_fraction"], cfg["data.synthetic_devices"])
     return Federation(fed.x_train, fed.y_train, fed.x_test, fed.y_test, fed.train_idx, fed.test_idx,
                       fed.num_classes, fed.class_names, fed.name, dict(fed.meta), fed.val_idx, fed.x_val, fed.y_val,
                       fed.local_pool)

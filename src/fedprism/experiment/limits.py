@@ -15,7 +15,13 @@ sizes and the parameter count P are known) and before anything large is allocate
                    in half of the available memory
     clients        N <= train samples / partition.min_train is the partitioner's own check
                    (PartitionError); methods that keep a model per client (local, fedamp, cfl,
-                   fedprism_dual) also need N x P x 4 bytes to fit in half of the available memory
+                   fedprism_dual) also need N x P x 4 bytes to fit in half of the available memory.
+                   Models that are the clients' own state (local, fedprism_dual) follow
+                   `state.storage`: float16 halves them; mmap needs them on disk beside the store
+                   (`disk`: the free bytes there) and only a cohort's rows in memory
+    fedprism_dual.cluster_on = seen keeps every client's last clustering feature (N x d float64) and
+                   clusters up to N of them: with features = full (d = P), N x P x 16 bytes in half
+                   of the memory
 
 Available memory is MemAvailable of /proc/meminfo, capped by the cgroup limit where there is one.
 """
@@ -38,6 +44,10 @@ _PER_BATCH = 256
 MAX_STEPS = 10**9
 #: methods whose state holds per-client models ([N, P] rows), and how many
 _PER_CLIENT_MODELS = {"local": 1, "fedamp": 2, "cfl": 1, "fedprism_dual": 2}
+#: of those, the ones held as the clients' own state (`Algorithm.client_state`, `state.storage`)
+_CLIENT_STATE_MODELS = {"local": 1, "fedprism_dual": 2}
+#: bytes per parameter of a client-state model in memory, per `state.storage`
+_STORAGE_BYTES = {"memory": 4, "float16": 2, "mmap": 0}
 _K_METHODS = ("fedprism", "fedprism_dual", "ifca", "fedclust")
 
 
@@ -76,11 +86,12 @@ def _gb(b: float) -> str:
 
 
 def check_limits(cfg, n_train: np.ndarray, num_params: int, memory: int | None = None,
-                 sizes_complete: bool = True) -> None:
+                 sizes_complete: bool = True, disk: int | None = None) -> None:
     """Raise ConfigError for a size key beyond what this data and this machine allow (module doc).
 
     `sizes_complete=False` (a Flower server that only knows the counts its nodes reported so far):
-    the batch-size bound, which needs the federation's total, is skipped."""
+    the batch-size bound, which needs the federation's total, is skipped. `disk`: free bytes where
+    `state.storage=mmap` keeps its row files (None: not checked)."""
     mem = available_memory() if memory is None else memory
     n_train = np.asarray(n_train, dtype=np.int64)
     N, P, total = len(n_train), int(num_params), int(n_train.sum())
@@ -121,9 +132,25 @@ def check_limits(cfg, n_train: np.ndarray, num_params: int, memory: int | None =
                                   f"(x{copies} copies) need {_gb(need)}, more than half the available memory "
                                   f"({_gb(mem)})")
 
+    storage = cfg.get("state.storage", "memory")
+    own = _CLIENT_STATE_MODELS.get(method, 0)
     per_client = _PER_CLIENT_MODELS.get(method, 0)
-    if per_client and N * P * 4 * per_client > mem // 2:
-        most = (mem // 2) // (P * 4 * per_client)
+    need = N * P * (4 * (per_client - own) + _STORAGE_BYTES[storage] * own)
+    if need > mem // 2:
+        per = P * (4 * (per_client - own) + _STORAGE_BYTES[storage] * own)
+        most = (mem // 2) // per
+        how = f" at {_STORAGE_BYTES[storage]} bytes per parameter (state.storage={storage}; mmap keeps them on disk)" \
+            if own else ""
         raise ConfigError("clients", N, f"at most {most} here for {method}: {per_client} model(s) of {P} parameters "
-                          f"per client need {_gb(N * P * 4 * per_client)}, more than half the available memory "
-                          f"({_gb(mem)})")
+                          f"per client{how} need {_gb(need)}, more than half the available memory ({_gb(mem)})")
+    if own and storage == "mmap" and disk is not None and N * P * 4 * own > disk:
+        raise ConfigError("clients", N, f"at most {disk // (P * 4 * own)} here for {method} with state.storage=mmap: "
+                          f"its row files need {_gb(N * P * 4 * own)} on disk beside the store, "
+                          f"{_gb(disk)} are free there")
+    if method == "fedprism_dual" and cfg.get("fedprism_dual.cluster_on") == "seen":
+        d = P if cfg.get("fedprism_dual.features") == "full" else 0
+        if d and N * d * 16 > mem // 2:
+            raise ConfigError("fedprism_dual.cluster_on", "seen", f"reporting here, or fedprism_dual.features="
+                              f"last_layer: the features of all {N} clients ({d} parameters each, kept and "
+                              f"clustered in float64) need {_gb(N * d * 16)}, more than half the available "
+                              f"memory ({_gb(mem)})")

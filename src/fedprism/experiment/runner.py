@@ -20,8 +20,9 @@ from fedprism.algorithms.base import Algorithm
 from fedprism.engine import make_engine
 from fedprism.engine.base import LocalConfig
 from fedprism.errors import ConfigError
+from fedprism.experiment.clientstore import ClientStore, StoreMismatch, make_store
 from fedprism.experiment.config import Config
-from fedprism.experiment.evaluate import Evaluator, summarize
+from fedprism.experiment.evaluate import Evaluator, sample_eval_clients, summarize
 from fedprism.experiment.federation import build_federation, resolve_model_name
 from fedprism.experiment.progress import Progress
 from fedprism.experiment.provenance import capture, set_threads
@@ -31,7 +32,7 @@ from fedprism.federation import Federation
 from fedprism.models import build_model
 from fedprism.params import flatten
 from fedprism.privacy import LABEL_RELEASES, Privacy
-from fedprism.protocol import ClientState, Context, Plan, Rows, TensorSpec, Update
+from fedprism.protocol import Context, Plan, TensorSpec, Update
 from fedprism.selection import Selector, cohort_size, sample_clients  # noqa: F401 (sample_clients: public here)
 
 
@@ -42,28 +43,6 @@ class RunResult:
     final: dict
     history: list[dict] = field(default_factory=list)
     resumed_from: int | None = None
-
-
-class ClientStore:
-    """The simulator's side of every client: the rows of the method's declared client state.
-
-    `rows(clients)` hands `client_update` and `inference` their clients' rows; `write` commits the new
-    rows a client returned. The whole store goes into every checkpoint, so a resumed run is exact."""
-
-    def __init__(self, decls: dict[str, ClientState], ctx: Context):
-        self.data: Rows = {k: d.initial(ctx, ctx.num_clients) for k, d in decls.items()}
-
-    def rows(self, clients: np.ndarray) -> Rows:
-        idx = torch.as_tensor(np.asarray(clients), dtype=torch.long)
-        return {k: v[idx] for k, v in self.data.items()}
-
-    def write(self, clients: np.ndarray, rows: Rows) -> None:
-        idx = torch.as_tensor(np.asarray(clients), dtype=torch.long)
-        for k, v in rows.items():
-            if k not in self.data:
-                raise KeyError(f"client state {k!r} was not declared (declared: {sorted(self.data)})")
-            t = self.data[k]
-            t[idx] = v.to(t.device, t.dtype)
 
 
 def validate_update(update: Update, upload: dict[str, TensorSpec]) -> tuple[Update, dict[int, str]]:
@@ -120,10 +99,17 @@ class Simulator:
         sim.state, sim.clients.data, sim.inference(), sim.evaluate("local")
     """
 
-    def __init__(self, algo: Algorithm, engine, state: dict | None = None):
+    def __init__(self, algo: Algorithm, engine, state: dict | None = None, storage: str = "memory",
+                 folder: str | None = None):
         self.algo, self.engine = algo, engine
         self.state = algo.init_state() if state is None else state
-        self.clients = ClientStore(algo.client_state, algo.ctx)
+        if storage == "mmap" and folder is None and algo.client_state:
+            import shutil
+            import tempfile
+            import weakref
+            folder = tempfile.mkdtemp(prefix="fedprism-rows-")
+            weakref.finalize(self, shutil.rmtree, folder, True)
+        self.clients = make_store(storage if algo.client_state else "memory", algo.client_state, algo.ctx, folder)
         self.upload = {k: spec.resolve(algo.ctx) for k, spec in algo.upload().items()}
 
     def round(self, rnd: int, clients: np.ndarray) -> tuple[Plan, Update, dict]:
@@ -270,16 +256,33 @@ class Experiment:
         self.run_id = cfg.run_id
         self.fed = fed if fed is not None else build_federation(cfg)
         self.model = make_model(cfg, self.fed.input_shape, self.fed.num_classes)
-        check_limits(cfg, self.fed.n_train, sum(p.numel() for p in self.model.parameters()))
+        check_limits(cfg, self.fed.n_train, sum(p.numel() for p in self.model.parameters()),
+                     disk=_free_disk(store.path) if cfg.get("state.storage") == "mmap" else None)
         self.ctx = make_context(cfg, self.model, self.fed.n_train, self.fed.label_hist())
         self.engine = make_engine(cfg["engine"], self.fed, self.model, local_config(cfg), cfg["seed"], cfg["device"],
                                   compile=cfg["compile"], rounds=cfg["rounds"])
         self.ctx.spec = self.engine.spec
         self.algo: Algorithm = make_algorithm(cfg, self.ctx)
-        self.clients: ClientStore | None = ClientStore(self.algo.client_state, self.ctx)
+        self.clients: ClientStore | None = self.client_store()
         self.upload = {k: spec.resolve(self.ctx) for k, spec in self.algo.upload().items()}
         self.drift = drift_schedule(cfg, self.fed)
         self._drifted = None
+
+    def client_store(self) -> ClientStore:
+        """The simulator's store of the clients' own state (`state.storage`; methods without client
+        state keep the empty memory store, whatever the key says)."""
+        storage = self.cfg.get("state.storage", "memory")
+        if not self.algo.client_state:
+            storage = "memory"
+        return make_store(storage, self.algo.client_state, self.ctx, self.store.rows_dir(self.run_id))
+
+    def eval_sample(self, rnd: int) -> np.ndarray | None:
+        """The clients scored at round `rnd` under `eval.clients` (None: every client; always at the final
+        round)."""
+        k, N = int(self.cfg.get("eval.clients", 0) or 0), self.ctx.num_clients
+        if k == 0 or k >= N or rnd == self.cfg["rounds"] - 1:
+            return None
+        return sample_eval_clients(self.cfg["seed"], rnd, N, k)
 
     def apply_drift(self, rnd: int, evaluator: Evaluator | None) -> int:
         """Give the engine round `rnd`'s local data under `drift.*` (fedprism.data.drift; a Flower node
@@ -311,10 +314,11 @@ class Experiment:
         doms = (fed.meta if fed is not None else {}).get("client_domains") or []
         return [("client_domain", int(c), {"domain": int(d)}) for c, d in enumerate(doms)]
 
-    def evaluate_round(self, evaluator: Evaluator, state: dict) -> tuple[dict, list[tuple]]:
-        """Round metrics and per-client rows of one evaluation."""
+    def evaluate_round(self, evaluator: Evaluator, state: dict, clients: np.ndarray | None = None
+                       ) -> tuple[dict, list[tuple]]:
+        """Round metrics and per-client rows of one evaluation (of `clients`; default every client)."""
         t_eval = time.time()
-        scores = evaluator(self.algo, state, self.clients.data if self.clients is not None else {})
+        scores = evaluator(self.algo, state, self.clients if self.clients is not None else {}, clients)
         return self.round_metrics(scores, state, t_eval)
 
     def round_metrics(self, scores, state: dict, t_eval: float) -> tuple[dict, list[tuple]]:
@@ -325,8 +329,10 @@ class Experiment:
             metrics[f"{name}_model_acc"] = float(r.accuracy[0])
         metrics["eval_s"] = time.time() - t_eval
         metrics["models_evaluated"] = scores.evaluated
-        client_rows = [(int(c), scores.local_acc[c], scores.local_loss[c], scores.global_acc[c],
-                        int(scores.n_test[c]), scores.local_f1[c]) for c in range(self.ctx.num_clients)]
+        if len(scores.clients) < self.ctx.num_clients:          # `eval.clients`: a sampled round
+            metrics["eval_clients"] = len(scores.clients)
+        client_rows = [(int(c), scores.local_acc[j], scores.local_loss[j], scores.global_acc[j],
+                        int(scores.n_test[j]), scores.local_f1[j]) for j, c in enumerate(scores.clients)]
         return metrics, client_rows
 
     def initial_state(self) -> dict:
@@ -343,16 +349,15 @@ class Experiment:
     def _snapshot(self, rnd: int, state: dict, seen: np.ndarray, elapsed: float) -> dict:
         snap = {"run_id": self.run_id, "round": rnd, "state": state, "seen": seen, "elapsed": elapsed}
         if self.clients is not None:
-            snap["client_state"] = self.clients.data
+            snap.update(self.clients.snapshot())
         return snap
 
-    def _restore(self, snap: dict) -> dict:
+    def _restore(self, snap: dict, folder=None) -> dict:
+        """The server state of a checkpoint (or kept final state); the client store is brought to it
+        (`folder`: where a kept final state's row files are). Raises StoreMismatch when the row files
+        of `state.storage=mmap` cannot be those of the checkpoint."""
         if self.clients is not None:
-            cs = snap.get("client_state", {})
-            if set(cs) != set(self.clients.data):
-                raise ValueError(f"checkpoint holds client state {sorted(cs)}, the method declares "
-                                 f"{sorted(self.clients.data)}")
-            self.clients.data = cs
+            self.clients.restore(snap, folder)
         return snap["state"]
 
     def rescore_source(self) -> tuple[str, dict] | None:
@@ -379,7 +384,7 @@ class Experiment:
         store, run_id = self.store, self.run_id
         store.start_run(run_id, self.cfg.values, self.sweep, provenance=provenance)
         try:
-            state = self._restore(kept)
+            state = self._restore(kept, store.final_rows_dir(self.cfg.train_id) if "client_rows" in kept else None)
             metrics, client_rows = self.evaluate_round(self.evaluator(), state)
             metrics["train_s"] = 0.0
             last = int(kept["round"])
@@ -420,7 +425,13 @@ class Experiment:
         store.start_run(run_id, cfg.values, self.sweep, provenance=prov)
         ckpt = store.load_checkpoint(run_id)
         if ckpt is not None and ckpt.get("run_id") == run_id:
-            state, start, resumed = self._restore(ckpt), ckpt["round"] + 1, ckpt["round"]
+            try:
+                state, start, resumed = self._restore(ckpt), ckpt["round"] + 1, ckpt["round"]
+            except StoreMismatch as e:          # `state.storage=mmap`: files that are not the checkpoint's
+                store.discard_checkpoint(run_id, f"client row files: {e}")
+                self.clients = self.client_store()
+                ckpt = None
+        if ckpt is not None and ckpt.get("run_id") == run_id:
             elapsed = ckpt.get("elapsed", 0.0)
         else:
             state, start, resumed, elapsed = self.initial_state(), 0, None, 0.0
@@ -457,7 +468,12 @@ class Experiment:
                     records += selector.records()
                 metrics, client_rows = None, None
                 if (rnd + 1) % cfg["eval_every"] == 0 or rnd == T - 1:
-                    metrics, client_rows = self.evaluate_round(evaluator, state)
+                    sample = self.eval_sample(rnd)
+                    if sample is None:
+                        metrics, client_rows = self.evaluate_round(evaluator, state)
+                    else:                              # `eval.clients`: this round scores a seeded sample
+                        metrics, client_rows = self.evaluate_round(evaluator, state, sample)
+                        records.append(("eval_sample", None, {"clients": sample.tolist()}))
                 else:
                     metrics = {}
                 metrics.update({
@@ -480,6 +496,8 @@ class Experiment:
                 elapsed += wall
                 store.write_round(run_id, rnd, metrics, client_rows, records, wall)
                 store.save_checkpoint(run_id, self._snapshot(rnd, state, seen, elapsed))
+                if self.clients is not None:
+                    self.clients.commit()              # `mmap`: the round's rows reach their files now
                 bar.update(rnd + 1, metrics if "local_acc" in metrics else None)
         except KeyboardInterrupt:
             store.mark(run_id, "interrupted")
@@ -491,9 +509,15 @@ class Experiment:
         history = store.round_metrics(run_id)
         final = final_metrics(history, elapsed)
         final.update(privacy_metrics(cfg, self.ctx.privacy))
+        kept = False
         if cfg["keep_final"]:
+            if self.clients is not None and self.clients.storage == "mmap":
+                self.clients.move_to(store.final_rows_dir(cfg.train_id))   # the row files go with the state
             store.save_final(cfg.train_id, self._snapshot(T - 1, state, seen, elapsed))
+            kept = True
         store.finish(run_id, final)
+        if self.clients is not None:
+            self.clients.close(keep=kept)
         store.drop_checkpoint(run_id)
         return RunResult(run_id, "finished", final, history, resumed)
 
@@ -506,12 +530,16 @@ def final_metrics(history: list[dict], seconds: float) -> dict:
     """Final (last evaluated round) and best values of the headline metrics."""
     evald = [h for h in history if "local_acc" in h]
     out: dict[str, Any] = {"seconds": seconds, "rounds": len(history)}
+    sampled = sum(1 for h in evald if "eval_clients" in h)
+    if sampled:                         # `eval.clients`: best values only from rounds that scored every client
+        out["eval_sampled_rounds"] = sampled
+    full = [h for h in evald if "eval_clients" not in h] or evald
     if evald:
         last = evald[-1]
         for k in FINAL_KEYS:
             if k in last:
                 out[k] = last[k]
-                vals = [h[k] for h in evald if h.get(k) is not None]
+                vals = [h[k] for h in full if h.get(k) is not None]
                 if not vals:                # every evaluation of this metric failed: no best value
                     continue
                 if k in ("ad", "sdad"):
@@ -525,6 +553,17 @@ def final_metrics(history: list[dict], seconds: float) -> dict:
     out["accepted"] = sum(h.get("accepted", 0) for h in history)
     out["diverged"] = out["accepted"] == 0 and out["rejected"] > 0      # no update was ever usable
     return out
+
+
+def _free_disk(path) -> int | None:
+    """Free bytes on the file system of `path` (the store: row files live beside it), None if unknown."""
+    import shutil
+    from pathlib import Path
+
+    try:
+        return shutil.disk_usage(Path(path).resolve().parent).free
+    except OSError:
+        return None
 
 
 def _json(s: str | None) -> dict:

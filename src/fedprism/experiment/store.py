@@ -562,9 +562,28 @@ class Store:
         except checkpoint.CheckpointError:
             p.unlink(missing_ok=True)
             return None
+        if isinstance(payload, dict) and "client_rows" in payload and not self.final_rows_dir(train_id).is_dir():
+            return None                       # `state.storage=mmap`: its row files are gone
         return payload if isinstance(payload, dict) and isinstance(payload.get("state"), dict) else None
 
+    def rows_dir(self, run_id: str) -> Path:
+        """Where a run with `state.storage=mmap` keeps its clients' row files (beside its checkpoint)."""
+        return self.ckpt_dir / f"{run_id}.rows"
+
+    def final_rows_dir(self, train_id: str) -> Path:
+        """The row files of a kept final state (`state.storage=mmap`), beside it."""
+        return self.final_dir / f"{train_id}.rows"
+
+    def discard_checkpoint(self, run_id: str, why: str) -> None:
+        """Delete a checkpoint that cannot be resumed from; the run's next round-0 write records why."""
+        p = self.checkpoint_path(run_id)
+        p.unlink(missing_ok=True)
+        self._notes.setdefault(run_id, []).append(("checkpoint_discarded", None, {"file": p.name, "reason": why}))
+
     def drop_checkpoint(self, run_id: str) -> None:
+        import shutil
+
+        shutil.rmtree(self.rows_dir(run_id), ignore_errors=True)
         self.checkpoint_path(run_id).unlink(missing_ok=True)
         try:
             self.ckpt_dir.rmdir()

@@ -550,6 +550,12 @@ class FlowerExperiment(Experiment):
         cfg = flower_label(settings.cfg)
         if cfg.get("drift.fraction", 0.0) and (drift is None or sizes is None):
             raise ConfigError("drift.fraction", cfg["drift.fraction"], NO_DRIFT_WITHOUT_DATA)
+        if cfg.get("eval.clients", 0):
+            raise ConfigError("eval.clients", cfg["eval.clients"], "0 on Flower: every connected node scores "
+                              "its client at each evaluation (sampled evaluation is simulated in process only)")
+        if cfg.get("state.storage", "memory") != "memory":
+            raise ConfigError("state.storage", cfg["state.storage"], "memory on Flower: each node keeps its own "
+                              "client's rows in its Context.state")
         self.cfg, self.store, self.sweep, self.progress = cfg, store, None, False
         self.drift = drift.schedule if drift is not None else None
         self._drift_counts = drift.counts if drift is not None else None

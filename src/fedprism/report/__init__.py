@@ -276,6 +276,28 @@ def privacy_table(groups) -> list[str]:
                 md.append(f"| {label} | {setting} | {r['config']['seed']} | {f['dp_target_epsilon']:g} | "
                           f"{f['dp_delta']:g} | {f['dp_noise_multiplier']:.3f} | {f['dp_epsilon']:.3f} |")
     return md + [""] if md else md
+def sampled_evaluation_table(groups) -> list[str]:
+    """Runs with `eval.clients`: which of their numbers come from a sample of the clients."""
+    md: list[str] = []
+    for setting in sorted(groups):
+        for label in sorted(groups[setting]):
+            for r in sorted(groups[setting][label], key=lambda x: x["config"]["seed"]):
+                f, c = r["final"], r["config"]
+                if not f.get("eval_sampled_rounds"):
+                    continue
+                if not md:
+                    md = ["## Sampled evaluation", "",
+                          "Runs with `eval.clients` = K scored K clients drawn per evaluation round (seeded by "
+                          "round, the same clients for every method) and every client at the final round. Their "
+                          "per-round curves before the last round are estimates from the sample (the round "
+                          "metric `eval_clients` marks them); Final is over every client, and Best is taken over "
+                          "the rounds that scored every client only.", "",
+                          "| method | setting | seed | K of N clients | sampled rounds |", "|---|---|---|---|---|"]
+                md.append(f"| {label} | {setting} | {c['seed']} | {c.get('eval.clients')} of {c.get('clients')} | "
+                          f"{f['eval_sampled_rounds']} |")
+    return md + [""] if md else md
+
+
 def alpha_trajectory(store: Store, run: dict) -> dict[str, np.ndarray] | None:
     """FedPrism's adaptive alpha_i and the private share gamma_i over the rounds (Algorithm 2 lines
     27-31, from the run's `alpha` records): per recorded round, the mean / min / max of alpha over every
@@ -403,6 +425,7 @@ def tables(groups, reference: str | None = None,
     md += alternatives_table(groups)
     md += dispersion_table(groups)
     md += privacy_table(groups)
+    md += sampled_evaluation_table(groups)
     if store is not None:
         md += domain_table(store, groups)
         md += alpha_table(store, groups)
