@@ -143,6 +143,30 @@ def _sweep_job(db: str, name: str, cfg: Config) -> dict:
         store.close()
 
 
+def worker_threads(workers: int) -> int:
+    """Torch threads per worker process: the machine's cores split between the workers."""
+    return max(1, (os.cpu_count() or 1) // workers)
+
+
+def run_in_workers(db: str, name: str, todo: list[tuple[str, Config]], workers: int):
+    """Run `todo`'s (tag, config) pairs in `workers` spawned processes (threads split between them), in
+    the order given; yields (tag, final metrics) as runs finish, or (tag, RunBusyError) for a run that
+    another process holds. Any other error of a run is raised."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    from fedprism.experiment.runlock import RunBusyError
+
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_sweep_worker_init,
+                             initargs=(worker_threads(workers),)) as pool:
+        futures = {pool.submit(_sweep_job, db, name, cfg): tag for tag, cfg in todo}
+        for fut in as_completed(futures):
+            try:
+                yield futures[fut], fut.result()
+            except RunBusyError as e:
+                yield futures[fut], e
+
+
 def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, progress: bool = True,
               limit: int | None = None, seeds: list[int] | None = None,
               overrides: dict[str, Any] | None = None, workers: int = 1) -> int:
@@ -206,24 +230,16 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
             done += 1
             print(line(tag, res.final), file=sys.stderr)
     else:
-        import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor, as_completed
-
         store.close()
-        threads = max(1, (os.cpu_count() or 1) // workers)
-        print(f"sweep {name}: {len(todo)} runs on {workers} workers, {threads} thread(s) each", file=sys.stderr)
-        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_sweep_worker_init,
-                                 initargs=(threads,)) as pool:
-            futures = {pool.submit(_sweep_job, db, name, cfg): tag for tag, cfg in todo}
-            for fut in as_completed(futures):
-                try:
-                    f = fut.result()
-                except RunBusyError as e:
-                    busy += 1
-                    print(f"{futures[fut]}: skipped, {e}", file=sys.stderr)
-                    continue
-                done += 1
-                print(f"{line(futures[fut], f)}  [{done}/{len(todo)} done, {time.time() - t0:.0f}s]", file=sys.stderr)
+        print(f"sweep {name}: {len(todo)} runs on {workers} workers, {worker_threads(workers)} thread(s) each",
+              file=sys.stderr)
+        for tag, f in run_in_workers(db, name, todo, workers):
+            if isinstance(f, RunBusyError):
+                busy += 1
+                print(f"{tag}: skipped, {f}", file=sys.stderr)
+                continue
+            done += 1
+            print(f"{line(tag, f)}  [{done}/{len(todo)} done, {time.time() - t0:.0f}s]", file=sys.stderr)
         store = Store(db)
     print(f"sweep {name}: {done} run, {skipped} already finished"
           + (f", {busy} running in other processes" if busy else "")

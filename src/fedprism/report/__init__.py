@@ -28,6 +28,7 @@ from fedprism.algorithms import REGISTRY
 from fedprism.errors import FedPrismError
 from fedprism.experiment.config import EXECUTION_KEYS
 from fedprism.experiment.store import Store
+from fedprism.report.routing import routing_choice_table
 
 
 class UnknownReference(FedPrismError, ValueError):
@@ -429,6 +430,7 @@ def tables(groups, reference: str | None = None,
     if store is not None:
         md += domain_table(store, groups)
         md += alpha_table(store, groups)
+        md += routing_choice_table(store, groups)
     for setting in sorted(groups):
         md += [f"## {setting}", "", "| method | seeds | " + " | ".join(h for _, h in COLUMNS) + " |",
                "|---|---|" + "---|" * len(COLUMNS)]
