@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+from pathlib import Path
 
 import pytest
 
@@ -160,3 +161,20 @@ def test_seed_spread_is_the_sample_std():
     from fedprism.report import _pm
     assert _pm([0.5, 0.7]) == "60.00 ± 14.14"
     assert _pm([0.5]) == "50.00" and _pm([None]) == "-"
+
+
+def test_quick_without_a_quick_section_is_refused(tmp_path):
+    """--quick on a file without [quick] would silently run the full-size sweep: refused, naming the section."""
+    from fedprism.errors import ConfigError
+
+    f = tmp_path / "s.toml"
+    f.write_text('name = "s"\n[base]\ndataset = "digits"\n[[runs]]\nmethod = "fedavg"\n')
+    with pytest.raises(ConfigError, match=r"\[quick\]"):
+        load_sweep(f, quick=True)
+    assert len(load_sweep(f)[1]) == 1
+
+
+def test_every_shipped_sweep_has_a_small_quick_form():
+    for path in sorted((Path(__file__).parent.parent / "sweeps").glob("*.toml")):
+        _, configs = load_sweep(path, quick=True)
+        assert configs and all(c["rounds"] <= 5 and c["clients"] <= 20 for c in configs), path.name

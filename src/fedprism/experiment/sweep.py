@@ -72,6 +72,9 @@ def load_sweep(path: str | Path, quick: bool = False, overrides: dict[str, Any] 
     for i, r in enumerate(runs):
         if "label" in r and (not isinstance(r["label"], str) or not r["label"]):
             raise ConfigError(f"{p.name}: runs[{i}].label", r["label"], "a non-empty string")
+    if quick and not doc.get("quick"):      # --quick must never fall through to the full-size sweep
+        raise ConfigError(f"{p.name}: [quick]", None, "a [quick] section of smaller settings for --quick "
+                          "(this file has none, so --quick would run the full sweep)")
     quick_over = flatten(doc.get("quick", {})) if quick else {}
     configs = []
     for variant in runs:
