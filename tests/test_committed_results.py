@@ -18,7 +18,7 @@ PAPER_SWEEPS = ["paper_fmnist_dir01", "paper_fmnist_dir03", "paper_fmnist_dir05"
 #: out dir -> the `fedprism report` arguments that made it (results/README.md lists the same commands)
 REPORTS = {
     "paper_fmnist": dict(sweep=PAPER_SWEEPS + ["fedprism_ablation_temperature", "fedamp_ablation_mu",
-                                               "paper_fmnist_dir01_pfl"],
+                                               "paper_fmnist_dir01_pfl", "fedamp_mu_validation"],
                          reference="fedprism-paper-fmnist"),
 }
 
@@ -162,6 +162,22 @@ def test_fedamp_mu_rule_as_results_readme_states(db_copy):
     assert loc["FedAMP mu=1"] < loc["Local"] - 0.05, loc
     from fedprism.algorithms.fedamp import FedAMP
     assert FedAMP.params["mu"].default == 0.1
+
+
+def test_fedamp_mu_rule_on_validation_data_as_results_readme_states(db_copy):
+    """The same rule read on the clients' validation rows (`val_acc` of the last evaluation, sweep
+    fedamp_mu_validation) picks mu = 0.1 too, with the values results/README.md quotes."""
+    store = Store(db_copy)
+    val = {}
+    for r in store.runs(sweep="fedamp_mu_validation"):
+        assert r["status"] == "finished", r["label"]
+        last = [m for m in store.round_metrics(r["run_id"]) if "val_acc" in m][-1]
+        val[r["label"]] = last["val_acc"]
+    assert {k: round(100 * v, 2) for k, v in val.items()} == {
+        "Local (validation)": 81.08, "FedAMP mu=1 (validation)": 69.45, "FedAMP mu=0.1 (validation)": 80.98,
+        "FedAMP mu=0 (validation)": 82.47}
+    fits = [mu for mu in ("1", "0.1", "0") if val[f"FedAMP mu={mu} (validation)"] >= val["Local (validation)"] - 0.005]
+    assert fits[0] == "0.1"
 
 
 def test_pfl_baselines_as_results_readme_states(db_copy):
