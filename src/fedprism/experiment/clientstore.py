@@ -68,7 +68,7 @@ class ClientStore:
         self.decls, self.ctx = dict(decls), ctx
         self.data: Rows = {k: self._stored(k, d.initial(ctx, ctx.num_clients)) for k, d in decls.items()}
 
-    def _stored(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+    def _stored(self, name: str, rows: torch.Tensor, clients: np.ndarray | None = None) -> torch.Tensor:
         """Rows as this store keeps them."""
         return rows
 
@@ -93,7 +93,7 @@ class ClientStore:
             if k not in self.data:
                 raise KeyError(f"client state {k!r} was not declared (declared: {sorted(self.data)})")
             t = self.data[k]
-            t[idx] = self._stored(k, v.to(t.device, self.decls[k].dtype))
+            t[idx] = self._stored(k, v.detach().to(t.device, self.decls[k].dtype), np.asarray(clients))
 
     def commit(self) -> None:
         """After a round's checkpoint is on disk (`mmap` moves the round's rows to its files)."""
@@ -154,14 +154,6 @@ class Float16Store(ClientStore):
 
     def _declared(self, name: str, rows: torch.Tensor) -> torch.Tensor:
         return rows.to(self.decls[name].dtype) if self._half(name) else rows
-
-    def write(self, clients: np.ndarray, rows: Rows) -> None:
-        idx = _index(clients)
-        for k, v in rows.items():
-            if k not in self.data:
-                raise KeyError(f"client state {k!r} was not declared (declared: {sorted(self.data)})")
-            t = self.data[k]
-            t[idx] = self._stored(k, v.detach().to(t.device, self.decls[k].dtype), np.asarray(clients))
 
 
 class MmapStore(ClientStore):
