@@ -346,8 +346,9 @@ class MmapStore(ClientStore):
 
 def make_store(storage: str, decls: dict[str, ClientState], ctx: Context, folder: str | Path | None = None
                ) -> ClientStore:
-    """The client store of `state.storage`; `mmap` needs the folder of its row files."""
-    if storage == "memory":
+    """The client store of `state.storage`; `mmap` needs the folder of its row files. A method without
+    client state gets the empty memory store, whatever the key says."""
+    if storage == "memory" or not decls:
         return ClientStore(decls, ctx)
     if storage == "float16":
         return Float16Store(decls, ctx)

@@ -109,7 +109,7 @@ class Simulator:
             import weakref
             folder = tempfile.mkdtemp(prefix="fedprism-rows-")
             weakref.finalize(self, shutil.rmtree, folder, True)
-        self.clients = make_store(storage if algo.client_state else "memory", algo.client_state, algo.ctx, folder)
+        self.clients = make_store(storage, algo.client_state, algo.ctx, folder)
         self.upload = {k: spec.resolve(algo.ctx) for k, spec in algo.upload().items()}
 
     def round(self, rnd: int, clients: np.ndarray) -> tuple[Plan, Update, dict]:
@@ -271,10 +271,8 @@ class Experiment:
     def client_store(self) -> ClientStore:
         """The simulator's store of the clients' own state (`state.storage`; methods without client
         state keep the empty memory store, whatever the key says)."""
-        storage = self.cfg.get("state.storage", "memory")
-        if not self.algo.client_state:
-            storage = "memory"
-        return make_store(storage, self.algo.client_state, self.ctx, self.store.rows_dir(self.run_id))
+        return make_store(self.cfg.get("state.storage", "memory"), self.algo.client_state, self.ctx,
+                          self.store.rows_dir(self.run_id))
 
     def eval_sample(self, rnd: int) -> np.ndarray | None:
         """The clients scored at round `rnd` under `eval.clients` (None: every client; always at the final
@@ -469,7 +467,7 @@ class Experiment:
                 metrics, client_rows = None, None
                 if (rnd + 1) % cfg["eval_every"] == 0 or rnd == T - 1:
                     sample = self.eval_sample(rnd)
-                    if sample is None:
+                    if sample is None:       # every client (Flower's evaluate_round takes no sample)
                         metrics, client_rows = self.evaluate_round(evaluator, state)
                     else:                              # `eval.clients`: this round scores a seeded sample
                         metrics, client_rows = self.evaluate_round(evaluator, state, sample)

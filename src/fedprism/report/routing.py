@@ -87,6 +87,8 @@ def routing_choice_table(store, groups) -> list[str]:
     for setting in sorted(groups):
         for label in sorted(groups[setting]):
             for r in sorted(groups[setting][label], key=lambda x: x["config"]["seed"]):
+                if "global_val_acc@expert" not in r["final"]:    # no validation scores: no rounds to read
+                    continue
                 evald = [m for m in store.round_metrics(r["run_id"]) if "global_val_acc" in m]
                 if not evald:
                     continue
