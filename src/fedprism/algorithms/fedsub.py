@@ -60,8 +60,9 @@ Decisions where the paper is silent or ambiguous:
   scores are all 0 uses equal scores. Leadership ties go to the lowest client index.
 * Clustering over the cache: every client's latest artifacts, each stored with the round it was made
   (`made`); a class's members are the cached clients whose latest upload holds a subnetwork of it.
-  K-Means (sklearn, n_init 10, seeded by (seed, round, class)) for K in [2, n_c - 1] with the lowest
-  Davies-Bouldin index (`clustering.select_k.choose_k_davies_bouldin`); one cluster when n_c <= 2 or the
+  K-Means (`clustering.kmeans.kmeans`: k-means++, 10 restarts, seeded by (seed, round, class)) for K in
+  [2, n_c - 1] with the lowest Davies-Bouldin index (`clustering.select_k.choose_k_davies_bouldin`; the
+  chosen K's labels are kept, not fitted again); one cluster when n_c <= 2 or the
   prototypes allow no K (all equal). The paper's upper end "the number of available prototypes" would make
   every prototype its own cluster and Davies-Bouldin is undefined there.
 * All cached clients are clustered every round, sampled or not; the server's answer to a client that has
@@ -326,18 +327,12 @@ def personal_update(fused: list[tuple[torch.Tensor, torch.Tensor]], classes: lis
 
 def cluster_class(protos: np.ndarray, seed: int) -> tuple[np.ndarray, dict]:
     """K-Means labels of one class's cached prototypes, K in [2, n - 1] by Davies-Bouldin (1 cluster if none)."""
-    from fedprism.clustering.hard import euclidean_embedding, euclidean_labels
     from fedprism.clustering.select_k import choose_k_davies_bouldin
 
-    n = protos.shape[0]
-    if n <= 2:
-        return np.zeros(n, dtype=np.int64), {}
-    k, scores = choose_k_davies_bouldin(protos, seed=seed)
-    if k == 1:
-        return np.zeros(n, dtype=np.int64), scores
-    labels = euclidean_labels(euclidean_embedding(protos), k, "kmeans", seed, n_features=protos.shape[1])
-    _, labels = np.unique(labels, return_inverse=True)
-    return labels.astype(np.int64), scores
+    if protos.shape[0] <= 2:
+        return np.zeros(protos.shape[0], dtype=np.int64), {}
+    _, scores, labels = choose_k_davies_bouldin(protos, seed=seed, return_labels=True)
+    return labels, scores
 
 
 @register

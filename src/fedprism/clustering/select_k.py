@@ -3,7 +3,9 @@
 - :func:`choose_k_silhouette` — Clust-PSI-PFL: K-Means for every
   tau in 2..n-1, keep the largest silhouette; strict ``>`` so the smallest tau wins ties.
 - :func:`choose_k_davies_bouldin` — FedSub: K-Means for every K
-  in 2..n-1, keep the lowest Davies-Bouldin index (smallest K on ties).
+  in 2..n-1, keep the lowest Davies-Bouldin index (smallest K on ties). Its K-Means is
+  :func:`fedprism.clustering.kmeans.kmeans` (all restarts at once; FedSub runs it for every class every
+  round), silhouette's is sklearn's.
 
 Both score in Euclidean distance on the given features, so only the Euclidean methods
 (kmeans, ward, average, single) are accepted. A candidate k for which clustering is impossible
@@ -21,10 +23,11 @@ from fedprism.errors import ConfigError
 EUCLIDEAN_METHODS = ("kmeans", "ward", "average", "single")
 
 
-def _candidates(features: np.ndarray, k_range, method: str, seed: int):
+def _candidates(features: np.ndarray, k_range, method: str, seed: int, labeller=None):
     """Yield (k, labels, embedding) for every feasible k in ``k_range`` (default 2..n-1).
 
     Clustering and scoring both run on :func:`euclidean_embedding` (same distances, n columns).
+    ``labeller(embedding, k)`` replaces :func:`euclidean_labels` when given.
     """
     if method not in EUCLIDEAN_METHODS:
         raise ConfigError("clustering.method", method, f"one of {EUCLIDEAN_METHODS} for choosing K")
@@ -36,7 +39,8 @@ def _candidates(features: np.ndarray, k_range, method: str, seed: int):
         k = int(k)
         if not 2 <= k <= n - 1 or k > n_distinct:  # scores are undefined for k = 1 and k = n
             continue
-        labels = euclidean_labels(emb, k, method, seed, n_features=features.shape[1])
+        labels = (labeller(emb, k) if labeller is not None
+                  else euclidean_labels(emb, k, method, seed, n_features=features.shape[1]))
         if len(np.unique(labels)) == k:
             yield k, labels, emb
 
@@ -89,23 +93,31 @@ def choose_k_davies_bouldin(
     k_range=None,
     method: str = "kmeans",
     seed: int = 0,
-) -> tuple[int, dict[int, float]]:
+    return_labels: bool = False,
+):
     """Number of clusters with the lowest Davies-Bouldin index (FedSub).
 
     Candidates are K in 2..n-1 (sklearn refuses K = n pitfall). When no
     candidate is feasible (``n <= 2`` or all points identical) the answer is one cluster:
-    ``(1, {})``, as recommended for FedSub.
+    ``(1, {})``, as recommended for FedSub. ``method="kmeans"`` uses
+    :func:`fedprism.clustering.kmeans.kmeans` (10 restarts, one generator seeded by ``seed`` for all K
+    in increasing order); the linkage methods use sklearn.
 
     Returns:
-        ``(k, scores)`` with ``scores[k]`` the Davies-Bouldin index of every feasible candidate.
+        ``(k, scores)`` with ``scores[k]`` the Davies-Bouldin index of every feasible candidate, and
+        with ``return_labels`` the chosen clustering's labels [n] (0..k-1, all zeros for one cluster)
+        as a third item.
     """
-    from sklearn.metrics import davies_bouldin_score
+    from fedprism.clustering.kmeans import davies_bouldin, kmeans
 
     x = as_features(features)
+    rng = np.random.default_rng(seed)
+    labeller = (lambda emb, k: kmeans(emb, k, n_init=10, seed=rng)[0]) if method == "kmeans" else None
     scores: dict[int, float] = {}
-    best_k, best = 1, np.inf
-    for k, labels, emb in _candidates(x, k_range, method, seed):
-        scores[k] = float(davies_bouldin_score(emb, labels))
+    best_k, best, best_labels = 1, np.inf, np.zeros(x.shape[0], dtype=np.int64)
+    for k, labels, emb in _candidates(x, k_range, method, seed, labeller):
+        scores[k] = davies_bouldin(emb, labels)
         if scores[k] < best:
             best_k, best = k, scores[k]
-    return best_k, scores
+            best_labels = np.unique(labels, return_inverse=True)[1].astype(np.int64)
+    return (best_k, scores, best_labels) if return_labels else (best_k, scores)
