@@ -434,3 +434,22 @@ def test_choose_k_davies_bouldin_returns_the_chosen_labels():
     assert k == 3 and sorted(set(labels)) == [0, 1, 2]
     assert len({(a, b) for a, b in zip(labels, groups)}) == 3
     assert choose_k_davies_bouldin(np.ones((4, 3)), return_labels=True)[2].tolist() == [0, 0, 0, 0]
+
+
+def test_kmeans_every_k_is_kmeans_per_k_on_separated_data():
+    from fedprism.clustering.kmeans import kmeans_every_k
+
+    x, groups = planted_models(3, per_group=4)
+    fits = kmeans_every_k(x, range(1, 6), seed=0)
+    assert sorted(fits) == [1, 2, 3, 4, 5]
+    assert len({(a, b) for a, b in zip(fits[3][0], groups)}) == 3 == len(set(fits[3][0]))
+    # inertia falls with k and each is the labels' own within-cluster sum of squares
+    inertias = [fits[k][1] for k in range(1, 6)]
+    assert all(a >= b for a, b in zip(inertias, inertias[1:]))
+    for k in range(1, 6):
+        lab = fits[k][0]
+        assert len(set(lab)) == k
+        wss = sum(((x[lab == c] - x[lab == c].mean(0)) ** 2).sum() for c in np.unique(lab))
+        assert wss == pytest.approx(fits[k][1])
+    with pytest.raises(ValueError):
+        kmeans_every_k(x, [2, 13])

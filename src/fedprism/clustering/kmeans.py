@@ -23,15 +23,17 @@ import numpy as np
 
 def _sq_dist(x: np.ndarray, centres: np.ndarray) -> np.ndarray:
     """Squared Euclidean distances [R, n, k] of the rows of x [n, d] to centres [R, k, d]."""
-    d = (x * x).sum(1)[None, :, None] - 2.0 * np.einsum("nd,rkd->rnk", x, centres) \
+    d = (x * x).sum(1)[None, :, None] - 2.0 * (x @ centres.transpose(0, 2, 1)) \
         + (centres * centres).sum(-1)[:, None, :]
     return np.maximum(d, 0.0)
 
 
-def kmeans_pp(dist: np.ndarray, k: int, restarts: int, rng: np.random.Generator) -> np.ndarray:
-    """Greedy k-means++ seeds [restarts, k] (point indices) from squared distances dist [n, n]."""
+def kmeans_pp(dist: np.ndarray, k: int, restarts: int, rng: np.random.Generator,
+              trials: int | None = None) -> np.ndarray:
+    """Greedy k-means++ seeds [restarts, k] (point indices) from squared distances dist [n, n],
+    ``trials`` candidates per step (default ``2 + floor(ln k)``)."""
     n = dist.shape[0]
-    trials = 2 + int(np.log(k))
+    trials = 2 + int(np.log(k)) if trials is None else trials
     rows = np.arange(restarts)
     seeds = np.empty((restarts, k), dtype=np.int64)
     seeds[:, 0] = rng.integers(n, size=restarts)
@@ -47,6 +49,11 @@ def kmeans_pp(dist: np.ndarray, k: int, restarts: int, rng: np.random.Generator)
     return seeds
 
 
+def _pairwise(x: np.ndarray) -> np.ndarray:
+    sq = (x * x).sum(1)
+    return np.maximum(sq[:, None] + sq[None, :] - 2.0 * x @ x.T, 0.0)
+
+
 def kmeans(x, k: int, n_init: int = 10, seed: int | np.random.Generator = 0,
            max_iter: int = 300) -> tuple[np.ndarray, float]:
     """(labels [n], inertia) of the best of ``n_init`` k-means++ restarts of Lloyd's algorithm.
@@ -60,9 +67,30 @@ def kmeans(x, k: int, n_init: int = 10, seed: int | np.random.Generator = 0,
     if not 1 <= k <= n:
         raise ValueError(f"k must be in 1..{n} for {n} points, got {k}")
     rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
-    sq = (x * x).sum(1)
-    dist = np.maximum(sq[:, None] + sq[None, :] - 2.0 * x @ x.T, 0.0)
-    centres = x[kmeans_pp(dist, k, n_init, rng)]                          # [R, k, d]
+    return _lloyd(x, x[kmeans_pp(_pairwise(x), k, n_init, rng)], max_iter)
+
+
+def kmeans_every_k(x, ks, n_init: int = 10, seed: int | np.random.Generator = 0,
+                   max_iter: int = 300) -> dict[int, tuple[np.ndarray, float]]:
+    """:func:`kmeans` for every k in ``ks`` with one seeding: each restart's greedy k-means++ sequence is
+    drawn once, up to max(ks) points with ``2 + floor(ln n)`` candidates per step, and k's seeds are
+    its first k points (a k-means++ seeding of k centres; only the candidate count is shared). For
+    choosing K this costs one seeding instead of one per candidate."""
+    x = np.asarray(x, dtype=np.float64)
+    n = x.shape[0]
+    ks = sorted({int(k) for k in ks})
+    if not ks:
+        return {}
+    if not 1 <= ks[0] <= ks[-1] <= n:
+        raise ValueError(f"every k must be in 1..{n} for {n} points, got {ks}")
+    rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+    seeds = kmeans_pp(_pairwise(x), ks[-1], n_init, rng, trials=2 + int(np.log(n)))
+    return {k: _lloyd(x, x[seeds[:, :k]], max_iter) for k in ks}
+
+
+def _lloyd(x: np.ndarray, centres: np.ndarray, max_iter: int) -> tuple[np.ndarray, float]:
+    """Lloyd's iterations from centres [R, k, d]; (labels, inertia) of the restart with the lowest inertia."""
+    k = centres.shape[1]
     labels = None
     for _ in range(max_iter):
         new = _sq_dist(x, centres).argmin(-1)                             # [R, n]
@@ -71,7 +99,7 @@ def kmeans(x, k: int, n_init: int = 10, seed: int | np.random.Generator = 0,
         labels = new
         one_hot = (labels[:, :, None] == np.arange(k)).astype(np.float64)  # [R, n, k]
         count = one_hot.sum(1)                                            # [R, k]
-        sums = np.einsum("rnk,nd->rkd", one_hot, x)
+        sums = one_hot.transpose(0, 2, 1) @ x                             # [R, k, d]
         centres = np.where(count[..., None] > 0, sums / np.maximum(count, 1.0)[..., None], centres)
     d = _sq_dist(x, centres)
     inertia = np.take_along_axis(d, labels[..., None], -1)[..., 0].sum(1)  # [R]

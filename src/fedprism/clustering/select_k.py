@@ -4,7 +4,8 @@
   tau in 2..n-1, keep the largest silhouette; strict ``>`` so the smallest tau wins ties.
 - :func:`choose_k_davies_bouldin` — FedSub: K-Means for every K
   in 2..n-1, keep the lowest Davies-Bouldin index (smallest K on ties). Its K-Means is
-  :func:`fedprism.clustering.kmeans.kmeans` (all restarts at once; FedSub runs it for every class every
+  :func:`fedprism.clustering.kmeans.kmeans_every_k` (all restarts at once, one seeding for all K; FedSub
+  runs it for every class every
   round), silhouette's is sklearn's.
 
 Both score in Euclidean distance on the given features, so only the Euclidean methods
@@ -100,19 +101,24 @@ def choose_k_davies_bouldin(
     Candidates are K in 2..n-1 (sklearn refuses K = n pitfall). When no
     candidate is feasible (``n <= 2`` or all points identical) the answer is one cluster:
     ``(1, {})``, as recommended for FedSub. ``method="kmeans"`` uses
-    :func:`fedprism.clustering.kmeans.kmeans` (10 restarts, one generator seeded by ``seed`` for all K
-    in increasing order); the linkage methods use sklearn.
+    :func:`fedprism.clustering.kmeans.kmeans_every_k` (10 restarts seeded by ``seed``, one k-means++
+    sequence per restart for all K); the linkage methods use sklearn.
 
     Returns:
         ``(k, scores)`` with ``scores[k]`` the Davies-Bouldin index of every feasible candidate, and
         with ``return_labels`` the chosen clustering's labels [n] (0..k-1, all zeros for one cluster)
         as a third item.
     """
-    from fedprism.clustering.kmeans import davies_bouldin, kmeans
+    from fedprism.clustering.kmeans import davies_bouldin, kmeans_every_k
 
     x = as_features(features)
-    rng = np.random.default_rng(seed)
-    labeller = (lambda emb, k: kmeans(emb, k, n_init=10, seed=rng)[0]) if method == "kmeans" else None
+    labeller = None
+    if method == "kmeans":
+        n = x.shape[0]
+        emb = euclidean_embedding(x)
+        fits = kmeans_every_k(emb, [k for k in (range(2, n) if k_range is None else k_range) if 2 <= k <= n - 1],
+                              n_init=10, seed=seed)
+        labeller = lambda _emb, k: fits[k][0]  # noqa: E731
     scores: dict[int, float] = {}
     best_k, best, best_labels = 1, np.inf, np.zeros(x.shape[0], dtype=np.int64)
     for k, labels, emb in _candidates(x, k_range, method, seed, labeller):
