@@ -150,6 +150,14 @@ class Functional:
         self.dropout = tuple(f"{n}.key" for n, _ in dropout_layers(module))
         for i, (_, m) in enumerate(dropout_layers(module)):
             m.salt = i
+        from fedprism.models.pooling import for_inference
+
+        self.inference_module = for_inference(module)   # faster poolings, same numbers; gradients off only
+
+    def _module(self) -> nn.Module:
+        if self.inference_module is None or torch.is_grad_enabled():
+            return self.module
+        return self.inference_module
 
     def _buffers(self, key: torch.Tensor | None, prefix: str = "") -> dict[str, torch.Tensor]:
         if key is None or not self.dropout:
@@ -161,12 +169,12 @@ class Functional:
         return bufs
 
     def __call__(self, flat: torch.Tensor, x: torch.Tensor, key: torch.Tensor | None = None) -> torch.Tensor:
-        return functional_call(self.module, (self.spec.unflatten(flat), self._buffers(key)), (x,))
+        return functional_call(self._module(), (self.spec.unflatten(flat), self._buffers(key)), (x,))
 
     def features(self, flat: torch.Tensor, x: torch.Tensor, key: torch.Tensor | None = None) -> torch.Tensor:
         """Penultimate representation (input of `head`), for prototype methods."""
         params = self.spec.unflatten(flat)
-        return functional_call(self.module, (params, self._buffers(key)), (x,), {"features_only": True})
+        return functional_call(self._module(), (params, self._buffers(key)), (x,), {"features_only": True})
 
     def head(self, flat: torch.Tensor, z: torch.Tensor, key: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of penultimate features `z` under the head of `flat` (for losses on features)."""

@@ -1,0 +1,50 @@
+"""A faster equal of ``nn.MaxPool2d(2)`` for inference on CPU.
+
+PyTorch's eager CPU kernel of ``max_pool2d`` on NCHW tensors, single-threaded, costs as much as the
+convolution before it: in LeNet-5 on a batch of 1000 images the first pooling took 32 ms against the
+first convolution's 27 ms. The maximum of the four strided views of each 2 x 2 window is the same number
+(max is exact, NaN propagates the same way) and costs a fifth of it. :func:`for_inference` returns a copy of
+a model with every plain ``MaxPool2d(2)`` replaced; :class:`fedprism.params.Functional` uses it only when
+gradients are off (evaluation, prototypes), so training, and every stored run, is untouched: a pooling
+backward through ``torch.maximum`` would split the gradient of tied inputs where ``max_pool2d`` sends it to
+one of them.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+
+class MaxPool2x2(nn.Module):
+    """``max_pool2d(x, 2, 2)`` (floor mode, no padding) as the maximum of four strided views."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, w = x.shape[-2] // 2 * 2, x.shape[-1] // 2 * 2
+        x = x[..., :h, :w]
+        return torch.maximum(torch.maximum(x[..., 0::2, 0::2], x[..., 0::2, 1::2]),
+                             torch.maximum(x[..., 1::2, 0::2], x[..., 1::2, 1::2]))
+
+
+def _plain_2x2(m: nn.Module) -> bool:
+    if type(m) is not nn.MaxPool2d:
+        return False
+    pair = lambda v: v if isinstance(v, tuple) else (v, v)  # noqa: E731
+    stride = m.stride if m.stride is not None else m.kernel_size
+    return (pair(m.kernel_size) == (2, 2) and pair(stride) == (2, 2) and pair(m.padding) == (0, 0)
+            and pair(m.dilation) == (1, 1) and not m.ceil_mode and not m.return_indices)
+
+
+def for_inference(module: nn.Module) -> nn.Module | None:
+    """A deep copy of ``module`` with every plain ``MaxPool2d(2)`` replaced by :class:`MaxPool2x2`, or None
+    when it has none (parameter and buffer names are unchanged: poolings hold neither)."""
+    if not any(_plain_2x2(m) for m in module.modules()):
+        return None
+    out = copy.deepcopy(module)
+    for parent in list(out.modules()):
+        for name, child in list(parent.named_children()):
+            if _plain_2x2(child):
+                setattr(parent, name, MaxPool2x2())
+    return out
