@@ -118,7 +118,7 @@ def test_diagnostic_streams_and_temperatures_equal_their_own_evaluations(trained
     others = [t for t in DIAGNOSTIC_TEMPERATURES if t != T0]
     for split in ("local", "global"):
         alt = sim.evaluate(split, clients).alternatives
-        rules = {"margin", "seen_mass", "prior", "factored"}                        # the other routing rules
+        rules = {"margin", "seen_mass", "prior"}                                    # the other routing rules
         assert set(alt) == {"backbone", "expert"} | {f"T={t:g}" for t in others} | rules   # T0 is the headline
         cases = [("backbone", {"inference_weight": 0.0}), ("expert", {"inference_weight": 1.0})]
         cases += [(f"T={t:g}", {"inference_temperature": t}) for t in (others[0], others[-1])]

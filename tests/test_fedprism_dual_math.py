@@ -90,23 +90,6 @@ def test_routing_rules_by_hand():
     # prior: log p_B + log p_L - log pi
     want = torch.log_softmax(z_b, -1) + torch.log_softmax(z_e, -1) - torch.log(prior)[:, None, :]
     assert torch.allclose(combine("prior", z_e, z_b, ex, 1.0), want)
-    # factored, by hand: classes 1, 2 keep the backbone's probabilities, class 0 gets p_W(class 0) times
-    # the specialist's probability of class 0 among the seen classes, which is 1 (class 0 is all of S)
-    q = combine("factored", z_e, z_b, ex, 1.0).exp()
-    e3 = torch.exp(torch.tensor(3.0))
-    assert torch.allclose(q[0, 0], torch.tensor([1.0, 1.0, e3]) / (2 + e3))     # = p_W: x looks unseen
-    assert torch.allclose(q[0].sum(-1), torch.ones(2))
-    # two seen classes: S = {0, 1}; p_W(S) splits by the specialist's softmax over {0, 1}
-    ex2 = {"seen": torch.tensor([[1.0, 1.0, 0.0]]), "prior": prior}
-    q = combine("factored", z_e, z_b, ex2, 1.0).exp()
-    pw = torch.softmax(z_b, -1)
-    pl = torch.softmax(z_e[..., :2], -1)
-    want = torch.cat([(pw[..., :2].sum(-1, keepdim=True)) * pl, pw[..., 2:]], -1)
-    assert torch.allclose(q, want)
-    assert q[0, 1].argmax() == 1                               # backbone: seen (class 1); specialist: class 1
-    # every class seen: the specialist alone; the backbone's opinion cancels
-    ex3 = {"seen": torch.ones(1, 3), "prior": prior}
-    assert torch.allclose(combine("factored", z_e, z_b, ex3, 1.0), torch.log_softmax(z_e, -1), atol=1e-6)
 
 
 def test_alpha_as_printed_uses_raw_delta_with_c_k_and_clips_to_one():

@@ -145,7 +145,7 @@ def route(z_expert: torch.Tensor | None, z_backbone: torch.Tensor | None, weight
     return lam * z_expert + (1 - lam) * z_backbone
 
 
-ROUTINGS = ("confidence", "seen_mass", "prior", "margin", "factored")
+ROUTINGS = ("confidence", "seen_mass", "prior", "margin")
 """How the specialist and the backbone combine at inference (`routing`, evaluation-only):
 
     confidence  lambda(x) = max softmax(z_L / T)                       (the paper's Eq. 2)
@@ -157,19 +157,6 @@ ROUTINGS = ("confidence", "seen_mass", "prior", "margin", "factored")
     prior       log p(y|x) = log softmax(z_W) + log softmax(z_L) - log pi_i(y), pi_i the client's label
                 distribution with add-one smoothing: a product of the two experts with the specialist's
                 label prior divided out (the backbone's training prior is close to uniform).
-    factored    p(y|x) = p_W(y|x)                              for y not seen by the client,
-                p(y|x) = p_W(S|x) p_L(y|x, S)                  for y in S, the client's seen classes,
-                with p_W(S|x) = sum_{y in S} softmax(z_W)_y and p_L(y|x, S) the specialist's softmax
-                restricted to S. The backbone, trained on every class, says whether x is one of the
-                client's classes; the specialist, the expert on them, says which one. Returned as log
-                p(y|x) (a normalised distribution). All classes seen: the specialist; none: the backbone.
-
-Not in the paper: margin, seen_mass, prior, factored (evaluated against the paper's rule on validation
-data, `fedprism.report.routing`). A per-client gate trained on the client's own data (as in per-instance
-routing methods) was not built: a client holds no examples of the classes it has not seen, so such a gate
-learns when the specialist is right on the client's own distribution, which is not the decision the
-global accuracy depends on; `seen_mass` and `factored` use the one signal the client does have about other
-classes, the backbone's.
 """
 
 
@@ -191,12 +178,6 @@ def combine(rule: str, z_e: torch.Tensor, z_b: torch.Tensor, extras: dict, tempe
     if rule == "prior":
         log_prior = torch.log(extras["prior"]).to(z_e.dtype)[:, None, :]
         return torch.log_softmax(z_b, -1) + torch.log_softmax(z_e, -1) - log_prior
-    if rule == "factored":
-        seen = (extras["seen"] > 0)[:, None, :].expand_as(z_b)           # [m, B, C]
-        log_w = torch.log_softmax(z_b, -1)
-        log_seen = torch.logsumexp(log_w.masked_fill(~seen, -torch.inf), -1, keepdim=True)   # log p_W(S|x)
-        log_l = torch.log_softmax(z_e.masked_fill(~seen, -torch.inf), -1)                   # log p_L(y|x, S)
-        return torch.where(seen, log_seen + log_l, log_w)
     lam = routing_weight(rule, z_e, z_b, extras.get("seen"), temperature)
     return lam * z_e + (1 - lam) * z_b
 

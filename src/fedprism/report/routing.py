@@ -2,7 +2,7 @@
 
 A `fedprism_dual` run with validation splits (`data.val_fraction`, `data.global_val`) scores, at every
 evaluation, its headline routing and every alternative (confidence routing at each diagnostic
-temperature T, margin, seen_mass, prior, factored; each stream alone) on the test splits *and* on the validation
+temperature T, margin, seen_mass, prior; each stream alone) on the test splits *and* on the validation
 splits (`val_acc@<name>`: each client's validation rows; `global_val_acc@<name>`: the global validation
 set carved from the training pool). Training does not depend on the routing, so all of them come from
 the same models.
