@@ -1,0 +1,154 @@
+"""Routing rules for FedPrism's dual stream beyond those `fedprism_dual` stores, scored from a kept final state.
+
+    python scripts/routing_study.py --db results/fedprism.db RUN [RUN ...] [--out FILE.md]
+
+Every finished `fedprism_dual` run with validation splits keeps its final server and client state beside
+the store (`<db>.final/`). This script rebuilds each client's two streams from it (the backbone W_i and
+the specialist L_i, exactly as the run's evaluation does), computes their logits on every split (the
+client's local test and validation rows, the global test and validation sets), and scores the candidate
+rules below, without training and without writing anything. The choice among them is the validation rule
+of `fedprism.report.routing` (among the rules whose local validation accuracy is within 0.5 points of
+the specialist's, the highest global validation accuracy); test numbers are printed beside it, never
+compared. m(x) = the backbone's probability mass on the client's seen classes S (from its own label
+counts); per-client thresholds are calibrated on the client's own training rows.
+
+    confidence T   the paper's Eq. 2: lambda = max softmax(z_L / T), z = lambda z_L + (1 - lambda) z_W
+    ensemble b     z_W + b z_L (a fixed logit ensemble)
+    seen-ens b     z_W + b m(x) z_L
+    factored       p_W(y) outside S; p_W(S|x) p_L(y | x, S) inside S
+    veto tau       the specialist's prediction unless m(x) < tau, then the backbone's
+    switch s q     the specialist when its score s (energy = logsumexp z_L, or max softmax) is at least the
+                   q-quantile of s on the client's training rows, else the backbone
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SPLITS = ("val", "global_val", "local", "global")
+
+
+def _rules() -> dict:
+    ls = lambda z: torch.log_softmax(z, -1)  # noqa: E731
+    sm = lambda z: torch.softmax(z, -1)  # noqa: E731
+
+    def conf(T):
+        return lambda e, b, S, th: (lambda lam: lam * e + (1 - lam) * b)(sm(e / T).amax(-1, keepdim=True))
+
+    def factored(e, b, S, th):
+        seen = S.expand_as(b)
+        lw = ls(b)
+        lseen = torch.logsumexp(lw.masked_fill(~seen, -torch.inf), -1, keepdim=True)
+        return torch.where(seen, lseen + ls(e.masked_fill(~seen, -torch.inf)), lw)
+
+    def veto(tau):
+        return lambda e, b, S, th: torch.where((sm(b) * S).sum(-1, keepdim=True) >= tau, ls(e), ls(b))
+
+    def switch(kind):
+        score = (lambda e: torch.logsumexp(e, -1)) if kind == "energy" else (lambda e: sm(e).amax(-1))
+        return lambda e, b, S, th: torch.where((score(e) >= th[kind])[:, None], ls(e), ls(b))
+
+    rules = {"backbone": lambda e, b, S, th: b, "specialist": lambda e, b, S, th: e}
+    rules.update({f"confidence T={t:g}": conf(t) for t in (1, 5, 10, 20, 50)})
+    rules.update({f"ensemble b={x:g}": (lambda e, b, S, th, x=x: b + x * e) for x in (0.1, 0.2, 0.3, 0.5)})
+    rules.update({f"seen-ens b={x:g}": (lambda e, b, S, th, x=x: b + x * (sm(b) * S).sum(-1, keepdim=True) * e)
+                  for x in (0.3, 0.5, 1.0, 2.0)})
+    rules["factored"] = factored
+    rules.update({f"veto tau={t:g}": veto(t) for t in (0.5, 0.2, 0.05)})
+    rules.update({f"switch {k} q={q:g}": (lambda e, b, S, th, k=k, q=q: switch(k)(e, b, S, th[q]))
+                  for k in ("energy", "msp") for q in (0.05, 0.2)})
+    return rules
+
+
+def study(db: str, run_id: str) -> dict:
+    from fedprism.experiment.config import resolve
+    from fedprism.experiment.runner import Experiment
+    from fedprism.experiment.store import Store
+
+    store = Store(db, readonly=True)
+    row = next((r for r in store.runs() if r["run_id"] == run_id), None)
+    if row is None:
+        raise SystemExit(f"no run {run_id} in {db}")
+    conf = json.loads(row["config"])
+    if conf.get("method") != "fedprism_dual":
+        raise SystemExit(f"run {run_id} is {conf.get('method')}, not fedprism_dual")
+    cfg = resolve({**conf, "engine": "sequential", "compile": False})
+    if not (cfg["data.val_fraction"] > 0 and cfg["data.global_val"] > 0):
+        raise SystemExit(f"run {run_id} has no validation splits (data.val_fraction, data.global_val)")
+    kept = store.load_final(cfg.train_id)
+    if kept is None:
+        raise SystemExit(f"no kept final state {cfg.train_id} beside {db} (it stays on the machine that ran it)")
+    exp = Experiment(cfg, store)
+    state = exp._restore(kept)
+    f, eng, algo = exp.engine.f, exp.engine, exp.algo
+    rules = _rules()
+    hits = {r: {s: [] for s in SPLITS} for r in rules}
+    with torch.inference_mode():
+        for c0 in range(0, exp.ctx.num_clients, 10):
+            block = np.arange(c0, min(c0 + 10, exp.ctx.num_clients))
+            inf = algo.inference(eng, block, algo.eval_payload(state, block), exp.clients.view(block))
+            seen = inf.extras["seen"] > 0
+            for j, c in enumerate(block):
+                logits = lambda s, x: torch.cat([f(inf.streams[s][j], x[i:i + 2048])  # noqa: E731
+                                                 for i in range(0, len(x), 2048)])
+                xt, _ = eng.data(int(c), "train")
+                et = logits("expert", xt)
+                th = {q: {"energy": torch.quantile(torch.logsumexp(et, -1), q),
+                          "msp": torch.quantile(torch.softmax(et, -1).amax(-1), q)} for q in (0.05, 0.2)}
+                S = seen[j][None, :]
+                for split in SPLITS:
+                    x, y = eng.data(int(c), split)
+                    if len(y) == 0:
+                        continue
+                    e, b = logits("expert", x), logits("backbone", x)
+                    for name, rule in rules.items():
+                        hits[name][split].append(float((rule(e, b, S, th).argmax(-1) == y).double().mean()))
+    return {"run_id": run_id, "seed": cfg["seed"], "round": int(kept["round"]),
+            "acc": {r: {s: float(np.mean(v)) for s, v in d.items()} for r, d in hits.items()}}
+
+
+def render(res: dict) -> str:
+    from fedprism.report.routing import MARGIN
+
+    acc = res["acc"]
+    spec = acc["specialist"]["val"]
+    ok = [r for r in acc if r not in ("backbone", "specialist") and acc[r]["val"] >= spec - MARGIN]
+    chosen = max(ok, key=lambda r: (acc[r]["global_val"], acc[r]["val"])) if ok else None
+    lines = [f"### Run `{res['run_id']}` (seed {res['seed']}, final state of round {res['round'] + 1})", "",
+             "| rule | val Loc | val Glob | test Loc | test Glob |", "|---|---|---|---|---|"]
+    for r, a in acc.items():
+        mark = " **(chosen on validation)**" if r == chosen else ""
+        lines.append(f"| {r}{mark} | {100 * a['val']:.2f} | {100 * a['global_val']:.2f} | "
+                     f"{100 * a['local']:.2f} | {100 * a['global']:.2f} |")
+    if chosen:
+        c, bb, sp = acc[chosen], acc["backbone"], acc["specialist"]
+        met = c["global"] >= bb["global"] - 0.02 and c["local"] >= sp["local"]
+        lines += ["", f"Goal (routed Glob within 2 points of the backbone's {100 * bb['global']:.2f}, routed Loc at "
+                  f"least the specialist's {100 * sp['local']:.2f}): {'met' if met else 'not met'} by `{chosen}` "
+                  f"({100 * c['global']:.2f} / {100 * c['local']:.2f})."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+")
+    ap.add_argument("--db", default="results/fedprism.db")
+    ap.add_argument("--out", help="write the markdown here (default: stdout)")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    text = "".join(render(study(a.db, r)) + "\n" for r in a.runs)
+    if a.out:
+        Path(a.out).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

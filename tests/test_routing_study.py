@@ -1,0 +1,52 @@
+"""scripts/routing_study.py rebuilds the dual stream from a kept final state: its streams and its
+confidence rule reproduce what the run itself stored, on all four splits, and it writes nothing."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from fedprism.experiment.config import resolve
+from fedprism.experiment.runner import Experiment
+from fedprism.experiment.store import Store
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("routing_study", ROOT / "scripts" / "routing_study.py")
+routing_study = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(routing_study)
+
+CFG = dict(dataset="digits", model="mlp", clients=6, rounds=2, fraction=1.0, local_epochs=1, engine="sequential",
+           seed=2, method="fedprism_dual", **{"fedprism_dual.k": 2, "data.val_fraction": 0.25,
+                                               "data.global_val": 200})
+
+
+def test_study_reproduces_the_stored_scores(tmp_path):
+    db = tmp_path / "s.db"
+    res = Experiment(resolve(CFG), Store(db)).run()
+    m = res.history[-1]
+    files = sorted(p.name for p in tmp_path.rglob("*"))
+    out = routing_study.study(str(db), res.run_id)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == files                  # nothing written
+    acc = out["acc"]
+    key = {"val": "val_acc", "global_val": "global_val_acc", "local": "local_acc", "global": "global_acc"}
+    for split, k in key.items():
+        assert acc["backbone"][split] == pytest.approx(m[f"{k}@backbone"], abs=1e-12)
+        assert acc["specialist"][split] == pytest.approx(m[f"{k}@expert"], abs=1e-12)
+        assert acc["confidence T=5"][split] == pytest.approx(m[k], abs=1e-12)        # the run's headline
+        assert acc["confidence T=20"][split] == pytest.approx(m[f"{k}@T=20"], abs=1e-12)
+    assert acc["backbone"]["global"] != acc["specialist"]["global"]              # the streams differ
+    text = routing_study.render(out)
+    assert "chosen on validation" in text and text.count("\n| ") == 1 + len(acc)          # header + one row per rule
+
+
+def test_study_refuses_a_run_without_validation_or_state(tmp_path):
+    db = tmp_path / "n.db"
+    plain = {k: v for k, v in CFG.items() if not k.startswith("data.")}
+    res = Experiment(resolve(plain), Store(db)).run()
+    with pytest.raises(SystemExit, match="no validation splits"):
+        routing_study.study(str(db), res.run_id)
+    res = Experiment(resolve({**CFG, "keep_final": False}), Store(db)).run()
+    with pytest.raises(SystemExit, match="no kept final state"):
+        routing_study.study(str(db), res.run_id)
