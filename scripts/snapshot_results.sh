@@ -2,7 +2,8 @@
 # Stage a consistent snapshot of the live results database and the report rendered from it, while
 # sweeps may still be writing to results/fedprism.db. The snapshot goes into git's index directly
 # (git hash-object + update-index), so the live file is never read half-written; the live file is
-# then marked skip-worktree so that `git add -A` does not stage it by accident.
+# then marked skip-worktree so that `git add -A` does not stage it by accident. The report command is
+# the one in results/README.md (and REPORTS in tests/test_committed_results.py): change all three together.
 #   bash scripts/snapshot_results.sh && git commit -m "results: ..."
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +22,7 @@ cp "$tmp/snap.db" "$tmp/render.db"
 rm -rf results/paper_fmnist
 .venv/bin/fedprism report --db "$tmp/render.db" --sweep paper_fmnist_dir01 --sweep paper_fmnist_dir03 \
     --sweep paper_fmnist_dir05 --sweep fedprism_ablation_temperature --sweep fedamp_ablation_mu \
-    --sweep paper_fmnist_dir01_pfl --reference fedprism-paper-fmnist \
+    --sweep paper_fmnist_dir01_pfl --sweep fedamp_mu_validation --reference fedprism-paper-fmnist \
     --out results/paper_fmnist > /dev/null
 git update-index --no-skip-worktree results/fedprism.db 2>/dev/null || true
 blob=$(git hash-object -w "$tmp/snap.db")
