@@ -22,7 +22,8 @@ cp "$tmp/snap.db" "$tmp/render.db"
 rm -rf results/paper_fmnist
 .venv/bin/fedprism report --db "$tmp/render.db" --sweep paper_fmnist_dir01 --sweep paper_fmnist_dir03 \
     --sweep paper_fmnist_dir05 --sweep fedprism_ablation_temperature --sweep fedamp_ablation_mu \
-    --sweep paper_fmnist_dir01_pfl --sweep fedamp_mu_validation --reference fedprism-paper-fmnist \
+    --sweep paper_fmnist_dir01_pfl --sweep fedamp_mu_validation --sweep fedprism_validation \
+    --sweep fedprism_ablation_inference_weight --reference fedprism-paper-fmnist \
     --out results/paper_fmnist > /dev/null
 git update-index --no-skip-worktree results/fedprism.db 2>/dev/null || true
 blob=$(git hash-object -w "$tmp/snap.db")

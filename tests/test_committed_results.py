@@ -18,7 +18,8 @@ PAPER_SWEEPS = ["paper_fmnist_dir01", "paper_fmnist_dir03", "paper_fmnist_dir05"
 #: out dir -> the `fedprism report` arguments that made it (results/README.md lists the same commands)
 REPORTS = {
     "paper_fmnist": dict(sweep=PAPER_SWEEPS + ["fedprism_ablation_temperature", "fedamp_ablation_mu",
-                                               "paper_fmnist_dir01_pfl", "fedamp_mu_validation"],
+                                               "paper_fmnist_dir01_pfl", "fedamp_mu_validation",
+                                               "fedprism_validation", "fedprism_ablation_inference_weight"],
                          reference="fedprism-paper-fmnist"),
 }
 
@@ -178,6 +179,32 @@ def test_fedamp_mu_rule_on_validation_data_as_results_readme_states(db_copy):
         "FedAMP mu=0 (validation)": 82.47}
     fits = [mu for mu in ("1", "0.1", "0") if val[f"FedAMP mu={mu} (validation)"] >= val["Local (validation)"] - 0.005]
     assert fits[0] == "0.1"
+
+
+def test_routing_chosen_on_validation_as_results_readme_states(db_copy):
+    """results/README.md, "Routing chosen on validation data": the validation rule picks T = 10 (seed 0) and
+    T = 50 (seed 1) at the final round; the routed Loc is at least the specialist's, the routed Glob is
+    not within 2 points of the backbone's (the goal is not met), with the numbers the table quotes."""
+    from fedprism.report.routing import choose_routing
+
+    store = Store(db_copy)
+    runs = {json.loads(r["config"])["seed"]: r for r in store.runs(sweep="fedprism_validation")}
+    assert sorted(runs) == [0, 1] and all(r["status"] == "finished" for r in runs.values())
+    want = {0: ("T=10", 61.38, 95.06, 83.33, 94.39), 1: ("T=50", 79.00, 94.42, 87.22, 94.01)}
+    for seed, (name, glob, loc, bb_glob, sp_loc) in want.items():
+        last = store.round_metrics(runs[seed]["run_id"])[-1]
+        ch = choose_routing(last)
+        assert ch.name == name and ch.qualified, (seed, ch.name)
+        got = ch.row(name)
+        pct = lambda v: round(100 * v, 2)  # noqa: E731
+        assert (pct(got["glob"]), pct(got["loc"])) == (glob, loc)
+        assert (pct(last["global_acc@backbone"]), pct(last["local_acc@expert"])) == (bb_glob, sp_loc)
+        assert got["loc"] >= last["local_acc@expert"]                                 # Loc holds
+        assert got["glob"] < last["global_acc@backbone"] - 0.02                       # Glob does not
+        # the choice never read a test number: the same choice from the validation scores alone
+        val_only = {k: v for k, v in last.items() if k.startswith(("val_acc", "global_val_acc"))}
+        val_only.update({k: 0.0 for k in last if k.startswith(("local_acc", "global_acc"))})
+        assert choose_routing(val_only).name == name
 
 
 def test_pfl_baselines_as_results_readme_states(db_copy):

@@ -36,3 +36,20 @@ def test_none_qualifies_falls_back_to_best_local_validation():
 
 def test_no_validation_scores_no_choice():
     assert choose_routing({"local_acc": 0.9, "global_acc": 0.5}) is None
+
+
+def test_report_section_lists_runs_with_a_choice_only():
+    from fedprism.report.routing import routing_choice_table
+
+    routed = _metrics({"headline": (0.90, 0.50, 0.91, 0.52), "T=10": (0.896, 0.60, 0.90, 0.61)})
+    fixed = _metrics({"headline": (0.93, 0.70, 0.93, 0.71)})        # a fixed inference weight: one prediction
+
+    class Store:
+        def round_metrics(self, run_id):
+            return [{"routed": routed, "fixed": fixed}[run_id]]
+
+    run = lambda rid: {"run_id": rid, "final": {"global_val_acc@expert": 0.3}, "config": {"method": "x", "seed": 0}}  # noqa: E731
+    md = "\n".join(routing_choice_table(Store(), {"s": {"a": [run("routed")], "b": [run("fixed")]}}))
+    assert "`routed`" in md and "`fixed`" not in md
+    assert "Chosen: **T=10**. Test Glob 61.00 against the backbone's 86.00 (-25.00)" in md
+    assert routing_choice_table(Store(), {"s": {"b": [run("fixed")]}}) == []

@@ -79,8 +79,9 @@ def _pct(v) -> str:
 
 
 def routing_choice_table(store, groups) -> list[str]:
-    """The validation choice of every run that has validation scores (last evaluated round), with the
-    test accuracies of the chosen routing beside the backbone's and the specialist's own."""
+    """The validation choice of every run that has validation scores (last evaluated round) and more than
+    one routed prediction to choose from, with the test accuracies of the chosen routing beside the
+    backbone's and the specialist's own."""
     from fedprism.algorithms import REGISTRY
 
     md: list[str] = []
@@ -94,7 +95,7 @@ def routing_choice_table(store, groups) -> list[str]:
                     continue
                 m = evald[-1]
                 ch = choose_routing(m)
-                if ch is None:
+                if ch is None or len(ch.candidates) < 2:     # a fixed inference weight: nothing to choose
                     continue
                 if not md:
                     md = ["## Routing chosen on validation data (final round, %)", "",
