@@ -25,10 +25,13 @@ rm -rf results/paper_fmnist
     --sweep paper_fmnist_dir01_pfl --sweep fedamp_mu_validation --sweep fedprism_validation \
     --sweep fedprism_ablation_inference_weight --reference fedprism-paper-fmnist \
     --out results/paper_fmnist > /dev/null
+rm -rf results/fedsub
+.venv/bin/fedprism report --db "$tmp/render.db" --sweep fedsub_static --sweep fedsub_dynamic \
+    --out results/fedsub > /dev/null
 git update-index --no-skip-worktree results/fedprism.db 2>/dev/null || true
 blob=$(git hash-object -w "$tmp/snap.db")
 git update-index --add --cacheinfo "100644,$blob,results/fedprism.db"
 git update-index --skip-worktree results/fedprism.db
-git add results/paper_fmnist
+git add results/paper_fmnist results/fedsub
 rm -rf "$tmp"
-echo "staged results/fedprism.db ($blob) and results/paper_fmnist/"
+echo "staged results/fedprism.db ($blob), results/paper_fmnist/ and results/fedsub/"

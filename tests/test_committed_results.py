@@ -21,6 +21,7 @@ REPORTS = {
                                                "paper_fmnist_dir01_pfl", "fedamp_mu_validation",
                                                "fedprism_validation", "fedprism_ablation_inference_weight"],
                          reference="fedprism-paper-fmnist"),
+    "fedsub": dict(sweep=["fedsub_static", "fedsub_dynamic"]),
 }
 
 pytestmark = pytest.mark.skipif(not DB.exists(), reason="no committed results database")
@@ -205,6 +206,29 @@ def test_routing_chosen_on_validation_as_results_readme_states(db_copy):
         val_only = {k: v for k, v in last.items() if k.startswith(("val_acc", "global_val_acc"))}
         val_only.update({k: 0.0 for k in last if k.startswith(("local_acc", "global_acc"))})
         assert choose_routing(val_only).name == name
+
+
+def test_fedsub_static_as_results_readme_states(db_copy):
+    """results/README.md, "FedSub, static scenario": Overlap is the best fusion for every subnetwork type;
+    FedSub (Overlap) > ProtoHAR > Ditto > FedAvg in local F1; Local above every FedSub row; the Figure 6
+    bytes order naive > full model > LRP a1b0 > LRP a2b1."""
+    store = Store(db_copy)
+    runs = {r["label"]: r for r in store.runs(sweep="fedsub_static")}
+    assert len(runs) == 13 and all(r["status"] == "finished" for r in runs.values())
+    f1 = {k: json.loads(r["final"])["local_f1"] for k, r in runs.items()}
+    assert round(100 * f1["Local"], 2) == 78.48 and round(100 * f1["FedSub LRP a2b1 Overlap"], 2) == 77.53
+    for sub in ("naive", "LRP a1b0", "LRP a2b1"):
+        fus = {x: f1[f"FedSub {sub} {x}"] for x in ("Cluster AVG", "Leadership", "Overlap")}
+        assert max(fus, key=fus.get) == "Overlap", (sub, fus)
+    assert f1["FedSub naive Overlap"] > f1["ProtoHAR"] > f1["Ditto"] > f1["FedAvg"]
+    assert all(f1["Local"] > v for k, v in f1.items() if k.startswith("FedSub"))
+    sep = {}
+    for sub in ("naive", "LRP a1b0", "LRP a2b1"):
+        rid = runs[f"FedSub {sub} Overlap"]["run_id"]
+        sep[sub] = [r["data"] for r in store.records(rid, "fedsub")][-1]
+    full = sep["naive"]["full_model_bytes"]
+    assert sep["naive"]["subnet_bytes_separate"] > full > sep["LRP a1b0"]["subnet_bytes_separate"] \
+        > sep["LRP a2b1"]["subnet_bytes_separate"]
 
 
 def test_pfl_baselines_as_results_readme_states(db_copy):
