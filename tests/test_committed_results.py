@@ -231,6 +231,49 @@ def test_fedsub_static_as_results_readme_states(db_copy):
         > sep["LRP a2b1"]["subnet_bytes_separate"]
 
 
+def test_fedsub_dynamic_as_results_readme_states(db_copy):
+    """results/README.md, "FedSub, dynamic scenario": 14 drifting clients, each left with one class; the
+    returns at rounds 50/100/150/200; FedSub LRP a2b1 Overlap the best final F1, FedSub (Overlap) >
+    ProtoHAR > Ditto > FedAvg, Leadership the weakest fusion; FedAvg the smallest drop at a return; Local
+    and every FedSub row equal on every drifting client until round 64."""
+    import sqlite3
+
+    store = Store(db_copy)
+    runs = {r["label"]: r for r in store.runs(sweep="fedsub_dynamic")}
+    assert len(runs) == 13 and all(r["status"] == "finished" for r in runs.values())
+    f1 = {k: json.loads(r["final"])["local_f1"] for k, r in runs.items()}
+    assert round(100 * f1["FedSub LRP a2b1 Overlap"], 2) == 79.33 and max(f1, key=f1.get) == "FedSub LRP a2b1 Overlap"
+    assert min(f1["FedSub naive Overlap"], f1["FedSub LRP a2b1 Overlap"]) > f1["ProtoHAR"] > f1["Ditto"] > f1["FedAvg"]
+    for sub in ("naive", "LRP a1b0", "LRP a2b1"):
+        fus = {x: f1[f"FedSub {sub} {x}"] for x in ("Cluster AVG", "Leadership", "Overlap")}
+        assert min(fus, key=fus.get) == "Leadership", (sub, fus)
+    sched = {r["client"]: r["data"]["returns"] for r in store.records(runs["Local"]["run_id"], "drift")}
+    assert len(sched) == 14
+    backs = sorted(b for ret in sched.values() for _, b in ret)
+    assert {b: backs.count(b) for b in set(backs)} == {50: 14, 100: 7, 150: 5, 200: 2}
+    con = sqlite3.connect(db_copy)
+
+    def per_client(label, rnd):
+        q = (f"select client, local_f1 from client_metrics where run_id=? and round=? and local_f1 is not null "
+             f"and client in ({','.join(map(str, sched))}) order by client")
+        return con.execute(q, (runs[label]["run_id"], rnd)).fetchall()
+
+    def mean(label, rnd):
+        v = [f for _, f in per_client(label, rnd)]
+        return 100 * sum(v) / len(v)
+
+    assert all(f == 1.0 for _, f in per_client("Local", 49))          # one class left: F1 = 1
+    drop = {k: sum(mean(k, r + 5) - mean(k, r) for r in (49, 99, 149, 199)) / 4 for k in runs}
+    assert max(drop, key=drop.get) == "FedAvg"
+    assert round(drop["FedAvg"], 1) == -7.4 and round(drop["Local"], 1) == -15.7
+    for rnd in (54, 64):
+        ref = per_client("Local", rnd)
+        for k in runs:
+            if k.startswith("FedSub"):
+                assert per_client(k, rnd) == ref, (k, rnd)
+    con.close()
+
+
 def test_pfl_baselines_as_results_readme_states(db_copy):
     """results/README.md, "Personalized-FL baselines": FedProx is one shared model next to FedAvg; Ditto's
     personal models hold Local's local accuracy (within 0.2 points) and its shared model FedAvg's global
