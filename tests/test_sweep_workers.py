@@ -28,3 +28,51 @@ def test_two_workers_give_the_same_runs_as_one(tmp_path):
     assert all(len(s.round_metrics(r["run_id"])) == 2 for r in s.runs())
     run_sweep(str(f), str(tmp_path / "two.db"), progress=False, workers=2)      # resumable: nothing to do
     assert finals(tmp_path / "two.db") == two
+
+
+KILL_PARENT = """
+import os, signal, sys, time
+import multiprocessing as mp
+from concurrent.futures import ProcessPoolExecutor
+from fedprism.experiment.sweep import _sweep_worker_init
+
+if __name__ == "__main__":
+    pool = ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"), initializer=_sweep_worker_init, initargs=(1,))
+    pid = pool.submit(os.getpid).result()
+    pool.submit(time.sleep, 600)                   # a long run in the worker
+    with open(sys.argv[1], "w") as f:
+        f.write(str(pid))
+    os.kill(os.getpid(), signal.SIGKILL)           # the sweep is killed; no cleanup runs in the parent
+"""
+
+
+def test_workers_end_when_the_sweep_process_is_killed(tmp_path):
+    """A killed `fedprism sweep` leaves no worker behind to keep training and holding its run."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "kill_parent.py"
+    script.write_text(KILL_PARENT)
+    pid_file = tmp_path / "worker.pid"
+    subprocess.run([sys.executable, str(script), str(pid_file)], stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL, timeout=120)         # no pipe a surviving worker could hold open
+    worker = int(pid_file.read_text())
+
+    def alive(pid: int) -> bool:           # a zombie (ended, not yet reaped by its new parent) is not alive
+        try:
+            os.kill(pid, 0)
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except (ProcessLookupError, FileNotFoundError):
+            return False
+        except OSError:
+            return True
+
+    deadline = time.time() + 10
+    while alive(worker) and time.time() < deadline:
+        time.sleep(0.2)
+    if alive(worker):
+        os.kill(worker, 9)
+        raise AssertionError(f"worker {worker} outlived the killed sweep process")

@@ -130,6 +130,26 @@ def _sweep_worker_init(threads: int) -> None:
 
     torch.set_num_threads(threads)
     plugins.load()                     # methods registered by entry points (in-process registrations are not seen)
+    exit_with_parent()
+
+
+def exit_with_parent(poll_s: float = 1.0) -> None:
+    """End this process within `poll_s` seconds of its parent's death (a daemon thread watches the parent
+    pid). `kill` of a sweep (SIGTERM or SIGKILL to the `fedprism sweep` process alone, as a job scheduler
+    or a user does) would otherwise leave its workers training and writing to the store: a second
+    `fedprism sweep` then finds their runs busy. The interrupted run resumes from its last checkpoint;
+    SQLite's journal keeps the store whole, and the run lock dies with the process."""
+    import threading
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def _sweep_job(db: str, name: str, cfg: Config) -> dict:
