@@ -28,10 +28,12 @@ rm -rf results/paper_fmnist
 rm -rf results/fedsub
 .venv/bin/fedprism report --db "$tmp/render.db" --sweep fedsub_static --sweep fedsub_dynamic \
     --out results/fedsub > /dev/null
+rm -rf results/pfpl_mixed
+.venv/bin/fedprism report --db "$tmp/render.db" --sweep pfpl_mixed --out results/pfpl_mixed > /dev/null
 git update-index --no-skip-worktree results/fedprism.db 2>/dev/null || true
 blob=$(git hash-object -w "$tmp/snap.db")
 git update-index --add --cacheinfo "100644,$blob,results/fedprism.db"
 git update-index --skip-worktree results/fedprism.db
-git add results/paper_fmnist results/fedsub
+git add results/paper_fmnist results/fedsub results/pfpl_mixed
 rm -rf "$tmp"
-echo "staged results/fedprism.db ($blob), results/paper_fmnist/ and results/fedsub/"
+echo "staged results/fedprism.db ($blob), results/paper_fmnist/, results/fedsub/ and results/pfpl_mixed/"

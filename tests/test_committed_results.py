@@ -22,6 +22,7 @@ REPORTS = {
                                                "fedprism_validation", "fedprism_ablation_inference_weight"],
                          reference="fedprism-paper-fmnist"),
     "fedsub": dict(sweep=["fedsub_static", "fedsub_dynamic"]),
+    "pfpl_mixed": dict(sweep=["pfpl_mixed"]),
 }
 
 pytestmark = pytest.mark.skipif(not DB.exists(), reason="no committed results database")
