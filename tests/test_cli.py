@@ -31,6 +31,22 @@ def test_partition_prints_summary_metrics_and_png(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "wpsi" in out and "hellinger" in out and "n_train" in out
     assert png.exists() and png.stat().st_size > 1000
+    assert "domain" not in out.splitlines()[0]           # no domain column where the partition has none
+
+
+def test_partition_prints_each_clients_domain_under_domain_mix(tmp_path, capsys):
+    from fedprism.experiment.config import parse_overrides, resolve
+    from fedprism.experiment.federation import build_federation
+
+    args = ["dataset=digits", "partition=domain_mix", "partition.num_domains=4", "partition.min_classes=3",
+            "partition.max_classes=3", "clients=8", "seed=0"]
+    assert main(["partition", *args, "--png", str(tmp_path / "p.png")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[-1] == "domain"
+    printed = [int(line.split()[-1]) for line in lines[2:10]]
+    fed = build_federation(resolve(parse_overrides(args)))
+    assert printed == [int(d) for d in fed.meta["client_domains"]]
+    assert sorted(printed) == [0, 0, 1, 1, 2, 2, 3, 3]      # balanced over the clients
 
 
 def test_impossible_partition_is_a_clear_error(capsys):

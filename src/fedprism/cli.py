@@ -205,7 +205,9 @@ def cmd_partition(args) -> int:
     cfg = _config(args)
     fed = build_federation(cfg)
     hist = fed.label_hist()
-    rows = summarize(Partition(fed.train_idx, fed.test_idx), fed.y_train.numpy(), fed.num_classes)
+    domains = fed.meta.get("client_domains")
+    rows = summarize(Partition(fed.train_idx, fed.test_idx, domains=None if domains is None else np.asarray(domains)),
+                     fed.y_train.numpy(), fed.num_classes)
     show = rows if args.all else rows[:20]
     print(_table([[r.get(k) for k in show[0]] for r in show], list(show[0])))
     if len(rows) > len(show):

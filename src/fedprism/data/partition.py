@@ -119,7 +119,8 @@ def label_histograms(index_lists: list[np.ndarray], y: np.ndarray, num_classes: 
 
 
 def summarize(part: Partition, y_train: np.ndarray, num_classes: int) -> list[dict]:
-    """One row per client: sizes, classes present, dominant class and its share (for printing/storing).
+    """One row per client: sizes, classes present, dominant class and its share (for printing/storing),
+    and the client's domain when the partition assigns domains (``domain_mix``).
 
     ``part`` may be any object with ``train`` and ``test`` index lists (and optionally ``domains``).
     """
@@ -140,9 +141,10 @@ def summarize(part: Partition, y_train: np.ndarray, num_classes: int) -> list[di
                 "num_classes": int(present.size),
                 "dominant_class": dom,
                 "dominant_share": float(h[dom] / n) if n else 0.0,
-                "domain": None if domains is None else int(domains[i]),
             }
         )
+        if domains is not None:
+            rows[-1]["domain"] = int(domains[i])
     return rows
 
 
