@@ -86,6 +86,23 @@ def test_lock_file_race_with_a_release_is_retried(tmp_path):
     b.release()
 
 
+def test_processes_creating_one_store_at_the_same_instant_all_open_it(tmp_path):
+    # Two connections that both read a new file and then both ask to switch it to WAL deadlock;
+    # SQLite answers one of them SQLITE_BUSY at once, without its busy handler. Four processes open
+    # twenty fresh stores, each at an agreed instant: every open must succeed.
+    n, start = 20, time.time() + 4.0
+    code = ("import sys, time\nfrom fedprism.experiment.store import Store\n"
+            "d, t0 = sys.argv[1], float(sys.argv[2])\n"
+            "for i in range(int(sys.argv[3])):\n"
+            "    while time.time() < t0 + 0.25 * i: pass\n"
+            "    Store(f'{d}/s{i}.db', timeout=10).close()\n")
+    env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), str(start), str(n)], env=env,
+                              stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    errs = [(p.wait(timeout=120), p.communicate()[1]) for p in procs]
+    assert all(rc == 0 for rc, _ in errs), [e.strip().splitlines()[-1] for rc, e in errs if rc]
+
+
 def test_two_processes_start_the_same_run_at_once(tmp_path):
     db = tmp_path / "race.db"
     args = ["run", "--db", str(db), "dataset=digits", "method=fedprism", "clients=10", "rounds=30",

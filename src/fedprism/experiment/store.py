@@ -183,6 +183,21 @@ def _migrate_records(db: sqlite3.Connection) -> None:
     db.execute("DROP TABLE records_unkeyed")
 
 
+def _until_free(step, timeout: float) -> None:
+    """Run `step` again while SQLite says the file is busy, for up to `timeout` seconds. Changing the
+    journal mode of a file that another process is creating at the same moment fails with
+    SQLITE_BUSY at once: SQLite does not call the busy handler for it, so `connect(timeout=...)`
+    does not wait, and two processes starting one run together would see a spurious lock error."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return step()
+        except sqlite3.OperationalError as e:
+            if not ("locked" in str(e) or "busy" in str(e)) or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.05)
+
+
 class Store:
     """`timeout`: seconds to wait for another writer's transaction (default `$FEDPRISM_DB_TIMEOUT` or
     10) before `StoreError`."""
@@ -218,7 +233,7 @@ class Store:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.db = sqlite3.connect(str(self.path), timeout=timeout, isolation_level=None)
             self.db.row_factory = sqlite3.Row
-            self.db.execute("PRAGMA journal_mode=WAL")
+            _until_free(lambda: self._set_wal(), self.timeout)
             self.db.execute("PRAGMA synchronous=NORMAL")
             with self.transaction():
                 _migrate_records(self.db)
@@ -228,6 +243,10 @@ class Store:
                     if col not in have:
                         self.db.execute(f"ALTER TABLE runs ADD COLUMN {col} {typ}")
             self._recover_stale()
+
+    def _set_wal(self) -> None:
+        if self.db.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+            self.db.execute("PRAGMA journal_mode=WAL")
 
     def _recover_stale(self) -> None:
         """A run marked 'running' whose lock nobody holds was stopped without being able to say so
