@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from fedprism.experiment.store import Store
-from fedprism.report import write_report
+from fedprism.report import domain_accuracy, write_report
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 DB = RESULTS / "fedprism.db"
@@ -368,3 +368,41 @@ def test_private_share_is_inert_as_results_readme_states(db_copy):
         got[json.loads(r["config"])["seed"]] = (round(float(t["gamma"][-1]), 4), float(t["gamma_max"].max()))
     assert {s: g for s, (g, _) in got.items()} == {0: 0.0037, 1: 0.0019}
     assert max(m for _, m in got.values()) == pytest.approx(0.0179, abs=5e-5)
+
+
+def test_pfpl_mixed_as_results_readme_states(db_copy):
+    """results/README.md, "PFPL, mixed label + feature skew": prototype-only messages 73x smaller; PFPL
+    and FedProto ahead of Local at round 5 and not below it at the end for every n; the top rows within
+    2 points; FedAvg the lowest row and still rising; Local at least 85.67 in every domain; FedBN first at
+    n = 3 and 5."""
+    import sqlite3
+
+    store = Store(db_copy)
+    runs = [r for r in store.runs(sweep="pfpl_mixed")]
+    assert len(runs) == 21 and all(r["status"] == "finished" for r in runs)
+    con = sqlite3.connect(db_copy)
+
+    def acc(run, rnd):
+        (m,) = con.execute("select metrics from rounds where run_id=? and round=?", (run["run_id"], rnd)).fetchone()
+        return json.loads(m)["local_acc"]
+
+    by_n: dict[int, dict[str, dict]] = {}
+    for r in runs:
+        by_n.setdefault(json.loads(r["config"])["partition.max_classes"], {})[r["label"]] = r
+    assert sorted(by_n) == [3, 4, 5]
+    for n, rows in by_n.items():
+        fin = {k: json.loads(r["final"]) for k, r in rows.items()}
+        loc = {k: f["local_acc"] for k, f in fin.items()}
+        assert min(loc, key=loc.get) == "FedAvg", (n, loc)
+        assert acc(rows["FedAvg"], 99) > acc(rows["FedAvg"], 49)
+        assert loc["PFPL"] >= loc["Local"] and loc["FedProto"] >= loc["Local"], (n, loc)
+        assert acc(rows["PFPL"], 4) > acc(rows["Local"], 4) + 0.01 and acc(rows["FedProto"], 4) > acc(rows["Local"], 4) + 0.01
+        top = [loc[k] for k in ("PFPL", "FedProto", "FedBN", "APFL", "Local")]
+        assert max(top) - min(top) < 0.02, (n, top)
+        assert abs(loc["PFPL"] - loc["FedProto"]) < 0.005
+        assert (max(loc, key=loc.get) == "FedBN") == (n in (3, 5)), (n, loc)
+        up = {k: f["bytes_up"] for k, f in fin.items()}
+        assert up["PFPL"] == up["FedProto"] and 70 < up["FedAvg"] / up["PFPL"] < 75 and up["Local"] == 0
+        dom = domain_accuracy(store, rows["Local"]["run_id"])
+        assert sorted(dom) == [0, 1, 2, 3] and min(dom.values()) >= 0.8567 - 5e-5, (n, dom)
+    assert round(100 * json.loads(by_n[3]["PFPL"]["final"])["local_acc"], 2) == 94.68
