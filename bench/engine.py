@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import platform
 import resource
 import sys
@@ -177,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
                          "in models). 0: all")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--bf16-eval", action="store_true",
+                    help="also score every model with a second engine at eval.precision=bfloat16 (b16), timed "
+                         "right after (b)'s evaluation: its ratio to (a) and (b) and the largest accuracy change")
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds = min(args.rounds, 2)
@@ -210,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     eng = VectorizedEngine(fed, model, cfg, args.seed, device, compile=compile_opt, rounds=args.full_rounds)
     setup_b = time.perf_counter() - t0
+    eng16 = VectorizedEngine(fed, model, dataclasses.replace(cfg, eval_precision="bfloat16"), args.seed, device,
+                             compile=compile_opt, rounds=args.full_rounds) if args.bf16_eval else None
+    d16: list[float] = []
     W = flatten(model).to(device).expand(fed.num_clients, -1).clone()
     everyone = np.arange(fed.num_clients)
     n_ref = args.ref_eval_models if 0 < args.ref_eval_models < fed.num_clients else fed.num_clients
@@ -248,6 +255,12 @@ def main(argv: list[str] | None = None) -> int:
                 e_b = int(lr_.count.sum() + gr.count.sum())
             t[who + "eval"] = now(device) - s
             print(f"  [round {r}] {who}.eval {t[who + 'eval']:.1f} s", file=sys.stderr, flush=True)
+            if who == "b" and eng16 is not None:            # the same models and splits in bf16
+                s = now(device)
+                l16, g16 = eng16.evaluate(W, everyone, "local"), eng16.evaluate(W, everyone, "global")
+                t["beval16"] = now(device) - s
+                d16.append(max((l16.accuracy - lr_.accuracy).abs().max().item(),
+                               (g16.accuracy - gr.accuracy).abs().max().item()))
         t["aeval"] *= scale          # (a) evaluated n_ref models; scale to all of them
         # (b) with exact evaluation caching (Local): only this round's trained models change
         s = now(device)
@@ -280,6 +293,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"training    samples/s  (a) {tr_a:9,.0f}   (b) {tr_b:9,.0f}   ratio (b)/(a) {tr_b / tr_a:5.2f}x")
     print(f"evaluation  samples/s  (a) {ev_a:9,.0f}   (b) {ev_b:9,.0f}   ratio (b)/(a) {ev_b / ev_a:5.2f}x")
     print(f"per round   seconds    (a) {per_a:9.2f}   (b) {per_b:9.2f}   end-to-end ratio {per_a / per_b:5.2f}x")
+    if eng16 is not None:
+        ev16 = n_eval / tot["beval16"]
+        per16 = (tot["btrain"] + tot["beval16"]) / k
+        print(f"evaluation  samples/s  (b16) {ev16:9,.0f}   ratio (b16)/(a) {ev16 / ev_a:5.2f}x   (b16)/(b) "
+              f"{ev16 / ev_b:5.2f}x   end-to-end (a)/(b16) {per_a / per16:5.2f}x   largest change of a model's "
+              f"accuracy against (b): {max(d16):.4f}")
     print(f"(b) one-time overhead: engine setup {setup_b:.1f} s + compilation/warm-up in round 0 "
           f"~{compile_s:.1f} s")
     full_a = R * per_a

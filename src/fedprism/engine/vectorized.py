@@ -238,7 +238,7 @@ class VectorizedEngine(EngineBase):
         self._steps: dict[str, _MaybeCompiled] = {}
         self._eval_shared = _MaybeCompiled(self._eval_shared_fn, self.compiled)
         self._eval_own = _MaybeCompiled(self._eval_own_fn, self.compiled)
-        self._logits = _MaybeCompiled(vmap(self.f, in_dims=(0, None)), self.compiled)
+        self._logits = _MaybeCompiled(self._logits_fn, self.compiled)
 
     # -- training -------------------------------------------------------------------------------
     def _step_fn(self, loss, cfg: LocalConfig, per_client_mask: bool) -> _MaybeCompiled:
@@ -431,12 +431,18 @@ class VectorizedEngine(EngineBase):
         return correct, loss, conf
 
     def _eval_shared_fn(self, params, x, y, valid):
-        out = vmap(self.f, in_dims=(0, None))(params, x)
+        out = self._logits_fn(params, x)
         m = params.shape[0]
         return self._metrics(out, y.expand(m, -1), valid.expand(m, -1))
 
     def _eval_own_fn(self, params, x, y, valid):
-        return self._metrics(vmap(self.f)(params, x), y, valid)
+        dt = self.eval_dtype
+        return self._metrics(vmap(self.f)(params.to(dt), x.to(dt)).float(), y, valid)
+
+    def _logits_fn(self, params, x):
+        """[n, B, classes] float32 logits of n models on one shared batch, at the evaluation precision."""
+        dt = self.eval_dtype
+        return vmap(self.f, in_dims=(0, None))(params.to(dt), x.to(dt)).float()
 
     def _empty_result(self, n: int) -> EvalResult:
         return EvalResult.empty(n, self.num_classes)

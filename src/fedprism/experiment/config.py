@@ -77,6 +77,10 @@ KEYS: dict[str, Param] = {
                           "final round always scores every client; sampled rounds are marked by the round metric "
                           "`eval_clients` and an `eval_sample` record", _nonneg, "an integer >= 0 (0: every client)",
                           new=True),
+    "eval.precision": Param("float32", "precision of every evaluation forward pass: float32, or bfloat16 "
+                            "(weights and inputs cast; faster on CPUs with native bf16 such as AVX512-BF16, "
+                            "numbers change slightly: bench/README.md). Training is always float32",
+                            choices=("float32", "bfloat16"), new=True),
     "state.storage": Param("memory", "where the clients' own state (private models, specialists, local models) is "
                            "kept: memory (RAM, bit for bit the stored runs), float16 (RAM at half precision: "
                            "numbers change) or mmap (rows in files beside the checkpoint, RAM holds only the rows "
