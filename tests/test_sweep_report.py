@@ -85,8 +85,9 @@ def test_a_run_two_sweeps_share_is_run_once_and_reported_by_both(tmp_path, monke
                and line.count("|") == 11)
     cells = [c.strip() for c in row.split("|")[1:-1]]
     assert cells[5] == "+1.00" and cells[8].startswith("**-")      # Glob +1 (not flagged); Loc flagged
-    assert any("| Other | 0 |" in line and line.rstrip().endswith("| - | - |") for line in md.splitlines())
-    assert any(f"T={cfg['rounds'] + 1} | Baseline | 0 |" in line for line in md.splitlines())
+    assert "| Other |" not in md                       # a published row that no rendered sweep has: left out
+    assert any(f"T={cfg['rounds'] + 1} | Baseline | 0 |" in line and line.rstrip().endswith("| - | 50.00 | - | - |")
+               for line in md.splitlines())             # a row the sweeps have, in a setting not run: '-' 
     with pytest.raises(ValueError, match="unknown reference"):
         write_report(db, str(tmp_path / "bad"), plots=False, reference="nope")
 

@@ -186,9 +186,12 @@ def reference_table(groups, name: str) -> list[str]:
         d = o - p
         return [f"{o:.2f}", f"{p:.2f}", f"**{d:+.2f}**" if abs(d) > FLAG_POINTS else f"{d:+.2f}"]
 
+    present = {lab for rows in groups.values() for lab in rows}   # a reference row no rendered sweep has is left out
     for setting in sorted(ref):
         ours = groups.get(setting, {})
         for lab, (p_glob, p_loc) in ref[setting].items():
+            if lab not in present:
+                continue
             runs = ours.get(lab, [])
             g, routed = mean(runs, "global_model_acc"), mean(runs, "global_acc")
             glob = cmp(g if g is not None else routed, p_glob)
