@@ -28,12 +28,15 @@ rm -rf results/paper_fmnist
 rm -rf results/fedsub
 .venv/bin/fedprism report --db "$tmp/render.db" --sweep fedsub_static --sweep fedsub_dynamic \
     --out results/fedsub > /dev/null
+rm -rf results/fedprism_ablations
+.venv/bin/fedprism report --db "$tmp/render.db" --sweep fedprism_ablation_components --sweep fedprism_ablation_alpha \
+    --reference fedprism-paper-fmnist --out results/fedprism_ablations > /dev/null
 rm -rf results/pfpl_mixed
 .venv/bin/fedprism report --db "$tmp/render.db" --sweep pfpl_mixed --out results/pfpl_mixed > /dev/null
 git update-index --no-skip-worktree results/fedprism.db 2>/dev/null || true
 blob=$(git hash-object -w "$tmp/snap.db")
 git update-index --add --cacheinfo "100644,$blob,results/fedprism.db"
 git update-index --skip-worktree results/fedprism.db
-git add results/paper_fmnist results/fedsub results/pfpl_mixed
+git add results/paper_fmnist results/fedsub results/pfpl_mixed results/fedprism_ablations
 rm -rf "$tmp"
-echo "staged results/fedprism.db ($blob), results/paper_fmnist/, results/fedsub/ and results/pfpl_mixed/"
+echo "staged results/fedprism.db ($blob), results/paper_fmnist/, results/fedsub/, results/pfpl_mixed/ and results/fedprism_ablations/"

@@ -23,6 +23,8 @@ REPORTS = {
                          reference="fedprism-paper-fmnist"),
     "fedsub": dict(sweep=["fedsub_static", "fedsub_dynamic"]),
     "pfpl_mixed": dict(sweep=["pfpl_mixed"]),
+    "fedprism_ablations": dict(sweep=["fedprism_ablation_components", "fedprism_ablation_alpha"],
+                               reference="fedprism-paper-fmnist"),
 }
 
 pytestmark = pytest.mark.skipif(not DB.exists(), reason="no committed results database")
