@@ -408,3 +408,27 @@ def test_pfpl_mixed_as_results_readme_states(db_copy):
         dom = domain_accuracy(store, rows["Local"]["run_id"])
         assert sorted(dom) == [0, 1, 2, 3] and min(dom.values()) >= 0.8567 - 5e-5, (n, dom)
     assert round(100 * json.loads(by_n[3]["PFPL"]["final"])["local_acc"], 2) == 94.68
+
+
+def test_fedprism_components_as_results_readme_states(db_copy):
+    """results/README.md, "Components": routed Loc within 0.9 of the paper's Table 9 in every row; the
+    backbone's Glob within 3 points for the four rows with shared knowledge; Pure Global, Global + Cluster
+    and Full within 0.34 points of each other, Pure Cluster the lowest of them; Pure Private's backbone at
+    Local's level (34.07), far above the paper's 19.98."""
+    from fedprism.report.reference import FEDPRISM_PAPER_FMNIST
+
+    paper = FEDPRISM_PAPER_FMNIST["fmnist dirichlet(alpha=0.1) N=100 T=100"]
+    store = Store(db_copy)
+    runs = _finals(store, "fedprism_ablation_components")
+    assert sorted(lab for lab, _ in runs) == ["Full FedPrism", "Global + Cluster", "Pure Cluster", "Pure Global",
+                                             "Pure Private"]
+    f = {lab: v for (lab, _), v in runs.items()}
+    for lab, v in f.items():
+        assert abs(100 * v["local_acc"] - paper[lab][1]) < 0.9, (lab, v["local_acc"])
+    bb = {lab: 100 * v["global_acc@backbone"] for lab, v in f.items()}
+    for lab in ("Full FedPrism", "Pure Global", "Global + Cluster", "Pure Cluster"):
+        assert abs(bb[lab] - paper[lab][0]) < 3, (lab, bb[lab])
+    three = [bb[k] for k in ("Full FedPrism", "Pure Global", "Global + Cluster")]
+    assert max(three) - min(three) < 0.35 and bb["Pure Cluster"] < min(three)
+    assert abs(bb["Pure Private"] - 34.07) < 0.1 and round(bb["Pure Private"], 2) == 34.09
+    assert round(100 * f["Pure Private"]["global_model_acc"], 2) == 41.03
