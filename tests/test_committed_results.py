@@ -432,3 +432,30 @@ def test_fedprism_components_as_results_readme_states(db_copy):
     assert max(three) - min(three) < 0.35 and bb["Pure Cluster"] < min(three)
     assert abs(bb["Pure Private"] - 34.07) < 0.1 and round(bb["Pure Private"], 2) == 34.09
     assert round(100 * f["Pure Private"]["global_model_acc"], 2) == 41.03
+
+
+def test_alpha_update_as_printed_as_results_readme_states(db_copy):
+    """results/README.md, "Algorithm 2's alpha update as printed": alpha_i climbs to 1 for 96 clients
+    (gamma_i = -0.1), G collapses to chance after round 69, the routed prediction falls back to the
+    specialist; the Full run's alpha stays near 0.9 (gamma_i <= 0.018)."""
+    import numpy as np
+
+    store = Store(db_copy)
+    runs = {lab: r for r in store.runs(sweep="fedprism_ablation_alpha") for lab in [r["label"]]}
+    run = runs["alpha 0.9, lines 28-31 as printed"]
+    assert json.loads(run["config"])["fedprism_dual.alpha_rule"] == "as_printed" and run["status"] == "finished"
+
+    def final_alpha(rid):
+        a = np.full(100, 0.9)
+        for r in store.records(rid, "alpha"):
+            a[np.asarray(r["data"]["clients"])] = r["data"]["alpha"]
+        return a
+
+    a = final_alpha(run["run_id"])
+    assert int((a >= 1.0).sum()) == 96 and round(float(a.mean()), 3) == 0.979
+    full = final_alpha("ff20479a62c96de5")                          # the Full run (components sweep)
+    assert (1 - full - 0.1).max() <= 0.018 + 1e-9 and abs(full.mean() - 0.896) < 5e-4
+    g = {r: m["global_model_acc"] for r, m in enumerate(store.round_metrics(run["run_id"])) if "global_model_acc" in m}
+    assert g[69] > 0.80 and g[89] < 0.11 and g[99] < 0.11
+    f = json.loads(run["final"])
+    assert round(100 * f["global_acc"], 2) == 34.22 and abs(f["local_acc"] - f["local_acc@expert"]) < 0.002
