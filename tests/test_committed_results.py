@@ -441,7 +441,7 @@ def test_alpha_update_as_printed_as_results_readme_states(db_copy):
     import numpy as np
 
     store = Store(db_copy)
-    runs = {lab: r for r in store.runs(sweep="fedprism_ablation_alpha") for lab in [r["label"]]}
+    runs = {r["label"]: r for r in store.runs(sweep="fedprism_ablation_alpha")}
     run = runs["alpha 0.9, lines 28-31 as printed"]
     assert json.loads(run["config"])["fedprism_dual.alpha_rule"] == "as_printed" and run["status"] == "finished"
 

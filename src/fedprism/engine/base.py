@@ -281,11 +281,16 @@ class EngineBase:
     def eval_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.cfg.eval_precision == "bfloat16" else torch.float32
 
-    def _forward_eval(self, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Logits of one model for evaluation, at the run's evaluation precision, as float32
-        (`.to` of a tensor that already has the dtype is the tensor itself: float32 is unchanged)."""
+    def _at_eval_precision(self, forward, params: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """`forward(params, x)` at the run's evaluation precision, as float32 logits (`.to` of a tensor
+        that already has the dtype is the tensor itself: float32 is unchanged). Every evaluation
+        forward pass of both engines goes through here."""
         dt = self.eval_dtype
-        return self.f(flat.to(dt), x.to(dt)).float()
+        return forward(params.to(dt), x.to(dt)).float()
+
+    def _forward_eval(self, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Logits of one model for evaluation."""
+        return self._at_eval_precision(self.f, flat, x)
 
     @torch.inference_mode()
     def logits(self, params: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

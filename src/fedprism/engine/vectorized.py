@@ -436,13 +436,11 @@ class VectorizedEngine(EngineBase):
         return self._metrics(out, y.expand(m, -1), valid.expand(m, -1))
 
     def _eval_own_fn(self, params, x, y, valid):
-        dt = self.eval_dtype
-        return self._metrics(vmap(self.f)(params.to(dt), x.to(dt)).float(), y, valid)
+        return self._metrics(self._at_eval_precision(vmap(self.f), params, x), y, valid)
 
     def _logits_fn(self, params, x):
         """[n, B, classes] float32 logits of n models on one shared batch, at the evaluation precision."""
-        dt = self.eval_dtype
-        return vmap(self.f, in_dims=(0, None))(params.to(dt), x.to(dt)).float()
+        return self._at_eval_precision(vmap(self.f, in_dims=(0, None)), params, x)
 
     def _empty_result(self, n: int) -> EvalResult:
         return EvalResult.empty(n, self.num_classes)

@@ -233,7 +233,7 @@ class Store:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.db = sqlite3.connect(str(self.path), timeout=timeout, isolation_level=None)
             self.db.row_factory = sqlite3.Row
-            _until_free(lambda: self._set_wal(), self.timeout)
+            _until_free(self._set_wal, self.timeout)
             self.db.execute("PRAGMA synchronous=NORMAL")
             with self.transaction():
                 _migrate_records(self.db)
