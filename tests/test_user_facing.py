@@ -429,3 +429,19 @@ def test_key_value_items_may_follow_options(tmp_path, capsys):
     assert "execution-only" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["runs", "--db", db, "rounds=2"])                                    # `runs` takes no items
+
+
+def test_a_run_refused_for_its_data_leaves_no_store_behind(tmp_path, capsys, monkeypatch):
+    """An impossible partition is refused after the store is opened: a store this command created is removed
+    again (nothing else was in it), an existing store keeps its runs."""
+    monkeypatch.chdir(tmp_path)
+    bad = ["run", "dataset=digits", "clients=5000", "--db", "new.db"]
+    assert main(bad) == 2
+    assert "allow at most" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    db = _rollback_journal_store(tmp_path)
+    runs = lambda: sqlite3.connect(f"file:{db}?mode=ro", uri=True).execute(  # noqa: E731
+        "SELECT run_id, status, rounds_done FROM runs").fetchall()
+    before = runs()
+    assert main([*bad[:-1], str(db)]) == 2
+    assert db.exists() and runs() == before and len(before) == 1

@@ -34,11 +34,19 @@ def cmd_run(args) -> int:
     from fedprism.experiment.store import Store
 
     cfg = _config(args)
+    created = not Path(args.db).exists()
     store = Store(args.db)
     if args.fresh and store.run(cfg.run_id) is not None:
         store.forget(cfg.run_id)
         print(f"--fresh: dropped the stored rounds of run {cfg.run_id}; running it again", file=sys.stderr)
-    exp = Experiment(cfg, store, progress=not args.quiet)        # progress goes to stderr, also with --json
+    try:
+        exp = Experiment(cfg, store, progress=not args.quiet)    # progress goes to stderr, also with --json
+    except BaseException:
+        if created and not store.runs():          # data or partition refused: leave no empty store behind
+            store.close()
+            for suffix in ("", "-wal", "-shm", "-journal"):
+                Path(str(args.db) + suffix).unlink(missing_ok=True)
+        raise
     res = exp.run()
     f = res.final
     if f.get("diverged"):
