@@ -76,3 +76,39 @@ def test_workers_end_when_the_sweep_process_is_killed(tmp_path):
     if alive(worker):
         os.kill(worker, 9)
         raise AssertionError(f"worker {worker} outlived the killed sweep process")
+
+
+def test_sigint_to_the_sweep_process_alone_stops_every_worker_at_once(tmp_path):
+    """`kill -INT <sweep pid>` (what `timeout -s INT` and job schedulers send): the running runs end
+    'interrupted' with their checkpoints, and no queued run starts. The process pool's own shutdown would
+    first run every queued run to its end (here: hours)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    f = tmp_path / "long.toml"
+    f.write_text(SWEEP.replace('"rounds" = 2', '"rounds" = 100000'))
+    assert '"rounds" = 100000' in f.read_text()
+    db = tmp_path / "s.db"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "fedprism", "sweep", str(f), "--db", str(db), "--workers", "2",
+                             "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:          # both workers are inside a run (each wrote a round)
+            if db.exists() and len([r for r in Store(db).runs() if r["rounds_done"] >= 1]) == 2:
+                break
+            time.sleep(0.3)
+        else:
+            raise AssertionError("the two workers did not start their runs")
+        os.kill(proc.pid, signal.SIGINT)
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 130, proc.stderr.read().decode()
+    runs = Store(db).runs()
+    assert len(runs) == 2, [r["name"] for r in runs]            # no queued run started after the signal
+    assert {r["status"] for r in runs} == {"interrupted"}

@@ -123,11 +123,16 @@ def dump_sweep(name: str, base: dict[str, Any], runs: list[dict[str, Any]], grid
     return "\n".join(lines) + "\n"
 
 
-def _sweep_worker_init(threads: int) -> None:
+_STOP = None            # in a worker: the sweep's "stop" event (set when the sweep is interrupted)
+
+
+def _sweep_worker_init(threads: int, stop=None) -> None:
     import torch
 
     from fedprism import plugins
 
+    global _STOP
+    _STOP = stop
     torch.set_num_threads(threads)
     plugins.load()                     # methods registered by entry points (in-process registrations are not seen)
     exit_with_parent()
@@ -157,6 +162,8 @@ def _sweep_job(db: str, name: str, cfg: Config) -> dict:
     from fedprism.experiment.runner import Experiment
     from fedprism.experiment.store import Store
 
+    if _STOP is not None and _STOP.is_set():
+        return None                    # the sweep was interrupted before this run started: leave it untouched
     store = Store(db)
     try:
         res = Experiment(cfg, store, progress=False, sweep=name).run()
@@ -180,14 +187,45 @@ def run_in_workers(db: str, name: str, todo: list[tuple[str, Config]], workers: 
 
     from fedprism.experiment.runlock import RunBusyError
 
-    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_sweep_worker_init,
-                             initargs=(worker_threads(workers),)) as pool:
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_sweep_worker_init,
+                               initargs=(worker_threads(workers), stop))
+    try:
         futures = {pool.submit(_sweep_job, db, name, cfg): tag for tag, cfg in todo}
         for fut in as_completed(futures):
             try:
                 yield futures[fut], fut.result()
             except RunBusyError as e:
                 yield futures[fut], e
+    except BaseException:              # Ctrl-C, a signal to this process alone, an error, the caller leaving
+        stop_workers(pool, stop)
+        raise
+    pool.shutdown(wait=True)
+
+
+def stop_workers(pool, stop, grace_s: float = 30.0) -> None:
+    """Stop a sweep's worker pool at once: no queued run starts (the executor's own shutdown would run
+    every queued run first), each running run gets SIGINT, marks itself 'interrupted' and keeps the
+    checkpoint of its last finished round; a worker still alive after `grace_s` is killed (its run then
+    resumes from the same checkpoint: the run lock dies with the process)."""
+    import signal
+
+    procs = [p for p in (getattr(pool, "_processes", None) or {}).values()]
+    stop.set()
+    pool.shutdown(wait=False, cancel_futures=True)
+    for p in procs:
+        if p.is_alive():
+            try:
+                os.kill(p.pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+    deadline = time.time() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.time()))
+        if p.is_alive():
+            p.terminate()
+            p.join(5)
 
 
 def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, progress: bool = True,
