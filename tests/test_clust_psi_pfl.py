@@ -233,6 +233,11 @@ def test_paper_protocol_sweep_loads():
                         and c["model"] == "clustpsi_fmnist_cnn" for c in cfgs)
     parts = {(c["partition"], c.get("partition.alpha"), c.get("partition.s")) for c in ours}
     assert len(parts) == 9 and {c["seed"] for c in ours} == {0, 1}
+    from fedprism.selection import cohort_size
+
+    poc = [c for c in cfgs if c.get("selection") == "poc"]     # Power-of-Choice needs m_t <= d <= K
+    assert len(poc) == 9 and all(cohort_size(c["clients"], c["fraction"]) <= c["selection.d"] <= c["clients"]
+                                 for c in poc)
 
 
 def test_partition_study_gives_the_tau_a_run_chose(tmp_path):
