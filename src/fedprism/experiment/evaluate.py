@@ -80,7 +80,7 @@ class StreamScorer:
         self.engine, self.N = engine, num_clients
         self.chunk = int(getattr(engine, "eval_samples", 0) or getattr(getattr(engine, "cfg", None), "eval_chunk", 500)
                          or 500)
-        dev = torch.device(getattr(engine, "device", "cpu"))
+        self.device = dev = torch.device(getattr(engine, "device", "cpu"))
         width = getattr(engine, "eval_models", None)
         self.budget = self.chunk * width if width else 1 << (18 if dev.type == "cuda" else 13)
         self.caches: dict[str, dict] = {}
@@ -131,6 +131,8 @@ class StreamScorer:
             raise ValueError(f"the headline prediction needs logits: stream {names[0]!r} yields features; "
                              "give Inference.combine")
         combine = inf.combine or (lambda z, e: z[names[0]])
+        # extras (label priors, masks) come from client state, which lives on the CPU: meet the logits there
+        extras = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in inf.extras.items()}
         correct = torch.zeros(n, dtype=torch.long)
         loss = torch.zeros(n, dtype=torch.float64)
         count = torch.zeros(n, dtype=torch.long)
@@ -144,7 +146,7 @@ class StreamScorer:
                 if todo:
                     out = self._run(torch.cat([inf.streams[s][rows] for s in todo]), x, is_feat)
                     z = {**z, **{s: out[j * m:(j + 1) * m] for j, s in enumerate(todo)}}
-            ex = {k: v[rows] for k, v in inf.extras.items()}
+            ex = {k: v[rows] for k, v in extras.items()}
             out = combine(z, ex).float()
             yy = y.to(out.device).expand(m, -1)
             pred = out.argmax(-1)
