@@ -1,5 +1,5 @@
 """The `fedprism` command: run | demo | sweep | report | runs | show | verify | partition | methods |
-export | data."""
+merge | export | data."""
 
 from __future__ import annotations
 
@@ -241,6 +241,18 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_merge(args) -> int:
+    from fedprism.experiment.merge import merge
+    from fedprism.experiment.store import Store
+
+    if args.dry_run and not Path(args.db).is_file():
+        raise FedPrismError(f"--dry-run: no results store at {args.db} (check --db or $FEDPRISM_DB)")
+    with Store(args.db, readonly=args.dry_run) as store:
+        for src in args.stores:
+            print(merge(store, src, dry_run=args.dry_run).summary(args.dry_run))
+    return 0
+
+
 def cmd_data(args) -> int:
     from fedprism.data.datasets import load_dataset
     from fedprism.data.download import download
@@ -357,6 +369,15 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("methods", help="list methods, their parameters and defaults")
     m.set_defaults(fn=cmd_methods)
 
+    mg = with_db(sub.add_parser(
+        "merge", help="copy the finished runs of other results stores into --db",
+        description="Copy the finished runs of other results stores (another machine's part of a sweep) into "
+                    "--db: runs absent here are added, a finished copy replaces an interrupted or failed one, "
+                    "runs finished here are kept, unfinished runs there are not copied. The other stores are "
+                    "only read."))
+    mg.add_argument("stores", nargs="+", help="results stores to merge from")
+    mg.add_argument("--dry-run", action="store_true", help="say what would be merged; write nothing")
+    mg.set_defaults(fn=cmd_merge)
     e = with_db(sub.add_parser("export", help="export the store to CSV or Parquet"))
     e.add_argument("--format", choices=("csv", "parquet"), default="csv")
     e.add_argument("--out", default="export", help="output directory")

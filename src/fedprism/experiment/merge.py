@@ -1,0 +1,146 @@
+"""`fedprism merge`: bring the finished runs of other results stores into this one.
+
+A sweep too large for one machine runs in parts (a GPU session, cluster nodes, a colleague's laptop),
+each part writing its own store with `fedprism sweep FILE --db part.db`; `fedprism merge part.db --db
+results.db` then copies what each part finished. Run ids are hashes of the configuration, so the same
+run computed twice is recognised and kept once.
+
+Per run of the other store:
+* finished there, absent here: copied (its row, rounds, per-client rows, records, sweep membership,
+  and its final state file when the other store kept one);
+* finished there, unfinished here (interrupted or failed): the finished copy replaces it, unless a
+  process is running it here right now (its run lock is held: then it is left alone and reported);
+* finished here too: kept as it is (the first finished copy wins; the two may differ in the last
+  floating-point bits when they ran on different hardware);
+* unfinished there: not copied (resume it where it ran, or here: a sweep re-runs it).
+
+The other store is opened read-only and checked (`PRAGMA quick_check`) before anything is written;
+everything of one run is written in one transaction, so an interrupted merge leaves whole runs only.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fedprism.errors import FedPrismError
+from fedprism.experiment.store import MissingStoreError, Store
+
+ROW_TABLES = ("rounds", "client_metrics", "records")
+
+
+@dataclass
+class MergeReport:
+    source: str
+    copied: list[str] = field(default_factory=list)
+    replaced: list[str] = field(default_factory=list)     # finished there, an unfinished copy here
+    present: list[str] = field(default_factory=list)      # finished on both sides: ours kept
+    busy: list[str] = field(default_factory=list)         # being run here right now: left alone
+    unfinished: list[str] = field(default_factory=list)   # not finished there: not copied
+    finals: int = 0
+
+    def summary(self, dry_run: bool = False) -> str:
+        verb = "would merge" if dry_run else "merged"
+        parts = [f"{self.source}: {verb} {len(self.copied) + len(self.replaced)} finished run(s)"]
+        if self.replaced:
+            parts.append(f"{len(self.replaced)} of them replacing an unfinished copy")
+        parts.append(f"{len(self.present)} already finished here")
+        if self.busy:
+            parts.append(f"{len(self.busy)} running here now, left alone ({', '.join(self.busy)})")
+        if self.unfinished:
+            parts.append(f"{len(self.unfinished)} unfinished there, not merged")
+        if self.finals:
+            parts.append(f"{self.finals} final state file(s)")
+        return "; ".join(parts)
+
+
+def _columns(db, table: str) -> list[str]:
+    return [r[1] for r in db.execute(f"PRAGMA table_info({table})")]
+
+
+def _open_source(path: str | Path, dst: Store) -> Store:
+    p = Path(path)
+    if p.resolve() == dst.path.resolve():
+        raise FedPrismError(f"merge: {p} is the target store itself (--db); name another store")
+    src = Store(p, readonly=True)
+    try:
+        ok = src.db.execute("PRAGMA quick_check").fetchone()[0]
+    except Exception as e:                       # noqa: BLE001 - any SQLite failure means: unusable
+        src.close()
+        raise MissingStoreError(f"{p} is corrupt ({e}); nothing was merged") from None
+    if ok != "ok":
+        src.close()
+        raise MissingStoreError(f"{p} is corrupt (integrity check: {ok}); nothing was merged")
+    missing = [t for t in ("runs", *ROW_TABLES) if not _columns(src.db, t)]
+    if missing:
+        src.close()
+        raise MissingStoreError(f"{p} is not a fedprism results store (no table {', '.join(missing)})")
+    return src
+
+
+def merge(dst: Store, source: str | Path, dry_run: bool = False) -> MergeReport:
+    """Copy the finished runs of the store at `source` into `dst` (see the module docstring)."""
+    src = _open_source(source, dst)
+    rep = MergeReport(str(source))
+    try:
+        cols = {t: [c for c in _columns(src.db, t) if c in set(_columns(dst.db, t))]
+                for t in ("runs", *ROW_TABLES, "sweep_runs")}
+        if "run_id" not in cols["runs"] or "status" not in cols["runs"]:
+            raise MissingStoreError(f"{source} is not a fedprism results store (its runs table lacks run_id)")
+        for row in src.db.execute("SELECT * FROM runs ORDER BY created, run_id").fetchall():
+            rid = row["run_id"]
+            if row["status"] != "finished":
+                rep.unfinished.append(rid)
+                continue
+            here = dst.run(rid)
+            if here is not None and here["status"] == "finished":
+                rep.present.append(rid)
+                continue
+            if here is not None and not dry_run:
+                try:
+                    dst.lock(rid)                # a process running it here holds this lock
+                except FedPrismError:
+                    rep.busy.append(rid)
+                    continue
+            try:
+                if not dry_run:
+                    _copy_run(src, dst, rid, cols)
+                    if here is not None:
+                        dst.drop_checkpoint(rid)
+                (rep.replaced if here is not None else rep.copied).append(rid)
+            finally:
+                if here is not None and not dry_run:
+                    dst.unlock(rid)
+        if not dry_run:
+            rep.finals = _copy_finals(src.final_dir, dst.final_dir)
+    finally:
+        src.close()
+    return rep
+
+
+def _copy_run(src: Store, dst: Store, rid: str, cols: dict[str, list[str]]) -> None:
+    with dst.transaction(f"merging run {rid}") as db:
+        for t in ("runs", *ROW_TABLES, "sweep_runs"):
+            if t != "sweep_runs":                # sweep membership: the union of both stores'
+                db.execute(f"DELETE FROM {t} WHERE run_id=?", (rid,))
+            c = cols[t]
+            rows = src.db.execute(f"SELECT {', '.join(c)} FROM {t} WHERE run_id=?", (rid,)).fetchall()
+            if rows:
+                db.executemany(f"INSERT OR IGNORE INTO {t} ({', '.join(c)}) VALUES ({', '.join('?' * len(c))})",
+                               [tuple(r) for r in rows])
+
+
+def _copy_finals(src_dir: Path, dst_dir: Path) -> int:
+    """Final state files (`keep_final`) the other store has and this one lacks (named by train id)."""
+    if not src_dir.is_dir():
+        return 0
+    n = 0
+    for f in sorted(src_dir.iterdir()):
+        target = dst_dir / f.name
+        if target.exists():
+            continue
+        dst_dir.mkdir(parents=True, exist_ok=True)
+        (shutil.copytree if f.is_dir() else shutil.copy2)(f, target)
+        n += 1
+    return n
