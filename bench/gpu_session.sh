@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# One GPU session, as one script with a deadline: the CUDA engine bench alone first (its ratios need a
+# quiet GPU), then, side by side until the deadline, the FedPrism paper runs (fedprism_dual and FedAvg,
+# paper configuration, seed 0) and a share of the Clust-PSI-PFL FMNIST sweep, each group of rows in
+# its own process. Every part is bounded by `timeout` and writes under $OUT; runs stopped by the
+# deadline are interrupted cleanly (SIGINT) and resume on the next call or on any other machine.
+#
+#   OUT=gpu-out BUDGET=460 bash bench/gpu_session.sh      # needs CUDA and FMNIST ($FEDPRISM_DATA)
+#   gunzip gpu-out/*.gz && fedprism merge gpu-out/sweep.db --db results/fedprism.db   # finished runs home
+#
+# The stores written here never hold final models (keep_final=false) so that they stay small.
+set -u
+OUT=${OUT:-gpu-out}
+BUDGET=${BUDGET:-460}
+START=$(date +%s)
+mkdir -p "$OUT" "$OUT/logs"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
+[ -d .gpu/data ] && export FEDPRISM_DATA="$PWD/.gpu/data"
+PY=${PY:-python3}
+DEVICE=${DEVICE:-cuda}
+Q=${QUICK:+--quick}          # QUICK=1: the CI-size smoke version of every part
+left() { echo $(( START + BUDGET - $(date +%s) )); }
+
+{
+  date -u; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
+  $PY -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(0))"
+  nproc
+} > "$OUT/logs/machine.txt" 2>&1
+cat "$OUT/logs/machine.txt"
+
+PARTS=${PARTS:-bench paper sweep}   # which parts to run
+has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
+
+# 1. the engine bench, alone on the GPU
+if has bench; then
+  timeout -s INT 200 $PY bench/engine.py --device "$DEVICE" --rounds 3 $Q > "$OUT/bench_engine_cuda.txt" 2>&1
+  echo "bench rc=$? after $(( $(date +%s) - START )) s"; tail -25 "$OUT/bench_engine_cuda.txt"
+fi
+
+# 2. paper runs and sweep rows side by side until the deadline (25 s kept for packing)
+stop=$(( $(left) - 25 ))
+run() {   # run NAME SWEEPFILE DB ARGS...
+  local name=$1 file=$2 db=$3; shift 3
+  timeout -s INT "$stop" $PY -m fedprism sweep "$file" --db "$db" --quiet $Q "$@" device="$DEVICE" keep_final=false \
+    > "$OUT/logs/$name.log" 2>&1
+  echo "$name rc=$? at $(( $(date +%s) - START )) s" >> "$OUT/logs/done.txt"
+}
+if has paper; then
+  run paper_dual sweeps/fmnist_dual_dir01.toml "$OUT/paper.db" --only FedPrism --seed 0 &
+  run paper_fedavg sweeps/paper_fmnist_dir01.toml "$OUT/paper.db" --only FedAvg --seed 0 &
+fi
+# the Clust-PSI-PFL rows: one sweep with a few workers (every worker holds its clients' models and
+# optimiser states on the GPU; 14 processes at once ran out of the H100's 80 GiB)
+has sweep && run psi sweeps/clust_psi_pfl_fmnist.toml "$OUT/sweep.db" --workers "${SWEEP_WORKERS:-4}" compile=false &
+wait
+cat "$OUT/logs/done.txt"
+
+# 3. pack: fold the WAL into each store, compress, keep the logs in one file
+for db in "$OUT/paper.db" "$OUT/sweep.db"; do
+  [ -f "$db" ] || continue
+  $PY -c "import sqlite3, sys; c = sqlite3.connect(sys.argv[1]); c.execute('pragma wal_checkpoint(TRUNCATE)'); \
+c.execute('pragma journal_mode=delete'); print(sys.argv[1], c.execute('select status, count(*) from runs group by status').fetchall())" "$db"
+  rm -rf "$db.ckpt" "$db.final" "$db-wal" "$db-shm"
+  gzip -f "$db"
+done
+tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$OUT/logs"
+ls -la "$OUT"
