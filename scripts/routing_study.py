@@ -19,6 +19,12 @@ counts); per-client thresholds are calibrated on the client's own training rows.
     veto tau       the specialist's prediction unless m(x) < tau, then the backbone's
     switch s q     the specialist when its score s (energy = logsumexp z_L, or max softmax) is at least the
                    q-quantile of s on the client's training rows, else the backbone
+    maha-F q       a one-class gate trained on the client's own rows (no foreign images needed): the
+                   specialist when the Mahalanobis distance of x's penultimate features in stream F (L: the
+                   specialist's, W: the backbone's) to the nearest of the client's class means (tied
+                   covariance, shrunk by 1e-3 of its mean eigenvalue, both from the training rows) is at most
+                   the (1 - q)-quantile of the training rows' distances, else the backbone (Lee et al. 2018,
+                   "A Simple Unified Framework for Detecting Out-of-Distribution Samples", arXiv:1807.03888)
 """
 
 from __future__ import annotations
@@ -63,7 +69,34 @@ def _rules() -> dict:
     rules.update({f"veto tau={t:g}": veto(t) for t in (0.5, 0.2, 0.05)})
     rules.update({f"switch {k} q={q:g}": (lambda e, b, S, th, k=k, q=q: switch(k)(e, b, S, th[q]))
                   for k in ("energy", "msp") for q in (0.05, 0.2)})
+
+    def maha(stream, q):       # th["maha"][stream] = (distance function, thresholds by q); th["dist"]: the inputs
+        return lambda e, b, S, th: torch.where((th["dist"][stream] <= th["maha"][stream][1][q])[:, None],
+                                               ls(e), ls(b))
+    rules.update({f"maha-{st} q={q:g}": maha(st, q) for st in ("L", "W") for q in MAHA_Q})
     return rules
+
+
+MAHA_Q = (0.01, 0.05, 0.2)
+
+
+def mahalanobis(feats: torch.Tensor, y: torch.Tensor):
+    """Nearest-class-mean Mahalanobis distance with a tied, shrunk covariance fitted on (feats, y): returns
+    the distance function and its (1 - q)-quantiles on the fitting rows, by q."""
+    feats = feats.double()
+    classes = torch.unique(y)
+    mu = torch.stack([feats[y == c].mean(0) for c in classes])
+    centred = feats - mu[torch.searchsorted(classes, y)]
+    cov = centred.T @ centred / max(1, len(y) - 1)
+    cov += 1e-3 * cov.diagonal().mean().clamp_min(1e-12) * torch.eye(cov.shape[0], dtype=cov.dtype)
+    prec = torch.linalg.inv(cov)
+
+    def dist(f: torch.Tensor) -> torch.Tensor:
+        d = f.double()[:, None, :] - mu[None]
+        return torch.einsum("nkd,de,nke->nk", d, prec, d).amin(1)
+
+    own = dist(feats)
+    return dist, {q: torch.quantile(own, 1 - q) for q in MAHA_Q}
 
 
 def study(db: str, run_id: str) -> dict:
@@ -97,16 +130,21 @@ def study(db: str, run_id: str) -> dict:
             for j, c in enumerate(block):
                 logits = lambda s, x: torch.cat([f(inf.streams[s][j], x[i:i + 2048])  # noqa: E731
                                                  for i in range(0, len(x), 2048)])
-                xt, _ = eng.data(int(c), "train")
+                feats = lambda s, x: torch.cat([f.features(inf.streams[s][j], x[i:i + 2048])  # noqa: E731
+                                                for i in range(0, len(x), 2048)])
+                xt, yt = eng.data(int(c), "train")
                 et = logits("expert", xt)
                 th = {q: {"energy": torch.quantile(torch.logsumexp(et, -1), q),
                           "msp": torch.quantile(torch.softmax(et, -1).amax(-1), q)} for q in (0.05, 0.2)}
+                th["maha"] = {"L": mahalanobis(feats("expert", xt), yt), "W": mahalanobis(feats("backbone", xt), yt)}
                 S = seen[j][None, :]
                 for split in SPLITS:
                     x, y = eng.data(int(c), split)
                     if len(y) == 0:
                         continue
                     e, b = logits("expert", x), logits("backbone", x)
+                    th["dist"] = {"L": th["maha"]["L"][0](feats("expert", x)),
+                                  "W": th["maha"]["W"][0](feats("backbone", x))}
                     for name, rule in rules.items():
                         hits[name][split].append(float((rule(e, b, S, th).argmax(-1) == y).double().mean()))
     return {"run_id": run_id, "seed": cfg["seed"], "round": int(kept["round"]),

@@ -50,3 +50,16 @@ def test_study_refuses_a_run_without_validation_or_state(tmp_path):
     res = Experiment(resolve({**CFG, "keep_final": False}), Store(db)).run()
     with pytest.raises(SystemExit, match="no kept final state"):
         routing_study.study(str(db), res.run_id)
+
+
+def test_mahalanobis_gate_hand_values():
+    """Two classes in the plane: means (1, 0) and (1, 2), tied covariance diag(4/3, 0) shrunk by 1e-3 of
+    its mean eigenvalue (2/3): diag(4/3 + 2/3e-3, 2/3e-3)."""
+    import torch
+
+    feats = torch.tensor([[0.0, 0.0], [2.0, 0.0], [0.0, 2.0], [2.0, 2.0]])
+    dist, th = routing_study.mahalanobis(feats, torch.tensor([0, 0, 1, 1]))
+    a, b = 4 / 3 + 2 / 3 * 1e-3, 2 / 3 * 1e-3
+    got = dist(torch.tensor([[3.0, 0.0], [1.0, 1.0], [1.0, 2.5]]))
+    assert got.tolist() == pytest.approx([4 / a, 1 / b, 0.25 / b], rel=1e-9)
+    assert all(float(t) == pytest.approx(1 / a, rel=1e-9) for t in th.values())   # every own row at 1/a
