@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One GPU session, as one script with a deadline: the CUDA engine bench alone first (its ratios need a
 # quiet GPU), then, side by side until the deadline, the FedPrism paper runs (fedprism_dual and FedAvg,
-# paper configuration, seed 0) and a share of the Clust-PSI-PFL FMNIST sweep, each group of rows in
-# its own process. Every part is bounded by `timeout` and writes under $OUT; runs stopped by the
+# paper configuration, seed 0) and the Clust-PSI-PFL FMNIST sweep (one `--workers 4` sweep). PARTS
+# chooses among "bench paper sweep". Every part is bounded by `timeout` and writes under $OUT; runs stopped by the
 # deadline are interrupted cleanly (SIGINT) and resume on the next call or on any other machine.
 #
-#   OUT=gpu-out BUDGET=460 bash bench/gpu_session.sh      # needs CUDA and FMNIST ($FEDPRISM_DATA)
+#   OUT=gpu-out BUDGET=460 bash bench/gpu_session.sh      # needs CUDA and FMNIST ($FEDPRISM_DATA, or
+#                                                         # the four .gz files in .gpu/data/fmnist/)
 #   gunzip gpu-out/*.gz && fedprism merge gpu-out/sweep.db --db results/fedprism.db   # finished runs home
 #
 # The stores written here never hold final models (keep_final=false) so that they stay small.
@@ -24,7 +25,7 @@ left() { echo $(( START + BUDGET - $(date +%s) )); }
 {
   date -u; nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv
   $PY -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(0))"
-  nproc
+  nproc --all
 } > "$OUT/logs/machine.txt" 2>&1
 cat "$OUT/logs/machine.txt"
 
