@@ -21,6 +21,7 @@ everything of one run is written in one transaction, so an interrupted merge lea
 from __future__ import annotations
 
 import shutil
+import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,17 +66,18 @@ def _open_source(path: str | Path, dst: Store) -> Store:
         raise FedPrismError(f"merge: {p} is the target store itself (--db); name another store")
     src = Store(p, readonly=True)
     try:
-        ok = src.db.execute("PRAGMA quick_check").fetchone()[0]
-    except Exception as e:                       # noqa: BLE001 - any SQLite failure means: unusable
+        try:
+            ok = src.db.execute("PRAGMA quick_check").fetchone()[0]
+        except sqlite3.DatabaseError as e:
+            raise MissingStoreError(f"{p} is corrupt ({e}); nothing was merged") from None
+        if ok != "ok":
+            raise MissingStoreError(f"{p} is corrupt (integrity check: {ok}); nothing was merged")
+        missing = [t for t in ("runs", *ROW_TABLES) if not _columns(src.db, t)]
+        if missing:
+            raise MissingStoreError(f"{p} is not a fedprism results store (no table {', '.join(missing)})")
+    except BaseException:
         src.close()
-        raise MissingStoreError(f"{p} is corrupt ({e}); nothing was merged") from None
-    if ok != "ok":
-        src.close()
-        raise MissingStoreError(f"{p} is corrupt (integrity check: {ok}); nothing was merged")
-    missing = [t for t in ("runs", *ROW_TABLES) if not _columns(src.db, t)]
-    if missing:
-        src.close()
-        raise MissingStoreError(f"{p} is not a fedprism results store (no table {', '.join(missing)})")
+        raise
     return src
 
 
