@@ -165,6 +165,38 @@ def test_adam_vectorized_equals_sequential_and_torch(engines):
     torch.testing.assert_close(w, p.detach(), atol=1e-6, rtol=1e-5)
 
 
+def test_in_place_step_is_the_reference_step():
+    """The eager loops' in-place step: SGD the same bits as `optimizer_step`, Adam (torch's fused kernel)
+    equal to float32 rounding and to torch.optim.Adam, masked coordinates untouched, updated in place."""
+    from fedprism.engine.base import optimizer_step_
+
+    P = 1000
+    mask = (torch.arange(P) % 3 != 0).float()
+    for opt in ("sgd", "adam"):
+        cfg = LocalConfig(lr=0.01, optimizer=opt, momentum=0.9 if opt == "sgd" else 0.0, weight_decay=0.01)
+        w0 = torch.randn(P, generator=torch.Generator().manual_seed(5))
+        w, st = w0.clone(), optimizer_state(cfg, w0)
+        w_, st_ = w0.clone(), optimizer_state(cfg, w0)
+        p = torch.nn.Parameter(w0.clone())
+        ref = (torch.optim.SGD([p], lr=0.01, momentum=0.9, weight_decay=0.01) if opt == "sgd"
+               else torch.optim.Adam([p], lr=0.01, weight_decay=0.01))
+        for k in range(4):
+            g = torch.randn(P, generator=torch.Generator().manual_seed(k))
+            w, st = optimizer_step(w, g, st, cfg, mask)
+            out, st_ = optimizer_step_(w_, g, st_, cfg, mask)
+            assert out is w_                                   # in place
+            p.grad = g.clone()
+            ref.step()
+        if opt == "sgd":
+            assert torch.equal(w_, w) and torch.equal(st_[0], st[0])
+        else:
+            torch.testing.assert_close(w_, w, atol=1e-6, rtol=0)
+            torch.testing.assert_close(st_[1], st[1], atol=1e-7, rtol=1e-5)
+            assert not torch.equal(w_, w0)
+        assert torch.equal(w_[mask == 0], w0[mask == 0])
+        torch.testing.assert_close(w_[mask == 1], p.detach()[mask == 1], atol=1e-6, rtol=1e-5)
+
+
 def test_per_client_mask_trains_only_the_masked_coordinates(engines):
     fed, model, make = engines
     for opt in ("sgd", "adam"):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.optim.adam import adam as _torch_adam
 
 from fedprism._alloc import tune_allocator
 from fedprism.federation import Federation
@@ -141,6 +142,40 @@ def optimizer_step(w: torch.Tensor, g: torch.Tensor, st: tuple[torch.Tensor, ...
     return keep(w - cfg.lr * g, w), (buf,)
 
 
+def optimizer_step_(w: torch.Tensor, g: torch.Tensor, st: tuple[torch.Tensor, ...], cfg: LocalConfig,
+                    mask: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """`optimizer_step` in place on one model's own w and state (the eager loops: the sequential engine,
+    pooled training, the vectorized engine's single steps); the compiled vectorized engine traces
+    `optimizer_step`, which Inductor fuses into one loop.
+
+    SGD: the same operations in the same order, so the same bits. Adam: torch's fused Adam kernel
+    (`torch.optim.adam.adam(fused=True)`, one pass over w, g, m and v instead of a dozen), with our weight
+    decay and mask applied to the gradient first as in `optimizer_step`; it matches `optimizer_step` to
+    float32 rounding (`tests/test_api_v2.py`). On the Clust-PSI-PFL FMNIST CNN (8 M parameters) one Adam
+    step took 5.5 ms instead of 69 ms on one core (`bench/step_cost.py`). Masked coordinates get a zero
+    gradient, zero moments and so a zero update: they stay bit-identical here too."""
+    if cfg.weight_decay:
+        g = g + cfg.weight_decay * w
+    if mask is not None:
+        g = g * mask
+    if cfg.optimizer == "adam":
+        m, v, t = st
+        b1, b2 = cfg.betas
+        try:
+            _torch_adam([w], [g], [m], [v], [], [t], fused=True, amsgrad=False, beta1=b1, beta2=b2,
+                                  lr=cfg.lr, weight_decay=0.0, eps=cfg.eps, maximize=False)
+        except RuntimeError:          # a device without the fused kernel: the reference formula
+            w_new, (m_new, v_new, t_new) = optimizer_step(w, g, st, cfg)
+            w.copy_(w_new), m.copy_(m_new), v.copy_(v_new), t.copy_(t_new)
+        return w, (m, v, t)
+    (buf,) = st
+    if cfg.momentum:
+        buf.mul_(cfg.momentum).add_(g)
+        g = buf
+    w.sub_(cfg.lr * g)
+    return w, (buf,)
+
+
 def confusion(y: torch.Tensor, pred: torch.Tensor, c: int) -> torch.Tensor:
     return torch.bincount(y * c + pred, minlength=c * c).view(c, c)
 
@@ -254,7 +289,7 @@ class EngineBase:
             loss = loss_fn(f, wr, x, y, torch.ones(len(y), device=self.device), extras)
             (g,) = torch.autograd.grad(loss, wr)
             with torch.no_grad():
-                w, st = optimizer_step(w, g, st, cfg, mask)
+                w, st = optimizer_step_(w, g, st, cfg, mask)
             total += float(loss.detach()) * len(y)
             count += len(y)
             self.samples_trained += len(y)
