@@ -347,6 +347,24 @@ def test_compile_auto_decision(mlp_setup):
     assert not VectorizedEngine(big, lenet, cfg, 0, compile="auto", rounds=1).compiled
 
 
+def test_engine_auto_keeps_large_models_in_the_sequential_loop_on_cpu(mlp_setup):
+    """engine=auto on CPU: a compiled vectorized engine for LeNet-5 on the paper workload, the sequential
+    loop for a model of AUTO_SEQUENTIAL_PARAMS_CPU parameters or more; an explicit choice is obeyed."""
+    from fedprism.engine import AUTO_SEQUENTIAL_PARAMS_CPU, make_engine
+
+    fed, model = mlp_setup
+    x = torch.zeros(1, 1, 32, 32)
+    big = Federation(x.expand(60000, -1, -1, -1), torch.zeros(60000, dtype=torch.long), x.expand(10000, -1, -1, -1),
+                     torch.zeros(10000, dtype=torch.long), [np.arange(600)] * 100, [np.arange(100)] * 100, 10)
+    cfg = LocalConfig(epochs=10, batch_size=32)
+    lenet = build_model("lenet5", (1, 32, 32), 10)
+    assert isinstance(make_engine("auto", big, lenet, cfg, 0, "cpu", rounds=100), VectorizedEngine)
+    wide = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(1024, AUTO_SEQUENTIAL_PARAMS_CPU // 1024))
+    assert sum(p.numel() for p in wide.parameters()) >= AUTO_SEQUENTIAL_PARAMS_CPU
+    assert type(make_engine("auto", big, wide, cfg, 0, "cpu", rounds=100)) is SequentialEngine
+    assert isinstance(make_engine("vectorized", big, wide, cfg, 0, "cpu", compile="false"), VectorizedEngine)
+
+
 @pytest.mark.slow
 def test_bench_quick_smoke():
     root = Path(__file__).resolve().parents[1]

@@ -17,11 +17,23 @@ def resolve_device(device: str) -> str:
     return device
 
 
+#: on CPU, `engine=auto` keeps the sequential loop for models at least this large: their per-client
+#: GEMMs already fill a core, and vmap only adds traffic over the stacked weights (`bench/engine_choice.py`,
+#: 2026-11-26, one thread: the 8 M-parameter Clust-PSI-PFL FMNIST CNN trains 1.45x and scores 1.30x faster
+#: in the loop; the 62 k-parameter LeNet-5 is even). 1 M is a round number between the two measured sizes.
+AUTO_SEQUENTIAL_PARAMS_CPU = 1_000_000
+
+
 def make_engine(name: str, fed, model, cfg: LocalConfig, seed: int, device: str = "auto",
                 compile: str | bool = "auto", rounds: int = 1) -> EngineBase:
     """Build an engine. `auto`: vectorized on GPU, and on CPU when its kernels are compiled (long
-    runs); otherwise the sequential loop, which is faster than an eager vmap on CPU."""
+    runs) and the model has fewer than `AUTO_SEQUENTIAL_PARAMS_CPU` parameters; otherwise the sequential
+    loop, which is faster than an eager vmap, and than a compiled one for large models, on CPU. The
+    engine changes how a run executes, not its run id."""
     dev = resolve_device(device)
+    big = sum(p.numel() for p in model.parameters()) >= AUTO_SEQUENTIAL_PARAMS_CPU
+    if name == "auto" and dev == "cpu" and big:
+        return SequentialEngine(fed, model, cfg, seed, dev)
     if name in ("auto", "vectorized"):
         try:
             from fedprism.engine.vectorized import VectorizedEngine
@@ -40,4 +52,4 @@ def make_engine(name: str, fed, model, cfg: LocalConfig, seed: int, device: str 
     raise ConfigError("engine", name, "auto, sequential or vectorized")
 
 
-__all__ = ["EngineBase", "LocalConfig", "SequentialEngine", "make_engine", "resolve_device"]
+__all__ = ["AUTO_SEQUENTIAL_PARAMS_CPU", "EngineBase", "LocalConfig", "SequentialEngine", "make_engine", "resolve_device"]
