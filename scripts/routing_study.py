@@ -17,6 +17,10 @@ counts); per-client thresholds are calibrated on the client's own training rows.
     seen-ens b     z_W + b m(x) z_L
     factored       p_W(y) outside S; p_W(S|x) p_L(y | x, S) inside S
     veto tau       the specialist's prediction unless m(x) < tau, then the backbone's
+    oracle ...     bounds, not rules (they read the labels of the split they score; never chosen): the
+                   seen-class gate (the specialist exactly when x's true class is one the client has seen,
+                   else the backbone) and the best stream per class (each true class of the split to the
+                   stream that gets more of its inputs right): what a gate on x's class could give at best
     switch s q     the specialist when its score s (energy = logsumexp z_L, or max softmax) is at least the
                    q-quantile of s on the client's training rows, else the backbone
     maha-F q       a one-class gate trained on the client's own rows (no foreign images needed): the
@@ -74,7 +78,26 @@ def _rules() -> dict:
         return lambda e, b, S, th: torch.where((th["dist"][stream] <= th["maha"][stream][1][q])[:, None],
                                                ls(e), ls(b))
     rules.update({f"maha-{st} q={q:g}": maha(st, q) for st in ("L", "W") for q in MAHA_Q})
+    # bounds, not rules: they read the test label (never chosen, never a candidate for the goal)
+    rules[ORACLE] = lambda e, b, S, th: torch.where(S[0, th["y"]][:, None], ls(e), ls(b))
+
+    def per_class(e, b, S, th):
+        y = th["y"]
+        c = e.shape[-1]
+        hit_e = torch.bincount(y, (e.argmax(-1) == y).double(), minlength=c)
+        hit_b = torch.bincount(y, (b.argmax(-1) == y).double(), minlength=c)
+        return torch.where((hit_e > hit_b)[y][:, None], ls(e), ls(b))
+    rules[ORACLE_CLASS] = per_class
     return rules
+
+
+#: the best any gate between the two streams could do that routes on "is x of a class this client has
+#: seen?": the specialist exactly for the inputs whose true class is seen (it reads the label: a bound)
+ORACLE = "oracle seen-class gate (bound)"
+#: the best any gate could do that routes on x's true class: each class of this split to the stream that
+#: classifies more of its inputs correctly (ties: the backbone); reads the labels of the split it scores
+ORACLE_CLASS = "oracle best stream per class (bound)"
+BOUNDS = (ORACLE, ORACLE_CLASS)
 
 
 MAHA_Q = (0.01, 0.05, 0.2)
@@ -99,7 +122,10 @@ def mahalanobis(feats: torch.Tensor, y: torch.Tensor):
     return dist, {q: torch.quantile(own, 1 - q) for q in MAHA_Q}
 
 
-def study(db: str, run_id: str) -> dict:
+def study(db: str, run_id: str, state: str | None = None) -> dict:
+    """Score every rule for run `run_id` from its kept final state, or from the checkpoint file `state`
+    (a run's `<db>.ckpt/<run>.ckpt`, for a run stopped before its end)."""
+    from fedprism.experiment import checkpoint
     from fedprism.experiment.config import resolve
     from fedprism.experiment.runner import Experiment
     from fedprism.experiment.store import Store
@@ -114,7 +140,7 @@ def study(db: str, run_id: str) -> dict:
     cfg = resolve({**conf, "engine": "sequential", "compile": False})
     if not (cfg["data.val_fraction"] > 0 and cfg["data.global_val"] > 0):
         raise SystemExit(f"run {run_id} has no validation splits (data.val_fraction, data.global_val)")
-    kept = store.load_final(cfg.train_id)
+    kept = store.load_final(cfg.train_id) if state is None else checkpoint.load(Path(state))
     if kept is None:
         raise SystemExit(f"no kept final state {cfg.train_id} beside {db} (it stays on the machine that ran it)")
     exp = Experiment(cfg, store)
@@ -143,11 +169,12 @@ def study(db: str, run_id: str) -> dict:
                     if len(y) == 0:
                         continue
                     e, b = logits("expert", x), logits("backbone", x)
+                    th["y"] = y
                     th["dist"] = {"L": th["maha"]["L"][0](feats("expert", x)),
                                   "W": th["maha"]["W"][0](feats("backbone", x))}
                     for name, rule in rules.items():
                         hits[name][split].append(float((rule(e, b, S, th).argmax(-1) == y).double().mean()))
-    return {"run_id": run_id, "seed": cfg["seed"], "round": int(kept["round"]),
+    return {"run_id": run_id, "seed": cfg["seed"], "round": int(kept["round"]), "from": "final" if state is None else "checkpoint",
             "acc": {r: {s: float(np.mean(v)) for s, v in d.items()} for r, d in hits.items()}}
 
 
@@ -156,9 +183,10 @@ def render(res: dict) -> str:
 
     acc = res["acc"]
     spec = acc["specialist"]["val"]
-    ok = [r for r in acc if r not in ("backbone", "specialist") and acc[r]["val"] >= spec - MARGIN]
+    ok = [r for r in acc if r not in ("backbone", "specialist", *BOUNDS) and acc[r]["val"] >= spec - MARGIN]
     chosen = max(ok, key=lambda r: (acc[r]["global_val"], acc[r]["val"])) if ok else None
-    lines = [f"### Run `{res['run_id']}` (seed {res['seed']}, final state of round {res['round'] + 1})", "",
+    what = "final state of round" if res.get("from", "final") == "final" else "checkpoint of round"
+    lines = [f"### Run `{res['run_id']}` (seed {res['seed']}, {what} {res['round'] + 1})", "",
              "| rule | val Loc | val Glob | test Loc | test Glob |", "|---|---|---|---|---|"]
     for r, a in acc.items():
         mark = " **(chosen on validation)**" if r == chosen else ""
@@ -177,10 +205,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+")
     ap.add_argument("--db", default="results/fedprism.db")
+    ap.add_argument("--checkpoint", help="score this checkpoint file instead of the kept final state (one run)")
     ap.add_argument("--out", help="write the markdown here (default: stdout)")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    text = "".join(render(study(a.db, r)) + "\n" for r in a.runs)
+    if a.checkpoint and len(a.runs) != 1:
+        ap.error("--checkpoint scores one run")
+    text = "".join(render(study(a.db, r, a.checkpoint)) + "\n" for r in a.runs)
     if a.out:
         Path(a.out).write_text(text)
     else:
