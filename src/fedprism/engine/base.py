@@ -111,6 +111,14 @@ def optimizer_state(cfg: LocalConfig, w: torch.Tensor) -> tuple[torch.Tensor, ..
     return (torch.zeros_like(w),)
 
 
+def _effective_grad(w: torch.Tensor, g: torch.Tensor, cfg: LocalConfig, mask: torch.Tensor | None) -> torch.Tensor:
+    """The gradient an update uses: L2 weight decay added (as torch.optim), then the mask applied, so that
+    masked coordinates get neither gradient nor decay."""
+    if cfg.weight_decay:
+        g = g + cfg.weight_decay * w
+    return g if mask is None else g * mask
+
+
 def optimizer_step(w: torch.Tensor, g: torch.Tensor, st: tuple[torch.Tensor, ...], cfg: LocalConfig,
                    mask: torch.Tensor | None = None, active: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
@@ -122,10 +130,7 @@ def optimizer_step(w: torch.Tensor, g: torch.Tensor, st: tuple[torch.Tensor, ...
     def keep(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
         return new if active is None else torch.where(active, new, old)
 
-    if cfg.weight_decay:
-        g = g + cfg.weight_decay * w
-    if mask is not None:
-        g = g * mask
+    g = _effective_grad(w, g, cfg, mask)
     if cfg.optimizer == "adam":
         m, v, t = st
         b1, b2 = cfg.betas
@@ -144,9 +149,8 @@ def optimizer_step(w: torch.Tensor, g: torch.Tensor, st: tuple[torch.Tensor, ...
 
 def optimizer_step_(w: torch.Tensor, g: torch.Tensor, st: tuple[torch.Tensor, ...], cfg: LocalConfig,
                     mask: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """`optimizer_step` in place on one model's own w and state (the eager loops: the sequential engine,
-    pooled training, the vectorized engine's single steps); the compiled vectorized engine traces
-    `optimizer_step`, which Inductor fuses into one loop.
+    """`optimizer_step` in place on one model's own w and state (the eager loops: the sequential engine and
+    pooled training); the vectorized engine traces `optimizer_step`, which Inductor fuses into one loop.
 
     SGD: the same operations in the same order, so the same bits. Adam: torch's fused Adam kernel
     (`torch.optim.adam.adam(fused=True)`, one pass over w, g, m and v instead of a dozen), with our weight
@@ -154,16 +158,13 @@ def optimizer_step_(w: torch.Tensor, g: torch.Tensor, st: tuple[torch.Tensor, ..
     float32 rounding (`tests/test_api_v2.py`). On the Clust-PSI-PFL FMNIST CNN (8 M parameters) one Adam
     step took 5.5 ms instead of 69 ms on one core (`bench/step_cost.py`). Masked coordinates get a zero
     gradient, zero moments and so a zero update: they stay bit-identical here too."""
-    if cfg.weight_decay:
-        g = g + cfg.weight_decay * w
-    if mask is not None:
-        g = g * mask
+    g = _effective_grad(w, g, cfg, mask)
     if cfg.optimizer == "adam":
         m, v, t = st
         b1, b2 = cfg.betas
         try:
             _torch_adam([w], [g], [m], [v], [], [t], fused=True, amsgrad=False, beta1=b1, beta2=b2,
-                                  lr=cfg.lr, weight_decay=0.0, eps=cfg.eps, maximize=False)
+                        lr=cfg.lr, weight_decay=0.0, eps=cfg.eps, maximize=False)
         except RuntimeError:          # a device without the fused kernel: the reference formula
             w_new, (m_new, v_new, t_new) = optimizer_step(w, g, st, cfg)
             w.copy_(w_new), m.copy_(m_new), v.copy_(v_new), t.copy_(t_new)
