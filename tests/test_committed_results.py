@@ -25,6 +25,7 @@ REPORTS = {
     "pfpl_mixed": dict(sweep=["pfpl_mixed"]),
     "fedprism_ablations": dict(sweep=["fedprism_ablation_components", "fedprism_ablation_alpha"],
                                reference="fedprism-paper-fmnist"),
+    "clust_psi_pfl_fmnist": dict(sweep=["clust_psi_pfl_fmnist"]),
 }
 
 pytestmark = pytest.mark.skipif(not DB.exists(), reason="no committed results database")
@@ -499,3 +500,30 @@ def test_global_weight_alpha_as_results_readme_states(db_copy):
     local = json.loads(store.run("c038bfbcc7449975")["final"])["global_acc"]             # Local, seed 0
     assert all(abs(bb[f"alpha {a}"] - 100 * local) < 3.6 for a in (0.1, 0.3, 0.5))
     assert [abs(bb[lab] - paper[lab][0]) <= 3 for lab in want] == [False, False, False, False, True]
+
+
+def test_clust_psi_pfl_fmnist_as_results_readme_states(db_copy):
+    """results/README.md, "Clust-PSI-PFL, FMNIST": the finished full-protocol run's global accuracy, AD
+    and SDAD; tau = 11; the trousers client clustered with two shirt clients scores 6 % at the end (they
+    scored 3 % and less at round 14) while every other client scores at least 95 %."""
+    import sqlite3
+
+    store = Store(db_copy)
+    runs = [r for r in store.runs(sweep="clust_psi_pfl_fmnist") if r["status"] == "finished"]
+    (run,) = [r for r in runs if r["label"] == "Clust-PSI-PFL | S 0.03" and json.loads(r["config"])["seed"] == 0]
+    assert run["rounds_done"] == 40
+    f = json.loads(run["final"])
+    assert (round(100 * f["local_acc_weighted"], 2), round(f["ad"], 3), round(f["sdad"], 3)) == (97.68, 0.023, 0.093)
+    con = sqlite3.connect(db_copy)
+    rec = {kind: json.loads(d) for kind, d in con.execute(
+        "select kind, data from records where run_id=? and kind in ('psi', 'clusters')", (run["run_id"],))}
+    assert rec["psi"]["tau"] == 11 and round(rec["psi"]["wpsi"], 2) == 6.04
+    labels = dict(zip(rec["clusters"]["clients"], rec["clusters"]["labels"]))
+    assert labels[61] == labels[64] == labels[17] and sum(v == labels[17] for v in labels.values()) == 3
+    acc = dict(con.execute("select client, local_acc from client_metrics where run_id=? and round=39",
+                           (run["run_id"],)).fetchall())
+    assert acc[17] == 0.06 and acc[61] >= 0.98 and acc[64] >= 0.98
+    assert min(v for c, v in acc.items() if c != 17) >= 0.95
+    early = dict(con.execute("select client, local_acc from client_metrics where run_id=? and round=14",
+                             (run["run_id"],)).fetchall())
+    assert early[61] <= 0.03 and early[64] <= 0.03 and early[17] >= 0.95
