@@ -65,7 +65,8 @@ def main() -> None:
         f = Functional(model)
         w = flatten(model)
         g = torch.Generator().manual_seed(0)
-        x, y = torch.randn(args.batch, *SHAPES[name], generator=g), torch.randint(0, 10, (args.batch,), generator=g)
+        x = torch.randn(args.batch, *SHAPES[name], generator=g)
+        y = torch.randint(0, 10, (args.batch,), generator=g)
         split_unflatten, old_unflatten = f.spec.unflatten, sliced_unflatten(f.spec)
 
         def grad(unflatten):
@@ -91,7 +92,8 @@ def main() -> None:
             for _ in range(args.repeats):
                 t_old = min(t_old, timed(old, args.steps))
                 t_new = min(t_new, timed(new, args.steps))
-            print(f"{name:22s} {w.numel():>10,d} {part:8s} {1e3 * t_old:8.2f} {1e3 * t_new:8.2f} {t_old / t_new:7.2f}x")
+            print(f"{name:22s} {w.numel():>10,d} {part:8s} {1e3 * t_old:8.2f} {1e3 * t_new:8.2f} "
+                  f"{t_old / t_new:7.2f}x")
 
 
 if __name__ == "__main__":

@@ -174,7 +174,8 @@ def study(db: str, run_id: str, state: str | None = None) -> dict:
                                   "W": th["maha"]["W"][0](feats("backbone", x))}
                     for name, rule in rules.items():
                         hits[name][split].append(float((rule(e, b, S, th).argmax(-1) == y).double().mean()))
-    return {"run_id": run_id, "seed": cfg["seed"], "round": int(kept["round"]), "from": "final" if state is None else "checkpoint",
+    return {"run_id": run_id, "seed": cfg["seed"], "round": int(kept["round"]),
+            "from": "final" if state is None else "checkpoint",
             "acc": {r: {s: float(np.mean(v)) for s, v in d.items()} for r, d in hits.items()}}
 
 
@@ -205,7 +206,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+")
     ap.add_argument("--db", default="results/fedprism.db")
-    ap.add_argument("--checkpoint", help="score this checkpoint file instead of the kept final state (one run)")
+    ap.add_argument("--checkpoint",
+                    help="score this checkpoint file instead of the kept final state (one run)")
     ap.add_argument("--out", help="write the markdown here (default: stdout)")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)

@@ -31,8 +31,8 @@ def make_engine(name: str, fed, model, cfg: LocalConfig, seed: int, device: str 
     loop, which is faster than an eager vmap, and than a compiled one for large models, on CPU. The
     engine changes how a run executes, not its run id."""
     dev = resolve_device(device)
-    big = sum(p.numel() for p in model.parameters()) >= AUTO_SEQUENTIAL_PARAMS_CPU
-    if name == "auto" and dev == "cpu" and big:
+    size = sum(p.numel() for p in model.parameters())
+    if name == "auto" and dev == "cpu" and size >= AUTO_SEQUENTIAL_PARAMS_CPU:
         return SequentialEngine(fed, model, cfg, seed, dev)
     if name in ("auto", "vectorized"):
         try:
@@ -52,4 +52,5 @@ def make_engine(name: str, fed, model, cfg: LocalConfig, seed: int, device: str 
     raise ConfigError("engine", name, "auto, sequential or vectorized")
 
 
-__all__ = ["AUTO_SEQUENTIAL_PARAMS_CPU", "EngineBase", "LocalConfig", "SequentialEngine", "make_engine", "resolve_device"]
+__all__ = ["AUTO_SEQUENTIAL_PARAMS_CPU", "EngineBase", "LocalConfig", "SequentialEngine", "make_engine",
+           "resolve_device"]

@@ -111,7 +111,8 @@ def optimizer_state(cfg: LocalConfig, w: torch.Tensor) -> tuple[torch.Tensor, ..
     return (torch.zeros_like(w),)
 
 
-def _effective_grad(w: torch.Tensor, g: torch.Tensor, cfg: LocalConfig, mask: torch.Tensor | None) -> torch.Tensor:
+def _effective_grad(w: torch.Tensor, g: torch.Tensor, cfg: LocalConfig,
+                    mask: torch.Tensor | None) -> torch.Tensor:
     """The gradient an update uses: L2 weight decay added (as torch.optim), then the mask applied, so that
     masked coordinates get neither gradient nor decay."""
     if cfg.weight_decay:
