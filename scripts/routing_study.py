@@ -15,6 +15,12 @@ counts); per-client thresholds are calibrated on the client's own training rows.
     confidence T   the paper's Eq. 2: lambda = max softmax(z_L / T), z = lambda z_L + (1 - lambda) z_W
     ensemble b     z_W + b z_L (a fixed logit ensemble)
     seen-ens b     z_W + b m(x) z_L
+    share-ens r b  z_W + b m_r(x) z_L, m_r(x) = the backbone's mass on the client's well-represented classes
+                   (share n_ic / n_i >= r of its own training labels): rare-but-seen classes go with the
+                   unseen ones, where the per-class bound says the backbone is the better stream
+    pred-route r   the specialist when the backbone's predicted class is well represented (share >= r), else
+                   the backbone: a hard gate on the predicted class, the label-free form of the per-class bound
+    agree-route r  the specialist when both streams predict a well-represented class, else the backbone
     factored       p_W(y) outside S; p_W(S|x) p_L(y | x, S) inside S
     veto tau       the specialist's prediction unless m(x) < tau, then the backbone's
     oracle ...     bounds, not rules (they read the labels of the split they score; never chosen): the
@@ -69,6 +75,15 @@ def _rules() -> dict:
     rules.update({f"ensemble b={x:g}": (lambda e, b, S, th, x=x: b + x * e) for x in (0.1, 0.2, 0.3, 0.5)})
     rules.update({f"seen-ens b={x:g}": (lambda e, b, S, th, x=x: b + x * (sm(b) * S).sum(-1, keepdim=True) * e)
                   for x in (0.3, 0.5, 1.0, 2.0)})
+    rules.update({f"share-ens r={r:g} b={x:g}": (lambda e, b, S, th, r=r, x=x:
+                                                  b + x * (sm(b) * (th["share"] >= r)).sum(-1, keepdim=True) * e)
+                  for r in SHARES for x in (0.5, 1.0, 2.0)})
+    well = lambda z, th, r: (th["share"][0] >= r)[z.argmax(-1)][:, None]  # noqa: E731
+    rules.update({f"pred-route r={r:g}": (lambda e, b, S, th, r=r: torch.where(well(b, th, r), ls(e), ls(b)))
+                  for r in SHARES})
+    rules.update({f"agree-route r={r:g}": (lambda e, b, S, th, r=r:
+                                           torch.where(well(b, th, r) & well(e, th, r), ls(e), ls(b)))
+                  for r in SHARES})
     rules["factored"] = factored
     rules.update({f"veto tau={t:g}": veto(t) for t in (0.5, 0.2, 0.05)})
     rules.update({f"switch {k} q={q:g}": (lambda e, b, S, th, k=k, q=q: switch(k)(e, b, S, th[q]))
@@ -101,6 +116,8 @@ BOUNDS = (ORACLE, ORACLE_CLASS)
 
 
 MAHA_Q = (0.01, 0.05, 0.2)
+#: class-share thresholds of `share-ens`: the client's well-represented classes, n_ic / n_i >= r
+SHARES = (0.02, 0.05, 0.1)
 
 
 def mahalanobis(feats: torch.Tensor, y: torch.Tensor):
@@ -140,6 +157,7 @@ def study(db: str, run_id: str, state: str | None = None) -> dict:
     cfg = resolve({**conf, "engine": "sequential", "compile": False})
     if not (cfg["data.val_fraction"] > 0 and cfg["data.global_val"] > 0):
         raise SystemExit(f"run {run_id} has no validation splits (data.val_fraction, data.global_val)")
+    source = "final" if state is None else "checkpoint"
     kept = store.load_final(cfg.train_id) if state is None else checkpoint.load(Path(state))
     if kept is None:
         raise SystemExit(f"no kept final state {cfg.train_id} beside {db} (it stays on the machine that ran it)")
@@ -164,6 +182,8 @@ def study(db: str, run_id: str, state: str | None = None) -> dict:
                           "msp": torch.quantile(torch.softmax(et, -1).amax(-1), q)} for q in (0.05, 0.2)}
                 th["maha"] = {"L": mahalanobis(feats("expert", xt), yt), "W": mahalanobis(feats("backbone", xt), yt)}
                 S = seen[j][None, :]
+                hist = torch.as_tensor(np.asarray(exp.ctx.label_hist[int(c)], dtype=np.float64))
+                th["share"] = (hist / hist.sum().clamp_min(1)).float()[None, :]
                 for split in SPLITS:
                     x, y = eng.data(int(c), split)
                     if len(y) == 0:
@@ -175,7 +195,7 @@ def study(db: str, run_id: str, state: str | None = None) -> dict:
                     for name, rule in rules.items():
                         hits[name][split].append(float((rule(e, b, S, th).argmax(-1) == y).double().mean()))
     return {"run_id": run_id, "seed": cfg["seed"], "round": int(kept["round"]),
-            "from": "final" if state is None else "checkpoint",
+            "from": source,
             "acc": {r: {s: float(np.mean(v)) for s, v in d.items()} for r, d in hits.items()}}
 
 

@@ -134,3 +134,44 @@ def test_mahalanobis_study_as_results_readme_states():
         assert per_class[0] > spec_loc and per_class[1] > bb_glob                       # both met, with room
     assert t[0]["ensemble b=0.2"][2] > t[0]["maha-W q=0.01"][2] and t[0]["ensemble b=0.2"][3] > t[0]["maha-W q=0.01"][3]
     assert t[1]["maha-W q=0.01"][2] > t[1]["ensemble b=0.2"][2] and t[1]["maha-W q=0.01"][3] > t[1]["ensemble b=0.2"][3]
+
+
+def test_class_share_rules_as_results_readme_states():
+    """results/README.md, "The label-free forms of that split": the quoted rows, the predicted-class gate
+    staying at the backbone's Loc, and share-ens on the test frontier without reaching the goal."""
+    t = _tables(ROOT / "results" / "routing_study_maha.md")
+    quoted = {0: ((84.31, 84.45), (92.59, 81.84), (90.26, 84.24)), 1: ((79.83, 79.09), (90.89, 77.29), (87.01, 79.11))}
+    frontier_share = {0: (7, 14), 1: (5, 13)}
+    for seed, (pred, share_hi, share_lo) in quoted.items():
+        r = t[seed]
+        assert r["pred-route r=0.1"][2:] == pred
+        assert r["share-ens r=0.02 b=2"][2:] == share_hi and r["share-ens r=0.1 b=0.5"][2:] == share_lo
+        for q in ("0.02", "0.05", "0.1"):
+            loc = r[f"pred-route r={q}"][2]
+            assert abs(loc - r["backbone"][2]) <= 2.3 and 9.4 <= r["specialist"][2] - loc <= 14.2
+        rules = [k for k in r if k not in ("__chosen__", "backbone", "specialist", *routing_study.BOUNDS)]
+        assert len(rules) == 42
+        pts = [(k, r[k][2], r[k][3]) for k in rules]
+        front = [p for p in pts if not any(q[1] >= p[1] and q[2] >= p[2] and q != p for q in pts)]
+        assert (sum(k.startswith("share-ens") for k, *_ in front), len(front)) == frontier_share[seed]
+    assert t[0]["share-ens r=0.1 b=1"][2:] == (91.27, 83.80) and t[0]["seen-ens b=0.3"][2:] == (91.08, 83.53)
+
+
+def test_class_share_rules_hand_values():
+    """share-ens and pred-route on two classes with client shares (0.95, 0.05): only class 0 is well
+    represented at r = 0.1."""
+    import torch
+
+    rules = routing_study._rules()
+    th = {"share": torch.tensor([[0.95, 0.05]])}
+    S = torch.tensor([[True, True]])
+    e = torch.tensor([[2.0, 0.0], [2.0, 0.0]])                     # specialist: class 0 twice
+    b = torch.tensor([[0.0, 0.0], [0.0, 2.0]])                     # backbone: a tie, then class 1
+    share = rules["share-ens r=0.1 b=1"]
+    m = torch.softmax(b, -1)[:, :1]                                 # mass on class 0: 0.5, 1/(1 + e^2)
+    assert torch.allclose(share(e, b, S, th), b + m * e)
+    pred = rules["pred-route r=0.1"]
+    assert pred(e, b, S, th).argmax(-1).tolist() == [0, 1]          # tie -> argmax 0 (well) -> specialist; 1 -> backbone
+    th["share"] = torch.tensor([[0.05, 0.95]])                      # now class 1 is the well-represented one
+    assert pred(e, b, S, th).argmax(-1).tolist() == [0, 0]          # row 1: backbone says 1 (well) -> specialist
+    assert rules["agree-route r=0.1"](e, b, S, th).argmax(-1).tolist() == [0, 1]   # both must say a well class
