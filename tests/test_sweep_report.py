@@ -179,3 +179,20 @@ def test_every_shipped_sweep_has_a_small_quick_form():
     for path in sorted((Path(__file__).parent.parent / "sweeps").glob("*.toml")):
         _, configs = load_sweep(path, quick=True)
         assert configs and all(c["rounds"] <= 5 and c["clients"] <= 20 for c in configs), path.name
+
+
+def test_only_prefers_the_exact_label_and_names_the_labels_when_nothing_matches(tmp_path):
+    from fedprism.errors import ConfigError
+    from fedprism.experiment.sweep import select_only
+
+    runs = [{"name": n} for n in ("FedAvg | S 0", "FedAvg | S 0.03", "Clust-PSI-PFL | S 0.03")]
+    assert [c["name"] for c in select_only(runs, "FedAvg | S 0")] == ["FedAvg | S 0"]       # exact wins
+    assert [c["name"] for c in select_only(runs, "S 0.03")] == ["FedAvg | S 0.03", "Clust-PSI-PFL | S 0.03"]
+    assert len(select_only(runs, "FedAvg")) == 2                                            # else: contains
+    with pytest.raises(ConfigError, match=r"--only.*'Clust-PSI-PFL \| S 0.03', 'FedAvg \| S 0'"):
+        select_only(runs, "FedProx")
+    db = tmp_path / "s.db"
+    root = Path(__file__).parents[1]
+    with pytest.raises(ConfigError, match="--only"):
+        run_sweep(str(root / SWEEP), str(db), only="no such label", quick=True, progress=False)
+    assert not db.exists()                                                                  # nothing written

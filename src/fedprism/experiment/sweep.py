@@ -228,6 +228,19 @@ def stop_workers(pool, stop, grace_s: float = 30.0) -> None:
             p.join(5)
 
 
+def select_only(configs: list, only: str) -> list:
+    """The runs `--only` names: those whose label is exactly `only` when there are any (so "FedAvg | S 0"
+    does not also pick "FedAvg | S 0.03"), else those whose label contains it; none is an error that lists
+    the labels."""
+    exact = [c for c in configs if c["name"] == only]
+    picked = exact or [c for c in configs if only in c["name"]]
+    if not picked:
+        labels = sorted({c["name"] for c in configs})
+        shown = ", ".join(repr(x) for x in labels[:12]) + (f", ... ({len(labels)} labels)" if len(labels) > 12 else "")
+        raise ConfigError("--only", only, f"text in one of the sweep's run labels: {shown}")
+    return picked
+
+
 def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, progress: bool = True,
               limit: int | None = None, seeds: list[int] | None = None,
               overrides: dict[str, Any] | None = None, workers: int = 1) -> int:
@@ -241,7 +254,7 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
 
     name, configs = load_sweep(path, quick, overrides)
     if only:
-        configs = [c for c in configs if only in c["name"]]
+        configs = select_only(configs, only)
     if seeds:
         configs = [c for c in configs if c["seed"] in seeds]
     if not isinstance(workers, int) or workers < 1:
