@@ -29,6 +29,16 @@ counts); per-client thresholds are calibrated on the client's own training rows.
                    stream that gets more of its inputs right): what a gate on x's class could give at best
     switch s q     the specialist when its score s (energy = logsumexp z_L, or max softmax) is at least the
                    q-quantile of s on the client's training rows, else the backbone
+    learned w      a gate shared by all clients and learned from data: scikit-learn's histogram gradient boosting
+                   (200 trees, seed 0) predicts, per input, whether the specialist is the stream that is right,
+                   from `gate_features` (both streams' softmax, their predicted classes, the client's label
+                   shares and the signals of the rules above). Fitted on the inputs where exactly one stream is
+                   right, from each client's local validation rows (total weight w) and the global validation
+                   set (total weight 1). Its validation numbers are out of fold (two folds by row parity within
+                   each client's split, each scored by the gate fitted on the other), so the validation rule
+                   sees no row a gate was fitted on; its test numbers come from the gate refitted on all
+                   validation rows. It is fitted here in one place on every client's features (probabilities
+                   and label shares, no images), not by a federated protocol
     maha-F q       a one-class gate trained on the client's own rows (no foreign images needed): the
                    specialist when the Mahalanobis distance of x's penultimate features in stream F (L: the
                    specialist's, W: the backbone's) to the nearest of the client's class means (tied
@@ -120,6 +130,81 @@ MAHA_Q = (0.01, 0.05, 0.2)
 SHARES = (0.02, 0.05, 0.1)
 
 
+#: the learned gate's total weight of the clients' validation rows against the global validation set's 1
+GATE_WEIGHTS = (1, 2, 3, 5, 8)
+
+
+def gate_features(e: torch.Tensor, b: torch.Tensor, share: torch.Tensor) -> torch.Tensor:
+    """[n, 13 + 5 C] features of the learned gate from the specialist's and the backbone's logits and the
+    client's label shares [1, C]: max probabilities, the share of each stream's predicted class, each stream's
+    probability of the other's class, agreement, m(x), m_r(x), both logsumexps; both softmaxes, the shares,
+    one-hots of both predicted classes."""
+    pe, pb = torch.softmax(e.float(), -1), torch.softmax(b.float(), -1)
+    sh = share[0].float()
+    ae, ab = pe.argmax(-1), pb.argmax(-1)
+    cols = [pe.amax(-1), pb.amax(-1), sh[ae], sh[ab], pb.gather(1, ae[:, None])[:, 0],
+            pe.gather(1, ab[:, None])[:, 0], (ae == ab).float(), (pb * (sh > 0)).sum(-1),
+            torch.logsumexp(e.float(), -1), torch.logsumexp(b.float(), -1), *[(pb * (sh >= r)).sum(-1) for r in SHARES]]
+    hot = torch.nn.functional.one_hot
+    C = e.shape[-1]
+    return torch.cat([torch.stack(cols, -1), pe, pb, sh.expand(len(e), -1), hot(ae, C).float(), hot(ab, C).float()], -1)
+
+
+class _Constant:
+    """A gate that always answers `to_specialist` (1) or never (0)."""
+
+    def __init__(self, to_specialist: int):
+        self.p = float(to_specialist)
+
+    def predict_proba(self, x):
+        return np.column_stack([np.full(len(x), 1 - self.p), np.full(len(x), self.p)])
+
+
+def learned_gates(rows: dict, weights=GATE_WEIGHTS) -> dict:
+    """{`learned w=..`: {split: accuracy}} of the learned gate (docstring): rows[split] is one
+    (features [n, F], specialist right [n], backbone right [n]) per client; accuracy is the mean over
+    clients, as for every rule. Validation splits are scored out of fold, test splits by the gate fitted
+    on every validation row."""
+    from sklearn.ensemble import HistGradientBoostingClassifier
+
+    fit_splits = ("val", "global_val")
+    cat = {s: [np.concatenate([np.asarray(r[i]) for r in rows[s]]) for i in range(3)] for s in rows}
+    fold = {s: np.concatenate([np.arange(len(r[1])) % 2 for r in rows[s]]) for s in fit_splits}
+    client = {s: np.concatenate([np.full(len(r[1]), k) for k, r in enumerate(rows[s])]) for s in rows}
+
+    def fit(lw, pick):
+        X, t, w = [], [], []
+        for s in fit_splits:
+            x, he, hb = cat[s]
+            m = (he != hb) & pick[s]
+            X.append(x[m]), t.append(he[m].astype(np.int64)), w.append(np.full(m.sum(), (lw if s == "val" else 1) / len(he)))
+        w, t = np.concatenate(w), np.concatenate(t)
+        if len(np.unique(t)) < 2:      # one stream right on every fitting row (tiny federations): a constant gate
+            return _Constant(int(t[0]) if len(t) else 0)
+        return HistGradientBoostingClassifier(max_iter=200, learning_rate=0.1, random_state=0).fit(
+            np.concatenate(X), t, sample_weight=w / w.mean())
+
+    def score(s, to_specialist):
+        _, he, hb = cat[s]
+        hit = np.where(to_specialist, he, hb)
+        return float(np.mean([hit[client[s] == k].mean() for k in range(len(rows[s]))]))
+
+    out = {}
+    for lw in weights:
+        folds = [fit(lw, {s: fold[s] == k for s in fit_splits}) for k in (0, 1)]
+        full = fit(lw, {s: np.ones_like(fold[s], dtype=bool) for s in fit_splits})
+        acc = {}
+        for s in rows:
+            x = cat[s][0]
+            if s in fit_splits:        # out of fold: rows of fold k by the gate fitted on fold 1 - k
+                p = np.where(fold[s] == 0, folds[1].predict_proba(x)[:, 1], folds[0].predict_proba(x)[:, 1])
+            else:
+                p = full.predict_proba(x)[:, 1]
+            acc[s] = score(s, p > 0.5)
+        out[f"learned w={lw:g}"] = acc
+    return out
+
+
 def mahalanobis(feats: torch.Tensor, y: torch.Tensor):
     """Nearest-class-mean Mahalanobis distance with a tied, shrunk covariance fitted on (feats, y): returns
     the distance function and its (1 - q)-quantiles on the fitting rows, by q."""
@@ -166,6 +251,7 @@ def study(db: str, run_id: str, state: str | None = None) -> dict:
     f, eng, algo = exp.engine.f, exp.engine, exp.algo
     rules = _rules()
     hits = {r: {s: [] for s in SPLITS} for r in rules}
+    gate_rows = {s: [] for s in SPLITS}
     with torch.inference_mode():
         for c0 in range(0, exp.ctx.num_clients, 10):
             block = np.arange(c0, min(c0 + 10, exp.ctx.num_clients))
@@ -194,9 +280,13 @@ def study(db: str, run_id: str, state: str | None = None) -> dict:
                                   "W": th["maha"]["W"][0](feats("backbone", x))}
                     for name, rule in rules.items():
                         hits[name][split].append(float((rule(e, b, S, th).argmax(-1) == y).double().mean()))
+                    gate_rows[split].append((gate_features(e, b, th["share"]).numpy(), (e.argmax(-1) == y).numpy(),
+                                             (b.argmax(-1) == y).numpy()))
     return {"run_id": run_id, "seed": cfg["seed"], "round": int(kept["round"]),
             "from": source,
-            "acc": {r: {s: float(np.mean(v)) for s, v in d.items()} for r, d in hits.items()}}
+            "acc": {**{r: {s: float(np.mean(v)) for s, v in d.items()} for r, d in hits.items() if r not in BOUNDS},
+                    **learned_gates(gate_rows),
+                    **{r: {s: float(np.mean(v)) for s, v in hits[r].items()} for r in BOUNDS}}}
 
 
 def render(res: dict) -> str:
