@@ -39,6 +39,8 @@ counts); per-client thresholds are calibrated on the client's own training rows.
                    sees no row a gate was fitted on; its test numbers come from the gate refitted on all
                    validation rows. It is fitted here in one place on every client's features (probabilities
                    and label shares, no images), not by a federated protocol
+    learned-linear w  the same with a convex gate (logistic regression on the standardised features), the kind
+                   of gate the clients could train together with FedAvg
     maha-F q       a one-class gate trained on the client's own rows (no foreign images needed): the
                    specialist when the Mahalanobis distance of x's penultimate features in stream F (L: the
                    specialist's, W: the backbone's) to the nearest of the client's class means (tied
@@ -160,12 +162,16 @@ class _Constant:
         return np.column_stack([np.full(len(x), 1 - self.p), np.full(len(x), self.p)])
 
 
-def learned_gates(rows: dict, weights=GATE_WEIGHTS) -> dict:
-    """{`learned w=..`: {split: accuracy}} of the learned gate (docstring): rows[split] is one
+def learned_gates(rows: dict, weights=GATE_WEIGHTS, kind: str = "boosted") -> dict:
+    """{`learned w=..`: {split: accuracy}} of the learned gate (docstring; kind "linear": `learned-linear
+    w=..`, a logistic regression on the standardised features): rows[split] is one
     (features [n, F], specialist right [n], backbone right [n]) per client; accuracy is the mean over
     clients, as for every rule. Validation splits are scored out of fold, test splits by the gate fitted
     on every validation row."""
     from sklearn.ensemble import HistGradientBoostingClassifier
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
 
     fit_splits = ("val", "global_val")
     cat = {s: [np.concatenate([np.asarray(r[i]) for r in rows[s]]) for i in range(3)] for s in rows}
@@ -181,6 +187,9 @@ def learned_gates(rows: dict, weights=GATE_WEIGHTS) -> dict:
         w, t = np.concatenate(w), np.concatenate(t)
         if len(np.unique(t)) < 2:      # one stream right on every fitting row (tiny federations): a constant gate
             return _Constant(int(t[0]) if len(t) else 0)
+        if kind == "linear":
+            return make_pipeline(StandardScaler(), LogisticRegression(max_iter=2000)).fit(
+                np.concatenate(X), t, logisticregression__sample_weight=w / w.mean())
         return HistGradientBoostingClassifier(max_iter=200, learning_rate=0.1, random_state=0).fit(
             np.concatenate(X), t, sample_weight=w / w.mean())
 
@@ -201,7 +210,7 @@ def learned_gates(rows: dict, weights=GATE_WEIGHTS) -> dict:
             else:
                 p = full.predict_proba(x)[:, 1]
             acc[s] = score(s, p > 0.5)
-        out[f"learned w={lw:g}"] = acc
+        out[f"learned{'-linear' if kind == 'linear' else ''} w={lw:g}"] = acc
     return out
 
 
@@ -285,7 +294,7 @@ def study(db: str, run_id: str, state: str | None = None) -> dict:
     return {"run_id": run_id, "seed": cfg["seed"], "round": int(kept["round"]),
             "from": source,
             "acc": {**{r: {s: float(np.mean(v)) for s, v in d.items()} for r, d in hits.items() if r not in BOUNDS},
-                    **learned_gates(gate_rows),
+                    **learned_gates(gate_rows), **learned_gates(gate_rows, kind="linear"),
                     **{r: {s: float(np.mean(v)) for s, v in hits[r].items()} for r in BOUNDS}}}
 
 

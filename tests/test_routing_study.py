@@ -210,6 +210,8 @@ def test_learned_gate_learns_a_signal_and_scores_validation_out_of_fold():
     good = routing_study.learned_gates({s: rows(300, True) for s in routing_study.SPLITS}, weights=(1, 3))
     assert set(good) == {"learned w=1", "learned w=3"}
     assert all(v == 1.0 for acc in good.values() for v in acc.values())
+    linear = routing_study.learned_gates({s: rows(300, True) for s in routing_study.SPLITS}, weights=(1,), kind="linear")
+    assert list(linear) == ["learned-linear w=1"] and all(v == 1.0 for v in linear["learned-linear w=1"].values())
     noise = routing_study.learned_gates({s: rows(300, False) for s in routing_study.SPLITS}, weights=(1,))
     assert 0.4 <= noise["learned w=1"]["val"] <= 0.6 and 0.4 <= noise["learned w=1"]["global_val"] <= 0.6
     both = {s: [(r[0], np.ones(50, bool), np.ones(50, bool)) for r in rows(50, True)] for s in routing_study.SPLITS}
@@ -244,4 +246,10 @@ def test_learned_gate_as_results_readme_states():
         spec_loc, bb_glob = r["specialist"][2], r["backbone"][3]
         assert (test[0] >= spec_loc and test[1] >= bb_glob - 2) == met
     assert round(t[1]["specialist"][2] - t[1]["learned w=2"][2], 2) == 0.26                  # "0.26 short"
+    for seed, test, short in ((0, (93.60, 83.01), 0.69), (1, (93.65, 78.65), 0.33)):           # the convex gate
+        linear = {k: v for k, v in t[seed].items() if not k.startswith("learned w") and k != "__chosen__"}
+        linear = {k: v for k, v in linear.items() if k.startswith("learned-linear") or k in ("backbone", "specialist")}
+        assert _choice(linear) == "learned-linear w=2" and linear["learned-linear w=2"][2:] == test
+        assert round(t[seed]["specialist"][2] - test[0], 2) == short
+    assert t[1]["learned-linear w=3"][2:] == (94.10, 77.62)
     assert round(t[1]["learned w=2"][3] - t[1]["backbone"][3], 1) == 1.7                     # "1.7 above"
