@@ -19,7 +19,8 @@ counts); per-client thresholds are calibrated on the client's own training rows.
                    (share n_ic / n_i >= r of its own training labels): rare-but-seen classes go with the
                    unseen ones, where the per-class bound says the backbone is the better stream
     pred-route r   the specialist when the backbone's predicted class is well represented (share >= r), else
-                   the backbone: a hard gate on the predicted class, the label-free form of the per-class bound
+                   the backbone: a hard gate on the predicted class, the label-free form of the per-class
+                   bound
     agree-route r  the specialist when both streams predict a well-represented class, else the backbone
     factored       p_W(y) outside S; p_W(S|x) p_L(y | x, S) inside S
     veto tau       the specialist's prediction unless m(x) < tau, then the backbone's
@@ -29,18 +30,19 @@ counts); per-client thresholds are calibrated on the client's own training rows.
                    stream that gets more of its inputs right): what a gate on x's class could give at best
     switch s q     the specialist when its score s (energy = logsumexp z_L, or max softmax) is at least the
                    q-quantile of s on the client's training rows, else the backbone
-    learned w      a gate shared by all clients and learned from data: scikit-learn's histogram gradient boosting
-                   (200 trees, seed 0) predicts, per input, whether the specialist is the stream that is right,
-                   from `gate_features` (both streams' softmax, their predicted classes, the client's label
-                   shares and the signals of the rules above). Fitted on the inputs where exactly one stream is
-                   right, from each client's local validation rows (total weight w) and the global validation
-                   set (total weight 1). Its validation numbers are out of fold (two folds by row parity within
-                   each client's split, each scored by the gate fitted on the other), so the validation rule
-                   sees no row a gate was fitted on; its test numbers come from the gate refitted on all
-                   validation rows. It is fitted here in one place on every client's features (probabilities
-                   and label shares, no images), not by a federated protocol
-    learned-linear w  the same with a convex gate (logistic regression on the standardised features), the kind
-                   of gate the clients could train together with FedAvg
+    learned w      a gate shared by all clients and learned from data: scikit-learn's histogram gradient
+                   boosting (200 trees, seed 0) predicts, per input, whether the specialist is the stream
+                   that is right, from `gate_features` (both streams' softmax, their predicted classes, the
+                   client's label shares and the signals of the rules above). Fitted on the inputs where
+                   exactly one stream is right, from each client's local validation rows (total weight w)
+                   and the global validation set (total weight 1). Its validation numbers are out of fold
+                   (two folds by row parity within each client's split, each scored by the gate fitted on
+                   the other), so the validation rule sees no row a gate was fitted on; its test numbers
+                   come from the gate refitted on all validation rows. It is fitted here in one place on
+                   every client's features (probabilities and label shares, no images), not by a
+                   federated protocol
+    learned-linear w  the same with a convex gate (logistic regression on the standardised features),
+                   the kind of gate the clients could train together with FedAvg
     maha-F q       a one-class gate trained on the client's own rows (no foreign images needed): the
                    specialist when the Mahalanobis distance of x's penultimate features in stream F (L: the
                    specialist's, W: the backbone's) to the nearest of the client's class means (tied
@@ -87,9 +89,9 @@ def _rules() -> dict:
     rules.update({f"ensemble b={x:g}": (lambda e, b, S, th, x=x: b + x * e) for x in (0.1, 0.2, 0.3, 0.5)})
     rules.update({f"seen-ens b={x:g}": (lambda e, b, S, th, x=x: b + x * (sm(b) * S).sum(-1, keepdim=True) * e)
                   for x in (0.3, 0.5, 1.0, 2.0)})
-    rules.update({f"share-ens r={r:g} b={x:g}": (lambda e, b, S, th, r=r, x=x:
-                                                  b + x * (sm(b) * (th["share"] >= r)).sum(-1, keepdim=True) * e)
-                  for r in SHARES for x in (0.5, 1.0, 2.0)})
+    def share_ens(r, x):
+        return lambda e, b, S, th: b + x * (sm(b) * (th["share"] >= r)).sum(-1, keepdim=True) * e
+    rules.update({f"share-ens r={r:g} b={x:g}": share_ens(r, x) for r in SHARES for x in (0.5, 1.0, 2.0)})
     well = lambda z, th, r: (th["share"][0] >= r)[z.argmax(-1)][:, None]  # noqa: E731
     rules.update({f"pred-route r={r:g}": (lambda e, b, S, th, r=r: torch.where(well(b, th, r), ls(e), ls(b)))
                   for r in SHARES})
@@ -146,10 +148,10 @@ def gate_features(e: torch.Tensor, b: torch.Tensor, share: torch.Tensor) -> torc
     ae, ab = pe.argmax(-1), pb.argmax(-1)
     cols = [pe.amax(-1), pb.amax(-1), sh[ae], sh[ab], pb.gather(1, ae[:, None])[:, 0],
             pe.gather(1, ab[:, None])[:, 0], (ae == ab).float(), (pb * (sh > 0)).sum(-1),
-            torch.logsumexp(e.float(), -1), torch.logsumexp(b.float(), -1), *[(pb * (sh >= r)).sum(-1) for r in SHARES]]
-    hot = torch.nn.functional.one_hot
-    C = e.shape[-1]
-    return torch.cat([torch.stack(cols, -1), pe, pb, sh.expand(len(e), -1), hot(ae, C).float(), hot(ab, C).float()], -1)
+            torch.logsumexp(e.float(), -1), torch.logsumexp(b.float(), -1),
+            *[(pb * (sh >= r)).sum(-1) for r in SHARES]]
+    hot = lambda a: torch.nn.functional.one_hot(a, e.shape[-1]).float()  # noqa: E731
+    return torch.cat([torch.stack(cols, -1), pe, pb, sh.expand(len(e), -1), hot(ae), hot(ab)], -1)
 
 
 class _Constant:
@@ -183,9 +185,10 @@ def learned_gates(rows: dict, weights=GATE_WEIGHTS, kind: str = "boosted") -> di
         for s in fit_splits:
             x, he, hb = cat[s]
             m = (he != hb) & pick[s]
-            X.append(x[m]), t.append(he[m].astype(np.int64)), w.append(np.full(m.sum(), (lw if s == "val" else 1) / len(he)))
+            X.append(x[m]), t.append(he[m].astype(np.int64))
+            w.append(np.full(m.sum(), (lw if s == "val" else 1) / len(he)))
         w, t = np.concatenate(w), np.concatenate(t)
-        if len(np.unique(t)) < 2:      # one stream right on every fitting row (tiny federations): a constant gate
+        if len(np.unique(t)) < 2:      # one stream right on every fitting row (tiny federations): constant
             return _Constant(int(t[0]) if len(t) else 0)
         if kind == "linear":
             return make_pipeline(StandardScaler(), LogisticRegression(max_iter=2000)).fit(
@@ -289,13 +292,14 @@ def study(db: str, run_id: str, state: str | None = None) -> dict:
                                   "W": th["maha"]["W"][0](feats("backbone", x))}
                     for name, rule in rules.items():
                         hits[name][split].append(float((rule(e, b, S, th).argmax(-1) == y).double().mean()))
-                    gate_rows[split].append((gate_features(e, b, th["share"]).numpy(), (e.argmax(-1) == y).numpy(),
-                                             (b.argmax(-1) == y).numpy()))
+                    gate_rows[split].append((gate_features(e, b, th["share"]).numpy(),
+                                             (e.argmax(-1) == y).numpy(), (b.argmax(-1) == y).numpy()))
+    mean = lambda by_split: {s: float(np.mean(v)) for s, v in by_split.items()}  # noqa: E731
     return {"run_id": run_id, "seed": cfg["seed"], "round": int(kept["round"]),
             "from": source,
-            "acc": {**{r: {s: float(np.mean(v)) for s, v in d.items()} for r, d in hits.items() if r not in BOUNDS},
+            "acc": {**{r: mean(hits[r]) for r in rules if r not in BOUNDS},
                     **learned_gates(gate_rows), **learned_gates(gate_rows, kind="linear"),
-                    **{r: {s: float(np.mean(v)) for s, v in hits[r].items()} for r in BOUNDS}}}
+                    **{r: mean(hits[r]) for r in BOUNDS}}}
 
 
 def render(res: dict) -> str:

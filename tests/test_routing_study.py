@@ -114,8 +114,8 @@ def _choice(rows):
     from fedprism.report.routing import MARGIN
 
     spec = rows["specialist"][0]
-    ok = [k for k, v in rows.items() if k not in ("__chosen__", "backbone", "specialist", *routing_study.BOUNDS)
-          and v[0] >= spec - 100 * MARGIN - 1e-9]
+    skip = ("__chosen__", "backbone", "specialist", *routing_study.BOUNDS)
+    ok = [k for k, v in rows.items() if k not in skip and v[0] >= spec - 100 * MARGIN - 1e-9]
     return max(ok, key=lambda k: (rows[k][1], rows[k][0]))
 
 
@@ -129,13 +129,13 @@ def test_mahalanobis_study_as_results_readme_states():
         assert (r["specialist"][2], r["backbone"][3]) == (spec_loc, bb_glob)
         assert r["maha-W q=0.01"][2:] == gate and r["ensemble b=0.2"][2:] == ens
         fixed = {k: v for k, v in r.items() if not k.startswith("learned")}
-        assert _choice(fixed) == "ensemble b=0.3"                         # no one-class gate changes the choice
+        assert _choice(fixed) == "ensemble b=0.3"                 # no one-class gate changes the choice
         for q in ("0.01", "0.05", "0.2"):                                 # W: +5..18 Glob for 1..2 Loc
             w, ell = r[f"maha-W q={q}"], r[f"maha-L q={q}"]
             assert 5 <= w[3] - ell[3] <= 18.5 and 0.9 <= ell[2] - w[2] <= 2
         goal = [k for k, v in fixed.items() if k not in ("__chosen__", *routing_study.BOUNDS)
                 and v[3] >= bb_glob - 2 and v[2] >= spec_loc]
-        assert goal == []                                                 # the goal: unmet by every fixed rule
+        assert goal == []                                         # the goal: unmet by every fixed rule
     # the bounds (results/README.md, "What any gate ... could give at best"): a perfect seen-class gate
     # misses the Glob half of the goal, the best stream per class meets both halves
     bounds = {0: ((94.29, 77.71), (96.08, 87.42)), 1: ((93.98, 74.13), (95.96, 83.68))}
@@ -152,7 +152,8 @@ def test_class_share_rules_as_results_readme_states():
     """results/README.md, "The label-free forms of that split": the quoted rows, the predicted-class gate
     staying at the backbone's Loc, and share-ens on the test frontier without reaching the goal."""
     t = _tables(ROOT / "results" / "routing_study_maha.md")
-    quoted = {0: ((84.31, 84.45), (92.59, 81.84), (90.26, 84.24)), 1: ((79.83, 79.09), (90.89, 77.29), (87.01, 79.11))}
+    quoted = {0: ((84.31, 84.45), (92.59, 81.84), (90.26, 84.24)),
+              1: ((79.83, 79.09), (90.89, 77.29), (87.01, 79.11))}
     frontier_share = {0: (7, 14), 1: (5, 13)}
     for seed, (pred, share_hi, share_lo) in quoted.items():
         r = t[seed]
@@ -184,10 +185,10 @@ def test_class_share_rules_hand_values():
     m = torch.softmax(b, -1)[:, :1]                                 # mass on class 0: 0.5, 1/(1 + e^2)
     assert torch.allclose(share(e, b, S, th), b + m * e)
     pred = rules["pred-route r=0.1"]
-    assert pred(e, b, S, th).argmax(-1).tolist() == [0, 1]          # tie -> argmax 0 (well) -> specialist; 1 -> backbone
+    assert pred(e, b, S, th).argmax(-1).tolist() == [0, 1]    # tie: argmax 0 (well), specialist; 1: backbone
     th["share"] = torch.tensor([[0.05, 0.95]])                      # now class 1 is the well-represented one
-    assert pred(e, b, S, th).argmax(-1).tolist() == [0, 0]          # row 1: backbone says 1 (well) -> specialist
-    assert rules["agree-route r=0.1"](e, b, S, th).argmax(-1).tolist() == [0, 1]   # both must say a well class
+    assert pred(e, b, S, th).argmax(-1).tolist() == [0, 0]    # row 1: backbone says 1 (well): specialist
+    assert rules["agree-route r=0.1"](e, b, S, th).argmax(-1).tolist() == [0, 1]   # both: a well class
 
 
 def test_learned_gate_learns_a_signal_and_scores_validation_out_of_fold():
@@ -210,11 +211,14 @@ def test_learned_gate_learns_a_signal_and_scores_validation_out_of_fold():
     good = routing_study.learned_gates({s: rows(300, True) for s in routing_study.SPLITS}, weights=(1, 3))
     assert set(good) == {"learned w=1", "learned w=3"}
     assert all(v == 1.0 for acc in good.values() for v in acc.values())
-    linear = routing_study.learned_gates({s: rows(300, True) for s in routing_study.SPLITS}, weights=(1,), kind="linear")
-    assert list(linear) == ["learned-linear w=1"] and all(v == 1.0 for v in linear["learned-linear w=1"].values())
+    linear = routing_study.learned_gates({s: rows(300, True) for s in routing_study.SPLITS}, weights=(1,),
+                                         kind="linear")
+    assert list(linear) == ["learned-linear w=1"]
+    assert all(v == 1.0 for v in linear["learned-linear w=1"].values())
     noise = routing_study.learned_gates({s: rows(300, False) for s in routing_study.SPLITS}, weights=(1,))
     assert 0.4 <= noise["learned w=1"]["val"] <= 0.6 and 0.4 <= noise["learned w=1"]["global_val"] <= 0.6
-    both = {s: [(r[0], np.ones(50, bool), np.ones(50, bool)) for r in rows(50, True)] for s in routing_study.SPLITS}
+    ones = np.ones(50, bool)
+    both = {s: [(r[0], ones, ones) for r in rows(50, True)] for s in routing_study.SPLITS}
     assert routing_study.learned_gates(both, weights=(1,))["learned w=1"]["val"] == 1.0     # nothing to learn
 
 
@@ -227,8 +231,8 @@ def test_gate_features_hand_values():
     f = routing_study.gate_features(e, b, share)[0]
     pe, pb = torch.softmax(e[0], -1), torch.softmax(b[0], -1)
     assert f.shape == (13 + 5 * 3,)
-    assert f[0] == pe.max() and f[1] == pb.max() and f[2] == 0.5 and f[3] == 0.0       # shares of classes 0, 2
-    assert f[4] == pb[0] and f[5] == pe[2] and f[6] == 0.0                              # cross probabilities, disagree
+    assert f[0] == pe.max() and f[1] == pb.max() and f[2] == 0.5 and f[3] == 0.0   # shares of classes 0, 2
+    assert f[4] == pb[0] and f[5] == pe[2] and f[6] == 0.0                          # cross probabilities
     assert torch.isclose(f[7], pb[:2].sum()) and torch.isclose(f[10], pb[:2].sum())     # m(x); m_0.02(x)
     assert f[-6:].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0]                            # one-hots of 0 and 2
 
@@ -246,9 +250,9 @@ def test_learned_gate_as_results_readme_states():
         spec_loc, bb_glob = r["specialist"][2], r["backbone"][3]
         assert (test[0] >= spec_loc and test[1] >= bb_glob - 2) == met
     assert round(t[1]["specialist"][2] - t[1]["learned w=2"][2], 2) == 0.26                  # "0.26 short"
-    for seed, test, short in ((0, (93.60, 83.01), 0.69), (1, (93.65, 78.65), 0.33)):           # the convex gate
-        linear = {k: v for k, v in t[seed].items() if not k.startswith("learned w") and k != "__chosen__"}
-        linear = {k: v for k, v in linear.items() if k.startswith("learned-linear") or k in ("backbone", "specialist")}
+    for seed, test, short in ((0, (93.60, 83.01), 0.69), (1, (93.65, 78.65), 0.33)):   # the convex gate
+        linear = {k: v for k, v in t[seed].items()
+                  if k.startswith("learned-linear") or k in ("backbone", "specialist")}
         assert _choice(linear) == "learned-linear w=2" and linear["learned-linear w=2"][2:] == test
         assert round(t[seed]["specialist"][2] - test[0], 2) == short
     assert t[1]["learned-linear w=3"][2:] == (94.10, 77.62)

@@ -307,7 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("file", help="sweep TOML file (see sweeps/)")
     s.add_argument("items", nargs="*", metavar="key=value",
                    help="overrides applied to every run, e.g. dataset=cifar10 partition=pathological")
-    s.add_argument("--only", default=None, help="only the runs with exactly this label, or else those whose label contains this text")
+    s.add_argument("--only", default=None,
+                   help="only the runs with exactly this label, or else those whose label contains this text")
     s.add_argument("--quick", action="store_true", help="apply the file's [quick] overrides (CI size)")
     s.add_argument("--limit", type=int, default=None, help="stop after this many runs")
     s.add_argument("--seed", type=int, action="append", default=None,

@@ -236,7 +236,8 @@ def select_only(configs: list, only: str) -> list:
     picked = exact or [c for c in configs if only in c["name"]]
     if not picked:
         labels = sorted({c["name"] for c in configs})
-        shown = ", ".join(repr(x) for x in labels[:12]) + (f", ... ({len(labels)} labels)" if len(labels) > 12 else "")
+        more = f", ... ({len(labels)})" if len(labels) > 12 else ""
+        shown = ", ".join(repr(x) for x in labels[:12]) + more
         raise ConfigError("--only", only, f"text in one of the sweep's run labels: {shown}")
     return picked
 
