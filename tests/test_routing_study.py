@@ -250,6 +250,9 @@ def test_learned_gate_as_results_readme_states():
         spec_loc, bb_glob = r["specialist"][2], r["backbone"][3]
         assert (test[0] >= spec_loc and test[1] >= bb_glob - 2) == met
     assert round(t[1]["specialist"][2] - t[1]["learned w=2"][2], 2) == 0.26                  # "0.26 short"
+    r0 = t[0]
+    assert (round(r0["learned w=5"][2] - r0["specialist"][2], 2),                            # thin margins
+            round(r0["learned w=5"][3] - (r0["backbone"][3] - 2), 2)) == (0.19, 0.14)
     for seed, test, short in ((0, (93.60, 83.01), 0.69), (1, (93.65, 78.65), 0.33)):   # the convex gate
         linear = {k: v for k, v in t[seed].items()
                   if k.startswith("learned-linear") or k in ("backbone", "specialist")}
