@@ -31,16 +31,16 @@ counts); per-client thresholds are calibrated on the client's own training rows.
     switch s q     the specialist when its score s (energy = logsumexp z_L, or max softmax) is at least the
                    q-quantile of s on the client's training rows, else the backbone
     learned w      a gate shared by all clients and learned from data: scikit-learn's histogram gradient
-                   boosting (200 trees, seed 0) predicts, per input, whether the specialist is the stream
-                   that is right, from `gate_features` (both streams' softmax, their predicted classes, the
-                   client's label shares and the signals of the rules above). Fitted on the inputs where
-                   exactly one stream is right, from each client's local validation rows (total weight w)
-                   and the global validation set (total weight 1). Its validation numbers are out of fold
-                   (two folds by row parity within each client's split, each scored by the gate fitted on
-                   the other), so the validation rule sees no row a gate was fitted on; its test numbers
-                   come from the gate refitted on all validation rows. It is fitted here in one place on
-                   every client's features (probabilities and label shares, no images), not by a
-                   federated protocol
+                   boosting (200 trees; their seed is `--gate-seed`, 0 by default) predicts, per input,
+                   whether the specialist is the stream that is right, from `gate_features` (both streams'
+                   softmax, their predicted classes, the client's label shares and the signals of the rules
+                   above). Fitted on the inputs where exactly one stream is right, from each client's local
+                   validation rows (total weight w) and the global validation set (total weight 1). Its
+                   validation numbers are out of fold (two folds by row parity within each client's split,
+                   each scored by the gate fitted on the other), so the validation rule sees no row a gate was
+                   fitted on; its test numbers come from the gate refitted on all validation rows. It is
+                   fitted here in one place on every client's features (probabilities and label shares, no
+                   images), not by a federated protocol
     learned-linear w  the same with a convex gate (logistic regression on the standardised features),
                    the kind of gate the clients could train together with FedAvg
     maha-F q       a one-class gate trained on the client's own rows (no foreign images needed): the
@@ -164,7 +164,7 @@ class _Constant:
         return np.column_stack([np.full(len(x), 1 - self.p), np.full(len(x), self.p)])
 
 
-def learned_gates(rows: dict, weights=GATE_WEIGHTS, kind: str = "boosted") -> dict:
+def learned_gates(rows: dict, weights=GATE_WEIGHTS, kind: str = "boosted", seed: int = 0) -> dict:
     """{`learned w=..`: {split: accuracy}} of the learned gate (docstring; kind "linear": `learned-linear
     w=..`, a logistic regression on the standardised features): rows[split] is one
     (features [n, F], specialist right [n], backbone right [n]) per client; accuracy is the mean over
@@ -193,7 +193,7 @@ def learned_gates(rows: dict, weights=GATE_WEIGHTS, kind: str = "boosted") -> di
         if kind == "linear":
             return make_pipeline(StandardScaler(), LogisticRegression(max_iter=2000)).fit(
                 np.concatenate(X), t, logisticregression__sample_weight=w / w.mean())
-        return HistGradientBoostingClassifier(max_iter=200, learning_rate=0.1, random_state=0).fit(
+        return HistGradientBoostingClassifier(max_iter=200, learning_rate=0.1, random_state=seed).fit(
             np.concatenate(X), t, sample_weight=w / w.mean())
 
     def score(s, to_specialist):
@@ -236,7 +236,7 @@ def mahalanobis(feats: torch.Tensor, y: torch.Tensor):
     return dist, {q: torch.quantile(own, 1 - q) for q in MAHA_Q}
 
 
-def study(db: str, run_id: str, state: str | None = None) -> dict:
+def study(db: str, run_id: str, state: str | None = None, gate_seed: int = 0) -> dict:
     """Score every rule for run `run_id` from its kept final state, or from the checkpoint file `state`
     (a run's `<db>.ckpt/<run>.ckpt`, for a run stopped before its end)."""
     from fedprism.experiment import checkpoint
@@ -298,7 +298,7 @@ def study(db: str, run_id: str, state: str | None = None) -> dict:
     return {"run_id": run_id, "seed": cfg["seed"], "round": int(kept["round"]),
             "from": source,
             "acc": {**{r: mean(hits[r]) for r in rules if r not in BOUNDS},
-                    **learned_gates(gate_rows), **learned_gates(gate_rows, kind="linear"),
+                    **learned_gates(gate_rows, seed=gate_seed), **learned_gates(gate_rows, kind="linear"),
                     **{r: mean(hits[r]) for r in BOUNDS}}}
 
 
@@ -332,11 +332,13 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpoint",
                     help="score this checkpoint file instead of the kept final state (one run)")
     ap.add_argument("--out", help="write the markdown here (default: stdout)")
+    ap.add_argument("--gate-seed", type=int, default=0,
+                    help="seed of the boosted gate's trees (its internal early-stopping split); default 0")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     if a.checkpoint and len(a.runs) != 1:
         ap.error("--checkpoint scores one run")
-    text = "".join(render(study(a.db, r, a.checkpoint)) + "\n" for r in a.runs)
+    text = "".join(render(study(a.db, r, a.checkpoint, a.gate_seed)) + "\n" for r in a.runs)
     if a.out:
         Path(a.out).write_text(text)
     else:
