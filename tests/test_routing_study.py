@@ -277,3 +277,19 @@ def test_gate_tree_seed_as_results_readme_states():
     assert round(r0["backbone"][3] - 2 - r0["learned w=5"][3], 2) == 0.04
     assert r0["learned w=5"][2] >= r0["specialist"][2]
     assert round(r1["specialist"][2] - r1["learned w=2"][2], 2) == 0.32
+
+
+def test_command_line_writes_the_tables_with_the_gate_seed(tmp_path, monkeypatch):
+    db = tmp_path / "s.db"
+    res = Experiment(resolve(CFG), Store(db)).run()
+    seen = {}
+    real = routing_study.learned_gates
+    monkeypatch.setattr(routing_study, "learned_gates",
+                        lambda rows, **kw: seen.setdefault(kw.get("kind", "boosted"), kw) and real(rows, **kw))
+    out = tmp_path / "out" / "t.md"
+    out.parent.mkdir()
+    assert routing_study.main(["--db", str(db), res.run_id, "--gate-seed", "3", "--out", str(out)]) == 0
+    assert seen["boosted"]["seed"] == 3 and "seed" not in seen["linear"]
+    text = out.read_text()
+    assert "| learned w=5 |" in text.replace(" **(chosen on validation)**", "") and "| learned-linear w=8 |" in \
+        text.replace(" **(chosen on validation)**", "")
