@@ -271,18 +271,26 @@ def test_warmup_every_and_seen_cache(planted):
 
 
 def test_vectorized_engine_matches_sequential(unequal):
-    out = []
-    for engine in ("sequential", "vectorized"):
-        algo, eng = setup(unequal, engine=engine, k=2, every=1, alpha=0.6, beta=0.2)
+    """Both engines, and the vectorized engine fusing the specialist and private trainings into one pass
+    (`fuse_jobs`, the CUDA default): the same states and scores."""
+    out, passes = [], []
+    for engine in ("sequential", "vectorized", "fused"):
+        algo, eng = setup(unequal, engine="sequential" if engine == "sequential" else "vectorized",
+                          k=2, every=1, alpha=0.6, beta=0.2)
+        if engine == "fused":
+            eng.fuses_jobs, train = True, eng.train
+            eng.train = lambda job, rnd: passes.append(len(job.clients)) or train(job, rnd)
         sim = drive(algo, eng, 2, fraction=0.5)
         out.append(({**sim.state, **sim.clients.data}, sim.evaluate("local", np.arange(6)),
                     sim.evaluate("global", np.arange(6))))
-    (s1, l1, g1), (s2, l2, g2) = out
-    for k in ("w_g", "w_c", "private", "expert", "alpha", "W"):
-        assert same(s1[k].float(), s2[k].float(), atol=1e-4), k
-    for a, b in ((l1, l2), (g1, g2)):
-        assert (a.correct - b.correct).abs().max() <= 1
-        assert torch.allclose(a.loss_sum, b.loss_sum, rtol=1e-3, atol=1e-2)
+    assert passes == [6, 3] * 2                  # per round: specialists + private parts, then backbones
+    s1, l1, g1 = out[0]
+    for s2, l2, g2 in out[1:]:
+        for k in ("w_g", "w_c", "private", "expert", "alpha", "W"):
+            assert same(s1[k].float(), s2[k].float(), atol=1e-4), k
+        for a, b in ((l1, l2), (g1, g2)):
+            assert (a.correct - b.correct).abs().max() <= 1
+            assert torch.allclose(a.loss_sum, b.loss_sum, rtol=1e-3, atol=1e-2)
 
 
 def test_runner_bytes_records_and_resume(tmp_path):

@@ -210,7 +210,8 @@ class TrainJob:
     mask       [P] or [n, P]: 1 where parameters train (None: all)
     epochs     None: the experiment's local_epochs
     stream     name of the random stream that orders the batches ('train' is the default stream; two
-               trainings in one round use two names so their orders are independent)
+               trainings in one round use two names so their orders are independent), or one name per
+               row (a tuple: what `train_together` builds when it runs several jobs as one)
     optimizer  None: the experiment's optimizer ('sgd' or 'adam'); the state starts fresh every job
     """
 
@@ -220,13 +221,43 @@ class TrainJob:
     extras: Rows = field(default_factory=dict)
     mask: torch.Tensor | None = None
     epochs: int | None = None
-    stream: str = "train"
+    stream: str | tuple[str, ...] = "train"
     optimizer: str | None = None
+
+    def stream_of(self, row: int) -> str:
+        """The stream name of row `row`."""
+        return self.stream if isinstance(self.stream, str) else self.stream[row]
 
     def subset(self, rows: np.ndarray) -> "TrainJob":
         t = torch.as_tensor(rows)
         mask = self.mask[t] if self.mask is not None and self.mask.dim() == 2 else self.mask
-        return replace(self, clients=self.clients[rows], start=self.start[t], extras=_take(self.extras, t), mask=mask)
+        stream = self.stream if isinstance(self.stream, str) else tuple(self.stream[int(r)] for r in np.asarray(rows))
+        return replace(self, clients=self.clients[rows], start=self.start[t], extras=_take(self.extras, t), mask=mask,
+                       stream=stream)
+
+
+def fusible(jobs: "list[TrainJob]") -> bool:
+    """Whether `jobs` can run as one job (`fuse_jobs`): the same objective, optimiser and epochs, no
+    parameter mask, and extras with the same names and row shapes. Their clients may repeat."""
+    a = jobs[0]
+    for b in jobs[1:]:
+        if (b.loss is not a.loss and b.loss != a.loss) or b.optimizer != a.optimizer or b.epochs != a.epochs:
+            return False
+        if a.mask is not None or b.mask is not None or a.extras.keys() != b.extras.keys():
+            return False
+        if any(a.extras[k].shape[1:] != b.extras[k].shape[1:] for k in a.extras):
+            return False
+    return True
+
+
+def fuse_jobs(jobs: "list[TrainJob]") -> "TrainJob":
+    """Several compatible jobs (`fusible`) as one job whose rows are theirs in order, each row keeping its
+    job's stream, so its batch order and dropout masks are those it would have had alone."""
+    streams = tuple(j.stream_of(r) for j in jobs for r in range(len(j.clients)))
+    dev = jobs[0].start.device
+    return replace(jobs[0], clients=np.concatenate([j.clients for j in jobs]),
+                   start=torch.cat([j.start.to(dev) for j in jobs]),
+                   extras={k: torch.cat([j.extras[k] for j in jobs]) for k in jobs[0].extras}, stream=streams)
 
 
 @dataclass
@@ -318,5 +349,23 @@ class Trainer(Protocol):
     def data(self, client: int, split: str) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+def train_together(trainer: Trainer, jobs: list[TrainJob], rnd: int) -> list[Trained]:
+    """Independent local trainings of one round (no job's start depends on another's result), in order.
+
+    A trainer that runs many models at once and says so (`fuses_jobs = True`: the vectorized engine) runs
+    compatible jobs (`fusible`) as one job (`fuse_jobs`): one pass over twice the models, which costs
+    about one pass where the per-step overhead dominates (a GPU). Every row keeps its own job's stream,
+    so its batch order and dropout masks are unchanged. Any other trainer runs the jobs one by one."""
+    if len(jobs) < 2 or not getattr(trainer, "fuses_jobs", False) or not fusible(jobs):
+        return [trainer.train(j, rnd) for j in jobs]
+    t, out, i = trainer.train(fuse_jobs(jobs), rnd), [], 0
+    for j in jobs:
+        rows = slice(i, i + len(j.clients))
+        out.append(Trained(j.clients, t.params[rows].to(j.start.device), t.n_samples[rows], t.loss[rows]))
+        i += len(j.clients)
+    return out
+
+
 __all__ = ["ClientState", "Combine", "Context", "EvalResult", "Inference", "Loss", "Plan", "Rows", "TensorSpec",
-           "TrainJob", "Trained", "Trainer", "Update", "payload_bytes"]
+           "TrainJob", "Trained", "Trainer", "Update", "fusible", "fuse_jobs", "payload_bytes",
+           "train_together"]

@@ -114,6 +114,7 @@ from fedprism.algorithms.base import ClientState, Inference, Plan, TrainJob, Upd
 from fedprism.algorithms.fedprism import FedPrism
 from fedprism.errors import ConfigError
 from fedprism.hparams import Param
+from fedprism.protocol import train_together
 
 COMPONENTS = ("full", "pure_global", "global_cluster", "pure_cluster", "pure_private")
 #: routing temperatures T scored beside the configured one at every evaluation (diagnostics: training
@@ -340,14 +341,18 @@ class FedPrismDual(FedPrism):
 
     def client_update(self, plan: Plan, trainer, rnd: int, cstate: dict) -> Update:
         """Algorithm 1 for the cohort: three trainings (specialists, private parts, backbones)."""
-        S, new = plan.clients, {}
+        S, new, jobs = plan.clients, {}, {}
         if self.uses_expert:                                                  # Path A
-            new["expert"] = trainer.train(TrainJob(S, cstate["expert"].clone(), stream="expert"), rnd).params
+            jobs["expert"] = TrainJob(S, cstate["expert"].clone(), stream="expert")
+        if self.uses_private and not self.private_is_specialist:              # Path B, step 1
+            jobs["private"] = TrainJob(S, cstate["private"].clone(), stream="private")
+        # Path A and step 1 of Path B are independent: one pass where the engine fuses jobs (GPU)
+        new = {k: t.params for k, t in zip(jobs, train_together(trainer, list(jobs.values()), rnd))}
         private = self._private(cstate)
         if self.private_is_specialist:                                        # step 1 is Path A's update
             private = new.get("expert", private)
-        elif self.uses_private:                                               # Path B, step 1
-            private = new["private"] = trainer.train(TrainJob(S, private.clone(), stream="private"), rnd).params
+        elif self.uses_private:
+            private = new["private"]
         start = self._add_private(plan.start, plan.payload["gamma"], private.to(plan.start.device))  # step 2
         t = trainer.train(TrainJob(S, start), rnd)
         return Update(S, {"params": t.params}, t.n_samples, {"train_loss": t.loss}, client_state=new)

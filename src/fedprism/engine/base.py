@@ -233,8 +233,8 @@ class EngineBase:
         epochs = self.cfg.epochs if job.epochs is None else job.epochs
         B = self.cfg.batch_size
         out = []
-        for c in job.clients:
-            n, seed = len(self._train_idx[int(c)]), stream_seed(self.seed, rnd, int(c), job.stream)
+        for k, c in enumerate(job.clients):
+            n, seed = len(self._train_idx[int(c)]), stream_seed(self.seed, rnd, int(c), job.stream_of(k))
             out.append((n_batches(n, epochs, B), functools.partial(iter_batches, n, epochs, B, seed)))
         return out
 

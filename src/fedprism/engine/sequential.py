@@ -21,6 +21,6 @@ class SequentialEngine(EngineBase):
             extras = {n: v[k].to(self.device) for n, v in job.extras.items()}
             m = mask[k] if mask is not None and mask.dim() == 2 else mask
             w, losses[k] = self._local_sgd(job.start[k].to(self.device, copy=True), idx, batches(), loss_fn, cfg, m,
-                                           extras, self._dropout_seed(rnd, int(c), job.stream))
+                                           extras, self._dropout_seed(rnd, int(c), job.stream_of(k)))
             out[k] = w.to(out.device)
         return Trained(job.clients, out, self._n_train(job.clients), losses)

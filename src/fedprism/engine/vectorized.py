@@ -194,7 +194,12 @@ class VectorizedEngine(EngineBase):
                    x 100 samples at the same memory; 100 on CUDA);
       eval_samples samples per evaluation chunk on the shared test set (default: from eval_memory);
       eval_memory  activation budget in bytes for one evaluation chunk (default 512 MiB on CPU,
-                   4 GiB on CUDA).
+                   4 GiB on CUDA);
+      fuse_jobs    run a round's independent compatible trainings as one pass
+                   (`fedprism.protocol.train_together`; default: on CUDA only). A row's batch order and
+                   dropout masks do not change, its arithmetic only at rounding level (the slot count
+                   changes the batched kernels, as `max_slots` does), so the CPU default keeps stored runs
+                   bit for bit; on this project's CPU the pass is FLOP-bound and fusing gains nothing.
     """
 
     name = "vectorized"
@@ -202,10 +207,11 @@ class VectorizedEngine(EngineBase):
     def __init__(self, fed: Federation, model: nn.Module, cfg: LocalConfig, seed: int,
                  device: str | torch.device = "cpu", compile: str | bool = "auto", rounds: int = 1,
                  max_slots: int | None = None, eval_models: int | None = None, eval_samples: int | None = None,
-                 eval_memory: int | None = None):
+                 eval_memory: int | None = None, fuse_jobs: bool | None = None):
         super().__init__(fed, model, cfg, seed, device)
         mode = parse_compile(compile)
         cuda = self.device.type == "cuda"
+        self.fuses_jobs = cuda if fuse_jobs is None else bool(fuse_jobs)
         act, self.fwd_flops = profile_model(self.model, fed.input_shape, self.device)
         self.estimated_flops = estimate_run_flops(self.fwd_flops, self.fed, cfg.epochs, max(1, int(rounds)))
         if mode == "auto":
@@ -320,7 +326,7 @@ class VectorizedEngine(EngineBase):
         queues = [[busy[j] for j in q] for q in lpt_slots([steps[k] for k in busy], W)]
         T = max(sum(steps[k] for k in q) for q in queues)
         counts = torch.zeros(n, dtype=torch.float64)
-        drop = [self._dropout_seed(rnd, int(c), job.stream) for c in job.clients] if self.f.dropout else None
+        drop = [self._dropout_seed(rnd, int(c), job.stream_of(k)) for k, c in enumerate(job.clients)] if self.f.dropout else None
 
         def slot_stream(q: list[int]):
             """(client, step, first?, last?, sample rows) of one slot's queue, batch by batch, drawn lazily."""
