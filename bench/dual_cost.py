@@ -1,6 +1,6 @@
 """Cost of a `fedprism_dual` run against a FedAvg run of the same configuration, in one process.
 
-    python bench/dual_cost.py [--rounds 4] [--threads 1] [--quick]
+    python bench/dual_cost.py [--rounds 4] [--threads 1] [--quick] [--device cuda] [--only "dual own;dual own fused"]
 
 Workload: the FedPrism paper's FMNIST protocol (arXiv:2603.08252, section 4: 100 clients, Dirichlet 0.1,
 10 clients per round, E = 10, B = 32, SGD 0.01 / 0.9, LeNet-5). Every variant runs `--rounds` rounds with an
@@ -21,6 +21,8 @@ runs).
 Variants:
   fedavg                          the reference
   dual own                        the paper's Algorithm 1 (three trainings per participation)
+  dual own fused                  the same, the specialist and private trainings in one vectorized pass
+                                  (`fedprism.protocol.train_together`; the engine's default on CUDA only)
   dual specialist                 private_source=specialist (P_i is L_i: two trainings)
   dual specialist, eval.clients   the same, 10 clients scored per intermediate evaluation
 """
@@ -41,7 +43,8 @@ QUICK = {"dataset": "digits", "model": "mlp", "clients": 20, "fraction": 0.5, "l
 DUAL = {"method": "fedprism_dual", "fedprism_dual.k": 5, "fedprism_dual.every": 10}
 VARIANTS = [
     ("fedavg", {"method": "fedavg"}),
-    ("dual own", DUAL),
+    ("dual own", {**DUAL, "fuse_jobs": "false"}),
+    ("dual own fused", {**DUAL, "fuse_jobs": "true"}),
     ("dual specialist", {**DUAL, "fedprism_dual.private_source": "specialist"}),
     ("dual specialist, eval.clients=10", {**DUAL, "fedprism_dual.private_source": "specialist",
                                           "eval.clients": 10}),
@@ -71,14 +74,22 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4, help="rounds per variant (>= 3)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="digits / MLP smoke test")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--only", default="", help="semicolon-separated variant labels to run besides both FedAvg runs "
+                    "(default: all)")
     a = ap.parse_args()
     if a.rounds < 3:
         ap.error("--rounds must be >= 3 (round 0 compiles; the median needs the rest)")
     torch.set_num_threads(a.threads)
-    base = {**PAPER, **(QUICK if a.quick else {}), "rounds": a.rounds}
+    base = {**PAPER, **(QUICK if a.quick else {}), "rounds": a.rounds, "device": a.device}
+    only = {x.strip() for x in a.only.split(";") if x.strip()}
+    unknown = only - {label for label, _ in VARIANTS}
+    if unknown:
+        ap.error(f"--only: unknown variant(s) {sorted(unknown)}; variants: {[label for label, _ in VARIANTS]}")
+    variants = [(label, over) for label, over in VARIANTS if not only or label in only or label.startswith("fedavg")]
     out = {}
     with tempfile.TemporaryDirectory() as d:
-        for i, (label, over) in enumerate(VARIANTS):
+        for i, (label, over) in enumerate(variants):
             cfg = resolve({**base, **over, "name": label})
             store = Store(str(Path(d) / f"bench{i}.db"))     # one store each: the second FedAvg runs again
             res = Experiment(cfg, store, progress=False, sweep="bench").run()

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# One GPU session, as one script with a deadline: the CUDA engine bench alone first (its ratios need a
-# quiet GPU), then, side by side until the deadline, the FedPrism paper runs (fedprism_dual and FedAvg,
-# paper configuration, seed 0) and the Clust-PSI-PFL FMNIST sweep (one `--workers 4` sweep). PARTS
-# chooses among "bench paper sweep". Every part is bounded by `timeout` and writes under $OUT; runs stopped by the
-# deadline are interrupted cleanly (SIGINT) and resume on the next call or on any other machine.
+# One GPU session, as one script with a deadline, every part alone on the GPU in this order: the CUDA
+# engine bench (bench), the FedPrism paper runs (paper: FedAvg, then fedprism_dual; paper configuration,
+# seed 0), `bench/dual_cost.py --device cuda` (dualcost), and the Clust-PSI-PFL FMNIST sweep (sweep: one
+# `--workers 4` sweep). PARTS chooses among "bench paper dualcost sweep". Every part is bounded by
+# `timeout` and writes under $OUT; runs stopped by the deadline are interrupted cleanly (SIGINT) and
+# resume on the next call or on any other machine.
 #
 #   OUT=gpu-out BUDGET=460 bash bench/gpu_session.sh      # needs CUDA and FMNIST ($FEDPRISM_DATA, or
 #                                                         # the four .gz files in .gpu/data/fmnist/)
@@ -29,7 +30,7 @@ left() { echo $(( START + BUDGET - $(date +%s) )); }
 } > "$OUT/logs/machine.txt" 2>&1
 cat "$OUT/logs/machine.txt"
 
-PARTS=${PARTS:-bench paper sweep}   # which parts to run
+PARTS=${PARTS:-bench paper dualcost sweep}   # which parts to run
 has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
 
 # 1. the engine bench, alone on the GPU
@@ -38,22 +39,30 @@ if has bench; then
   echo "bench rc=$? after $(( $(date +%s) - START )) s"; tail -25 "$OUT/bench_engine_cuda.txt"
 fi
 
-# 2. paper runs and sweep rows side by side until the deadline (25 s kept for packing)
-stop=$(( $(left) - 25 ))
+# 2. the paper runs (paper configuration, seed 0, compile=auto), one after another, each alone on the GPU
+#    (clean timings for the fedprism_dual / FedAvg cost ratio); then the dual-cost bench; then the
+#    Clust-PSI-PFL sweep rows until the deadline (25 s kept for packing)
+stop() { echo $(( $(left) - 25 )); }
 run() {   # run NAME SWEEPFILE DB ARGS...
-  local name=$1 file=$2 db=$3; shift 3
-  timeout -s INT "$stop" $PY -m fedprism sweep "$file" --db "$db" --quiet $Q "$@" device="$DEVICE" keep_final=false \
+  local name=$1 file=$2 db=$3 s; shift 3; s=$(stop)
+  [ "$s" -gt 10 ] || { echo "$name skipped: deadline" >> "$OUT/logs/done.txt"; return; }
+  timeout -s INT "$s" $PY -m fedprism sweep "$file" --db "$db" --quiet $Q "$@" device="$DEVICE" keep_final=false \
     > "$OUT/logs/$name.log" 2>&1
   echo "$name rc=$? at $(( $(date +%s) - START )) s" >> "$OUT/logs/done.txt"
 }
+touch "$OUT/logs/done.txt"
 if has paper; then
-  run paper_dual sweeps/fmnist_dual_dir01.toml "$OUT/paper.db" --only FedPrism --seed 0 &
-  run paper_fedavg sweeps/paper_fmnist_dir01.toml "$OUT/paper.db" --only FedAvg --seed 0 &
+  run paper_fedavg sweeps/paper_fmnist_dir01.toml "$OUT/paper.db" --only FedAvg --seed 0
+  run paper_dual sweeps/fmnist_dual_dir01.toml "$OUT/paper.db" --only FedPrism --seed 0
+fi
+if has dualcost && [ "$(stop)" -gt 60 ]; then
+  timeout -s INT "$(stop)" $PY bench/dual_cost.py --device "$DEVICE" --rounds 4 $Q \
+    --only "${DUALCOST:-dual own;dual own fused;dual specialist}" > "$OUT/dual_cost_cuda.txt" 2>&1
+  echo "dualcost rc=$? at $(( $(date +%s) - START )) s" >> "$OUT/logs/done.txt"; tail -8 "$OUT/dual_cost_cuda.txt"
 fi
 # the Clust-PSI-PFL rows: one sweep with a few workers (every worker holds its clients' models and
 # optimiser states on the GPU; 14 processes at once ran out of the H100's 80 GiB)
-has sweep && run psi sweeps/clust_psi_pfl_fmnist.toml "$OUT/sweep.db" --workers "${SWEEP_WORKERS:-4}" compile=false &
-wait
+has sweep && run psi sweeps/clust_psi_pfl_fmnist.toml "$OUT/sweep.db" --workers "${SWEEP_WORKERS:-4}" compile=false
 cat "$OUT/logs/done.txt"
 
 # 3. pack: fold the WAL into each store, compress, keep the logs in one file

@@ -89,6 +89,10 @@ KEYS: dict[str, Param] = {
     "engine": Param("auto", "auto, sequential or vectorized", choices=("auto", "sequential", "vectorized")),
     "compile": Param("auto", "torch.compile the vectorized kernels (auto: on for long runs)",
                      choices=("auto", "true", "false", True, False)),
+    "fuse_jobs": Param("auto", "the vectorized engine runs a round's independent trainings (fedprism_dual's "
+                       "specialists and private parts) as one pass; auto: on CUDA only (bench/README.md, GPU); "
+                       "numbers change at rounding level only; not part of the run id",
+                       choices=("auto", "true", "false", True, False), new=True),
     "threads": Param(0, "torch intra-op threads for the run (0: leave torch's default); recorded with the "
                      "run, not part of its id", _nonneg, "an integer >= 0"),
     "scalars": Param("", "directory for per-round and per-client scalars as CSV, written as each round is "
@@ -133,7 +137,7 @@ PARTITION_COMMON: dict[str, Param] = {
 }
 
 #: keys that change how a run executes but not its numbers (excluded from the run id)
-EXECUTION_KEYS = frozenset({"name", "device", "engine", "compile", "data.root", "data.download", "keep_final",
+EXECUTION_KEYS = frozenset({"name", "device", "engine", "compile", "fuse_jobs", "data.root", "data.download", "keep_final",
                             "threads", "scalars"})
 
 
