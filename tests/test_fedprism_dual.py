@@ -408,3 +408,51 @@ def test_private_source_specialist_is_the_own_private_on_the_specialists_batch_o
     clients = np.arange(unequal.num_clients)
     for a, b in zip(backbone_and_expert(own, clients), backbone_and_expert(shared, clients)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("chunk,per", [(7, 2), (1000, 4)])
+def test_batched_own_splits_equal_the_per_client_loop(unequal, chunk, per):
+    """On CUDA the stream scorer scores clients' own splits many clients per call (per-client inputs,
+    padded and masked; `StreamScorer.batch_own`). Forced here on the CPU, with groups of `per` clients
+    and windows of `chunk` rows (clients of 7..90 train rows: several windows, a ragged last group),
+    it gives the per-client loop's counts, confusion matrices, alternatives and losses."""
+    algo, eng = setup(unequal, engine="vectorized", k=2, every=1)
+    sim = drive(algo, eng, 2)
+    clients = np.array([5, 0, 3, 1, 4])
+    inf = sim.inference(clients)
+    loop, batched = StreamScorer(eng, 6), StreamScorer(eng, 6)
+    assert not loop.batch_own                                          # the CPU default: the loop
+    batched.batch_own = True
+    for sc in (loop, batched):
+        sc.chunk, sc.budget = chunk, chunk * per * len(inf.streams)
+    for split in ("local", "train"):
+        a, b = loop(inf, clients, split), batched(inf, clients, split)
+        assert torch.equal(a.count, b.count) and torch.equal(a.correct, b.correct), split
+        assert torch.equal(a.confusion, b.confusion)
+        assert a.alternatives.keys() == b.alternatives.keys()
+        assert all(torch.equal(a.alternatives[k], b.alternatives[k]) for k in a.alternatives)
+        assert torch.allclose(a.loss_sum, b.loss_sum, rtol=1e-5, atol=1e-4)
+        assert a.count.tolist() == [len(eng.data(int(c), split)[1]) for c in clients]
+    assert not torch.equal(a.alternatives["backbone"], a.alternatives["expert"])   # the streams differ
+
+
+def test_batched_own_splits_with_feature_streams(unequal):
+    """The batched own-split path with a stream that yields penultimate features (FedProto's
+    nearest-prototype prediction, an alternative): the loop's numbers."""
+    model = build_model("mlp", unequal.input_shape, unequal.num_classes, seed=0)
+    width = next(m for m in model.head.modules() if isinstance(m, torch.nn.Linear)).in_features
+    ctx = Context(unequal.num_clients, unequal.num_classes, ParamSpec.of(model), flatten(model), unequal.n_train,
+                  unequal.label_hist(), 0, 5, 1.0, feature_dim=width)
+    algo, eng = REGISTRY["fedproto"](ctx), VectorizedEngine(unequal, model, LOCAL, 0, "cpu", compile=False)
+    sim = drive(algo, eng, 2)
+    clients = np.arange(6)
+    inf = sim.inference(clients)
+    assert inf.features                                                 # a feature stream is scored
+    loop, batched = StreamScorer(eng, 6), StreamScorer(eng, 6)
+    batched.batch_own = True
+    for sc in (loop, batched):
+        sc.chunk, sc.budget = 16, 16 * 3 * len(inf.streams)
+    a, b = loop(inf, clients, "local"), batched(inf, clients, "local")
+    assert torch.equal(a.correct, b.correct) and torch.equal(a.confusion, b.confusion)
+    assert a.alternatives.keys() == b.alternatives.keys() and len(a.alternatives)
+    assert all(torch.equal(a.alternatives[k], b.alternatives[k]) for k in a.alternatives)

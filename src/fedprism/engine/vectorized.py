@@ -562,5 +562,24 @@ class VectorizedEngine(EngineBase):
         return torch.cat(out)
 
 
+    @torch.no_grad()
+    def logits_own(self, params: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """[n, B, classes] logits of model i on its own batch x[i] (x: [n, B, ...]), eager, in groups of
+        `eval_models` (the shapes vary with the clients' split sizes: no graph per shape)."""
+        return self._own(vmap(self.f), params, x)
+
+    @torch.no_grad()
+    def features_own(self, params: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """[n, B, d] penultimate features of model i on its own batch x[i]."""
+        return self._own(vmap(self.f.features), params, x, cast=False)
+
+    def _own(self, fn, params: torch.Tensor, x: torch.Tensor, cast: bool = True) -> torch.Tensor:
+        params, x = params.to(self.device, torch.float32), x.to(self.device)
+        M = self.eval_models
+        run = (lambda p, xs: self._at_eval_precision(fn, p, xs)) if cast else fn
+        out = [run(params[g:g + M], x[g:g + M]) for g in range(0, len(params), M)]
+        return torch.cat(out) if out else torch.zeros(0, x.shape[1], self.num_classes, device=self.device)
+
+
 __all__ = ["VectorizedEngine", "lpt_slots", "ideal_slots", "lpt_makespan", "parse_compile", "profile_model",
            "estimate_run_flops", "AUTO_COMPILE_FLOPS", "AUTO_COMPILE_FLOPS_CUDA"]

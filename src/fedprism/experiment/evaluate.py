@@ -31,6 +31,9 @@ from fedprism.protocol import EvalResult, Inference, Rows
 
 SPLITS = ("local", "global", "train", "val", "global_val")
 SHARED = ("global", "global_val")
+#: label of the padding rows of a batched own-split chunk (`StreamScorer._own_batches`): cross-entropy's
+#: default ignore index, never a prediction
+PAD_LABEL = -100
 #: largest per-stream logit cache on the global test set (bytes); beyond it logits are recomputed
 STREAM_CACHE_BYTES = 512 << 20
 #: an evaluation scores clients in blocks whose model rows take at most this many bytes in float64
@@ -84,6 +87,14 @@ class StreamScorer:
         width = getattr(engine, "eval_models", None)
         self.budget = self.chunk * width if width else 1 << (18 if dev.type == "cuda" else 13)
         self.caches: dict[str, dict] = {}
+        #: clients' own splits scored many clients per call (`_own_batches`, per-client inputs) instead of
+        #: one client at a time: on CUDA, where the per-client loop's launches dominated (bench/README.md,
+        #: GPU). Elsewhere the loop stays: its logits are the stored runs' bit for bit.
+        self.batch_own = dev.type == "cuda" and hasattr(engine, "logits_own")
+
+    def _run_own(self, params: torch.Tensor, x: torch.Tensor, features: bool) -> torch.Tensor:
+        """[n, B, C] logits (or features) of model i on its own batch x[i] ([n, B, ...])."""
+        return self.engine.features_own(params, x) if features else self.engine.logits_own(params, x)
 
     def _run(self, params: torch.Tensor, x: torch.Tensor, features: bool) -> torch.Tensor:
         """[n, B, C] logits, or [n, B, d] penultimate features, of n models on one input batch."""
@@ -117,6 +128,29 @@ class StreamScorer:
             cache["hash"][int(clients[i])] = hashes[i]
         return cache["logits"]
 
+    def _own_batches(self, clients: np.ndarray, split: str, streams: int):
+        """Clients' own splits in groups, padded: (rows, x [m, L, ...], y [m, L], valid [m, L] bool).
+        Padding rows have zero inputs and the label `PAD_LABEL`: no prediction equals it and the
+        cross-entropy ignores it, so only the confusion matrix needs `valid`.
+
+        A group holds as many clients as the engine's evaluation width allows for `streams` stacked
+        streams; a client with more than `chunk` rows is scored over several windows."""
+        data = [self.engine.data(int(c), split) for c in clients]
+        per = max(1, self.budget // (self.chunk * streams))
+        for g0 in range(0, len(clients), per):
+            grp = range(g0, min(len(clients), g0 + per))
+            longest = max(len(data[i][1]) for i in grp)
+            for s0 in range(0, longest, self.chunk):
+                L = min(self.chunk, longest - s0)
+                x0 = data[grp[0]][0]
+                x = torch.zeros(len(grp), L, *x0.shape[1:], dtype=x0.dtype, device=x0.device)
+                y = torch.full((len(grp), L), PAD_LABEL, dtype=torch.long, device=x0.device)
+                valid = torch.zeros(len(grp), L, dtype=torch.bool, device=x0.device)
+                for j, i in enumerate(grp):
+                    xi, yi = data[i][0][s0:s0 + L], data[i][1][s0:s0 + L]
+                    x[j, :len(yi)], y[j, :len(yi)], valid[j, :len(yi)] = xi, yi, True
+                yield slice(g0, grp[-1] + 1), x, y, valid
+
     @torch.no_grad()
     def __call__(self, inf: Inference, clients: np.ndarray, split: str) -> EvalResult:
         if split not in SPLITS:
@@ -133,37 +167,50 @@ class StreamScorer:
         combine = inf.combine or (lambda z, e: z[names[0]])
         # extras (label priors, masks) come from client state, which lives on the CPU: meet the logits there
         extras = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in inf.extras.items()}
-        correct = torch.zeros(n, dtype=torch.long)
-        loss = torch.zeros(n, dtype=torch.float64)
-        count = torch.zeros(n, dtype=torch.long)
-        conf = torch.zeros(n, C, C, dtype=torch.long)
+        # sums stay on the device until the end: no host synchronisation per chunk (integer counts and
+        # float64 sums, so the totals are those of summing on the host)
+        dev = self.device
+        correct = torch.zeros(n, dtype=torch.long, device=dev)
+        loss = torch.zeros(n, dtype=torch.float64, device=dev)
+        count = torch.zeros(n, dtype=torch.long, device=dev)
+        conf = torch.zeros(n, C, C, dtype=torch.long, device=dev)
         alt: dict[str, torch.Tensor] = {}
 
-        def score(rows: slice, x: torch.Tensor, y: torch.Tensor, z: dict[str, torch.Tensor]) -> None:
+        def score(rows: slice, x: torch.Tensor, y: torch.Tensor, z: dict[str, torch.Tensor],
+                  valid: torch.Tensor | None = None) -> None:
+            """One chunk: x [B, ...] shared by the rows' clients, or with `valid` x [m, B, ...] per client."""
             m = rows.stop - rows.start
             for is_feat in (False, True):           # one stacked call for the logit streams, one for features
                 todo = [s for s in names if s not in z and (s in feats) == is_feat]
                 if todo:
-                    out = self._run(torch.cat([inf.streams[s][rows] for s in todo]), x, is_feat)
+                    p = torch.cat([inf.streams[s][rows] for s in todo])
+                    out = (self._run(p, x, is_feat) if valid is None else
+                           self._run_own(p, x.repeat(len(todo), *([1] * (x.dim() - 1))), is_feat))
                     z = {**z, **{s: out[j * m:(j + 1) * m] for j, s in enumerate(todo)}}
             ex = {k: v[rows] for k, v in extras.items()}
             out = combine(z, ex).float()
             yy = y.to(out.device).expand(m, -1)
             pred = out.argmax(-1)
-            correct[rows] += (pred == yy).sum(1).cpu()
-            loss[rows] += F.cross_entropy(out.reshape(-1, C), yy.reshape(-1), reduction="none") \
-                .view(m, -1).double().sum(1).cpu()
-            count[rows] += len(y)
+            correct[rows] += (pred == yy).sum(1)
+            ce = F.cross_entropy(out.reshape(-1, C), yy.reshape(-1), reduction="none", ignore_index=PAD_LABEL)
+            loss[rows] += ce.view(m, -1).double().sum(1)
             own = torch.arange(m, device=out.device)[:, None] * (C * C)
             cells = (own + yy * C + pred).reshape(-1)
-            conf[rows] += torch.bincount(cells, minlength=m * C * C).view(m, C, C).cpu()
+            if valid is None:
+                count[rows] += len(y)
+            else:
+                valid = valid.to(out.device)
+                count[rows] += valid.sum(1)
+                cells = cells[valid.reshape(-1)]
+            conf[rows] += torch.bincount(cells, minlength=m * C * C).view(m, C, C)
             for name, fn in inf.alternatives.items():
-                hit = (fn(z, ex).argmax(-1) == yy).sum(1).cpu()
-                alt.setdefault(name, torch.zeros(n, dtype=torch.long))[rows] += hit
+                hit = (fn(z, ex).argmax(-1) == yy).sum(1)
+                alt.setdefault(name, torch.zeros(n, dtype=torch.long, device=dev))[rows] += hit
 
-        if split == "global":
-            x_all, y_all = self.engine.data(int(clients[0]) if n else 0, "global")
-            cached = {s: self._cached_logits(s, inf.streams[s], clients, x_all, s in feats) for s in names}
+        if split == "global" or (split in SHARED and self.batch_own):
+            x_all, y_all = self.engine.data(int(clients[0]) if n else 0, split)
+            cached = ({s: self._cached_logits(s, inf.streams[s], clients, x_all, s in feats) for s in names}
+                      if split == "global" else {})
             cached = {s: v for s, v in cached.items() if v is not None}
             streams = max(1, len(names) - len(cached))
             per = max(1, self.budget // (chunk * streams))
@@ -173,12 +220,16 @@ class StreamScorer:
                 for s0 in range(0, len(y_all), chunk):
                     z = {s: v[ids[rows], s0:s0 + chunk] for s, v in cached.items()}
                     score(rows, x_all[s0:s0 + chunk], y_all[s0:s0 + chunk], z)
+        elif self.batch_own:
+            for rows, x, y, valid in self._own_batches(clients, split, len(names)):
+                score(rows, x, y, {}, valid)
         else:
             for i, c in enumerate(clients):
                 x_all, y_all = self.engine.data(int(c), split)
                 for s0 in range(0, len(y_all), chunk):
                     score(slice(i, i + 1), x_all[s0:s0 + chunk], y_all[s0:s0 + chunk], {})
-        return EvalResult(correct, loss, count, conf, alt)
+        return EvalResult(correct.cpu(), loss.cpu(), count.cpu(), conf.cpu(),
+                          {k: v.cpu() for k, v in alt.items()})
 
 
 def score_inference(engine, scorer: StreamScorer, inf: Inference, clients: np.ndarray, split: str) -> EvalResult:
