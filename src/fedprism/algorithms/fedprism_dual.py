@@ -74,7 +74,10 @@ Decisions where the paper is silent or inconsistent (copy to the README):
   model by the mean of the ~2 backbones it got this round).
 * Shuffling streams: three named random streams per round (`TrainJob.stream`): the backbone trains on
   the default stream 'train' (so beta = 0, fixed alpha = 1 is FedAvg bit for bit), the private
-  component on 'private', the specialist on 'expert': three independent batch orders.
+  component on 'private', the specialist on 'expert': three independent batch orders. The specialist
+  and private trainings depend on nothing of this round, so they go to the engine together
+  (`train_together`: one vectorized pass on a GPU, each row on its own stream); the backbone's start
+  needs the new P_i and trains after them.
 * Inference model W_i (the "Backbone" stream) for evaluation: alpha_i G + beta sum_k w_ik C_k + gamma_i
   P_i built from the current state (the model the client would build now; `model_for`), not the
   last trained W'_i. Routed logits z (Eq. 3) give the prediction (argmax) and the loss (cross-entropy
