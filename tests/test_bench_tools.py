@@ -1,0 +1,52 @@
+"""`bench/run_cost.py`: whole-run cost read from a results store (the quantity the FedPrism cost target is
+stated in), read-only."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sqlite3
+from pathlib import Path
+
+from fedprism.experiment.config import resolve
+from fedprism.experiment.runner import Experiment
+from fedprism.experiment.store import Store
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = {"dataset": "digits", "model": "mlp", "clients": 4, "fraction": 1.0, "rounds": 3, "local_epochs": 1,
+         "eval_every": 1, "engine": "sequential"}
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("run_cost", ROOT / "bench" / "run_cost.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_run_cost_sums_train_and_eval_seconds_and_the_ratio(tmp_path, capsys):
+    db = tmp_path / "s.db"
+    ids = {}
+    for method in ("fedavg", "local"):
+        store = Store(str(db))
+        ids[method] = Experiment(resolve({**SMALL, "method": method}), store).run().run_id
+        store.close()
+    con = sqlite3.connect(db)
+    want = {}
+    for m, rid in ids.items():
+        ms = [json.loads(r) for (r,) in con.execute("select metrics from rounds where run_id = ?", (rid,))]
+        want[m] = (sum(x["train_s"] for x in ms), sum(x["eval_s"] for x in ms if "eval_s" in x))
+    con.close()
+    before = db.read_bytes()
+    mod = _load()
+    got = mod.costs(str(db), [])
+    for m, rid in ids.items():
+        assert abs(got[rid]["train"] - want[m][0]) < 1e-9 and abs(got[rid]["eval"] - want[m][1]) < 1e-9
+        assert got[rid]["rounds"] == 3 and got[rid]["method"] == m
+    assert mod.main([str(db), "--ratio", ids["local"][:8], ids["fedavg"][:8]]) == 0
+    ratio = float(capsys.readouterr().out.rsplit("cost ", 1)[1].split(": ")[1].split("x")[0])
+    assert abs(ratio - sum(want["local"]) / sum(want["fedavg"])) < 0.006
+    assert mod.main([str(db), "--ratio", "nosuchrun", ids["fedavg"][:8]]) == 2
+    assert db.read_bytes() == before                                   # read-only
+    assert mod.main([str(tmp_path / "missing.db")]) == 2
+    assert not (tmp_path / "missing.db").exists()
