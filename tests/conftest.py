@@ -15,6 +15,16 @@ from fedprism.data.datasets import load_dataset  # noqa: E402
 from fedprism.federation import Federation  # noqa: E402
 
 
+def load_script(relpath: str):
+    """A script of the repository (`bench/*.py`, `scripts/*.py`) imported as a module, by path."""
+    import importlib.util
+    path = Path(__file__).resolve().parents[1] / relpath
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
     """Tiny ops on a shared 2-core machine: one intra-op thread is faster and steadier."""

@@ -3,25 +3,17 @@ stated in), read-only."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sqlite3
-from pathlib import Path
+
+from conftest import load_script
 
 from fedprism.experiment.config import resolve
 from fedprism.experiment.runner import Experiment
 from fedprism.experiment.store import Store
 
-ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"dataset": "digits", "model": "mlp", "clients": 4, "fraction": 1.0, "rounds": 3, "local_epochs": 1,
          "eval_every": 1, "engine": "sequential"}
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("run_cost", ROOT / "bench" / "run_cost.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_run_cost_sums_train_and_eval_seconds_and_the_ratio(tmp_path, capsys):
@@ -38,7 +30,7 @@ def test_run_cost_sums_train_and_eval_seconds_and_the_ratio(tmp_path, capsys):
         want[m] = (sum(x["train_s"] for x in ms), sum(x["eval_s"] for x in ms if "eval_s" in x))
     con.close()
     before = db.read_bytes()
-    mod = _load()
+    mod = load_script("bench/run_cost.py")
     got = mod.costs(str(db), [])
     for m, rid in ids.items():
         assert abs(got[rid]["train"] - want[m][0]) < 1e-9 and abs(got[rid]["eval"] - want[m][1]) < 1e-9

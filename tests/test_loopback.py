@@ -3,7 +3,6 @@ the deployment script's private keys are owner-only from the moment they exist."
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shutil
@@ -14,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 from fedprism.flower.simulation import descendants
 
@@ -22,10 +22,7 @@ LOOPBACK = re.compile(r"^(127\.\d+\.\d+\.\d+|\[::1\]|\[::ffff:127\.\d+\.\d+\.\d+
 
 
 def _deploy_module():
-    spec = importlib.util.spec_from_file_location("flower_deploy", ROOT / "scripts" / "flower_deploy.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/flower_deploy.py")
 
 
 def test_private_keys_are_created_owner_only(tmp_path, monkeypatch):

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import load_script
 
 from fedprism.data.domains import DOMAINS, apply_domain, apply_domains
 from fedprism.data.partition import PARTITIONS, Partition, label_histograms, make_partition, summarize
@@ -291,10 +291,7 @@ def test_fast_on_60k_labels_1000_clients(name, params):
 
 
 def test_bench_script_runs_small():
-    path = Path(__file__).resolve().parents[1] / "bench" / "partition.py"
-    spec = importlib.util.spec_from_file_location("bench_partition", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script("bench/partition.py")
     times = mod.bench_partitions(n=3000, num_clients=50, num_classes=10, seed=0)
     assert set(times) >= {"iid", "dirichlet", "pathological"}
     assert all(v >= 0 for v in times.values() if v is not None)
