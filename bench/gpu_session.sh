@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One GPU session, as one script with a deadline, every part alone on the GPU in this order: the CUDA
 # engine bench (bench), the FedPrism paper runs (paper: FedAvg, then fedprism_dual; paper configuration,
-# seed 0), `bench/dual_cost.py --device cuda` (dualcost), and the Clust-PSI-PFL FMNIST sweep (sweep: one
-# `--workers 4` sweep). PARTS chooses among "bench paper dualcost sweep". Every part is bounded by
+# seed 0), `bench/dual_cost.py --device cuda` (dualcost), the routing study on the final states of both
+# seeds of sweeps/fedprism_validation.toml (routing: the runs kept in $OUT/val.db, the tables in
+# $OUT/routing_study_final.md), and the Clust-PSI-PFL FMNIST sweep (sweep: one `--workers 4` sweep).
+# PARTS chooses among "bench paper dualcost routing sweep". Every part is bounded by
 # `timeout` and writes under $OUT; runs stopped by the deadline are interrupted cleanly (SIGINT) and
 # resume on the next call or on any other machine.
 #
@@ -30,7 +32,7 @@ left() { echo $(( START + BUDGET - $(date +%s) )); }
 } > "$OUT/logs/machine.txt" 2>&1
 cat "$OUT/logs/machine.txt"
 
-PARTS=${PARTS:-bench paper dualcost sweep}   # which parts to run
+PARTS=${PARTS:-bench paper dualcost sweep}   # which parts to run (routing: only when named)
 has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
 
 # 1. the engine bench, alone on the GPU
@@ -46,8 +48,8 @@ stop() { echo $(( $(left) - 25 )); }
 run() {   # run NAME SWEEPFILE DB ARGS...
   local name=$1 file=$2 db=$3 s; shift 3; s=$(stop)
   [ "$s" -gt 10 ] || { echo "$name skipped: deadline" >> "$OUT/logs/done.txt"; return; }
-  timeout -s INT "$s" $PY -m fedprism sweep "$file" --db "$db" --quiet $Q "$@" device="$DEVICE" keep_final=false \
-    > "$OUT/logs/$name.log" 2>&1
+  timeout -s INT "$s" $PY -m fedprism sweep "$file" --db "$db" --quiet $Q "$@" device="$DEVICE" \
+    keep_final="${KEEP_FINAL:-false}" > "$OUT/logs/$name.log" 2>&1
   echo "$name rc=$? at $(( $(date +%s) - START )) s" >> "$OUT/logs/done.txt"
 }
 touch "$OUT/logs/done.txt"
@@ -60,13 +62,25 @@ if has dualcost && [ "$(stop)" -gt 60 ]; then
     --only "${DUALCOST:-dual own;dual own fused;dual specialist}" > "$OUT/dual_cost_cuda.txt" 2>&1
   echo "dualcost rc=$? at $(( $(date +%s) - START )) s" >> "$OUT/logs/done.txt"; tail -8 "$OUT/dual_cost_cuda.txt"
 fi
+# the routing study on final states: both seeds of the validation sweep (kept final states, on this
+# machine only), then every rule of scripts/routing_study.py scored from them (tables under $OUT)
+if has routing; then
+  KEEP_FINAL=true run routing_runs sweeps/fedprism_validation.toml "$OUT/val.db" --workers 2
+  runs=$($PY -c "import sqlite3, sys; c = sqlite3.connect(sys.argv[1]); print(' '.join(r for (r,) in c.execute(
+\"select run_id from runs where status = 'finished' and method = 'fedprism_dual' order by run_id\")))" "$OUT/val.db")
+  if [ -n "$runs" ] && [ "$(stop)" -gt 30 ]; then
+    timeout -s INT "$(stop)" $PY scripts/routing_study.py --db "$OUT/val.db" $runs --out "$OUT/routing_study_final.md" \
+      > "$OUT/logs/routing_study.log" 2>&1
+    echo "routing_study rc=$? at $(( $(date +%s) - START )) s" >> "$OUT/logs/done.txt"
+  fi
+fi
 # the Clust-PSI-PFL rows: one sweep with a few workers (every worker holds its clients' models and
 # optimiser states on the GPU; 14 processes at once ran out of the H100's 80 GiB)
 has sweep && run psi sweeps/clust_psi_pfl_fmnist.toml "$OUT/sweep.db" --workers "${SWEEP_WORKERS:-4}" compile=false
 cat "$OUT/logs/done.txt"
 
 # 3. pack: fold the WAL into each store, compress, keep the logs in one file
-for db in "$OUT/paper.db" "$OUT/sweep.db"; do
+for db in "$OUT/paper.db" "$OUT/val.db" "$OUT/sweep.db"; do
   [ -f "$db" ] || continue
   $PY -c "import sqlite3, sys; c = sqlite3.connect(sys.argv[1]); c.execute('pragma wal_checkpoint(TRUNCATE)'); \
 c.execute('pragma journal_mode=delete'); print(sys.argv[1], c.execute('select status, count(*) from runs group by status').fetchall())" "$db"
