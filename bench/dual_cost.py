@@ -1,6 +1,7 @@
 """Cost of a `fedprism_dual` run against a FedAvg run of the same configuration, in one process.
 
-    python bench/dual_cost.py [--rounds 4] [--threads 1] [--quick] [--device cuda] [--only "dual own;dual own fused"]
+    python bench/dual_cost.py [--rounds 4] [--threads 1] [--quick] [--device cuda]
+                              [--only "dual own;dual own fused"]
 
 Workload: the FedPrism paper's FMNIST protocol (arXiv:2603.08252, section 4: 100 clients, Dirichlet 0.1,
 10 clients per round, E = 10, B = 32, SGD 0.01 / 0.9, LeNet-5). Every variant runs `--rounds` rounds with an
@@ -75,8 +76,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="digits / MLP smoke test")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
-    ap.add_argument("--only", default="", help="semicolon-separated variant labels to run besides both FedAvg runs "
-                    "(default: all)")
+    ap.add_argument("--only", default="", help="semicolon-separated variant labels to run besides both "
+                    "FedAvg runs (default: all)")
     a = ap.parse_args()
     if a.rounds < 3:
         ap.error("--rounds must be >= 3 (round 0 compiles; the median needs the rest)")
@@ -85,8 +86,10 @@ def main() -> None:
     only = {x.strip() for x in a.only.split(";") if x.strip()}
     unknown = only - {label for label, _ in VARIANTS}
     if unknown:
-        ap.error(f"--only: unknown variant(s) {sorted(unknown)}; variants: {[label for label, _ in VARIANTS]}")
-    variants = [(label, over) for label, over in VARIANTS if not only or label in only or label.startswith("fedavg")]
+        ap.error(f"--only: unknown variant(s) {sorted(unknown)}; "
+                 f"variants: {[label for label, _ in VARIANTS]}")
+    variants = [(label, over) for label, over in VARIANTS
+                if not only or label in only or label.startswith("fedavg")]
     out = {}
     with tempfile.TemporaryDirectory() as d:
         for i, (label, over) in enumerate(variants):

@@ -30,15 +30,16 @@ def costs(db: str, runs: list[str]) -> dict[str, dict]:
                 continue
             if not runs and status != "finished":
                 continue
-            ms = [json.loads(m) for (m,) in con.execute("select metrics from rounds where run_id = ? order by round",
-                                                          (rid,))]
+            q = "select metrics from rounds where run_id = ? order by round"
+            ms = [json.loads(m) for (m,) in con.execute(q, (rid,))]
             if not ms:
                 continue
             train = [m.get("train_s", 0.0) for m in ms]
             evals = [m["eval_s"] for m in ms if "eval_s" in m]
             last = next((m for m in reversed(ms) if "global_acc" in m or "local_acc" in m), {})
-            out[rid] = {"name": name, "method": method, "rounds": len(ms), "train": sum(train), "eval": sum(evals),
-                        "train0": train[0], "train_med": statistics.median(train[1:]) if len(train) > 1 else train[0],
+            out[rid] = {"name": name, "method": method, "rounds": len(ms), "train": sum(train),
+                        "eval": sum(evals), "train0": train[0],
+                        "train_med": statistics.median(train[1:]) if len(train) > 1 else train[0],
                         "eval_med": statistics.median(evals[1:]) if len(evals) > 1 else (evals or [0.0])[0],
                         "final": {k: last[k] for k in KEYS if k in last}}
         return out
@@ -62,16 +63,19 @@ def main(argv: list[str] | None = None) -> int:
     for rid, c in out.items():
         fin = ", ".join(f"{k} {100 * v:.2f}" for k, v in c["final"].items())
         print(f"{rid:18s} {c['method']:14s} {c['rounds']:6d} {c['train']:8.1f} {c['eval']:7.1f} "
-              f"{c['train'] + c['eval']:8.1f} {c['train0']:7.2f} {c['train_med']:8.3f} {c['eval_med']:7.3f}  {fin}")
+              f"{c['train'] + c['eval']:8.1f} {c['train0']:7.2f} {c['train_med']:8.3f} {c['eval_med']:7.3f}"
+              f"  {fin}")
     if a.ratio:
         found = {r: next((rid for rid in out if rid.startswith(r)), None) for r in a.ratio}
         if None in found.values():
-            print(f"run_cost: --ratio: no such run: {[r for r, v in found.items() if v is None]}", file=sys.stderr)
+            missing = [r for r, v in found.items() if v is None]
+            print(f"run_cost: --ratio: no such run: {missing}", file=sys.stderr)
             return 2
         ca, cb = (out[found[r]] for r in a.ratio)
         print(f"\ncost {found[a.ratio[0]]} / {found[a.ratio[1]]}: "
               f"{(ca['train'] + ca['eval']) / (cb['train'] + cb['eval']):.2f}x "
-              f"(training {ca['train'] / cb['train']:.2f}x, evaluation {ca['eval'] / max(cb['eval'], 1e-9):.2f}x)")
+              f"(training {ca['train'] / cb['train']:.2f}x, "
+              f"evaluation {ca['eval'] / max(cb['eval'], 1e-9):.2f}x)")
     return 0
 
 
