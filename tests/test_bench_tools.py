@@ -42,3 +42,28 @@ def test_run_cost_sums_train_and_eval_seconds_and_the_ratio(tmp_path, capsys):
     assert db.read_bytes() == before                                   # read-only
     assert mod.main([str(tmp_path / "missing.db")]) == 2
     assert not (tmp_path / "missing.db").exists()
+
+
+def test_bf16_final_scores_a_kept_state_at_both_precisions_read_only(tmp_path, capsys):
+    """`bench/bf16_final.py`: a finished fedprism_dual run with a kept final state is scored at float32
+    (its stored final numbers, to the digit) and at bfloat16; the store is not written."""
+    db = tmp_path / "s.db"
+    conf = {**SMALL, "method": "fedprism_dual", "fedprism_dual.k": 2, "keep_final": True,
+            "engine": "vectorized", "compile": False}
+    store = Store(str(db))
+    res = Experiment(resolve(conf), store).run()
+    store.close()
+    con = sqlite3.connect(db)                      # a rollback-journal file, as committed stores are: any
+    con.execute("PRAGMA journal_mode=DELETE")      # write, even a -wal / -shm beside it, would show
+    con.close()
+    before = {p.name: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    mod = load_script("bench/bf16_final.py")
+    assert mod.main(["--db", str(db)]) == 0
+    out = capsys.readouterr().out
+    rows = {ln.split()[2]: ln.split() for ln in out.splitlines() if ln.startswith(res.run_id)}
+    assert set(rows) == set(mod.KEYS)
+    for k, r in rows.items():                       # the float32 column is the run's own final number
+        assert r[3] == f"{100 * res.final[k]:.2f}", k
+    assert "largest |bfloat16 - float32|" in out
+    assert {p.name: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert mod.main(["--db", str(db), "nosuchrun"]) == 2
