@@ -137,8 +137,8 @@ PARTITION_COMMON: dict[str, Param] = {
 }
 
 #: keys that change how a run executes but not its numbers (excluded from the run id)
-EXECUTION_KEYS = frozenset({"name", "device", "engine", "compile", "fuse_jobs", "data.root", "data.download", "keep_final",
-                            "threads", "scalars"})
+EXECUTION_KEYS = frozenset({"name", "device", "engine", "compile", "fuse_jobs", "data.root", "data.download",
+                            "keep_final", "threads", "scalars"})
 
 
 def parse_value(text: str) -> Any:
