@@ -503,8 +503,8 @@ def test_global_weight_alpha_as_results_readme_states(db_copy):
 
 
 def test_clust_psi_pfl_fmnist_as_results_readme_states(db_copy):
-    """results/README.md, "Clust-PSI-PFL, FMNIST": the finished full-protocol run's global accuracy, AD
-    and SDAD; tau = 11; the trousers client clustered with two shirt clients scores 6 % at the end (they
+    """results/README.md, "Clust-PSI-PFL, FMNIST": the finished full-protocol runs' global accuracy, AD
+    and SDAD (Clust-PSI-PFL, FedAvg and FedAvg's trajectory); tau = 11; the trousers client clustered with two shirt clients scores 6 % at the end (they
     scored 3 % and less at round 14) while every other client scores at least 95 %."""
     import sqlite3
 
@@ -527,3 +527,15 @@ def test_clust_psi_pfl_fmnist_as_results_readme_states(db_copy):
     early = dict(con.execute("select client, local_acc from client_metrics where run_id=? and round=14",
                              (run["run_id"],)).fetchall())
     assert early[61] <= 0.03 and early[64] <= 0.03 and early[17] >= 0.95
+    # FedAvg at S = 0.03: its final numbers, and the paper's final FedAvg numbers reached after round 4
+    (fedavg,) = [r for r in runs if r["label"] == "FedAvg | S 0.03" and json.loads(r["config"])["seed"] == 0]
+    f = json.loads(fedavg["final"])
+    assert fedavg["rounds_done"] == 40
+    final = (round(100 * f["local_acc_weighted"], 2), round(f["ad"], 3), round(f["sdad"], 3))
+    assert final == (83.58, 0.164, 0.158)
+    traj = {rnd: json.loads(m) for rnd, m in con.execute("select round, metrics from rounds where run_id=?",
+                                                           (fedavg["run_id"],))}
+    got = {rnd: round(100 * traj[rnd]["local_acc_weighted"], 2) for rnd in (4, 9, 29, 39)}
+    assert got == {4: 74.47, 9: 77.69, 29: 82.85, 39: 83.58}
+    assert (round(traj[4]["ad"], 3), round(traj[4]["sdad"], 3)) == (0.255, 0.194)
+    assert len(runs) == 2
