@@ -504,8 +504,9 @@ def test_global_weight_alpha_as_results_readme_states(db_copy):
 
 def test_clust_psi_pfl_fmnist_as_results_readme_states(db_copy):
     """results/README.md, "Clust-PSI-PFL, FMNIST": the finished full-protocol runs' global accuracy, AD
-    and SDAD (Clust-PSI-PFL, FedAvg and FedAvg's trajectory); tau = 11; the trousers client clustered with two shirt clients scores 6 % at the end (they
-    scored 3 % and less at round 14) while every other client scores at least 95 %."""
+    and SDAD (Clust-PSI-PFL, FedAvg and FedAvg's trajectory); tau = 11; the trousers client clustered
+    with two shirt clients scores 6 % at the end (they scored 3 % and less at round 14) while every other
+    client scores at least 95 %."""
     import sqlite3
 
     store = Store(db_copy)
