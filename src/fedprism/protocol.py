@@ -231,9 +231,10 @@ class TrainJob:
     def subset(self, rows: np.ndarray) -> "TrainJob":
         t = torch.as_tensor(rows)
         mask = self.mask[t] if self.mask is not None and self.mask.dim() == 2 else self.mask
-        stream = self.stream if isinstance(self.stream, str) else tuple(self.stream[int(r)] for r in np.asarray(rows))
-        return replace(self, clients=self.clients[rows], start=self.start[t], extras=_take(self.extras, t), mask=mask,
-                       stream=stream)
+        stream = (self.stream if isinstance(self.stream, str)
+                  else tuple(self.stream[int(r)] for r in np.asarray(rows)))
+        return replace(self, clients=self.clients[rows], start=self.start[t], extras=_take(self.extras, t),
+                       mask=mask, stream=stream)
 
 
 def fusible(jobs: "list[TrainJob]") -> bool:

@@ -326,7 +326,8 @@ class VectorizedEngine(EngineBase):
         queues = [[busy[j] for j in q] for q in lpt_slots([steps[k] for k in busy], W)]
         T = max(sum(steps[k] for k in q) for q in queues)
         counts = torch.zeros(n, dtype=torch.float64)
-        drop = [self._dropout_seed(rnd, int(c), job.stream_of(k)) for k, c in enumerate(job.clients)] if self.f.dropout else None
+        drop = ([self._dropout_seed(rnd, int(c), job.stream_of(k)) for k, c in enumerate(job.clients)]
+                if self.f.dropout else None)
 
         def slot_stream(q: list[int]):
             """(client, step, first?, last?, sample rows) of one slot's queue, batch by batch, drawn lazily."""
@@ -561,7 +562,6 @@ class VectorizedEngine(EngineBase):
             out.append(self._logits(p, x)[:m] if compiled else self._logits.fn(p, x))
         return torch.cat(out)
 
-
     @torch.no_grad()
     def logits_own(self, params: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """[n, B, classes] logits of model i on its own batch x[i] (x: [n, B, ...]), eager, in groups of
@@ -574,11 +574,11 @@ class VectorizedEngine(EngineBase):
         return self._own(vmap(self.f.features), params, x, cast=False)
 
     def _own(self, fn, params: torch.Tensor, x: torch.Tensor, cast: bool = True) -> torch.Tensor:
+        """`fn` (vmapped over model and input) on n >= 1 models in groups of `eval_models`."""
         params, x = params.to(self.device, torch.float32), x.to(self.device)
         M = self.eval_models
         run = (lambda p, xs: self._at_eval_precision(fn, p, xs)) if cast else fn
-        out = [run(params[g:g + M], x[g:g + M]) for g in range(0, len(params), M)]
-        return torch.cat(out) if out else torch.zeros(0, x.shape[1], self.num_classes, device=self.device)
+        return torch.cat([run(params[g:g + M], x[g:g + M]) for g in range(0, len(params), M)])
 
 
 __all__ = ["VectorizedEngine", "lpt_slots", "ideal_slots", "lpt_makespan", "parse_compile", "profile_model",

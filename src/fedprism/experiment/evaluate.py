@@ -140,9 +140,9 @@ class StreamScorer:
         for g0 in range(0, len(clients), per):
             grp = range(g0, min(len(clients), g0 + per))
             longest = max(len(data[i][1]) for i in grp)
+            x0 = data[grp[0]][0]
             for s0 in range(0, longest, self.chunk):
                 L = min(self.chunk, longest - s0)
-                x0 = data[grp[0]][0]
                 x = torch.zeros(len(grp), L, *x0.shape[1:], dtype=x0.dtype, device=x0.device)
                 y = torch.full((len(grp), L), PAD_LABEL, dtype=torch.long, device=x0.device)
                 valid = torch.zeros(len(grp), L, dtype=torch.bool, device=x0.device)
