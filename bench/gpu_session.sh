@@ -4,7 +4,8 @@
 # seed 0), `bench/dual_cost.py --device cuda` (dualcost), the routing study on the final states of both
 # seeds of sweeps/fedprism_validation.toml (routing: the runs kept in $OUT/val.db, the tables in
 # $OUT/routing_study_final.md), and the Clust-PSI-PFL FMNIST sweep (sweep: one `--workers 4` sweep).
-# PARTS chooses among "bench paper dualcost routing sweep". Every part is bounded by
+# PARTS chooses among "graphs bench paper dualcost routing sweep" (graphs: `bench/cuda_graphs.py` and the
+# CUDA-graph tests). Every part is bounded by
 # `timeout` and writes under $OUT; runs stopped by the deadline are interrupted cleanly (SIGINT) and
 # resume on the next call or on any other machine.
 #
@@ -34,6 +35,15 @@ cat "$OUT/logs/machine.txt"
 
 PARTS=${PARTS:-bench paper dualcost sweep}   # which parts to run (routing: only when named)
 has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
+
+# 0. CUDA graphs: the bit-equality tests, then the same training rounds with and without graphs
+if has graphs; then
+  timeout -s INT 150 $PY -m pytest -q -p no:cacheprovider tests/test_engine_equivalence.py -k graph \
+    > "$OUT/cuda_graphs_tests.txt" 2>&1
+  echo "graph tests rc=$? after $(( $(date +%s) - START )) s"; tail -3 "$OUT/cuda_graphs_tests.txt"
+  timeout -s INT 150 $PY bench/cuda_graphs.py --device "$DEVICE" --rounds 6 --fused $Q > "$OUT/cuda_graphs.txt" 2>&1
+  echo "graphs bench rc=$? after $(( $(date +%s) - START )) s"; tail -6 "$OUT/cuda_graphs.txt"
+fi
 
 # 1. the engine bench, alone on the GPU
 if has bench; then

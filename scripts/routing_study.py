@@ -251,7 +251,7 @@ def study(db: str, run_id: str, state: str | None = None, gate_seed: int = 0) ->
     conf = json.loads(row["config"])
     if conf.get("method") != "fedprism_dual":
         raise SystemExit(f"run {run_id} is {conf.get('method')}, not fedprism_dual")
-    cfg = resolve({**conf, "engine": "sequential", "compile": False})
+    cfg = resolve({**conf, "engine": "sequential", "compile": False, "device": "cpu"})   # CPU work, any run
     if not (cfg["data.val_fraction"] > 0 and cfg["data.global_val"] > 0):
         raise SystemExit(f"run {run_id} has no validation splits (data.val_fraction, data.global_val)")
     source = "final" if state is None else "checkpoint"

@@ -67,3 +67,12 @@ def test_bf16_final_scores_a_kept_state_at_both_precisions_read_only(tmp_path, c
     assert "largest |bfloat16 - float32|" in out
     assert {p.name: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
     assert mod.main(["--db", str(db), "nosuchrun"]) == 2
+
+
+def test_cuda_graphs_bench_checks_the_bits_on_cpu(capsys):
+    """The CPU smoke form of `bench/cuda_graphs.py`: both sides train, the bit check runs and passes."""
+    mod = load_script("bench/cuda_graphs.py")
+    assert mod.main(["--device", "cpu", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "same bits" in out and "MISMATCH" not in out and "ratio plain/graphs" in out
+    assert "True" in out.split("same bits", 1)[1]

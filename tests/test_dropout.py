@@ -17,7 +17,7 @@ from fedprism.engine.sequential import SequentialEngine
 from fedprism.engine.vectorized import VectorizedEngine
 from fedprism.errors import ConfigError
 from fedprism.models import PsiCifarCNN, build_model
-from fedprism.models.dropout import SeededDropout, hash32, keep_mask
+from fedprism.models.dropout import SeededDropout, hash32, hash32_int, keep_mask
 from fedprism.params import Functional, flatten
 from fedprism.protocol import TrainJob
 from test_engine_equivalence import make_fed, starts
@@ -55,6 +55,7 @@ def test_hash32_is_the_published_triple32():
     xs = [0, 1, 2, 12345, 2**31 - 1, 2**31, 2**32 - 1, 0xDEADBEEF]
     got = hash32(torch.tensor(xs, dtype=torch.int64)).tolist()
     assert got == [ref(x) for x in xs]
+    assert [hash32_int(x) for x in xs] == got                                   # the host twin, same bits
     assert len(set(hash32(torch.arange(1 << 16)).tolist())) == 1 << 16          # a bijection on a range
 
 

@@ -418,3 +418,77 @@ def test_jobs_that_differ_are_not_fused(mlp_setup):
     got = train_together(fused, [a, b], 1)
     assert torch.equal(got[1].params, fused.train(b, 1).params)
     assert VectorizedEngine(fed, model, CFG, 3, "cpu", compile=False).fuses_jobs is False   # CPU default
+
+
+def test_cuda_graphs_option_on_cpu(mlp_setup):
+    """Off by default on CPU; asking for graphs there is a clear error naming the key."""
+    from fedprism.engine import make_engine
+    from fedprism.errors import ConfigError
+
+    fed, model = mlp_setup
+    assert VectorizedEngine(fed, model, CFG, 3, "cpu", compile=False).cuda_graphs is False
+    with pytest.raises(ValueError, match="cuda_graphs=true needs a CUDA device"):
+        VectorizedEngine(fed, model, CFG, 3, "cpu", compile=False, cuda_graphs=True)
+    with pytest.raises(ConfigError, match="cuda_graphs"):
+        make_engine("vectorized", fed, model, CFG, 3, "cpu", compile=False, cuda_graphs="true")
+    eng = make_engine("vectorized", fed, model, CFG, 3, "cpu", compile=False, cuda_graphs="false")
+    assert eng.cuda_graphs is False
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_cuda_graphs_give_the_same_bits(compiled):
+    """A step replayed from a CUDA graph runs the recorded kernels on the same inputs: every job kind
+    (plain, prox with extras, shared and per-client masks, dropout, BatchNorm partial batches, several
+    slot counts) gives the unrecorded engine's parameters and losses bit for bit."""
+    cases = [(make_fed((1, 32, 32), sizes=(5, 12, 21, 30, 41, 9), n_test=(4, 7, 13, 0, 21, 3)),
+              build_model("lenet5", (1, 32, 32), 10, seed=0), CFG)]
+    torch.manual_seed(0)
+    cases.append((make_fed((64,)), DropoutMLP(), CFG))
+    cases.append((make_fed((3, 8, 8), sizes=(5, 19, 10), n_test=(6, 0, 9)),
+                  build_model("clustpsi_cifar_cnn", (3, 8, 8), 10, seed=0),
+                  LocalConfig(epochs=1, batch_size=8, lr=3e-4, optimizer="adam", eval_chunk=50)))
+    for fed, model, cfg in cases[:1] if compiled else cases:      # compiling costs ~15 s a model
+        n = fed.num_clients
+        s = starts(model.cpu(), n, seed=2)                         # an engine moves the model
+        plain = VectorizedEngine(fed, model, cfg, 3, "cuda", compile=compiled, cuda_graphs=False)
+        graphed = VectorizedEngine(fed, model, cfg, 3, "cuda", compile=compiled, cuda_graphs=True)
+        clients = np.arange(n)[::-1].copy()
+        mask = (torch.rand(n, s.shape[1], generator=torch.Generator().manual_seed(1)) > 0.3).float()
+        jobs = [TrainJob(clients, s), TrainJob(clients[:2], s[:2]),
+                TrainJob(clients, s, loss="prox", extras={"anchor": s.clone(), "mu": torch.full((n,), 0.1)}),
+                TrainJob(clients, s, mask=mask[0]), TrainJob(clients, s, mask=mask, epochs=1),
+                TrainJob(clients, s)]                       # a second use of the first recording
+        for rnd, job in enumerate(jobs):
+            a, b = plain.train(job, rnd), graphed.train(job, rnd)
+            assert torch.equal(a.params, b.params), (type(model).__name__, rnd)
+            assert torch.equal(a.loss, b.loss), (type(model).__name__, rnd)
+        assert graphed.cuda_graphs and len(graphed._graphs) >= 3
+
+
+def test_graph_buffers_give_the_same_bits_on_cpu(monkeypatch):
+    """The bookkeeping around a recorded step (its own parameter, state, extras and mask tensors, staged
+    indices, zeroed between jobs, one recording reused by later jobs) checked on the CPU with the
+    recording itself left out (`GraphedStep.replay` runs the step directly when nothing is recorded)."""
+    from fedprism.engine.cuda_graph import GraphedStep
+
+    monkeypatch.setattr(GraphedStep, "record", lambda self: self)
+    torch.manual_seed(0)
+    for fed, model in ((make_fed((64,)), DropoutMLP()),
+                       (make_fed((1, 32, 32), sizes=(5, 12, 21, 30, 41, 9), n_test=(4, 7, 13, 0, 21, 3)),
+                        build_model("lenet5", (1, 32, 32), 10, seed=0))):
+        plain = VectorizedEngine(fed, model, CFG, 3, "cpu", compile=False)
+        graphed = VectorizedEngine(fed, model, CFG, 3, "cpu", compile=False)
+        graphed.cuda_graphs = True
+        n = fed.num_clients
+        clients = np.arange(n)[::-1].copy()
+        s = starts(model, n, seed=2)
+        mask = (torch.rand(n, s.shape[1], generator=torch.Generator().manual_seed(1)) > 0.3).float()
+        jobs = [TrainJob(clients, s), TrainJob(clients[:2], s[:2]),
+                TrainJob(clients, s, loss="prox", extras={"anchor": s.clone(), "mu": torch.full((n,), 0.1)}),
+                TrainJob(clients, s, mask=mask[0]), TrainJob(clients, s, mask=mask, epochs=1),
+                TrainJob(clients, s)]
+        for rnd, job in enumerate(jobs):
+            a, b = plain.train(job, rnd), graphed.train(job, rnd)
+            assert torch.equal(a.params, b.params) and torch.equal(a.loss, b.loss), rnd
+        assert len(graphed._graphs) >= 3

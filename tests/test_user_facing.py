@@ -175,6 +175,8 @@ def test_a_run_records_what_produced_it(tmp_path):
     assert len(prov["data"]) == 64
     ex = prov["execution"]
     assert ex["threads"] == 1 and ex["engine"] == "SequentialEngine" and ex["compile"] is False
+    assert ex["cuda_graphs"] is False and ex["fuse_jobs"] is False
+    assert _run(db, threads=1, cuda_graphs="false", fuse_jobs="false").run_id == res.run_id   # execution keys
     assert ex["torch"] == torch.__version__ and ex["numpy"] == np.__version__ and ex["cpu"]
     assert prov["version"]
     # the same data gives the same fingerprint; another partition seed gives another

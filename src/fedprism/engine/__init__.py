@@ -25,16 +25,19 @@ AUTO_SEQUENTIAL_PARAMS_CPU = 1_000_000
 
 
 def make_engine(name: str, fed, model, cfg: LocalConfig, seed: int, device: str = "auto",
-                compile: str | bool = "auto", rounds: int = 1, fuse_jobs: str | bool = "auto") -> EngineBase:
+                compile: str | bool = "auto", rounds: int = 1, fuse_jobs: str | bool = "auto",
+                cuda_graphs: str | bool = "auto") -> EngineBase:
     """Build an engine. `auto`: vectorized on GPU, and on CPU when its kernels are compiled (long
     runs) and the model has fewer than `AUTO_SEQUENTIAL_PARAMS_CPU` parameters; otherwise the sequential
     loop, which is faster than an eager vmap, and than a compiled one for large models, on CPU. The
-    engine changes how a run executes, not its run id. `fuse_jobs` (auto: on CUDA only) is the vectorized
-    engine's option of that name (`fedprism.protocol.train_together`)."""
+    engine changes how a run executes, not its run id. `fuse_jobs` (auto: on CUDA only) and `cuda_graphs`
+    (auto: on for compiled CUDA runs) are the vectorized engine's options of those names."""
     dev = resolve_device(device)
     size = sum(p.numel() for p in model.parameters())
     if name == "auto" and dev == "cpu" and size >= AUTO_SEQUENTIAL_PARAMS_CPU:
         return SequentialEngine(fed, model, cfg, seed, dev)
+    if cuda_graphs in (True, "true") and dev == "cpu":
+        raise ConfigError("cuda_graphs", cuda_graphs, "auto or false on a CPU device (true needs CUDA)")
     if name in ("auto", "vectorized"):
         try:
             from fedprism.engine.vectorized import VectorizedEngine
@@ -42,8 +45,11 @@ def make_engine(name: str, fed, model, cfg: LocalConfig, seed: int, device: str 
             if name == "vectorized":
                 raise
         else:
-            fuse = None if fuse_jobs in ("auto", None) else fuse_jobs in (True, "true")
-            eng = VectorizedEngine(fed, model, cfg, seed, dev, compile=compile, rounds=rounds, fuse_jobs=fuse)
+            def flag(v):
+                return None if v in ("auto", None) else v in (True, "true")
+
+            eng = VectorizedEngine(fed, model, cfg, seed, dev, compile=compile, rounds=rounds,
+                                   fuse_jobs=flag(fuse_jobs), cuda_graphs=flag(cuda_graphs))
             # On CPU an uncompiled vmap is slower than the plain loop:
             # `auto` keeps the vectorized engine only where it pays.
             if name == "vectorized" or eng.compiled or dev != "cpu":

@@ -46,6 +46,7 @@ from torch.func import grad_and_value, vmap
 
 from fedprism.engine.base import (SHARED_SPLITS, SPLITS, EngineBase, LocalConfig, dropout_key, optimizer_state,
                                   optimizer_step, resolve_loss)
+from fedprism.engine.cuda_graph import GraphedStep
 from fedprism.federation import Federation
 from fedprism.protocol import EvalResult, Trained, TrainJob
 
@@ -200,6 +201,9 @@ class VectorizedEngine(EngineBase):
                    dropout masks do not change, its arithmetic only at rounding level (the slot count
                    changes the batched kernels, as `max_slots` does), so the CPU default keeps stored runs
                    bit for bit; on this project's CPU the pass is FLOP-bound and fusing gains nothing.
+      cuda_graphs  replay each training step from a CUDA graph (`fedprism.engine.cuda_graph`; default: on
+                   for compiled CUDA runs). The same kernels on the same inputs, so the same bits; one
+                   launch per step instead of one per kernel. Needs a CUDA device.
     """
 
     name = "vectorized"
@@ -207,7 +211,8 @@ class VectorizedEngine(EngineBase):
     def __init__(self, fed: Federation, model: nn.Module, cfg: LocalConfig, seed: int,
                  device: str | torch.device = "cpu", compile: str | bool = "auto", rounds: int = 1,
                  max_slots: int | None = None, eval_models: int | None = None, eval_samples: int | None = None,
-                 eval_memory: int | None = None, fuse_jobs: bool | None = None):
+                 eval_memory: int | None = None, fuse_jobs: bool | None = None,
+                 cuda_graphs: bool | None = None):
         super().__init__(fed, model, cfg, seed, device)
         mode = parse_compile(compile)
         cuda = self.device.type == "cuda"
@@ -222,6 +227,10 @@ class VectorizedEngine(EngineBase):
             self.compiled = mode == "true"
         if self.compiled:
             _bump_recompile_limit()
+        if cuda_graphs and not cuda:
+            raise ValueError(f"cuda_graphs=true needs a CUDA device; this engine runs on {self.device}")
+        self.cuda_graphs = (cuda and self.compiled) if cuda_graphs is None else bool(cuda_graphs)
+        self._graphs: dict[tuple, GraphedStep] = {}
         self.max_slots = int(max_slots) if max_slots else (256 if cuda else 16)
         eval_models = int(eval_models) if eval_models else (100 if cuda else 10)
         if self.max_slots < 1 or eval_models < 1:
@@ -341,6 +350,13 @@ class VectorizedEngine(EngineBase):
         w = torch.zeros(W, start.shape[1], device=dev, dtype=start.dtype)
         st = optimizer_state(cfg, w)
         ex = {k: torch.zeros((W, *v.shape[1:]), device=dev, dtype=v.dtype) for k, v in extras.items()}
+        gs = self._graphed(step, w, st, ex, mask, per_client, drop is not None) if self.cuda_graphs \
+            else None
+        if gs is not None:                        # the graph's own tensors stand in for w, st, ex, mask
+            gs.reset()
+            w, st, ex = gs.w, gs.st, gs.ex
+            if mask is not None:
+                gs.m.copy_(mask)
         xtr, ytr = self.fed.x_train, self.fed.y_train
         # the schedule is built on the CPU a chunk of steps at a time (about 2M batch entries), so
         # memory does not grow with the number of epochs; each chunk is moved once
@@ -391,15 +407,20 @@ class VectorizedEngine(EngineBase):
                         z[s] = 0
                     for name, v in extras.items():
                         ex[name][s] = v[k]
-                it = idx[t]
-                m = ex.pop("__mask__") if per_client else mask
-                if dkeys is None:
-                    w, st, lv = step(w, st, xtr[it], ytr[it], wt[t], ex, active[t], m)
+                if gs is not None:
+                    gs.set(idx[t], wt[t], active[t], None if dkeys is None else dkeys[t])
+                    gs.replay()
+                    lvals[t] = gs.lv
                 else:
-                    w, st, lv = step(w, st, xtr[it], ytr[it], wt[t], ex, active[t], m, dkeys[t])
-                if per_client:
-                    ex["__mask__"] = m
-                lvals[t] = lv
+                    it = idx[t]
+                    m = ex.pop("__mask__") if per_client else mask
+                    if dkeys is None:
+                        w, st, lv = step(w, st, xtr[it], ytr[it], wt[t], ex, active[t], m)
+                    else:
+                        w, st, lv = step(w, st, xtr[it], ytr[it], wt[t], ex, active[t], m, dkeys[t])
+                    if per_client:
+                        ex["__mask__"] = m
+                    lvals[t] = lv
                 for s, k, bi in partial.get(t, ()):
                     lvals[t, s] = self._single_step(job.loss, cfg, w, st, s, k, bi.to(dev), extras,
                                                     ex["__mask__"][s] if per_client else mask,
@@ -413,6 +434,24 @@ class VectorizedEngine(EngineBase):
         losses /= counts.clamp(min=1)
         self.samples_trained += int(counts.sum())
         return Trained(job.clients, out.to(job.start.device, job.start.dtype), self._n_train(job.clients), losses)
+
+    def _graphed(self, step, w, st, ex, mask, per_client: bool, dropout: bool) -> GraphedStep | None:
+        """The recorded step for these shapes (recorded on first use), or None when recording fails (the
+        engine then warns once and trains without graphs)."""
+        key = (id(step), tuple(w.shape), self.cfg.batch_size, per_client, mask is None, dropout,
+               tuple((k, tuple(v.shape), v.dtype) for k, v in ex.items()))
+        if key not in self._graphs:
+            try:
+                self._graphs[key] = GraphedStep(step, w.shape[0], self.cfg.batch_size, w.shape[1], st, ex,
+                                                mask, per_client, dropout, self.fed.x_train,
+                                                self.fed.y_train).record()
+            except Exception as e:  # noqa: BLE001 - any recording failure: the unrecorded step is exact
+                warnings.warn(f"recording the training step as a CUDA graph failed ({type(e).__name__}: "
+                              f"{str(e)[:200]}); the engine continues without CUDA graphs",
+                              RuntimeWarning, stacklevel=3)
+                self.cuda_graphs = False
+                return None
+        return self._graphs[key]
 
     def _single_step(self, loss, cfg, w, st, s, k, bi, extras, mask, dkey=None) -> torch.Tensor:
         """One unpadded step of slot s (BatchNorm models' partial batches), in place; `dkey` its dropout key."""

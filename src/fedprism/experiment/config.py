@@ -93,6 +93,9 @@ KEYS: dict[str, Param] = {
                        "specialists and private parts) as one pass; auto: on CUDA only (bench/README.md, GPU); "
                        "numbers change at rounding level only; not part of the run id",
                        choices=("auto", "true", "false", True, False), new=True),
+    "cuda_graphs": Param("auto", "the vectorized engine replays each training step from a CUDA graph (one "
+                         "launch per step; the same bits); auto: on for compiled CUDA runs; true needs CUDA; "
+                         "not part of the run id", choices=("auto", "true", "false", True, False), new=True),
     "threads": Param(0, "torch intra-op threads for the run (0: leave torch's default); recorded with the "
                      "run, not part of its id", _nonneg, "an integer >= 0"),
     "scalars": Param("", "directory for per-round and per-client scalars as CSV, written as each round is "
@@ -137,8 +140,8 @@ PARTITION_COMMON: dict[str, Param] = {
 }
 
 #: keys that change how a run executes but not its numbers (excluded from the run id)
-EXECUTION_KEYS = frozenset({"name", "device", "engine", "compile", "fuse_jobs", "data.root", "data.download",
-                            "keep_final", "threads", "scalars"})
+EXECUTION_KEYS = frozenset({"name", "device", "engine", "compile", "fuse_jobs", "cuda_graphs", "data.root",
+                            "data.download", "keep_final", "threads", "scalars"})
 
 
 def parse_value(text: str) -> Any:

@@ -124,6 +124,7 @@ def capture(exp: Any) -> dict[str, Any]:
     ex.update({"engine": type(eng).__name__ if eng is not None else None,
                "compile": bool(getattr(eng, "compiled", False)),
                "fuse_jobs": bool(getattr(eng, "fuses_jobs", False)),
+               "cuda_graphs": bool(getattr(eng, "cuda_graphs", False)),
                "device": str(getattr(eng, "device", "") or "") or None})
     return {"version": __version__,
             "code": {"method": source_fingerprint(type(exp.algo)) if getattr(exp, "algo", None) is not None

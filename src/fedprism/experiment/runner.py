@@ -261,7 +261,8 @@ class Experiment:
                      disk=_free_disk(store.path) if cfg.get("state.storage") == "mmap" else None)
         self.ctx = make_context(cfg, self.model, self.fed.n_train, self.fed.label_hist())
         self.engine = make_engine(cfg["engine"], self.fed, self.model, local_config(cfg), cfg["seed"], cfg["device"],
-                                  compile=cfg["compile"], rounds=cfg["rounds"], fuse_jobs=cfg["fuse_jobs"])
+                                  compile=cfg["compile"], rounds=cfg["rounds"], fuse_jobs=cfg["fuse_jobs"],
+                                  cuda_graphs=cfg["cuda_graphs"])
         self.ctx.spec = self.engine.spec
         self.algo: Algorithm = make_algorithm(cfg, self.ctx)
         self.clients: ClientStore | None = self.client_store()

@@ -58,6 +58,15 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 14)
 
 
+def hash32_int(x: int) -> int:
+    """`hash32` of one Python integer, on the host (the same bits; no tensor to copy to a device, so a step
+    that calls it can be recorded as a CUDA graph)."""
+    x &= _M32
+    for shift, c in ((17, 0xED5AD4BB), (11, 0xAC4C1B51), (15, 0x31848BAB)):
+        x = ((x ^ (x >> shift)) * c) & _M32
+    return x ^ (x >> 14)
+
+
 def keep_mask(key: torch.Tensor, salt: int, batch: int, features: int, p: float) -> torch.Tensor:
     """[batch, features] bool: True where an activation is kept (the module docstring's formula).
 
@@ -66,7 +75,7 @@ def keep_mask(key: torch.Tensor, salt: int, batch: int, features: int, p: float)
         raise ValueError(f"a dropout layer sees {batch} x {features} activations; the counter needs < 2^32")
     key = key.to(torch.int64)
     dev = key.device
-    salt_h = hash32(torch.tensor(int(salt), dtype=torch.int64, device=dev))
+    salt_h = torch.full((), hash32_int(int(salt)), dtype=torch.int64, device=dev)
     k_a = hash32(hash32(hash32(salt_h ^ key[2]) ^ key[0]))
     k_b = hash32(k_a ^ key[1])
     c = torch.arange(batch * features, dtype=torch.int64, device=dev)
