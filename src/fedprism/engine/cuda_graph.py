@@ -19,7 +19,7 @@ side stream; if recording fails the engine warns once and trains without graphs.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -53,7 +53,7 @@ class GraphedStep:
             args.append(self.dk)
         return self.step(*args)
 
-    def record(self) -> "GraphedStep":
+    def record(self) -> GraphedStep:
         """Warm up twice on a side stream (compiles; results discarded), then record one step whose
         results are copied into the step's own `w`, `st` and `lv`."""
         side = torch.cuda.Stream(device=self.w.device)
