@@ -43,6 +43,10 @@ counts); per-client thresholds are calibrated on the client's own training rows.
                    images), not by a federated protocol
     learned-linear w  the same with a convex gate (logistic regression on the standardised features),
                    the kind of gate the clients could train together with FedAvg
+    learned own    (and learned-linear own) the same gates fitted on the clients' own validation rows
+                   alone, without the global validation set: a gate that needs no data outside the clients
+                   (their rare classes stand in for the classes they lack); the global validation set
+                   then only scores it, as it scores every rule
     maha-F q       a one-class gate trained on the client's own rows (no foreign images needed): the
                    specialist when the Mahalanobis distance of x's penultimate features in stream F (L: the
                    specialist's, W: the backbone's) to the nearest of the client's class means (tied
@@ -134,8 +138,9 @@ MAHA_Q = (0.01, 0.05, 0.2)
 SHARES = (0.02, 0.05, 0.1)
 
 
-#: the learned gate's total weight of the clients' validation rows against the global validation set's 1
-GATE_WEIGHTS = (1, 2, 3, 5, 8)
+#: the learned gate's total weight of the clients' validation rows against the global validation set's 1;
+#: inf: the clients' own validation rows alone (`learned own`), a gate that needs no data outside the clients
+GATE_WEIGHTS = (1, 2, 3, 5, 8, float("inf"))
 
 
 def gate_features(e: torch.Tensor, b: torch.Tensor, share: torch.Tensor) -> torch.Tensor:
@@ -183,10 +188,12 @@ def learned_gates(rows: dict, weights=GATE_WEIGHTS, kind: str = "boosted", seed:
     def fit(lw, pick):
         X, t, w = [], [], []
         for s in fit_splits:
+            if s == "global_val" and lw == float("inf"):
+                continue               # `own`: the clients' validation rows alone
             x, he, hb = cat[s]
             m = (he != hb) & pick[s]
             X.append(x[m]), t.append(he[m].astype(np.int64))
-            w.append(np.full(m.sum(), (lw if s == "val" else 1) / len(he)))
+            w.append(np.full(m.sum(), (1 if lw == float("inf") or s != "val" else lw) / len(he)))
         w, t = np.concatenate(w), np.concatenate(t)
         if len(np.unique(t)) < 2:      # one stream right on every fitting row (tiny federations): constant
             return _Constant(int(t[0]) if len(t) else 0)
@@ -213,7 +220,8 @@ def learned_gates(rows: dict, weights=GATE_WEIGHTS, kind: str = "boosted", seed:
             else:
                 p = full.predict_proba(x)[:, 1]
             acc[s] = score(s, p > 0.5)
-        out[f"learned{'-linear' if kind == 'linear' else ''} w={lw:g}"] = acc
+        name = "own" if lw == float("inf") else f"w={lw:g}"
+        out[f"learned{'-linear' if kind == 'linear' else ''} {name}"] = acc
     return out
 
 

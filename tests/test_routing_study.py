@@ -293,3 +293,28 @@ def test_command_line_writes_the_tables_with_the_gate_seed(tmp_path, monkeypatch
     text = out.read_text()
     assert "| learned w=5 |" in text.replace(" **(chosen on validation)**", "") and "| learned-linear w=8 |" in \
         text.replace(" **(chosen on validation)**", "")
+
+
+def test_own_gate_is_fitted_on_the_clients_rows_alone():
+    """`learned own` never fits a global validation row: there the signal is inverted, so a gate fitted on
+    the clients' rows alone routes every global validation input wrong, and one that also fits those rows
+    (w=1) does not."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+
+    def rows(n, flip):
+        out = []
+        for _ in range(4):
+            he = rng.random(n) < 0.5
+            x = np.column_stack([he ^ flip, rng.random(n)]).astype(np.float32)
+            out.append((x, he, ~he))
+        return out
+
+    data = {s: rows(300, s == "global_val") for s in routing_study.SPLITS}
+    for kind in ("boosted", "linear"):
+        got = routing_study.learned_gates(data, weights=(1, float("inf")), kind=kind)
+        own = got[f"learned{'-linear' if kind == 'linear' else ''} own"]
+        both = got[f"learned{'-linear' if kind == 'linear' else ''} w=1"]
+        assert own["val"] == 1.0 and own["local"] == 1.0 and own["global_val"] == 0.0
+        assert both["global_val"] > 0.2
