@@ -439,7 +439,8 @@ class VectorizedEngine(EngineBase):
         """The recorded step for these shapes (recorded on first use), or None when recording fails (the
         engine then warns once and trains without graphs)."""
         key = (id(step), tuple(w.shape), self.cfg.batch_size, per_client, mask is None, dropout,
-               tuple((k, tuple(v.shape), v.dtype) for k, v in ex.items()))
+               tuple((k, tuple(v.shape), v.dtype) for k, v in ex.items()),
+               self.fed.x_train.data_ptr(), self.fed.y_train.data_ptr())     # the graph gathers from these
         if key not in self._graphs:
             try:
                 self._graphs[key] = GraphedStep(step, w.shape[0], self.cfg.batch_size, w.shape[1], st, ex,
