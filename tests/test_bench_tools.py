@@ -76,3 +76,11 @@ def test_cuda_graphs_bench_checks_the_bits_on_cpu(capsys):
     out = capsys.readouterr().out
     assert "same bits" in out and "MISMATCH" not in out and "ratio plain/graphs" in out
     assert "True" in out.split("same bits", 1)[1]
+
+
+def test_pool_train_bench_keeps_the_bits(capsys):
+    """`bench/pool_train.py --quick`: both exact pooling rewrites train to MaxPool2d's bits (exit 0)."""
+    mod = load_script("bench/pool_train.py")
+    assert mod.main(["--quick", "--rounds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("same bits") == 4 and "DIFFERENT" not in out

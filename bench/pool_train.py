@@ -1,0 +1,121 @@
+"""Two exact formulations of LeNet-5's 2x2 max pooling for training, against `nn.MaxPool2d(2)`, compiled.
+
+The compiled training step's largest kernel (`bench/README.md`, "The compiled step's largest kernel")
+is the fused backward of the first pooling and ReLU. This bench replaces every plain `MaxPool2d(2)` of the
+model with one of two formulations that send each window's gradient to the same input as `max_pool2d`
+(its first maximum), so that the parameters stay the same bits:
+
+  where  the four strided views, their maximum, and nested `torch.where` on first-maximum masks (the
+         backward is element-wise: no scatter);
+  stack  the four views stacked on a last dimension of 4 and `max(dim=-1)` (ties go to the first index).
+
+Each engine trains the same rounds of the paper workload (FMNIST, 100 clients, Dirichlet 0.1, 10 clients
+a round, B=32, SGD 0.01 / 0.9, LeNet-5) from the same starts, in rotating order; round 0 (compilation)
+is left out of the medians, and every round checks the bits against `MaxPool2d`.
+
+    python bench/pool_train.py --epochs 2 --rounds 4     # one thread
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine import build_federation
+
+from fedprism.algorithms.base import TrainJob
+from fedprism.engine.base import LocalConfig
+from fedprism.engine.vectorized import VectorizedEngine
+from fedprism.models import build_model
+from fedprism.models.pooling import _plain_2x2
+from fedprism.params import flatten
+
+
+def _views(x: torch.Tensor):
+    h, w = x.shape[-2] // 2 * 2, x.shape[-1] // 2 * 2
+    x = x[..., :h, :w]
+    return x[..., 0::2, 0::2], x[..., 0::2, 1::2], x[..., 1::2, 0::2], x[..., 1::2, 1::2]
+
+
+class WhereMax2x2(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b, c, d = _views(x)
+        m = torch.maximum(torch.maximum(a, b), torch.maximum(c, d))
+        ia = (a == m) | torch.isnan(a)
+        ib = ~ia & ((b == m) | torch.isnan(b))
+        ic = ~ia & ~ib & ((c == m) | torch.isnan(c))
+        return torch.where(ia, a, torch.where(ib, b, torch.where(ic, c, d)))
+
+
+class StackMax2x2(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack(_views(x), -1).max(-1).values
+
+
+def replaced(model: nn.Module, cls) -> nn.Module:
+    out = copy.deepcopy(model)
+    for parent in list(out.modules()):
+        for name, child in list(parent.named_children()):
+            if _plain_2x2(child):
+                setattr(parent, name, cls())
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--quick", action="store_true", help="20 clients of 200 samples, E=1, no compile")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    ns = argparse.Namespace(clients=20 if a.quick else 100, partition="dirichlet", alpha=0.1, seed=0,
+                            test_samples=1000, max_train=200 if a.quick else 0)
+    fed, src = build_federation(ns)
+    cfg = LocalConfig(epochs=1 if a.quick else a.epochs, batch_size=32, lr=0.01, momentum=0.9)
+    model = build_model("lenet5", (1, 32, 32), 10, seed=0)
+    comp = not a.quick
+    engines = {name: VectorizedEngine(fed, m, cfg, 0, "cpu", compile=comp, rounds=100)
+               for name, m in (("MaxPool2d", copy.deepcopy(model)), ("where", replaced(model, WhereMax2x2)),
+                               ("stack", replaced(model, StackMax2x2)))}
+    print(f"# pooling bench  torch {torch.__version__}  threads {a.threads}  data {src}  E={cfg.epochs}")
+    w0, rng = flatten(model), np.random.default_rng(0)
+    times: dict[str, list[float]] = {k: [] for k in engines}
+    same = True
+    for r in range(a.rounds):
+        clients = np.sort(rng.choice(fed.num_clients, 10 if not a.quick else 4, replace=False))
+        job = TrainJob(clients, w0.expand(len(clients), -1).clone())
+        names = list(engines)
+        names = names[r % 3:] + names[:r % 3]
+        res = {}
+        for k in names:
+            t = time.perf_counter()
+            res[k] = engines[k].train(job, r)
+            if r > 0:
+                times[k].append(time.perf_counter() - t)
+        for k in ("where", "stack"):
+            eq = torch.equal(res[k].params, res["MaxPool2d"].params) and torch.equal(res[k].loss,
+                                                                                      res["MaxPool2d"].loss)
+            same &= eq
+            print(f"round {r}: {k} {'same bits' if eq else 'DIFFERENT'}", flush=True)
+    base = statistics.median(times["MaxPool2d"]) if times["MaxPool2d"] else float("nan")
+    for k, v in times.items():
+        if v:
+            print(f"{k:>10}: median training round {statistics.median(v):.3f} s, "
+                  f"{statistics.median(v) / base:.2f}x MaxPool2d's")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
