@@ -38,7 +38,7 @@ from fedprism.algorithms.base import TrainJob
 from fedprism.engine.base import LocalConfig
 from fedprism.engine.vectorized import VectorizedEngine
 from fedprism.models import build_model
-from fedprism.models.pooling import _plain_2x2
+from fedprism.models.pooling import replace_plain_2x2
 from fedprism.params import flatten
 
 
@@ -63,15 +63,6 @@ class StackMax2x2(nn.Module):
         return torch.stack(_views(x), -1).max(-1).values
 
 
-def replaced(model: nn.Module, cls) -> nn.Module:
-    out = copy.deepcopy(model)
-    for parent in list(out.modules()):
-        for name, child in list(parent.named_children()):
-            if _plain_2x2(child):
-                setattr(parent, name, cls())
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--epochs", type=int, default=2)
@@ -87,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model("lenet5", (1, 32, 32), 10, seed=0)
     comp = not a.quick
     engines = {name: VectorizedEngine(fed, m, cfg, 0, "cpu", compile=comp, rounds=100)
-               for name, m in (("MaxPool2d", copy.deepcopy(model)), ("where", replaced(model, WhereMax2x2)),
-                               ("stack", replaced(model, StackMax2x2)))}
+               for name, m in (("MaxPool2d", copy.deepcopy(model)), ("where", replace_plain_2x2(model, WhereMax2x2)),
+                               ("stack", replace_plain_2x2(model, StackMax2x2)))}
     print(f"# pooling bench  torch {torch.__version__}  threads {a.threads}  data {src}  E={cfg.epochs}")
     w0, rng = flatten(model), np.random.default_rng(0)
     times: dict[str, list[float]] = {k: [] for k in engines}

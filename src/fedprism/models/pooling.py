@@ -31,20 +31,26 @@ class MaxPool2x2(nn.Module):
 def _plain_2x2(m: nn.Module) -> bool:
     if type(m) is not nn.MaxPool2d:
         return False
-    pair = lambda v: v if isinstance(v, tuple) else (v, v)  # noqa: E731
+    pair = lambda v: v if isinstance(v, tuple) else (v, v)
     stride = m.stride if m.stride is not None else m.kernel_size
     return (pair(m.kernel_size) == (2, 2) and pair(stride) == (2, 2) and pair(m.padding) == (0, 0)
             and pair(m.dilation) == (1, 1) and not m.ceil_mode and not m.return_indices)
 
 
-def for_inference(module: nn.Module) -> nn.Module | None:
-    """A deep copy of ``module`` with every plain ``MaxPool2d(2)`` replaced by :class:`MaxPool2x2`, or None
-    when it has none (parameter and buffer names are unchanged: poolings hold neither)."""
-    if not any(_plain_2x2(m) for m in module.modules()):
-        return None
+def replace_plain_2x2(module: nn.Module, factory) -> nn.Module:
+    """A deep copy of ``module`` with every plain ``MaxPool2d(2)`` replaced by ``factory()`` (parameter and
+    buffer names are unchanged: poolings hold neither)."""
     out = copy.deepcopy(module)
     for parent in list(out.modules()):
         for name, child in list(parent.named_children()):
             if _plain_2x2(child):
-                setattr(parent, name, MaxPool2x2())
+                setattr(parent, name, factory())
     return out
+
+
+def for_inference(module: nn.Module) -> nn.Module | None:
+    """``module`` with every plain ``MaxPool2d(2)`` replaced by :class:`MaxPool2x2`, or None when it has
+    none."""
+    if not any(_plain_2x2(m) for m in module.modules()):
+        return None
+    return replace_plain_2x2(module, MaxPool2x2)
