@@ -318,3 +318,27 @@ def test_own_gate_is_fitted_on_the_clients_rows_alone():
         both = got[f"learned{'-linear' if kind == 'linear' else ''} w=1"]
         assert own["val"] == 1.0 and own["local"] == 1.0 and own["global_val"] == 0.0
         assert both["global_val"] > 0.2
+
+
+def test_final_state_study_as_results_readme_states():
+    """results/README.md, "On final states (round 100) ...": the goal per seed, the chosen gates, their
+    margins, and where the gates fitted on the clients' own rows alone end."""
+    t = _tables(ROOT / "results" / "routing_study_final.md")
+    quoted = {0: ("learned w=5", (93.96, 82.91), (94.28, 81.67), False, (95.70, 54.21), (95.71, 48.00),
+                  (95.50, 50.80), 95.54),
+              1: ("learned w=3", (94.12, 85.46), (93.99, 85.01), True, (95.81, 57.00), (95.56, 50.26),
+                  (95.18, 52.55), 95.57)}
+    for seed, (chosen, test, goal, met, own, linear_own, t5, ens) in quoted.items():
+        r = t[seed]
+        assert r["__chosen__"] == chosen == _choice(r) and r[chosen][2:] == test
+        assert (r["specialist"][2], round(r["backbone"][3] - 2, 2)) == goal
+        assert (test[0] >= goal[0] and test[1] >= goal[1]) == met
+        assert r["learned own"][2:] == own and r["learned-linear own"][2:] == linear_own
+        assert r["confidence T=5"][2:] == t5 and r["ensemble b=0.5"][2] == ens
+        assert own[0] > t5[0] and own[1] > t5[1]                          # beats T = 5 on both halves
+        for o in (own, linear_own):
+            assert 95.56 <= o[0] <= 95.81 and 48 <= o[1] <= 57
+    assert round(t[0]["specialist"][2] - t[0]["learned w=5"][2], 2) == 0.32              # "0.32 short"
+    r1 = t[1]
+    assert (round(r1["learned w=3"][2] - r1["specialist"][2], 2),                           # seed 1's margins
+            round(r1["learned w=3"][3] - (r1["backbone"][3] - 2), 2)) == (0.13, 0.45)
