@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from fedprism.experiment.store import Store
 from fedprism.experiment.sweep import dump_sweep, run_sweep
 
@@ -78,10 +80,12 @@ def test_workers_end_when_the_sweep_process_is_killed(tmp_path):
         raise AssertionError(f"worker {worker} outlived the killed sweep process")
 
 
-def test_sigint_to_the_sweep_process_alone_stops_every_worker_at_once(tmp_path):
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
+def test_sigint_to_the_sweep_process_alone_stops_every_worker_at_once(tmp_path, inherited):
     """`kill -INT <sweep pid>` (what `timeout -s INT` and job schedulers send): the running runs end
     'interrupted' with their checkpoints, and no queued run starts. The process pool's own shutdown would
-    first run every queued run to its end (here: hours)."""
+    first run every queued run to its end (here: hours). "ignored": launched with SIGINT ignored, as a
+    shell starts a background job (`fedprism sweep ... &`); the signal must still stop it."""
     import os
     import signal
     import subprocess
@@ -93,8 +97,10 @@ def test_sigint_to_the_sweep_process_alone_stops_every_worker_at_once(tmp_path):
     assert '"rounds" = 100000' in f.read_text()
     db = tmp_path / "s.db"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    disposition = signal.SIG_IGN if inherited == "ignored" else signal.SIG_DFL
     proc = subprocess.Popen([sys.executable, "-m", "fedprism", "sweep", str(f), "--db", str(db), "--workers", "2",
-                             "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+                             "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, disposition))
     try:
         deadline = time.time() + 120
         while time.time() < deadline:          # both workers are inside a run (each wrote a round)

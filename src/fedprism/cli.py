@@ -393,6 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fedprism.experiment.sweep import stop_on_sigint
+
+    stop_on_sigint()
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # key=value items after an option (`fedprism verify RUN --rounds 2 engine=sequential`)

@@ -35,6 +35,7 @@ import itertools
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -126,6 +127,17 @@ def dump_sweep(name: str, base: dict[str, Any], runs: list[dict[str, Any]], grid
 _STOP = None            # in a worker: the sweep's "stop" event (set when the sweep is interrupted)
 
 
+def stop_on_sigint() -> None:
+    """Make SIGINT raise KeyboardInterrupt even when the process inherited it ignored (a shell starts
+    background jobs, `cmd &`, with SIGINT ignored, and Python then installs no handler): SIGINT is how
+    `timeout -s INT`, schedulers and `stop_workers` end a run cleanly, however it was launched."""
+    import signal
+
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _sweep_worker_init(threads: int, stop=None) -> None:
     import torch
 
@@ -133,6 +145,7 @@ def _sweep_worker_init(threads: int, stop=None) -> None:
 
     global _STOP
     _STOP = stop
+    stop_on_sigint()
     torch.set_num_threads(threads)
     plugins.load()                     # methods registered by entry points (in-process registrations are not seen)
     exit_with_parent()
