@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model("lenet5", (1, 32, 32), 10, seed=0)
     comp = not a.quick
     engines = {name: VectorizedEngine(fed, m, cfg, 0, "cpu", compile=comp, rounds=100)
-               for name, m in (("MaxPool2d", copy.deepcopy(model)), ("where", replace_plain_2x2(model, WhereMax2x2)),
+               for name, m in (("MaxPool2d", copy.deepcopy(model)),
+                               ("where", replace_plain_2x2(model, WhereMax2x2)),
                                ("stack", replace_plain_2x2(model, StackMax2x2)))}
     print(f"# pooling bench  torch {torch.__version__}  threads {a.threads}  data {src}  E={cfg.epochs}")
     w0, rng = flatten(model), np.random.default_rng(0)
