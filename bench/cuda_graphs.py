@@ -84,12 +84,11 @@ def main(argv: list[str] | None = None) -> int:
             start = w0 + 0.01 * torch.randn(n, w0.numel(), device=device,
                                             generator=torch.Generator(device).manual_seed(r))
             job = TrainJob(clients, start)
-            res = {}
-            for g in ((False, True) if r % 2 == 0 else (True, False)):
-                res[g], dt = timed(engines[g], job, r, device)
-                if r > 0:
+            order = (False, True) if r % 2 == 0 else (True, False)
+            res = {g: timed(engines[g], job, r, device) for g in order}
+            if r > 0:
+                for g, (_, dt) in res.items():
                     times[(n, g)].append(dt)
-                res[g] = (res[g], dt)
             (a, ta), (b, tb) = res[False], res[True]
             same = torch.equal(a.params, b.params) and torch.equal(a.loss, b.loss)
             steps = -(-int(a.n_samples.max()) // 32) * epochs

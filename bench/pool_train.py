@@ -13,7 +13,8 @@ Each engine trains the same rounds of the paper workload (FMNIST, 100 clients, D
 a round, B=32, SGD 0.01 / 0.9, LeNet-5) from the same starts, in rotating order; round 0 (compilation)
 is left out of the medians, and every round checks the bits against `MaxPool2d`.
 
-    python bench/pool_train.py --epochs 2 --rounds 4     # one thread
+    python bench/pool_train.py --epochs 2 --rounds 4            # one thread
+    python bench/pool_train.py --epochs 2 --rounds 4 --unfold   # and the unfold + GEMM convolution
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
@@ -38,7 +40,7 @@ from fedprism.algorithms.base import TrainJob
 from fedprism.engine.base import LocalConfig
 from fedprism.engine.vectorized import VectorizedEngine
 from fedprism.models import build_model
-from fedprism.models.pooling import replace_plain_2x2
+from fedprism.models.pooling import replace_modules, replace_plain_2x2
 from fedprism.params import flatten
 
 
@@ -63,12 +65,30 @@ class StackMax2x2(nn.Module):
         return torch.stack(_views(x), -1).max(-1).values
 
 
+class UnfoldConv2d(nn.Module):
+    """`--unfold`: a Conv2d (no padding, stride 1) as unfold plus a matrix product, so that under vmap the
+    models stay out of the channel dimension (a batched GEMM). Its rounding differs from oneDNN's."""
+
+    def __init__(self, conv: nn.Conv2d):
+        super().__init__()
+        self.weight, self.bias, self.k = conv.weight, conv.bias, conv.kernel_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, _, H, W = x.shape
+        out = self.weight.reshape(self.weight.shape[0], -1) @ F.unfold(x, self.k) + self.bias[:, None]
+        return out.view(B, -1, H - self.k[0] + 1, W - self.k[1] + 1)
+
+
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="20 clients of 200 samples, E=1, no compile")
+    ap.add_argument("--unfold", action="store_true",
+                    help="also time the convolutions as unfold + GEMM (other rounding: max |dW| printed)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     ns = argparse.Namespace(clients=20 if a.quick else 100, partition="dirichlet", alpha=0.1, seed=0,
@@ -81,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
                for name, m in (("MaxPool2d", copy.deepcopy(model)),
                                ("where", replace_plain_2x2(model, WhereMax2x2)),
                                ("stack", replace_plain_2x2(model, StackMax2x2)))}
+    if a.unfold:
+        unfold = replace_modules(model, lambda m: type(m) is nn.Conv2d, UnfoldConv2d)
+        engines["unfold"] = VectorizedEngine(fed, unfold, cfg, 0, "cpu", compile=comp, rounds=100)
     print(f"# pooling bench  torch {torch.__version__}  threads {a.threads}  data {src}  E={cfg.epochs}")
     w0, rng = flatten(model), np.random.default_rng(0)
     times: dict[str, list[float]] = {k: [] for k in engines}
@@ -89,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         clients = np.sort(rng.choice(fed.num_clients, 10 if not a.quick else 4, replace=False))
         job = TrainJob(clients, w0.expand(len(clients), -1).clone())
         names = list(engines)
-        names = names[r % 3:] + names[:r % 3]
+        names = names[r % len(names):] + names[:r % len(names)]
         res = {}
         for k in names:
             t = time.perf_counter()
@@ -101,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                                       res["MaxPool2d"].loss)
             same &= eq
             print(f"round {r}: {k} {'same bits' if eq else 'DIFFERENT'}", flush=True)
+        if "unfold" in res:
+            d = float((res["unfold"].params - res["MaxPool2d"].params).abs().max())
+            print(f"round {r}: unfold max |dW| {d:.2g} (other rounding, not compared)", flush=True)
     base = statistics.median(times["MaxPool2d"]) if times["MaxPool2d"] else float("nan")
     for k, v in times.items():
         if v:

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine import build_federation  # noqa: E402  (bench/engine.py)
+from engine import build_federation
 
 CLASSES = (
     ("convolution", ("convolution", "conv2d", "mkldnn_conv")),
@@ -42,6 +42,9 @@ CLASSES = (
                        "gather", "aten::clone", "aten::expand")),
     ("Python/dispatch", ("Torch-Compiled Region", "TorchDynamo", "Pregraph", "AOTDispatcher", "## Call")),
 )
+
+
+KERNELS = 0            # --kernels
 
 
 def classify(name: str) -> str:
@@ -60,20 +63,26 @@ def profile(fn) -> tuple[float, dict[str, float]]:
         fn()
         wall = time.perf_counter() - t0
     out: dict[str, float] = defaultdict(float)
+    top: list[tuple[float, str]] = []
     for ev in prof.key_averages():               # self times: an operator's own time, children excluded
         out[classify(ev.key)] += ev.self_cpu_time_total / 1e6
+        top.append((ev.self_cpu_time_total / 1e6, ev.key))
+    out["__top__"] = sorted(top, reverse=True)   # type: ignore[assignment]
     return wall, out
 
 
 def report(what: str, wall: float, parts: dict[str, float], threads: int) -> None:
     # self times are summed over threads: a share of (wall x threads) is a share of the CPU time used
     cpu = wall * threads
+    parts = dict(parts)
+    top = parts.pop("__top__", [])
     ops = sum(parts.values())
     print(f"\n{what}: {wall:.2f} s wall ({threads} thread(s))")
-    parts = dict(parts)
     parts["Python/dispatch"] = parts.get("Python/dispatch", 0.0) + max(0.0, cpu - ops)   # + time in no operator
     for cls in [c for c, _ in CLASSES[:-1]] + ["other ops", "Python/dispatch"]:
         print(f"  {cls:18s} {parts.get(cls, 0.0):7.2f} s  {100 * parts.get(cls, 0.0) / max(cpu, ops):5.1f} %")
+    for sec, name in top[:KERNELS]:             # --kernels N: the N largest single operators / kernels
+        print(f"    {100 * sec / max(cpu, ops):5.1f} %  {sec:7.2f} s  {name[:100]}")
 
 
 def main() -> int:
@@ -88,7 +97,15 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="20 clients, E = 1, 1k test images, no compile")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kernels", type=int, default=0,
+                    help="also list the N largest operators, Inductor's generated kernels one by one "
+                         "(torch._inductor.config.cpp.enable_kernel_profile)")
     a = ap.parse_args()
+    global KERNELS
+    KERNELS = a.kernels
+    if a.kernels:
+        import torch._inductor.config as inductor_config
+        inductor_config.cpp.enable_kernel_profile = True
     torch.set_num_threads(a.threads)
     args = argparse.Namespace(clients=100, per_round=10, epochs=10, batch=32, alpha=0.1, partition="dirichlet",
                               test_samples=0, max_train=0, seed=a.seed)

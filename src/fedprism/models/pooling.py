@@ -37,15 +37,20 @@ def _plain_2x2(m: nn.Module) -> bool:
             and pair(m.dilation) == (1, 1) and not m.ceil_mode and not m.return_indices)
 
 
-def replace_plain_2x2(module: nn.Module, factory) -> nn.Module:
-    """A deep copy of ``module`` with every plain ``MaxPool2d(2)`` replaced by ``factory()`` (parameter and
-    buffer names are unchanged: poolings hold neither)."""
+def replace_modules(module: nn.Module, match, make) -> nn.Module:
+    """A deep copy of ``module`` with every submodule ``m`` for which ``match(m)`` replaced by ``make(m)``."""
     out = copy.deepcopy(module)
     for parent in list(out.modules()):
         for name, child in list(parent.named_children()):
-            if _plain_2x2(child):
-                setattr(parent, name, factory())
+            if match(child):
+                setattr(parent, name, make(child))
     return out
+
+
+def replace_plain_2x2(module: nn.Module, factory) -> nn.Module:
+    """A deep copy of ``module`` with every plain ``MaxPool2d(2)`` replaced by ``factory()`` (parameter and
+    buffer names are unchanged: poolings hold neither)."""
+    return replace_modules(module, _plain_2x2, lambda _: factory())
 
 
 def for_inference(module: nn.Module) -> nn.Module | None:
