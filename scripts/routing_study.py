@@ -43,6 +43,12 @@ counts); per-client thresholds are calibrated on the client's own training rows.
                    images), not by a federated protocol
     learned-linear w  the same with a convex gate (logistic regression on the standardised features),
                    the kind of gate the clients could train together with FedAvg
+    learned-routed w  (`--routed-gate` only) the boosted gate between the run's routed prediction (the
+                   paper's Eq. 2 at the run's `inference_temperature`, T = 5 in the validation runs) and the
+                   backbone, instead of between
+                   the specialist and the backbone: the same features of (routed, backbone) logits, the same
+                   fitting, folds and weights. Confidence routing keeps (and on local rows beats) the
+                   specialist's accuracy, so the gate's local side starts from a better stream
     learned own    (and learned-linear own) the same gates fitted on the clients' own validation rows
                    alone, without the global validation set: a gate that needs no data outside the clients
                    (their rare classes stand in for the classes they lack); the global validation set
@@ -141,6 +147,8 @@ SHARES = (0.02, 0.05, 0.1)
 #: the learned gate's total weight of the clients' validation rows against the global validation set's 1;
 #: inf: the clients' own validation rows alone (`learned own`), a gate that needs no data outside the clients
 GATE_WEIGHTS = (1, 2, 3, 5, 8, float("inf"))
+#: the weights of `learned-routed` (an `own` gate would fall back to the routed stream, as `learned own` does)
+ROUTED_WEIGHTS = (1, 2, 3, 5, 8)
 
 
 def gate_features(e: torch.Tensor, b: torch.Tensor, share: torch.Tensor) -> torch.Tensor:
@@ -169,9 +177,10 @@ class _Constant:
         return np.column_stack([np.full(len(x), 1 - self.p), np.full(len(x), self.p)])
 
 
-def learned_gates(rows: dict, weights=GATE_WEIGHTS, kind: str = "boosted", seed: int = 0) -> dict:
+def learned_gates(rows: dict, weights=GATE_WEIGHTS, kind: str = "boosted", seed: int = 0,
+                  prefix: str = "learned") -> dict:
     """{`learned w=..`: {split: accuracy}} of the learned gate (docstring; kind "linear": `learned-linear
-    w=..`, a logistic regression on the standardised features): rows[split] is one
+    w=..`, a logistic regression on the standardised features; `prefix` names the rows): rows[split] is one
     (features [n, F], specialist right [n], backbone right [n]) per client; accuracy is the mean over
     clients, as for every rule. Validation splits are scored out of fold, test splits by the gate fitted
     on every validation row."""
@@ -221,7 +230,7 @@ def learned_gates(rows: dict, weights=GATE_WEIGHTS, kind: str = "boosted", seed:
                 p = full.predict_proba(x)[:, 1]
             acc[s] = score(s, p > 0.5)
         name = "own" if lw == float("inf") else f"w={lw:g}"
-        out[f"learned{'-linear' if kind == 'linear' else ''} {name}"] = acc
+        out[f"{prefix}{'-linear' if kind == 'linear' else ''} {name}"] = acc
     return out
 
 
@@ -244,9 +253,12 @@ def mahalanobis(feats: torch.Tensor, y: torch.Tensor):
     return dist, {q: torch.quantile(own, 1 - q) for q in MAHA_Q}
 
 
-def study(db: str, run_id: str, state: str | None = None, gate_seed: int = 0) -> dict:
+def study(db: str, run_id: str, state: str | None = None, gate_seed: int = 0,
+          routed_gate: bool = False) -> dict:
     """Score every rule for run `run_id` from its kept final state, or from the checkpoint file `state`
-    (a run's `<db>.ckpt/<run>.ckpt`, for a run stopped before its end)."""
+    (a run's `<db>.ckpt/<run>.ckpt`, for a run stopped before its end); `routed_gate` adds
+    `learned-routed`."""
+    from fedprism.algorithms.fedprism_dual import route
     from fedprism.experiment import checkpoint
     from fedprism.experiment.config import resolve
     from fedprism.experiment.runner import Experiment
@@ -272,6 +284,8 @@ def study(db: str, run_id: str, state: str | None = None, gate_seed: int = 0) ->
     rules = _rules()
     hits = {r: {s: [] for s in SPLITS} for r in rules}
     gate_rows = {s: [] for s in SPLITS}
+    routed_rows = {s: [] for s in SPLITS}      # the same gate between Eq. 2's routed logits and the backbone
+    T = float(algo.hp["inference_temperature"])
     with torch.inference_mode():
         for c0 in range(0, exp.ctx.num_clients, 10):
             block = np.arange(c0, min(c0 + 10, exp.ctx.num_clients))
@@ -302,11 +316,16 @@ def study(db: str, run_id: str, state: str | None = None, gate_seed: int = 0) ->
                         hits[name][split].append(float((rule(e, b, S, th).argmax(-1) == y).double().mean()))
                     gate_rows[split].append((gate_features(e, b, th["share"]).numpy(),
                                              (e.argmax(-1) == y).numpy(), (b.argmax(-1) == y).numpy()))
+                    z = route(e, b, None, T) if routed_gate else e
+                    routed_rows[split].append((gate_features(z, b, th["share"]).numpy(),
+                                               (z.argmax(-1) == y).numpy(), (b.argmax(-1) == y).numpy()))
     mean = lambda by_split: {s: float(np.mean(v)) for s, v in by_split.items()}  # noqa: E731
     return {"run_id": run_id, "seed": cfg["seed"], "round": int(kept["round"]),
             "from": source,
             "acc": {**{r: mean(hits[r]) for r in rules if r not in BOUNDS},
                     **learned_gates(gate_rows, seed=gate_seed), **learned_gates(gate_rows, kind="linear"),
+                    **(learned_gates(routed_rows, weights=ROUTED_WEIGHTS, seed=gate_seed,
+                                     prefix="learned-routed") if routed_gate else {}),
                     **{r: mean(hits[r]) for r in BOUNDS}}}
 
 
@@ -342,11 +361,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="write the markdown here (default: stdout)")
     ap.add_argument("--gate-seed", type=int, default=0,
                     help="seed of the boosted gate's trees (its internal early-stopping split); default 0")
+    ap.add_argument("--routed-gate", action="store_true",
+                    help="also fit `learned-routed`, a gate between the routed prediction and the backbone")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     if a.checkpoint and len(a.runs) != 1:
         ap.error("--checkpoint scores one run")
-    text = "".join(render(study(a.db, r, a.checkpoint, a.gate_seed)) + "\n" for r in a.runs)
+    text = "".join(render(study(a.db, r, a.checkpoint, a.gate_seed, a.routed_gate)) + "\n" for r in a.runs)
     if a.out:
         Path(a.out).write_text(text)
     else:

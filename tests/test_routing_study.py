@@ -342,3 +342,28 @@ def test_final_state_study_as_results_readme_states():
     r1 = t[1]
     assert (round(r1["learned w=3"][2] - r1["specialist"][2], 2),                           # seed 1's margins
             round(r1["learned w=3"][3] - (r1["backbone"][3] - 2), 2)) == (0.13, 0.45)
+
+
+def test_routed_gate_study_as_its_file_states():
+    """results/routing_study_routed.md: the gate between the routed prediction and the backbone against the
+    specialist gate at each weight, the validation choice per seed, and that every other row is the
+    committed final-state study's."""
+    t = _tables(ROOT / "results" / "routing_study_routed.md")
+    base = _tables(ROOT / "results" / "routing_study_final.md")
+    weights = (1, 2, 3, 5, 8)
+    ranges = {0: ((-0.47, -0.25), (-0.02, 0.51)), 1: ((-0.20, 0.32), (-0.21, 0.14))}
+    for seed, (loc, glob) in ranges.items():
+        r = t[seed]
+        assert {k: v for k, v in r.items() if not k.startswith("learned-routed") and k != "__chosen__"} == \
+            {k: v for k, v in base[seed].items() if k != "__chosen__"}
+        dl = [round(r[f"learned-routed w={w}"][0] - r[f"learned w={w}"][0], 2) for w in weights]
+        dg = [round(r[f"learned-routed w={w}"][1] - r[f"learned w={w}"][1], 2) for w in weights]
+        assert (min(dl), max(dl)) == loc and (min(dg), max(dg)) == glob
+        assert r["__chosen__"] == _choice(r)
+    assert t[0]["__chosen__"] == base[0]["__chosen__"] == "learned w=5"                 # "nothing changes"
+    r1 = t[1]
+    assert r1["__chosen__"] == "learned-routed w=2" and base[1]["__chosen__"] == "learned w=3"
+    assert (r1["learned-routed w=2"][1], r1["learned w=3"][1]) == (86.29, 86.06)
+    assert round(r1["specialist"][2] - r1["learned-routed w=2"][2], 2) == 0.10             # "0.10 under"
+    w3 = r1["learned-routed w=3"][2:]
+    assert w3 == (94.18, 85.29) and w3[0] >= r1["specialist"][2] and w3[1] >= r1["backbone"][3] - 2
