@@ -15,6 +15,19 @@ is left out of the medians, and every round checks the bits against `MaxPool2d`.
 
     python bench/pool_train.py --epochs 2 --rounds 4            # one thread
     python bench/pool_train.py --epochs 2 --rounds 4 --unfold   # and the unfold + GEMM convolution
+    python bench/pool_train.py --epochs 2 --rounds 5 --fused-conv1 --nchw
+
+Two more variants, which change the convolutions rather than the pooling:
+
+  fused-conv1  the first block (convolution, ReLU, pooling) as element-wise operations: the sum over the
+               kernel taps of shifted input views times the tap's weight, the first-maximum pooling of
+               `where` (in evaluation the four views' maximum, the same numbers), then ReLU (ReLU and
+               max-pooling commute). Inductor fuses it into loops that never
+               write the 28 x 28 map to memory, and builds the weight gradient as reductions (no oneDNN
+               convolution, no layout change). Its rounding differs from oneDNN's.
+  nchw         the unchanged model compiled with Inductor's layout optimisation off
+               (`torch._inductor.config.layout_optimization = False`), so that activations stay NCHW
+               instead of the channels-last layout Inductor picks for oneDNN convolutions on CPU.
 """
 
 from __future__ import annotations
@@ -40,7 +53,7 @@ from fedprism.algorithms.base import TrainJob
 from fedprism.engine.base import LocalConfig
 from fedprism.engine.vectorized import VectorizedEngine
 from fedprism.models import build_model
-from fedprism.models.pooling import replace_modules, replace_plain_2x2
+from fedprism.models.pooling import MaxPool2x2, replace_modules, replace_plain_2x2
 from fedprism.params import flatten
 
 
@@ -80,6 +93,40 @@ class UnfoldConv2d(nn.Module):
 
 
 
+class FusedConvBlock(nn.Module):
+    """`--fused-conv1`: Conv2d (stride 1, no padding) + ReLU + MaxPool2d(2) as element-wise operations."""
+
+    def __init__(self, conv: nn.Conv2d):
+        super().__init__()
+        self.weight, self.bias, self.k = conv.weight, conv.bias, conv.kernel_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        (kh, kw), (H, W) = self.k, (x.shape[-2] - self.k[0] + 1, x.shape[-1] - self.k[1] + 1)
+        acc = self.bias.view(-1, 1, 1)
+        for c in range(x.shape[1]):
+            for i in range(kh):
+                for j in range(kw):
+                    acc = acc + x[:, c:c + 1, i:i + H, j:j + W] * self.weight[:, c, i, j].view(-1, 1, 1)
+        pool = WhereMax2x2() if torch.is_grad_enabled() else MaxPool2x2()    # the same numbers without grads
+        return pool(acc).relu()
+
+
+def fuse_first_block(model: nn.Module) -> nn.Module:
+    """LeNet-5 with body[0:3] (conv1, ReLU, pool) replaced; the parameter names stay `body.0.*`."""
+    out = copy.deepcopy(model)
+    out.body[0], out.body[1], out.body[2] = FusedConvBlock(out.body[0]), nn.Identity(), nn.Identity()
+    return out
+
+
+class _NoLayoutOpt(VectorizedEngine):
+    """`--nchw`: compiles (lazily, inside `train`) with Inductor's layout optimisation off."""
+
+    def train(self, job, rnd):
+        import torch._inductor.config as inductor
+
+        with inductor.patch(layout_optimization=False):
+            return super().train(job, rnd)
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -89,10 +136,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="20 clients of 200 samples, E=1, no compile")
     ap.add_argument("--unfold", action="store_true",
                     help="also time the convolutions as unfold + GEMM (other rounding: max |dW| printed)")
+    ap.add_argument("--fused-conv1", action="store_true",
+                    help="also time the first block as element-wise operations (other rounding)")
+    ap.add_argument("--nchw", action="store_true",
+                    help="also time the model compiled with Inductor's layout optimisation off")
+    ap.add_argument("--eval-reps", type=int, default=0,
+                    help="also time R evaluations of 100 models on the global test set per variant")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     ns = argparse.Namespace(clients=20 if a.quick else 100, partition="dirichlet", alpha=0.1, seed=0,
-                            test_samples=1000, max_train=200 if a.quick else 0)
+                            test_samples=0 if a.eval_reps else 1000, max_train=200 if a.quick else 0)
     fed, src = build_federation(ns)
     cfg = LocalConfig(epochs=1 if a.quick else a.epochs, batch_size=32, lr=0.01, momentum=0.9)
     model = build_model("lenet5", (1, 32, 32), 10, seed=0)
@@ -104,6 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.unfold:
         unfold = replace_modules(model, lambda m: type(m) is nn.Conv2d, UnfoldConv2d)
         engines["unfold"] = VectorizedEngine(fed, unfold, cfg, 0, "cpu", compile=comp, rounds=100)
+    if a.fused_conv1:
+        engines["fused-conv1"] = VectorizedEngine(fed, fuse_first_block(model), cfg, 0, "cpu", compile=comp,
+                                                  rounds=100)
+    if a.nchw:
+        engines["nchw"] = _NoLayoutOpt(fed, copy.deepcopy(model), cfg, 0, "cpu", compile=comp, rounds=100)
     print(f"# pooling bench  torch {torch.__version__}  threads {a.threads}  data {src}  E={cfg.epochs}")
     w0, rng = flatten(model), np.random.default_rng(0)
     times: dict[str, list[float]] = {k: [] for k in engines}
@@ -119,20 +177,44 @@ def main(argv: list[str] | None = None) -> int:
             res[k] = engines[k].train(job, r)
             if r > 0:
                 times[k].append(time.perf_counter() - t)
-        for k in ("where", "stack"):
+        for k in ("where", "stack", *(("nchw",) if "nchw" in res else ())):
             eq = torch.equal(res[k].params, res["MaxPool2d"].params) and torch.equal(res[k].loss,
                                                                                       res["MaxPool2d"].loss)
             same &= eq
             print(f"round {r}: {k} {'same bits' if eq else 'DIFFERENT'}", flush=True)
-        if "unfold" in res:
-            d = float((res["unfold"].params - res["MaxPool2d"].params).abs().max())
-            print(f"round {r}: unfold max |dW| {d:.2g} (other rounding, not compared)", flush=True)
+        for k in ("unfold", "fused-conv1"):
+            if k in res:
+                d = float((res[k].params - res["MaxPool2d"].params).abs().max())
+                print(f"round {r}: {k} max |dW| {d:.2g} (other rounding, not compared)", flush=True)
     base = statistics.median(times["MaxPool2d"]) if times["MaxPool2d"] else float("nan")
     for k, v in times.items():
         if v:
             print(f"{k:>10}: median training round {statistics.median(v):.3f} s, "
                   f"{statistics.median(v) / base:.2f}x MaxPool2d's")
+    if a.eval_reps:
+        _time_evaluation(engines, res["MaxPool2d"].params, fed.num_clients, a.eval_reps)
     return 0 if same else 1
+
+
+def _time_evaluation(engines: dict, trained: torch.Tensor, n: int, reps: int) -> None:
+    """`--eval-reps R`: each engine scores the same n models (the last round's, cycled) on the global test
+    set, R times in rotating order after one warm-up; median seconds and the largest accuracy change."""
+    W = trained[torch.arange(n) % len(trained)]
+    every = np.arange(n)
+    base = {k: e.evaluate(W, every, "global") for k, e in engines.items()}      # warm-up (compilation)
+    times: dict[str, list[float]] = {k: [] for k in engines}
+    for r in range(reps):
+        names = list(engines)[r % len(engines):] + list(engines)[:r % len(engines)]
+        for k in names:
+            t = time.perf_counter()
+            engines[k].evaluate(W, every, "global")
+            times[k].append(time.perf_counter() - t)
+    ref = statistics.median(times["MaxPool2d"])
+    for k, v in times.items():
+        d = float((base[k].accuracy - base["MaxPool2d"].accuracy).abs().max())
+        print(f"{k:>10}: median evaluation of {n} models x {int(base[k].count[0])} test samples "
+              f"{statistics.median(v):.3f} s, {statistics.median(v) / ref:.2f}x MaxPool2d's; largest accuracy "
+              f"change {d:.4f}")
 
 
 if __name__ == "__main__":

@@ -84,3 +84,32 @@ def test_pool_train_bench_keeps_the_bits(capsys):
     assert mod.main(["--quick", "--rounds", "2"]) == 0
     out = capsys.readouterr().out
     assert out.count("same bits") == 4 and "DIFFERENT" not in out
+
+
+def test_pool_train_fused_first_block_is_lenet5s_first_block():
+    """`bench/pool_train.py --fused-conv1`: the element-wise first block computes conv1 + ReLU + pooling and
+    keeps the parameter names. With small integers as inputs and conv1 weights every sum is exact and most
+    pooling windows hold ties, so the forward must be the same bits and every gradient after the block
+    too (ties go to the same input); conv1's own gradients differ by the order of their sums only."""
+    import torch
+
+    from fedprism.models import build_model
+
+    mod = load_script("bench/pool_train.py")
+    model = build_model("lenet5", (1, 32, 32), 10, seed=0)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        model.body[0].weight.copy_(torch.randint(-2, 3, model.body[0].weight.shape, generator=g))
+        model.body[0].bias.copy_(torch.randint(-2, 3, (6,), generator=g))
+    fused = mod.fuse_first_block(model)
+    assert [k for k, _ in fused.named_parameters()] == [k for k, _ in model.named_parameters()]
+    x = torch.randint(-1, 2, (16, 1, 32, 32), generator=g).float()
+    a, b = model(x), fused(x)
+    assert torch.equal(a, b)
+    a.square().sum().backward()
+    b.square().sum().backward()
+    for (k, p), q in zip(model.named_parameters(), fused.parameters()):
+        if k.startswith("body.0."):
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-5, msg=k)
+        else:
+            assert torch.equal(q.grad, p.grad), k
