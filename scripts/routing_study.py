@@ -149,6 +149,8 @@ SHARES = (0.02, 0.05, 0.1)
 GATE_WEIGHTS = (1, 2, 3, 5, 8, float("inf"))
 #: the weights of `learned-routed` (an `own` gate would fall back to the routed stream, as `learned own` does)
 ROUTED_WEIGHTS = (1, 2, 3, 5, 8)
+#: the weights of `learned-local`, the per-client gates
+LOCAL_WEIGHTS = (1, 3, 8)
 
 
 def gate_features(e: torch.Tensor, b: torch.Tensor, share: torch.Tensor) -> torch.Tensor:
@@ -234,6 +236,47 @@ def learned_gates(rows: dict, weights=GATE_WEIGHTS, kind: str = "boosted", seed:
     return out
 
 
+def local_gates(rows: dict, weights=LOCAL_WEIGHTS, seed: int = 0) -> dict:
+    """{`learned-local w=..`: {split: accuracy}}: one boosted gate per client, fitted on that client's own
+    validation rows (total weight w) and the global validation set scored by that client's two streams
+    (total weight 1), on the rows where exactly one stream is right. What it needs from outside the client
+    is the labelled global validation set (a public set the server would send); no feature leaves the
+    client. Validation splits out of fold as in `learned_gates`; test splits by the gate refitted on all."""
+    from sklearn.ensemble import HistGradientBoostingClassifier
+
+    fit_splits = ("val", "global_val")
+
+    def fit(k, lw, fold):
+        X, t, w = [], [], []
+        for s in fit_splits:
+            x, he, hb = (np.asarray(v) for v in rows[s][k])
+            m = (he != hb) & ((np.arange(len(he)) % 2 == fold) if fold is not None else True)
+            X.append(x[m]), t.append(he[m].astype(np.int64))
+            w.append(np.full(m.sum(), (lw if s == "val" else 1) / max(1, len(he))))
+        X, t, w = np.concatenate(X), np.concatenate(t), np.concatenate(w)
+        if len(np.unique(t)) < 2:
+            return _Constant(int(t[0]) if len(t) else 0)
+        return HistGradientBoostingClassifier(max_iter=100, learning_rate=0.1, random_state=seed).fit(
+            X, t, sample_weight=w / w.mean())
+
+    out = {}
+    for lw in weights:
+        acc = {s: [] for s in rows}
+        for k in range(len(rows["val"])):
+            folds = [fit(k, lw, f) for f in (0, 1)]
+            full = fit(k, lw, None)
+            for s in rows:
+                x, he, hb = (np.asarray(v) for v in rows[s][k])
+                if s in fit_splits:
+                    odd = np.arange(len(he)) % 2
+                    p = np.where(odd == 0, folds[1].predict_proba(x)[:, 1], folds[0].predict_proba(x)[:, 1])
+                else:
+                    p = full.predict_proba(x)[:, 1]
+                acc[s].append(float(np.where(p > 0.5, he, hb).mean()))
+        out[f"learned-local w={lw:g}"] = {s: float(np.mean(v)) for s, v in acc.items()}
+    return out
+
+
 def mahalanobis(feats: torch.Tensor, y: torch.Tensor):
     """Nearest-class-mean Mahalanobis distance with a tied, shrunk covariance fitted on (feats, y): returns
     the distance function and its (1 - q)-quantiles on the fitting rows, by q."""
@@ -254,7 +297,7 @@ def mahalanobis(feats: torch.Tensor, y: torch.Tensor):
 
 
 def study(db: str, run_id: str, state: str | None = None, gate_seed: int = 0,
-          routed_gate: bool = False) -> dict:
+          routed_gate: bool = False, local_gate: bool = False) -> dict:
     """Score every rule for run `run_id` from its kept final state, or from the checkpoint file `state`
     (a run's `<db>.ckpt/<run>.ckpt`, for a run stopped before its end); `routed_gate` adds
     `learned-routed`."""
@@ -326,6 +369,7 @@ def study(db: str, run_id: str, state: str | None = None, gate_seed: int = 0,
                     **learned_gates(gate_rows, seed=gate_seed), **learned_gates(gate_rows, kind="linear"),
                     **(learned_gates(routed_rows, weights=ROUTED_WEIGHTS, seed=gate_seed,
                                      prefix="learned-routed") if routed_gate else {}),
+                    **(local_gates(gate_rows, seed=gate_seed) if local_gate else {}),
                     **{r: mean(hits[r]) for r in BOUNDS}}}
 
 
@@ -363,11 +407,14 @@ def main(argv=None) -> int:
                     help="seed of the boosted gate's trees (its internal early-stopping split); default 0")
     ap.add_argument("--routed-gate", action="store_true",
                     help="also fit `learned-routed`, a gate between the routed prediction and the backbone")
+    ap.add_argument("--local-gate", action="store_true",
+                    help="also fit `learned-local`, one gate per client on its own rows and the public set")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     if a.checkpoint and len(a.runs) != 1:
         ap.error("--checkpoint scores one run")
-    text = "".join(render(study(a.db, r, a.checkpoint, a.gate_seed, a.routed_gate)) + "\n" for r in a.runs)
+    text = "".join(render(study(a.db, r, a.checkpoint, a.gate_seed, a.routed_gate, a.local_gate)) + "\n"
+                   for r in a.runs)
     if a.out:
         Path(a.out).write_text(text)
     else:

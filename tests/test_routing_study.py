@@ -222,6 +222,30 @@ def test_learned_gate_learns_a_signal_and_scores_validation_out_of_fold():
     assert routing_study.learned_gates(both, weights=(1,))["learned w=1"]["val"] == 1.0     # nothing to learn
 
 
+def test_local_gates_fit_one_gate_per_client():
+    """Which stream is right depends on feature 0 *and* on the client (flipped for odd clients): one gate
+    per client routes every input right on every split, validation out of fold included; the shared gate
+    cannot tell the clients apart and stays near chance."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+
+    def rows(n):
+        out = []
+        for k in range(4):
+            u = rng.random(n)
+            he = (u > 0.5) ^ bool(k % 2)
+            out.append((np.column_stack([u, rng.random(n)]).astype(np.float32), he, ~he))
+        return out
+
+    data = {s: rows(200) for s in routing_study.SPLITS}
+    local = routing_study.local_gates(data, weights=(1, 3))
+    assert set(local) == {"learned-local w=1", "learned-local w=3"}
+    assert all(v >= 0.98 for acc in local.values() for v in acc.values()), local
+    shared = routing_study.learned_gates(data, weights=(1,))["learned w=1"]
+    assert all(0.35 <= v <= 0.65 for v in shared.values()), shared
+
+
 def test_gate_features_hand_values():
     import torch
 
@@ -367,3 +391,26 @@ def test_routed_gate_study_as_its_file_states():
     assert round(r1["specialist"][2] - r1["learned-routed w=2"][2], 2) == 0.10             # "0.10 under"
     w3 = r1["learned-routed w=3"][2:]
     assert w3 == (94.18, 85.29) and w3[0] >= r1["specialist"][2] and w3[1] >= r1["backbone"][3] - 2
+
+
+def test_local_gate_study_as_its_file_states():
+    """results/routing_study_local.md: one gate per client reaches the backbone's Glob, misses the
+    specialist's Loc by 4.5 / 3.8 points, does not depend on its weight, is never the validation choice,
+    and every other row is the committed final-state study's."""
+    t = _tables(ROOT / "results" / "routing_study_local.md")
+    base = _tables(ROOT / "results" / "routing_study_final.md")
+    quoted = {0: ((89.60, 89.76), (84.46, 84.51), 4.52, (10.26, 49.41)),
+              1: ((89.94, 90.23), (86.90, 86.94), 3.76, (6.67, 51.40))}
+    for seed, (loc, glob, short, gaps) in quoted.items():
+        r = t[seed]
+        assert {k: v for k, v in r.items() if not k.startswith("learned-local")} == base[seed]
+        rows = [r[f"learned-local w={w}"] for w in (1, 3, 8)]
+        assert (min(x[2] for x in rows), max(x[2] for x in rows)) == loc
+        assert (min(x[3] for x in rows), max(x[3] for x in rows)) == glob
+        assert glob[0] >= r["backbone"][3] - 2 and round(r["specialist"][2] - loc[1], 2) == short
+        assert round(max(x[0] for x in rows) - min(x[0] for x in rows), 2) <= 0.12    # weight hardly matters
+        sp, bb = r["specialist"], r["backbone"]
+        assert (round(sp[0] - bb[0], 2), round(bb[1] - sp[1], 2)) == gaps
+        assert 3.67 <= min(round(r["specialist"][0] - x[0], 2) for x in rows) \
+            <= max(round(r["specialist"][0] - x[0], 2) for x in rows) <= 4.29
+        assert not r["__chosen__"].startswith("learned-local") and r["__chosen__"] == _choice(r)
