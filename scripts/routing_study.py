@@ -49,6 +49,9 @@ counts); per-client thresholds are calibrated on the client's own training rows.
                    the specialist and the backbone: the same features of (routed, backbone) logits, the same
                    fitting, folds and weights. Confidence routing keeps (and on local rows beats) the
                    specialist's accuracy, so the gate's local side starts from a better stream
+    learned-local w  (`--local-gate` only) one boosted gate per client, fitted on its own validation rows
+                   (total weight w) and the global validation set as its streams score it (total weight 1):
+                   the public-set design, in which no feature leaves the client (`local_gates`)
     learned own    (and learned-linear own) the same gates fitted on the clients' own validation rows
                    alone, without the global validation set: a gate that needs no data outside the clients
                    (their rare classes stand in for the classes they lack); the global validation set
