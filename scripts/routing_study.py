@@ -49,8 +49,8 @@ counts); per-client thresholds are calibrated on the client's own training rows.
                    the specialist and the backbone: the same features of (routed, backbone) logits, the same
                    fitting, folds and weights. Confidence routing keeps (and on local rows beats) the
                    specialist's accuracy, so the gate's local side starts from a better stream
-    learned-local w  (`--local-gate` only) one boosted gate per client, fitted on its own validation rows
-                   (total weight w) and the global validation set as its streams score it (total weight 1):
+    learned-local w  (`--local-gate plain` only) one boosted gate per client, fitted on its own
+                   validation rows (total weight w) and the global validation set as its streams score it (total weight 1):
                    the public-set design, in which no feature leaves the client (`local_gates`)
     learned own    (and learned-linear own) the same gates fitted on the clients' own validation rows
                    alone, without the global validation set: a gate that needs no data outside the clients
@@ -239,12 +239,17 @@ def learned_gates(rows: dict, weights=GATE_WEIGHTS, kind: str = "boosted", seed:
     return out
 
 
-def local_gates(rows: dict, weights=LOCAL_WEIGHTS, seed: int = 0) -> dict:
+def local_gates(rows: dict, weights=LOCAL_WEIGHTS, seed: int = 0, prior: dict | None = None) -> dict:
     """{`learned-local w=..`: {split: accuracy}}: one boosted gate per client, fitted on that client's own
     validation rows (total weight w) and the global validation set scored by that client's two streams
     (total weight 1), on the rows where exactly one stream is right. What it needs from outside the client
     is the labelled global validation set (a public set the server would send); no feature leaves the
-    client. Validation splits out of fold as in `learned_gates`; test splits by the gate refitted on all."""
+    client. Validation splits out of fold as in `learned_gates`; test splits by the gate refitted on all.
+
+    With `prior` = {"y": the public set's labels, "share": [C] label shares per client}
+    (`learned-local-prior w=..`), each public row also stands for the client's own distribution: it gets
+    the extra weight w * share(y) / sum_j share(y_j), so that the public rows of the client's classes
+    weigh as its local inputs will (importance weighting under label shift), not only its few own rows."""
     from sklearn.ensemble import HistGradientBoostingClassifier
 
     fit_splits = ("val", "global_val")
@@ -255,7 +260,11 @@ def local_gates(rows: dict, weights=LOCAL_WEIGHTS, seed: int = 0) -> dict:
             x, he, hb = (np.asarray(v) for v in rows[s][k])
             m = (he != hb) & ((np.arange(len(he)) % 2 == fold) if fold is not None else True)
             X.append(x[m]), t.append(he[m].astype(np.int64))
-            w.append(np.full(m.sum(), (lw if s == "val" else 1) / max(1, len(he))))
+            wt = np.full(len(he), (lw if s == "val" else 1) / max(1, len(he)))
+            if prior is not None and s == "global_val":
+                sh = np.asarray(prior["share"][k], dtype=np.float64)[prior["y"]]
+                wt = wt + lw * sh / max(sh.sum(), 1e-12)
+            w.append(wt[m])
         X, t, w = np.concatenate(X), np.concatenate(t), np.concatenate(w)
         if len(np.unique(t)) < 2:
             return _Constant(int(t[0]) if len(t) else 0)
@@ -276,7 +285,8 @@ def local_gates(rows: dict, weights=LOCAL_WEIGHTS, seed: int = 0) -> dict:
                 else:
                     p = full.predict_proba(x)[:, 1]
                 acc[s].append(float(np.where(p > 0.5, he, hb).mean()))
-        out[f"learned-local w={lw:g}"] = {s: float(np.mean(v)) for s, v in acc.items()}
+        out[f"learned-local{'-prior' if prior is not None else ''} w={lw:g}"] = \
+            {s: float(np.mean(v)) for s, v in acc.items()}
     return out
 
 
@@ -300,7 +310,7 @@ def mahalanobis(feats: torch.Tensor, y: torch.Tensor):
 
 
 def study(db: str, run_id: str, state: str | None = None, gate_seed: int = 0,
-          routed_gate: bool = False, local_gate: bool = False) -> dict:
+          routed_gate: bool = False, local_gate: str | None = None) -> dict:
     """Score every rule for run `run_id` from its kept final state, or from the checkpoint file `state`
     (a run's `<db>.ckpt/<run>.ckpt`, for a run stopped before its end); `routed_gate` adds
     `learned-routed`."""
@@ -331,6 +341,7 @@ def study(db: str, run_id: str, state: str | None = None, gate_seed: int = 0,
     hits = {r: {s: [] for s in SPLITS} for r in rules}
     gate_rows = {s: [] for s in SPLITS}
     routed_rows = {s: [] for s in SPLITS}      # the same gate between Eq. 2's routed logits and the backbone
+    shares, public_y = [], None                # each client's label shares; the global validation labels
     T = float(algo.hp["inference_temperature"])
     with torch.inference_mode():
         for c0 in range(0, exp.ctx.num_clients, 10):
@@ -350,12 +361,15 @@ def study(db: str, run_id: str, state: str | None = None, gate_seed: int = 0,
                 S = seen[j][None, :]
                 hist = torch.as_tensor(np.asarray(exp.ctx.label_hist[int(c)], dtype=np.float64))
                 th["share"] = (hist / hist.sum().clamp_min(1)).float()[None, :]
+                shares.append(th["share"][0].numpy())
                 for split in SPLITS:
                     x, y = eng.data(int(c), split)
                     if len(y) == 0:
                         continue
                     e, b = logits("expert", x), logits("backbone", x)
                     th["y"] = y
+                    if split == "global_val":
+                        public_y = y.numpy()
                     th["dist"] = {"L": th["maha"]["L"][0](feats("expert", x)),
                                   "W": th["maha"]["W"][0](feats("backbone", x))}
                     for name, rule in rules.items():
@@ -372,7 +386,9 @@ def study(db: str, run_id: str, state: str | None = None, gate_seed: int = 0,
                     **learned_gates(gate_rows, seed=gate_seed), **learned_gates(gate_rows, kind="linear"),
                     **(learned_gates(routed_rows, weights=ROUTED_WEIGHTS, seed=gate_seed,
                                      prefix="learned-routed") if routed_gate else {}),
-                    **(local_gates(gate_rows, seed=gate_seed) if local_gate else {}),
+                    **(local_gates(gate_rows, seed=gate_seed) if local_gate == "plain" else {}),
+                    **(local_gates(gate_rows, seed=gate_seed, prior={"y": public_y, "share": shares})
+                       if local_gate == "prior" else {}),
                     **{r: mean(hits[r]) for r in BOUNDS}}}
 
 
@@ -410,8 +426,9 @@ def main(argv=None) -> int:
                     help="seed of the boosted gate's trees (its internal early-stopping split); default 0")
     ap.add_argument("--routed-gate", action="store_true",
                     help="also fit `learned-routed`, a gate between the routed prediction and the backbone")
-    ap.add_argument("--local-gate", action="store_true",
-                    help="also fit `learned-local`, one gate per client on its own rows and the public set")
+    ap.add_argument("--local-gate", choices=("plain", "prior"),
+                    help="also fit one gate per client on its own rows and the public set: `learned-local` "
+                         "(plain) or `learned-local-prior` (public rows reweighted by its label shares)")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     if a.checkpoint and len(a.runs) != 1:

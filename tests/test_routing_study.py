@@ -246,6 +246,33 @@ def test_local_gates_fit_one_gate_per_client():
     assert all(0.35 <= v <= 0.65 for v in shared.values()), shared
 
 
+def test_local_gates_prior_weighting_follows_the_clients_classes():
+    """`learned-local-prior`: the public rows of the client's own class follow one rule (feature 0 > 0.5
+    means the specialist is right), all other public rows the opposite rule, and the client has only 4
+    own validation rows. Reweighting the public rows by the client's label shares makes the gate follow
+    its own class's rule on its local rows; without it the 90 % majority rule wins there."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    n_pub = 400
+    y_pub = np.arange(n_pub) % 10
+
+    def split(n, own_class_only):
+        u = rng.random(n)
+        y = np.zeros(n, np.int64) if own_class_only else y_pub
+        he = np.where(y == 0, u > 0.5, u < 0.5)
+        return u[:, None].astype(np.float32), he, ~he
+
+    data = {"val": [split(4, True)], "global_val": [split(n_pub, False)], "local": [split(200, True)],
+            "global": [split(n_pub, False)]}
+    share = np.eye(10)[0]
+    prior = routing_study.local_gates(data, weights=(8,), prior={"y": y_pub, "share": [share]})
+    plain = routing_study.local_gates(data, weights=(8,))
+    assert list(prior) == ["learned-local-prior w=8"] and list(plain) == ["learned-local w=8"]
+    assert prior["learned-local-prior w=8"]["local"] >= 0.8 > 0.2 >= plain["learned-local w=8"]["local"]
+    assert plain["learned-local w=8"]["global"] >= 0.8
+
+
 def test_gate_features_hand_values():
     import torch
 
