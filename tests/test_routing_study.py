@@ -99,7 +99,7 @@ def _tables(path):
         m = re.match(r"### Run `\w+` \(seed (\d+)", line)
         if m:
             seed = int(m.group(1))
-            out[seed] = {}
+            out.setdefault(seed, {})          # a later section on the same run adds rows
         elif seed is not None and line.startswith("| ") and not line.startswith("| rule"):
             cells = [c.strip() for c in line.strip("|").split("|")]
             out[seed][cells[0].replace(" **(chosen on validation)**", "")] = tuple(map(float, cells[1:]))
@@ -441,3 +441,16 @@ def test_local_gate_study_as_its_file_states():
         assert 3.67 <= min(round(r["specialist"][0] - x[0], 2) for x in rows) \
             <= max(round(r["specialist"][0] - x[0], 2) for x in rows) <= 4.29
         assert not r["__chosen__"].startswith("learned-local") and r["__chosen__"] == _choice(r)
+    prior = {0: ((90.80, 84.35), (91.41, 84.20), (91.78, 84.03)),
+             1: ((90.92, 86.78), (91.30, 86.63), (91.67, 86.46))}
+    for seed, test in prior.items():
+        r = t[seed]
+        assert tuple(r[f"learned-local-prior w={w}"][2:] for w in (1, 3, 8)) == test
+        gain = [round(r[f"learned-local-prior w={w}"][2] - r[f"learned-local w={w}"][2], 2)
+                for w in (1, 3, 8)]
+        assert 0.98 <= min(gain) and max(gain) <= 2.02                                       # "1.0-2.0"
+        best = max(test)
+        assert round(r["specialist"][2] - best[0], 2) == {0: 2.50, 1: 2.32}[seed]
+        assert best[1] >= r["backbone"][3] - 2
+        pooled = r[r["__chosen__"]][2:]
+        assert 2.18 <= round(pooled[0] - best[0], 2) <= 2.45 and 1.0 <= round(best[1] - pooled[1], 2) <= 1.12
