@@ -22,9 +22,9 @@ Two more variants, which change the convolutions rather than the pooling:
   fused-conv1  the first block (convolution, ReLU, pooling) as element-wise operations: the sum over the
                kernel taps of shifted input views times the tap's weight, the first-maximum pooling of
                `where` (in evaluation the four views' maximum, the same numbers), then ReLU (ReLU and
-               max-pooling commute). Inductor fuses it into loops that never
-               write the 28 x 28 map to memory, and builds the weight gradient as reductions (no oneDNN
-               convolution, no layout change). Its rounding differs from oneDNN's.
+               max-pooling commute). Inductor fuses it into loops that never write the 28 x 28 map to
+               memory, and builds the weight gradient as reductions (no oneDNN convolution, no layout
+               change). Its rounding differs from oneDNN's.
   nchw         the unchanged model compiled with Inductor's layout optimisation off
                (`torch._inductor.config.layout_optimization = False`), so that activations stay NCHW
                instead of the channels-last layout Inductor picks for oneDNN convolutions on CPU.
@@ -90,7 +90,6 @@ class UnfoldConv2d(nn.Module):
         B, _, H, W = x.shape
         out = self.weight.reshape(self.weight.shape[0], -1) @ F.unfold(x, self.k) + self.bias[:, None]
         return out.view(B, -1, H - self.k[0] + 1, W - self.k[1] + 1)
-
 
 
 class FusedConvBlock(nn.Module):

@@ -45,13 +45,15 @@ counts); per-client thresholds are calibrated on the client's own training rows.
                    the kind of gate the clients could train together with FedAvg
     learned-routed w  (`--routed-gate` only) the boosted gate between the run's routed prediction (the
                    paper's Eq. 2 at the run's `inference_temperature`, T = 5 in the validation runs) and the
-                   backbone, instead of between
-                   the specialist and the backbone: the same features of (routed, backbone) logits, the same
-                   fitting, folds and weights. Confidence routing keeps (and on local rows beats) the
-                   specialist's accuracy, so the gate's local side starts from a better stream
-    learned-local w  (`--local-gate plain` only) one boosted gate per client, fitted on its own
-                   validation rows (total weight w) and the global validation set as its streams score it (total weight 1):
-                   the public-set design, in which no feature leaves the client (`local_gates`)
+                   backbone, instead of between the specialist and the backbone: the same features of
+                   (routed, backbone) logits, the same fitting, folds and weights. Confidence routing keeps
+                   (and on local rows beats) the specialist's accuracy, so the gate's local side starts from
+                   a better stream
+    learned-local w  (`--local-gate plain` only) one boosted gate per client, fitted on its own validation
+                   rows (total weight w) and the global validation set as its streams score it (total
+                   weight 1): the public-set design, in which no feature leaves the client (`local_gates`);
+                   `learned-local-prior w` (`--local-gate prior`) reweights those public rows by the
+                   client's label shares
     learned own    (and learned-linear own) the same gates fitted on the clients' own validation rows
                    alone, without the global validation set: a gate that needs no data outside the clients
                    (their rare classes stand in for the classes they lack); the global validation set
@@ -183,12 +185,14 @@ class _Constant:
 
 
 def learned_gates(rows: dict, weights=GATE_WEIGHTS, kind: str = "boosted", seed: int = 0,
-                  prefix: str = "learned") -> dict:
+                  prefix: str = "learned", max_iter: int = 200, extra: dict | None = None) -> dict:
     """{`learned w=..`: {split: accuracy}} of the learned gate (docstring; kind "linear": `learned-linear
     w=..`, a logistic regression on the standardised features; `prefix` names the rows): rows[split] is one
     (features [n, F], specialist right [n], backbone right [n]) per client; accuracy is the mean over
     clients, as for every rule. Validation splits are scored out of fold, test splits by the gate fitted
-    on every validation row."""
+    on every validation row. `extra` = {fitting split: non-negative score per row} gives that split an
+    extra total weight w, spread over its rows in proportion to the scores; `max_iter`: the boosted
+    gate's trees."""
     from sklearn.ensemble import HistGradientBoostingClassifier
     from sklearn.linear_model import LogisticRegression
     from sklearn.pipeline import make_pipeline
@@ -207,14 +211,18 @@ def learned_gates(rows: dict, weights=GATE_WEIGHTS, kind: str = "boosted", seed:
             x, he, hb = cat[s]
             m = (he != hb) & pick[s]
             X.append(x[m]), t.append(he[m].astype(np.int64))
-            w.append(np.full(m.sum(), (1 if lw == float("inf") or s != "val" else lw) / len(he)))
+            wt = np.full(m.sum(), (1 if lw == float("inf") or s != "val" else lw) / max(1, len(he)))
+            if extra is not None and s in extra and lw != float("inf"):
+                e = np.asarray(extra[s], dtype=np.float64)
+                wt = wt + (lw * e / max(e.sum(), 1e-12))[m]
+            w.append(wt)
         w, t = np.concatenate(w), np.concatenate(t)
         if len(np.unique(t)) < 2:      # one stream right on every fitting row (tiny federations): constant
             return _Constant(int(t[0]) if len(t) else 0)
         if kind == "linear":
             return make_pipeline(StandardScaler(), LogisticRegression(max_iter=2000)).fit(
                 np.concatenate(X), t, logisticregression__sample_weight=w / w.mean())
-        return HistGradientBoostingClassifier(max_iter=200, learning_rate=0.1, random_state=seed).fit(
+        return HistGradientBoostingClassifier(max_iter=max_iter, learning_rate=0.1, random_state=seed).fit(
             np.concatenate(X), t, sample_weight=w / w.mean())
 
     def score(s, to_specialist):
@@ -240,54 +248,24 @@ def learned_gates(rows: dict, weights=GATE_WEIGHTS, kind: str = "boosted", seed:
 
 
 def local_gates(rows: dict, weights=LOCAL_WEIGHTS, seed: int = 0, prior: dict | None = None) -> dict:
-    """{`learned-local w=..`: {split: accuracy}}: one boosted gate per client, fitted on that client's own
-    validation rows (total weight w) and the global validation set scored by that client's two streams
-    (total weight 1), on the rows where exactly one stream is right. What it needs from outside the client
-    is the labelled global validation set (a public set the server would send); no feature leaves the
-    client. Validation splits out of fold as in `learned_gates`; test splits by the gate refitted on all.
+    """{`learned-local w=..`: {split: accuracy}}: one boosted gate per client (100 trees), `learned_gates`
+    on that client's rows alone: its own validation rows (total weight w) and the global validation set
+    scored by its two streams (total weight 1), on the rows where exactly one stream is right. What it needs
+    from outside the client is the labelled global validation set (a public set the server would send); no
+    feature leaves the client. Accuracies are means over clients, as for every rule.
 
     With `prior` = {"y": the public set's labels, "share": [C] label shares per client}
     (`learned-local-prior w=..`), each public row also stands for the client's own distribution: it gets
     the extra weight w * share(y) / sum_j share(y_j), so that the public rows of the client's classes
     weigh as its local inputs will (importance weighting under label shift), not only its few own rows."""
-    from sklearn.ensemble import HistGradientBoostingClassifier
-
-    fit_splits = ("val", "global_val")
-
-    def fit(k, lw, fold):
-        X, t, w = [], [], []
-        for s in fit_splits:
-            x, he, hb = (np.asarray(v) for v in rows[s][k])
-            m = (he != hb) & ((np.arange(len(he)) % 2 == fold) if fold is not None else True)
-            X.append(x[m]), t.append(he[m].astype(np.int64))
-            wt = np.full(len(he), (lw if s == "val" else 1) / max(1, len(he)))
-            if prior is not None and s == "global_val":
-                sh = np.asarray(prior["share"][k], dtype=np.float64)[prior["y"]]
-                wt = wt + lw * sh / max(sh.sum(), 1e-12)
-            w.append(wt[m])
-        X, t, w = np.concatenate(X), np.concatenate(t), np.concatenate(w)
-        if len(np.unique(t)) < 2:
-            return _Constant(int(t[0]) if len(t) else 0)
-        return HistGradientBoostingClassifier(max_iter=100, learning_rate=0.1, random_state=seed).fit(
-            X, t, sample_weight=w / w.mean())
-
-    out = {}
-    for lw in weights:
-        acc = {s: [] for s in rows}
-        for k in range(len(rows["val"])):
-            folds = [fit(k, lw, f) for f in (0, 1)]
-            full = fit(k, lw, None)
-            for s in rows:
-                x, he, hb = (np.asarray(v) for v in rows[s][k])
-                if s in fit_splits:
-                    odd = np.arange(len(he)) % 2
-                    p = np.where(odd == 0, folds[1].predict_proba(x)[:, 1], folds[0].predict_proba(x)[:, 1])
-                else:
-                    p = full.predict_proba(x)[:, 1]
-                acc[s].append(float(np.where(p > 0.5, he, hb).mean()))
-        out[f"learned-local{'-prior' if prior is not None else ''} w={lw:g}"] = \
-            {s: float(np.mean(v)) for s, v in acc.items()}
-    return out
+    name = "learned-local" + ("-prior" if prior is not None else "")
+    per_client = []
+    for k in range(len(rows["val"])):
+        extra = None if prior is None else \
+            {"global_val": np.asarray(prior["share"][k], dtype=np.float64)[prior["y"]]}
+        per_client.append(learned_gates({s: [rows[s][k]] for s in rows}, weights, seed=seed, prefix=name,
+                                        max_iter=100, extra=extra))
+    return {r: {s: float(np.mean([c[r][s] for c in per_client])) for s in rows} for r in per_client[0]}
 
 
 def mahalanobis(feats: torch.Tensor, y: torch.Tensor):
@@ -313,7 +291,7 @@ def study(db: str, run_id: str, state: str | None = None, gate_seed: int = 0,
           routed_gate: bool = False, local_gate: str | None = None) -> dict:
     """Score every rule for run `run_id` from its kept final state, or from the checkpoint file `state`
     (a run's `<db>.ckpt/<run>.ckpt`, for a run stopped before its end); `routed_gate` adds
-    `learned-routed`."""
+    `learned-routed`, `local_gate` ("plain" or "prior") the per-client gates."""
     from fedprism.algorithms.fedprism_dual import route
     from fedprism.experiment import checkpoint
     from fedprism.experiment.config import resolve
@@ -376,9 +354,10 @@ def study(db: str, run_id: str, state: str | None = None, gate_seed: int = 0,
                         hits[name][split].append(float((rule(e, b, S, th).argmax(-1) == y).double().mean()))
                     gate_rows[split].append((gate_features(e, b, th["share"]).numpy(),
                                              (e.argmax(-1) == y).numpy(), (b.argmax(-1) == y).numpy()))
-                    z = route(e, b, None, T) if routed_gate else e
-                    routed_rows[split].append((gate_features(z, b, th["share"]).numpy(),
-                                               (z.argmax(-1) == y).numpy(), (b.argmax(-1) == y).numpy()))
+                    if routed_gate:
+                        z = route(e, b, None, T)
+                        routed_rows[split].append((gate_features(z, b, th["share"]).numpy(),
+                                                   (z.argmax(-1) == y).numpy(), (b.argmax(-1) == y).numpy()))
     mean = lambda by_split: {s: float(np.mean(v)) for s, v in by_split.items()}  # noqa: E731
     return {"run_id": run_id, "seed": cfg["seed"], "round": int(kept["round"]),
             "from": source,
