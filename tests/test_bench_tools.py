@@ -86,6 +86,16 @@ def test_pool_train_bench_keeps_the_bits(capsys):
     assert out.count("same bits") == 4 and "DIFFERENT" not in out
 
 
+def test_client_threads_bench_groups_keep_the_bits(capsys):
+    """`bench/client_threads.py --quick`: two engines in two threads, each training half of the cohort, give
+    every client the bits of one engine training them all (each engine has its own copy of the model)."""
+    mod = load_script("bench/client_threads.py")
+    assert mod.main(["--quick", "--rounds", "2", "--eval-reps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "split vs one: max |dW| 0\n" in out and "train split:" in out and "eval  split:" in out
+    assert "largest accuracy change against one 0.0000" in out.split("eval  split:")[1]
+
+
 def test_pool_train_fused_first_block_is_lenet5s_first_block():
     """`bench/pool_train.py --fused-conv1`: the element-wise first block computes conv1 + ReLU + pooling and
     keeps the parameter names. With small integers as inputs and conv1 weights every sum is exact and most

@@ -115,7 +115,7 @@ def test_two_processes_start_the_same_run_at_once(tmp_path):
     codes = sorted(o[0] for o in outs)
     assert codes == [0, 2], outs
     loser = next(o for o in outs if o[0] == 2)
-    assert loser[2].strip().count("\n") == 0 and "running in another process" in loser[2]
+    assert loser[2].strip().count("\n") == 0 and "running in another process" in loser[2], outs
     s = Store(db)
     (run,) = s.runs()
     assert run["status"] == "finished" and run["rounds_done"] == 30
