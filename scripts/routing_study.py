@@ -49,6 +49,9 @@ counts); per-client thresholds are calibrated on the client's own training rows.
                    (routed, backbone) logits, the same fitting, folds and weights. Confidence routing keeps
                    (and on local rows beats) the specialist's accuracy, so the gate's local side starts from
                    a better stream
+    learned-maha w  (`--maha-gate` only) the boosted gate with two more features: each stream's Mahalanobis
+                   distance of x (as in maha-F below) over its 80th percentile on the client's training
+                   rows, in logs (`maha_features`): a feature-space novelty score beside the softmax ones
     learned-local w  (`--local-gate plain` only) one boosted gate per client, fitted on its own validation
                    rows (total weight w) and the global validation set as its streams score it (total
                    weight 1): the public-set design, in which no feature leaves the client (`local_gates`);
@@ -268,6 +271,15 @@ def local_gates(rows: dict, weights=LOCAL_WEIGHTS, seed: int = 0, prior: dict | 
     return {r: {s: float(np.mean([c[r][s] for c in per_client])) for s in rows} for r in per_client[0]}
 
 
+def maha_features(th: dict) -> np.ndarray:
+    """[n, 2] extra features of `learned-maha`: log of each stream's Mahalanobis distance (`mahalanobis`,
+    penultimate features, the client's class means) over the 80th percentile of that distance on the
+    client's own training rows, so that one scale holds for every client (specialist, then backbone)."""
+    q = max(MAHA_Q)
+    return torch.stack([torch.log(th["dist"][k].clamp_min(1e-12) / th["maha"][k][1][q].clamp_min(1e-12))
+                        for k in ("L", "W")], -1).float().numpy()
+
+
 def mahalanobis(feats: torch.Tensor, y: torch.Tensor):
     """Nearest-class-mean Mahalanobis distance with a tied, shrunk covariance fitted on (feats, y): returns
     the distance function and its (1 - q)-quantiles on the fitting rows, by q."""
@@ -288,10 +300,10 @@ def mahalanobis(feats: torch.Tensor, y: torch.Tensor):
 
 
 def study(db: str, run_id: str, state: str | None = None, gate_seed: int = 0,
-          routed_gate: bool = False, local_gate: str | None = None) -> dict:
+          routed_gate: bool = False, local_gate: str | None = None, maha_gate: bool = False) -> dict:
     """Score every rule for run `run_id` from its kept final state, or from the checkpoint file `state`
     (a run's `<db>.ckpt/<run>.ckpt`, for a run stopped before its end); `routed_gate` adds
-    `learned-routed`, `local_gate` ("plain" or "prior") the per-client gates."""
+    `learned-routed`, `local_gate` ("plain" or "prior") the per-client gates, `maha_gate` `learned-maha`."""
     from fedprism.algorithms.fedprism_dual import route
     from fedprism.experiment import checkpoint
     from fedprism.experiment.config import resolve
@@ -319,6 +331,7 @@ def study(db: str, run_id: str, state: str | None = None, gate_seed: int = 0,
     hits = {r: {s: [] for s in SPLITS} for r in rules}
     gate_rows = {s: [] for s in SPLITS}
     routed_rows = {s: [] for s in SPLITS}      # the same gate between Eq. 2's routed logits and the backbone
+    maha_rows = {s: [] for s in SPLITS}        # the gate's features and both streams' Mahalanobis distances
     shares, public_y = [], None                # each client's label shares; the global validation labels
     T = float(algo.hp["inference_temperature"])
     with torch.inference_mode():
@@ -354,6 +367,9 @@ def study(db: str, run_id: str, state: str | None = None, gate_seed: int = 0,
                         hits[name][split].append(float((rule(e, b, S, th).argmax(-1) == y).double().mean()))
                     gate_rows[split].append((gate_features(e, b, th["share"]).numpy(),
                                              (e.argmax(-1) == y).numpy(), (b.argmax(-1) == y).numpy()))
+                    if maha_gate:
+                        x0, *right = gate_rows[split][-1]
+                        maha_rows[split].append((np.concatenate([x0, maha_features(th)], 1), *right))
                     if routed_gate:
                         z = route(e, b, None, T)
                         routed_rows[split].append((gate_features(z, b, th["share"]).numpy(),
@@ -365,6 +381,8 @@ def study(db: str, run_id: str, state: str | None = None, gate_seed: int = 0,
                     **learned_gates(gate_rows, seed=gate_seed), **learned_gates(gate_rows, kind="linear"),
                     **(learned_gates(routed_rows, weights=ROUTED_WEIGHTS, seed=gate_seed,
                                      prefix="learned-routed") if routed_gate else {}),
+                    **(learned_gates(maha_rows, weights=ROUTED_WEIGHTS, seed=gate_seed,
+                                     prefix="learned-maha") if maha_gate else {}),
                     **(local_gates(gate_rows, seed=gate_seed) if local_gate == "plain" else {}),
                     **(local_gates(gate_rows, seed=gate_seed, prior={"y": public_y, "share": shares})
                        if local_gate == "prior" else {}),
@@ -408,11 +426,14 @@ def main(argv=None) -> int:
     ap.add_argument("--local-gate", choices=("plain", "prior"),
                     help="also fit one gate per client on its own rows and the public set: `learned-local` "
                          "(plain) or `learned-local-prior` (public rows reweighted by its label shares)")
+    ap.add_argument("--maha-gate", action="store_true",
+                    help="also fit `learned-maha`, the boosted gate with both streams' Mahalanobis distances")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     if a.checkpoint and len(a.runs) != 1:
         ap.error("--checkpoint scores one run")
-    text = "".join(render(study(a.db, r, a.checkpoint, a.gate_seed, a.routed_gate, a.local_gate)) + "\n"
+    text = "".join(render(study(a.db, r, a.checkpoint, a.gate_seed, a.routed_gate, a.local_gate,
+                                     a.maha_gate)) + "\n"
                    for r in a.runs)
     if a.out:
         Path(a.out).write_text(text)

@@ -65,6 +65,21 @@ def test_mahalanobis_gate_hand_values():
     assert all(float(t) == pytest.approx(1 / a, rel=1e-9) for t in th.values())   # every own row at 1/a
 
 
+def test_maha_features_hand_values():
+    """`learned-maha`'s two extra columns: log(distance / the 80th percentile of the client's own training
+    distances), the specialist's (L) first, each stream on its own scale."""
+    import math
+
+    import torch
+
+    th = {"dist": {"L": torch.tensor([2.0, 8.0]), "W": torch.tensor([3.0, 0.5])},
+          "maha": {"L": (None, {0.01: torch.tensor(9.0), 0.2: torch.tensor(4.0)}),
+                   "W": (None, {0.01: torch.tensor(7.0), 0.2: torch.tensor(1.0)})}}
+    got = routing_study.maha_features(th)
+    assert got.shape == (2, 2)
+    assert got.ravel().tolist() == pytest.approx([math.log(0.5), math.log(3.0), math.log(2.0), math.log(0.5)])
+
+
 def test_oracle_bound_routes_on_the_true_label_and_is_never_chosen():
     """The seen-class oracle: the specialist's logits exactly where the true class is seen, else the
     backbone's; excluded from the validation choice even when it scores best."""
@@ -346,6 +361,29 @@ def test_command_line_writes_the_tables_with_the_gate_seed(tmp_path, monkeypatch
         text.replace(" **(chosen on validation)**", "")
 
 
+def test_maha_gate_adds_two_finite_columns_to_the_gates_rows(tmp_path, monkeypatch):
+    """`--maha-gate`: `learned-maha` is fitted on the plain gate's rows, row for row, with two more columns
+    (the streams' Mahalanobis terms), and its rows are in the table."""
+    import numpy as np
+
+    db = tmp_path / "s.db"
+    res = Experiment(resolve(CFG), Store(db)).run()
+    rows = {}
+    real = routing_study.learned_gates
+    monkeypatch.setattr(routing_study, "learned_gates",
+                        lambda r, **kw: rows.setdefault(kw.get("prefix", "learned") + kw.get("kind", ""), r)
+                        and real(r, **kw))
+    out = tmp_path / "t.md"
+    assert routing_study.main(["--db", str(db), res.run_id, "--maha-gate", "--out", str(out)]) == 0
+    plain, maha = rows["learned"], rows["learned-maha"]
+    for s in routing_study.SPLITS:
+        assert len(plain[s]) == len(maha[s]) == 6
+        for (x, he, hb), (xm, hem, hbm) in zip(plain[s], maha[s]):
+            assert xm.shape == (x.shape[0], x.shape[1] + 2) and np.array_equal(xm[:, :-2], x)
+            assert np.isfinite(xm[:, -2:]).all() and np.array_equal(he, hem) and np.array_equal(hb, hbm)
+    assert "| learned-maha w=3 |" in out.read_text().replace(" **(chosen on validation)**", "")
+
+
 def test_own_gate_is_fitted_on_the_clients_rows_alone():
     """`learned own` never fits a global validation row: there the signal is inverted, so a gate fitted on
     the clients' rows alone routes every global validation input wrong, and one that also fits those rows
@@ -454,3 +492,24 @@ def test_local_gate_study_as_its_file_states():
         assert best[1] >= r["backbone"][3] - 2
         pooled = r[r["__chosen__"]][2:]
         assert 2.18 <= round(pooled[0] - best[0], 2) <= 2.45 and 1.0 <= round(best[1] - pooled[1], 2) <= 1.12
+
+
+def test_maha_gate_study_as_its_file_states():
+    """results/routing_study_maha_gate.md: the Mahalanobis features move the gate's validation numbers by
+    a few tenths at each weight, the validation choice keeps its weight and its outcome per seed, and every
+    other row is the committed final-state study's."""
+    t = _tables(ROOT / "results" / "routing_study_maha_gate.md")
+    base = _tables(ROOT / "results" / "routing_study_final.md")
+    ranges = {0: ((-0.29, -0.09), (-0.11, 0.06)), 1: ((-0.36, 0.40), (-0.04, 0.10))}
+    for seed, (loc, glob) in ranges.items():
+        r = t[seed]
+        assert {k: v for k, v in r.items() if not k.startswith("learned-maha") and k != "__chosen__"} == \
+            {k: v for k, v in base[seed].items() if k != "__chosen__"}
+        dl = [round(r[f"learned-maha w={w}"][0] - r[f"learned w={w}"][0], 2) for w in (1, 2, 3, 5, 8)]
+        dg = [round(r[f"learned-maha w={w}"][1] - r[f"learned w={w}"][1], 2) for w in (1, 2, 3, 5, 8)]
+        assert (min(dl), max(dl)) == loc and (min(dg), max(dg)) == glob
+        assert r["__chosen__"] == _choice(r)
+    c0, c1 = t[0]["learned-maha w=5"], t[1]["learned-maha w=3"]
+    assert (t[0]["__chosen__"], t[1]["__chosen__"]) == ("learned-maha w=5", "learned-maha w=3")
+    assert c0[2:] == (93.89, 83.14) and round(t[0]["specialist"][2] - c0[2], 2) == 0.39       # "0.39 short"
+    assert c1[2:] == (94.09, 85.53) and c1[2] >= t[1]["specialist"][2] and c1[3] >= t[1]["backbone"][3] - 2
