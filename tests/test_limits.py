@@ -36,6 +36,23 @@ def test_size_keys_beyond_the_data_or_the_machine_are_config_errors(tmp_path, kw
     assert e.value.key == key and needle in str(e.value) and "at most" in str(e.value)
 
 
+def test_cluster_count_above_the_cohort_is_a_config_error_for_methods_that_cluster_a_round(tmp_path):
+    """Fed-PRISM (and FedClust's periodic variant) clusters the round's clients; with fewer of them than K
+    every re-clustering is skipped and the cluster models never leave the global model. clients=6 x
+    fraction=0.5 = 3 clients a round."""
+    m1 = {"fedprism": {"fedprism.m": 1}, "fedprism_dual": {"fedprism_dual.m": 1}, "fedclust": {}}
+    for method in ("fedprism", "fedprism_dual", "fedclust"):
+        with pytest.raises(ConfigError) as e:
+            build(tmp_path, method=method, **{f"{method}.k": 4, **m1[method]})
+        assert (e.value.key, e.value.value) == (f"{method}.k", 4) and "at most 3 here" in str(e.value)
+        assert "clients=6 x fraction=0.5 gives 3 client(s) a round" in str(e.value)
+        build(tmp_path, method=method, **{f"{method}.k": 3, **m1[method]})              # K = cohort: runs
+    build(tmp_path, method="fedclust", **{"fedclust.k": 4, "fedclust.variant": "original"})   # all clients
+    build(tmp_path, method="fedprism_dual", **{"fedprism_dual.k": 4, "fedprism_dual.cluster_on": "seen"})
+    build(tmp_path, method="ifca", **{"ifca.k": 4})                   # IFCA: clients choose, nothing skipped
+    assert not (tmp_path / "b.db").exists() or Store(tmp_path / "b.db").runs() == []
+
+
 def test_memory_bounds_use_the_parameter_count(tmp_path):
     cfg = resolve({**BASE, "method": "ifca", "ifca.k": 5, "clients": 50})
     n = np.full(50, 100)
@@ -103,3 +120,18 @@ def test_exploding_learning_rates_finish_and_report_rejections(tmp_path, capsys,
     assert main([*args, "lr=1e30", "--quiet"]) == 0   # stored: table shows it
     text = capsys.readouterr().out
     assert "(DIVERGED)" in text and "rejected updates" in text
+
+
+def test_no_sweep_file_asks_for_more_clusters_than_clients_a_round():
+    """Every run of every sweep file in the repository, full size and `--quick`, passes the limits that
+    depend on the configuration alone (the cohort check above among them), here with ample memory."""
+    from pathlib import Path
+
+    from fedprism.experiment.sweep import load_sweep
+
+    files = sorted((Path(__file__).resolve().parents[1] / "sweeps").glob("*.toml"))
+    assert len(files) >= 10
+    for f in files:
+        for quick in (False, True):
+            for c in load_sweep(f, quick=quick)[1]:
+                check_limits(c, np.full(c["clients"], 100), num_params=1000, memory=1 << 40, disk=1 << 40)

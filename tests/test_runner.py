@@ -45,7 +45,7 @@ def test_run_stores_everything_and_second_run_is_a_noop(tmp_path):
 
 @pytest.mark.parametrize("method", ["fedprism", "local"])
 def test_resumed_run_equals_uninterrupted(tmp_path, method):
-    c = cfg(method=method)
+    c = cfg(method=method, **({"fedprism__k": 2} if method == "fedprism" else {}))   # K <= 4 clients a round
     full = Experiment(c, Store(tmp_path / "a.db")).run()
     s = Store(tmp_path / "b.db")
     part = Experiment(c, s).run(stop_after=2)
@@ -91,7 +91,7 @@ def test_nan_update_is_rejected_and_the_round_goes_on(tmp_path, monkeypatch):
 
 
 def test_failing_client_is_recorded_and_others_aggregate(tmp_path, monkeypatch):
-    c = cfg(method="fedprism", rounds=2)
+    c = cfg(method="fedprism", rounds=2, fedprism__k=2)
     exp = Experiment(c, Store(tmp_path / "f.db"))
     real = exp.engine.train
     victim = int(sample_clients(c["seed"], 0, 8, 0.5)[1])

@@ -10,7 +10,11 @@ sizes and the parameter count P are known) and before anything large is allocate
                    largest client in one round (more than a day of a tiny model's steps: a typo);
                    and one epoch's batch order of the largest cohort must fit in a quarter of
                    the available memory
-    <method>.k     at most `clients` (a cluster model nobody can join is never trained), and the K
+    <method>.k     at most `clients` (a cluster model nobody can join is never trained); for methods that
+                   cluster only the round's clients (fedprism; fedprism_dual with cluster_on = reporting;
+                   fedclust's periodic variant)
+                   at most the cohort floor(fraction x clients), since a clustering of fewer points than K
+                   is skipped and would be skipped every round; and the K
                    cluster models (IFCA: scored by every client of a cohort, cohort x K copies) fit
                    in half of the available memory
     clients        N <= train samples / partition.min_train is the partitioner's own check
@@ -49,6 +53,18 @@ _CLIENT_STATE_MODELS = {"local": 1, "fedprism_dual": 2}
 #: bytes per parameter of a client-state model in memory, per `state.storage`
 _STORAGE_BYTES = {"memory": 4, "float16": 2, "mmap": 0}
 _K_METHODS = ("fedprism", "fedprism_dual", "ifca", "fedclust")
+
+
+def _clusters_the_cohort(cfg) -> bool:
+    """Whether the method's re-clustering runs on the clients of one round only (Fed-PRISM's UpdateClusters
+    on S_t; `fedprism_dual.cluster_on=reporting`; FedClust's periodic variant), so that a cohort smaller
+    than K can never be clustered."""
+    if cfg["method"] == "fedprism":
+        return True
+    if cfg["method"] == "fedclust":
+        return cfg.get("fedclust.variant", "periodic") == "periodic"
+    return cfg["method"] == "fedprism_dual" and \
+        cfg.get("fedprism_dual.cluster_on", "reporting") == "reporting"
 
 
 def available_memory() -> int:
@@ -124,6 +140,13 @@ def check_limits(cfg, n_train: np.ndarray, num_params: int, memory: int | None =
             if K > N:
                 raise ConfigError(f"{method}.k", K, f"at most clients={N} (a cluster model no client can join "
                                   "is never trained)")
+            if cohort < K and _clusters_the_cohort(cfg):
+                alt = ", or fedprism_dual.cluster_on=seen" if method == "fedprism_dual" else ""
+                raise ConfigError(f"{method}.k", K, f"at most {cohort} here: clients={N} x fraction="
+                                  f"{cfg['fraction']:g} gives {cohort} client(s) a round, and a "
+                                  "re-clustering of fewer clients than clusters is skipped, every time, so "
+                                  "the cluster models would never separate (the run would be FedAvg-like); "
+                                  f"raise fraction, lower {method}.k{alt}")
             copies = cohort + 1 if method == "ifca" else 3
             need = K * P * 4 * copies
             if need > mem // 2:
