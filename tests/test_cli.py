@@ -24,6 +24,28 @@ def test_methods_lists_parameters(capsys):
         assert key in out
 
 
+def test_methods_names_one_method_and_wraps_to_the_terminal(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "72")
+    assert main(["methods", "ifca"]) == 0
+    out = capsys.readouterr().out
+    assert "ifca.k" in out and "fedprism.k" not in out and "Experiment keys" not in out
+    lines = out.splitlines()
+    assert lines[1].startswith("ifca  (Ghosh et al. 2020")                   # the paper line is not cut
+    assert max(map(len, lines[2:])) <= 72 and all(x == x.rstrip() for x in lines)
+    assert "a FedAvg warm-up" in out.replace("\n" + " " * 34, " ")     # wrapped, not cut
+    assert main(["methods", "fedprsim"]) == 2
+    assert "no method 'fedprsim' (did you mean fedprism?)" in capsys.readouterr().err
+
+
+def test_table_wraps_only_the_last_column_under_its_own_start():
+    from fedprism.textable import table
+
+    t = table([["a", "one two three four five six seven eight nine ten eleven twelve"]], ["k", "meaning"], 36)
+    assert t.splitlines() == ["k  meaning", "-  ---------------------------------",
+                              "a  one two three four five six seven", "   eight nine ten eleven twelve"]
+    assert table([["a", "short"]], ["k", "meaning"], 36) == table([["a", "short"]], ["k", "meaning"])
+
+
 def test_partition_prints_summary_metrics_and_png(tmp_path, capsys):
     png = tmp_path / "p.png"
     assert main(["partition", "dataset=digits", "partition=dirichlet", "partition.alpha=0.1", "clients=20",

@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import textwrap
 from pathlib import Path
 
 from fedprism.errors import FedPrismError
@@ -186,19 +188,33 @@ def cmd_methods(args) -> int:
     from fedprism.experiment.config import KEYS, PARTITION_COMMON
 
     plugins.load()
-    print("Experiment keys:")
-    print(_table([[k, repr(p.default), p.help] for k, p in KEYS.items()], ["key", "default", "meaning"]))
+    unknown = [n for n in args.names if n not in REGISTRY]
+    if unknown:
+        from fedprism.experiment.config import suggest
+
+        raise FedPrismError(f"no method {unknown[0]!r}{suggest(unknown[0], sorted(REGISTRY))}; the methods: "
+                            f"{', '.join(sorted(REGISTRY))}")
+    width = shutil.get_terminal_size((110, 24)).columns
+    head = ["key", "default", "meaning"]
+    if not args.names:
+        print("Experiment keys:")
+        print(_table([[k, repr(p.default), p.help] for k, p in KEYS.items()], head, width))
     for name, cls in sorted(REGISTRY.items()):
+        if args.names and name not in args.names:
+            continue
         print(f"\n{name}  ({cls.paper})")
         if cls.params:
             print(_table([[f"{name}.{k}", repr(p.default), p.help + (f" [{', '.join(map(str, p.choices))}]"
                                                                         if p.choices else "")]
-                          for k, p in cls.params.items()], ["key", "default", "meaning"]))
+                          for k, p in cls.params.items()], head, width))
+    if args.names:
+        return 0
     from fedprism.data.partition import PARTITIONS
     print("\nPartitions (partition=NAME):")
     for name, ps in PARTITIONS.items():
         allp = {**PARTITION_COMMON, **ps}
-        print(f"  {name}: " + ", ".join(f"partition.{k}={p.default!r}" for k, p in allp.items()))
+        print(textwrap.fill(f"  {name}: " + ", ".join(f"partition.{k}={p.default!r}" for k, p in allp.items()),
+                            width, subsequent_indent="    ", break_on_hyphens=False))
     return 0
 
 
@@ -367,7 +383,10 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("--all", action="store_true", help="list every client")
     pa.set_defaults(fn=cmd_partition)
 
-    m = sub.add_parser("methods", help="list methods, their parameters and defaults")
+    m = sub.add_parser("methods", help="list methods, their parameters and defaults",
+                       description="Every experiment key and every method's parameters with defaults, or only "
+                                   "the named methods' (`fedprism methods fedprism ifca`).")
+    m.add_argument("names", nargs="*", metavar="METHOD", help="only these methods")
     m.set_defaults(fn=cmd_methods)
 
     mg = with_db(sub.add_parser(

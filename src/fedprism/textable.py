@@ -11,8 +11,22 @@ def fmt(v) -> str:
     return str(v)
 
 
-def table(rows: list[list], header: list[str]) -> str:
+def table(rows: list[list], header: list[str], width: int | None = None) -> str:
+    """Columns padded to their widest cell. With `width`, a last column that would run past it is wrapped
+    there (at least 30 characters a line), its continuation lines indented to the column."""
+    import textwrap
+
     cells = [header] + [[fmt(v) for v in r] for r in rows]
     w = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    line = lambda r: "  ".join(c.ljust(w[i]) for i, c in enumerate(r))  # noqa: E731
+    indent = sum(w[:-1]) + 2 * (len(w) - 1)
+    room = None if width is None or indent + w[-1] <= width else max(width - indent, 30)
+    if room is not None:
+        w[-1] = min(w[-1], room)
+
+    def line(r):
+        head = "  ".join(c.ljust(w[i]) for i, c in enumerate(r[:-1]))
+        last = textwrap.wrap(r[-1], room, break_on_hyphens=False) if room is not None and len(r[-1]) > room else [r[-1]]
+        out = [(head + "  " + last[0]) if r[:-1] else last[0]] + [" " * indent + x for x in last[1:]]
+        return "\n".join(x.rstrip() for x in out)
+
     return "\n".join([line(cells[0]), "  ".join("-" * x for x in w)] + [line(r) for r in cells[1:]])
