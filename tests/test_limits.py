@@ -53,6 +53,17 @@ def test_cluster_count_above_the_cohort_is_a_config_error_for_methods_that_clust
     assert not (tmp_path / "b.db").exists() or Store(tmp_path / "b.db").runs() == []
 
 
+def test_cfl_with_one_client_a_round_is_a_config_error(tmp_path):
+    """CFL's split test needs the mean update norm under eps1 and the largest over eps2: one client's
+    update is both, so with eps1 <= eps2 it never splits."""
+    with pytest.raises(ConfigError) as e:
+        build(tmp_path, method="cfl", fraction=0.1)
+    assert (e.value.key, e.value.value) == ("fraction", 0.1) and "at least 0.333333 for cfl with clients=6" \
+        in str(e.value)
+    build(tmp_path, method="cfl", fraction=0.34)                                   # two clients a round
+    build(tmp_path, method="cfl", fraction=0.1, **{"cfl.eps1": 2.0, "cfl.eps2": 1.0})   # can split: allowed
+
+
 def test_memory_bounds_use_the_parameter_count(tmp_path):
     cfg = resolve({**BASE, "method": "ifca", "ifca.k": 5, "clients": 50})
     n = np.full(50, 100)

@@ -17,6 +17,8 @@ sizes and the parameter count P are known) and before anything large is allocate
                    is skipped and would be skipped every round; and the K
                    cluster models (IFCA: scored by every client of a cohort, cohort x K copies) fit
                    in half of the available memory
+    fraction       cfl: at least two clients a round (its split test compares the mean and the largest
+                   update of a round's clients, equal for one client)
     clients        N <= train samples / partition.min_train is the partitioner's own check
                    (PartitionError); methods that keep a model per client (local, fedamp, cfl,
                    fedprism_dual) also need N x P x 4 bytes to fit in half of the available memory.
@@ -154,6 +156,11 @@ def check_limits(cfg, n_train: np.ndarray, num_params: int, memory: int | None =
                 raise ConfigError(f"{method}.k", K, f"at most {most} here: {K} cluster models of {P} parameters "
                                   f"(x{copies} copies) need {_gb(need)}, more than half the available memory "
                                   f"({_gb(mem)})")
+
+    if method == "cfl" and cohort < 2 <= N and cfg.get("cfl.eps1", 0.4) <= cfg.get("cfl.eps2", 1.6):
+        raise ConfigError("fraction", cfg["fraction"], f"at least {2 / N:g} for cfl with clients={N}: with one "
+                          "client a round the mean update is that client's update, so the split test "
+                          "(mean norm < cfl.eps1 <= cfl.eps2 < max norm) can never pass and CFL stays FedAvg")
 
     storage = cfg.get("state.storage", "memory")
     own = _CLIENT_STATE_MODELS.get(method, 0)
