@@ -158,8 +158,8 @@ def check_limits(cfg, n_train: np.ndarray, num_params: int, memory: int | None =
                                   f"({_gb(mem)})")
 
     if method == "cfl" and cohort < 2 <= N and cfg.get("cfl.eps1", 0.4) <= cfg.get("cfl.eps2", 1.6):
-        raise ConfigError("fraction", cfg["fraction"], f"at least {2 / N:g} for cfl with clients={N}: with one "
-                          "client a round the mean update is that client's update, so the split test "
+        raise ConfigError("fraction", cfg["fraction"], f"at least {2 / N:g} for cfl with clients={N}: with "
+                          "one client a round the mean update is that client's update, so the split test "
                           "(mean norm < cfl.eps1 <= cfl.eps2 < max norm) can never pass and CFL stays FedAvg")
 
     storage = cfg.get("state.storage", "memory")
