@@ -103,7 +103,8 @@ def test_unsupported_values_are_refused_at_save_with_their_path(bad):
 def test_every_method_state_round_trips(tmp_path):
     from fedprism.algorithms import REGISTRY
     for method in sorted(REGISTRY):
-        k = {f"{method}.k": 2} if method in ("fedprism", "fedprism_dual", "fedclust") else {}   # K <= 4 a round
+        clustered = method in ("fedprism", "fedprism_dual", "fedclust")
+        k = {f"{method}.k": 2} if clustered else {}                    # K <= the 4 clients of a round
         exp = Experiment(resolve({**SMALL, "method": method, "rounds": 1, **k}),
                          Store(tmp_path / f"{method}.db"))
         exp.run()
