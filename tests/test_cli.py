@@ -84,6 +84,9 @@ def test_quick_demo_on_digits_then_report_and_export(tmp_path, capsys):
     for label in ("FedPrism (paper, routed)", "Fed-PRISM kmeans", "Fed-PRISM covariance", "FedClust", "FedAvg", "Local",
                   "How to read it"):
         assert label in out
+    import re
+    row = next(x for x in out.splitlines() if x.startswith("FedAvg "))
+    assert re.fullmatch(r"FedAvg +0\.\d{4} +0\.\d{4} +0\.\d{4} +\d+\.\d", row)    # seconds to 0.1
     assert main(["report", "--db", db, "--out", str(tmp_path / "rep"), "--no-plots"]) == 0
     assert "| FedAvg | 1 |" in (tmp_path / "rep" / "results.md").read_text()
     assert main(["export", "--db", db, "--out", str(tmp_path / "exp")]) == 0

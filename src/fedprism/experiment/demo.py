@@ -92,8 +92,8 @@ def demo(db: str, quick: bool = False, items: list[str] | None = None, workers: 
                 raise final
             finals[name] = final
             print(f"  {name}: done ({final.get('seconds', 0):.0f} s)", file=sys.stderr)
-    rows = [[c["name"]] + [finals[c["name"]].get(k) for k in ("global_acc", "local_acc", "sdad", "seconds")]
-            for c in configs]
+    rows = [[c["name"]] + [finals[c["name"]].get(k) for k in ("global_acc", "local_acc", "sdad")]
+            + [f"{finals[c['name']].get('seconds', 0):.1f}"] for c in configs]
     print()
     print(_table(rows, ["method", "global acc", "local acc", "SDAD", "seconds"]))
     print("\nHow to read it: local acc = each client's model on its own test split (the same label mix as its "
