@@ -234,8 +234,8 @@ def test_partitions_registry_lists_parameters():
 @pytest.mark.parametrize(
     "name, kwargs, needle",
     [
-        ("iid", {"num_clients": 700}, "num_clients"),
-        ("iid", {"num_clients": 0}, "num_clients"),
+        ("iid", {"num_clients": 700}, "clients = 700 is not valid"),
+        ("iid", {"num_clients": 0}, "clients = 0 is not valid"),
         ("dirichlet", {"alpha": 0}, "alpha"),
         ("dirichlet", {"alpha": -1.0}, "alpha"),
         ("dirichlet", {"alpha": float("inf")}, "alpha"),
@@ -400,7 +400,7 @@ def test_natural_gives_each_client_one_group_and_its_own_test_rows():
     ({"groups": GROUPS[:-1], "test_groups": TEST_GROUPS}, "groups must give one user/device id per sample"),
     ({"groups": GROUPS.astype(float), "test_groups": TEST_GROUPS}, "integer user/device ids"),
     ({"groups": GROUPS, "test_groups": TEST_GROUPS, "num_clients": 3},
-     "num_clients = 3 is not valid for partition 'natural': the data has 4 users/devices"),
+     "clients = 3 is not valid for partition 'natural': the data has 4 users/devices"),
     ({"groups": GROUPS, "test_groups": TEST_GROUPS, "test_ratio": 0.5},
      "test_ratio = 0.5 is not valid for partition 'natural'"),
     ({"groups": GROUPS, "test_groups": TEST_GROUPS, "min_train": 5000}, "min_train = 5000 is not reachable"),

@@ -323,9 +323,9 @@ def _check_min_train(sizes: np.ndarray, min_train: int, what: str) -> None:
     smallest = int(sizes.min())
     if smallest < min_train:
         raise PartitionError(
-            f"min_train = {min_train} is not reachable: {what} leaves client {int(np.argmin(sizes))} "
-            f"with {smallest} train samples; use fewer clients (num_clients = {len(sizes)}), a lower "
-            f"min_train, or other partition parameters"
+            f"partition.min_train = {min_train} is not reachable: {what} leaves client "
+            f"{int(np.argmin(sizes))} with {smallest} train samples; use fewer clients (clients = "
+            f"{len(sizes)}), a lower partition.min_train, or other partition parameters"
         )
 
 
@@ -410,10 +410,10 @@ def _dirichlet_per_class(y, num_classes, num_clients, min_train, rng, params):
             idx, owner = _from_counts(alloc, order, starts, y[order])
             return idx, owner, {"num_redraws": attempt}
     raise PartitionError(
-        f"min_train = {min_train} is not reachable with partition.alpha = {params['alpha']} and "
-        f"num_clients = {num_clients}: no draw in partition.max_tries = {max_tries} gave every client "
-        f"{min_train} samples (last smallest client: {smallest}); raise alpha, lower min_train or use "
-        f"fewer clients"
+        f"partition.min_train = {min_train} is not reachable with partition.alpha = {params['alpha']} and "
+        f"clients = {num_clients}: no draw in partition.max_tries = {max_tries} gave every client "
+        f"{min_train} samples (last smallest client: {smallest}); raise partition.alpha, lower "
+        f"partition.min_train or use fewer clients"
     )
 
 
@@ -630,7 +630,7 @@ def _natural(y_train: np.ndarray, y_test: np.ndarray, num_clients: int, min_trai
     g_te = _group_ids(test_groups, len(y_test), "test_groups")
     users = np.unique(g_tr)
     if num_clients != len(users):
-        raise PartitionError(f"num_clients = {num_clients} is not valid for partition 'natural': the data "
+        raise PartitionError(f"clients = {num_clients} is not valid for partition 'natural': the data "
                              f"has {len(users)} users/devices with train samples, one client each, so set "
                              f"clients = {len(users)}")
     train = _assemble(np.arange(len(g_tr)), np.searchsorted(users, g_tr), num_clients)
@@ -640,8 +640,9 @@ def _natural(y_train: np.ndarray, y_test: np.ndarray, num_clients: int, min_trai
     n_test = np.array([len(t) for t in test])
     if len(n_test) and n_test.min() < min_test:
         i = int(np.argmin(n_test))
-        raise PartitionError(f"min_test = {min_test} is not reachable: user {int(users[i])} (client {i}) has "
-                             f"{int(n_test[i])} test samples; use a lower min_test")
+        raise PartitionError(f"partition.min_test = {min_test} is not reachable: user {int(users[i])} "
+                             f"(client {i}) has {int(n_test[i])} test samples; use a lower "
+                             "partition.min_test")
     meta = {"client_groups": users.tolist(), "test_with_replacement": False, "test_reused_classes": [],
             "test_reused_samples": 0, "clients_without_test": int((n_test == 0).sum()),
             "n_test_unused": int((~known).sum())}
@@ -692,7 +693,7 @@ def make_partition(name: str, y_train: np.ndarray, y_test: np.ndarray, num_clien
         raise PartitionError(f"partition = {name!r} is not valid: one of {', '.join(PARTITIONS)}")
     resolved = _resolve_params(name, params)
     y_train, y_test = _labels(y_train, "y_train"), _labels(y_test, "y_test")
-    num_clients = _int_arg("num_clients", num_clients, 1)
+    num_clients = _int_arg("clients", num_clients, 1)          # the config key's name in messages
     seed = _int_arg("seed", seed, 0)
     min_train = _int_arg("min_train", min_train, 1)
     min_test = _int_arg("min_test", min_test, 0)
@@ -705,8 +706,8 @@ def make_partition(name: str, y_train: np.ndarray, y_test: np.ndarray, num_clien
                              test_groups)
     if num_clients * min_train > n:
         raise PartitionError(
-            f"num_clients = {num_clients} is not valid: with min_train = {min_train} the {n} train samples "
-            f"allow at most {n // min_train} clients"
+            f"clients = {num_clients} is not valid: with partition.min_train = {min_train} the {n} train "
+            f"samples allow at most {n // min_train} clients"
         )
     num_classes = int(max(y_train.max(initial=-1), y_test.max(initial=-1))) + 1
 
