@@ -5,8 +5,8 @@ participation (fraction = 0.01), on Fashion-MNIST (Dirichlet(0.3) label skew, Le
 synthetic data (`data.synthetic_devices = 1000`, Dirichlet(0.3), the MLP); E = 1, B = 32, a few rounds.
 Methods with client state (local, fedprism_dual) also run with `state.storage = float16` and `mmap`.
 At N = 100 the cohort is one client, and a method that clusters a round's clients needs at least K of
-them (`fedprism.experiment.limits`), so fedprism and fedprism_dual run there with K = 1. The committed
-N = 100 rows were measured before that check, with K = 5 and every re-clustering skipped.
+them (`fedprism.experiment.limits`), so fedprism and fedprism_dual run there with K = 1 (those rows
+were measured again on 2026-11-27; before the check they ran with K = 5 and every re-clustering skipped).
 Every configuration runs in its own child process (`--child`), so its peak RSS is that child's own
 (`os.wait4` rusage, ru_maxrss), not the largest so far.
 
@@ -261,7 +261,7 @@ def plot(rows: list[dict], path: Path) -> None:
     for j, ds in enumerate(DATASETS):
         mine = [r for r in rows if r["config"]["dataset"] == ds and r.get("rc") == 0]
         for lab in sorted({label(r) for r in mine}):
-            pts = sorted((r["config"]["clients"], r) for r in mine if label(r) == lab)
+            pts = sorted(((r["config"]["clients"], r) for r in mine if label(r) == lab), key=lambda t: t[0])
             ns = [n for n, _ in pts]
             style = "--" if "(" in lab else "-"
             axes[0, j].plot(ns, [r["peak_rss_mib"] / 1024 for _, r in pts], style, marker="o", label=lab)
