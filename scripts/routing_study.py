@@ -43,6 +43,11 @@ counts); per-client thresholds are calibrated on the client's own training rows.
                    images), not by a federated protocol
     learned-linear w  the same with a convex gate (logistic regression on the standardised features),
                    the kind of gate the clients could train together with FedAvg
+    learned-soft w  (`--soft-gate` only; and learned-linear-soft w) the same fitted gates used as mixing
+                   weights instead of switches: argmax of g(x) p_L(x) + (1 - g(x)) p_W(x), g(x) the gate's
+                   probability that the specialist is right (a mixture of experts with a learned gate,
+                   Jacobs et al. 1991, "Adaptive Mixtures of Local Experts"): where the gate hedges, the
+                   two streams are averaged, as the fixed ensembles do
     learned-routed w  (`--routed-gate` only) the boosted gate between the run's routed prediction (the
                    paper's Eq. 2 at the run's `inference_temperature`, T = 5 in the validation runs) and the
                    backbone, instead of between the specialist and the backbone: the same features of
@@ -161,6 +166,10 @@ ROUTED_WEIGHTS = (1, 2, 3, 5, 8)
 LOCAL_WEIGHTS = (1, 3, 8)
 
 
+#: the scalar columns that `gate_features` puts before both softmaxes
+SCALARS = 10 + len(SHARES)
+
+
 def gate_features(e: torch.Tensor, b: torch.Tensor, share: torch.Tensor) -> torch.Tensor:
     """[n, 13 + 5 C] features of the learned gate from the specialist's and the backbone's logits and the
     client's label shares [1, C]: max probabilities, the share of each stream's predicted class, each stream's
@@ -188,21 +197,24 @@ class _Constant:
 
 
 def learned_gates(rows: dict, weights=GATE_WEIGHTS, kind: str = "boosted", seed: int = 0,
-                  prefix: str = "learned", max_iter: int = 200, extra: dict | None = None) -> dict:
+                  prefix: str = "learned", max_iter: int = 200, extra: dict | None = None,
+                  soft: bool = False) -> dict:
     """{`learned w=..`: {split: accuracy}} of the learned gate (docstring; kind "linear": `learned-linear
     w=..`, a logistic regression on the standardised features; `prefix` names the rows): rows[split] is one
     (features [n, F], specialist right [n], backbone right [n]) per client; accuracy is the mean over
     clients, as for every rule. Validation splits are scored out of fold, test splits by the gate fitted
     on every validation row. `extra` = {fitting split: non-negative score per row} gives that split an
     extra total weight w, spread over its rows in proportion to the scores; `max_iter`: the boosted
-    gate's trees."""
+    gate's trees. `soft` (rows with a fourth element, the labels, and `gate_features` columns) also scores
+    the same gates as mixing weights, `<name>-soft w=..`: argmax of g(x) p_L + (1 - g(x)) p_W."""
     from sklearn.ensemble import HistGradientBoostingClassifier
     from sklearn.linear_model import LogisticRegression
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler
 
     fit_splits = ("val", "global_val")
-    cat = {s: [np.concatenate([np.asarray(r[i]) for r in rows[s]]) for i in range(3)] for s in rows}
+    cat = {s: [np.concatenate([np.asarray(r[i]) for r in rows[s]]) for i in range(4 if soft else 3)]
+           for s in rows}
     fold = {s: np.concatenate([np.arange(len(r[1])) % 2 for r in rows[s]]) for s in fit_splits}
     client = {s: np.concatenate([np.full(len(r[1]), k) for k, r in enumerate(rows[s])]) for s in rows}
 
@@ -211,7 +223,7 @@ def learned_gates(rows: dict, weights=GATE_WEIGHTS, kind: str = "boosted", seed:
         for s in fit_splits:
             if s == "global_val" and lw == float("inf"):
                 continue               # `own`: the clients' validation rows alone
-            x, he, hb = cat[s]
+            x, he, hb = cat[s][:3]
             m = (he != hb) & pick[s]
             X.append(x[m]), t.append(he[m].astype(np.int64))
             wt = np.full(m.sum(), (1 if lw == float("inf") or s != "val" else lw) / max(1, len(he)))
@@ -229,15 +241,21 @@ def learned_gates(rows: dict, weights=GATE_WEIGHTS, kind: str = "boosted", seed:
             np.concatenate(X), t, sample_weight=w / w.mean())
 
     def score(s, to_specialist):
-        _, he, hb = cat[s]
+        _, he, hb = cat[s][:3]
         hit = np.where(to_specialist, he, hb)
         return float(np.mean([hit[client[s] == k].mean() for k in range(len(rows[s]))]))
+
+    def score_soft(s, g):
+        x, y = cat[s][0], cat[s][3]
+        C, k = (x.shape[1] - SCALARS) // 5, SCALARS
+        hit = (g[:, None] * x[:, k:k + C] + (1 - g[:, None]) * x[:, k + C:k + 2 * C]).argmax(1) == y
+        return float(np.mean([hit[client[s] == c].mean() for c in range(len(rows[s]))]))
 
     out = {}
     for lw in weights:
         folds = [fit(lw, {s: fold[s] == k for s in fit_splits}) for k in (0, 1)]
         full = fit(lw, {s: np.ones_like(fold[s], dtype=bool) for s in fit_splits})
-        acc = {}
+        acc, mix = {}, {}
         for s in rows:
             x = cat[s][0]
             if s in fit_splits:        # out of fold: rows of fold k by the gate fitted on fold 1 - k
@@ -245,8 +263,12 @@ def learned_gates(rows: dict, weights=GATE_WEIGHTS, kind: str = "boosted", seed:
             else:
                 p = full.predict_proba(x)[:, 1]
             acc[s] = score(s, p > 0.5)
+            if soft:
+                mix[s] = score_soft(s, p)
         name = "own" if lw == float("inf") else f"w={lw:g}"
         out[f"{prefix}{'-linear' if kind == 'linear' else ''} {name}"] = acc
+        if soft:
+            out[f"{prefix}{'-linear' if kind == 'linear' else ''}-soft {name}"] = mix
     return out
 
 
@@ -300,10 +322,12 @@ def mahalanobis(feats: torch.Tensor, y: torch.Tensor):
 
 
 def study(db: str, run_id: str, state: str | None = None, gate_seed: int = 0,
-          routed_gate: bool = False, local_gate: str | None = None, maha_gate: bool = False) -> dict:
+          routed_gate: bool = False, local_gate: str | None = None, maha_gate: bool = False,
+          soft_gate: bool = False) -> dict:
     """Score every rule for run `run_id` from its kept final state, or from the checkpoint file `state`
     (a run's `<db>.ckpt/<run>.ckpt`, for a run stopped before its end); `routed_gate` adds
-    `learned-routed`, `local_gate` ("plain" or "prior") the per-client gates, `maha_gate` `learned-maha`."""
+    `learned-routed`, `local_gate` ("plain" or "prior") the per-client gates, `maha_gate` `learned-maha`,
+    `soft_gate` the `-soft` rows of the pooled gates."""
     from fedprism.algorithms.fedprism_dual import route
     from fedprism.experiment import checkpoint
     from fedprism.experiment.config import resolve
@@ -366,7 +390,8 @@ def study(db: str, run_id: str, state: str | None = None, gate_seed: int = 0,
                     for name, rule in rules.items():
                         hits[name][split].append(float((rule(e, b, S, th).argmax(-1) == y).double().mean()))
                     gate_rows[split].append((gate_features(e, b, th["share"]).numpy(),
-                                             (e.argmax(-1) == y).numpy(), (b.argmax(-1) == y).numpy()))
+                                             (e.argmax(-1) == y).numpy(), (b.argmax(-1) == y).numpy(),
+                                             y.numpy()))
                     if maha_gate:
                         x0, *right = gate_rows[split][-1]
                         maha_rows[split].append((np.concatenate([x0, maha_features(th)], 1), *right))
@@ -378,7 +403,8 @@ def study(db: str, run_id: str, state: str | None = None, gate_seed: int = 0,
     return {"run_id": run_id, "seed": cfg["seed"], "round": int(kept["round"]),
             "from": source,
             "acc": {**{r: mean(hits[r]) for r in rules if r not in BOUNDS},
-                    **learned_gates(gate_rows, seed=gate_seed), **learned_gates(gate_rows, kind="linear"),
+                    **learned_gates(gate_rows, seed=gate_seed, soft=soft_gate),
+                    **learned_gates(gate_rows, kind="linear", soft=soft_gate),
                     **(learned_gates(routed_rows, weights=ROUTED_WEIGHTS, seed=gate_seed,
                                      prefix="learned-routed") if routed_gate else {}),
                     **(learned_gates(maha_rows, weights=ROUTED_WEIGHTS, seed=gate_seed,
@@ -426,6 +452,9 @@ def main(argv=None) -> int:
     ap.add_argument("--local-gate", choices=("plain", "prior"),
                     help="also fit one gate per client on its own rows and the public set: `learned-local` "
                          "(plain) or `learned-local-prior` (public rows reweighted by its label shares)")
+    ap.add_argument("--soft-gate", action="store_true",
+                    help="also score the pooled gates as mixing weights (`learned-soft`, "
+                         "`learned-linear-soft`)")
     ap.add_argument("--maha-gate", action="store_true",
                     help="also fit `learned-maha`, the boosted gate with both streams' Mahalanobis distances")
     a = ap.parse_args(argv)
@@ -433,7 +462,7 @@ def main(argv=None) -> int:
     if a.checkpoint and len(a.runs) != 1:
         ap.error("--checkpoint scores one run")
     text = "".join(render(study(a.db, r, a.checkpoint, a.gate_seed, a.routed_gate, a.local_gate,
-                                     a.maha_gate)) + "\n"
+                                     a.maha_gate, a.soft_gate)) + "\n"
                    for r in a.runs)
     if a.out:
         Path(a.out).write_text(text)

@@ -363,7 +363,8 @@ def test_command_line_writes_the_tables_with_the_gate_seed(tmp_path, monkeypatch
 
 def test_maha_gate_adds_two_finite_columns_to_the_gates_rows(tmp_path, monkeypatch):
     """`--maha-gate`: `learned-maha` is fitted on the plain gate's rows, row for row, with two more columns
-    (the streams' Mahalanobis terms), and its rows are in the table."""
+    (the streams' Mahalanobis terms), and its rows are in the table; `--soft-gate` adds the pooled gates'
+    `-soft` rows."""
     import numpy as np
 
     db = tmp_path / "s.db"
@@ -374,14 +375,19 @@ def test_maha_gate_adds_two_finite_columns_to_the_gates_rows(tmp_path, monkeypat
                         lambda r, **kw: rows.setdefault(kw.get("prefix", "learned") + kw.get("kind", ""), r)
                         and real(r, **kw))
     out = tmp_path / "t.md"
-    assert routing_study.main(["--db", str(db), res.run_id, "--maha-gate", "--out", str(out)]) == 0
+    assert routing_study.main(["--db", str(db), res.run_id, "--maha-gate", "--soft-gate",
+                               "--out", str(out)]) == 0
     plain, maha = rows["learned"], rows["learned-maha"]
     for s in routing_study.SPLITS:
         assert len(plain[s]) == len(maha[s]) == 6
-        for (x, he, hb), (xm, hem, hbm) in zip(plain[s], maha[s]):
+        for (x, *right), (xm, *right_m) in zip(plain[s], maha[s]):
             assert xm.shape == (x.shape[0], x.shape[1] + 2) and np.array_equal(xm[:, :-2], x)
-            assert np.isfinite(xm[:, -2:]).all() and np.array_equal(he, hem) and np.array_equal(hb, hbm)
-    assert "| learned-maha w=3 |" in out.read_text().replace(" **(chosen on validation)**", "")
+            assert np.isfinite(xm[:, -2:]).all() and len(right) == len(right_m) == 3
+            assert all(np.array_equal(u, v) for u, v in zip(right, right_m))
+    text = out.read_text().replace(" **(chosen on validation)**", "")
+    assert "| learned-maha w=3 |" in text and "| learned-soft w=3 |" in text
+    assert "| learned-linear-soft own |" in text
+    assert "learned-maha-soft" not in text
 
 
 def test_own_gate_is_fitted_on_the_clients_rows_alone():
@@ -513,3 +519,48 @@ def test_maha_gate_study_as_its_file_states():
     assert (t[0]["__chosen__"], t[1]["__chosen__"]) == ("learned-maha w=5", "learned-maha w=3")
     assert c0[2:] == (93.89, 83.14) and round(t[0]["specialist"][2] - c0[2], 2) == 0.39       # "0.39 short"
     assert c1[2:] == (94.09, 85.53) and c1[2] >= t[1]["specialist"][2] and c1[3] >= t[1]["backbone"][3] - 2
+
+
+def test_soft_gate_mixes_the_streams_by_the_gates_probability(monkeypatch):
+    """`learned-soft`: with a gate that answers 0.5 everywhere the switch takes the backbone (p > 0.5 is
+    false) and the mixture takes argmax of the two softmaxes' mean, which is right on a row where both
+    streams are wrong (hand-computed: switch 1 of 4 rows, mixture 3 of 4)."""
+    import numpy as np
+    import sklearn.ensemble
+
+    class Half:
+        def __init__(self, **kw):
+            pass
+
+        def fit(self, X, t, sample_weight=None):
+            return self
+
+        def predict_proba(self, X):
+            return np.full((len(X), 2), 0.5)
+
+    monkeypatch.setattr(sklearn.ensemble, "HistGradientBoostingClassifier", Half)
+    pe = np.array([[.5, .4, .1], [.8, .1, .1], [.4, .5, .1], [.1, .6, .3]])
+    pb = np.array([[.1, .4, .5], [.3, .4, .3], [.1, .1, .8], [.1, .2, .7]])
+    y = np.array([1, 0, 2, 1])
+    k = routing_study.SCALARS
+    x = np.zeros((4, k + 15))
+    x[:, k:k + 3], x[:, k + 3:k + 6] = pe, pb
+    row = (x, pe.argmax(1) == y, pb.argmax(1) == y, y)
+    out = routing_study.learned_gates({s: [row] for s in routing_study.SPLITS}, weights=(1,), soft=True)
+    for s in ("local", "global"):                       # test splits: the gate fitted on every fitting row
+        assert out["learned w=1"][s] == 0.25 and out["learned-soft w=1"][s] == 0.75
+    for s in ("val", "global_val"):   # out of fold: each fold's fitting rows have one target, a 0/1 gate
+        assert out["learned-soft w=1"][s] == out["learned w=1"][s] == 0.0
+    assert "learned-soft w=1" not in routing_study.learned_gates({s: [row] for s in routing_study.SPLITS},
+                                                                 weights=(1,))
+
+
+def test_gate_features_put_both_softmaxes_after_the_scalar_columns():
+    import torch
+
+    e, b = torch.randn(5, 4), torch.randn(5, 4)
+    x = routing_study.gate_features(e, b, torch.full((1, 4), 0.25))
+    k = routing_study.SCALARS
+    assert x.shape == (5, k + 20)
+    assert torch.allclose(x[:, k:k + 4], torch.softmax(e, -1))
+    assert torch.allclose(x[:, k + 4:k + 8], torch.softmax(b, -1))
