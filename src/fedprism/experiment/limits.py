@@ -12,11 +12,10 @@ sizes and the parameter count P are known) and before anything large is allocate
                    the available memory
     <method>.k     at most `clients` (a cluster model nobody can join is never trained); for methods that
                    cluster only the round's clients (fedprism; fedprism_dual with cluster_on = reporting;
-                   fedclust's periodic variant)
-                   at most the cohort floor(fraction x clients), since a clustering of fewer points than K
-                   is skipped and would be skipped every round; and the K
-                   cluster models (IFCA: scored by every client of a cohort, cohort x K copies) fit
-                   in half of the available memory
+                   fedclust's periodic variant) at most the cohort floor(fraction x clients), since a
+                   clustering of fewer points than K is skipped and would be skipped every round; and
+                   the K cluster models (IFCA: scored by every client of a cohort, cohort x K copies)
+                   fit in half of the available memory
     fraction       cfl: at least two clients a round (its split test compares the mean and the largest
                    update of a round's clients, equal for one client)
     clients        N <= train samples / partition.min_train is the partitioner's own check
