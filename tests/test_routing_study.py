@@ -564,3 +564,29 @@ def test_gate_features_put_both_softmaxes_after_the_scalar_columns():
     assert x.shape == (5, k + 20)
     assert torch.allclose(x[:, k:k + 4], torch.softmax(e, -1))
     assert torch.allclose(x[:, k + 4:k + 8], torch.softmax(b, -1))
+
+
+def test_soft_gate_study_as_its_file_states():
+    """results/routing_study_soft_gate.md: the mixture raises Loc and lowers Glob at every weight by the
+    quoted ranges, the validation choice per seed and its outcome, and every other row is the committed
+    final-state study's."""
+    t = _tables(ROOT / "results" / "routing_study_soft_gate.md")
+    base = _tables(ROOT / "results" / "routing_study_final.md")
+    ranges = {0: ((0.11, 0.35), (-0.42, -0.31)), 1: ((0.18, 0.69), (-0.33, -0.29))}
+    for seed, (loc, glob) in ranges.items():
+        r = t[seed]
+        assert {k: v for k, v in r.items() if "-soft" not in k and k != "__chosen__"} == \
+            {k: v for k, v in base[seed].items() if k != "__chosen__"}
+        dl = [round(r[f"learned-soft w={w}"][0] - r[f"learned w={w}"][0], 2) for w in (1, 2, 3, 5, 8)]
+        dg = [round(r[f"learned-soft w={w}"][1] - r[f"learned w={w}"][1], 2) for w in (1, 2, 3, 5, 8)]
+        assert (min(dl), max(dl)) == loc and (min(dg), max(dg)) == glob
+        for w in (1, 2, 3, 5, 8):                      # "the linear gates do the same"
+            soft, hard = r[f"learned-linear-soft w={w}"], r[f"learned-linear w={w}"]
+            assert soft[0] > hard[0] and soft[1] < hard[1]
+        assert r["__chosen__"] == _choice(r)
+    assert (t[0]["__chosen__"], t[1]["__chosen__"]) == ("learned-soft w=3", "learned w=3")
+    c0 = t[0]["learned-soft w=3"]
+    assert c0[2:] == (94.14, 82.93) and round(t[0]["specialist"][2] - c0[2], 2) == 0.14      # "0.14 short"
+    lo, hi, hard = t[0]["learned-soft w=5"], t[0]["learned-soft w=8"], t[0]["learned w=8"]
+    f = (hard[2] - lo[2]) / (hi[2] - lo[2])                 # the mixture's Glob at the switch's Loc
+    assert abs(lo[3] + f * (hi[3] - lo[3]) - hard[3]) < 0.1
