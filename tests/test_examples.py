@@ -20,3 +20,16 @@ def test_quickstart_runs_and_reuses_stored_results(tmp_path):
     assert "4 finished runs" in first.stdout and "fedavg local accuracy by round" in first.stdout
     again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)      # stored: no training
     assert again.returncode == 0 and again.stdout.splitlines()[:4] == first.stdout.splitlines()[:4]
+
+
+def test_the_readmes_python_example_runs_as_printed(tmp_path):
+    """The code block of README.md's "Python API" section, run as printed (its store lands in tmp_path).
+    A configuration the limits refuse (say, fewer clients a round than Fed-PRISM's K) fails here."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## Python API", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, env=env, cwd=tmp_path,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    local, glob = map(float, r.stdout.split())
+    assert 0.8 < local <= 1 and 0 < glob <= 1 and (tmp_path / "study.db").exists()
