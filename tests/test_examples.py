@@ -33,3 +33,14 @@ def test_the_readmes_python_example_runs_as_printed(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     local, glob = map(float, r.stdout.split())
     assert 0.8 < local <= 1 and 0 < glob <= 1 and (tmp_path / "study.db").exists()
+
+
+def test_the_python_api_guides_first_example_runs_as_printed(tmp_path):
+    """docs/python-api.md, "Run an experiment": the first code block, as printed."""
+    text = (ROOT / "docs" / "python-api.md").read_text()
+    block = text.split("```python\n", 1)[1].split("```", 1)[0]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, env=env, cwd=tmp_path,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "study.db").exists()
