@@ -146,3 +146,13 @@ def test_no_sweep_file_asks_for_more_clusters_than_clients_a_round():
         for quick in (False, True):
             for c in load_sweep(f, quick=quick)[1]:
                 check_limits(c, np.full(c["clients"], 100), num_params=1000, memory=1 << 40, disk=1 << 40)
+
+
+def test_the_flower_apps_default_experiment_passes_the_limits(tmp_path):
+    """A Flower run without `experiment` in its run config runs this default: it must be one that the
+    limits accept (it once had one client a round for Fed-PRISM's K = 5)."""
+    from fedprism.experiment.config import parse_overrides
+    from fedprism.flower.settings import RUN_KEYS
+
+    cfg = resolve({**parse_overrides(RUN_KEYS["experiment"].default.split()), "engine": "sequential"})
+    Experiment(cfg, Store(tmp_path / "f.db"))

@@ -25,7 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("app", help="write a Flower app directory (pyproject.toml) for `flwr run`")
     a.add_argument("dir")
-    a.add_argument("--experiment", required=True, help='e.g. "method=fedprism dataset=digits clients=3 rounds=3"')
+    a.add_argument("--experiment", required=True,
+                   help='e.g. "method=fedprism dataset=digits clients=6 fraction=0.5 rounds=3 fedprism.k=3"')
     a.add_argument("settings", nargs="*", help="run-config key=value (db=/abs/results.db min-replies=2 ...)")
     s = sub.add_parser("simulate", help="run an experiment on Flower's Simulation Runtime with `flwr run` "
                        "(a simulation SuperLink on 127.0.0.1; Ray local or a cluster)")

@@ -6,7 +6,7 @@ and `flower-supernode --node-config` deliver int / float / str / bool).
 Run config (the same on the ServerApp and every ClientApp of a run):
 
     experiment          the fedprism experiment, as on the `fedprism run` command line:
-                        "method=fedprism dataset=digits clients=6 rounds=3 fedprism.k=2"
+                        "method=fedprism dataset=digits clients=6 fraction=0.5 rounds=3 fedprism.k=2"
                         (an optional first word without `=` names a TOML file, as in `fedprism run`)
     db                  results store (server side; use an absolute path in a deployment)
     min-nodes           identified nodes to wait for before round 0
@@ -60,7 +60,7 @@ _finite_pos = lambda v: v > 0 and math.isfinite(v)  # noqa: E731
 
 #: ServerApp / ClientApp run-config keys
 RUN_KEYS: dict[str, Param] = {
-    "experiment": Param("method=fedprism dataset=digits clients=6 rounds=3",
+    "experiment": Param("method=fedprism dataset=digits clients=6 fraction=0.5 rounds=3 fedprism.k=3",
                         "the fedprism experiment (key=value pairs, as `fedprism run` takes them)"),
     "db": Param("fedprism-results.db", "results store (SQLite) written by the ServerApp"),
     "min-nodes": Param(1, "identified nodes to wait for before round 0", _pos, "an integer >= 1"),

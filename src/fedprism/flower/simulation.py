@@ -1,4 +1,5 @@
-"""Flower simulations through `flwr run`: `simulate("method=fedprism clients=6 rounds=3", db="x.db")`.
+"""Flower simulations through `flwr run`:
+`simulate("method=fedprism clients=6 fraction=0.5 fedprism.k=3 rounds=3", db="x.db")`.
 
 flwr 1.41 runs a simulation as a run submitted to a SuperLink started in simulation mode; the
 SuperLink's SuperExec starts `flwr-simulation`, which loads the app's ServerApp and ClientApp and
