@@ -44,11 +44,14 @@ from fedprism.models import build_model
 from fedprism.params import flatten
 
 
-def _in_threads(pool: ThreadPoolExecutor, calls: list) -> list:
-    """Run each call in its own pool thread, with one torch thread there, at the same time."""
+def _in_threads(pool: ThreadPoolExecutor, calls: list, together: bool = True) -> list:
+    """Run each call in a pool thread with one torch thread there: at the same time, or (`together` off:
+    compiling) one after the other."""
     def one_thread(call):
         torch.set_num_threads(1)            # this thread's OpenMP setting (the setting is per thread)
         return call()
+    if not together:
+        return [pool.submit(one_thread, c).result() for c in calls]
     return [f.result() for f in [pool.submit(one_thread, c) for c in calls]]
 
 
@@ -86,12 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         if name == "one":
             return one.train(job, rnd)
         parts = np.array_split(np.arange(len(job.clients)), T)
-        if rnd == 0:                        # compile each group's engine alone, one after the other
-            res = [pool.submit(lambda e=e, p=p: (torch.set_num_threads(1), e.train(_part(job, p), rnd))[1]
-                               ).result() for e, p in zip(groups, parts)]
-        else:
-            res = _in_threads(pool, [lambda e=e, p=p: e.train(_part(job, p), rnd)
-                                     for e, p in zip(groups, parts)])
+        res = _in_threads(pool, [lambda e=e, p=p: e.train(_part(job, p), rnd) for e, p in zip(groups, parts)],
+                          together=rnd > 0)   # round 0 compiles each group's engine alone
         return torch.cat([r.params for r in res]), torch.cat([r.loss for r in res])
 
     w0, rng = flatten(model), np.random.default_rng(0)
@@ -132,7 +131,7 @@ def _evaluation(one, intra, groups, pool, trained, n: int, reps: int, T: int) ->
     every = np.arange(n)
     parts = np.array_split(every, T)
 
-    def run(name):
+    def run(name, together=True):
         if name == "intra":
             torch.set_num_threads(T)
             return intra.evaluate(W, every, "global").accuracy
@@ -141,13 +140,11 @@ def _evaluation(one, intra, groups, pool, trained, n: int, reps: int, T: int) ->
             return one.evaluate(W, every, "global").accuracy
         return torch.cat([r.accuracy for r in _in_threads(
             pool, [lambda e=e, p=p: e.evaluate(W[torch.as_tensor(p)], p, "global")
-                   for e, p in zip(groups, parts)])])
+                   for e, p in zip(groups, parts)], together)])
 
     for name in ("intra", "one"):
         run(name)                            # warm-up (compilation)
-    for e, p in zip(groups, parts):          # each group's engine compiled alone
-        pool.submit(lambda e=e, p=p: (torch.set_num_threads(1),
-                                      e.evaluate(W[torch.as_tensor(p)], p, "global"))).result()
+    run("split", together=False)             # each group's engine compiled alone
     times: dict[str, list[float]] = {k: [] for k in ("intra", "one", "split")}
     acc = {}
     for r in range(reps):

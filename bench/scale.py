@@ -51,7 +51,9 @@ def base_config(method: str, n: int, dataset: str, rounds: int) -> dict:
            "local_epochs": 1, "batch_size": 32, "partition": "dirichlet", "partition.alpha": 0.3,
            "partition.min_train": 5, "eval.clients": min(100, n), "eval.global": False, "eval_every": 1,
            "threads": 1, "keep_final": False}
-    cohort = max(int(n * cfg["fraction"] + 1e-9), 1)
+    from fedprism.selection import cohort_size
+
+    cohort = cohort_size(n, cfg["fraction"])
     if method in ("fedprism", "fedprism_dual") and cohort < 5:      # K = 5 needs 5 clients a round
         cfg[f"{method}.k"] = cohort
         if method == "fedprism":

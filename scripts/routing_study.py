@@ -240,16 +240,18 @@ def learned_gates(rows: dict, weights=GATE_WEIGHTS, kind: str = "boosted", seed:
         return HistGradientBoostingClassifier(max_iter=max_iter, learning_rate=0.1, random_state=seed).fit(
             np.concatenate(X), t, sample_weight=w / w.mean())
 
+    def per_client(s, hit):           # the mean over clients of each client's accuracy, as for every rule
+        return float(np.mean([hit[client[s] == c].mean() for c in range(len(rows[s]))]))
+
     def score(s, to_specialist):
         _, he, hb = cat[s][:3]
-        hit = np.where(to_specialist, he, hb)
-        return float(np.mean([hit[client[s] == k].mean() for k in range(len(rows[s]))]))
+        return per_client(s, np.where(to_specialist, he, hb))
 
     def score_soft(s, g):
         x, y = cat[s][0], cat[s][3]
         C, k = (x.shape[1] - SCALARS) // 5, SCALARS
-        hit = (g[:, None] * x[:, k:k + C] + (1 - g[:, None]) * x[:, k + C:k + 2 * C]).argmax(1) == y
-        return float(np.mean([hit[client[s] == c].mean() for c in range(len(rows[s]))]))
+        mix = g[:, None] * x[:, k:k + C] + (1 - g[:, None]) * x[:, k + C:k + 2 * C]
+        return per_client(s, mix.argmax(1) == y)
 
     out = {}
     for lw in weights:

@@ -284,7 +284,7 @@ def test_local_gates_prior_weighting_follows_the_clients_classes():
     prior = routing_study.local_gates(data, weights=(8,), prior={"y": y_pub, "share": [share]})
     plain = routing_study.local_gates(data, weights=(8,))
     assert list(prior) == ["learned-local-prior w=8"] and list(plain) == ["learned-local w=8"]
-    assert prior["learned-local-prior w=8"]["local"] >= 0.8 > 0.2 >= plain["learned-local w=8"]["local"]
+    assert prior["learned-local-prior w=8"]["local"] >= 0.8 and plain["learned-local w=8"]["local"] <= 0.2
     assert plain["learned-local w=8"]["global"] >= 0.8
 
 
@@ -439,22 +439,31 @@ def test_final_state_study_as_results_readme_states():
             round(r1["learned w=3"][3] - (r1["backbone"][3] - 2), 2)) == (0.13, 0.45)
 
 
+def _study_against_final(name, new, is_new, ranges):
+    """results/<name> against results/routing_study_final.md: every row but the new gate's (`is_new`) is
+    the final study's; per seed, the new gate's validation Loc and Glob minus the plain gate's at the same
+    weight span ranges[seed] = ((Loc min, max), (Glob min, max)); the marked choice is the validation
+    rule's. Returns both files' tables."""
+    t = _tables(ROOT / "results" / name)
+    base = _tables(ROOT / "results" / "routing_study_final.md")
+    for seed, spans in ranges.items():
+        r = t[seed]
+        assert {k: v for k, v in r.items() if not is_new(k) and k != "__chosen__"} == \
+            {k: v for k, v in base[seed].items() if k != "__chosen__"}
+        for col, span in enumerate(spans):
+            d = [round(r[f"{new} w={w}"][col] - r[f"learned w={w}"][col], 2) for w in (1, 2, 3, 5, 8)]
+            assert (min(d), max(d)) == span
+        assert r["__chosen__"] == _choice(r)
+    return t, base
+
+
 def test_routed_gate_study_as_its_file_states():
     """results/routing_study_routed.md: the gate between the routed prediction and the backbone against the
     specialist gate at each weight, the validation choice per seed, and that every other row is the
     committed final-state study's."""
-    t = _tables(ROOT / "results" / "routing_study_routed.md")
-    base = _tables(ROOT / "results" / "routing_study_final.md")
-    weights = (1, 2, 3, 5, 8)
-    ranges = {0: ((-0.47, -0.25), (-0.02, 0.51)), 1: ((-0.20, 0.32), (-0.21, 0.14))}
-    for seed, (loc, glob) in ranges.items():
-        r = t[seed]
-        assert {k: v for k, v in r.items() if not k.startswith("learned-routed") and k != "__chosen__"} == \
-            {k: v for k, v in base[seed].items() if k != "__chosen__"}
-        dl = [round(r[f"learned-routed w={w}"][0] - r[f"learned w={w}"][0], 2) for w in weights]
-        dg = [round(r[f"learned-routed w={w}"][1] - r[f"learned w={w}"][1], 2) for w in weights]
-        assert (min(dl), max(dl)) == loc and (min(dg), max(dg)) == glob
-        assert r["__chosen__"] == _choice(r)
+    t, base = _study_against_final("routing_study_routed.md", "learned-routed",
+                                   lambda k: k.startswith("learned-routed"),
+                                   {0: ((-0.47, -0.25), (-0.02, 0.51)), 1: ((-0.20, 0.32), (-0.21, 0.14))})
     assert t[0]["__chosen__"] == base[0]["__chosen__"] == "learned w=5"                 # "nothing changes"
     r1 = t[1]
     assert r1["__chosen__"] == "learned-routed w=2" and base[1]["__chosen__"] == "learned w=3"
@@ -504,17 +513,9 @@ def test_maha_gate_study_as_its_file_states():
     """results/routing_study_maha_gate.md: the Mahalanobis features move the gate's validation numbers by
     a few tenths at each weight, the validation choice keeps its weight and its outcome per seed, and every
     other row is the committed final-state study's."""
-    t = _tables(ROOT / "results" / "routing_study_maha_gate.md")
-    base = _tables(ROOT / "results" / "routing_study_final.md")
-    ranges = {0: ((-0.29, -0.09), (-0.11, 0.06)), 1: ((-0.36, 0.40), (-0.04, 0.10))}
-    for seed, (loc, glob) in ranges.items():
-        r = t[seed]
-        assert {k: v for k, v in r.items() if not k.startswith("learned-maha") and k != "__chosen__"} == \
-            {k: v for k, v in base[seed].items() if k != "__chosen__"}
-        dl = [round(r[f"learned-maha w={w}"][0] - r[f"learned w={w}"][0], 2) for w in (1, 2, 3, 5, 8)]
-        dg = [round(r[f"learned-maha w={w}"][1] - r[f"learned w={w}"][1], 2) for w in (1, 2, 3, 5, 8)]
-        assert (min(dl), max(dl)) == loc and (min(dg), max(dg)) == glob
-        assert r["__chosen__"] == _choice(r)
+    t, _ = _study_against_final("routing_study_maha_gate.md", "learned-maha",
+                                lambda k: k.startswith("learned-maha"),
+                                {0: ((-0.29, -0.09), (-0.11, 0.06)), 1: ((-0.36, 0.40), (-0.04, 0.10))})
     c0, c1 = t[0]["learned-maha w=5"], t[1]["learned-maha w=3"]
     assert (t[0]["__chosen__"], t[1]["__chosen__"]) == ("learned-maha w=5", "learned-maha w=3")
     assert c0[2:] == (93.89, 83.14) and round(t[0]["specialist"][2] - c0[2], 2) == 0.39       # "0.39 short"
@@ -570,20 +571,12 @@ def test_soft_gate_study_as_its_file_states():
     """results/routing_study_soft_gate.md: the mixture raises Loc and lowers Glob at every weight by the
     quoted ranges, the validation choice per seed and its outcome, and every other row is the committed
     final-state study's."""
-    t = _tables(ROOT / "results" / "routing_study_soft_gate.md")
-    base = _tables(ROOT / "results" / "routing_study_final.md")
-    ranges = {0: ((0.11, 0.35), (-0.42, -0.31)), 1: ((0.18, 0.69), (-0.33, -0.29))}
-    for seed, (loc, glob) in ranges.items():
-        r = t[seed]
-        assert {k: v for k, v in r.items() if "-soft" not in k and k != "__chosen__"} == \
-            {k: v for k, v in base[seed].items() if k != "__chosen__"}
-        dl = [round(r[f"learned-soft w={w}"][0] - r[f"learned w={w}"][0], 2) for w in (1, 2, 3, 5, 8)]
-        dg = [round(r[f"learned-soft w={w}"][1] - r[f"learned w={w}"][1], 2) for w in (1, 2, 3, 5, 8)]
-        assert (min(dl), max(dl)) == loc and (min(dg), max(dg)) == glob
+    t, _ = _study_against_final("routing_study_soft_gate.md", "learned-soft", lambda k: "-soft" in k,
+                                {0: ((0.11, 0.35), (-0.42, -0.31)), 1: ((0.18, 0.69), (-0.33, -0.29))})
+    for r in t.values():
         for w in (1, 2, 3, 5, 8):                      # "the linear gates do the same"
             soft, hard = r[f"learned-linear-soft w={w}"], r[f"learned-linear w={w}"]
             assert soft[0] > hard[0] and soft[1] < hard[1]
-        assert r["__chosen__"] == _choice(r)
     assert (t[0]["__chosen__"], t[1]["__chosen__"]) == ("learned-soft w=3", "learned w=3")
     c0 = t[0]["learned-soft w=3"]
     assert c0[2:] == (94.14, 82.93) and round(t[0]["specialist"][2] - c0[2], 2) == 0.14      # "0.14 short"

@@ -63,9 +63,8 @@ def _clusters_the_cohort(cfg) -> bool:
     if cfg["method"] == "fedprism":
         return True
     if cfg["method"] == "fedclust":
-        return cfg.get("fedclust.variant", "periodic") == "periodic"
-    return cfg["method"] == "fedprism_dual" and \
-        cfg.get("fedprism_dual.cluster_on", "reporting") == "reporting"
+        return cfg["fedclust.variant"] == "periodic"
+    return cfg["method"] == "fedprism_dual" and cfg["fedprism_dual.cluster_on"] == "reporting"
 
 
 def available_memory() -> int:
@@ -156,7 +155,7 @@ def check_limits(cfg, n_train: np.ndarray, num_params: int, memory: int | None =
                                   f"(x{copies} copies) need {_gb(need)}, more than half the available memory "
                                   f"({_gb(mem)})")
 
-    if method == "cfl" and cohort < 2 <= N and cfg.get("cfl.eps1", 0.4) <= cfg.get("cfl.eps2", 1.6):
+    if method == "cfl" and cohort < 2 <= N and cfg["cfl.eps1"] <= cfg["cfl.eps2"]:
         raise ConfigError("fraction", cfg["fraction"], f"at least {2 / N:g} for cfl with clients={N}: with "
                           "one client a round the mean update is that client's update, so the split test "
                           "(mean norm < cfl.eps1 <= cfl.eps2 < max norm) can never pass and CFL stays FedAvg")
