@@ -84,13 +84,20 @@ def dropout_key(seed: int, step: int, device: torch.device | str = "cpu") -> tor
     return torch.tensor([seed & 0xFFFFFFFF, seed >> 32, step], dtype=torch.int64, device=device)
 
 
+def iter_epochs(n: int, epochs: int, seed: int) -> Iterator[torch.Tensor]:
+    """One permutation of range(n) per epoch, drawn lazily from one generator seeded `seed`; epoch e's
+    batches are its consecutive `batch_size` pieces (`iter_batches`)."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(epochs):
+        yield torch.randperm(n, generator=g)
+
+
 def iter_batches(n: int, epochs: int, batch_size: int, seed: int) -> Iterator[torch.Tensor]:
     """Index batches for `epochs` passes over n samples, reshuffled each epoch; last batch kept
     (drop_last=False). Lazy: one epoch's permutation at a time, so memory does not grow with epochs;
     the generator is drawn in the same order as an eager list, so the batches are the same."""
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(epochs):
-        yield from torch.randperm(n, generator=g).split(batch_size)
+    for perm in iter_epochs(n, epochs, seed):
+        yield from perm.split(batch_size)
 
 
 def n_batches(n: int, epochs: int, batch_size: int) -> int:
@@ -228,15 +235,17 @@ class EngineBase:
             self._train_idx_np = [np.asarray(i, dtype=np.int64) for i in train_idx]
 
     # -- shared helpers ---------------------------------------------------------------------------
+    def _order_args(self, job: TrainJob, rnd: int) -> list[tuple[int, int, int]]:
+        """Per client of the job: (samples n, epochs, seed) of its batch order (`iter_batches`)."""
+        epochs = self.cfg.epochs if job.epochs is None else job.epochs
+        return [(len(self._train_idx[int(c)]), epochs, stream_seed(self.seed, rnd, int(c), job.stream_of(k)))
+                for k, c in enumerate(job.clients)]
+
     def _orders(self, job: TrainJob, rnd: int) -> list[tuple[int, Callable[[], Iterator[torch.Tensor]]]]:
         """Per client of the job: (number of batches, a function giving its lazy batch iterator)."""
-        epochs = self.cfg.epochs if job.epochs is None else job.epochs
         B = self.cfg.batch_size
-        out = []
-        for k, c in enumerate(job.clients):
-            n, seed = len(self._train_idx[int(c)]), stream_seed(self.seed, rnd, int(c), job.stream_of(k))
-            out.append((n_batches(n, epochs, B), functools.partial(iter_batches, n, epochs, B, seed)))
-        return out
+        return [(n_batches(n, e, B), functools.partial(iter_batches, n, e, B, seed))
+                for n, e, seed in self._order_args(job, rnd)]
 
     def _config(self, job: TrainJob) -> LocalConfig:
         if job.optimizer is None or job.optimizer == self.cfg.optimizer:

@@ -44,8 +44,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import grad_and_value, vmap
 
-from fedprism.engine.base import (SHARED_SPLITS, SPLITS, EngineBase, LocalConfig, dropout_key, optimizer_state,
-                                  optimizer_step, resolve_loss)
+from fedprism.engine.base import (SHARED_SPLITS, SPLITS, EngineBase, LocalConfig, iter_epochs, n_batches,
+                                  optimizer_state, optimizer_step, resolve_loss)
 from fedprism.engine.cuda_graph import GraphedStep
 from fedprism.federation import Federation
 from fedprism.protocol import EvalResult, Trained, TrainJob
@@ -111,6 +111,28 @@ def ideal_slots(steps: list[int]) -> int:
     m = max(steps)
     w = sum(steps) // m if m > 0 else len(steps)
     return max(1, min(len(steps), w))
+
+
+class _Blocks:
+    """One slot's schedule as blocks of consecutive steps (one client's epoch each), handed out in pieces
+    that fit the chunk being built: `take(limit)` gives (client, first step, rows, sizes) of at most
+    `limit` steps, or None when the queue is done."""
+
+    def __init__(self, blocks):
+        self._it, self._blk, self._off = blocks, None, 0
+
+    def take(self, limit: int):
+        if self._blk is None:
+            self._blk, self._off = next(self._it, None), 0
+            if self._blk is None:
+                return None
+        k, j, rows, sizes = self._blk
+        o = self._off
+        c = min(len(sizes) - o, limit)
+        self._off += c
+        if self._off == len(sizes):
+            self._blk = None
+        return k, j + o, rows[o:o + c], sizes[o:o + c]
 
 
 def _has_batchnorm(model: nn.Module) -> bool:
@@ -325,8 +347,8 @@ class VectorizedEngine(EngineBase):
         losses = torch.zeros(n, dtype=torch.float64)
         if n == 0:
             return Trained(job.clients, job.start.clone(), self._n_train(job.clients), losses)
-        orders = self._orders(job, rnd)
-        steps = [m for m, _ in orders]
+        args = self._order_args(job, rnd)
+        steps = [n_batches(n, e, B) for n, e, _ in args]
         out = start.clone()                       # clients with no steps (epochs=0) keep their start
         busy = [k for k in range(n) if steps[k] > 0]
         if not busy:
@@ -338,14 +360,20 @@ class VectorizedEngine(EngineBase):
         drop = ([self._dropout_seed(rnd, int(c), job.stream_of(k)) for k, c in enumerate(job.clients)]
                 if self.f.dropout else None)
 
-        def slot_stream(q: list[int]):
-            """(client, step, first?, last?, sample rows) of one slot's queue, batch by batch, drawn lazily."""
+        def epochs_of(q: list[int]):
+            """(client, first step, rows [batches, B], batch sizes) of one slot's queue, an epoch at a time."""
             for k in q:
-                gidx = torch.from_numpy(self._train_idx_np[int(job.clients[k])])
-                for j, b in enumerate(orders[k][1]()):
-                    yield k, j, j == 0, j == steps[k] - 1, gidx[b]
+                gidx = self._train_idx_np[int(job.clients[k])]
+                n, e, seed = args[k]
+                nb = max(1, -(-n // B))                   # n = 0: one empty batch per epoch, as split() gives
+                sizes = np.full(nb, B, dtype=np.int64)
+                sizes[-1] = n - (nb - 1) * B
+                for ep, perm in enumerate(iter_epochs(n, e, seed)):
+                    rows = np.zeros(nb * B, dtype=np.int64)
+                    rows[:n] = gidx[perm.numpy()]
+                    yield k, ep * nb, rows.reshape(nb, B), sizes
 
-        streams = [slot_stream(q) for q in queues]
+        slots = [_Blocks(epochs_of(q)) for q in queues]
         step = self._step_fn(job.loss, cfg, per_client)
         w = torch.zeros(W, start.shape[1], device=dev, dtype=start.dtype)
         st = optimizer_state(cfg, w)
@@ -363,42 +391,44 @@ class VectorizedEngine(EngineBase):
         chunk = max(1, min(T, self.schedule_entries // max(1, W * B)))
         for t0 in range(0, T, chunk):
             L = min(chunk, T - t0)
-            idx = torch.zeros(L, W, B, dtype=torch.long)
-            wt = torch.zeros(L, W, B)
-            owner = torch.full((L, W), -1, dtype=torch.long)
-            bsz = torch.zeros(L, W, dtype=torch.float64)
-            dkeys = torch.zeros(L, W, 3, dtype=torch.long) if drop is not None else None
+            idx = np.zeros((L, W, B), dtype=np.int64)
+            wt = np.zeros((L, W, B), dtype=np.float32)
+            owner = np.full((L, W), -1, dtype=np.int64)
+            bsz = np.zeros((L, W), dtype=np.float64)
+            dkeys = np.zeros((L, W, 3), dtype=np.int64) if drop is not None else None
             starts: dict[int, list[tuple[int, int]]] = defaultdict(list)
             ends: dict[int, list[tuple[int, int]]] = defaultdict(list)
             partial: dict[int, list[tuple[int, int, torch.Tensor]]] = defaultdict(list)
-            for s, stream in enumerate(streams):
-                for t in range(L):
-                    item = next(stream, None)
-                    if item is None:
-                        break
-                    k, j, first, last, rows = item
-                    m = len(rows)
-                    if dkeys is not None:
-                        dkeys[t, s] = dropout_key(drop[k], j)
-                    if first:
+            for s, blocks in enumerate(slots):       # a block of steps at a time: no per-step Python
+                t = 0
+                while t < L and (blk := blocks.take(L - t)) is not None:
+                    k, j, rows, sz = blk
+                    c = len(sz)
+                    idx[t:t + c, s] = rows
+                    wt[t:t + c, s] = np.arange(B) < sz[:, None]
+                    owner[t:t + c, s] = k
+                    bsz[t:t + c, s] = sz
+                    counts[k] += float(sz.sum())
+                    if dkeys is not None:                  # dropout_key(drop[k], step) of each step
+                        dkeys[t:t + c, s] = (drop[k] & 0xFFFFFFFF, drop[k] >> 32, 0)
+                        dkeys[t:t + c, s, 2] = np.arange(j, j + c)
+                    if j == 0:
                         starts[t].append((s, k))
-                    if self.batchnorm and m < B:
-                        partial[t].append((s, k, rows))   # run unpadded, outside the vmap
-                    else:
-                        idx[t, s, :m] = rows
-                        wt[t, s, :m] = 1.0
-                    owner[t, s] = k
-                    bsz[t, s] = m
-                    counts[k] += m
-                    if last:
-                        ends[t].append((s, k))
+                    if j + c == steps[k]:
+                        ends[t + c - 1].append((s, k))
+                    if self.batchnorm:                     # partial batches run unpadded, outside the vmap
+                        for i in np.flatnonzero(sz < B):
+                            partial[t + i].append((s, k, torch.from_numpy(rows[i, :sz[i]].copy())))
+                            idx[t + i, s], wt[t + i, s] = 0, 0.0
+                    t += c
+            idx, wt, owner, bsz = (torch.from_numpy(a) for a in (idx, wt, owner, bsz))
             active = owner >= 0
             for t, lst in partial.items():
                 for s, _, _ in lst:
                     active[t, s] = False
             idx, wt, active = idx.to(dev), wt.to(dev), active.to(dev)
             if dkeys is not None:
-                dkeys = dkeys.to(dev)
+                dkeys = torch.from_numpy(dkeys).to(dev)
             lvals = torch.zeros(L, W, device=dev, dtype=torch.float64)
             for t in range(L):
                 for s, k in starts.get(t, ()):
