@@ -84,6 +84,20 @@ def dropout_key(seed: int, step: int, device: torch.device | str = "cpu") -> tor
     return torch.tensor([seed & 0xFFFFFFFF, seed >> 32, step], dtype=torch.int64, device=device)
 
 
+def deterministic_cudnn() -> None:
+    """Make cuDNN pick deterministic algorithms, process-wide (every engine on a CUDA device calls it).
+
+    By default cuDNN may choose convolution backward algorithms that accumulate with atomics, whose
+    order, and so whose rounding, changes from call to call. Measured on an H200 (torch 2.11): two
+    engines training the same job of the Clust-PSI-PFL CIFAR CNN (3x3 convolutions, 32-128 channels)
+    ended up to 0.5 apart in a parameter after one epoch of SGD, while LeNet-5's convolutions repeated
+    exactly; with deterministic algorithms both repeat bit for bit, with and without CUDA graphs
+    (`tests/test_engine_equivalence.py::test_cuda_graphs_give_the_same_bits`). A run that does not repeat
+    cannot resume exactly, so the engines trade whatever speed the faster algorithms had for that."""
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
 def iter_epochs(n: int, epochs: int, seed: int) -> Iterator[torch.Tensor]:
     """One permutation of range(n) per epoch, drawn lazily from one generator seeded `seed`; epoch e's
     batches are its consecutive `batch_size` pieces (`iter_batches`)."""
@@ -210,6 +224,8 @@ class EngineBase:
             raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {cfg.optimizer!r}")
         self.fed = fed.to(device)
         self.device = torch.device(device)
+        if self.device.type == "cuda":
+            deterministic_cudnn()
         self.model = model.to(self.device)
         self.f = Functional(self.model)
         self.spec = self.f.spec
