@@ -4,8 +4,9 @@
 # seed 0), `bench/dual_cost.py --device cuda` (dualcost), the routing study on the final states of both
 # seeds of sweeps/fedprism_validation.toml (routing: the runs kept in $OUT/val.db, the tables in
 # $OUT/routing_study_final.md), and the Clust-PSI-PFL FMNIST sweep (sweep: one `--workers 4` sweep).
-# PARTS chooses among "graphs bench paper dualcost routing sweep" (graphs: `bench/cuda_graphs.py` and the
-# CUDA-graph tests). Every part is bounded by
+# PARTS chooses among "graphs oldgraphs convscale bench paper dualcost routing sweep" (graphs:
+# `bench/cuda_graphs.py` and the CUDA-graph tests; oldgraphs: the same bench from the checkout in $OLD;
+# convscale: `bench/conv_scaling.py`). Every part is bounded by
 # `timeout` and writes under $OUT; runs stopped by the deadline are interrupted cleanly (SIGINT) and
 # resume on the next call or on any other machine.
 #
@@ -41,8 +42,22 @@ if has graphs; then
   timeout -s INT 150 $PY -m pytest -q -p no:cacheprovider tests/test_engine_equivalence.py -k graph \
     > "$OUT/cuda_graphs_tests.txt" 2>&1
   echo "graph tests rc=$? after $(( $(date +%s) - START )) s"; tail -3 "$OUT/cuda_graphs_tests.txt"
-  timeout -s INT 150 $PY bench/cuda_graphs.py --device "$DEVICE" --rounds 6 --fused $Q > "$OUT/cuda_graphs.txt" 2>&1
+  timeout -s INT 150 $PY bench/cuda_graphs.py --device "$DEVICE" --rounds "${GRAPH_ROUNDS:-6}" --fused $Q \
+    > "$OUT/cuda_graphs.txt" 2>&1
   echo "graphs bench rc=$? after $(( $(date +%s) - START )) s"; tail -6 "$OUT/cuda_graphs.txt"
+fi
+
+# 0b. the same bench with the code of another checkout ($OLD: a tree with its own src/ and bench/), for a
+#     before/after comparison on one machine in one call
+if has oldgraphs && [ -n "${OLD:-}" ]; then
+  timeout -s INT 150 $PY "$OLD/bench/cuda_graphs.py" --device "$DEVICE" --rounds "${GRAPH_ROUNDS:-6}" --fused $Q \
+    > "$OUT/cuda_graphs_old.txt" 2>&1
+  echo "graphs bench ($OLD) rc=$? after $(( $(date +%s) - START )) s"; tail -6 "$OUT/cuda_graphs_old.txt"
+fi
+# 0c. how a step's cost grows with the models trained together: grouped convolution against unfold + GEMM
+if has convscale; then
+  timeout -s INT 120 $PY bench/conv_scaling.py --device "$DEVICE" $Q > "$OUT/conv_scaling.txt" 2>&1
+  echo "conv scaling rc=$? after $(( $(date +%s) - START )) s"; tail -8 "$OUT/conv_scaling.txt"
 fi
 
 # 1. the engine bench, alone on the GPU

@@ -123,3 +123,21 @@ def test_pool_train_fused_first_block_is_lenet5s_first_block():
             torch.testing.assert_close(q.grad, p.grad, rtol=1e-6, atol=1e-5, msg=k)
         else:
             assert torch.equal(q.grad, p.grad), k
+
+
+def test_conv_scaling_bench_runs_both_formulations_on_cpu(capsys):
+    """`bench/conv_scaling.py --quick` on the CPU: both convolution formulations train every size, and the
+    unfold formulation lands within rounding of the grouped convolution (it is the same function)."""
+    mod = load_script("bench/conv_scaling.py")
+    assert mod.main(["--device", "cpu", "--quick"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert len(rows) == 4 and all(float(r[-1]) < 1e-4 for r in rows)        # max |dW| per round and size
+    assert "grouped   4 models" in out and "unfold   4 models" in out
+
+
+def test_host_cost_bench_times_the_bookkeeping(capsys):
+    """`bench/host_cost.py --quick`: a round with the step replaced by a no-op runs and reports its time."""
+    mod = load_script("bench/host_cost.py")
+    assert mod.main(["--quick"]) == 0
+    assert "host share of a training round (fedprism from" in capsys.readouterr().out
