@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         print("--device cuda: no CUDA device here")
         return 2
     sizes = [int(s) for s in a.sizes.split(",")]
-    ns = argparse.Namespace(clients=100, partition="dirichlet", alpha=0.1, seed=0, test_samples=1000, max_train=0)
+    ns = argparse.Namespace(clients=100, partition="dirichlet", alpha=0.1, seed=0, test_samples=1000,
+                            max_train=0)
     if a.quick:
         ns.clients, ns.max_train, a.epochs, a.rounds, sizes = 20, 200, 1, 2, [2, 4]
     fed, src = build_federation(ns)
@@ -69,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     forms = {"grouped": model,
              "unfold": replace_modules(model, lambda m: type(m) is nn.Conv2d, UnfoldConv2d)}
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
-    print(f"# conv scaling bench  torch {torch.__version__}  {name}  data {src}  E={a.epochs}  B=32  LeNet-5, "
+    print(f"# conv scaling bench  torch {torch.__version__}  {name}  data {src}  E={a.epochs}  B=32  "
+          f"LeNet-5, "
           f"eager{', CUDA graphs' if cuda else ''}")
     w0 = flatten(model).to(device)
     rng = np.random.default_rng(0)

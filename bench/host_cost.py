@@ -78,8 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         times.append(time.perf_counter() - t)
         steps = max(-(-len(fed.train_idx[c]) // 32) * epochs for c in clients)
     med = statistics.median(times[1:] or times)
-    print(f"host share of a training round (fedprism from {Path(fedprism.__file__).parents[1]}): median {med * 1e3:.1f} ms over rounds 1..{a.rounds - 1}, "
-          f"about {med / max(1, steps) * 1e6:.0f} us per step of the longest client ({steps} steps)")
+    where = Path(fedprism.__file__).parents[1]
+    print(f"host share of a training round (fedprism from {where}): median {med * 1e3:.1f} ms over rounds "
+          f"1..{a.rounds - 1}, about {med / max(1, steps) * 1e6:.0f} us per step of the longest client "
+          f"({steps} steps)")
     return 0
 
 

@@ -361,7 +361,7 @@ class VectorizedEngine(EngineBase):
                 if self.f.dropout else None)
 
         def epochs_of(q: list[int]):
-            """(client, first step, rows [batches, B], batch sizes) of one slot's queue, an epoch at a time."""
+            """(client, first step, rows [batches, B], batch sizes) of a slot's queue, an epoch at a time."""
             for k in q:
                 gidx = self._train_idx_np[int(job.clients[k])]
                 n, e, seed = args[k]
