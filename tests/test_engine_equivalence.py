@@ -492,3 +492,22 @@ def test_graph_buffers_give_the_same_bits_on_cpu(monkeypatch):
             a, b = plain.train(job, rnd), graphed.train(job, rnd)
             assert torch.equal(a.params, b.params) and torch.equal(a.loss, b.loss), rnd
         assert len(graphed._graphs) >= 3
+
+
+def test_deterministic_cudnn_is_set_and_recorded_for_cuda_runs(monkeypatch):
+    """`deterministic_cudnn` (called by every engine on a CUDA device) turns cuDNN's deterministic algorithms
+    on and autotuning off, and a run's provenance records the setting for CUDA engines only."""
+    from types import SimpleNamespace
+
+    from fedprism.engine.base import deterministic_cudnn
+    from fedprism.experiment.provenance import capture
+
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    on = SimpleNamespace(engine=SimpleNamespace(device=torch.device("cuda")))
+    assert capture(on)["execution"]["cudnn_deterministic"] is False
+    deterministic_cudnn()
+    assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+    assert capture(on)["execution"]["cudnn_deterministic"] is True
+    cpu = capture(SimpleNamespace(engine=SimpleNamespace(device=torch.device("cpu"))))
+    assert "cudnn_deterministic" not in cpu["execution"]
