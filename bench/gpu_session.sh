@@ -4,11 +4,11 @@
 # seed 0), `bench/dual_cost.py --device cuda` (dualcost), the routing study on the final states of both
 # seeds of sweeps/fedprism_validation.toml (routing: the runs kept in $OUT/val.db, the tables in
 # $OUT/routing_study_final.md), and the Clust-PSI-PFL FMNIST sweep (sweep: one `--workers 4` sweep).
-# PARTS chooses among "graphs oldgraphs convscale bench paper dualcost routing sweep" (graphs:
+# PARTS chooses among "graphs oldgraphs convscale evalprofile bench paper dualcost routing sweep" (graphs:
 # `bench/cuda_graphs.py` and the CUDA-graph tests; oldgraphs: the same bench from the checkout in $OLD;
-# convscale: `bench/conv_scaling.py`). Every part is bounded by
-# `timeout` and writes under $OUT; runs stopped by the deadline are interrupted cleanly (SIGINT) and
-# resume on the next call or on any other machine.
+# convscale: `bench/conv_scaling.py`; evalprofile: `bench/eval_profile.py` for fedprism_dual and
+# FedAvg). Every part is bounded by `timeout` and writes under $OUT; runs stopped by the deadline are
+# interrupted cleanly (SIGINT) and resume on the next call or on any other machine.
 #
 #   OUT=gpu-out BUDGET=460 bash bench/gpu_session.sh      # needs CUDA and FMNIST ($FEDPRISM_DATA, or
 #                                                         # the four .gz files in .gpu/data/fmnist/)
@@ -50,14 +50,23 @@ fi
 # 0b. the same bench with the code of another checkout ($OLD: a tree with its own src/ and bench/), for a
 #     before/after comparison on one machine in one call
 if has oldgraphs && [ -n "${OLD:-}" ]; then
-  timeout -s INT 150 $PY "$OLD/bench/cuda_graphs.py" --device "$DEVICE" --rounds "${GRAPH_ROUNDS:-6}" --fused $Q \
-    > "$OUT/cuda_graphs_old.txt" 2>&1
+  timeout -s INT 150 $PY "$OLD/bench/cuda_graphs.py" --device "$DEVICE" --rounds "${GRAPH_ROUNDS:-6}" \
+    --fused $Q > "$OUT/cuda_graphs_old.txt" 2>&1
   echo "graphs bench ($OLD) rc=$? after $(( $(date +%s) - START )) s"; tail -6 "$OUT/cuda_graphs_old.txt"
 fi
 # 0c. how a step's cost grows with the models trained together: grouped convolution against unfold + GEMM
 if has convscale; then
   timeout -s INT 120 $PY bench/conv_scaling.py --device "$DEVICE" $Q > "$OUT/conv_scaling.txt" 2>&1
   echo "conv scaling rc=$? after $(( $(date +%s) - START )) s"; tail -8 "$OUT/conv_scaling.txt"
+fi
+
+# 0d. where an evaluation goes: fedprism_dual's and FedAvg's, profiled (paper configuration, 4 rounds)
+if has evalprofile; then
+  for m in fedprism_dual fedavg; do
+    timeout -s INT 150 $PY bench/eval_profile.py --device "$DEVICE" --method $m $Q \
+      > "$OUT/eval_profile_$m.txt" 2>&1
+    echo "eval profile $m rc=$? after $(( $(date +%s) - START )) s"; sed -n 2,3p "$OUT/eval_profile_$m.txt"
+  done
 fi
 
 # 1. the engine bench, alone on the GPU

@@ -141,3 +141,16 @@ def test_host_cost_bench_times_the_bookkeeping(capsys):
     mod = load_script("bench/host_cost.py")
     assert mod.main(["--quick"]) == 0
     assert "host share of a training round (fedprism from" in capsys.readouterr().out
+
+
+def test_eval_profile_bench_profiles_the_last_evaluation(capsys):
+    """`bench/eval_profile.py --quick`: a short fedprism_dual run, every evaluation timed, the last one profiled
+    by Python function and by operator; the evaluator is restored afterwards."""
+    import fedprism.experiment.evaluate as evaluate
+
+    before = evaluate.Evaluator.__call__
+    mod = load_script("bench/eval_profile.py")
+    assert mod.main(["--quick", "--rounds", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "evaluations: 3;" in out and "## by Python function" in out and "## by operator" in out
+    assert evaluate.Evaluator.__call__ is before
