@@ -313,6 +313,24 @@ def test_runs_lists_and_show_prints_config_provenance_and_rounds(tmp_path, capsy
         assert text in out, text
 
 
+def test_a_mistyped_sweep_is_an_error_that_names_the_sweeps_and_writes_nothing(tmp_path, capsys):
+    """`runs --sweep` and `report --sweep` with a name no sweep of the store has: exit 2, the nearest name
+    and the store's sweeps, and no report written (it used to be an empty table and an empty report)."""
+    db = str(tmp_path / "s.db")
+    run = _run(db)
+    store = Store(db)
+    store.add_to_sweep("paper_fmnist_dir01", run.run_id, "FedAvg")
+    store.close()
+    for cmd in (["runs", "--db", db, "--sweep", "paper_fmnist_dir1"],
+                ["report", "--db", db, "--sweep", "paper_fmnist_dir1", "--out", str(tmp_path / "rep")]):
+        assert main(cmd) == 2
+        err = capsys.readouterr().err
+        assert "no sweep 'paper_fmnist_dir1'" in err and "did you mean paper_fmnist_dir01?" in err, err
+    assert not (tmp_path / "rep").exists()
+    assert main(["runs", "--db", db, "--sweep", "paper_fmnist_dir01"]) == 0
+    assert run.run_id in capsys.readouterr().out
+
+
 # -- 5. unknown keys --------------------------------------------------------------------------------
 @pytest.mark.parametrize("key,meant", [("rouds", "rounds"), ("fedprism.kk", "fedprism.k"),
                                        ("fedprsim.k", "fedprism.k"), ("partition.alpah", "partition.alpha"),

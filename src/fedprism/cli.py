@@ -117,6 +117,8 @@ def cmd_runs(args) -> int:
     from fedprism.experiment.store import Store
 
     store = Store(args.db, readonly=True)
+    if args.sweep:
+        store.require_sweeps([args.sweep])
     where = {k: v for k, v in (("method", args.method), ("status", args.status)) if v}
     rows = store.runs(**({"sweep": args.sweep} if args.sweep else {}), **where)
     out = []

@@ -158,6 +158,10 @@ class MissingStoreError(FedPrismError):
     """A read-only command was pointed at a results database that does not exist."""
 
 
+class UnknownSweep(FedPrismError, ValueError):
+    """`--sweep NAME` names no sweep of the store."""
+
+
 class StoreError(FedPrismError):
     """The results store cannot be opened or written (corrupt, read-only, locked, disk full)."""
 
@@ -484,6 +488,24 @@ class Store:
         with self.transaction() as db:
             db.execute("DELETE FROM sweep_runs WHERE sweep=? AND run_id=?", (sweep, run_id))
             db.execute("UPDATE runs SET sweep=NULL WHERE run_id=? AND sweep=?", (run_id, sweep))
+
+    def sweeps(self) -> list[str]:
+        """Names of the sweeps that hold runs in this store, sorted."""
+        rows = self.db.execute("SELECT sweep FROM sweep_runs UNION SELECT sweep FROM runs WHERE sweep IS NOT NULL")
+        return sorted(r[0] for r in rows)
+
+    def require_sweeps(self, names: list[str]) -> None:
+        """`UnknownSweep` for a name no sweep in this store has: a mistyped `--sweep` would otherwise read as
+        a sweep without runs (an empty table, an empty report)."""
+        import difflib
+
+        known = self.sweeps()
+        for name in names:
+            if name not in known:
+                close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                raise UnknownSweep(f"no sweep {name!r} in {self.path}{hint}; sweeps here: "
+                                   f"{', '.join(known) or 'none'}")
 
     def runs(self, **where: Any) -> list[sqlite3.Row]:
         """Run rows matching column values; `sweep=NAME` means the runs that sweep holds, with its labels."""

@@ -119,6 +119,7 @@ def collect(store: Store, sweep: str | list[str] | None = None) -> dict[str, dic
     execution-only keys (see the module docstring).
     """
     sweeps = [sweep] if isinstance(sweep, str) else list(sweep or [])
+    store.require_sweeps(sweeps)
     rows = [r for sw in sweeps for r in store.runs(sweep=sw)] if sweeps else store.runs()
     raw: dict[str, dict[tuple, list[dict]]] = defaultdict(lambda: defaultdict(list))
     seen: set[str] = set()
