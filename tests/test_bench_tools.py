@@ -144,8 +144,8 @@ def test_host_cost_bench_times_the_bookkeeping(capsys):
 
 
 def test_eval_profile_bench_profiles_the_last_evaluation(capsys):
-    """`bench/eval_profile.py --quick`: a short fedprism_dual run, every evaluation timed, the last one profiled
-    by Python function and by operator; the evaluator is restored afterwards."""
+    """`bench/eval_profile.py --quick`: a short fedprism_dual run, every evaluation timed, the last one
+    profiled by Python function and by operator; the evaluator is restored afterwards."""
     import fedprism.experiment.evaluate as evaluate
 
     before = evaluate.Evaluator.__call__

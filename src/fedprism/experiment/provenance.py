@@ -126,7 +126,7 @@ def capture(exp: Any) -> dict[str, Any]:
                "fuse_jobs": bool(getattr(eng, "fuses_jobs", False)),
                "cuda_graphs": bool(getattr(eng, "cuda_graphs", False)),
                "device": str(getattr(eng, "device", "") or "") or None})
-    if str(ex["device"]).startswith("cuda"):     # engines on CUDA turn it on (engine.base.deterministic_cudnn)
+    if str(ex["device"]).startswith("cuda"):     # CUDA engines turn it on (engine.base.deterministic_cudnn)
         ex["cudnn_deterministic"] = bool(torch.backends.cudnn.deterministic)
     return {"version": __version__,
             "code": {"method": source_fingerprint(type(exp.algo)) if getattr(exp, "algo", None) is not None

@@ -491,7 +491,8 @@ class Store:
 
     def sweeps(self) -> list[str]:
         """Names of the sweeps that hold runs in this store, sorted."""
-        rows = self.db.execute("SELECT sweep FROM sweep_runs UNION SELECT sweep FROM runs WHERE sweep IS NOT NULL")
+        rows = self.db.execute("SELECT sweep FROM sweep_runs UNION "
+                               "SELECT sweep FROM runs WHERE sweep IS NOT NULL")
         return sorted(r[0] for r in rows)
 
     def require_sweeps(self, names: list[str]) -> None:
