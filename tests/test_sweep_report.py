@@ -196,3 +196,37 @@ def test_only_prefers_the_exact_label_and_names_the_labels_when_nothing_matches(
     with pytest.raises(ConfigError, match="--only"):
         run_sweep(str(root / SWEEP), str(db), only="no such label", quick=True, progress=False)
     assert not db.exists()                                                                  # nothing written
+
+
+def test_only_suggests_the_nearest_label_and_a_seed_outside_the_sweep_is_refused(tmp_path):
+    """A mistyped `--only` names the nearest label; `--seed` with a seed no run of the sweep has used to run
+    nothing and exit 0: now an error listing the sweep's seeds, with nothing written."""
+    from fedprism.errors import ConfigError
+    from fedprism.experiment.sweep import select_only
+
+    runs = [{"name": n} for n in ("FedAvg", "Local", "FedPrism")]
+    with pytest.raises(ConfigError, match=r"did you mean 'FedAvg'\?"):
+        select_only(runs, "FedAvgg")
+    db = tmp_path / "s.db"
+    root = Path(__file__).parents[1]
+    seeds = sorted({c["seed"] for c in load_sweep(root / SWEEP, quick=True)[1]})
+    listed = ", ".join(map(str, seeds))
+    with pytest.raises(ConfigError, match=r"--seed.*= 7 .*a seed of the sweep's runs: " + listed):
+        run_sweep(str(root / SWEEP), str(db), seeds=[seeds[0], 7], quick=True, progress=False)
+    assert not db.exists()
+
+
+def test_a_sweep_file_given_to_run_says_to_use_sweep(tmp_path):
+    """`fedprism run SWEEP.toml` used to fail on `base.batch_size` as an unknown key: it now says what the
+    file is and which command runs it."""
+    from fedprism.cli import main
+
+    root = Path(__file__).parents[1]
+    db = tmp_path / "r.db"
+    assert main(["run", str(root / SWEEP), "--db", str(db)]) == 2
+    assert not db.exists()
+    from fedprism.errors import ConfigError
+    from fedprism.experiment.config import load_toml
+
+    with pytest.raises(ConfigError, match=r"this is a sweep file .*fedprism sweep"):
+        load_toml(root / SWEEP)

@@ -164,7 +164,11 @@ def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
-    return flatten(read_toml(path, "config file"))
+    doc = read_toml(path, "config file")
+    if isinstance(doc.get("runs"), list) or any(isinstance(doc.get(t), dict) for t in ("grid", "base")):
+        raise ConfigError("config file", str(path), "one run's keys; this is a sweep file ([base], [grid] or "
+                          f"[[runs]]): run it with `fedprism sweep {path}`")
+    return flatten(doc)
 
 
 def read_toml(path: str | Path, what: str) -> dict[str, Any]:

@@ -31,6 +31,8 @@ and in any other sweep that holds it.
 
 from __future__ import annotations
 
+import difflib
+
 import itertools
 import json
 import os
@@ -251,7 +253,9 @@ def select_only(configs: list, only: str) -> list:
         labels = sorted({c["name"] for c in configs})
         more = f", ... ({len(labels)})" if len(labels) > 12 else ""
         shown = ", ".join(repr(x) for x in labels[:12]) + more
-        raise ConfigError("--only", only, f"text in one of the sweep's run labels: {shown}")
+        close = difflib.get_close_matches(only, labels, n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError("--only", only, f"text in one of the sweep's run labels{hint}: {shown}")
     return picked
 
 
@@ -270,6 +274,11 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
     if only:
         configs = select_only(configs, only)
     if seeds:
+        have = sorted({c["seed"] for c in configs})
+        if set(seeds) - set(have):
+            raise ConfigError("--seed", sorted(set(seeds) - set(have))[0],
+                              f"a seed of the sweep's runs{' (with --only)' if only else ''}: "
+                              f"{', '.join(map(str, have))}")
         configs = [c for c in configs if c["seed"] in seeds]
     if not isinstance(workers, int) or workers < 1:
         raise ConfigError("--workers", workers, "an integer >= 1")
