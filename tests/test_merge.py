@@ -105,6 +105,10 @@ def test_unfinished_runs_stay_behind_and_bad_sources_change_nothing(tmp_path, pa
     assert main(["merge", str(home_db), "--db", str(home_db)]) == 2
     assert "is the target store itself" in capsys.readouterr().err
     assert home_db.read_bytes() == before
+    fresh = tmp_path / "fresh.db"                   # a bad or absent part does not create the destination
+    assert main(["merge", str(bad), "--db", str(fresh)]) == 2
+    assert main(["merge", str(src), str(tmp_path / "absent.db"), "--db", str(fresh)]) == 2
+    assert "no results store to merge at" in capsys.readouterr().err and not fresh.exists()
     with pytest.raises(MissingStoreError):
         merge(Store(home_db), bad)
 

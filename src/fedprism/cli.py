@@ -265,6 +265,10 @@ def cmd_merge(args) -> int:
 
     if args.dry_run and not Path(args.db).is_file():
         raise FedPrismError(f"--dry-run: no results store at {args.db} (check --db or $FEDPRISM_DB)")
+    for src in args.stores:            # every part must be a store before the destination is created
+        if not Path(src).is_file():
+            raise FedPrismError(f"no results store to merge at {src}")
+        Store(src, readonly=True).close()
     with Store(args.db, readonly=args.dry_run) as store:
         for src in args.stores:
             print(merge(store, src, dry_run=args.dry_run).summary(args.dry_run))
