@@ -7,13 +7,15 @@ every clustering method of the Fed-PRISM server, FedClust, FedAvg and Local on o
 Dirichlet(0.3) partition and one cohort sequence, two runs at a time in separate processes.
 
 Size (FMNIST): 9000 training images over 30 clients, 12 rounds of 10 clients, E = 2, 2000 test images.
-Measured on the 2-core VM with two low-priority sweep workers and a test run beside it: 3 min 0 s
-(seed 0) and 3 min 1 s (seed 1), `fedprism demo seed=S`. The ranking the table is read by held in
-both seeds: FedPrism (routed) has the highest local accuracy (0.757 / 0.780), Local the second
-(0.713 / 0.766) and by far the lowest global accuracy (0.265 / 0.266); FedPrism's global accuracy lies
-between Local's and the shared models' (0.562 / 0.499 against 0.509-0.642); the one-model FedAvg has
-equal local and global accuracy. The order among the five Fed-PRISM clusterings is not stable at this
-size (they differ by a few points and swap between seeds), which the printed guide does not claim.
+Measured on the 2-core VM with its cores otherwise idle: 1 min 27 s (seed 0) and 1 min 36 s (seed 1),
+`fedprism demo seed=S` (with two low-priority sweep workers and a test run beside it, about 3 min). The
+ranking the table is read by held in both seeds: FedPrism (routed) has the highest local accuracy
+(0.758 / 0.785), Local the second (0.710 / 0.767) and by far the lowest global accuracy (0.265 / 0.266);
+FedPrism's global accuracy (0.563 / 0.498) lies between Local's and those of every Fed-PRISM row and
+FedAvg (0.582-0.636 / 0.542-0.583), with FedClust's about as low (0.508 / 0.494); the one-model FedAvg
+has nearly equal local and global accuracy (0.637 / 0.636, 0.589 / 0.583: one model, two test sets). The
+order among the five Fed-PRISM clusterings is not stable at this size (they differ by a few points and
+swap between seeds), which the printed guide does not claim.
 """
 
 from __future__ import annotations
