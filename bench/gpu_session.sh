@@ -34,7 +34,7 @@ left() { echo $(( START + BUDGET - $(date +%s) )); }
 } > "$OUT/logs/machine.txt" 2>&1
 cat "$OUT/logs/machine.txt"
 
-PARTS=${PARTS:-graphs bench paper dualcost sweep}   # which parts to run (routing: only when named)
+PARTS=${PARTS:-graphs evalprofile bench paper dualcost sweep}   # which parts to run (routing: only when named)
 has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
 
 # 0. CUDA graphs: the bit-equality tests, then the same training rounds with and without graphs
