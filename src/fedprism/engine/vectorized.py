@@ -44,8 +44,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import grad_and_value, vmap
 
-from fedprism.engine.base import (SHARED_SPLITS, SPLITS, EngineBase, LocalConfig, iter_epochs, n_batches,
-                                  optimizer_state, optimizer_step, resolve_loss)
+from fedprism.engine.base import (SHARED_SPLITS, SPLITS, EngineBase, LocalConfig, dropout_keys, iter_epochs,
+                                  n_batches, optimizer_state, optimizer_step, resolve_loss)
 from fedprism.engine.cuda_graph import GraphedStep
 from fedprism.federation import Federation
 from fedprism.protocol import EvalResult, Trained, TrainJob
@@ -409,9 +409,8 @@ class VectorizedEngine(EngineBase):
                     owner[t:t + c, s] = k
                     bsz[t:t + c, s] = sz
                     counts[k] += float(sz.sum())
-                    if dkeys is not None:                  # dropout_key(drop[k], step) of each step
-                        dkeys[t:t + c, s] = (drop[k] & 0xFFFFFFFF, drop[k] >> 32, 0)
-                        dkeys[t:t + c, s, 2] = np.arange(j, j + c)
+                    if dkeys is not None:
+                        dkeys[t:t + c, s] = dropout_keys(drop[k], j, c)
                     if j == 0:
                         starts[t].append((s, k))
                     if j + c == steps[k]:
