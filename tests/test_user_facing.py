@@ -340,6 +340,12 @@ def test_unknown_key_suggests_the_nearest(key, meant):
         resolve({"method": "fedprism", key: 3})
 
 
+def test_a_numbered_cuda_device_says_how_to_pick_a_gpu():
+    """`device=cuda:1` is not a value the engines take; the error says how to run on GPU N instead."""
+    with pytest.raises(ConfigError, match=r"'device' = 'cuda:1'.*cpu, cuda; .*CUDA_VISIBLE_DEVICES=N"):
+        resolve({"method": "fedavg", "device": "cuda:1"})
+
+
 # -- 7. plots ---------------------------------------------------------------------------------------
 def test_plots_are_named_by_content_styled_apart_and_linked_with_captions(tmp_path):
     from fedprism.report import FONT_PT, _plt, styles

@@ -53,7 +53,8 @@ class Param:
         t = type(self.default)
         if self.choices is not None:
             if value not in self.choices:
-                raise ConfigError(key, value, f"one of {', '.join(map(str, self.choices))}")
+                extra = f"; {self.allowed}" if self.allowed else ""
+                raise ConfigError(key, value, f"one of {', '.join(map(str, self.choices))}{extra}")
             return value
         if t is bool:
             if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):

@@ -85,7 +85,8 @@ KEYS: dict[str, Param] = {
                            "kept: memory (RAM, bit for bit the stored runs), float16 (RAM at half precision: "
                            "numbers change) or mmap (rows in files beside the checkpoint, RAM holds only the rows "
                            "in use: same numbers as memory)", choices=("memory", "float16", "mmap"), new=True),
-    "device": Param("auto", "auto, cpu or cuda", choices=("auto", "cpu", "cuda")),
+    "device": Param("auto", "auto, cpu or cuda", choices=("auto", "cpu", "cuda"),
+                    allowed="for GPU N of several, run with CUDA_VISIBLE_DEVICES=N and device=cuda"),
     "engine": Param("auto", "auto, sequential or vectorized", choices=("auto", "sequential", "vectorized")),
     "compile": Param("auto", "torch.compile the vectorized kernels (auto: on for long runs)",
                      choices=("auto", "true", "false", True, False)),
