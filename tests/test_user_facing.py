@@ -340,6 +340,20 @@ def test_unknown_key_suggests_the_nearest(key, meant):
         resolve({"method": "fedprism", key: 3})
 
 
+def test_python_config_takes_method_keys_nested_as_in_a_toml_table():
+    """`fedprism.config(method="fedprism", fedprism={"k": 3})` reads like a TOML table; it used to fail with
+    "config key 'fedprism' = {'k': 3} is not valid: a fedprism parameter, but method=fedprism"."""
+    import fedprism
+
+    c = fedprism.config(method="fedprism", fedprism={"k": 3}, partition={"name": "dirichlet", "alpha": 0.2})
+    assert c["fedprism.k"] == 3 and c["partition"] == "dirichlet" and c["partition.alpha"] == 0.2
+    assert fedprism.config({"method": "fedprism", "fedprism": {"k": 4}})["fedprism.k"] == 4
+    assert c.run_id == fedprism.config(method="fedprism", fedprism__k=3, partition="dirichlet",
+                                       partition__alpha=0.2).run_id
+    with pytest.raises(ConfigError, match=r"'fedprism.k' = 0 .*>= 1"):
+        fedprism.config(method="fedprism", fedprism={"k": 0})
+
+
 def test_a_numbered_cuda_device_says_how_to_pick_a_gpu():
     """`device=cuda:1` is not a value the engines take; the error says how to run on GPU N instead."""
     with pytest.raises(ConfigError, match=r"'device' = 'cuda:1'.*cpu, cuda; .*CUDA_VISIBLE_DEVICES=N"):

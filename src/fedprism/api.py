@@ -12,22 +12,23 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fedprism.experiment.config import Config, load_toml, resolve
+from fedprism.experiment.config import Config, flatten, load_toml, resolve
 from fedprism.experiment.runner import Experiment, RunResult
 from fedprism.experiment.store import Store
 
 
 def config(source: str | Path | dict | Config | None = None, **keys: Any) -> Config:
     """A validated configuration from a TOML file, a dict of keys, or keyword arguments (dotted keys as
-    `fedprism__k=5` or in a dict: {"fedprism.k": 5}); later sources override earlier ones."""
+    `fedprism__k=5`, in a dict {"fedprism.k": 5}, or nested as in a TOML table: fedprism={"k": 5});
+    later sources override earlier ones."""
     raw: dict[str, Any] = {}
     if isinstance(source, Config):
         raw.update(source.values)
     elif isinstance(source, dict):
-        raw.update(source)
+        raw.update(flatten(source))
     elif source is not None:
         raw.update(load_toml(source))
-    raw.update({k.replace("__", "."): v for k, v in keys.items()})
+    raw.update(flatten({k.replace("__", "."): v for k, v in keys.items()}))
     return resolve(raw)
 
 
