@@ -354,6 +354,21 @@ def test_python_config_takes_method_keys_nested_as_in_a_toml_table():
         fedprism.config(method="fedprism", fedprism={"k": 0})
 
 
+def test_results_filters_name_their_column_or_are_refused(tmp_path):
+    """`fedprism.results(db, methd=...)` used to raise sqlite's "no such column"; a filter key now has to be
+    a column of the runs table (it is put into the SQL as a name), else an error lists the columns."""
+    import fedprism
+    from fedprism.experiment.store import UnknownFilter
+
+    db = str(tmp_path / "f.db")
+    run = _run(db)
+    assert [r["run_id"] for r in fedprism.results(db, method="fedavg", status="finished")] == [run.run_id]
+    with pytest.raises(UnknownFilter, match=r"'methd'.*did you mean method\?.*columns: run_id"):
+        fedprism.results(db, methd="fedavg")
+    with pytest.raises(UnknownFilter):
+        fedprism.results(db, **{"1=1 OR method": "x"})
+
+
 def test_a_numbered_cuda_device_says_how_to_pick_a_gpu():
     """`device=cuda:1` is not a value the engines take; the error says how to run on GPU N instead."""
     with pytest.raises(ConfigError, match=r"'device' = 'cuda:1'.*cpu, cuda; .*CUDA_VISIBLE_DEVICES=N"):

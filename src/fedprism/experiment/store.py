@@ -162,6 +162,10 @@ class UnknownSweep(FedPrismError, ValueError):
     """`--sweep NAME` names no sweep of the store."""
 
 
+class UnknownFilter(FedPrismError, ValueError):
+    """A filter on stored runs (`fedprism.results(...)`, `Store.runs(...)`) names no column of `runs`."""
+
+
 class StoreError(FedPrismError):
     """The results store cannot be opened or written (corrupt, read-only, locked, disk full)."""
 
@@ -509,7 +513,16 @@ class Store:
                                    f"{', '.join(known) or 'none'}")
 
     def runs(self, **where: Any) -> list[sqlite3.Row]:
-        """Run rows matching column values; `sweep=NAME` means the runs that sweep holds, with its labels."""
+        """Run rows matching column values; `sweep=NAME` means the runs that sweep holds, with its labels.
+        A key that is not a column of `runs` is an `UnknownFilter` naming the columns (never SQL)."""
+        columns = [r[1] for r in self.db.execute("PRAGMA table_info(runs)")]
+        for k in where:
+            if k not in columns:
+                import difflib
+
+                close = difflib.get_close_matches(k, columns, n=1, cutoff=0.6)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                raise UnknownFilter(f"no run column {k!r} to filter on{hint}; columns: {', '.join(columns)}")
         if "sweep" in where:
             sweep = where.pop("sweep")
             q = ("SELECT runs.*, COALESCE(m.label, runs.name) AS label FROM runs LEFT JOIN sweep_runs m"
