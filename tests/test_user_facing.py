@@ -369,6 +369,26 @@ def test_results_filters_name_their_column_or_are_refused(tmp_path):
         fedprism.results(db, **{"1=1 OR method": "x"})
 
 
+def test_parquet_export_without_its_libraries_writes_nothing(tmp_path, monkeypatch):
+    """Without pandas / pyarrow the parquet export is an error naming what to install, raised before the
+    output folder is made (it used to leave an empty folder behind); CSV needs neither."""
+    import importlib.util
+
+    from fedprism.errors import FedPrismError
+    from fedprism.report.export import export
+
+    db = str(tmp_path / "e.db")
+    _run(db)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in ("pandas", "pyarrow", "fastparquet") else real(name, *a))
+    with pytest.raises(FedPrismError, match="pip install pandas pyarrow"):
+        export(db, str(tmp_path / "pq"), "parquet")
+    assert not (tmp_path / "pq").exists()
+    names = sorted(p.name for p in export(db, str(tmp_path / "csv"), "csv"))
+    assert names == ["client_metrics.csv", "records.csv", "rounds.csv", "runs.csv"]
+
+
 def test_a_numbered_cuda_device_says_how_to_pick_a_gpu():
     """`device=cuda:1` is not a value the engines take; the error says how to run on GPU N instead."""
     with pytest.raises(ConfigError, match=r"'device' = 'cuda:1'.*cpu, cuda; .*CUDA_VISIBLE_DEVICES=N"):

@@ -32,11 +32,21 @@ def _tables(store: Store) -> dict[str, tuple[list[str], list[list]]]:
 
 
 def export(db: str, out: str, fmt: str = "csv") -> list[Path]:
+    if fmt != "csv":                             # before anything is created: a missing library writes nothing
+        import importlib.util
+
+        missing = [m for m in ("pandas", "pyarrow") if importlib.util.find_spec(m) is None]
+        if missing and not (missing == ["pyarrow"] and importlib.util.find_spec("fastparquet")):
+            raise FedPrismError(f"parquet export needs pandas and pyarrow: pip install {' '.join(missing)}")
     store = Store(db, readonly=True)             # never changes the file it reads
+    try:
+        tables = _tables(store)
+    finally:
+        store.close()
     outdir = Path(out)
     outdir.mkdir(parents=True, exist_ok=True)
     paths = []
-    for name, (header, rows) in _tables(store).items():
+    for name, (header, rows) in tables.items():
         if fmt == "csv":
             p = outdir / f"{name}.csv"
             with open(p, "w", newline="") as f:
@@ -44,15 +54,9 @@ def export(db: str, out: str, fmt: str = "csv") -> list[Path]:
                 w.writerow(header)
                 w.writerows(rows)
         else:
-            try:
-                import pandas as pd
-            except ImportError:
-                raise FedPrismError("parquet export needs pandas and pyarrow: pip install pandas pyarrow") from None
+            import pandas as pd
+
             p = outdir / f"{name}.parquet"
-            try:
-                pd.DataFrame(rows, columns=header).to_parquet(p)
-            except ImportError as e:
-                raise FedPrismError(f"parquet export needs pyarrow: pip install pyarrow ({e})") from None
+            pd.DataFrame(rows, columns=header).to_parquet(p)
         paths.append(p)
-    store.close()
     return paths
