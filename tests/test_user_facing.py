@@ -380,8 +380,8 @@ def test_parquet_export_without_its_libraries_writes_nothing(tmp_path, monkeypat
     db = str(tmp_path / "e.db")
     _run(db)
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name in ("pandas", "pyarrow", "fastparquet") else real(name, *a))
+    gone = ("pandas", "pyarrow", "fastparquet")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in gone else real(name, *a))
     with pytest.raises(FedPrismError, match="pip install pandas pyarrow"):
         export(db, str(tmp_path / "pq"), "parquet")
     assert not (tmp_path / "pq").exists()

@@ -32,7 +32,7 @@ def _tables(store: Store) -> dict[str, tuple[list[str], list[list]]]:
 
 
 def export(db: str, out: str, fmt: str = "csv") -> list[Path]:
-    if fmt != "csv":                             # before anything is created: a missing library writes nothing
+    if fmt != "csv":                             # checked first: a missing library writes nothing
         import importlib.util
 
         missing = [m for m in ("pandas", "pyarrow") if importlib.util.find_spec(m) is None]
