@@ -194,7 +194,7 @@ def test_run_config_is_validated():
         RunSettings.from_run_config({"round-timeout": -1})
     with pytest.raises(ConfigError, match="fedprism.k"):
         RunSettings.from_run_config({"experiment": "method=fedprism fedprism.k=0"})
-    s = RunSettings.from_run_config({"experiment": "clients=5 rounds=2", "min-replies": 2})
+    s = RunSettings.from_run_config({"experiment": "clients=5 rounds=2 fraction=1.0", "min-replies": 2})
     assert s.cfg["clients"] == 5 and s.min_replies == 2 and s.round_timeout == 300.0
 
 
@@ -433,6 +433,20 @@ def test_class_drift_needs_the_dataset_on_the_server(monkeypatch):
     assert server_data(RunSettings.from_run_config({"experiment": EXP4})) == (None, None, None, None)
 
 
+def test_a_configuration_that_can_never_cluster_is_refused_before_flower_starts(tmp_path):
+    """The limits that need no data (here Fed-PRISM's K above a round's cohort) are checked when the run
+    config is read, so `simulate` refuses in one line before any SuperLink, Ray or node starts (it used to
+    fail inside the ServerApp with a traceback, leaving an empty store)."""
+    from fedprism.flower.simulation import simulate
+
+    exp = "method=fedprism dataset=digits clients=4 rounds=1 fedprism.k=3"
+    with pytest.raises(ConfigError, match=r"fedprism\.k.*at most 1 here"):
+        RunSettings.from_run_config({"experiment": exp})
+    with pytest.raises(ConfigError, match=r"fedprism\.k"):
+        simulate(exp, tmp_path / "s.db", workdir=tmp_path / "w")
+    assert not (tmp_path / "s.db").exists() and not (tmp_path / "w").exists()
+
+
 @pytest.mark.parametrize("key, value", [("eval.clients", "2"), ("state.storage", "float16"), ("state.storage", "mmap")])
 def test_simulator_only_scale_keys_are_refused_on_flower(key, value, tmp_path, task_identity):
     """`eval.clients` (sampled evaluation) and `state.storage` other than memory are simulated in process
@@ -441,7 +455,11 @@ def test_simulator_only_scale_keys_are_refused_on_flower(key, value, tmp_path, t
     rc = run_config(EXP4 + f" {key}={value}", db)
     with pytest.raises(ConfigError, match=key.replace(".", r"\.") + ".*on Flower"):
         serve(FakeGrid(nodes_for(4), rc), rc)
-    assert Store(db).round_metrics(flower_run_id(parse_experiment(rc["experiment"]))) == []
+    assert not db.exists()                          # a refused run leaves no empty store behind
+    Store(db).close()                               # and a store that existed keeps its rows
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.") + ".*on Flower"):
+        serve(FakeGrid(nodes_for(4), rc), rc)
+    assert db.exists() and Store(db).round_metrics(flower_run_id(parse_experiment(rc["experiment"]))) == []
 
 
 @pytest.mark.parametrize("method", _methods())

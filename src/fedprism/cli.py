@@ -33,7 +33,7 @@ def _config(args) -> "Config":  # noqa: F821
 
 def cmd_run(args) -> int:
     from fedprism.experiment.runner import Experiment
-    from fedprism.experiment.store import Store
+    from fedprism.experiment.store import Store, drop_if_new_and_empty
 
     cfg = _config(args)
     created = not Path(args.db).exists()
@@ -44,10 +44,7 @@ def cmd_run(args) -> int:
     try:
         exp = Experiment(cfg, store, progress=not args.quiet)    # progress goes to stderr, also with --json
     except BaseException:
-        if created and not store.runs():          # data or partition refused: leave no empty store behind
-            store.close()
-            for suffix in ("", "-wal", "-shm", "-journal"):
-                Path(str(args.db) + suffix).unlink(missing_ok=True)
+        drop_if_new_and_empty(store, created)     # data or partition refused: leave no empty store behind
         raise
     res = exp.run()
     f = res.final

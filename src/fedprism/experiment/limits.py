@@ -33,7 +33,6 @@ Available memory is MemAvailable of /proc/meminfo, capped by the cgroup limit wh
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 
@@ -65,6 +64,43 @@ def _clusters_the_cohort(cfg) -> bool:
     if cfg["method"] == "fedclust":
         return cfg["fedclust.variant"] == "periodic"
     return cfg["method"] == "fedprism_dual" and cfg["fedprism_dual.cluster_on"] == "reporting"
+
+
+def _cohort(cfg, N: int) -> int:
+    """Clients a round of `cfg` trains: all with Local's `participation=all`, else floor(fraction x N), at
+    least 1 (`fedprism.selection.cohort_size`)."""
+    if cfg["method"] == "local" and cfg.get("local.participation") == "all":
+        return N
+    from fedprism.selection import cohort_size
+
+    return min(N, cohort_size(N, cfg["fraction"]))
+
+
+def check_cohort(cfg, N: int | None = None) -> None:
+    """The limits that need only the configuration (`check_limits` runs them too; a Flower simulation runs
+    them before it starts anything): K above the clients, K above a round's cohort for the methods that
+    cluster a round's clients, CFL with one client a round. `N`: the federation's clients (default
+    `cfg["clients"]`)."""
+    N = cfg["clients"] if N is None else int(N)
+    method = cfg["method"]
+    cohort = _cohort(cfg, N)
+    if method in _K_METHODS and f"{method}.k" in cfg.values and not (
+            method == "fedclust" and cfg.get("fedclust.variant") == "original"):
+        K = cfg[f"{method}.k"]
+        if K > N:
+            raise ConfigError(f"{method}.k", K, f"at most clients={N} (a cluster model no client can join "
+                              "is never trained)")
+        if cohort < K and _clusters_the_cohort(cfg):
+            alt = ", or fedprism_dual.cluster_on=seen" if method == "fedprism_dual" else ""
+            raise ConfigError(f"{method}.k", K, f"at most {cohort} here: clients={N} x fraction="
+                              f"{cfg['fraction']:g} gives {cohort} client(s) a round, and a "
+                              "re-clustering of fewer clients than clusters is skipped, every time, so "
+                              "the cluster models would never separate (the run would be FedAvg-like); "
+                              f"raise fraction, lower {method}.k{alt}")
+    if method == "cfl" and cohort < 2 <= N and cfg["cfl.eps1"] <= cfg["cfl.eps2"]:
+        raise ConfigError("fraction", cfg["fraction"], f"at least {2 / N:g} for cfl with clients={N}: with "
+                          "one client a round the mean update is that client's update, so the split test "
+                          "(mean norm < cfl.eps1 <= cfl.eps2 < max norm) can never pass and CFL stays FedAvg")
 
 
 def available_memory() -> int:
@@ -117,8 +153,7 @@ def check_limits(cfg, n_train: np.ndarray, num_params: int, memory: int | None =
     if sizes_complete and B > max(total, 1):
         raise ConfigError("batch_size", B, f"at most {total} here (the federation's train samples)")
 
-    cohort = N if (method == "local" and cfg.get("local.participation") == "all") else \
-        min(N, max(int(math.floor(cfg["fraction"] * N + 1e-9)), 1))
+    cohort = _cohort(cfg, N)
     largest = np.sort(n_train)[::-1][:cohort]
     per_epoch = int(_PER_SAMPLE * largest.sum() + _PER_BATCH * np.ceil(largest / B).sum())
     E = cfg["local_epochs"]
@@ -133,20 +168,11 @@ def check_limits(cfg, n_train: np.ndarray, num_params: int, memory: int | None =
                           f"takes {per_epoch_steps} steps per epoch and a round may take at most {MAX_STEPS:.0e} "
                           "steps per client (batch orders are drawn lazily; the bound is on work, not memory)")
 
+    check_cohort(cfg, N)
     if method in _K_METHODS and f"{method}.k" in cfg.values:
         K = cfg[f"{method}.k"]
         unused = method == "fedclust" and cfg.get("fedclust.variant") == "original"
         if not unused:
-            if K > N:
-                raise ConfigError(f"{method}.k", K, f"at most clients={N} (a cluster model no client can join "
-                                  "is never trained)")
-            if cohort < K and _clusters_the_cohort(cfg):
-                alt = ", or fedprism_dual.cluster_on=seen" if method == "fedprism_dual" else ""
-                raise ConfigError(f"{method}.k", K, f"at most {cohort} here: clients={N} x fraction="
-                                  f"{cfg['fraction']:g} gives {cohort} client(s) a round, and a "
-                                  "re-clustering of fewer clients than clusters is skipped, every time, so "
-                                  "the cluster models would never separate (the run would be FedAvg-like); "
-                                  f"raise fraction, lower {method}.k{alt}")
             copies = cohort + 1 if method == "ifca" else 3
             need = K * P * 4 * copies
             if need > mem // 2:
@@ -154,11 +180,6 @@ def check_limits(cfg, n_train: np.ndarray, num_params: int, memory: int | None =
                 raise ConfigError(f"{method}.k", K, f"at most {most} here: {K} cluster models of {P} parameters "
                                   f"(x{copies} copies) need {_gb(need)}, more than half the available memory "
                                   f"({_gb(mem)})")
-
-    if method == "cfl" and cohort < 2 <= N and cfg["cfl.eps1"] <= cfg["cfl.eps2"]:
-        raise ConfigError("fraction", cfg["fraction"], f"at least {2 / N:g} for cfl with clients={N}: with "
-                          "one client a round the mean update is that client's update, so the split test "
-                          "(mean norm < cfl.eps1 <= cfl.eps2 < max norm) can never pass and CFL stays FedAvg")
 
     storage = cfg.get("state.storage", "memory")
     own = _CLIENT_STATE_MODELS.get(method, 0)

@@ -158,6 +158,15 @@ class MissingStoreError(FedPrismError):
     """A read-only command was pointed at a results database that does not exist."""
 
 
+def drop_if_new_and_empty(store: Store, created: bool) -> None:
+    """Close `store` and delete its files if this process `created` it and it holds no run: a refused
+    configuration leaves no empty store behind (`fedprism run`, the Flower ServerApp)."""
+    if created and not store.runs():
+        store.close()
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            Path(str(store.path) + suffix).unlink(missing_ok=True)
+
+
 class UnknownSweep(FedPrismError, ValueError):
     """`--sweep NAME` names no sweep of the store."""
 
@@ -293,7 +302,11 @@ class Store:
             raise StoreError(f"results store {self.path}: {e.strerror or e} ({doing})") from None
 
     def close(self) -> None:
-        """Fold the write-ahead log into the database file (so a committed .db is complete) and close."""
+        """Fold the write-ahead log into the database file (so a committed .db is complete) and close.
+        Closing twice is harmless."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
         if self.readonly:
             self.db.close()
             return

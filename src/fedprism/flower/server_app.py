@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,7 @@ from fedprism.errors import ConfigError
 from fedprism.experiment.limits import check_limits
 from fedprism.data.drift import class_counts
 from fedprism.experiment.runner import RunResult, drift_schedule, make_model
-from fedprism.experiment.store import Store
+from fedprism.experiment.store import Store, drop_if_new_and_empty
 from fedprism.flower.server import NO_DRIFT_WITHOUT_DATA, FlowerExperiment, Link, ServerDrift, _log
 from fedprism.flower.settings import RunSettings, flower_run_id
 from fedprism.flower.trust import Registry
@@ -76,6 +77,7 @@ def server_data(s: RunSettings):
 def serve(grid: Grid, run_config: dict[str, Any]) -> RunResult:
     """Run (or resume) the configured experiment on the nodes behind `grid`; results go to the store."""
     s = RunSettings.from_run_config(run_config)
+    created = not Path(s.db).exists()
     store = Store(s.db)
     try:
         run_id = flower_run_id(s.cfg)
@@ -87,6 +89,7 @@ def serve(grid: Grid, run_config: dict[str, Any]) -> RunResult:
             shared, biggest, sizes, drift = server_data(s)
         except ConfigError as e:
             _log(f"refused: {e}")            # one line naming the key, its value and what is allowed
+            drop_if_new_and_empty(store, created)
             raise
         cap = s.max_samples or biggest
         registry = Registry.load(s.registry, s.cfg["clients"]) if s.registry else None
@@ -103,6 +106,7 @@ def serve(grid: Grid, run_config: dict[str, Any]) -> RunResult:
             exp = FlowerExperiment(s, store, link, shared, sizes, drift)
         except ConfigError as e:
             _log(f"refused: {e}")            # one line naming the key, its value and what is allowed
+            drop_if_new_and_empty(store, created)
             raise
         res = exp.run(stop_after=s.stop_after or None)
         _log(f"run {run_id} {res.status}" + (f" (resumed after round {res.resumed_from})"

@@ -53,6 +53,7 @@ from typing import Any
 
 from fedprism.errors import ConfigError
 from fedprism.experiment.config import Config, load_toml, parse_overrides, resolve
+from fedprism.experiment.limits import check_cohort
 from fedprism.hparams import Param
 
 _pos = lambda v: v > 0  # noqa: E731
@@ -141,6 +142,7 @@ class RunSettings:
         if v["stats-epsilon"] > 0 and cfg.get("privacy.epsilon", 0.0) > 0:
             raise ConfigError("stats-epsilon", v["stats-epsilon"], "0 when the experiment sets privacy.epsilon "
                               "(the label counts are then released once, with the run's Gaussian mechanism)")
+        check_cohort(cfg)                       # what needs no data: before any SuperLink or node starts
         return cls(cfg=cfg, db=v["db"], min_nodes=v["min-nodes"], nodes_timeout=v["nodes-timeout"],
                    min_replies=v["min-replies"], round_timeout=v["round-timeout"],
                    poll_interval=v["poll-interval"], probe_timeout=v["probe-timeout"],
