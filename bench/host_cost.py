@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     import fedprism
     from fedprism.federation import Federation
 
+    # the federation is built here rather than by bench/engine.py's build_federation: importing that module
+    # puts this checkout's src/ first on the path, and `--src` must decide which fedprism is imported
     clients, epochs, per_round, cap = 100, 10, 10, None
     if a.quick:
         clients, epochs, per_round, cap, a.rounds = 20, 1, 4, 200, 2

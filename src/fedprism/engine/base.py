@@ -78,17 +78,24 @@ def dropout_seed(seed: int, rnd: int, client: int, stream: str = "train") -> int
     return stream_seed(seed, rnd, client, "dropout:" + stream)
 
 
-def dropout_keys(seed: int, first: int, count: int) -> np.ndarray:
-    """The dropout keys of local steps first, ..., first + count - 1 (0, 1, ... over all epochs) of the job
-    seeded `seed` (`dropout_seed`): int64 [count, 3], each row (seed mod 2^32, seed div 2^32, step)."""
-    out = np.empty((count, 3), dtype=np.int64)
-    out[:, 0], out[:, 1], out[:, 2] = seed & 0xFFFFFFFF, seed >> 32, np.arange(first, first + count)
-    return out
+def _seed_words(seed: int) -> tuple[int, int]:
+    """The first two words of a dropout key: (seed mod 2^32, seed div 2^32)."""
+    return seed & 0xFFFFFFFF, seed >> 32
 
 
 def dropout_key(seed: int, step: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """`dropout_keys` of one step, as an int64 [3] tensor on `device`."""
-    return torch.tensor(dropout_keys(seed, step, 1)[0], dtype=torch.int64, device=device)
+    """The dropout key of local step `step` (0, 1, ... over all epochs) of the job seeded `seed`
+    (`dropout_seed`): int64 [3] = (seed mod 2^32, seed div 2^32, step)."""
+    return torch.tensor([*_seed_words(seed), step], dtype=torch.int64, device=device)
+
+
+def dropout_keys(seed: int, first: int, count: int) -> np.ndarray:
+    """`dropout_key` of steps first, ..., first + count - 1 at once, as an int64 [count, 3] array (the
+    vectorized engine's schedule)."""
+    out = np.empty((count, 3), dtype=np.int64)
+    out[:, :2] = _seed_words(seed)
+    out[:, 2] = np.arange(first, first + count)
+    return out
 
 
 def deterministic_cudnn() -> None:

@@ -365,7 +365,7 @@ class VectorizedEngine(EngineBase):
             for k in q:
                 gidx = self._train_idx_np[int(job.clients[k])]
                 n, e, seed = args[k]
-                nb = max(1, -(-n // B))                   # n = 0: one empty batch per epoch, as split() gives
+                nb = n_batches(n, 1, B)                   # n = 0: one empty batch per epoch, as split() gives
                 sizes = np.full(nb, B, dtype=np.int64)
                 sizes[-1] = n - (nb - 1) * B
                 for ep, perm in enumerate(iter_epochs(n, e, seed)):

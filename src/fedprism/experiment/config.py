@@ -324,15 +324,18 @@ def resolve(raw: dict[str, Any]) -> Config:
     return Config(out)
 
 
-def suggest(key: str, valid: list[str]) -> str:
-    """'; did you mean X?' for the valid key closest to `key` (difflib ratio >= 0.6), else ''."""
+def suggest(key: str, valid: list[str], quote: bool = False) -> str:
+    """' (did you mean X?)' for the valid key closest to `key` (difflib ratio >= 0.6), else ''; `quote`
+    writes X as a Python string literal (labels with spaces)."""
     best = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
     if not best and "." in key:                     # `fedprsim.k`: match the parts separately
         head, tail = key.split(".", 1)
         heads = difflib.get_close_matches(head, sorted({v.split(".", 1)[0] for v in valid if "." in v}), n=1)
         if heads:
             best = difflib.get_close_matches(f"{heads[0]}.{tail}", valid, n=1, cutoff=0.6)
-    return f" (did you mean {best[0]}?)" if best else ""
+    if not best:
+        return ""
+    return f" (did you mean {best[0]!r}?)" if quote else f" (did you mean {best[0]}?)"
 
 
 def describe_keys() -> list[tuple[str, Any, str]]:

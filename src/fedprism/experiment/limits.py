@@ -66,6 +66,17 @@ def _clusters_the_cohort(cfg) -> bool:
     return cfg["method"] == "fedprism_dual" and cfg["fedprism_dual.cluster_on"] == "reporting"
 
 
+def _cluster_k(cfg) -> int | None:
+    """K of a configuration that trains K cluster models, None otherwise (FedClust's original variant
+    finds its clusters by a threshold and does not use `fedclust.k`)."""
+    method = cfg["method"]
+    if method not in _K_METHODS or f"{method}.k" not in cfg.values:
+        return None
+    if method == "fedclust" and cfg.get("fedclust.variant") == "original":
+        return None
+    return cfg[f"{method}.k"]
+
+
 def _cohort(cfg, N: int) -> int:
     """Clients a round of `cfg` trains: all with Local's `participation=all`, else floor(fraction x N), at
     least 1 (`fedprism.selection.cohort_size`)."""
@@ -84,9 +95,8 @@ def check_cohort(cfg, N: int | None = None) -> None:
     N = cfg["clients"] if N is None else int(N)
     method = cfg["method"]
     cohort = _cohort(cfg, N)
-    if method in _K_METHODS and f"{method}.k" in cfg.values and not (
-            method == "fedclust" and cfg.get("fedclust.variant") == "original"):
-        K = cfg[f"{method}.k"]
+    K = _cluster_k(cfg)
+    if K is not None:
         if K > N:
             raise ConfigError(f"{method}.k", K, f"at most clients={N} (a cluster model no client can join "
                               "is never trained)")
@@ -169,17 +179,15 @@ def check_limits(cfg, n_train: np.ndarray, num_params: int, memory: int | None =
                           "steps per client (batch orders are drawn lazily; the bound is on work, not memory)")
 
     check_cohort(cfg, N)
-    if method in _K_METHODS and f"{method}.k" in cfg.values:
-        K = cfg[f"{method}.k"]
-        unused = method == "fedclust" and cfg.get("fedclust.variant") == "original"
-        if not unused:
-            copies = cohort + 1 if method == "ifca" else 3
-            need = K * P * 4 * copies
-            if need > mem // 2:
-                most = max((mem // 2) // (P * 4 * copies), 0)
-                raise ConfigError(f"{method}.k", K, f"at most {most} here: {K} cluster models of {P} parameters "
-                                  f"(x{copies} copies) need {_gb(need)}, more than half the available memory "
-                                  f"({_gb(mem)})")
+    K = _cluster_k(cfg)
+    if K is not None:
+        copies = cohort + 1 if method == "ifca" else 3
+        need = K * P * 4 * copies
+        if need > mem // 2:
+            most = max((mem // 2) // (P * 4 * copies), 0)
+            raise ConfigError(f"{method}.k", K, f"at most {most} here: {K} cluster models of {P} parameters "
+                              f"(x{copies} copies) need {_gb(need)}, more than half the available memory "
+                              f"({_gb(mem)})")
 
     storage = cfg.get("state.storage", "memory")
     own = _CLIENT_STATE_MODELS.get(method, 0)

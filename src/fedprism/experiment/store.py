@@ -515,14 +515,12 @@ class Store:
     def require_sweeps(self, names: list[str]) -> None:
         """`UnknownSweep` for a name no sweep in this store has: a mistyped `--sweep` would otherwise read as
         a sweep without runs (an empty table, an empty report)."""
-        import difflib
+        from fedprism.experiment.config import suggest
 
         known = self.sweeps()
         for name in names:
             if name not in known:
-                close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-                hint = f" (did you mean {close[0]}?)" if close else ""
-                raise UnknownSweep(f"no sweep {name!r} in {self.path}{hint}; sweeps here: "
+                raise UnknownSweep(f"no sweep {name!r} in {self.path}{suggest(name, known)}; sweeps here: "
                                    f"{', '.join(known) or 'none'}")
 
     def runs(self, **where: Any) -> list[sqlite3.Row]:
@@ -531,11 +529,10 @@ class Store:
         columns = [r[1] for r in self.db.execute("PRAGMA table_info(runs)")]
         for k in where:
             if k not in columns:
-                import difflib
+                from fedprism.experiment.config import suggest
 
-                close = difflib.get_close_matches(k, columns, n=1, cutoff=0.6)
-                hint = f" (did you mean {close[0]}?)" if close else ""
-                raise UnknownFilter(f"no run column {k!r} to filter on{hint}; columns: {', '.join(columns)}")
+                raise UnknownFilter(f"no run column {k!r} to filter on{suggest(k, columns)}; columns: "
+                                    f"{', '.join(columns)}")
         if "sweep" in where:
             sweep = where.pop("sweep")
             q = ("SELECT runs.*, COALESCE(m.label, runs.name) AS label FROM runs LEFT JOIN sweep_runs m"

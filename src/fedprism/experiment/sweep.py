@@ -31,8 +31,6 @@ and in any other sweep that holds it.
 
 from __future__ import annotations
 
-import difflib
-
 import itertools
 import json
 import os
@@ -44,7 +42,7 @@ from typing import Any
 
 from fedprism.algorithms import REGISTRY
 from fedprism.errors import ConfigError
-from fedprism.experiment.config import Config, flatten, read_toml, resolve
+from fedprism.experiment.config import Config, flatten, read_toml, resolve, suggest
 
 
 def load_sweep(path: str | Path, quick: bool = False, overrides: dict[str, Any] | None = None
@@ -253,8 +251,7 @@ def select_only(configs: list, only: str) -> list:
         labels = sorted({c["name"] for c in configs})
         more = f", ... ({len(labels)})" if len(labels) > 12 else ""
         shown = ", ".join(repr(x) for x in labels[:12]) + more
-        close = difflib.get_close_matches(only, labels, n=1, cutoff=0.6)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        hint = suggest(only, labels, quote=True)
         raise ConfigError("--only", only, f"text in one of the sweep's run labels{hint}: {shown}")
     return picked
 
