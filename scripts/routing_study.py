@@ -72,6 +72,9 @@ counts); per-client thresholds are calibrated on the client's own training rows.
                    covariance, shrunk by 1e-3 of its mean eigenvalue, both from the training rows) is at most
                    the (1 - q)-quantile of the training rows' distances, else the backbone (Lee et al. 2018,
                    "A Simple Unified Framework for Detecting Out-of-Distribution Samples", arXiv:1807.03888)
+    bound: test-fitted w  (`--frontier` only) the boosted gate fitted on the test rows themselves (local test
+                   rows total weight w, the global test set 1) and scored on them: how close to the goal any
+                   gate on these features can come (a bound, never chosen; `frontier_gates`)
 """
 
 from __future__ import annotations
@@ -198,7 +201,7 @@ class _Constant:
 
 def learned_gates(rows: dict, weights=GATE_WEIGHTS, kind: str = "boosted", seed: int = 0,
                   prefix: str = "learned", max_iter: int = 200, extra: dict | None = None,
-                  soft: bool = False) -> dict:
+                  soft: bool = False, fit_on: tuple[str, str] = ("val", "global_val")) -> dict:
     """{`learned w=..`: {split: accuracy}} of the learned gate (docstring; kind "linear": `learned-linear
     w=..`, a logistic regression on the standardised features; `prefix` names the rows): rows[split] is one
     (features [n, F], specialist right [n], backbone right [n]) per client; accuracy is the mean over
@@ -206,13 +209,16 @@ def learned_gates(rows: dict, weights=GATE_WEIGHTS, kind: str = "boosted", seed:
     on every validation row. `extra` = {fitting split: non-negative score per row} gives that split an
     extra total weight w, spread over its rows in proportion to the scores; `max_iter`: the boosted
     gate's trees. `soft` (rows with a fourth element, the labels, and `gate_features` columns) also scores
-    the same gates as mixing weights, `<name>-soft w=..`: argmax of g(x) p_L + (1 - g(x)) p_W."""
+    the same gates as mixing weights, `<name>-soft w=..`: argmax of g(x) p_L + (1 - g(x)) p_W.
+    `fit_on` = (the clients' own split, the shared split) that the gates are fitted on; with the test
+    splits (`frontier_gates`) every split is scored by the gate fitted on all of them, in sample."""
     from sklearn.ensemble import HistGradientBoostingClassifier
     from sklearn.linear_model import LogisticRegression
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler
 
-    fit_splits = ("val", "global_val")
+    fit_splits = fit_on
+    in_sample = set(fit_on) & {"local", "global"}       # a bound: no held-out rows to score out of fold
     cat = {s: [np.concatenate([np.asarray(r[i]) for r in rows[s]]) for i in range(4 if soft else 3)]
            for s in rows}
     fold = {s: np.concatenate([np.arange(len(r[1])) % 2 for r in rows[s]]) for s in fit_splits}
@@ -221,12 +227,12 @@ def learned_gates(rows: dict, weights=GATE_WEIGHTS, kind: str = "boosted", seed:
     def fit(lw, pick):
         X, t, w = [], [], []
         for s in fit_splits:
-            if s == "global_val" and lw == float("inf"):
+            if s == fit_splits[1] and lw == float("inf"):
                 continue               # `own`: the clients' validation rows alone
             x, he, hb = cat[s][:3]
             m = (he != hb) & pick[s]
             X.append(x[m]), t.append(he[m].astype(np.int64))
-            wt = np.full(m.sum(), (1 if lw == float("inf") or s != "val" else lw) / max(1, len(he)))
+            wt = np.full(m.sum(), (1 if lw == float("inf") or s != fit_splits[0] else lw) / max(1, len(he)))
             if extra is not None and s in extra and lw != float("inf"):
                 e = np.asarray(extra[s], dtype=np.float64)
                 wt = wt + (lw * e / max(e.sum(), 1e-12))[m]
@@ -255,12 +261,12 @@ def learned_gates(rows: dict, weights=GATE_WEIGHTS, kind: str = "boosted", seed:
 
     out = {}
     for lw in weights:
-        folds = [fit(lw, {s: fold[s] == k for s in fit_splits}) for k in (0, 1)]
+        folds = [] if in_sample else [fit(lw, {s: fold[s] == k for s in fit_splits}) for k in (0, 1)]
         full = fit(lw, {s: np.ones_like(fold[s], dtype=bool) for s in fit_splits})
         acc, mix = {}, {}
         for s in rows:
             x = cat[s][0]
-            if s in fit_splits:        # out of fold: rows of fold k by the gate fitted on fold 1 - k
+            if s in fit_splits and not in_sample:   # out of fold: rows of fold k by the gate fitted on 1 - k
                 p = np.where(fold[s] == 0, folds[1].predict_proba(x)[:, 1], folds[0].predict_proba(x)[:, 1])
             else:
                 p = full.predict_proba(x)[:, 1]
@@ -272,6 +278,36 @@ def learned_gates(rows: dict, weights=GATE_WEIGHTS, kind: str = "boosted", seed:
         if soft:
             out[f"{prefix}{'-linear' if kind == 'linear' else ''}-soft {name}"] = mix
     return out
+
+
+#: names of the `--frontier` rows: the gate fitted on the test rows it scores (a bound, never chosen)
+FRONTIER = "bound: test-fitted"
+#: the weights of the test-fitted gate (the local test rows' total weight against the global test set's 1)
+FRONTIER_WEIGHTS = (1, 2, 3, 5, 8, 13)
+
+
+def is_bound(rule: str) -> bool:
+    """A bound reads the labels of the split it scores: never chosen, never a candidate for the goal."""
+    return rule in BOUNDS or rule.startswith(FRONTIER)
+
+
+def frontier_gates(rows: dict, weights=FRONTIER_WEIGHTS, seed: int = 0) -> dict:
+    """{`bound: test-fitted w=..`: {split: accuracy}}: the boosted gate of `learned_gates` (same features,
+    trees and fitting) fitted on the *test* rows where exactly one stream is right, the clients' local test
+    rows with total weight w and the global test set with weight 1, and scored on those same rows. It reads
+    the labels it is scored on, so it is a bound, not a rule: the test (Loc, Glob) pairs that a gate on these
+    features could reach at best, in sample, one point per weight. If no weight reaches the goal, no gate
+    on these features fitted on any data would, bar a luckier fit; the validation columns are the same
+    gates scored on the validation rows, for reference."""
+    out = learned_gates(rows, weights, seed=seed, prefix="tmp", fit_on=("local", "global"))
+    return {f"{FRONTIER} {k.split(' ', 1)[1]}": v for k, v in out.items()}
+
+
+def goal_slack(acc: dict, rule: str) -> tuple[float, float]:
+    """(Loc slack, Glob slack) of `rule` against the goal on the test splits, in points: its routed Loc
+    minus the specialist's, and its routed Glob minus (the backbone's Glob - 2). Both >= 0: the goal is met."""
+    a, bb, sp = acc[rule], acc["backbone"], acc["specialist"]
+    return 100 * (a["local"] - sp["local"]), 100 * (a["global"] - bb["global"] + 0.02)
 
 
 def local_gates(rows: dict, weights=LOCAL_WEIGHTS, seed: int = 0, prior: dict | None = None) -> dict:
@@ -325,11 +361,11 @@ def mahalanobis(feats: torch.Tensor, y: torch.Tensor):
 
 def study(db: str, run_id: str, state: str | None = None, gate_seed: int = 0,
           routed_gate: bool = False, local_gate: str | None = None, maha_gate: bool = False,
-          soft_gate: bool = False) -> dict:
+          soft_gate: bool = False, frontier: bool = False) -> dict:
     """Score every rule for run `run_id` from its kept final state, or from the checkpoint file `state`
     (a run's `<db>.ckpt/<run>.ckpt`, for a run stopped before its end); `routed_gate` adds
     `learned-routed`, `local_gate` ("plain" or "prior") the per-client gates, `maha_gate` `learned-maha`,
-    `soft_gate` the `-soft` rows of the pooled gates."""
+    `soft_gate` the `-soft` rows of the pooled gates, `frontier` the test-fitted bound (`frontier_gates`)."""
     from fedprism.algorithms.fedprism_dual import route
     from fedprism.experiment import checkpoint
     from fedprism.experiment.config import resolve
@@ -404,7 +440,7 @@ def study(db: str, run_id: str, state: str | None = None, gate_seed: int = 0,
     mean = lambda by_split: {s: float(np.mean(v)) for s, v in by_split.items()}  # noqa: E731
     return {"run_id": run_id, "seed": cfg["seed"], "round": int(kept["round"]),
             "from": source,
-            "acc": {**{r: mean(hits[r]) for r in rules if r not in BOUNDS},
+            "acc": {**{r: mean(hits[r]) for r in rules if not is_bound(r)},
                     **learned_gates(gate_rows, seed=gate_seed, soft=soft_gate),
                     **learned_gates(gate_rows, kind="linear", soft=soft_gate),
                     **(learned_gates(routed_rows, weights=ROUTED_WEIGHTS, seed=gate_seed,
@@ -414,7 +450,8 @@ def study(db: str, run_id: str, state: str | None = None, gate_seed: int = 0,
                     **(local_gates(gate_rows, seed=gate_seed) if local_gate == "plain" else {}),
                     **(local_gates(gate_rows, seed=gate_seed, prior={"y": public_y, "share": shares})
                        if local_gate == "prior" else {}),
-                    **{r: mean(hits[r]) for r in BOUNDS}}}
+                    **{r: mean(hits[r]) for r in BOUNDS},
+                    **(frontier_gates(gate_rows, seed=gate_seed) if frontier else {})}}
 
 
 def render(res: dict) -> str:
@@ -422,7 +459,8 @@ def render(res: dict) -> str:
 
     acc = res["acc"]
     spec = acc["specialist"]["val"]
-    ok = [r for r in acc if r not in ("backbone", "specialist", *BOUNDS) and acc[r]["val"] >= spec - MARGIN]
+    ok = [r for r in acc if r not in ("backbone", "specialist") and not is_bound(r)
+          and acc[r]["val"] >= spec - MARGIN]
     chosen = max(ok, key=lambda r: (acc[r]["global_val"], acc[r]["val"])) if ok else None
     what = "final state of round" if res.get("from", "final") == "final" else "checkpoint of round"
     lines = [f"### Run `{res['run_id']}` (seed {res['seed']}, {what} {res['round'] + 1})", "",
@@ -433,10 +471,17 @@ def render(res: dict) -> str:
                      f"{100 * a['local']:.2f} | {100 * a['global']:.2f} |")
     if chosen:
         c, bb, sp = acc[chosen], acc["backbone"], acc["specialist"]
-        met = c["global"] >= bb["global"] - 0.02 and c["local"] >= sp["local"]
+        met = min(goal_slack(acc, chosen)) >= 0
         lines += ["", f"Goal (routed Glob within 2 points of the backbone's {100 * bb['global']:.2f}, routed Loc at "
                   f"least the specialist's {100 * sp['local']:.2f}): {'met' if met else 'not met'} by `{chosen}` "
                   f"({100 * c['global']:.2f} / {100 * c['local']:.2f})."]
+    front = [r for r in acc if r.startswith(FRONTIER)]
+    if front:
+        best = max(front, key=lambda r: min(goal_slack(acc, r)))
+        lo, gl = goal_slack(acc, best)
+        lines += ["", f"Bound: the test-fitted gate's point nearest the goal is `{best}`, Loc {lo:+.2f} and "
+                  f"Glob {gl:+.2f} points from the goal's two halves "
+                  f"({'inside' if min(lo, gl) >= 0 else 'outside'} the goal)."]
     return "\n".join(lines) + "\n"
 
 
@@ -459,12 +504,15 @@ def main(argv=None) -> int:
                          "`learned-linear-soft`)")
     ap.add_argument("--maha-gate", action="store_true",
                     help="also fit `learned-maha`, the boosted gate with both streams' Mahalanobis distances")
+    ap.add_argument("--frontier", action="store_true",
+                    help="also fit the bound `bound: test-fitted w=..`: the gate fitted on the test rows it "
+                         "scores, the best these features could reach")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     if a.checkpoint and len(a.runs) != 1:
         ap.error("--checkpoint scores one run")
     text = "".join(render(study(a.db, r, a.checkpoint, a.gate_seed, a.routed_gate, a.local_gate,
-                                     a.maha_gate, a.soft_gate)) + "\n"
+                                     a.maha_gate, a.soft_gate, a.frontier)) + "\n"
                    for r in a.runs)
     if a.out:
         Path(a.out).write_text(text)

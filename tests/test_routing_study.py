@@ -583,3 +583,36 @@ def test_soft_gate_study_as_its_file_states():
     lo, hi, hard = t[0]["learned-soft w=5"], t[0]["learned-soft w=8"], t[0]["learned w=8"]
     f = (hard[2] - lo[2]) / (hi[2] - lo[2])                 # the mixture's Glob at the switch's Loc
     assert abs(lo[3] + f * (hi[3] - lo[3]) - hard[3]) < 0.1
+
+
+def test_frontier_gate_is_fitted_on_the_test_rows_and_never_chosen():
+    """`bound: test-fitted`: feature 0 says which stream is right on the test splits only (noise on the
+    validation ones). The test-fitted gate routes every test input right, which a gate fitted on validation
+    rows cannot; it is a bound, so `render` never chooses it, and it reports the bound's goal slack."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+
+    def rows(n, signal):
+        out = []
+        for _ in range(4):
+            he = rng.random(n) < 0.5
+            x = np.column_stack([he if signal else rng.random(n), rng.random(n)]).astype(np.float32)
+            out.append((x, he, ~he))
+        return out
+
+    data = {s: rows(300, s in ("local", "global")) for s in routing_study.SPLITS}
+    front = routing_study.frontier_gates(data, weights=(1, 3))
+    assert list(front) == ["bound: test-fitted w=1", "bound: test-fitted w=3"]
+    assert all(front[r][s] == 1.0 for r in front for s in ("local", "global"))
+    assert all(front[r][s] < 0.7 for r in front for s in ("val", "global_val"))
+    held_out = routing_study.learned_gates(data, weights=(1,))["learned w=1"]
+    assert held_out["local"] < 0.7 and held_out["global"] < 0.7        # fitted on validation: no signal
+    half = {"val": 0.5, "global_val": 0.5, "local": 0.5, "global": 0.5}
+    acc = {"backbone": {**half, "global": 0.6}, "specialist": {**half, "local": 0.9},
+           "learned w=1": {**half, "val": 0.95}, **front}
+    assert routing_study.goal_slack(acc, "bound: test-fitted w=1") == pytest.approx((10.0, 42.0))
+    text = routing_study.render({"run_id": "r", "seed": 0, "round": 9, "acc": acc})
+    assert "**(chosen on validation)**" in text.split("learned w=1")[1].split("\n")[0]
+    assert "test-fitted w=1 **(chosen" not in text and "test-fitted w=3 **(chosen" not in text
+    assert "Loc +10.00 and Glob +42.00 points" in text and "(inside the goal)" in text
