@@ -8,11 +8,15 @@ class FedPrismError(Exception):
 
 
 class ConfigError(FedPrismError, ValueError):
-    """A configuration value is unknown, of the wrong type or out of range."""
+    """A configuration value is unknown, of the wrong type or out of range.
 
-    def __init__(self, key: str, value: object, allowed: str):
+    `kind` says what `key` is: a config key (the default), a command-line `option`, or "" for an input
+    named by `key` itself (`sweep file '/x.toml' is not valid: ...`)."""
+
+    def __init__(self, key: str, value: object, allowed: str, kind: str = "config key"):
         self.key, self.value, self.allowed = key, value, allowed
-        super().__init__(f"config key '{_line(str(key))}' = {_line(_repr(value))} is not valid: {_line(allowed)}")
+        what = f"{kind} '{_line(str(key))}' =" if kind else _line(str(key))
+        super().__init__(f"{what} {_line(_repr(value))} is not valid: {_line(allowed)}")
 
 
 def _repr(value: object, limit: int = 200) -> str:

@@ -319,7 +319,10 @@ def download(name: str, dest: str | Path | None = None, *, files: Iterable[Remot
     """
     if files is None:
         if name not in REMOTE:
-            raise ConfigError("dataset", name, f"downloadable datasets are {', '.join(REMOTE)}")
+            from fedprism.experiment.config import suggest
+
+            raise ConfigError("dataset", name, f"downloadable datasets are {', '.join(REMOTE)}"
+                              + suggest(name, list(REMOTE)), kind="")
         files = REMOTE[name]
     target = Path(dest).expanduser() if dest is not None else download_dir(name)
     for remote in files:

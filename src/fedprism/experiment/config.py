@@ -177,27 +177,27 @@ def read_toml(path: str | Path, what: str) -> dict[str, Any]:
     one-line ConfigError naming the file."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(what, str(p), "an existing TOML file")
+        raise ConfigError(what, str(p), "an existing TOML file", kind="")
     try:
         text = p.read_bytes().decode("utf-8")
     except OSError as e:
-        raise ConfigError(what, str(p), f"a readable TOML file ({e.strerror or e})") from None
+        raise ConfigError(what, str(p), f"a readable TOML file ({e.strerror or e})", kind="") from None
     except UnicodeDecodeError as e:
         raise ConfigError(what, str(p), f"UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start} "
-                          "is not UTF-8)") from None
+                          "is not UTF-8)", kind="") from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(what, str(p), f"valid TOML ({e})") from None
+        raise ConfigError(what, str(p), f"valid TOML ({e})", kind="") from None
     except RecursionError:
-        raise ConfigError(what, str(p), "valid TOML (nested too deeply)") from None
+        raise ConfigError(what, str(p), "valid TOML (nested too deeply)", kind="") from None
 
 
 def parse_overrides(args: list[str]) -> dict[str, Any]:
     out = {}
     for a in args:
         if "=" not in a:
-            raise ConfigError("argument", a, "key=value (e.g. rounds=20 fedprism.k=5)")
+            raise ConfigError("argument", a, "key=value (e.g. rounds=20 fedprism.k=5)", kind="")
         k, v = a.split("=", 1)
         out[k.strip()] = parse_value(v.strip())
     return out

@@ -75,7 +75,7 @@ def demo(db: str, quick: bool = False, items: list[str] | None = None, workers: 
     configs = demo_configs(dataset, quick, over)
     if workers is not None and (not isinstance(workers, int) or workers < 1):
         from fedprism.errors import ConfigError
-        raise ConfigError("--workers", workers, "an integer >= 1")
+        raise ConfigError("--workers", workers, "an integer >= 1", kind="option")
     workers = workers or min(2, os.cpu_count() or 1)
     c0 = configs[0]
     print(f"fedprism demo: {dataset}, {c0['clients']} clients, {c0['partition']}(alpha="

@@ -278,7 +278,7 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
                               f"{', '.join(map(str, have))}")
         configs = [c for c in configs if c["seed"] in seeds]
     if not isinstance(workers, int) or workers < 1:
-        raise ConfigError("--workers", workers, "an integer >= 1")
+        raise ConfigError("--workers", workers, "an integer >= 1", kind="option")
     from fedprism.experiment.provenance import ProvenanceMismatch
 
     store = Store(db)
