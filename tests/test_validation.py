@@ -51,3 +51,29 @@ def test_single_model_validation_is_the_model_on_those_rows(tmp_path):
     assert res.history[-1]["global_val_acc"] == pytest.approx(float(g.accuracy[0]), abs=1e-12)
     per = [float(e.engine.evaluate(w, np.array([i]), "val").accuracy[0]) for i in range(6)]
     assert res.history[-1]["val_acc"] == pytest.approx(float(np.mean(per)), abs=1e-12)
+
+
+@pytest.mark.parametrize("engine", ["sequential", "vectorized"])
+def test_global_validation_logit_cache_gives_the_per_client_loops_numbers(tmp_path, monkeypatch, engine):
+    """The streams' logits on the global validation set are cached per client like the global test set's
+    (`StreamScorer._cached_logits`), so only changed streams are run again. Every stored number of a run
+    is the one the per-client loop that scored that set before gave (the same run with the set scored as
+    a client's own split, `SHARED` without it), accuracies bit for bit; and the cache is used."""
+    import fedprism.experiment.evaluate as evaluate
+
+    c = resolve({**BASE, "engine": engine, "rounds": 3, "fraction": 0.5, "method": "fedprism_dual",
+                 "fedprism_dual.k": 2, "data.val_fraction": 0.25, "data.global_val": 200})
+    calls = []
+    real = evaluate.StreamScorer._cached_logits
+    monkeypatch.setattr(evaluate.StreamScorer, "_cached_logits",
+                        lambda self, name, *a, **k: calls.append(a[-1] if a else k.get("split")) or
+                        real(self, name, *a, **k))
+    cached = Experiment(c, Store(tmp_path / "a.db")).run().history
+    assert "global_val" in calls and "global" in calls
+    monkeypatch.setattr(evaluate, "SHARED", ("global",))                  # global_val through the loop
+    loop = Experiment(c, Store(tmp_path / "b.db")).run().history
+    for a, b in zip(cached, loop):
+        keys = [k for k in a if "global_val" in k]
+        assert len(keys) > 10
+        for k in keys:
+            assert a[k] == (pytest.approx(b[k], rel=1e-9) if "loss" in k else b[k]), k

@@ -10,8 +10,9 @@ This module scores that on each client's local test split and on the global test
   set once.
 * **several streams** (an ensemble, `fedprism_dual`'s routed streams): the streams' logits are computed
   in chunks, combined, and scored; the alternative predictions (`Inference.alternatives`) are scored
-  from the same logits. On the global test set each stream's logits are cached per client, keyed by a
-  hash of the stream's row, so only streams that changed since the last evaluation are run again.
+  from the same logits. On the shared sets (the global test set, and the global validation set when the
+  federation has one) each stream's logits are cached per client, keyed by a hash of the stream's row,
+  so only streams that changed since the last evaluation are run again.
   Streams listed in `Inference.features` yield penultimate features instead of logits (`fedproto`'s
   nearest-prototype prediction), computed, cached and handed to `combine` / `alternatives` the same way.
 
@@ -75,8 +76,8 @@ class StreamScorer:
 
     Call shapes follow the engine: the vectorized engine's `eval_samples` x `eval_models` (compiled),
     the sequential engine's `eval_chunk`. Streams are stacked in their declared order into one logits
-    call per client on local splits; on the global test set every stream's logits come from a per-client
-    cache refreshed in groups of the engine's width.
+    call per client on local splits; on the shared sets (global test, global validation) every stream's
+    logits come from a per-client cache refreshed in groups of the engine's width.
     """
 
     def __init__(self, engine, num_clients: int):
@@ -101,10 +102,10 @@ class StreamScorer:
         return self.engine.features(params, x) if features else self.engine.logits(params, x)
 
     def _cached_logits(self, name: str, rows: torch.Tensor, clients: np.ndarray, x: torch.Tensor,
-                       features: bool = False) -> torch.Tensor | None:
-        """[N, N_test, C] logits (or [N, N_test, d] features) of stream `name` on the global test set,
-        refreshed for changed rows."""
-        key = f"{name}#features" if features else name
+                       features: bool = False, split: str = "global") -> torch.Tensor | None:
+        """[N, N_test, C] logits (or [N, N_test, d] features) of stream `name` on the shared set `split`
+        (x), refreshed for changed rows."""
+        key = (f"{name}#features" if features else name) + ("" if split == "global" else f"@{split}")
         cache = self.caches.get(key)
         if cache is None or cache["n_test"] != len(x):
             width = (self._run(rows[:1], x[:2], True).shape[-1] if features and len(rows)
@@ -207,10 +208,9 @@ class StreamScorer:
                 hit = (fn(z, ex).argmax(-1) == yy).sum(1)
                 alt.setdefault(name, torch.zeros(n, dtype=torch.long, device=dev))[rows] += hit
 
-        if split == "global" or (split in SHARED and self.batch_own):
+        if split in SHARED:
             x_all, y_all = self.engine.data(int(clients[0]) if n else 0, split)
-            cached = ({s: self._cached_logits(s, inf.streams[s], clients, x_all, s in feats) for s in names}
-                      if split == "global" else {})
+            cached = {s: self._cached_logits(s, inf.streams[s], clients, x_all, s in feats, split) for s in names}
             cached = {s: v for s, v in cached.items() if v is not None}
             streams = max(1, len(names) - len(cached))
             per = max(1, self.budget // (chunk * streams))
