@@ -129,8 +129,9 @@ def _choice(rows):
     from fedprism.report.routing import MARGIN
 
     spec = rows["specialist"][0]
-    skip = ("__chosen__", "backbone", "specialist", *routing_study.BOUNDS)
-    ok = [k for k, v in rows.items() if k not in skip and v[0] >= spec - 100 * MARGIN - 1e-9]
+    skip = ("__chosen__", "backbone", "specialist")
+    ok = [k for k, v in rows.items() if k not in skip and not routing_study.is_bound(k)
+          and v[0] >= spec - 100 * MARGIN - 1e-9]
     return max(ok, key=lambda k: (rows[k][1], rows[k][0]))
 
 
@@ -616,3 +617,41 @@ def test_frontier_gate_is_fitted_on_the_test_rows_and_never_chosen():
     assert "**(chosen on validation)**" in text.split("learned w=1")[1].split("\n")[0]
     assert "test-fitted w=1 **(chosen" not in text and "test-fitted w=3 **(chosen" not in text
     assert "Loc +10.00 and Glob +42.00 points" in text and "(inside the goal)" in text
+
+
+def test_committed_final_state_study_as_results_readme_states():
+    """results/routing_study_committed.md: its final states are the committed validation runs' own (every
+    number the store holds for their last round is the file's), the validation rule's gate meets the goal
+    in both seeds with the quoted margins, and the test-fitted bound's nearest point lies inside it by the
+    quoted slack."""
+    import json
+    import sqlite3
+
+    t = _tables(ROOT / "results" / "routing_study_committed.md")
+    text = (ROOT / "results" / "routing_study_committed.md").read_text().split("### Run ")[1:]
+    db = sqlite3.connect(f"file:{ROOT / 'results' / 'fedprism.db'}?mode=ro", uri=True)
+    for seed, run in ((0, "ff4dc6d21d6a4aab"), (1, "01a9c2cbd7f68d3b")):
+        m = json.loads(db.execute("SELECT metrics FROM rounds WHERE run_id = ? AND round = 99", (run,)).fetchone()[0])
+        stored = {"backbone": ("val_acc@backbone", "global_val_acc@backbone", "local_acc@backbone",
+                               "global_acc@backbone"),
+                  "specialist": ("val_acc@expert", "global_val_acc@expert", "local_acc@expert", "global_acc@expert"),
+                  "confidence T=5": ("val_acc", "global_val_acc", "local_acc", "global_acc")}
+        for rule, keys in stored.items():
+            assert t[seed][rule] == tuple(round(100 * m[k], 2) for k in keys), (seed, rule)
+    db.close()
+    quoted = {0: ("learned w=8", (94.63, 81.68), (0.24, 0.35), "w=1", (2.45, 4.26)),
+              1: ("learned w=3", (94.10, 85.32), (0.09, 0.10), "w=1", (2.94, 3.34))}
+    for seed, (chosen, test, margins, bound, slack) in quoted.items():
+        r = t[seed]
+        assert r["__chosen__"] == chosen == _choice(r) and r[chosen][2:] == test
+        assert (round(test[0] - r["specialist"][2], 2), round(test[1] - (r["backbone"][3] - 2), 2)) == margins
+        acc = {k: dict(zip(("val", "global_val", "local", "global"), (x / 100 for x in v)))
+               for k, v in r.items() if k != "__chosen__"}
+        front = [k for k in acc if k.startswith(routing_study.FRONTIER)]
+        assert len(front) == len(routing_study.FRONTIER_WEIGHTS)
+        best = max(front, key=lambda k: min(routing_study.goal_slack(acc, k)))
+        assert best == f"{routing_study.FRONTIER} {bound}"
+        got = routing_study.goal_slack(acc, best)            # from the table's two-decimal cells
+        assert all(abs(g - q) <= 0.011 for g, q in zip(got, slack)), got
+        assert (f"`{best}`, Loc +{slack[0]:.2f} and Glob +{slack[1]:.2f} points from the goal's two halves "
+                "(inside the goal)") in text[seed]
