@@ -651,6 +651,10 @@ def test_committed_final_state_study_as_results_readme_states():
         assert len(front) == len(routing_study.FRONTIER_WEIGHTS)
         best = max(front, key=lambda k: min(routing_study.goal_slack(acc, k)))
         assert best == f"{routing_study.FRONTIER} {bound}"
+        readme = (ROOT / "results" / "README.md").read_text()
+        assert (f"| {seed} | {r['specialist'][2]:.2f} / {r['backbone'][3] - 2:.2f} | {chosen} | **{test[0]:.2f} / "
+                f"{test[1]:.2f}** | +{margins[0]:.2f} / +{margins[1]:.2f} | {bound}: {r[best][2]:.2f} / "
+                f"{r[best][3]:.2f} | +{slack[0]:.2f} / +{slack[1]:.2f} |") in readme
         got = routing_study.goal_slack(acc, best)            # from the table's two-decimal cells
         assert all(abs(g - q) <= 0.011 for g, q in zip(got, slack)), got
         assert (f"`{best}`, Loc +{slack[0]:.2f} and Glob +{slack[1]:.2f} points from the goal's two halves "
