@@ -10,6 +10,7 @@ bench's evaluation rate. This bench is there to find the rest.
     python bench/eval_profile.py --device cuda                   # fedprism_dual, paper configuration
     python bench/eval_profile.py --device cuda --method fedavg   # the same for FedAvg
     python bench/eval_profile.py --quick                         # digits, MLP, 20 clients (smoke test)
+    python bench/eval_profile.py --validation                    # with validation splits (CPU)
 
 Training uses one local epoch (the evaluation does not depend on it) and a few rounds; the profiled
 evaluation is the last one. Nothing is kept: the store is a temporary file.
@@ -53,8 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=4, help="rounds trained, each followed by an evaluation")
     ap.add_argument("--top", type=int, default=15, help="lines of each profile")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--validation", action="store_true",
+                    help="with validation splits (10 %% of each client's rows, a 5000-image global validation "
+                         "set; 200 for --quick), as sweeps/fedprism_validation.toml")
     a = ap.parse_args(argv)
     keys = dict(QUICK if a.quick else PAPER)
+    if a.validation:
+        keys.update({"data.val_fraction": 0.1, "data.global_val": 200 if a.quick else 5000})
     if a.method != "fedprism_dual":
         keys = {k: v for k, v in keys.items() if not k.startswith("fedprism_dual.")}
     cfg = fedprism.config(method=a.method, rounds=a.rounds, eval_every=1, local_epochs=1, device=a.device,
@@ -94,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         evaluate.Evaluator.__call__ = original
     print(f"# evaluation profile  torch {torch.__version__}  device {a.device}  method {a.method}  "
-          f"{cfg['dataset']}, {cfg['clients']} clients, {cfg['model']}")
+          f"{cfg['dataset']}, {cfg['clients']} clients, {cfg['model']}"
+          + (f", validation splits (global {cfg['data.global_val']})" if a.validation else ""))
     print(f"evaluations: {len(times)}; seconds each: {', '.join(f'{t:.3f}' for t in times)}")
     plain = times[1:-1] or times[:1]
     print(f"median of the unprofiled evaluations after the first: {statistics.median(plain):.3f} s "

@@ -150,7 +150,8 @@ def test_eval_profile_bench_profiles_the_last_evaluation(capsys):
 
     before = evaluate.Evaluator.__call__
     mod = load_script("bench/eval_profile.py")
-    assert mod.main(["--quick", "--rounds", "3"]) == 0
+    assert mod.main(["--quick", "--rounds", "3", "--validation"]) == 0
     out = capsys.readouterr().out
     assert "evaluations: 3;" in out and "## by Python function" in out and "## by operator" in out
+    assert "validation splits (global 200)" in out
     assert evaluate.Evaluator.__call__ is before

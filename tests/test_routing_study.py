@@ -207,6 +207,19 @@ def test_class_share_rules_hand_values():
     assert rules["agree-route r=0.1"](e, b, S, th).argmax(-1).tolist() == [0, 1]   # both: a well class
 
 
+def _signal_rows(rng, n, signal):
+    """Four clients' gate rows (features [n, 2], specialist right, backbone right): exactly one stream is
+    right on each row, and feature 0 says which when `signal`, else it is noise."""
+    import numpy as np
+
+    out = []
+    for _ in range(4):
+        he = rng.random(n) < 0.5
+        x = np.column_stack([he if signal else rng.random(n), rng.random(n)]).astype(np.float32)
+        out.append((x, he, ~he))
+    return out
+
+
 def test_learned_gate_learns_a_signal_and_scores_validation_out_of_fold():
     """Feature 0 says which stream is right: the gate routes every input right on every split. With a
     feature that carries nothing, the validation scores (out of fold) stay near chance although a gate
@@ -215,14 +228,7 @@ def test_learned_gate_learns_a_signal_and_scores_validation_out_of_fold():
     import numpy as np
 
     rng = np.random.default_rng(0)
-
-    def rows(n, signal):
-        out = []
-        for _ in range(4):
-            he = rng.random(n) < 0.5
-            x = np.column_stack([he if signal else rng.random(n), rng.random(n)]).astype(np.float32)
-            out.append((x, he, ~he))
-        return out
+    rows = lambda n, signal: _signal_rows(rng, n, signal)  # noqa: E731
 
     good = routing_study.learned_gates({s: rows(300, True) for s in routing_study.SPLITS}, weights=(1, 3))
     assert set(good) == {"learned w=1", "learned w=3"}
@@ -593,14 +599,7 @@ def test_frontier_gate_is_fitted_on_the_test_rows_and_never_chosen():
     import numpy as np
 
     rng = np.random.default_rng(1)
-
-    def rows(n, signal):
-        out = []
-        for _ in range(4):
-            he = rng.random(n) < 0.5
-            x = np.column_stack([he if signal else rng.random(n), rng.random(n)]).astype(np.float32)
-            out.append((x, he, ~he))
-        return out
+    rows = lambda n, signal: _signal_rows(rng, n, signal)  # noqa: E731
 
     data = {s: rows(300, s in ("local", "global")) for s in routing_study.SPLITS}
     front = routing_study.frontier_gates(data, weights=(1, 3))
