@@ -55,8 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=15, help="lines of each profile")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--validation", action="store_true",
-                    help="with validation splits (10 %% of each client's rows, a 5000-image global validation "
-                         "set; 200 for --quick), as sweeps/fedprism_validation.toml")
+                    help="with validation splits (10 %% of each client's rows, a 5000-image global "
+                         "validation set; 200 for --quick), as sweeps/fedprism_validation.toml")
     a = ap.parse_args(argv)
     keys = dict(QUICK if a.quick else PAPER)
     if a.validation:

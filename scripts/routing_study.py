@@ -305,7 +305,8 @@ def frontier_gates(rows: dict, weights=FRONTIER_WEIGHTS, seed: int = 0) -> dict:
 
 def goal_slack(acc: dict, rule: str) -> tuple[float, float]:
     """(Loc slack, Glob slack) of `rule` against the goal on the test splits, in points: its routed Loc
-    minus the specialist's, and its routed Glob minus (the backbone's Glob - 2). Both >= 0: the goal is met."""
+    minus the specialist's, and its routed Glob minus (the backbone's Glob - 2). Both >= 0: the goal is
+    met."""
     a, bb, sp = acc[rule], acc["backbone"], acc["specialist"]
     return 100 * (a["local"] - sp["local"]), 100 * (a["global"] - bb["global"] + 0.02)
 

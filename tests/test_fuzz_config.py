@@ -214,11 +214,12 @@ def test_inputs_that_are_not_config_keys_are_named_as_what_they_are(tmp_path, ca
     """A missing sweep file, a bare word on `run`, a misspelt dataset to download and `--workers 0` are
     not config keys: the error names the file, the argument, the dataset or the option as such."""
     db = str(tmp_path / "x.db")
-    cases = [(["sweep", str(tmp_path / "no.toml"), "--db", db], f"sweep file '{tmp_path / 'no.toml'}' is not valid"),
+    cases = [(["sweep", str(tmp_path / "no.toml"), "--db", db],
+              f"sweep file '{tmp_path / 'no.toml'}' is not valid"),
              (["run", "--db", db, "roundz"], "config file 'roundz' is not valid: an existing TOML file"),
              (["data", "download", "fmnis", "--dest", str(tmp_path)],
-              "dataset 'fmnis' is not valid: downloadable datasets are fmnist, mnist, cifar10, cifar100, svhn, "
-              "usps, wisdm (did you mean fmnist?)"),
+              "dataset 'fmnis' is not valid: downloadable datasets are fmnist, mnist, cifar10, cifar100, "
+              "svhn, usps, wisdm (did you mean fmnist?)"),
              (["demo", "--workers", "0", "--db", db], "option '--workers' = 0 is not valid: an integer >= 1")]
     for argv, want in cases:
         assert main(argv) == 2

@@ -630,10 +630,12 @@ def test_committed_final_state_study_as_results_readme_states():
     text = (ROOT / "results" / "routing_study_committed.md").read_text().split("### Run ")[1:]
     db = sqlite3.connect(f"file:{ROOT / 'results' / 'fedprism.db'}?mode=ro", uri=True)
     for seed, run in ((0, "ff4dc6d21d6a4aab"), (1, "01a9c2cbd7f68d3b")):
-        m = json.loads(db.execute("SELECT metrics FROM rounds WHERE run_id = ? AND round = 99", (run,)).fetchone()[0])
+        row = db.execute("SELECT metrics FROM rounds WHERE run_id = ? AND round = 99", (run,)).fetchone()
+        m = json.loads(row[0])
         stored = {"backbone": ("val_acc@backbone", "global_val_acc@backbone", "local_acc@backbone",
                                "global_acc@backbone"),
-                  "specialist": ("val_acc@expert", "global_val_acc@expert", "local_acc@expert", "global_acc@expert"),
+                  "specialist": ("val_acc@expert", "global_val_acc@expert", "local_acc@expert",
+                                 "global_acc@expert"),
                   "confidence T=5": ("val_acc", "global_val_acc", "local_acc", "global_acc")}
         for rule, keys in stored.items():
             assert t[seed][rule] == tuple(round(100 * m[k], 2) for k in keys), (seed, rule)
@@ -651,9 +653,10 @@ def test_committed_final_state_study_as_results_readme_states():
         best = max(front, key=lambda k: min(routing_study.goal_slack(acc, k)))
         assert best == f"{routing_study.FRONTIER} {bound}"
         readme = (ROOT / "results" / "README.md").read_text()
-        assert (f"| {seed} | {r['specialist'][2]:.2f} / {r['backbone'][3] - 2:.2f} | {chosen} | **{test[0]:.2f} / "
-                f"{test[1]:.2f}** | +{margins[0]:.2f} / +{margins[1]:.2f} | {bound}: {r[best][2]:.2f} / "
-                f"{r[best][3]:.2f} | +{slack[0]:.2f} / +{slack[1]:.2f} |") in readme
+        assert (f"| {seed} | {r['specialist'][2]:.2f} / {r['backbone'][3] - 2:.2f} | {chosen} | "
+                f"**{test[0]:.2f} / {test[1]:.2f}** | +{margins[0]:.2f} / +{margins[1]:.2f} | "
+                f"{bound}: {r[best][2]:.2f} / {r[best][3]:.2f} | +{slack[0]:.2f} / +{slack[1]:.2f} |"
+                ) in readme
         got = routing_study.goal_slack(acc, best)            # from the table's two-decimal cells
         assert all(abs(g - q) <= 0.011 for g, q in zip(got, slack)), got
         assert (f"`{best}`, Loc +{slack[0]:.2f} and Glob +{slack[1]:.2f} points from the goal's two halves "

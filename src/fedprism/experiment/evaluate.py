@@ -210,7 +210,8 @@ class StreamScorer:
 
         if split in SHARED:
             x_all, y_all = self.engine.data(int(clients[0]) if n else 0, split)
-            cached = {s: self._cached_logits(s, inf.streams[s], clients, x_all, s in feats, split) for s in names}
+            cached = {s: self._cached_logits(s, inf.streams[s], clients, x_all, s in feats, split)
+                      for s in names}
             cached = {s: v for s, v in cached.items() if v is not None}
             streams = max(1, len(names) - len(cached))
             per = max(1, self.budget // (chunk * streams))
