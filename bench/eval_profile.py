@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
 
 import fedprism
 import fedprism.experiment.evaluate as evaluate
@@ -85,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
                 prof.disable()
             s = io.StringIO()
             pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(a.top)
-            report.append("## by Python function (cProfile, tottime)\n" + s.getvalue().strip())
+            text = s.getvalue().strip().replace(f"{ROOT}/", "")          # paths relative to the checkout
+            report.append("## by Python function (cProfile, tottime)\n" + text)
             sort = "self_cuda_time_total" if a.device.startswith("cuda") else "self_cpu_time_total"
             report.append(f"## by operator (torch.profiler, {sort})\n"
                           + tp.key_averages().table(sort_by=sort, row_limit=a.top))

@@ -217,7 +217,7 @@ def learned_gates(rows: dict, weights=GATE_WEIGHTS, kind: str = "boosted", seed:
     from sklearn.pipeline import make_pipeline
     from sklearn.preprocessing import StandardScaler
 
-    fit_splits = fit_on
+    fit_splits = fit_on                                # (the clients' own split, the shared split)
     in_sample = set(fit_on) & {"local", "global"}       # a bound: no held-out rows to score out of fold
     cat = {s: [np.concatenate([np.asarray(r[i]) for r in rows[s]]) for i in range(4 if soft else 3)]
            for s in rows}
@@ -299,8 +299,7 @@ def frontier_gates(rows: dict, weights=FRONTIER_WEIGHTS, seed: int = 0) -> dict:
     features could reach at best, in sample, one point per weight. If no weight reaches the goal, no gate
     on these features fitted on any data would, bar a luckier fit; the validation columns are the same
     gates scored on the validation rows, for reference."""
-    out = learned_gates(rows, weights, seed=seed, prefix="tmp", fit_on=("local", "global"))
-    return {f"{FRONTIER} {k.split(' ', 1)[1]}": v for k, v in out.items()}
+    return learned_gates(rows, weights, seed=seed, prefix=FRONTIER, fit_on=("local", "global"))
 
 
 def goal_slack(acc: dict, rule: str) -> tuple[float, float]:
