@@ -48,6 +48,9 @@ counts); per-client thresholds are calibrated on the client's own training rows.
                    probability that the specialist is right (a mixture of experts with a learned gate,
                    Jacobs et al. 1991, "Adaptive Mixtures of Local Experts"): where the gate hedges, the
                    two streams are averaged, as the fixed ensembles do
+    learned-mlp w  (`--mlp-gate` only) the same with a small network as the gate (`MLPGate` of
+                   `fedprism.experiment.gate`: two hidden layers of 64, Adam, three passes): the kind of gate
+                   the clients could train together with FedAvg without uploading their rows
     learned-routed w  (`--routed-gate` only) the boosted gate between the run's routed prediction (the
                    paper's Eq. 2 at the run's `inference_temperature`, T = 5 in the validation runs) and the
                    backbone, instead of between the specialist and the backbone: the same features of
@@ -86,6 +89,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from fedprism.experiment.gate import SCALARS, SHARES, _Constant, gate_features, learned_gates  # noqa: F401
 
 SPLITS = ("val", "global_val", "local", "global")
 
@@ -156,8 +161,6 @@ BOUNDS = (ORACLE, ORACLE_CLASS)
 
 
 MAHA_Q = (0.01, 0.05, 0.2)
-#: class-share thresholds of `share-ens`: the client's well-represented classes, n_ic / n_i >= r
-SHARES = (0.02, 0.05, 0.1)
 
 
 #: the learned gate's total weight of the clients' validation rows against the global validation set's 1;
@@ -169,115 +172,7 @@ ROUTED_WEIGHTS = (1, 2, 3, 5, 8)
 LOCAL_WEIGHTS = (1, 3, 8)
 
 
-#: the scalar columns that `gate_features` puts before both softmaxes
-SCALARS = 10 + len(SHARES)
 
-
-def gate_features(e: torch.Tensor, b: torch.Tensor, share: torch.Tensor) -> torch.Tensor:
-    """[n, 13 + 5 C] features of the learned gate from the specialist's and the backbone's logits and the
-    client's label shares [1, C]: max probabilities, the share of each stream's predicted class, each stream's
-    probability of the other's class, agreement, m(x), m_r(x), both logsumexps; both softmaxes, the shares,
-    one-hots of both predicted classes."""
-    pe, pb = torch.softmax(e.float(), -1), torch.softmax(b.float(), -1)
-    sh = share[0].float()
-    ae, ab = pe.argmax(-1), pb.argmax(-1)
-    cols = [pe.amax(-1), pb.amax(-1), sh[ae], sh[ab], pb.gather(1, ae[:, None])[:, 0],
-            pe.gather(1, ab[:, None])[:, 0], (ae == ab).float(), (pb * (sh > 0)).sum(-1),
-            torch.logsumexp(e.float(), -1), torch.logsumexp(b.float(), -1),
-            *[(pb * (sh >= r)).sum(-1) for r in SHARES]]
-    hot = lambda a: torch.nn.functional.one_hot(a, e.shape[-1]).float()  # noqa: E731
-    return torch.cat([torch.stack(cols, -1), pe, pb, sh.expand(len(e), -1), hot(ae), hot(ab)], -1)
-
-
-class _Constant:
-    """A gate that always answers `to_specialist` (1) or never (0)."""
-
-    def __init__(self, to_specialist: int):
-        self.p = float(to_specialist)
-
-    def predict_proba(self, x):
-        return np.column_stack([np.full(len(x), 1 - self.p), np.full(len(x), self.p)])
-
-
-def learned_gates(rows: dict, weights=GATE_WEIGHTS, kind: str = "boosted", seed: int = 0,
-                  prefix: str = "learned", max_iter: int = 200, extra: dict | None = None,
-                  soft: bool = False, fit_on: tuple[str, str] = ("val", "global_val")) -> dict:
-    """{`learned w=..`: {split: accuracy}} of the learned gate (docstring; kind "linear": `learned-linear
-    w=..`, a logistic regression on the standardised features; `prefix` names the rows): rows[split] is one
-    (features [n, F], specialist right [n], backbone right [n]) per client; accuracy is the mean over
-    clients, as for every rule. Validation splits are scored out of fold, test splits by the gate fitted
-    on every validation row. `extra` = {fitting split: non-negative score per row} gives that split an
-    extra total weight w, spread over its rows in proportion to the scores; `max_iter`: the boosted
-    gate's trees. `soft` (rows with a fourth element, the labels, and `gate_features` columns) also scores
-    the same gates as mixing weights, `<name>-soft w=..`: argmax of g(x) p_L + (1 - g(x)) p_W.
-    `fit_on` = (the clients' own split, the shared split) that the gates are fitted on; with the test
-    splits (`frontier_gates`) every split is scored by the gate fitted on all of them, in sample."""
-    from sklearn.ensemble import HistGradientBoostingClassifier
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.pipeline import make_pipeline
-    from sklearn.preprocessing import StandardScaler
-
-    fit_splits = fit_on                                # (the clients' own split, the shared split)
-    in_sample = set(fit_on) & {"local", "global"}       # a bound: no held-out rows to score out of fold
-    cat = {s: [np.concatenate([np.asarray(r[i]) for r in rows[s]]) for i in range(4 if soft else 3)]
-           for s in rows}
-    fold = {s: np.concatenate([np.arange(len(r[1])) % 2 for r in rows[s]]) for s in fit_splits}
-    client = {s: np.concatenate([np.full(len(r[1]), k) for k, r in enumerate(rows[s])]) for s in rows}
-
-    def fit(lw, pick):
-        X, t, w = [], [], []
-        for s in fit_splits:
-            if s == fit_splits[1] and lw == float("inf"):
-                continue               # `own`: the clients' validation rows alone
-            x, he, hb = cat[s][:3]
-            m = (he != hb) & pick[s]
-            X.append(x[m]), t.append(he[m].astype(np.int64))
-            wt = np.full(m.sum(), (1 if lw == float("inf") or s != fit_splits[0] else lw) / max(1, len(he)))
-            if extra is not None and s in extra and lw != float("inf"):
-                e = np.asarray(extra[s], dtype=np.float64)
-                wt = wt + (lw * e / max(e.sum(), 1e-12))[m]
-            w.append(wt)
-        w, t = np.concatenate(w), np.concatenate(t)
-        if len(np.unique(t)) < 2:      # one stream right on every fitting row (tiny federations): constant
-            return _Constant(int(t[0]) if len(t) else 0)
-        if kind == "linear":
-            return make_pipeline(StandardScaler(), LogisticRegression(max_iter=2000)).fit(
-                np.concatenate(X), t, logisticregression__sample_weight=w / w.mean())
-        return HistGradientBoostingClassifier(max_iter=max_iter, learning_rate=0.1, random_state=seed).fit(
-            np.concatenate(X), t, sample_weight=w / w.mean())
-
-    def per_client(s, hit):           # the mean over clients of each client's accuracy, as for every rule
-        return float(np.mean([hit[client[s] == c].mean() for c in range(len(rows[s]))]))
-
-    def score(s, to_specialist):
-        _, he, hb = cat[s][:3]
-        return per_client(s, np.where(to_specialist, he, hb))
-
-    def score_soft(s, g):
-        x, y = cat[s][0], cat[s][3]
-        C, k = (x.shape[1] - SCALARS) // 5, SCALARS
-        mix = g[:, None] * x[:, k:k + C] + (1 - g[:, None]) * x[:, k + C:k + 2 * C]
-        return per_client(s, mix.argmax(1) == y)
-
-    out = {}
-    for lw in weights:
-        folds = [] if in_sample else [fit(lw, {s: fold[s] == k for s in fit_splits}) for k in (0, 1)]
-        full = fit(lw, {s: np.ones_like(fold[s], dtype=bool) for s in fit_splits})
-        acc, mix = {}, {}
-        for s in rows:
-            x = cat[s][0]
-            if s in fit_splits and not in_sample:   # out of fold: rows of fold k by the gate fitted on 1 - k
-                p = np.where(fold[s] == 0, folds[1].predict_proba(x)[:, 1], folds[0].predict_proba(x)[:, 1])
-            else:
-                p = full.predict_proba(x)[:, 1]
-            acc[s] = score(s, p > 0.5)
-            if soft:
-                mix[s] = score_soft(s, p)
-        name = "own" if lw == float("inf") else f"w={lw:g}"
-        out[f"{prefix}{'-linear' if kind == 'linear' else ''} {name}"] = acc
-        if soft:
-            out[f"{prefix}{'-linear' if kind == 'linear' else ''}-soft {name}"] = mix
-    return out
 
 
 #: names of the `--frontier` rows: the gate fitted on the test rows it scores (a bound, never chosen)
@@ -361,11 +256,12 @@ def mahalanobis(feats: torch.Tensor, y: torch.Tensor):
 
 def study(db: str, run_id: str, state: str | None = None, gate_seed: int = 0,
           routed_gate: bool = False, local_gate: str | None = None, maha_gate: bool = False,
-          soft_gate: bool = False, frontier: bool = False) -> dict:
+          soft_gate: bool = False, frontier: bool = False, mlp_gate: bool = False) -> dict:
     """Score every rule for run `run_id` from its kept final state, or from the checkpoint file `state`
     (a run's `<db>.ckpt/<run>.ckpt`, for a run stopped before its end); `routed_gate` adds
     `learned-routed`, `local_gate` ("plain" or "prior") the per-client gates, `maha_gate` `learned-maha`,
-    `soft_gate` the `-soft` rows of the pooled gates, `frontier` the test-fitted bound (`frontier_gates`)."""
+    `soft_gate` the `-soft` rows of the pooled gates, `frontier` the test-fitted bound (`frontier_gates`),
+    `mlp_gate` `learned-mlp`."""
     from fedprism.algorithms.fedprism_dual import route
     from fedprism.experiment import checkpoint
     from fedprism.experiment.config import resolve
@@ -441,8 +337,10 @@ def study(db: str, run_id: str, state: str | None = None, gate_seed: int = 0,
     return {"run_id": run_id, "seed": cfg["seed"], "round": int(kept["round"]),
             "from": source,
             "acc": {**{r: mean(hits[r]) for r in rules if not is_bound(r)},
-                    **learned_gates(gate_rows, seed=gate_seed, soft=soft_gate),
-                    **learned_gates(gate_rows, kind="linear", soft=soft_gate),
+                    **learned_gates(gate_rows, weights=GATE_WEIGHTS, seed=gate_seed, soft=soft_gate),
+                    **learned_gates(gate_rows, weights=GATE_WEIGHTS, kind="linear", soft=soft_gate),
+                    **(learned_gates(gate_rows, weights=ROUTED_WEIGHTS, kind="mlp", seed=gate_seed)
+                       if mlp_gate else {}),
                     **(learned_gates(routed_rows, weights=ROUTED_WEIGHTS, seed=gate_seed,
                                      prefix="learned-routed") if routed_gate else {}),
                     **(learned_gates(maha_rows, weights=ROUTED_WEIGHTS, seed=gate_seed,
@@ -507,12 +405,14 @@ def main(argv=None) -> int:
     ap.add_argument("--frontier", action="store_true",
                     help="also fit the bound `bound: test-fitted w=..`: the gate fitted on the test rows it "
                          "scores, the best these features could reach")
+    ap.add_argument("--mlp-gate", action="store_true",
+                    help="also fit `learned-mlp`, the pooled gate as a small network (one FedAvg could train)")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     if a.checkpoint and len(a.runs) != 1:
         ap.error("--checkpoint scores one run")
     text = "".join(render(study(a.db, r, a.checkpoint, a.gate_seed, a.routed_gate, a.local_gate,
-                                     a.maha_gate, a.soft_gate, a.frontier)) + "\n"
+                                     a.maha_gate, a.soft_gate, a.frontier, a.mlp_gate)) + "\n"
                    for r in a.runs)
     if a.out:
         Path(a.out).write_text(text)

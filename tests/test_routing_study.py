@@ -237,6 +237,12 @@ def test_learned_gate_learns_a_signal_and_scores_validation_out_of_fold():
                                          kind="linear")
     assert list(linear) == ["learned-linear w=1"]
     assert all(v == 1.0 for v in linear["learned-linear w=1"].values())
+    import torch
+
+    before = torch.random.get_rng_state()
+    mlp = routing_study.learned_gates({s: rows(300, True) for s in routing_study.SPLITS}, weights=(1,), kind="mlp")
+    assert list(mlp) == ["learned-mlp w=1"] and all(v == 1.0 for v in mlp["learned-mlp w=1"].values())
+    assert torch.equal(torch.random.get_rng_state(), before)          # seeded by its own generator
     noise = routing_study.learned_gates({s: rows(300, False) for s in routing_study.SPLITS}, weights=(1,))
     assert 0.4 <= noise["learned w=1"]["val"] <= 0.6 and 0.4 <= noise["learned w=1"]["global_val"] <= 0.6
     ones = np.ones(50, bool)

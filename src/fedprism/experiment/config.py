@@ -81,6 +81,12 @@ KEYS: dict[str, Param] = {
                             "(weights and inputs cast; faster on CPUs with native bf16 such as AVX512-BF16, "
                             "numbers change slightly: bench/README.md). Training is always float32",
                             choices=("float32", "bfloat16"), new=True),
+    "eval.gate": Param("none", "a learned routing gate between a dual-stream method's specialist and "
+                       "backbone (learned: fitted on the validation splits at the final evaluation, one "
+                       "candidate routing per weight, `gate w=..`; fedprism.experiment.gate); "
+                       "evaluation-only: a finished run with a kept final state is re-scored without "
+                       "training",
+                       choices=("none", "learned"), new=True, eval_only=True),
     "state.storage": Param("memory", "where the clients' own state (private models, specialists, local models) is "
                            "kept: memory (RAM, bit for bit the stored runs), float16 (RAM at half precision: "
                            "numbers change) or mmap (rows in files beside the checkpoint, RAM holds only the rows "
@@ -318,10 +324,29 @@ def resolve(raw: dict[str, Any]) -> Config:
     if out["eval.clients"] > out["clients"]:
         raise ConfigError("eval.clients", out["eval.clients"], f"an integer in [0, clients={out['clients']}] "
                           "(0: every client)")
+    if out["eval.gate"] != "none":
+        _check_gate(out)
     if out["data.synthetic_devices"] != KEYS["data.synthetic_devices"].default and out["dataset"] != "synthetic":
         raise ConfigError("data.synthetic_devices", out["data.synthetic_devices"],
                           f"only with dataset=synthetic (dataset={out['dataset']}); leave it out")
     return Config(out)
+
+
+def _check_gate(out: dict) -> None:
+    """`eval.gate` needs two streams to choose between and validation data to fit on."""
+    from fedprism.experiment.gate import GATED_METHODS
+
+    if out["method"] not in GATED_METHODS:
+        raise ConfigError("eval.gate", out["eval.gate"], f"none for method={out['method']}: the gate chooses "
+                          f"between a specialist and a backbone stream ({', '.join(GATED_METHODS)})")
+    weight = out.get(f"{out['method']}.inference_weight")
+    if weight in (0, 1):
+        raise ConfigError("eval.gate", out["eval.gate"], f"none with {out['method']}.inference_weight="
+                          f"{weight} (one stream only); leave inference_weight unset to route")
+    for k in ("data.val_fraction", "data.global_val"):
+        if not out[k] > 0:
+            raise ConfigError("eval.gate", out["eval.gate"], f"none unless {k} > 0 (the gate is fitted on "
+                              f"the clients' validation rows and the global validation set; {k}={out[k]})")
 
 
 def suggest(key: str, valid: list[str], quote: bool = False) -> str:

@@ -335,6 +335,19 @@ class Experiment:
                         int(scores.n_test[j]), scores.local_f1[j]) for j, c in enumerate(scores.clients)]
         return metrics, client_rows
 
+    def gate(self, state: dict, metrics: dict) -> dict:
+        """`eval.gate=learned`: the learned gate's candidate routings at the final evaluation
+        (`fedprism.experiment.gate`); its time goes into the round's `eval_s` and `gate_s`."""
+        if self.cfg["eval.gate"] == "none":
+            return {}
+        from fedprism.experiment.gate import gate_metrics
+
+        t = time.time()
+        out = gate_metrics(self, state)
+        out["gate_s"] = time.time() - t
+        out["eval_s"] = metrics.get("eval_s", 0.0) + out["gate_s"]
+        return out
+
     def initial_state(self) -> dict:
         """The algorithm's server state at round 0."""
         return self.algo.init_state()
@@ -386,6 +399,7 @@ class Experiment:
         try:
             state = self._restore(kept, store.final_rows_dir(self.cfg.train_id) if "client_rows" in kept else None)
             metrics, client_rows = self.evaluate_round(self.evaluator(), state)
+            metrics.update(self.gate(state, metrics))
             metrics["train_s"] = 0.0
             last = int(kept["round"])
             store.truncate(run_id, -1)
@@ -474,6 +488,8 @@ class Experiment:
                     else:                              # `eval.clients`: this round scores a seeded sample
                         metrics, client_rows = self.evaluate_round(evaluator, state, sample)
                         records.append(("eval_sample", None, {"clients": sample.tolist()}))
+                    if rnd == T - 1:
+                        metrics.update(self.gate(state, metrics))
                 else:
                     metrics = {}
                 metrics.update({
