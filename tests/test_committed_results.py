@@ -26,6 +26,7 @@ REPORTS = {
     "fedprism_ablations": dict(sweep=["fedprism_ablation_components", "fedprism_ablation_alpha"],
                                reference="fedprism-paper-fmnist"),
     "clust_psi_pfl_fmnist": dict(sweep=["clust_psi_pfl_fmnist"]),
+    "fedprism_gate": dict(sweep=["fedprism_gate"]),
 }
 
 pytestmark = pytest.mark.skipif(not DB.exists(), reason="no committed results database")
@@ -540,3 +541,24 @@ def test_clust_psi_pfl_fmnist_as_results_readme_states(db_copy):
     assert got == {4: 74.47, 9: 77.69, 29: 82.85, 39: 83.58}
     assert (round(traj[4]["ad"], 3), round(traj[4]["sdad"], 3)) == (0.255, 0.194)
     assert len(runs) == 2
+
+
+def test_learned_gate_is_chosen_on_validation_and_meets_the_routing_goal(db_copy):
+    """results/README.md, "The learned gate as an option": in both seeds of `sweeps/fedprism_gate.toml` the
+    validation rule picks a learned gate over every stored routing, and on the test splits it keeps the
+    specialist's local accuracy while staying within 2 points of the backbone's global accuracy."""
+    from fedprism.report.routing import choose_routing
+
+    store = Store(db_copy, readonly=True)
+    runs = {r["run_id"]: r for r in store.runs() if r["run_id"] in ("3a67020c48b434d5", "0ace1aa130ff91ca")}
+    assert len(runs) == 2
+    chosen = {}
+    for rid in runs:
+        m = [h for h in store.round_metrics(rid) if "global_val_acc" in h][-1]
+        ch = choose_routing(m)
+        c = ch.row(ch.name)
+        assert ch.qualified and c["loc"] >= m["local_acc@expert"]
+        assert c["glob"] >= m["global_acc@backbone"] - 0.02
+        seed = json.loads(runs[rid]["config"])["seed"]
+        chosen[seed] = (ch.name, round(100 * c["loc"], 2), round(100 * c["glob"], 2))
+    assert chosen == {0: ("gate w=8", 94.63, 81.68), 1: ("gate w=3", 94.10, 85.32)}

@@ -230,3 +230,17 @@ def test_a_sweep_file_given_to_run_says_to_use_sweep(tmp_path):
 
     with pytest.raises(ConfigError, match=r"this is a sweep file .*fedprism sweep"):
         load_toml(root / SWEEP)
+
+
+def test_a_rescored_run_moves_no_bytes_of_its_own():
+    """A run re-scored from another's kept final state stored no training rounds: its bytes per round are
+    shown as unknown, not as 0 (which would read as a method that communicates nothing)."""
+    from fedprism.report import dispersion_table
+
+    acc = {"global_acc": 0.5, "local_acc": 0.9, "ad": 0.1, "sdad": 0.02}
+    groups = {"s": {"trained": [{"final": {**acc, "bytes_down": 300e6, "bytes_up": 100e6, "rounds": 3}}],
+                    "rescored": [{"final": {**acc, "bytes_down": 0, "bytes_up": 0, "rounds": 1,
+                                            "rescored_from": "0123456789abcdef"}}]}}
+    md = dispersion_table(groups)
+    assert "| trained | 1 | 50.00 | 90.00 | 10.00 | 2.00 | 100.00 | 33.33 |" in md
+    assert "| rescored | 1 | 50.00 | 90.00 | 10.00 | 2.00 | - | - |" in md

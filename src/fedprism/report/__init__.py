@@ -245,14 +245,16 @@ def dispersion_table(groups) -> list[str]:
     tensors actually sent; mean over the run's rounds, MB = 10^6 bytes)."""
     md = ["## Accuracy, dispersion and communication (final round; mean ± std over seeds)", "",
           "AD = 1 - mean local accuracy and SDAD = its std over clients (×100); MB down / up: bytes per round "
-          "server -> clients and clients -> server, from the payloads each method declares.", ""]
+          "server -> clients and clients -> server, from the payloads each method declares (- for a run "
+          "re-scored from another's kept final state: it moved nothing itself).", ""]
     for setting in sorted(groups):
         md += [f"### {setting}", "", "| method | seeds | Glob | Loc | AD | SDAD | MB down / round | MB up / round |",
                "|---|---|---|---|---|---|---|---|"]
         for label in sorted(groups[setting]):
             runs = groups[setting][label]
             per_round = {k: [r["final"][k] / r["final"]["rounds"] for r in runs
-                             if r["final"].get(k) is not None and r["final"].get("rounds")]
+                             if r["final"].get(k) is not None and r["final"].get("rounds")
+                             and not r["final"].get("rescored_from")]
                          for k in ("bytes_down", "bytes_up")}
             md.append(f"| {label} | {len(runs)} | " + " | ".join(
                 [_pm([r["final"].get(k) for r in runs]) for k in ("global_acc", "local_acc", "ad", "sdad")]
