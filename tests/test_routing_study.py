@@ -667,3 +667,26 @@ def test_committed_final_state_study_as_results_readme_states():
         assert all(abs(g - q) <= 0.011 for g, q in zip(got, slack)), got
         assert (f"`{best}`, Loc +{slack[0]:.2f} and Glob +{slack[1]:.2f} points from the goal's two halves "
                 "(inside the goal)") in text[seed]
+
+
+def test_mlp_gate_study_as_results_readme_states():
+    """results/routing_study_mlp_gate.md: every row but the new `learned-mlp` ones equals its row in
+    routing_study_committed.md (same states, the gate code moved into the library), the boosted gate is
+    still the validation choice, and `learned-mlp` chosen among its own weights by the same rule misses the
+    goal by the margins results/README.md quotes."""
+    mlp = _tables(ROOT / "results" / "routing_study_mlp_gate.md")
+    committed = _tables(ROOT / "results" / "routing_study_committed.md")
+    readme = (ROOT / "results" / "README.md").read_text()
+    quoted = {0: ("w=3", -0.05, -0.13), 1: ("w=1", -0.76, +0.91)}
+    for seed, (w, loc, glob) in quoted.items():
+        r = mlp[seed]
+        frontier = lambda k: k.startswith(routing_study.FRONTIER)  # noqa: E731 - only in the committed file
+        assert {k: v for k, v in r.items() if not k.startswith("learned-mlp")} == \
+            {k: v for k, v in committed[seed].items() if not frontier(k)}
+        assert r["__chosen__"] == committed[seed]["__chosen__"] == _choice(r)
+        own = {k: v for k, v in r.items() if k.startswith("learned-mlp") or k in ("backbone", "specialist")}
+        assert _choice(own) == f"learned-mlp {w}"
+        test = r[f"learned-mlp {w}"][2:]
+        got = (round(test[0] - r["specialist"][2], 2), round(test[1] - (r["backbone"][3] - 2), 2))
+        assert got == (loc, glob) and min(got) < 0                       # the goal is missed
+        assert f"| {seed} | {w} | {test[0]:.2f} / {test[1]:.2f} | {loc:+.2f} / {glob:+.2f} |" in readme
