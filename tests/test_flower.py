@@ -447,12 +447,20 @@ def test_a_configuration_that_can_never_cluster_is_refused_before_flower_starts(
     assert not (tmp_path / "s.db").exists() and not (tmp_path / "w").exists()
 
 
-@pytest.mark.parametrize("key, value", [("eval.clients", "2"), ("state.storage", "float16"), ("state.storage", "mmap")])
+#: EXP4 as a dual-stream run with validation splits, where `eval.gate` is a valid key
+GATED = (EXP4.replace("method=fedprism ", "method=fedprism_dual ")
+         .replace("fedprism.k=2 fedprism.every=1", "fedprism_dual.k=2 fedprism_dual.every=1")
+         + " data.val_fraction=0.25 data.global_val=100")
+
+
+@pytest.mark.parametrize("key, value", [("eval.clients", "2"), ("state.storage", "float16"),
+                                        ("state.storage", "mmap"), ("eval.gate", "learned")])
 def test_simulator_only_scale_keys_are_refused_on_flower(key, value, tmp_path, task_identity):
     """`eval.clients` (sampled evaluation) and `state.storage` other than memory are simulated in process
     only: the ServerApp refuses them naming the key, and stores no round."""
     db = tmp_path / "s.db"
-    rc = run_config(EXP4 + f" {key}={value}", db)
+    exp = GATED if key == "eval.gate" else EXP4
+    rc = run_config(exp + f" {key}={value}", db)
     with pytest.raises(ConfigError, match=key.replace(".", r"\.") + ".*on Flower"):
         serve(FakeGrid(nodes_for(4), rc), rc)
     assert not db.exists()                          # a refused run leaves no empty store behind

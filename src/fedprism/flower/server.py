@@ -556,6 +556,9 @@ class FlowerExperiment(Experiment):
         if cfg.get("state.storage", "memory") != "memory":
             raise ConfigError("state.storage", cfg["state.storage"], "memory on Flower: each node keeps its own "
                               "client's rows in its Context.state")
+        if cfg.get("eval.gate", "none") != "none":
+            raise ConfigError("eval.gate", cfg["eval.gate"], "none on Flower: the gate is fitted on every "
+                              "client's stream outputs in one process (in-process runs and re-scoring only)")
         self.cfg, self.store, self.sweep, self.progress = cfg, store, None, False
         self.drift = drift.schedule if drift is not None else None
         self._drift_counts = drift.counts if drift is not None else None
