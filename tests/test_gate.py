@@ -102,3 +102,21 @@ def test_gated_run_stores_the_gate_at_its_end_and_rescoring_adds_it(tmp_path, tw
         either = np.mean([(r[1] | r[2]).mean() for r in rows[split]])
         for n in names:
             assert both - 1e-12 <= last[f"{key}@{n}"] <= either + 1e-12
+
+
+def test_gate_that_would_not_fit_in_memory_is_refused_before_training(tmp_path, monkeypatch):
+    """The gate's rows (N x the shared sets + the clients' own rows, 63 float32 columns each for 10 classes)
+    are counted before round 0: too many for the memory is a ConfigError naming `eval.gate`, not an
+    out-of-memory error at the final evaluation."""
+    from fedprism.experiment import limits
+    from fedprism.experiment.federation import build_federation
+
+    cfg = resolve({**CFG, "eval.gate": "learned"})
+    fed = build_federation(cfg)
+    own = sum(map(len, fed.test_idx)) + sum(map(len, fed.val_idx))
+    assert gate.row_bytes(fed) == (own + 6 * (len(fed.x_test) + 200)) * (63 * 4 + 11)
+    monkeypatch.setattr(limits, "available_memory", lambda: 2 * gate.row_bytes(fed) - 2)
+    with pytest.raises(ConfigError, match="eval.gate.*more than half the available memory"):
+        Experiment(cfg, Store(tmp_path / "m.db"))
+    monkeypatch.setattr(limits, "available_memory", lambda: 2 * gate.row_bytes(fed))
+    Experiment(cfg, Store(tmp_path / "m.db"))

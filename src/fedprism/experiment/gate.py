@@ -34,7 +34,8 @@ What it costs and what it reveals (decisions; the method's paper has no gate):
   evaluation-only key, so `fedprism run ... eval.gate=learned` on a finished run with a kept final state
   scores it without training). Fitting is about 15 boosted fits on the rows where the streams disagree;
   the rows take N x (local + global + validation sizes) x 63 floats (about 0.4 GB for 100 clients of
-  Fashion-MNIST).
+  Fashion-MNIST; `row_bytes`), and a run whose rows would take more than half the available memory is
+  refused before training (`check_memory`).
 * Protocol: the gate is fitted at the server on features the clients compute and upload: for each of its
   validation rows and each image of the global validation set (sent once by the server), both streams'
   probability vectors and whether each stream was right, plus its label shares. No image and no model
@@ -257,3 +258,25 @@ def gate_metrics(exp, state: dict, weights=None) -> dict:
     method's stored routings."""
     acc = learned_gates(stream_rows(exp, state), GATE_WEIGHTS if weights is None else weights, prefix="gate")
     return {f"{METRIC[s]}@{name}": v for name, by_split in acc.items() for s, v in by_split.items()}
+
+
+def row_bytes(fed) -> int:
+    """Bytes of the rows `stream_rows` builds for a federation: every client's validation and local test
+    rows, and the global test and validation sets once per client, each row `gate_features`' 13 + 5 C float32
+    columns plus three bytes of flags and an int64 label."""
+    n = len(fed.x_test) + (len(fed.x_val) if fed.x_val is not None else 0)
+    own = sum(len(i) for i in fed.test_idx) + sum(len(i) for i in (fed.val_idx or []))
+    return (own + fed.num_clients * n) * ((SCALARS + 5 * fed.num_classes) * 4 + 3 + 8)
+
+
+def check_memory(fed, memory: int) -> None:
+    """ConfigError on `eval.gate` when its rows would take more than half of `memory` bytes: refused before
+    training, not at the final evaluation."""
+    from fedprism.errors import ConfigError
+    from fedprism.experiment.limits import _gb
+
+    need = row_bytes(fed)
+    if need > memory // 2:
+        raise ConfigError("eval.gate", "learned", f"none here: the gate's rows of {fed.num_clients} clients take "
+                          f"{_gb(need)}, more than half the available memory ({_gb(memory)}); lower "
+                          "data.global_val or clients")

@@ -259,6 +259,11 @@ class Experiment:
         self.model = make_model(cfg, self.fed.input_shape, self.fed.num_classes)
         check_limits(cfg, self.fed.n_train, sum(p.numel() for p in self.model.parameters()),
                      disk=_free_disk(store.path) if cfg.get("state.storage") == "mmap" else None)
+        if cfg.get("eval.gate", "none") != "none":
+            from fedprism.experiment.gate import check_memory
+            from fedprism.experiment.limits import available_memory
+
+            check_memory(self.fed, available_memory())
         self.ctx = make_context(cfg, self.model, self.fed.n_train, self.fed.label_hist())
         self.engine = make_engine(cfg["engine"], self.fed, self.model, local_config(cfg), cfg["seed"], cfg["device"],
                                   compile=cfg["compile"], rounds=cfg["rounds"], fuse_jobs=cfg["fuse_jobs"],
