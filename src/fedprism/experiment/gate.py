@@ -277,6 +277,6 @@ def check_memory(fed, memory: int) -> None:
 
     need = row_bytes(fed)
     if need > memory // 2:
-        raise ConfigError("eval.gate", "learned", f"none here: the gate's rows of {fed.num_clients} clients take "
-                          f"{_gb(need)}, more than half the available memory ({_gb(memory)}); lower "
+        raise ConfigError("eval.gate", "learned", f"none here: the gate's rows of {fed.num_clients} clients "
+                          f"take {_gb(need)}, more than half the available memory ({_gb(memory)}); lower "
                           "data.global_val or clients")
