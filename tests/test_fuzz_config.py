@@ -138,6 +138,10 @@ def test_every_valid_configuration_resolves(data, method, partition):
             assert raw["eval.clients"] > raw.get("clients", KEYS["clients"].default), e
         elif e.key == "data.synthetic_devices":       # the synthetic generator's key with another dataset
             assert raw.get("dataset", KEYS["dataset"].default) != "synthetic", e
+        elif e.key == "eval.gate":                    # a gate needs two streams and both validation splits
+            assert raw["eval.gate"] != "none" and (
+                method != "fedprism_dual" or not raw.get("data.val_fraction") or not raw.get("data.global_val")
+                or raw.get("fedprism_dual.inference_weight") in (0, 1)), e
         else:
             assert e.key.startswith(method + "."), e
         return
