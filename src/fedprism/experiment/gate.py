@@ -41,8 +41,9 @@ What it costs and what it reveals (decisions; the method's paper has no gate):
   probability vectors and whether each stream was right, plus its label shares. No image and no model
   leaves a client, but a probability vector with "right" reveals the label of a validation row, so this is
   an evaluation-time protocol that reveals more than `fedprism_dual` training does; it is off by default.
-  A gate the clients train together without uploading rows (a small network with FedAvg) was measured and
-  falls short of the boosted gate (results/README.md).
+  A gate the clients could train together without uploading rows (a small network, `MLPGate`, fitted on
+  the pooled rows as FedAvg would at best) misses the routing goal in both seeds where the boosted gate
+  meets it (results/README.md, "The learned gate as an option").
 """
 
 from __future__ import annotations
@@ -137,17 +138,18 @@ class MLPGate:
 def learned_gates(rows: dict, weights=GATE_WEIGHTS, kind: str = "boosted", seed: int = 0,
                   prefix: str = "learned", max_iter: int = 200, extra: dict | None = None,
                   soft: bool = False, fit_on: tuple[str, str] = ("val", "global_val")) -> dict:
-    """{`learned w=..`: {split: accuracy}} of the learned gate (docstring; kind "linear": `learned-linear
-    w=..`, a logistic regression on the standardised features; kind "mlp": `learned-mlp w=..`, `MLPGate`;
-    `prefix` names the rows): rows[split] is one
-    (features [n, F], specialist right [n], backbone right [n]) per client; accuracy is the mean over
+    """{`learned w=..`: {split: accuracy}} of the learned gate (module docstring; kind "linear":
+    `learned-linear w=..`, a logistic regression on the standardised features; kind "mlp": `learned-mlp
+    w=..`, `MLPGate`; `prefix` names the rows): rows[split] is one (features [n, F], specialist right [n],
+    backbone right [n]) per client; accuracy is the mean over
     clients, as for every rule. Validation splits are scored out of fold, test splits by the gate fitted
     on every validation row. `extra` = {fitting split: non-negative score per row} gives that split an
     extra total weight w, spread over its rows in proportion to the scores; `max_iter`: the boosted
     gate's trees. `soft` (rows with a fourth element, the labels, and `gate_features` columns) also scores
     the same gates as mixing weights, `<name>-soft w=..`: argmax of g(x) p_L + (1 - g(x)) p_W.
     `fit_on` = (the clients' own split, the shared split) that the gates are fitted on; with the test
-    splits (`frontier_gates`) every split is scored by the gate fitted on all of them, in sample."""
+    splits (the study's test-fitted bound) every split is scored by the gate fitted on all of them, in
+    sample."""
     from sklearn.ensemble import HistGradientBoostingClassifier
     from sklearn.linear_model import LogisticRegression
     from sklearn.pipeline import make_pipeline
