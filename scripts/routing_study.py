@@ -90,7 +90,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedprism.experiment.gate import SCALARS, SHARES, _Constant, gate_features, learned_gates  # noqa: F401
+from fedprism.experiment.gate import (SCALARS, SHARES, _Constant, gate_features, label_share,  # noqa: F401
+                                     learned_gates)
 
 SPLITS = ("val", "global_val", "local", "global")
 
@@ -308,8 +309,7 @@ def study(db: str, run_id: str, state: str | None = None, gate_seed: int = 0,
                           "msp": torch.quantile(torch.softmax(et, -1).amax(-1), q)} for q in (0.05, 0.2)}
                 th["maha"] = {"L": mahalanobis(feats("expert", xt), yt), "W": mahalanobis(feats("backbone", xt), yt)}
                 S = seen[j][None, :]
-                hist = torch.as_tensor(np.asarray(exp.ctx.label_hist[int(c)], dtype=np.float64))
-                th["share"] = (hist / hist.sum().clamp_min(1)).float()[None, :]
+                th["share"] = label_share(exp.ctx, c)
                 shares.append(th["share"][0].numpy())
                 for split in SPLITS:
                     x, y = eng.data(int(c), split)

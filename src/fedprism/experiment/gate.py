@@ -221,6 +221,11 @@ def learned_gates(rows: dict, weights=GATE_WEIGHTS, kind: str = "boosted", seed:
     return out
 
 
+def label_share(ctx, client: int) -> torch.Tensor:
+    """[1, C] the client's label shares n_ic / n_i from its own train label counts (a gate feature)."""
+    hist = torch.as_tensor(np.asarray(ctx.label_hist[int(client)], dtype=np.float64))
+    return (hist / hist.sum().clamp_min(1)).float()[None, :]
+
 
 def stream_rows(exp, state: dict, splits=SPLITS, block: int = 10, chunk: int = 2048) -> dict:
     """{split: [(gate features [n, F], specialist right [n], backbone right [n], labels [n]) per client]}
@@ -234,13 +239,9 @@ def stream_rows(exp, state: dict, splits=SPLITS, block: int = 10, chunk: int = 2
         for c0 in range(0, n, block):
             ids = np.arange(c0, min(c0 + block, n))
             cstate = exp.clients.view(ids) if exp.clients is not None else {}
-            inf = algo.inference(eng, ids, algo.eval_payload(state, ids), cstate)
-            if not {"expert", "backbone"} <= set(inf.streams):
-                raise ValueError(f"eval.gate needs an inference with an 'expert' and a 'backbone' stream; "
-                                 f"{exp.cfg['method']} gives {sorted(inf.streams)}")
+            inf = algo.inference(eng, ids, algo.eval_payload(state, ids), cstate)   # config: both streams
             for j, c in enumerate(ids):
-                hist = torch.as_tensor(np.asarray(exp.ctx.label_hist[int(c)], dtype=np.float64))
-                share = (hist / hist.sum().clamp_min(1)).float()[None, :]
+                share = label_share(exp.ctx, c)
                 for split in splits:
                     x, y = eng.data(int(c), split)
                     if len(y) == 0:
@@ -265,7 +266,8 @@ def gate_metrics(exp, state: dict, weights=None) -> dict:
 def row_bytes(fed) -> int:
     """Bytes of the rows `stream_rows` builds for a federation: every client's validation and local test
     rows, and the global test and validation sets once per client, each row `gate_features`' 13 + 5 C float32
-    columns plus three bytes of flags and an int64 label."""
+    columns plus two bool flags and an int64 label, with a byte to spare. `learned_gates` concatenates one
+    more copy of them, hence `check_memory`'s bound of half the memory."""
     n = len(fed.x_test) + (len(fed.x_val) if fed.x_val is not None else 0)
     own = sum(len(i) for i in fed.test_idx) + sum(len(i) for i in (fed.val_idx or []))
     return (own + fed.num_clients * n) * ((SCALARS + 5 * fed.num_classes) * 4 + 3 + 8)
