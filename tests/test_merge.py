@@ -7,14 +7,15 @@ import shutil
 import pytest
 
 from fedprism.cli import main
+from fedprism.errors import FedPrismError
 from fedprism.experiment.merge import merge
 from fedprism.experiment.runner import Experiment
 from fedprism.experiment.store import MissingStoreError, Store
 from fedprism.experiment.sweep import dump_sweep, load_sweep, run_sweep
 
-SWEEP = dump_sweep("part", dict(dataset="digits", clients=6, rounds=3, local_epochs=1, model="mlp",
-                                 engine="sequential", keep_final=False),
-                   [dict(label="FedAvg", method="fedavg"), dict(label="Local", method="local")], {"seed": [0]})
+BASE = dict(dataset="digits", clients=6, rounds=3, local_epochs=1, model="mlp", engine="sequential", keep_final=False)
+ROWS = [dict(label="FedAvg", method="fedavg"), dict(label="Local", method="local")]
+SWEEP = dump_sweep("part", BASE, ROWS, {"seed": [0]})
 
 
 def content(db) -> dict:
@@ -127,3 +128,55 @@ def test_dry_run_writes_nothing(tmp_path, part, capsys):
     assert "would merge 2 finished run(s)" in capsys.readouterr().out
     assert home_db.read_bytes() == before
     assert sorted(p.name for p in tmp_path.glob("home.db*")) == ["home.db"]
+
+
+def test_a_selection_brings_only_its_runs_and_membership(tmp_path, part, capsys):
+    f, src = part
+    _, cfgs = load_sweep(f)
+    fedavg, local = (c.run_id for c in cfgs)
+    other = tmp_path / "other.toml"                  # the Local run belongs to a second sweep too
+    other.write_text(dump_sweep("other", BASE, ROWS[1:], {"seed": [0]}))
+    run_sweep(str(other), str(src), progress=False)
+    assert Store(src, readonly=True).sweeps() == ["other", "part"]
+    before = src.read_bytes()
+
+    home_db = tmp_path / "home.db"
+    assert main(["merge", str(src), "--db", str(home_db), "--sweep", "other"]) == 0
+    assert "merged 1 finished run(s)" in capsys.readouterr().out
+    with Store(home_db, readonly=True) as home:
+        assert [r["run_id"] for r in home.runs()] == [local]
+        assert home.sweeps() == ["other"]                          # not "part", by either column
+        assert home.runs(sweep="part") == []
+    assert main(["merge", str(src), "--db", str(home_db), "--run", fedavg[:8]]) == 0
+    with Store(home_db, readonly=True) as home:
+        assert sorted(r["run_id"] for r in home.runs()) == sorted([fedavg, local])
+        assert [r["run_id"] for r in home.runs(sweep="part")] == [fedavg]   # all its membership came
+    assert src.read_bytes() == before
+
+    fresh = tmp_path / "fresh.db"                      # a name no store has: an error, nothing written
+    assert main(["merge", str(src), "--db", str(fresh), "--sweep", "nosuch"]) == 2
+    assert "has sweep nosuch; nothing was merged" in capsys.readouterr().err and not fresh.exists()
+    assert main(["merge", str(src), "--db", str(fresh), "--run", "ffffffff"]) == 2
+    assert not fresh.exists()
+    with pytest.raises(FedPrismError, match="has no ffff"):
+        merge(Store(fresh), src, runs=["ffff"])
+    assert content(fresh)["runs"] == []
+    empty = tmp_path / "empty.db"                      # spread over two stores: each merges what it has
+    Store(empty).close()
+    assert main(["merge", str(empty), str(src), "--db", str(tmp_path / "both.db"), "--run", local]) == 0
+    with Store(tmp_path / "both.db", readonly=True) as both:
+        assert [r["run_id"] for r in both.runs()] == [local]
+
+
+def test_a_selection_brings_only_its_final_states(tmp_path):
+    f = tmp_path / "s.toml"
+    f.write_text(dump_sweep("part", {**BASE, "keep_final": True}, ROWS, {"seed": [0]}))
+    src = tmp_path / "part.db"
+    run_sweep(str(f), str(src), progress=False)
+    _, cfgs = load_sweep(f)
+    with Store(src, readonly=True) as s:
+        assert sorted(p.name.split(".")[0] for p in s.final_dir.iterdir()) == sorted(c.train_id for c in cfgs)
+    home = Store(tmp_path / "home.db")
+    assert merge(home, src, runs=[cfgs[1].run_id]).finals == 1
+    assert [p.name.split(".")[0] for p in home.final_dir.iterdir()] == [cfgs[1].train_id]
+    home.close()

@@ -257,18 +257,26 @@ def cmd_export(args) -> int:
 
 
 def cmd_merge(args) -> int:
-    from fedprism.experiment.merge import merge
+    from fedprism.experiment.merge import merge, selection
     from fedprism.experiment.store import Store
 
     if args.dry_run and not Path(args.db).is_file():
         raise FedPrismError(f"--dry-run: no results store at {args.db} (check --db or $FEDPRISM_DB)")
+    found: dict[str, int] = {}
     for src in args.stores:            # every part must be a store before the destination is created
         if not Path(src).is_file():
             raise FedPrismError(f"no results store to merge at {src}")
-        Store(src, readonly=True).close()
+        with Store(src, readonly=True) as part:
+            missing = selection(part, args.run, args.sweep)[1]
+        for name in [*(args.run or []), *(f"sweep {s}" for s in args.sweep or [])]:
+            found[name] = found.get(name, 0) + (name not in missing)
+    if absent := [name for name, n in found.items() if not n]:
+        raise FedPrismError(f"merge: no store of {', '.join(args.stores)} has {', '.join(absent)}; "
+                            "nothing was merged")
     with Store(args.db, readonly=args.dry_run) as store:
         for src in args.stores:
-            print(merge(store, src, dry_run=args.dry_run).summary(args.dry_run))
+            rep = merge(store, src, dry_run=args.dry_run, runs=args.run, sweeps=args.sweep, missing_ok=True)
+            print(rep.summary(args.dry_run))
     return 0
 
 
@@ -397,8 +405,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Copy the finished runs of other results stores (another machine's part of a sweep) into "
                     "--db: runs absent here are added, a finished copy replaces an interrupted or failed one, "
                     "runs finished here are kept, unfinished runs there are not copied. The other stores are "
-                    "only read."))
+                    "only read. --run and --sweep merge only the runs they name (both together: the union); "
+                    "with --sweep a copied run belongs here only to the named sweeps."))
     mg.add_argument("stores", nargs="+", help="results stores to merge from")
+    mg.add_argument("--run", action="append", metavar="ID",
+                    help="merge only this run (id or unambiguous prefix; repeatable)")
+    mg.add_argument("--sweep", action="append", metavar="NAME",
+                    help="merge only the runs this sweep holds, as members of it (repeatable)")
     mg.add_argument("--dry-run", action="store_true", help="say what would be merged; write nothing")
     mg.set_defaults(fn=cmd_merge)
     e = with_db(sub.add_parser("export", help="export the store to CSV or Parquet"))

@@ -14,12 +14,19 @@ Per run of the other store:
   floating-point bits when they ran on different hardware);
 * unfinished there: not copied (resume it where it ran, or here: a sweep re-runs it).
 
+Only part of the other store can be merged: `runs` (ids or unambiguous prefixes) and `sweeps` (names)
+select the runs named and the runs those sweeps hold (the union of both). With `sweeps`, a copied run
+belongs here only to the named sweeps: its other sweeps' membership rows stay behind, and its `runs.sweep`
+column (the sweep that first ran it, which reports also read as membership) is set to a named sweep that
+holds it when the one recorded there is not named. Only the selected runs' final state files come along.
+
 The other store is opened read-only and checked (`PRAGMA quick_check`) before anything is written;
 everything of one run is written in one transaction, so an interrupted merge leaves whole runs only.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import sqlite3
 from dataclasses import dataclass, field
@@ -81,8 +88,11 @@ def _open_source(path: str | Path, dst: Store) -> Store:
     return src
 
 
-def merge(dst: Store, source: str | Path, dry_run: bool = False) -> MergeReport:
-    """Copy the finished runs of the store at `source` into `dst` (see the module docstring)."""
+def merge(dst: Store, source: str | Path, dry_run: bool = False, runs: list[str] | None = None,
+          sweeps: list[str] | None = None, missing_ok: bool = False) -> MergeReport:
+    """Copy the finished runs of the store at `source` into `dst`, all of them or those `runs` and
+    `sweeps` select (see the module docstring). A run or sweep named there that `source` lacks is an
+    error before anything is written, unless `missing_ok` (a selection spread over several stores)."""
     src = _open_source(source, dst)
     rep = MergeReport(str(source))
     try:
@@ -90,8 +100,14 @@ def merge(dst: Store, source: str | Path, dry_run: bool = False) -> MergeReport:
                 for t in ("runs", *ROW_TABLES, "sweep_runs")}
         if "run_id" not in cols["runs"] or "status" not in cols["runs"]:
             raise MissingStoreError(f"{source} is not a fedprism results store (its runs table lacks run_id)")
+        chosen, missing = selection(src, runs, sweeps)
+        if missing and not missing_ok:
+            raise FedPrismError(f"merge: {source} has no {', '.join(missing)} (`fedprism runs --db {source}` "
+                                "lists its runs and sweeps); nothing was merged")
         for row in src.db.execute("SELECT * FROM runs ORDER BY created, run_id").fetchall():
             rid = row["run_id"]
+            if chosen is not None and rid not in chosen:
+                continue
             if row["status"] != "finished":
                 rep.unfinished.append(rid)
                 continue
@@ -107,7 +123,7 @@ def merge(dst: Store, source: str | Path, dry_run: bool = False) -> MergeReport:
                     continue
             try:
                 if not dry_run:
-                    _copy_run(src, dst, rid, cols)
+                    _copy_run(src, dst, rid, cols, sweeps or None)
                     if here is not None:
                         dst.drop_checkpoint(rid)
                 (rep.replaced if here is not None else rep.copied).append(rid)
@@ -115,30 +131,83 @@ def merge(dst: Store, source: str | Path, dry_run: bool = False) -> MergeReport:
                 if here is not None and not dry_run:
                     dst.unlock(rid)
         if not dry_run:
-            rep.finals = _copy_finals(src.final_dir, dst.final_dir)
+            keep = None if chosen is None else _train_ids(src, chosen)
+            rep.finals = _copy_finals(src.final_dir, dst.final_dir, keep)
     finally:
         src.close()
     return rep
 
 
-def _copy_run(src: Store, dst: Store, rid: str, cols: dict[str, list[str]]) -> None:
+def selection(src: Store, runs: list[str] | None, sweeps: list[str] | None
+              ) -> tuple[set[str] | None, list[str]]:
+    """The run ids of `src` that `runs` (ids or prefixes) and `sweeps` (names) select (None: no filter,
+    every run), and the prefixes and sweep names `src` lacks. An ambiguous prefix is an error."""
+    if not runs and not sweeps:
+        return None, []
+    chosen, missing = set(), []
+    for prefix in runs or []:
+        rows = src.db.execute("SELECT run_id FROM runs WHERE run_id LIKE ?",
+                              (prefix.replace("%", "").replace("_", "") + "%",)).fetchall()
+        if len(rows) > 1:
+            src.find(prefix)                     # raises, naming the candidates
+        chosen |= {r[0] for r in rows}
+        missing += [prefix] if not rows else []
+    known = src.sweeps()
+    for name in sweeps or []:
+        chosen |= {r["run_id"] for r in src.runs(sweep=name)}
+        missing += [f"sweep {name}"] if name not in known else []
+    return chosen, missing
+
+
+def _copy_run(src: Store, dst: Store, rid: str, cols: dict[str, list[str]], sweeps: list[str] | None) -> None:
     with dst.transaction(f"merging run {rid}") as db:
         for t in ("runs", *ROW_TABLES, "sweep_runs"):
             if t != "sweep_runs":                # sweep membership: the union of both stores'
                 db.execute(f"DELETE FROM {t} WHERE run_id=?", (rid,))
             c = cols[t]
-            rows = src.db.execute(f"SELECT {', '.join(c)} FROM {t} WHERE run_id=?", (rid,)).fetchall()
+            q = f"SELECT {', '.join(c)} FROM {t} WHERE run_id=?"
+            rows = [tuple(r) for r in src.db.execute(q, (rid,))]
+            if sweeps and t == "sweep_runs":     # only the named sweeps' membership comes along
+                rows = [r for r in rows if r[c.index("sweep")] in sweeps]
+            if sweeps and t == "runs" and "sweep" in c:
+                rows = [_named_sweep(r, c.index("sweep"), src, rid, sweeps) for r in rows]
             if rows:
                 db.executemany(f"INSERT OR IGNORE INTO {t} ({', '.join(c)}) VALUES ({', '.join('?' * len(c))})",
-                               [tuple(r) for r in rows])
+                               rows)
 
 
-def _copy_finals(src_dir: Path, dst_dir: Path) -> int:
-    """Final state files (`keep_final`) the other store has and this one lacks (named by train id)."""
+def _named_sweep(row: tuple, i: int, src: Store, rid: str, sweeps: list[str]) -> tuple:
+    """`row` of `runs` with its `sweep` column kept if named, else the first named sweep holding the run
+    (None when only `runs` selected it)."""
+    if row[i] in sweeps:
+        return row
+    held = {r[0] for r in src.db.execute("SELECT sweep FROM sweep_runs WHERE run_id=?", (rid,))}
+    return (*row[:i], next((s for s in sweeps if s in held), None), *row[i + 1:])
+
+
+def _train_ids(src: Store, chosen: set[str]) -> set[str]:
+    """The train ids (the final state files' names) of the chosen runs of `src`."""
+    from fedprism.experiment.config import resolve
+
+    ids = set()
+    for rid in sorted(chosen):
+        row = src.run(rid)
+        try:
+            ids.add(resolve(json.loads(row["config"])).train_id)
+        except (FedPrismError, ValueError, TypeError):   # a config this code no longer accepts: no state
+            continue
+    return ids
+
+
+def _copy_finals(src_dir: Path, dst_dir: Path, train_ids: set[str] | None = None) -> int:
+    """Final state files (`keep_final`) the other store has and this one lacks (named by train id), only
+    those of `train_ids` when given."""
     if not src_dir.is_dir():
         return 0
     n = 0
     for f in sorted(src_dir.iterdir()):
+        if train_ids is not None and f.name.split(".")[0] not in train_ids:
+            continue
         target = dst_dir / f.name
         if target.exists():
             continue
