@@ -22,7 +22,21 @@ CFG = dict(dataset="digits", model="mlp", clients=6, rounds=2, fraction=1.0, loc
                                                "data.global_val": 200})
 
 
-def test_study_reproduces_the_stored_scores(tmp_path):
+@pytest.fixture
+def few_trees(monkeypatch):
+    """Boosted gates of 10 trees instead of 200, for tests of the study's plumbing that read no gate's
+    accuracy (with 200, the fits took most of their time)."""
+    import sklearn.ensemble
+
+    class Few(sklearn.ensemble.HistGradientBoostingClassifier):
+        def fit(self, *a, **kw):
+            self.max_iter = min(self.max_iter, 10)
+            return super().fit(*a, **kw)
+
+    monkeypatch.setattr(sklearn.ensemble, "HistGradientBoostingClassifier", Few)
+
+
+def test_study_reproduces_the_stored_scores(tmp_path, few_trees):
     db = tmp_path / "s.db"
     res = Experiment(resolve(CFG), Store(db)).run()
     m = res.history[-1]
@@ -358,7 +372,7 @@ def test_gate_tree_seed_as_results_readme_states():
     assert round(r1["specialist"][2] - r1["learned w=2"][2], 2) == 0.32
 
 
-def test_command_line_writes_the_tables_with_the_gate_seed(tmp_path, monkeypatch):
+def test_command_line_writes_the_tables_with_the_gate_seed(tmp_path, monkeypatch, few_trees):
     db = tmp_path / "s.db"
     res = Experiment(resolve(CFG), Store(db)).run()
     seen = {}
@@ -374,7 +388,7 @@ def test_command_line_writes_the_tables_with_the_gate_seed(tmp_path, monkeypatch
         text.replace(" **(chosen on validation)**", "")
 
 
-def test_maha_gate_adds_two_finite_columns_to_the_gates_rows(tmp_path, monkeypatch):
+def test_maha_gate_adds_two_finite_columns_to_the_gates_rows(tmp_path, monkeypatch, few_trees):
     """`--maha-gate`: `learned-maha` is fitted on the plain gate's rows, row for row, with two more columns
     (the streams' Mahalanobis terms), and its rows are in the table; `--soft-gate` adds the pooled gates'
     `-soft` rows."""

@@ -51,6 +51,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from fedprism.experiment.fast_binning import sorted_once
+
 #: the candidate weights of the clients' validation rows against the global validation set's 1
 GATE_WEIGHTS = (1, 2, 3, 5, 8)
 #: the splits a gate reads: fitted on the first two (out of fold), scored on all four
@@ -183,8 +185,9 @@ def learned_gates(rows: dict, weights=GATE_WEIGHTS, kind: str = "boosted", seed:
         if kind == "linear":
             return make_pipeline(StandardScaler(), LogisticRegression(max_iter=2000)).fit(
                 np.concatenate(X), t, logisticregression__sample_weight=w / w.mean())
-        return HistGradientBoostingClassifier(max_iter=max_iter, learning_rate=0.1, random_state=seed).fit(
-            np.concatenate(X), t, sample_weight=w / w.mean())
+        gate = HistGradientBoostingClassifier(max_iter=max_iter, learning_rate=0.1, random_state=seed)
+        with sorted_once():            # the same bits, binned faster (`fast_binning`)
+            return gate.fit(np.concatenate(X), t, sample_weight=w / w.mean())
 
     def per_client(s, hit):           # the mean over clients of each client's accuracy, as for every rule
         return float(np.mean([hit[client[s] == c].mean() for c in range(len(rows[s]))]))
