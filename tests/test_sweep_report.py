@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from fedprism.errors import ConfigError
 from fedprism.experiment.store import Store
 from fedprism.experiment.sweep import load_sweep, run_sweep
 from fedprism.report import write_report
@@ -244,3 +245,30 @@ def test_a_rescored_run_moves_no_bytes_of_its_own():
     md = dispersion_table(groups)
     assert "| trained | 1 | 50.00 | 90.00 | 10.00 | 2.00 | 100.00 | 33.33 |" in md
     assert "| rescored | 1 | 50.00 | 90.00 | 10.00 | 2.00 | - | - |" in md
+
+
+def test_runs_that_would_share_a_row_are_told_apart_by_their_keys(tmp_path):
+    """Two unlabelled `[[runs]]` of one method, or one label over a grid of a parameter, would share a row
+    and supersede each other: their labels get the keys that differ, and every run stays in the sweep."""
+    f = tmp_path / "s.toml"
+    f.write_text('name = "s"\n[base]\ndataset = "digits"\nmodel = "mlp"\nclients = 6\nrounds = 1\n'
+                 'local_epochs = 1\nfraction = 0.5\n[grid]\nseed = [0]\nlr = [0.05, 0.1]\n'
+                 '[[runs]]\nmethod = "fedprox"\n"fedprox.mu" = 0.1\n[[runs]]\nmethod = "fedprox"\n'
+                 '"fedprox.mu" = 1.0\n[[runs]]\nlabel = "L"\nmethod = "local"\n')
+    _, cfgs = load_sweep(f)
+    assert [c["name"] for c in cfgs] == ["fedprox (fedprox.mu=0.1, lr=0.05)", "fedprox (fedprox.mu=0.1, lr=0.1)",
+                                         "fedprox (fedprox.mu=1.0, lr=0.05)", "fedprox (fedprox.mu=1.0, lr=0.1)",
+                                         "L (lr=0.05)", "L (lr=0.1)"]
+    db = str(tmp_path / "s.db")
+    run_sweep(str(f), db, progress=False)
+    with Store(db, readonly=True) as s:
+        assert len(s.runs(sweep="s")) == 6
+    plain = tmp_path / "p.toml"                                 # rows that do not collide keep their labels
+    plain.write_text('name = "p"\n[base]\ndataset = "digits"\n[grid]\nseed = [0, 1]\n'
+                     '[[runs]]\nmethod = "fedavg"\n[[runs]]\nlabel = "X"\nmethod = "fedavg"\nlr = 0.1\n')
+    assert [c["name"] for c in load_sweep(plain)[1]] == ["fedavg", "fedavg", "X", "X"]
+    clash = tmp_path / "c.toml"                                 # a label that names the other's suffix
+    clash.write_text('name = "c"\n[base]\ndataset = "digits"\n[[runs]]\nlabel = "A (lr=0.1)"\nmethod = "fedavg"\n'
+                     '[[runs]]\nlabel = "A"\nmethod = "fedavg"\nlr = 0.1\n[[runs]]\nlabel = "A"\nmethod = "fedavg"\n')
+    with pytest.raises(ConfigError, match=r"runs\[1\].label.*runs\[0\] has it too"):
+        load_sweep(clash)

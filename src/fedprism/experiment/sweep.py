@@ -77,11 +77,12 @@ def load_sweep(path: str | Path, quick: bool = False, overrides: dict[str, Any] 
         raise ConfigError(f"{p.name}: [quick]", None, "a [quick] section of smaller settings for --quick "
                           "(this file has none, so --quick would run the full sweep)")
     quick_over = flatten(doc.get("quick", {})) if quick else {}
-    configs = []
-    for variant in runs:
+    configs, made = [], []
+    for i, variant in enumerate(runs):
         variant = flatten(variant)
         label = variant.pop("label", None)
         for values in itertools.product(*grid.values()) if grid else [()]:
+            made.append((i, {**variant, **dict(zip(grid.keys(), values))}))
             method = variant.get("method", base.get("method", "fedprism"))
             shared = {**base, **quick_over}
             # keys of *other* methods in [base] / [quick] apply only to runs of those methods
@@ -95,7 +96,36 @@ def load_sweep(path: str | Path, quick: bool = False, overrides: dict[str, Any] 
                 raw.update(overrides)
             raw["name"] = label or raw.get("name") or raw.get("method", "run")
             configs.append(resolve(raw))
-    return name, configs
+    return name, _distinct_rows(configs, made, p.name)
+
+
+def _distinct_rows(configs: list[Config], made: list[tuple[int, dict]], file: str) -> list[Config]:
+    """Runs that would share a table row (`_row_key`: label, seed, data setting) with another configuration
+    get the `[[runs]]` and grid keys that tell them apart added to their labels, `fedprox (fedprox.mu=0.1)`;
+    otherwise each would supersede the other in the sweep. Rows that still coincide are an error."""
+    groups: dict[tuple, list[int]] = {}
+    for j, c in enumerate(configs):
+        groups.setdefault(_row_key(c.values, c["name"]), []).append(j)
+    out = list(configs)
+    for members in groups.values():
+        if len({configs[j].run_id for j in members}) < 2:
+            continue
+        keys = sorted({k for j in members for k in made[j][1] if k != "seed"})
+        differ = [k for k in keys if len({repr(made[j][1].get(k)) for j in members}) > 1]
+        for j in members:
+            parts = ", ".join(f"{k}={made[j][1][k]}" for k in differ if k in made[j][1])
+            if parts:
+                out[j] = configs[j].with_(name=f"{configs[j]['name']} ({parts})")
+    seen: dict[tuple, int] = {}
+    for j, c in enumerate(out):
+        key = _row_key(c.values, c["name"])
+        if key in seen and out[seen[key]].run_id != c.run_id:
+            a, b = made[seen[key]][0], made[j][0]
+            raise ConfigError(f"{file}: runs[{b}].label", c["name"],
+                              f"a label no other run of the same seed and data has (runs[{a}] has it too, "
+                              "with another configuration: each would replace the other in the sweep)")
+        seen.setdefault(key, j)
+    return out
 
 
 def _toml_value(v: Any) -> str:
