@@ -133,6 +133,21 @@ def test_exploding_learning_rates_finish_and_report_rejections(tmp_path, capsys,
     assert "(DIVERGED)" in text and "rejected updates" in text
 
 
+def test_a_run_that_diverges_after_learning_says_from_which_round(tmp_path, capsys):
+    """Round 1's updates are finite (the loss explodes), every later one is rejected: the run stopped
+    learning at round 2, and says so, although some update was accepted once."""
+    args = ["run", "--db", str(tmp_path / "d.db"), "dataset=digits", "method=fedavg", "clients=10", "rounds=3",
+            "local_epochs=1", "fraction=0.5", "lr=1000", "engine=sequential", "--json"]
+    assert main(args) == 0
+    cap = capsys.readouterr()
+    out = json.loads(cap.out.strip().splitlines()[-1])
+    assert out["diverged"] is True and out["diverged_round"] == 1 and out["rejected"] == 10
+    assert "every update from round 2 on was rejected" in cap.err and "model after round 1" in cap.err
+    assert main([*args[:-2], "lr=0.05", "--json"]) == 0       # a healthy run: no flag, no round
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["diverged"] is False and "diverged_round" not in out
+
+
 def test_no_sweep_file_asks_for_more_clusters_than_clients_a_round():
     """Every run of every sweep file in the repository, full size and `--quick`, passes the limits that
     depend on the configuration alone (the cohort check above among them), here with ample memory."""

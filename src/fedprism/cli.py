@@ -49,9 +49,11 @@ def cmd_run(args) -> int:
     res = exp.run()
     f = res.final
     if f.get("diverged"):
-        print(f"fedprism: warning: run {res.run_id} DIVERGED: all {f.get('rejected')} updates of all rounds were "
-              "rejected (non-finite values); its metrics are those of the initial model (lower lr?)",
-              file=sys.stderr)
+        r = f.get("diverged_round", 0)
+        since = "of all rounds" if r == 0 else f"from round {r + 1} on"
+        print(f"fedprism: warning: run {res.run_id} DIVERGED: every update {since} was rejected (non-finite "
+              f"values; {f.get('rejected')} rejected in all); its metrics are those of the "
+              + ("initial model" if r == 0 else f"model after round {r}") + " (lower lr?)", file=sys.stderr)
     if not args.json:
         print(f"run {res.run_id} ({cfg['method']} on {cfg['dataset']}, {cfg['clients']} clients, "
               f"{cfg['rounds']} rounds) -> {res.status}" + (" (DIVERGED)" if f.get("diverged") else "")
@@ -64,6 +66,8 @@ def cmd_run(args) -> int:
         print(_table(rows, ["metric", "final", "best"]))
     out = {k: f.get(k) for k in ("global_acc", "local_acc", "ad", "sdad", "seconds", "rejected")}
     out["diverged"] = bool(f.get("diverged", False))
+    if f.get("diverged"):
+        out["diverged_round"] = f.get("diverged_round")
     out["status"] = res.status
     out["run_id"] = res.run_id
     if args.json:

@@ -572,7 +572,16 @@ def final_metrics(history: list[dict], seconds: float) -> dict:
     out["bytes_up"] = sum(h.get("bytes_up", 0) for h in history)
     out["rejected"] = sum(h.get("rejected", 0) for h in history)
     out["accepted"] = sum(h.get("accepted", 0) for h in history)
-    out["diverged"] = out["accepted"] == 0 and out["rejected"] > 0      # no update was ever usable
+    stuck = None                     # the first round of the run's trailing stretch of all-rejected rounds
+    for i, h in reversed(list(enumerate(history))):
+        if h.get("accepted", 0) + h.get("rejected", 0) == 0:
+            continue                         # a round without updates (nobody sampled) neither ends nor extends it
+        if h.get("accepted", 0) > 0:
+            break
+        stuck = h.get("round", i)
+    out["diverged"] = stuck is not None      # from that round on no update was usable: the model stopped there
+    if stuck is not None:
+        out["diverged_round"] = stuck
     return out
 
 
