@@ -24,6 +24,26 @@ def test_methods_lists_parameters(capsys):
         assert key in out
 
 
+def test_every_listed_default_can_be_typed_back():
+    """What `fedprism methods` shows as a parameter's default, given back as `key=value`, is accepted and
+    gives the default's configuration (`auto`, not `None`, where `auto` stands for an unset default)."""
+    from fedprism.algorithms import REGISTRY
+    from fedprism.cli import _shown
+    from fedprism.experiment.config import parse_value, resolve
+
+    autos = 0
+    for name, cls in REGISTRY.items():
+        default = resolve({"method": name})
+        for k, p in cls.params.items():
+            shown = _shown(p)
+            if shown == "None":                      # a default no value stands for (the help says "unset")
+                continue
+            typed = resolve({"method": name, f"{name}.{k}": parse_value(shown)})
+            assert typed.run_id == default.run_id, (name, k, shown)
+            autos += shown == "auto"
+    assert autos >= 3                                # fedavg.server_lr, .server_tau, fedprism_dual.inference_weight
+
+
 def test_methods_names_one_method_and_wraps_to_the_terminal(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "72")
     assert main(["methods", "ifca"]) == 0

@@ -185,6 +185,17 @@ def cmd_verify(args) -> int:
     return 0 if ok else 1
 
 
+def _shown(p) -> str:
+    """A parameter's default as it can be typed back: `auto` for a default that `auto` stands for."""
+    if p.default is None:
+        try:
+            p.validate("key", "auto")
+            return "auto"
+        except FedPrismError:
+            pass
+    return repr(p.default)
+
+
 def cmd_methods(args) -> int:
     from fedprism import plugins
     from fedprism.algorithms import REGISTRY
@@ -207,7 +218,7 @@ def cmd_methods(args) -> int:
             continue
         print(f"\n{name}  ({cls.paper})")
         if cls.params:
-            print(_table([[f"{name}.{k}", repr(p.default), p.help + (f" [{', '.join(map(str, p.choices))}]"
+            print(_table([[f"{name}.{k}", _shown(p), p.help + (f" [{', '.join(map(str, p.choices))}]"
                                                                         if p.choices else "")]
                           for k, p in cls.params.items()], head, width))
     if args.names:
