@@ -233,6 +233,22 @@ def test_a_sweep_file_given_to_run_says_to_use_sweep(tmp_path):
         load_toml(root / SWEEP)
 
 
+def test_a_run_file_given_to_sweep_says_to_use_run_and_a_mistyped_table_gets_a_suggestion(tmp_path):
+    from fedprism.cli import main
+
+    run_file = tmp_path / "exp.toml"
+    run_file.write_text('dataset = "digits"\nclients = 5\n')
+    db = tmp_path / "s.db"
+    assert main(["sweep", str(run_file), "--db", str(db)]) == 2
+    assert not db.exists()
+    with pytest.raises(ConfigError, match=r"one run's keys \(clients, ...\): run it with `fedprism run"):
+        load_sweep(run_file)
+    typo = tmp_path / "s.toml"
+    typo.write_text('name = "s"\n[base]\ndataset = "digits"\n[[run]]\nmethod = "fedavg"\n')
+    with pytest.raises(ConfigError, match=r"s.toml: run' = \[\{'method': 'fedavg'\}\].*did you mean runs"):
+        load_sweep(typo)
+
+
 def test_a_rescored_run_moves_no_bytes_of_its_own():
     """A run re-scored from another's kept final state stored no training rounds: its bytes per round are
     shown as unknown, not as 0 (which would read as a method that communicates nothing)."""

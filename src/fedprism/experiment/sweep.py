@@ -51,10 +51,16 @@ def load_sweep(path: str | Path, quick: bool = False, overrides: dict[str, Any] 
     `partition` drops the file's partition parameters (e.g. `partition=pathological` after Dirichlet)."""
     p = Path(path)
     doc = _read(p)
-    unknown = set(doc) - {"name", "base", "grid", "runs", "quick", "description", "db"}
+    sections = ["name", "description", "db", "base", "grid", "runs", "quick"]
+    unknown = set(doc) - set(sections)
+    if unknown and not set(doc) & {"base", "grid", "runs"}:      # one run's keys: a run file, not a sweep
+        raise ConfigError("sweep file", str(path), "a [base] table, a [grid] table or [[runs]] tables; this file "
+                          f"has one run's keys ({sorted(unknown)[0]}, ...): run it with `fedprism run {path}`",
+                          kind="")
     if unknown:
-        raise ConfigError(f"{p.name}: {sorted(unknown)[0]}", "",
-                          "sweep files have name, description, db, base, grid, runs, quick")
+        k = sorted(unknown)[0]
+        raise ConfigError(f"{p.name}: {k}", doc[k], f"a sweep file's table or key{suggest(k, sections)}: "
+                          f"{', '.join(sections)}")
     name = doc.get("name", p.stem)
     if not isinstance(name, str) or not name:
         raise ConfigError(f"{p.name}: name", name, "a non-empty string")
