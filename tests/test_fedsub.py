@@ -310,3 +310,22 @@ def test_parameters_are_validated(bad, why):
 def test_needs_a_relu_mlp(tmp_path):
     with pytest.raises(ConfigError, match="ReLU MLP"):
         Experiment(resolve({**SMALL, "model": "mlp_bn"}), Store(tmp_path / "x.db")).run()
+
+
+def test_a_refused_auto_model_says_which_model_auto_chose(tmp_path, monkeypatch):
+    """`model=auto` picks LeNet-5 for Fashion-MNIST; FedSub refuses it, and the error says the user left
+    `auto`, which model that chose, and to name one (not a model description the user never typed)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _fakedata import isolate, write_fake
+
+    isolate(monkeypatch, tmp_path)
+    write_fake("fmnist", tmp_path / "fm", n_train=200, n_test=50)
+    cfg = resolve({**SMALL, "dataset": "fmnist", "data.root": str(tmp_path / "fm"), "clients": 4,
+                   "model": "auto"})
+    with pytest.raises(ConfigError, match=r"'model' = 'auto'.*`auto` chose lenet5 for fmnist.*name a model"):
+        Experiment(cfg, Store(tmp_path / "x.db"))
+    with pytest.raises(ConfigError, match=r"'model' = 'a model with"):         # a named model: as before
+        Experiment(cfg.with_(model="lenet5"), Store(tmp_path / "y.db"))

@@ -237,8 +237,17 @@ def drift_schedule(cfg: Config, fed: Federation):
                          cfg["seed"])
 
 
-def make_algorithm(cfg: Config, ctx: Context) -> Algorithm:
-    return REGISTRY[cfg["method"]](ctx, **cfg.method_params)
+def make_algorithm(cfg: Config, ctx: Context, input_shape: tuple[int, ...] | None = None) -> Algorithm:
+    """The config's method on `ctx`. A method that refuses the model `model=auto` chose for the data
+    (`input_shape`) says that the user left `auto` and which model it chose."""
+    try:
+        return REGISTRY[cfg["method"]](ctx, **cfg.method_params)
+    except ConfigError as e:
+        if e.key != "model" or cfg["model"] != "auto" or input_shape is None:
+            raise
+        chosen = resolve_model_name("auto", input_shape)
+        raise ConfigError("model", "auto", f"{e.allowed}; `auto` chose {chosen} for {cfg['dataset']}, "
+                          f"{e.value}: name a model (model=...)") from None
 
 
 class Experiment:
@@ -269,7 +278,7 @@ class Experiment:
                                   compile=cfg["compile"], rounds=cfg["rounds"], fuse_jobs=cfg["fuse_jobs"],
                                   cuda_graphs=cfg["cuda_graphs"])
         self.ctx.spec = self.engine.spec
-        self.algo: Algorithm = make_algorithm(cfg, self.ctx)
+        self.algo: Algorithm = make_algorithm(cfg, self.ctx, self.fed.input_shape)
         self.clients: ClientStore | None = self.client_store()
         self.upload = {k: spec.resolve(self.ctx) for k, spec in self.algo.upload().items()}
         self.drift = drift_schedule(cfg, self.fed)
