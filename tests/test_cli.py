@@ -76,6 +76,12 @@ def test_partition_prints_summary_metrics_and_png(tmp_path, capsys):
     assert "domain" not in out.splitlines()[0]           # no domain column where the partition has none
 
 
+def test_partition_writes_no_file_unless_asked(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["partition", "dataset=digits", "clients=10", "seed=0"]) == 0
+    assert "--png FILE draws" in capsys.readouterr().out and list(tmp_path.iterdir()) == []
+
+
 def test_partition_prints_each_clients_domain_under_domain_mix(tmp_path, capsys):
     from fedprism.experiment.config import parse_overrides, resolve
     from fedprism.experiment.federation import build_federation

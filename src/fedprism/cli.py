@@ -256,10 +256,12 @@ def cmd_partition(args) -> int:
     n = fed.n_train
     print(f"\n{fed.num_clients} clients, train samples per client min {n.min()} / median {int(np.median(n))} / "
           f"max {n.max()}; local test per client min {fed.n_test.min()} / max {fed.n_test.max()}")
-    out = Path(args.png or f"partition-{cfg['dataset']}-{cfg['partition']}-{cfg['clients']}c-s{cfg['seed']}.png")
-    plot_class_distribution(hist, out, first=20,
+    if not args.png:
+        print("(--png FILE draws the class distribution of the first 20 clients)")
+        return 0
+    plot_class_distribution(hist, Path(args.png), first=20,
                             title=f"{cfg['dataset']} {cfg['partition']} {cfg.partition_params}")
-    print(f"class distribution of the first 20 clients: {out}")
+    print(f"class distribution of the first 20 clients: {args.png}")
     return 0
 
 
@@ -403,9 +405,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     pa = sub.add_parser("partition", help="split a dataset and print per-client summary + heterogeneity",
                         description="e.g. fedprism partition dataset=fmnist partition=dirichlet "
-                        "partition.alpha=0.1 clients=100 seed=0")
+                        "partition.alpha=0.1 clients=100 seed=0. The partitions and their partition.* "
+                        "keys are listed at the end of `fedprism methods`.")
     pa.add_argument("items", nargs="*", metavar="key=value", help=KV_HELP)
-    pa.add_argument("--png", default=None, help="where to write the class-distribution figure")
+    pa.add_argument("--png", default=None, metavar="FILE",
+                    help="also draw the first 20 clients' class distributions into FILE "
+                         "(nothing is written without it)")
     pa.add_argument("--all", action="store_true", help="list every client")
     pa.set_defaults(fn=cmd_partition)
 
