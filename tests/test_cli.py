@@ -16,6 +16,15 @@ def test_help_of_every_subcommand(capsys):
         assert "usage: fedprism " + sub in capsys.readouterr().out
 
 
+def test_a_missing_run_id_names_only_it_and_verify_needs_a_round(capsys):
+    for sub in ("verify", "show"):
+        with pytest.raises(SystemExit):
+            main([sub])
+        assert capsys.readouterr().err.strip().endswith("the following arguments are required: run")
+    assert main(["verify", "abc", "--rounds", "0", "--db", "/nonexistent/never.db"]) == 2
+    assert "option '--rounds' = 0 is not valid: an integer >= 1" in capsys.readouterr().err
+
+
 def test_methods_lists_parameters(capsys):
     assert main(["methods"]) == 0
     out = capsys.readouterr().out

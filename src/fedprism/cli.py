@@ -319,14 +319,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     def with_db(sp):
-        sp.add_argument("--db", default=os.environ.get("FEDPRISM_DB", DEFAULT_DB), help="results database")
+        sp.add_argument("--db", default=os.environ.get("FEDPRISM_DB", DEFAULT_DB),
+                        help=f"results database (default: $FEDPRISM_DB, else {DEFAULT_DB})")
         return sp
 
     r = with_db(sub.add_parser("run", help="run (or resume) one experiment",
                                description="Run one experiment from an optional TOML file plus key=value "
                                "overrides. A finished run with the same config is not run again; an "
                                "interrupted one resumes from its last round."))
-    r.add_argument("items", nargs="*", metavar="[config.toml] key=value", help=KV_HELP)
+    r.add_argument("items", nargs="*", default=[], metavar="[config.toml] key=value", help=KV_HELP)
     r.add_argument("--json", action="store_true", help="print one JSON object with the final metrics last")
     r.add_argument("--quiet", action="store_true", help="no progress (it goes to stderr, also with --json)")
     r.add_argument("--fresh", action="store_true",
@@ -337,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
                                description="Compare the FedPrism paper's method, Fed-PRISM (five clustering methods), "
                                "FedClust, FedAvg and Local on Fashion-MNIST if installed, else the bundled digits set; prints a "
                                "table of global and local accuracy. About 3 minutes on 2 cores."))
-    d.add_argument("items", nargs="*", metavar="key=value", help="overrides applied to every run")
+    d.add_argument("items", nargs="*", default=[], metavar="key=value", help="overrides applied to every run")
     d.add_argument("--quick", action="store_true", help="a much smaller run (smoke test)")
     d.add_argument("--workers", type=int, default=None,
                    help="runs at once in separate processes (default: 2, or 1 on a one-core machine)")
@@ -349,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "file's own `db` (ignored with --quick), else fedprism-results.db."))
     s.set_defaults(db=None)              # resolved in cmd_sweep: the file may name its own database
     s.add_argument("file", help="sweep TOML file (see sweeps/)")
-    s.add_argument("items", nargs="*", metavar="key=value",
+    s.add_argument("items", nargs="*", default=[], metavar="key=value",
                    help="overrides applied to every run, e.g. dataset=cifar10 partition=pathological")
     s.add_argument("--only", default=None,
                    help="only the runs with exactly this label, or else those whose label contains this text")
@@ -359,11 +360,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="only runs with this seed (repeatable)")
     s.add_argument("--workers", type=int, default=1,
                    help="runs at once, in separate processes sharing the cores (default 1)")
-    s.add_argument("--quiet", action="store_true")
+    s.add_argument("--quiet", action="store_true", help="no progress lines (the summary is still printed)")
     s.set_defaults(fn=cmd_sweep)
 
-    rp = with_db(sub.add_parser("report", help="comparison tables (markdown, CSV) and plots from the store"))
-    rp.add_argument("--out", default="report", help="output directory")
+    rp = with_db(sub.add_parser("report", help="comparison tables (markdown, CSV) and plots from the store",
+                                description="Tables (markdown and CSV) and plots of the stored runs, one row "
+                                "per configuration with seeds pooled, into --out. The store is only read."))
+    rp.add_argument("--out", default="report", help="output directory (default: ./report)")
     rp.add_argument("--sweep", action="append", default=None,
                     help="only runs of this sweep (repeatable: several sweeps in one report)")
     rp.add_argument("--no-plots", action="store_true", help="tables only (the markdown links no images)")
@@ -378,14 +381,19 @@ def build_parser() -> argparse.ArgumentParser:
                     help="partition seeds of --partition-study (repeatable; default 0 1 2)")
     rp.set_defaults(fn=cmd_report)
 
-    ru = with_db(sub.add_parser("runs", help="list the stored runs (read-only)"))
+    ru = with_db(sub.add_parser("runs", help="list the stored runs (read-only)",
+                                description="One line per stored run: id, method, label, seed, status and "
+                                "its final accuracies. The store is only read."))
     ru.add_argument("--sweep", default=None, help="only the runs of this sweep (with its row labels)")
     ru.add_argument("--method", default=None, help="only runs of this method")
     ru.add_argument("--status", default=None, choices=("finished", "running", "interrupted", "failed"))
     ru.add_argument("--json", action="store_true", help="one JSON list instead of the table")
     ru.set_defaults(fn=cmd_runs)
 
-    sh = with_db(sub.add_parser("show", help="one run: configuration, provenance and per-round metrics"))
+    sh = with_db(sub.add_parser("show", help="one run: configuration, provenance and per-round metrics",
+                                description="One stored run: its configuration, provenance (code, data, "
+                                "machine) and per-round metrics (rounds counted from 1). The store is only "
+                                "read."))
     sh.add_argument("run", help="run id (or an unambiguous prefix)")
     sh.set_defaults(fn=cmd_show)
 
@@ -395,19 +403,19 @@ def build_parser() -> argparse.ArgumentParser:
                                "differs from the stored one (timings excluded), or that all match. The "
                                "store itself is opened read-only."))
     v.add_argument("run", help="run id (or an unambiguous prefix)")
-    v.add_argument("items", nargs="*", metavar="key=value",
+    v.add_argument("items", nargs="*", default=[], metavar="key=value",
                    help="execution-only overrides, e.g. engine=sequential compile=false")
     v.add_argument("--rounds", type=int, default=2, help="how many rounds to re-run (default 2)")
     v.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: the recorded count; 1 for runs stored without one)")
-    v.add_argument("--quiet", action="store_true")
+    v.add_argument("--quiet", action="store_true", help="no progress lines")
     v.set_defaults(fn=cmd_verify)
 
     pa = sub.add_parser("partition", help="split a dataset and print per-client summary + heterogeneity",
                         description="e.g. fedprism partition dataset=fmnist partition=dirichlet "
                         "partition.alpha=0.1 clients=100 seed=0. The partitions and their partition.* "
                         "keys are listed at the end of `fedprism methods`.")
-    pa.add_argument("items", nargs="*", metavar="key=value", help=KV_HELP)
+    pa.add_argument("items", nargs="*", default=[], metavar="key=value", help=KV_HELP)
     pa.add_argument("--png", default=None, metavar="FILE",
                     help="also draw the first 20 clients' class distributions into FILE "
                          "(nothing is written without it)")
@@ -417,7 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("methods", help="list methods, their parameters and defaults",
                        description="Every experiment key and every method's parameters with defaults, or only "
                                    "the named methods' (`fedprism methods fedprism ifca`).")
-    m.add_argument("names", nargs="*", metavar="METHOD", help="only these methods")
+    m.add_argument("names", nargs="*", default=[], metavar="METHOD", help="only these methods")
     m.set_defaults(fn=cmd_methods)
 
     mg = with_db(sub.add_parser(
@@ -434,9 +442,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="merge only the runs this sweep holds, as members of it (repeatable)")
     mg.add_argument("--dry-run", action="store_true", help="say what would be merged; write nothing")
     mg.set_defaults(fn=cmd_merge)
-    e = with_db(sub.add_parser("export", help="export the store to CSV or Parquet"))
+    e = with_db(sub.add_parser("export", help="export the store to CSV or Parquet",
+                               description="Flat tables of the store (runs, rounds, client metrics; rounds "
+                               "counted from 0) into --out. The store is only read."))
     e.add_argument("--format", choices=("csv", "parquet"), default="csv")
-    e.add_argument("--out", default="export", help="output directory")
+    e.add_argument("--out", default="export", help="output directory (default: ./export)")
     e.set_defaults(fn=cmd_export)
 
     da = sub.add_parser("data", help="download or inspect datasets")

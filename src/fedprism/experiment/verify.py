@@ -85,6 +85,8 @@ def verify(db: str, run: str, rounds: int = 2, threads: int | None = None, progr
     from fedprism.errors import ConfigError
     from fedprism.experiment.config import EXECUTION_KEYS, resolve
 
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ConfigError("--rounds", rounds, "an integer >= 1 (how many rounds to re-run)", kind="option")
     for k in overrides or {}:
         if k not in EXECUTION_KEYS:
             raise ConfigError(k, overrides[k], f"verify takes execution-only keys ({', '.join(sorted(EXECUTION_KEYS))}):"
