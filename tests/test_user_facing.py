@@ -227,12 +227,14 @@ def test_fresh_drops_the_stored_rounds_and_runs_again(tmp_path, capsys):
     con.execute("UPDATE rounds SET metrics='{\"marker\": 1}' WHERE run_id=?", (res.run_id,))
     con.commit()
     args = [f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in TINY.items()]
+    capsys.readouterr()
     assert main(["run", "--db", db, "--quiet", *args]) == 0              # finished: not run again
     assert Store(db).round_metrics(res.run_id)[0].get("marker") == 1
+    assert "(stored: not run again; --fresh runs it again)" in capsys.readouterr().out
     assert main(["run", "--db", db, "--quiet", "--fresh", *args]) == 0
     hist = Store(db).round_metrics(res.run_id)
     assert "marker" not in hist[0] and len(hist) == 2
-    capsys.readouterr()
+    assert "not run again" not in capsys.readouterr().out
 
 
 def test_verify_reproduces_and_names_the_first_difference(tmp_path, capsys):
@@ -461,7 +463,7 @@ def test_a_sweep_does_not_skip_a_run_stored_from_other_code(tmp_path, capsys):
     f.write_text(f.read_text() + '[[runs]]\nlabel = "B"\nmethod = "local"\n')
     assert main(["sweep", str(f), "--db", db, "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert "1 run, 0 already finished, 1 stored from other code or data" in err
+    assert "1 ran, 0 already finished, 1 stored from other code or data" in err
     runs = {r["method"]: r for r in Store(db).runs()}
     assert runs["local"]["status"] == "finished" and runs["fedavg"]["run_id"] == run_id
     assert json.loads(Store(db).run(run_id)["provenance"])["code"]["model"]["sha256"] == "1" * 64

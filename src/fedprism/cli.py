@@ -56,8 +56,9 @@ def cmd_run(args) -> int:
               + ("initial model" if r == 0 else f"model after round {r}") + " (lower lr?)", file=sys.stderr)
     if not args.json:
         print(f"run {res.run_id} ({cfg['method']} on {cfg['dataset']}, {cfg['clients']} clients, "
-              f"{cfg['rounds']} rounds) -> {res.status}" + (" (DIVERGED)" if f.get("diverged") else "")
-              + (f", resumed after round {res.resumed_from}" if res.resumed_from is not None else ""))
+              f"{cfg['rounds']} round{'s' if cfg['rounds'] != 1 else ''}) -> {res.status}" + (" (DIVERGED)" if f.get("diverged") else "")
+              + (f", resumed after round {res.resumed_from}" if res.resumed_from is not None else "")
+              + (" (stored: not run again; --fresh runs it again)" if res.reused else ""))
         keys = [k for k in ("global_acc", "local_acc", "local_acc_weighted", "ad", "sdad", "local_f1",
                             "global_model_acc", "seconds") if k in f]
         rows = [[k, f[k], f.get(f"best_{k}")] for k in keys]
@@ -69,6 +70,7 @@ def cmd_run(args) -> int:
     if f.get("diverged"):
         out["diverged_round"] = f.get("diverged_round")
     out["status"] = res.status
+    out["reused"] = res.reused
     out["run_id"] = res.run_id
     if args.json:
         print(json.dumps(out))

@@ -43,6 +43,7 @@ class RunResult:
     final: dict
     history: list[dict] = field(default_factory=list)
     resumed_from: int | None = None
+    reused: bool = False            # finished before this call: read from the store, nothing was run
 
 
 def validate_update(update: Update, upload: dict[str, TensorSpec]) -> tuple[Update, dict[int, str]]:
@@ -445,7 +446,7 @@ class Experiment:
         row = store.run(run_id)
         if row is not None and row["status"] == "finished":
             store.start_run(run_id, cfg.values, self.sweep, provenance=prov)   # sweep membership
-            return RunResult(run_id, "finished", _json(row["final"]), store.round_metrics(run_id))
+            return RunResult(run_id, "finished", _json(row["final"]), store.round_metrics(run_id), reused=True)
         if row is None or row["rounds_done"] == 0:
             src = self.rescore_source()
             if src is not None:

@@ -371,7 +371,7 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
             done += 1
             print(f"{line(tag, f)}  [{done}/{len(todo)} done, {time.time() - t0:.0f}s]", file=sys.stderr)
         store = Store(db)
-    print(f"sweep {name}: {done} run, {skipped} already finished"
+    print(f"sweep {name}: {done} ran, {skipped} already finished"
           + (f", {busy} running in other processes" if busy else "")
           + (f", {len(other_code)} stored from other code or data (listed above; neither re-used nor re-run)"
              if other_code else "") + f", {time.time() - t0:.0f}s", file=sys.stderr)
