@@ -307,3 +307,20 @@ def test_nul_characters_in_paths_are_config_errors(tmp_path, capsys, monkeypatch
     assert "db" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="data.root"):
         resolve({"data.root": "/tmp/\0x"})
+
+
+@pytest.mark.parametrize("raw, want", [
+    ({"method": "fedprsm"}, "(did you mean fedprism?)"),
+    ({"method": "FedAvg"}, "(did you mean fedavg?)"),
+    ({"dataset": "fminst"}, "(did you mean fmnist?)"),
+    ({"model": "lenet"}, "(did you mean lenet5?)"),
+    ({"partition": "dirichet"}, "(did you mean dirichlet?)"),
+    ({"clients": "abc"}, "is not valid: an integer >= 1"),
+    ({"rounds": 2.5}, "is not valid: an integer >= 1"),
+    ({"partition": "iid", "partition.alpha": 0.5}, "(a key of partition=dirichlet / dirichlet_per_class)"),
+    ({"partition": "dirichlet", "partition.alpah": 0.5}, "(did you mean partition.alpha?)"),
+])
+def test_misspelt_names_get_the_nearest_and_each_phrase_once(raw, want):
+    with pytest.raises(ConfigError) as e:
+        resolve(raw)
+    assert want in str(e.value) and "an integer; an integer" not in str(e.value), str(e.value)

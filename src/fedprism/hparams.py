@@ -63,7 +63,9 @@ class Param:
                 raise ConfigError(key, value, "true or false")
         elif t is int:
             if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
-                raise ConfigError(key, value, f"an integer{'; ' + self.allowed if self.allowed else ''}")
+                allowed = self.allowed if self.allowed.startswith("an integer") else \
+                    "an integer" + (f"; {self.allowed}" if self.allowed else "")
+                raise ConfigError(key, value, allowed)
             value = int(value)
             self._precheck(key, value)              # 1e300 is an integer-valued float
         elif t is float:

@@ -278,20 +278,24 @@ def resolve(raw: dict[str, Any]) -> Config:
             raise ConfigError(k, raw[k], "a name (string); see `fedprism methods`")
     method = raw.get("method", KEYS["method"].default)
     if method not in REGISTRY:
-        raise ConfigError("method", method, f"one of {', '.join(sorted(REGISTRY))}")
+        raise ConfigError("method", method, f"one of {', '.join(sorted(REGISTRY))}"
+                          f"{suggest(str(method).lower(), sorted(REGISTRY))}")
     part = raw.get("partition", KEYS["partition"].default)
     if part not in PARTITIONS:
-        raise ConfigError("partition", part, f"one of {', '.join(sorted(PARTITIONS))}")
+        raise ConfigError("partition", part, f"one of {', '.join(sorted(PARTITIONS))}"
+                          f"{suggest(str(part).lower(), sorted(PARTITIONS))}")
     from fedprism.data.datasets import DATASETS
     from fedprism.models import MODELS
     ds = raw.get("dataset", KEYS["dataset"].default)
     if ds not in DATASETS and ds not in plugins.DATASETS:
-        raise ConfigError("dataset", ds, f"one of {', '.join((*DATASETS, *plugins.DATASETS))}")
+        raise ConfigError("dataset", ds, f"one of {', '.join((*DATASETS, *plugins.DATASETS))}"
+                          f"{suggest(str(ds).lower(), [*DATASETS, *plugins.DATASETS])}")
     model = raw.get("model", KEYS["model"].default)
     if not isinstance(model, str):
         raise ConfigError("model", model, f"one of auto, {', '.join((*MODELS, *plugins.MODELS))}")
     if model != "auto" and model not in MODELS and model not in plugins.MODELS:
-        raise ConfigError("model", model, f"one of auto, {', '.join((*MODELS, *plugins.MODELS))}")
+        raise ConfigError("model", model, f"one of auto, {', '.join((*MODELS, *plugins.MODELS))}"
+                          f"{suggest(model.lower(), ['auto', *MODELS, *plugins.MODELS])}")
 
     out: dict[str, Any] = {}
     for k, p in KEYS.items():
@@ -314,6 +318,9 @@ def resolve(raw: dict[str, Any]) -> Config:
                  *(f"{m}.{p}" for m, cls in REGISTRY.items() for p in cls.params)]
         hint = suggest(k, valid)
         if k.startswith("partition."):
+            owners = [n for n, ps in PARTITIONS.items() if k.split(".", 1)[1] in ps]
+            hint = f" (a key of partition={' / '.join(owners)})" if owners else \
+                suggest(k, [f"partition.{p}" for p in part_params])
             allowed = ", ".join(f"partition.{p}" for p in part_params)
             raise ConfigError(k, raw[k], f"unknown key for partition={part}{hint}; it takes {allowed}")
         other = k.split(".")[0]
