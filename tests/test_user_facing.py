@@ -305,6 +305,11 @@ def test_runs_lists_and_show_prints_config_provenance_and_rounds(tmp_path, capsy
     assert main(["runs", "--db", db, "--method", "fedavg"]) == 0
     out = capsys.readouterr().out
     assert a.run_id in out and b.run_id not in out
+    assert main(["runs", "--db", db, "--method", "fedavgg"]) == 2           # a misspelt method: not "no runs"
+    assert "no method 'fedavgg' (did you mean fedavg?); methods of stored runs: fedavg, local" in \
+        capsys.readouterr().err
+    assert main(["runs", "--db", db, "--method", "ifca"]) == 0              # a method with no runs here
+    assert "no runs match" in capsys.readouterr().err
     assert main(["runs", "--db", db, "--sweep", "sw", "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)
     assert row["run_id"] == b.run_id and row["label"] == "Only local"

@@ -122,6 +122,16 @@ def cmd_runs(args) -> int:
     store = Store(args.db, readonly=True)
     if args.sweep:
         store.require_sweeps([args.sweep])
+    if args.method:
+        from fedprism import plugins
+        from fedprism.algorithms import REGISTRY
+        from fedprism.experiment.config import suggest
+
+        plugins.load()
+        stored = sorted({r[0] for r in store.db.execute("SELECT DISTINCT method FROM runs")})
+        if args.method not in REGISTRY and args.method not in stored:
+            raise FedPrismError(f"no method {args.method!r}{suggest(args.method, sorted({*REGISTRY, *stored}))};"
+                                f" methods of stored runs: {', '.join(stored) or 'none'}")
     where = {k: v for k, v in (("method", args.method), ("status", args.status)) if v}
     rows = store.runs(**({"sweep": args.sweep} if args.sweep else {}), **where)
     out = []
