@@ -244,3 +244,23 @@ def test_fedbn_engines_agree_on_batchnorm_models(model, digits):
     for split in ("local", "global"):
         ra, rb = sims[0].evaluate(split), sims[1].evaluate(split)
         assert torch.equal(ra.correct, rb.correct), split
+
+
+def test_fedbn_on_a_model_without_batchnorm_warns_that_it_is_fedavg(tmp_path):
+    import warnings
+
+    base = dict(dataset="digits", clients=6, rounds=1, local_epochs=1, engine="sequential", method="fedbn")
+    with pytest.warns(UserWarning, match=r"fedbn keeps no parameter of model mlp on the clients \(model=auto"):
+        Experiment(resolve(base), Store(tmp_path / "a.db"))
+    for ok in ({**base, "model": "mlp_bn"}, {**base, "method": "fedper"}):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            Experiment(resolve(ok), Store(tmp_path / "b.db"))
+    import subprocess
+    import sys
+
+    args = [f"{k}={v}" for k, v in base.items()]                     # on the CLI: one line, like an error
+    cmd = [sys.executable, "-m", "fedprism", "run", "--db", str(tmp_path / "c.db"), "--quiet", *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and p.stderr.startswith("fedprism: warning: fedbn keeps no parameter"), p.stderr
+    assert len(p.stderr.splitlines()) == 1

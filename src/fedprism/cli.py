@@ -481,6 +481,11 @@ def main(argv: list[str] | None = None) -> int:
         args.items += extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    import warnings
+
+    plain = warnings.formatwarning            # fedprism's own warnings as one line, like its errors
+    warnings.formatwarning = lambda m, c, f, n, line=None: (f"fedprism: warning: {m}\n" if "/fedprism/" in
+                                                            f.replace("\\", "/") else plain(m, c, f, n, line))
     try:
         return args.fn(args)
     except FedPrismError as e:
@@ -492,6 +497,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\nfedprism: interrupted; run the same command again to resume", file=sys.stderr)
         return 130
+    finally:
+        warnings.formatwarning = plain
 
 
 if __name__ == "__main__":

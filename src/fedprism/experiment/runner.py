@@ -238,6 +238,20 @@ def drift_schedule(cfg: Config, fed: Federation):
                          cfg["seed"])
 
 
+def warn_if_nothing_personal(cfg: Config, algo: Algorithm, input_shape: tuple[int, ...]) -> None:
+    """A method that keeps part of the model on each client (FedBN, FedPer, FedRep) but finds no such part
+    in this model (FedBN on a model without BatchNorm) runs as FedAvg, bit for bit: say so once."""
+    from fedprism.algorithms.partial import PartialSharing
+
+    if isinstance(algo, PartialSharing) and not bool(algo.mask_private.any()):
+        import warnings
+
+        model = resolve_model_name(cfg["model"], input_shape)
+        warnings.warn(f"{cfg['method']} keeps no parameter of model {model} on the clients "
+                      f"(model={cfg['model']}), so this run is FedAvg's; for FedBN choose a model with BatchNorm "
+                      "(lenet5_bn, mlp_bn)", stacklevel=3)
+
+
 def make_algorithm(cfg: Config, ctx: Context, input_shape: tuple[int, ...] | None = None) -> Algorithm:
     """The config's method on `ctx`. A method that refuses the model `model=auto` chose for the data
     (`input_shape`) says that the user left `auto` and which model it chose."""
@@ -280,6 +294,7 @@ class Experiment:
                                   cuda_graphs=cfg["cuda_graphs"])
         self.ctx.spec = self.engine.spec
         self.algo: Algorithm = make_algorithm(cfg, self.ctx, self.fed.input_shape)
+        warn_if_nothing_personal(cfg, self.algo, self.fed.input_shape)
         self.clients: ClientStore | None = self.client_store()
         self.upload = {k: spec.resolve(self.ctx) for k, spec in self.algo.upload().items()}
         self.drift = drift_schedule(cfg, self.fed)
