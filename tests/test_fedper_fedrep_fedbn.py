@@ -250,7 +250,7 @@ def test_fedbn_on_a_model_without_batchnorm_warns_that_it_is_fedavg(tmp_path):
     import warnings
 
     base = dict(dataset="digits", clients=6, rounds=1, local_epochs=1, engine="sequential", method="fedbn")
-    with pytest.warns(UserWarning, match=r"fedbn keeps no parameter of model mlp on the clients \(model=auto"):
+    with pytest.warns(UserWarning, match=r"fedbn keeps no parameter of model mlp on the clients"):
         Experiment(resolve(base), Store(tmp_path / "a.db"))
     for ok in ({**base, "model": "mlp_bn"}, {**base, "method": "fedper"}):
         with warnings.catch_warnings():
