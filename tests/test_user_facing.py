@@ -529,3 +529,17 @@ def test_a_run_refused_for_its_data_leaves_no_store_behind(tmp_path, capsys, mon
     before = runs()
     assert main([*bad[:-1], str(db)]) == 2
     assert db.exists() and runs() == before and len(before) == 1
+
+
+def test_a_missing_store_names_the_stores_that_are_there(tmp_path, monkeypatch, capsys):
+    """`fedprism runs` in the checkout reads ./fedprism-results.db by default, while the shipped sweeps write
+    results/fedprism.db: the error names the stores it sees, and creates nothing."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["runs"]) == 2
+    assert capsys.readouterr().err.strip().endswith("(check --db or $FEDPRISM_DB)")
+    (tmp_path / "results").mkdir()
+    Store(tmp_path / "results" / "fedprism.db").close()
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    assert main(["runs", "--sweep", "x"]) == 2
+    assert "stores here: results/fedprism.db)" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before

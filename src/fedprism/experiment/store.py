@@ -228,7 +228,10 @@ class Store:
         self._notes: dict[str, list[tuple[str, int | None, Any]]] = {}
         if readonly:
             if not self.path.is_file():
-                raise MissingStoreError(f"no results store at {self.path} (check --db or $FEDPRISM_DB)")
+                near = [str(p) for p in sorted(Path(".").glob("*.db")) + sorted(Path("results").glob("*.db"))
+                        if p.resolve() != self.path.resolve()][:3]
+                raise MissingStoreError(f"no results store at {self.path} (check --db or $FEDPRISM_DB"
+                                        + (f"; stores here: {', '.join(near)}" if near else "") + ")")
             uri = f"file:{self.path.resolve().as_posix()}?mode=ro"
             try:
                 self.db = sqlite3.connect(uri, uri=True, timeout=60, isolation_level=None)
