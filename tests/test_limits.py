@@ -146,6 +146,11 @@ def test_a_run_that_diverges_after_learning_says_from_which_round(tmp_path, caps
     assert main([*args[:-2], "lr=0.05", "--json"]) == 0       # a healthy run: no flag, no round
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["diverged"] is False and "diverged_round" not in out
+    sweep = tmp_path / "s.toml"                                  # a sweep's line says it too
+    sweep.write_text('name = "s"\n[base]\ndataset = "digits"\nclients = 10\nrounds = 3\nlocal_epochs = 1\n'
+                     'fraction = 0.5\nengine = "sequential"\n[[runs]]\nmethod = "fedavg"\nlr = 1000\n')
+    assert main(["sweep", str(sweep), "--db", str(tmp_path / "s.db")]) == 0
+    assert "DIVERGED: every update from round 2 on was rejected" in capsys.readouterr().err
 
 
 def test_no_sweep_file_asks_for_more_clusters_than_clients_a_round():

@@ -346,7 +346,8 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
     def line(tag: str, f: dict) -> str:
         return (f"{tag}: global {f.get('global_acc', float('nan')):.4f} local {f.get('local_acc', float('nan')):.4f}"
                 f" ({f.get('seconds', 0):.0f}s)" + (f", {f['rejected']} updates rejected" if f.get("rejected") else "")
-                + (" -- DIVERGED: every update was rejected" if f.get("diverged") else ""))
+                + (f" -- DIVERGED: every update from round {f.get('diverged_round', 0) + 1} on was rejected"
+                   if f.get("diverged") else ""))
 
     if workers == 1 or len(todo) <= 1:
         for tag, cfg in todo:
