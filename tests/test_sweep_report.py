@@ -288,3 +288,26 @@ def test_runs_that_would_share_a_row_are_told_apart_by_their_keys(tmp_path):
                      '[[runs]]\nlabel = "A"\nmethod = "fedavg"\nlr = 0.1\n[[runs]]\nlabel = "A"\nmethod = "fedavg"\n')
     with pytest.raises(ConfigError, match=r"runs\[1\].label.*runs\[0\] has it too"):
         load_sweep(clash)
+
+
+def test_method_keys_follow_the_method_wherever_it_is_set():
+    """A method from [grid] takes its keys from [base]; a grid over one method's key runs the other
+    methods once (it used to drop fedprox.mu silently, and to refuse fedprism.k for the FedAvg run)."""
+    from fedprism.experiment.sweep import dump_sweep
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        f = Path(d) / "s.toml"
+        f.write_text(dump_sweep("s", {"dataset": "digits", "fedprox.mu": 0.5}, [{}],
+                                {"method": ["fedavg", "fedprox"]}))
+        _, cfgs = load_sweep(f)
+        assert [(c["method"], c.get("fedprox.mu")) for c in cfgs] == [("fedavg", None), ("fedprox", 0.5)]
+        f.write_text(dump_sweep("s", {"dataset": "digits"}, [{"label": "P", "method": "fedprism"},
+                                                             {"label": "A", "method": "fedavg"}],
+                                {"fedprism.k": [2, 3], "seed": [0, 1]}))
+        _, cfgs = load_sweep(f)
+        assert sorted((c["name"], c["seed"]) for c in cfgs) == [
+            ("A", 0), ("A", 1), ("P (fedprism.k=2)", 0), ("P (fedprism.k=2)", 1), ("P (fedprism.k=3)", 0),
+            ("P (fedprism.k=3)", 1)]
+        assert len({c.run_id for c in cfgs}) == 6

@@ -14,7 +14,10 @@
     db = "../results/fedprism.db"          # optional: where the sweep's results live (relative to
                                            # this file); `--db` or $FEDPRISM_DB win, `--quick` ignores it
 
-Method keys in [base] or [quick] (`fedprism.k`) apply only to the runs of that method.
+A run's method is its own `method`, else the grid's, else [base]'s, else fedprism. Method keys in
+[base], [grid] or [quick] (`fedprism.k`) apply only to the runs of that method; a grid over one method's
+key (`"fedprism.k" = [2, 3]`) runs each other method once. Runs that would share a table row get the
+keys that tell them apart in their labels (`_distinct_rows`).
 
 Every run of a sweep with the same data keys shares one partition and, through the seeded sampler,
 one cohort sequence.
@@ -83,25 +86,28 @@ def load_sweep(path: str | Path, quick: bool = False, overrides: dict[str, Any] 
         raise ConfigError(f"{p.name}: [quick]", None, "a [quick] section of smaller settings for --quick "
                           "(this file has none, so --quick would run the full sweep)")
     quick_over = flatten(doc.get("quick", {})) if quick else {}
-    configs, made = [], []
+    configs, made, seen = [], [], set()
     for i, variant in enumerate(runs):
         variant = flatten(variant)
         label = variant.pop("label", None)
         for values in itertools.product(*grid.values()) if grid else [()]:
-            made.append((i, {**variant, **dict(zip(grid.keys(), values))}))
-            method = variant.get("method", base.get("method", "fedprism"))
-            shared = {**base, **quick_over}
-            # keys of *other* methods in [base] / [quick] apply only to runs of those methods
-            shared = {k: v for k, v in shared.items()
-                      if k.split(".")[0] not in REGISTRY or k.split(".")[0] == method}
-            raw = {**base, **variant, **dict(zip(grid.keys(), values)), **quick_over}
-            raw = {k: v for k, v in raw.items() if k in shared or k in variant or k in grid}
+            point = dict(zip(grid.keys(), values))
+            raw = {**base, **variant, **point, **quick_over}
+            method = raw.get("method", "fedprism")
+            # keys of *other* methods in [base], [grid] or [quick] apply only to runs of those methods
+            raw = {k: v for k, v in raw.items()
+                   if k in variant or k.split(".")[0] not in REGISTRY or k.split(".")[0] == method}
             if overrides:
                 if "partition" in overrides:
                     raw = {k: v for k, v in raw.items() if not k.startswith("partition.")}
                 raw.update(overrides)
             raw["name"] = label or raw.get("name") or raw.get("method", "run")
-            configs.append(resolve(raw))
+            cfg = resolve(raw)
+            if (cfg.run_id, cfg["name"]) in seen:     # a grid over another method's key: this run once
+                continue
+            seen.add((cfg.run_id, cfg["name"]))
+            configs.append(cfg)
+            made.append((i, {k: v for k, v in {**variant, **point}.items() if k in raw}))
     return name, _distinct_rows(configs, made, p.name)
 
 
