@@ -313,6 +313,7 @@ def test_runs_lists_and_show_prints_config_provenance_and_rounds(tmp_path, capsy
     assert main(["runs", "--db", db, "--sweep", "sw", "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)
     assert row["run_id"] == b.run_id and row["label"] == "Only local"
+    assert row["local_acc"] == b.final["local_acc"] and row["rounds_done"] == row["rounds"] == 2   # numbers
     assert main(["show", "--db", db, a.run_id[:5]]) == 0
     out = capsys.readouterr().out
     for text in ("Configuration:", "lr", "Provenance:", "code.method", "execution.threads", "Rounds:",

@@ -134,16 +134,19 @@ def cmd_runs(args) -> int:
                                 f" methods of stored runs: {', '.join(stored) or 'none'}")
     where = {k: v for k, v in (("method", args.method), ("status", args.status)) if v}
     rows = store.runs(**({"sweep": args.sweep} if args.sweep else {}), **where)
-    out = []
+    out, records = [], []
     for r in rows:
         f = json.loads(r["final"] or "{}")
         cfg = json.loads(r["config"])
         out.append([r["run_id"], r["method"], r["label"] or "", cfg.get("seed"), r["status"],
                     f"{r['rounds_done']}/{cfg.get('rounds')}", _acc(f, "local_acc"), _acc(f, "global_acc")])
+        records.append({"run_id": r["run_id"], "method": r["method"], "label": r["label"] or "",
+                        "seed": cfg.get("seed"), "status": r["status"], "rounds_done": r["rounds_done"],
+                        "rounds": cfg.get("rounds"), "local_acc": f.get("local_acc"),
+                        "global_acc": f.get("global_acc")})
     store.close()
-    if args.json:
-        keys = ["run_id", "method", "label", "seed", "status", "rounds", "local_acc", "global_acc"]
-        print(json.dumps([dict(zip(keys, r)) for r in out]))
+    if args.json:           # numbers as stored (accuracies in [0, 1]; None before a run has finished)
+        print(json.dumps(records))
     elif out:
         print(_table(out, ["id", "method", "label", "seed", "status", "rounds", "local %", "global %"]))
     else:
@@ -399,7 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
     ru.add_argument("--sweep", default=None, help="only the runs of this sweep (with its row labels)")
     ru.add_argument("--method", default=None, help="only runs of this method")
     ru.add_argument("--status", default=None, choices=("finished", "running", "interrupted", "failed"))
-    ru.add_argument("--json", action="store_true", help="one JSON list instead of the table")
+    ru.add_argument("--json", action="store_true",
+                    help="one JSON list instead of the table (accuracies in [0, 1]; rounds_done, rounds)")
     ru.set_defaults(fn=cmd_runs)
 
     sh = with_db(sub.add_parser("show", help="one run: configuration, provenance and per-round metrics",
