@@ -544,3 +544,18 @@ def test_a_missing_store_names_the_stores_that_are_there(tmp_path, monkeypatch, 
     assert main(["runs", "--sweep", "x"]) == 2
     assert "stores here: results/fedprism.db)" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+def test_report_names_the_unfinished_runs_it_leaves_out(tmp_path, capsys):
+    db = str(tmp_path / "r.db")
+    _run(db)
+    store = Store(db)
+    half = Experiment(tiny(seed=1), store).run(stop_after=1)
+    store.close()
+    assert half.status == "interrupted"
+    assert main(["report", "--db", db, "--out", str(tmp_path / "rep"), "--no-plots"]) == 0
+    err = capsys.readouterr().err
+    assert f"1 unfinished run(s) left out of the report: {half.run_id[:8]} (interrupted)" in err
+    _run(db, seed=1)                                                  # finished now: nothing to say
+    assert main(["report", "--db", db, "--out", str(tmp_path / "rep2"), "--no-plots"]) == 0
+    assert "left out" not in capsys.readouterr().err

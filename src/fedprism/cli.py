@@ -108,6 +108,16 @@ def cmd_report(args) -> int:
                          html=args.html)
     for p in paths:
         print(p)
+    from fedprism.experiment.store import Store
+
+    with Store(args.db, readonly=True) as store:   # tables hold finished runs only: name those left out
+        rows = [r for sw in args.sweep for r in store.runs(sweep=sw)] if args.sweep else store.runs()
+        left = sorted({(r["run_id"], r["status"]) for r in rows if r["status"] != "finished"})
+    if left:
+        print(f"fedprism: note: {len(left)} unfinished run(s) left out of the report: "
+              + ", ".join(f"{rid[:8]} ({status})" for rid, status in left[:10])
+              + (", ..." if len(left) > 10 else "") + "; resume them with the same sweep or run command",
+              file=sys.stderr)
     return 0
 
 
