@@ -44,3 +44,13 @@ def test_the_python_api_guides_first_example_runs_as_printed(tmp_path):
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     assert (tmp_path / "study.db").exists()
+
+
+def test_the_python_api_guides_simulator_example_runs_as_printed(tmp_path, monkeypatch):
+    """docs/python-api.md, "Drive an algorithm by hand": the code block, as printed (in this process)."""
+    text = (ROOT / "docs" / "python-api.md").read_text()
+    block = text.split("## Drive an algorithm by hand", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(compile(block, "python-api.md", "exec"), scope)
+    assert scope["sim"].evaluate("local").count.sum() > 0 and (tmp_path / "sim.db").exists()
