@@ -229,9 +229,10 @@ class Store:
         if readonly:
             if not self.path.is_file():
                 near = [str(p) for p in sorted(Path(".").glob("*.db")) + sorted(Path("results").glob("*.db"))
-                        if p.resolve() != self.path.resolve()][:3]
+                        if p.resolve() != self.path.resolve()]
+                shown = ", ".join(near[:3]) + (", ..." if len(near) > 3 else "")
                 raise MissingStoreError(f"no results store at {self.path} (check --db or $FEDPRISM_DB"
-                                        + (f"; stores here: {', '.join(near)}" if near else "") + ")")
+                                        + (f"; stores here: {shown}" if near else "") + ")")
             uri = f"file:{self.path.resolve().as_posix()}?mode=ro"
             try:
                 self.db = sqlite3.connect(uri, uri=True, timeout=60, isolation_level=None)
