@@ -394,7 +394,25 @@ def test_parquet_export_without_its_libraries_writes_nothing(tmp_path, monkeypat
         export(db, str(tmp_path / "pq"), "parquet")
     assert not (tmp_path / "pq").exists()
     names = sorted(p.name for p in export(db, str(tmp_path / "csv"), "csv"))
-    assert names == ["client_metrics.csv", "records.csv", "rounds.csv", "runs.csv"]
+    assert names == ["client_metrics.csv", "records.csv", "rounds.csv", "runs.csv", "sweep_runs.csv"]
+
+
+def test_export_carries_every_sweep_a_run_belongs_to(tmp_path):
+    """`runs.csv` has the sweep that first ran a run; `sweep_runs.csv` every sweep holding it (its label)."""
+    import csv
+
+    from fedprism.report.export import export
+
+    db = str(tmp_path / "e.db")
+    store = Store(db)
+    res = Experiment(tiny(), store, sweep="first").run()
+    store.add_to_sweep("second", res.run_id, "baseline avg")
+    first = store.runs(sweep="first")[0]["label"]           # as `fedprism runs --sweep first` shows it
+    store.close()
+    export(db, str(tmp_path / "out"))
+    rows = list(csv.reader(open(tmp_path / "out" / "sweep_runs.csv")))
+    assert rows[0] == ["sweep", "run_id", "label"]
+    assert sorted(rows[1:]) == [["first", res.run_id, first or ""], ["second", res.run_id, "baseline avg"]]
 
 
 def test_a_numbered_cuda_device_says_how_to_pick_a_gpu():

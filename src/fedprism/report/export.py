@@ -28,6 +28,13 @@ def _tables(store: Store) -> dict[str, tuple[list[str], list[list]]]:
     t["client_metrics"] = (list(cm[0].keys()) if cm else ["run_id"], [list(r) for r in cm])
     rec = store.db.execute("SELECT * FROM records ORDER BY rowid").fetchall()
     t["records"] = (["run_id", "round", "kind", "client", "data"], [list(r) for r in rec])
+    # sweep membership: every sweep that holds a run, under its row label (`runs.sweep` is the first only)
+    sr = store.db.execute(
+        "SELECT m.sweep, m.run_id, COALESCE(m.label, r.name) FROM sweep_runs m "
+        "LEFT JOIN runs r USING (run_id) UNION SELECT sweep, run_id, name FROM runs "
+        "WHERE sweep IS NOT NULL AND NOT EXISTS (SELECT 1 FROM sweep_runs m "
+        "WHERE m.sweep = runs.sweep AND m.run_id = runs.run_id) ORDER BY 1, 2").fetchall()
+    t["sweep_runs"] = (["sweep", "run_id", "label"], [list(r) for r in sr])
     return t
 
 
