@@ -55,8 +55,9 @@ def cmd_run(args) -> int:
               f"values; {f.get('rejected')} rejected in all); its metrics are those of the "
               + ("initial model" if r == 0 else f"model after round {r}") + " (lower lr?)", file=sys.stderr)
     if not args.json:
+        rounds = f"{cfg['rounds']} round{'s' if cfg['rounds'] != 1 else ''}"
         print(f"run {res.run_id} ({cfg['method']} on {cfg['dataset']}, {cfg['clients']} clients, "
-              f"{cfg['rounds']} round{'s' if cfg['rounds'] != 1 else ''}) -> {res.status}" + (" (DIVERGED)" if f.get("diverged") else "")
+              f"{rounds}) -> {res.status}" + (" (DIVERGED)" if f.get("diverged") else "")
               + (f", resumed after round {res.resumed_from}" if res.resumed_from is not None else "")
               + (" (stored: not run again; --fresh runs it again)" if res.reused else ""))
         keys = [k for k in ("global_acc", "local_acc", "local_acc_weighted", "ad", "sdad", "local_f1",
@@ -109,10 +110,11 @@ def cmd_report(args) -> int:
     for p in paths:
         print(p)
     from fedprism.experiment.store import Store
+    from fedprism.report import selected_runs
 
     with Store(args.db, readonly=True) as store:   # tables hold finished runs only: name those left out
-        rows = [r for sw in args.sweep for r in store.runs(sweep=sw)] if args.sweep else store.runs()
-        left = sorted({(r["run_id"], r["status"]) for r in rows if r["status"] != "finished"})
+        left = sorted({(r["run_id"], r["status"]) for r in selected_runs(store, args.sweep)
+                       if r["status"] != "finished"})
     if left:
         print(f"fedprism: note: {len(left)} unfinished run(s) left out of the report: "
               + ", ".join(f"{rid[:8]} ({status})" for rid, status in left[:10])
@@ -144,21 +146,22 @@ def cmd_runs(args) -> int:
                                 f" methods of stored runs: {', '.join(stored) or 'none'}")
     where = {k: v for k, v in (("method", args.method), ("status", args.status)) if v}
     rows = store.runs(**({"sweep": args.sweep} if args.sweep else {}), **where)
-    out, records = [], []
+    records = []                # numbers as stored (accuracies in [0, 1]; None before a run has finished)
     for r in rows:
         f = json.loads(r["final"] or "{}")
         cfg = json.loads(r["config"])
-        out.append([r["run_id"], r["method"], r["label"] or "", cfg.get("seed"), r["status"],
-                    f"{r['rounds_done']}/{cfg.get('rounds')}", _acc(f, "local_acc"), _acc(f, "global_acc")])
         records.append({"run_id": r["run_id"], "method": r["method"], "label": r["label"] or "",
                         "seed": cfg.get("seed"), "status": r["status"], "rounds_done": r["rounds_done"],
                         "rounds": cfg.get("rounds"), "local_acc": f.get("local_acc"),
                         "global_acc": f.get("global_acc")})
     store.close()
-    if args.json:           # numbers as stored (accuracies in [0, 1]; None before a run has finished)
+    if args.json:
         print(json.dumps(records))
-    elif out:
-        print(_table(out, ["id", "method", "label", "seed", "status", "rounds", "local %", "global %"]))
+    elif records:
+        head = ["id", "method", "label", "seed", "status", "rounds", "local %", "global %"]
+        print(_table([[d["run_id"], d["method"], d["label"], d["seed"], d["status"],
+                       f"{d['rounds_done']}/{d['rounds']}", _acc(d, "local_acc"), _acc(d, "global_acc")]
+                      for d in records], head))
     else:
         print("no runs match", file=sys.stderr)
     return 0

@@ -36,20 +36,24 @@ class _SortedOnce:
         self.local = threading.local()
 
     def _cached(self, array: np.ndarray, weight: np.ndarray):
+        """(order, cumulative weights) of the column, or None where it has NaN or a weight that is not
+        positive; computed once per column."""
         c = getattr(self.local, "c", None)
         if c is None or c[0] is not array or c[1] is not weight:
-            order = np.argsort(array.reshape(-1, 1), axis=0)[:, 0]        # as scikit-learn: unstable, axis 0
-            cdf = np.cumsum(weight[order])
-            c = self.local.c = (array, weight, order, cdf)
-        return c[2], c[3]
+            usable = not np.isnan(array).any() and bool((weight > 0).all())
+            order = np.argsort(array.reshape(-1, 1), axis=0)[:, 0] if usable else None  # as scikit-learn does
+            c = self.local.c = (array, weight, order, np.cumsum(weight[order]) if usable else None)
+        return None if c[2] is None else (c[2], c[3])
 
     def __call__(self, array, sample_weight, percentile_rank=50, average=False, xp=None):
-        if not (xp is None and type(array) is np.ndarray and type(sample_weight) is np.ndarray
-                and array.ndim == 1 and sample_weight.shape == array.shape and array.dtype == np.float64
-                and sample_weight.dtype == np.float64 and np.ndim(percentile_rank) == 0 and array.size
-                and not np.isnan(array[-1]) and not np.isnan(array).any() and (sample_weight > 0).all()):
+        cached = None
+        if (xp is None and type(array) is np.ndarray and type(sample_weight) is np.ndarray and array.ndim == 1
+                and sample_weight.shape == array.shape and array.dtype == np.float64
+                and sample_weight.dtype == np.float64 and np.ndim(percentile_rank) == 0 and array.size):
+            cached = self._cached(array, sample_weight)
+        if cached is None:
             return self.original(array, sample_weight, percentile_rank, average=average, xp=xp)
-        order, cdf = self._cached(array, sample_weight)
+        order, cdf = cached
         rank = np.float64(percentile_rank) / 100 * cdf[-1:]
         if rank[0] == 0:
             rank = np.nextafter(rank, rank + 1)

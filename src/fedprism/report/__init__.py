@@ -111,6 +111,14 @@ def row_labels(raw: dict[str, dict[tuple, list[dict]]]) -> dict[str, dict[tuple,
     return out
 
 
+def selected_runs(store: Store, sweep: str | list[str] | None = None) -> list:
+    """The store's run rows, or those the named sweeps hold (in the sweeps' order, a shared run once per
+    sweep); an unknown sweep name is an error."""
+    sweeps = [sweep] if isinstance(sweep, str) else list(sweep or [])
+    store.require_sweeps(sweeps)
+    return [r for sw in sweeps for r in store.runs(sweep=sw)] if sweeps else store.runs()
+
+
 def collect(store: Store, sweep: str | list[str] | None = None) -> dict[str, dict[str, list[dict]]]:
     """setting -> row label -> list of (config, final) for finished runs (of the given sweeps, if any).
 
@@ -118,9 +126,7 @@ def collect(store: Store, sweep: str | list[str] | None = None) -> dict[str, dic
     Runs pool into one row only when they share label, method and every key but the seed and the
     execution-only keys (see the module docstring).
     """
-    sweeps = [sweep] if isinstance(sweep, str) else list(sweep or [])
-    store.require_sweeps(sweeps)
-    rows = [r for sw in sweeps for r in store.runs(sweep=sw)] if sweeps else store.runs()
+    rows = selected_runs(store, sweep)
     raw: dict[str, dict[tuple, list[dict]]] = defaultdict(lambda: defaultdict(list))
     seen: set[str] = set()
     for r in rows:
