@@ -116,7 +116,7 @@ def _ctx(hist: np.ndarray, fraction: float = 0.5, P: int = 3) -> Context:
 
 def test_per_cluster_sampling_takes_q_of_each_cluster():
     h, truth = _planted_hist()
-    algo = ClustPsiPfl(_ctx(h, fraction=0.4))
+    algo = ClustPsiPfl(_ctx(h, fraction=0.4), sampling="per_cluster")
     assert _same_groups(algo.init_state()["assign"].numpy(), truth)
     state = algo.init_state()
     plan = algo.plan(state, 0, np.arange(3))                     # the runner's cohort is replaced
@@ -124,7 +124,7 @@ def test_per_cluster_sampling_takes_q_of_each_cluster():
     assert len(plan.clients) == 4 and (g == 0).sum() == 2 and (g == 1).sum() == 2
     assert not np.array_equal(algo.plan(state, 1, np.arange(3)).clients, plan.clients) or \
         not np.array_equal(algo.plan(state, 2, np.arange(3)).clients, plan.clients)
-    glob = ClustPsiPfl(_ctx(h, fraction=0.4), sampling="global")
+    glob = ClustPsiPfl(_ctx(h, fraction=0.4))          # the default: the paper's uniform cohort of q K clients
     assert glob.plan(glob.init_state(), 0, np.arange(3)).clients.tolist() == [0, 1, 2]
 
 

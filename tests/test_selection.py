@@ -129,7 +129,8 @@ def test_bad_selection_settings_name_the_key(tmp_path):
     with pytest.raises(ConfigError):
         resolve({**TINY, "selection": "best"})
     with pytest.raises(ConfigError) as e:                         # a method that draws its own cohorts
-        Experiment(resolve({**TINY, "method": "clust_psi_pfl", "selection": "fedcls"}), Store(tmp_path / "c.db")).run()
+        Experiment(resolve({**TINY, "method": "clust_psi_pfl", "selection": "fedcls",
+                            "clust_psi_pfl.sampling": "per_cluster"}), Store(tmp_path / "c.db")).run()
     assert e.value.key == "selection" and "sampling=global" in str(e.value)
 
 

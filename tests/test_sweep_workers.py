@@ -115,6 +115,58 @@ def test_sigint_to_the_sweep_process_alone_stops_every_worker_at_once(tmp_path, 
         if proc.poll() is None:
             proc.kill()
     assert rc == 130, proc.stderr.read().decode()
+    import sqlite3
+    raw = sqlite3.connect(f"file:{db}?mode=ro", uri=True)   # before `Store` recovers a killed worker's run
+    assert [s for (s,) in raw.execute("SELECT status FROM runs")] == ["interrupted"] * 2   # the runs said so
+    raw.close()
     runs = Store(db).runs()
     assert len(runs) == 2, [r["name"] for r in runs]            # no queued run started after the signal
     assert {r["status"] for r in runs} == {"interrupted"}
+
+
+def test_ctrl_c_while_the_workers_start_prints_no_traceback(tmp_path):
+    """Ctrl-C in a terminal reaches the whole process group, the workers too, and they spend their first
+    seconds importing torch. They start with SIGINT ignored until their set-up is done, and the sweep
+    process stops them itself: one line on stderr, no worker's `KeyboardInterrupt` traceback, no run."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    f = tmp_path / "s.toml"
+    f.write_text(SWEEP)
+    db = tmp_path / "s.db"
+
+    def spawned_workers(parent: int) -> int:
+        """The workers whose interpreter is up (Python ignores SIGPIPE from its start) and importing."""
+        n = 0
+        for d in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{d}/stat") as st:
+                    ppid = int(st.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{d}/cmdline", "rb") as c:
+                    worker = ppid == parent and b"spawn_main" in c.read()
+                with open(f"/proc/{d}/status") as st:
+                    ignored = int(next(x for x in st if x.startswith("SigIgn:")).split()[1], 16)
+                n += worker and bool(ignored & 1 << (signal.SIGPIPE - 1))
+            except (ValueError, OSError, IndexError, StopIteration):
+                continue
+        return n
+
+    proc = subprocess.Popen([sys.executable, "-m", "fedprism", "sweep", str(f), "--db", str(db), "--workers", "2"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.time() + 60
+        while spawned_workers(proc.pid) < 2 and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.02)
+        assert spawned_workers(proc.pid) == 2, "the sweep did not spawn two workers"
+        os.killpg(proc.pid, signal.SIGINT)             # what a terminal's Ctrl-C does
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    err = proc.stderr.read().decode()
+    assert rc == 130 and "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert "run the same command again to resume" in err
+    assert not db.exists() or Store(db).runs() == []

@@ -34,11 +34,14 @@ Decisions where the paper is silent (docs/clust_psi_pfl.md):
   search (0: K-1 as in the paper); `clusters` > 0 fixes tau (the authors' `--tau-clusters`).
 * No feasible j (K <= 2, or every client has the same label pmf): one cluster (FedAvg), recorded.
   `allow_single_cluster=true` reproduces the authors' code instead: j = 1 competes with score 0.
-* Sampling (`sampling=per_cluster`, default): each cluster is its own FedAvg federation, so every
-  round each cluster c samples max(floor(q |c|), 1) of its members, uniformly without replacement,
-  from a stream seeded by (run seed, round, c); q is the run's `fraction`. The runner's global cohort
-  is replaced by the union of these samples (about qN clients). `sampling=global` keeps the runner's
-  cohort (every cluster then gets about q of its members on average, zero in some rounds).
+* Sampling (`sampling=global`, default): the paper's protocol (section IV-A, "at each round, a
+  fraction q=0.5 of the K clients is sampled uniformly without replacement"; section III: "training
+  proceeds as in FedAvg, except that aggregation is performed independently for each of the tau
+  clusters"), i.e. the runner's cohort, the same one every method of a comparison sees. A cluster then
+  gets about q of its members on average, none in some rounds. `sampling=per_cluster` runs each cluster
+  as its own FedAvg federation instead: every round cluster c samples max(floor(q |c|), 1) of its
+  members, uniformly without replacement, from a stream seeded by (run seed, round, c), and the union
+  (about qN clients) replaces the runner's cohort; every cluster trains every round.
 * A client whose counts were not known at clustering (a Flower node that joins later; no client in a
   simulation) joins the cluster of the nearest centroid in the standardised space, with the column
   means and deviations of the initial clients; it is fixed when it is first sampled (record `joined`).
@@ -147,8 +150,9 @@ class ClustPsiPfl(Algorithm):
         "max_clusters": Param(0, "largest tau the silhouette search tries (0: K-1, the paper)",
                               lambda v: v >= 0, "an integer >= 0"),
         "allow_single_cluster": Param(False, "the authors' code: tau = 1 competes with silhouette 0"),
-        "sampling": Param("per_cluster", "per_cluster: each cluster samples max(floor(q |c|), 1) of its members "
-                          "per round; global: the runner's cohort", choices=("per_cluster", "global")),
+        "sampling": Param("global", "global: the runner's cohort, q of all clients (the paper); per_cluster: "
+                          "each cluster samples max(floor(q |c|), 1) of its members per round",
+                          choices=("global", "per_cluster")),
         "weighting": Param("samples", "per-cluster average: n_k (samples, FedAvg) or 1 (uniform)",
                            choices=WEIGHTINGS),
         **ROBUST_PARAMS,

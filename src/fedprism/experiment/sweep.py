@@ -34,6 +34,7 @@ and in any other sweep that holds it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -167,6 +168,7 @@ def dump_sweep(name: str, base: dict[str, Any], runs: list[dict[str, Any]], grid
 
 
 _STOP = None            # in a worker: the sweep's "stop" event (set when the sweep is interrupted)
+_IN_RUN = None          # in a worker: the shared array of the pids of the workers inside a run
 
 
 def stop_on_sigint() -> None:
@@ -180,14 +182,13 @@ def stop_on_sigint() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def _sweep_worker_init(threads: int, stop=None) -> None:
+def _sweep_worker_init(threads: int, stop=None, in_run=None) -> None:
     import torch
 
     from fedprism import plugins
 
-    global _STOP
-    _STOP = stop
-    stop_on_sigint()
+    global _STOP, _IN_RUN
+    _STOP, _IN_RUN = stop, in_run
     torch.set_num_threads(threads)
     plugins.load()                     # methods registered by entry points (in-process registrations are not seen)
     exit_with_parent()
@@ -214,18 +215,37 @@ def exit_with_parent(poll_s: float = 1.0) -> None:
 
 def _sweep_job(db: str, name: str, cfg: Config) -> dict:
     """One run of a sweep in a worker process (its own store connection; SQLite WAL serialises writes)."""
+    import signal
+
     from fedprism.experiment.runner import Experiment
     from fedprism.experiment.store import Store
 
-    if _STOP is not None and _STOP.is_set():
-        return None                    # the sweep was interrupted before this run started: leave it untouched
-    store = Store(db)
+    # A worker ignores SIGINT (`_spawning`) except inside a run, where it ends the run 'interrupted' with
+    # its checkpoint. The handler, then the pid in `_IN_RUN`, then the stop check: `stop_workers` sets the
+    # event, reads `_IN_RUN`, and sends SIGINT to the pids it holds and SIGTERM to the other workers.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    _mark_in_run(os.getpid())
     try:
-        res = Experiment(cfg, store, progress=False, sweep=name).run()
-        supersede(store, name, cfg)
-        return res.final
+        if _STOP is not None and _STOP.is_set():
+            return None                # the sweep was interrupted before this run started: leave it untouched
+        store = Store(db)
+        try:
+            res = Experiment(cfg, store, progress=False, sweep=name).run()
+            supersede(store, name, cfg)
+            return res.final
+        finally:
+            store.close()
     finally:
-        store.close()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _mark_in_run(os.getpid(), leaving=True)
+
+
+def _mark_in_run(pid: int, leaving: bool = False) -> None:
+    if _IN_RUN is None:
+        return
+    with _IN_RUN.get_lock():
+        slot = list(_IN_RUN).index(pid if leaving else 0)
+        _IN_RUN[slot] = 0 if leaving else pid
 
 
 def worker_threads(workers: int) -> int:
@@ -243,36 +263,60 @@ def run_in_workers(db: str, name: str, todo: list[tuple[str, Config]], workers: 
     from fedprism.experiment.runlock import RunBusyError
 
     ctx = mp.get_context("spawn")
-    stop = ctx.Event()
+    stop, in_run = ctx.Event(), ctx.Array("q", workers)
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_sweep_worker_init,
-                               initargs=(worker_threads(workers), stop))
+                               initargs=(worker_threads(workers), stop, in_run))
     try:
-        futures = {pool.submit(_sweep_job, db, name, cfg): tag for tag, cfg in todo}
+        with _spawning():
+            futures = {pool.submit(_sweep_job, db, name, cfg): tag for tag, cfg in todo}
         for fut in as_completed(futures):
             try:
                 yield futures[fut], fut.result()
             except RunBusyError as e:
                 yield futures[fut], e
     except BaseException:              # Ctrl-C, a signal to this process alone, an error, the caller leaving
-        stop_workers(pool, stop)
+        stop_workers(pool, stop, in_run)
         raise
     pool.shutdown(wait=True)
 
 
-def stop_workers(pool, stop, grace_s: float = 30.0) -> None:
+@contextlib.contextmanager
+def _spawning():
+    """SIGINT ignored in this process while the pool spawns its workers (`submit` starts them), so that
+    they inherit it ignored; `_sweep_job` catches it only inside a run. A Ctrl-C reaches the whole
+    foreground process group: a worker importing torch, or idle between runs, would otherwise print a
+    `KeyboardInterrupt` traceback before the sweep's own message. The sweep process stops the workers
+    itself (`stop_workers`); a worker that has not started its run finds the stop event set."""
+    import signal
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def stop_workers(pool, stop, in_run=None, grace_s: float = 30.0) -> None:
     """Stop a sweep's worker pool at once: no queued run starts (the executor's own shutdown would run
     every queued run first), each running run gets SIGINT, marks itself 'interrupted' and keeps the
-    checkpoint of its last finished round; a worker still alive after `grace_s` is killed (its run then
-    resumes from the same checkpoint: the run lock dies with the process)."""
+    checkpoint of its last finished round; a worker outside a run (still importing, or idle) is ended
+    with SIGTERM; a worker still alive after `grace_s` is killed (its run then resumes from the same
+    checkpoint: the run lock dies with the process). Without `in_run` every worker gets SIGINT."""
     import signal
 
     procs = [p for p in (getattr(pool, "_processes", None) or {}).values()]
     stop.set()
     pool.shutdown(wait=False, cancel_futures=True)
+    if in_run is not None:
+        with in_run.get_lock():
+            running = set(in_run)
     for p in procs:
         if p.is_alive():
             try:
-                os.kill(p.pid, signal.SIGINT)
+                os.kill(p.pid, signal.SIGINT if in_run is None or p.pid in running else signal.SIGTERM)
             except ProcessLookupError:
                 pass
     deadline = time.time() + grace_s
