@@ -1,5 +1,6 @@
-"""PFPL: the reducing setting (alpha = 1 is Local), the weights of Eq. 4, hand-computed personalised
-prototypes, what travels, and a tiny end-to-end run on the mixed label + feature skew protocol."""
+"""PFPL: the reducing settings (lambda = 0, and alpha = 1 with own_share=live, are Local), the weights of
+Eq. 4, hand-computed personalised prototypes, what travels, and a tiny end-to-end run on the mixed label +
+feature skew protocol."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def test_loss_by_hand_and_zero_regulariser_at_alpha_one():
     ce = torch.nn.functional.cross_entropy(f(w, x), y)
 
     def loss(fn, coef, weight=torch.ones(4)):
-        return fn(f, w, x, y, weight, {"mix": mix, "present": present, "coef": torch.tensor(coef)})
+        return fn(f, w, x, y, weight, {"target": mix, "present": present, "coef": torch.tensor(coef)})
 
     # batch class means: class 0 (1, 0), class 1 (0, 4); squared gaps to the targets 0 + 9 and 0 + 9, / d = 2
     torch.testing.assert_close(loss(pfpl_loss_squared, 2.0), ce + 2.0 * (9 + 9) / 2)
@@ -60,15 +61,17 @@ def test_loss_by_hand_and_zero_regulariser_at_alpha_one():
         assert torch.equal(loss(fn, 0.0), ce)
 
 
-def test_alpha_one_is_local_training_bit_for_bit(tmp_path):
+def test_reducing_settings_are_local_training_bit_for_bit(tmp_path):
     local = run(tmp_path, "local", method="local")
-    one = run(tmp_path, "one", method="pfpl", pfpl__alpha=1.0)
-    half = run(tmp_path, "half", method="pfpl")
-    assert torch.equal(one.clients.data["w"], local.clients.data["w"])
-    assert not torch.equal(half.clients.data["w"], local.clients.data["w"])    # alpha = 0.5 changes the models
-    a = [tuple(r)[2:] for r in local.store.client_rows(local.run_id, 3)]
-    b = [tuple(r)[2:] for r in one.store.client_rows(one.run_id, 3)]
-    assert a == b
+    for name, kw in (("live1", dict(pfpl__alpha=1.0, pfpl__own_share="live")), ("lam0", dict(pfpl__lam=0.0))):
+        one = run(tmp_path, name, method="pfpl", **kw)
+        assert torch.equal(one.clients.data["w"], local.clients.data["w"]), name
+        a = [tuple(r)[2:] for r in local.store.client_rows(local.run_id, 3)]
+        b = [tuple(r)[2:] for r in one.store.client_rows(one.run_id, 3)]
+        assert a == b, name
+    for name, kw in (("half", {}), ("up1", dict(pfpl__alpha=1.0)), ("live", dict(pfpl__own_share="live"))):
+        other = run(tmp_path, name, method="pfpl", **kw)         # alpha = 1 with the uploaded share still pulls
+        assert not torch.equal(other.clients.data["w"], local.clients.data["w"]), name
 
 
 def test_vectorized_engine_gives_the_sequential_models(tmp_path):
@@ -146,6 +149,13 @@ def test_two_clients_with_known_features_through_a_round():
     # class 0 is the only shared class: each client's P is the other's prototype (a single neighbour)
     torch.testing.assert_close(sim.state["mix"][:, 0], torch.tensor([[4.0, 0.0], [1.0, 0.0]]))
     assert sim.state["present"].tolist() == [[True, False, False, False], [True, False, False, False]]
+    # round 1 (Algorithm 1 lines 10-12): Cbar = 0.5 own upload + 0.5 P for class 0; a class only the client
+    # holds has its own upload as target; a class it never uploaded has none
+    plan = sim.algo.plan(sim.state, 1, np.array([0, 1]))
+    torch.testing.assert_close(plan.payload["target"][:, 0], torch.tensor([[2.5, 0.0], [2.5, 0.0]]))
+    torch.testing.assert_close(plan.payload["target"][0, 1], torch.tensor([0.0, 4.0]))
+    torch.testing.assert_close(plan.payload["target"][1, 2], torch.tensor([10.0, 12.0]))
+    assert plan.payload["present"].tolist() == [[1, 1, 0, 0], [1, 0, 1, 0]]
 
 
 # -- what travels ---------------------------------------------------------------------------------------------
@@ -160,8 +170,8 @@ def test_only_prototypes_travel(tmp_path):
         assert h["bytes_up"] == h["accepted"] * (C * d + C) * 4, h                 # C x d prototypes + C counts
         assert h["bytes_down"] == h["clients"] * (C * d + C) * 4, h                # P_i [C, d] + present [C]
     plan = e.algo.plan(e.state, 0, np.array([0, 1]))
-    assert {k: tuple(v.shape) for k, v in plan.payload.items()} == {"mix": (2, C, d), "present": (2, C)}
-    assert not torch.equal(plan.payload["mix"][0], plan.payload["mix"][1])        # personalised per client
+    assert {k: tuple(v.shape) for k, v in plan.payload.items()} == {"target": (2, C, d), "present": (2, C)}
+    assert not torch.equal(plan.payload["target"][0], plan.payload["target"][1])  # personalised per client
     assert set(e.state) == {"client_protos", "client_counts", "mix", "present"}   # no model on the server
     assert e.algo.eval_payload(e.state, np.arange(6)) == {}
 

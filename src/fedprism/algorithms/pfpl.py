@@ -12,7 +12,7 @@ of the model's head). Round t:
                          k_im = weight of client m for client i over M_i^(k), sum_m k_im = 1   (`weighting`)
                          P_i^(k) = sum_{m in M_i^(k)} k_im C_m^(k)
                          Cbar_i^(k) = alpha C_i^(k) + (1 - alpha) P_i^(k)                         Eq. 4
-    server -> client i:  P_i [C, d], present_i [C]   (its personalised prototypes, less its own share)
+    server -> client i:  Cbar_i [C, d], present_i [C]   (its personalised prototypes, Algorithm 1 lines 10-12)
     client i:            w_i <- E epochs of  CE(F(w_i; x), y) + lambda sum_{k in batch} l_R(Cbar_i^(k), C_i^(k))
                                                                                           Eq. 5 / Eq. 7
                          with C_i^(k) the mean feature of the batch's class-k samples (differentiable)
@@ -38,13 +38,16 @@ Decisions where the paper is silent or contradicts itself (docs/pfpl.md has the 
   domains is never told to the server. Distances are the squared Euclidean d_im of the weights (FINCH
   uses cosine; one distance keeps the clustering and the weights consistent). `none`: M_i^(k) is every
   other client holding class k.
-* The client's own share. Eq. 5 writes the same C_i^(k) inside Cbar_i^(k) (Eq. 4) and as the local
-  prototype it is compared with. Taking the live (per-batch) local prototype in both places gives
-  Cbar_i^(k) - C_i^(k) = (1 - alpha) (P_i^(k) - C_i^(k)), so the server sends P_i (the part of Eq. 4 it
-  owns) and the client adds its own share: l_R = (1 - alpha)^2 ||P_i^(k) - C_i^(k)||^2 (`distance =
-  squared`) or (1 - alpha) ||P_i^(k) - C_i^(k)|| (`distance = norm`). alpha = 1 is therefore Local
-  training with a zero regulariser, bit for bit (alpha controls the degree of personalisation, as the
-  paper says).
+* The client's own share (`own_share`). Algorithm 1 has the server "update personalized prototype
+  sets" with Eq. 4 (lines 10-11), from the prototypes the clients uploaded, and "send the personalized
+  prototype to the corresponding client" (line 12). Default `uploaded`, as written: Cbar_i^(k) =
+  alpha C_i^(k) + (1 - alpha) P_i^(k) with C_i^(k) client i's latest upload, compared in Eq. 5 with the
+  live batch prototype; alpha = 1 then pulls the features towards the client's own previous prototypes.
+  Where client i holds class k but M_i^(k) is empty, its target is its own upload; a class it has not
+  uploaded has no target (a client's first round adds no regulariser). `live` reads Eq. 5's two C_i^(k)
+  as the same live prototype: Cbar_i^(k) - C_i^(k) = (1 - alpha) (P_i^(k) - C_i^(k)), so the server
+  sends P_i and l_R = (1 - alpha)^2 ||P_i^(k) - C_i^(k)||^2 (`distance = squared`) or
+  (1 - alpha) ||P_i^(k) - C_i^(k)|| (`norm`); alpha = 1 is then Local training, bit for bit.
 * l_R (`distance`). Eq. 7 writes ||Cbar, C||_2 and the paper defines its "L2 distance" as a sum of
   squares. Default `squared` (smooth at 0); `norm` is the Euclidean norm (its gradient is taken at
   max(squared distance / d, 1e-12)). Both are divided by the feature width d (`squared`: the mean over
@@ -54,9 +57,9 @@ Decisions where the paper is silent or contradicts itself (docs/pfpl.md has the 
   0.63 within 5 rounds on the mixed protocol; lambda = 1 with the mean ends at 0.99, Local at 0.98).
 * Regulariser over the batch: a sum over the classes present in the batch of l_R between the batch's
   class mean of features and the class's target (Eq. 5 / Eq. 6 sum over classes), padded samples
-  excluded. A class with no target (no other client holds it, or round 0 before any upload) adds zero.
-  Cross-entropy is the batch mean, written as in `fedproto.prototype_loss` so that alpha = 1 gives the
-  default loss's numbers.
+  excluded. A class with no target adds zero (`live`: no other client holds it; either way: round 0,
+  before any upload). Cross-entropy is the batch mean, written as in `fedproto.prototype_loss` so that a
+  zero regulariser gives the default loss's numbers.
 * Local prototypes (Eq. 2) are computed once after local training, over the client's whole train set,
   with the trained model (float64 accumulation; `fedproto.local_prototypes`). Algorithm 1 updates them
   during the batches; a true class mean of the final model is what the server is meant to compare.
@@ -66,11 +69,14 @@ Decisions where the paper is silent or contradicts itself (docs/pfpl.md has the 
 * Every client starts from the run's common initial model; never-sampled clients keep it. The optimiser
   state starts fresh every round, as in every fedprism method.
 
-Defaults: alpha = 0.5 (the paper's best values are 0.3, 0.5 and 0.6 on its three datasets), lambda = 1
-(the paper's best after a search in [0, 4]). Local epochs, batch size, learning rate and momentum are the
-experiment's (the paper: 1 epoch, batch 4, SGD lr 0.01, momentum 0.9, weight decay 1e-5, 100 rounds).
+Defaults: alpha = 0.5 (the paper's best values are 0.3, 0.5 and 0.6 on its three datasets), lambda = 1.
+The paper chose lambda = 1 by a search in [0, 4] with l_R a sum of squares over its features; here l_R is
+the mean over the d features (above), so the same lambda weighs the regulariser d times less: it is a
+default of this scale, not the paper's tuned value. Local epochs, batch size, learning rate and momentum
+are the experiment's (the paper: 1 epoch, batch 4, SGD lr 0.01, momentum 0.9, weight decay 1e-5, 100
+rounds).
 
-Equivalence (tests): alpha = 1 (or lambda = 0) is Local training, bit for bit.
+Equivalence (tests): lambda = 0, or alpha = 1 with `own_share = live`, is Local training, bit for bit.
 """
 
 from __future__ import annotations
@@ -86,6 +92,7 @@ from fedprism.hparams import Param
 WEIGHTINGS = ("inverse", "softmax", "as_printed")
 CLUSTERINGS = ("finch", "none")
 DISTANCES = ("squared", "norm")
+OWN_SHARES = ("uploaded", "live")
 #: added to distances in the `inverse` weights; floor of the squared distance under `norm`
 EPS = 1e-8
 NORM_FLOOR = 1e-12
@@ -186,25 +193,27 @@ def _pfpl_loss(model, w, x, y, weight, extras, squared: bool):
     logits = model.head(w, z)
     wsum = weight.sum().clamp(min=1.0)
     ce = (F.cross_entropy(logits, y, reduction="none") * weight).sum() / wsum
-    mix = extras["mix"].to(z.dtype)                                                        # [C, d]
-    onehot = (y[:, None] == torch.arange(mix.shape[0], device=y.device)).to(z.dtype) * weight[:, None]
+    target = extras["target"].to(z.dtype)                                                  # [C, d]
+    onehot = (y[:, None] == torch.arange(target.shape[0], device=y.device)).to(z.dtype) * weight[:, None]
     n = onehot.sum(0)                                                                      # [C]
     local = (onehot.T @ z) / n.clamp(min=1.0)[:, None]           # Eq. 2 on the batch: class means [C, d]
-    gap = ((mix - local) ** 2).mean(-1)                           # [C] squared distance / d
+    gap = ((target - local) ** 2).mean(-1)                        # [C] squared distance / d
     dist = gap if squared else torch.sqrt(gap.clamp(min=NORM_FLOOR))
     live = (n > 0).to(z.dtype) * extras["present"].to(z.dtype)
     return ce + extras["coef"] * (dist * live).sum()
 
 
 def pfpl_loss_squared(model, w, x, y, weight, extras):
-    """CE + coef sum_{k in batch} ||P^(k) - C^(k)_batch||^2 / d, coef = lambda (1 - alpha)^2 (vmap-safe).
+    """CE + coef sum_{k in batch} ||T^(k) - C^(k)_batch||^2 / d (vmap-safe).
 
-    extras: `mix` [C, d] the server's P_i, `present` [C] 1 where class k has one, `coef` scalar."""
+    extras: `target` [C, d] (Cbar_i, coef = lambda; or P_i under own_share=live, coef = lambda (1 - alpha)^2),
+    `present` [C] 1 where class k has a target, `coef` scalar."""
     return _pfpl_loss(model, w, x, y, weight, extras, True)
 
 
 def pfpl_loss_norm(model, w, x, y, weight, extras):
-    """CE + coef sum_{k in batch} ||P^(k) - C^(k)_batch|| / sqrt(d), coef = lambda (1 - alpha) (vmap-safe)."""
+    """CE + coef sum_{k in batch} ||T^(k) - C^(k)_batch|| / sqrt(d) (vmap-safe; coef = lambda, or
+    lambda (1 - alpha) under own_share=live)."""
     return _pfpl_loss(model, w, x, y, weight, extras, False)
 
 
@@ -214,7 +223,7 @@ class PFPL(PrototypeClients):
     paper = "Zeng et al. 2025, Personalized federated prototype learning in mixed heterogeneous data scenarios"
     params = {
         "alpha": Param(0.5, "alpha: share of the client's own prototype in its personalised prototype (Eq. 4); "
-                       "1 = Local training", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+                       "1 with own_share=live = Local training", lambda v: 0 <= v <= 1, "a number in [0, 1]"),
         "lam": Param(1.0, "lambda: weight of the prototype consistency regulariser (Eq. 5)", lambda v: v >= 0,
                      "a number >= 0"),
         "weighting": Param("inverse", "weights k_im of the other clients' prototypes (Eq. 4): inverse "
@@ -226,6 +235,9 @@ class PFPL(PrototypeClients):
                             "partition) or none (every other holder of the class)", choices=CLUSTERINGS),
         "distance": Param("squared", "l_R of Eq. 7: squared (sum of squares, the paper's 'L2 distance') or "
                           "norm (Euclidean norm)", choices=DISTANCES),
+        "own_share": Param("uploaded", "alpha C_i of Eq. 4: uploaded (the client's last upload, mixed on the "
+                           "server: Algorithm 1) or live (the batch prototype: alpha = 1 is Local)",
+                           choices=OWN_SHARES),
     }
     def init_state(self) -> dict:
         C, d, N = self.ctx.num_classes, self.ctx.feature_dim, self.ctx.num_clients
@@ -233,16 +245,22 @@ class PFPL(PrototypeClients):
                 "mix": torch.zeros(N, C, d), "present": torch.zeros(N, C, dtype=torch.bool)}
 
     def plan(self, state: dict, rnd: int, clients: np.ndarray) -> Plan:
-        """Send each sampled client its own P_i and where it has a target (its personalised prototypes)."""
+        """Send each sampled client its personalised prototypes Cbar_i (Eq. 4; P_i under own_share=live)
+        and where it has a target."""
         S = torch.as_tensor(clients)
-        return Plan(clients, {"mix": state["mix"][S].clone(), "present": state["present"][S].to(torch.float32)})
+        if self.hp["own_share"] == "live":
+            return Plan(clients, {"target": state["mix"][S].clone(),
+                                  "present": state["present"][S].to(torch.float32)})
+        own = state["client_protos"][S]
+        cbar = personalised_prototypes(own, state["mix"][S], state["present"][S], self.hp["alpha"])
+        return Plan(clients, {"target": cbar, "present": (state["client_counts"][S] > 0).to(torch.float32)})
 
     def client_update(self, plan: Plan, trainer, rnd: int, cstate: dict) -> Update:
         """LocalUpdate of Algorithm 1: train the own model with Eq. 5, then report Eq. 2's prototypes."""
         S, hp = plan.clients, self.hp
         squared = hp["distance"] == "squared"
-        coef = hp["lam"] * (1 - hp["alpha"]) ** (2 if squared else 1)
-        extras = {"mix": plan.payload["mix"], "present": plan.payload["present"],
+        coef = hp["lam"] * ((1 - hp["alpha"]) ** (2 if squared else 1) if hp["own_share"] == "live" else 1.0)
+        extras = {"target": plan.payload["target"], "present": plan.payload["present"],
                   "coef": torch.full((len(S),), float(coef))}
         loss = pfpl_loss_squared if squared else pfpl_loss_norm
         t = trainer.train(TrainJob(S, cstate["w"].clone(), loss=loss, extras=extras), rnd)
