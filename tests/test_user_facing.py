@@ -415,6 +415,40 @@ def test_export_carries_every_sweep_a_run_belongs_to(tmp_path):
     assert sorted(rows[1:]) == [["first", res.run_id, first or ""], ["second", res.run_id, "baseline avg"]]
 
 
+def test_export_of_selected_runs_and_sweeps(tmp_path, capsys):
+    """`fedprism export --run/--sweep`: only the selected runs' rows in every table; a run selected through
+    a sweep carries that sweep's membership only, one named by id all of them; an unknown name writes
+    nothing."""
+    import csv
+
+    from fedprism.cli import main
+
+    db = str(tmp_path / "e.db")
+    store = Store(db)
+    a = Experiment(tiny(seed=0), store, sweep="first").run().run_id
+    b = Experiment(tiny(seed=1), store, sweep="other").run().run_id
+    store.add_to_sweep("second", a, "again")
+    store.close()
+
+    def table(out, name):
+        return list(csv.DictReader(open(tmp_path / out / f"{name}.csv")))
+
+    assert main(["export", "--db", db, "--out", str(tmp_path / "all")]) == 0
+    assert {r["run_id"] for r in table("all", "rounds")} == {a, b}
+    assert main(["export", "--db", db, "--out", str(tmp_path / "sw"), "--sweep", "second"]) == 0
+    for name in ("runs", "rounds", "client_metrics"):
+        assert {r["run_id"] for r in table("sw", name)} == {a}, name
+    assert {r["run_id"] for r in table("sw", "records")} <= {a}        # (FedAvg may write no record)
+    assert [(r["sweep"], r["run_id"]) for r in table("sw", "sweep_runs")] == [("second", a)]
+    assert main(["export", "--db", db, "--out", str(tmp_path / "id"), "--run", a[:6], "--sweep", "other"]) == 0
+    assert {r["run_id"] for r in table("id", "runs")} == {a, b}
+    assert sorted((r["sweep"], r["run_id"]) for r in table("id", "sweep_runs")) == \
+        sorted([("first", a), ("second", a), ("other", b)])
+    capsys.readouterr()
+    assert main(["export", "--db", db, "--out", str(tmp_path / "no"), "--sweep", "secnd"]) == 2
+    assert "has no sweep secnd" in capsys.readouterr().err and not (tmp_path / "no").exists()
+
+
 def test_a_numbered_cuda_device_says_how_to_pick_a_gpu():
     """`device=cuda:1` is not a value the engines take; the error says how to run on GPU N instead."""
     with pytest.raises(ConfigError, match=r"'device' = 'cuda:1'.*cpu, cuda; .*CUDA_VISIBLE_DEVICES=N"):

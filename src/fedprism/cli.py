@@ -296,7 +296,7 @@ def cmd_partition(args) -> int:
 def cmd_export(args) -> int:
     from fedprism.report.export import export
 
-    for p in export(args.db, args.out, args.format):
+    for p in export(args.db, args.out, args.format, runs=args.run, sweeps=args.sweep):
         print(p)
     return 0
 
@@ -473,8 +473,12 @@ def build_parser() -> argparse.ArgumentParser:
     mg.set_defaults(fn=cmd_merge)
     e = with_db(sub.add_parser("export", help="export the store to CSV or Parquet",
                                description="Flat tables of the store (runs, rounds, client metrics; rounds "
-                               "counted from 0) into --out. The store is only read."))
+                               "counted from 0) into --out, or only the runs --run and --sweep select. "
+                               "The store is only read."))
     e.add_argument("--format", choices=("csv", "parquet"), default="csv")
+    e.add_argument("--run", action="append", metavar="ID", help="export only this run (id or prefix; repeatable)")
+    e.add_argument("--sweep", action="append", metavar="NAME",
+                   help="export only the runs this sweep holds, with its memberships (repeatable)")
     e.add_argument("--out", default="export", help="output directory (default: ./export)")
     e.set_defaults(fn=cmd_export)
 
