@@ -165,6 +165,14 @@ def test_seed_spread_is_the_sample_std():
     assert _pm([0.5]) == "50.00" and _pm([None]) == "-"
 
 
+def test_megabytes_of_a_small_model_are_not_shown_as_zero():
+    from fedprism.report import _mb
+
+    assert _mb([0, 0]) == "0.00 ± 0.00" and _mb([2.5e6]) == "2.50"              # nothing sent; a large model
+    assert _mb([1234.0]) == "0.0012" and _mb([1000.0, 3000.0]) == "0.002 ± 0.0014"
+    assert _mb([]) == "-"
+
+
 def test_quick_without_a_quick_section_is_refused(tmp_path):
     """--quick on a file without [quick] would silently run the full-size sweep: refused, naming the section."""
     from fedprism.errors import ConfigError

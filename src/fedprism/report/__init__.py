@@ -47,6 +47,15 @@ def _pm(vals: list[float], scale: float = 100.0) -> str:
     return f"{a.mean():.2f} ± {a.std(ddof=1):.2f}" if len(a) > 1 else f"{a.mean():.2f}"
 
 
+def _mb(vals: list[float]) -> str:
+    """Bytes as MB (10^6) like `_pm`, with two significant digits below 0.005 MB (a model of a few KB
+    would read 0.00, which is what a method that sends nothing shows)."""
+    v = np.asarray([x for x in vals if x is not None], dtype=float) * 1e-6
+    if not len(v) or v.mean() == 0 or v.mean() >= 0.005:
+        return _pm(vals, 1e-6)
+    return f"{v.mean():.2g} ± {v.std(ddof=1):.2g}" if len(v) > 1 else f"{v.mean():.2g}"
+
+
 def setting_of(cfg: dict) -> str:
     part = cfg["partition"]
     extra = {k.split(".", 1)[1]: v for k, v in cfg.items() if k.startswith("partition.")
@@ -264,7 +273,7 @@ def dispersion_table(groups) -> list[str]:
                          for k in ("bytes_down", "bytes_up")}
             md.append(f"| {label} | {len(runs)} | " + " | ".join(
                 [_pm([r["final"].get(k) for r in runs]) for k in ("global_acc", "local_acc", "ad", "sdad")]
-                + [_pm(per_round[k], 1e-6) for k in ("bytes_down", "bytes_up")]) + " |")
+                + [_mb(per_round[k]) for k in ("bytes_down", "bytes_up")]) + " |")
         md.append("")
     return md
 
