@@ -135,11 +135,29 @@ def wait_port(port: int, deadline: float) -> None:
 
 
 class Procs:
-    """Processes started here, each in its own session (process group id = its pid)."""
+    """Processes started here, each in its own session (process group id = its pid), and the processes
+    seen below them: a SuperLink's SuperExec starts `flwr-serverapp` in a session of its own, out of
+    reach of the group's signals."""
 
     def __init__(self, logdir: Path):
         self.logdir = logdir
         self.procs: dict[str, subprocess.Popen] = {}
+        self.seen: set[int] = set()
+
+    def watch(self) -> None:
+        """Record the live processes below the ones started here (while the tree is whole)."""
+        from fedprism.flower.simulation import descendants
+
+        self.seen |= descendants({p.pid for p in self.procs.values()})
+
+    def _signal_tree(self, sig: int) -> None:
+        from fedprism.flower.simulation import descendants
+
+        for pid in descendants(self.seen):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
 
     def start(self, name: str, cmd: list[str], env: dict) -> subprocess.Popen:
         with open(self.logdir / f"{name}.log", "wb") as out:
@@ -157,12 +175,15 @@ class Procs:
             pass
 
     def stop_all(self, grace: float = 10.0) -> list[int]:
-        """SIGTERM every group, SIGKILL what is left after `grace` s; returns pids still alive."""
+        """SIGTERM every group and every process seen below it, SIGKILL what is left after `grace` s;
+        returns pids still alive."""
+        self.watch()
         for p in self.procs.values():
             try:
                 os.killpg(p.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
+        self._signal_tree(signal.SIGTERM)
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and self.alive():
             time.sleep(0.2)
@@ -173,6 +194,7 @@ class Procs:
                 os.killpg(p.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        self._signal_tree(signal.SIGKILL)
         for p in self.procs.values():
             try:
                 p.wait(timeout=5)
@@ -182,8 +204,11 @@ class Procs:
         return self.alive()
 
     def alive(self) -> list[int]:
-        """Pids of live processes in the groups started here (zombies excluded)."""
+        """Pids of live processes in the groups started here or seen below them (zombies excluded)."""
+        from fedprism.flower.simulation import descendants
+
         groups = {p.pid for p in self.procs.values()}
+        seen = descendants(self.seen)
         out = []
         for d in Path("/proc").iterdir():
             if not d.name.isdigit():
@@ -193,7 +218,7 @@ class Procs:
             except OSError:
                 continue
             fields = stat[stat.rfind(")") + 2:].split()
-            if fields[0] != "Z" and int(fields[2]) in groups:
+            if fields[0] != "Z" and (int(fields[2]) in groups or int(d.name) in seen):
                 out.append(int(d.name))
         return out
 
@@ -320,17 +345,19 @@ def main(argv: list[str] | None = None) -> int:
         # the app and its run config
         experiment = EXPERIMENT.format(n=args.nodes, rounds=args.rounds)
         cfg = parse_experiment(experiment)
-        run_id = flower_run_id(cfg)
         db = work / "results.db"
         app = work / "app"
-        write_app(app, {"experiment": experiment, "db": str(db), "min-nodes": args.nodes,
-                        "min-replies": max(1, args.nodes - 1), "round-timeout": args.round_timeout,
-                        "nodes-timeout": 300.0, "poll-interval": 0.5, "probe-timeout": 60.0,
-                        "save-final": str(work / "final_state.pt"), "registry": str(registry)})
+        run_config = {"experiment": experiment, "db": str(db), "min-nodes": args.nodes,
+                      "min-replies": max(1, args.nodes - 1), "round-timeout": args.round_timeout,
+                      "nodes-timeout": 300.0, "poll-interval": 0.5, "probe-timeout": 60.0,
+                      "save-final": str(work / "final_state.pt"), "registry": str(registry)}
+        run_id = flower_run_id(cfg, run_config)
+        write_app(app, run_config)
         t_run = time.monotonic()
         runner = procs.start("flwr-run", [flwr, "run", str(app), "deploy", "--stream"], cli_env)
         killed_at = None
         while runner.poll() is None:
+            procs.watch()
             if time.monotonic() > deadline:
                 raise TimeoutError("flwr run did not finish before the deadline")
             if args.kill_client >= 0 and killed_at is None and db.exists():

@@ -249,6 +249,24 @@ def test_flower_run_id_is_stable_and_distinct():
     assert flower_run_id(cfg) == flower_run_id(parse_experiment(EXP4 + " name=x device=cpu"))
     assert flower_run_id(cfg) != cfg.run_id
     assert flower_run_id(cfg) != flower_run_id(parse_experiment(EXP4.replace("seed=3", "seed=4")))
+    # run-config settings that change the numbers are part of the id, unless at their defaults
+    rc = run_config(EXP4, Path("x.db"), round_timeout=7.0, poll_interval=0.2)
+    assert RunSettings.from_run_config(rc).run_id == flower_run_id(cfg, rc) == flower_run_id(cfg)
+    assert flower_run_id(cfg, {"update-norm-bound": 0.0, "global-eval": "server"}) == flower_run_id(cfg)
+    ids = {flower_run_id(cfg, {k: v}) for k, v in (("update-norm-bound", 50.0), ("min-replies", 2),
+                                                    ("max-samples", 100), ("stats-epsilon", 1.0),
+                                                    ("registry", "/r.json"), ("global-eval", "nodes"),
+                                                    ("norm-action", "clip"))}
+    assert len(ids) == 7 and flower_run_id(cfg) not in ids
+    assert RunSettings.from_run_config({**rc, "update-norm-bound": 50.0}).run_id == \
+        flower_run_id(cfg, {"update-norm-bound": 50})
+
+
+def test_simulator_only_keys_are_refused_before_anything_starts():
+    """Refused from the run config alone: `simulate` and `app` stop before a SuperLink or Ray starts."""
+    for extra in ("eval.clients=2", "state.storage=mmap"):
+        with pytest.raises(ConfigError, match="on Flower"):
+            RunSettings.from_run_config({"experiment": EXP4 + " " + extra})
 
 
 def test_plan_and_update_round_trip(task_identity):
@@ -341,6 +359,46 @@ def _methods() -> list[str]:
     # centralised trains on the pooled data of every client: there is no Flower equivalent
     return sorted(m for m in REGISTRY if m not in ("fedprism", "centralised") and not m.startswith("test_")
                   or m == "test_protostate")
+
+
+def test_flower_and_in_process_runs_of_one_config_in_one_store_each_train(tmp_path, task_identity):
+    """Both orders: neither run re-scores the other's final state (a Flower run's models are what its
+    nodes sent). Both train every round, and they reach the same numbers."""
+    for first in ("in-process", "flower"):
+        db = tmp_path / f"{first}.db"
+        rc = run_config(EXP4, db)
+        runs = []
+        for who in ((first, "flower") if first == "in-process" else (first, "in-process")):
+            if who == "flower":
+                res = serve(FakeGrid(nodes_for(4), rc), rc)
+                final = res.final
+            else:
+                e, final = in_process(EXP4, db)
+                res = e
+            runs.append((who, res.run_id, final))
+        s = Store(db)
+        for who, rid, final in runs:
+            assert "rescored_from" not in final, (first, who)
+            assert not s.records(rid, "rescored"), (first, who)
+            assert [m["accepted"] for m in s.round_metrics(rid)] == [4, 4, 4], (first, who)
+        assert runs[0][2]["local_acc"] == pytest.approx(runs[1][2]["local_acc"], abs=1e-9)
+        flower = next(rid for who, rid, _ in runs if who == "flower")
+        prov = json.loads(s.run(flower)["provenance"])
+        assert prov["flower"]["update-norm-bound"] == 0.0 and prov["flower"]["min-replies"] == 1
+        s.close()
+
+
+def test_a_diverging_flower_run_is_rejected_and_flagged_as_in_process(tmp_path, task_identity):
+    """lr = 1e30: every update holds NaN/Inf. On Flower, as in process, each is `rejected` for its
+    non-finite values (not failed as a malformed reply for its NaN loss) and the run is flagged diverged."""
+    exp = EXP4.replace("lr=0.05", "lr=1e30").replace("rounds=3", "rounds=2")
+    ref, ref_final = in_process(exp, tmp_path / "ref.db")
+    rc = run_config(exp, tmp_path / "fl.db")
+    res = serve(FakeGrid(nodes_for(4), rc), rc)
+    assert ref_final["diverged"] and res.final["diverged"]
+    assert res.final["rejected"] == ref_final["rejected"] == 8
+    s = Store(tmp_path / "fl.db")
+    assert not [f for f in s.records(res.run_id, "failure") if "malformed" in f["data"].get("reason", "")]
 
 
 @pytest.mark.parametrize("method", ["clust_psi_pfl", "fedsoft", "fedsub"])

@@ -32,7 +32,7 @@ def _config(args) -> "Config":  # noqa: F821
 
 
 def cmd_run(args) -> int:
-    from fedprism.experiment.runner import Experiment
+    from fedprism.experiment.runner import Experiment, divergence_note
     from fedprism.experiment.store import Store, drop_if_new_and_empty
 
     cfg = _config(args)
@@ -49,11 +49,7 @@ def cmd_run(args) -> int:
     res = exp.run()
     f = res.final
     if f.get("diverged"):
-        r = f.get("diverged_round", 0)
-        since = "of all rounds" if r == 0 else f"from round {r + 1} on"
-        print(f"fedprism: warning: run {res.run_id} DIVERGED: every update {since} was rejected (non-finite "
-              f"values; {f.get('rejected')} rejected in all); its metrics are those of the "
-              + ("initial model" if r == 0 else f"model after round {r}") + " (lower lr?)", file=sys.stderr)
+        print(f"fedprism: warning: {divergence_note(res.run_id, f)}", file=sys.stderr)
     if not args.json:
         rounds = f"{cfg['rounds']} round{'s' if cfg['rounds'] != 1 else ''}"
         print(f"run {res.run_id} ({cfg['method']} on {cfg['dataset']}, {cfg['clients']} clients, "

@@ -274,6 +274,11 @@ class Experiment:
     (`fedprism.flower`) subclasses it with remote clients and no data on the server.
     """
 
+    #: whether this run's final state may be re-scored for, and taken from, runs of the same training
+    #: identity (`rescore_source`). A Flower run trains on its nodes, and what they send back is theirs to
+    #: say: it neither lends its final state to an in-process run nor takes one from it.
+    shares_final = True
+
     def __init__(self, cfg: Config, store: Store, fed: Federation | None = None, progress: bool = False,
                  sweep: str | None = None):
         self.cfg, self.store, self.sweep = cfg, store, sweep
@@ -403,14 +408,20 @@ class Experiment:
             self.clients.restore(snap, folder)
         return snap["state"]
 
+    def provenance(self) -> dict:
+        """What is stored with the run about how it ran (`fedprism.experiment.provenance.capture`)."""
+        return capture(self)
+
     def rescore_source(self) -> tuple[str, dict] | None:
         """A finished run that trained exactly this configuration (same training identity, other
         evaluation-only settings) and whose final state was kept: (its run id, the kept state)."""
         from fedprism.experiment.config import resolve
 
+        if not self.shares_final:
+            return None
         want = self.cfg.train_id
         for row in self.store.runs(method=self.cfg["method"], seed=self.cfg["seed"], status="finished"):
-            if row["run_id"] == self.run_id:
+            if row["run_id"] == self.run_id or _trained_remotely(row):
                 continue
             try:
                 other = resolve(_json(row["config"]))
@@ -457,7 +468,7 @@ class Experiment:
         run_id = self.run_id
         set_threads(cfg)                                   # `threads=`: execution-only, recorded below
         selector = make_selector(cfg, self.ctx, self.algo)
-        prov = capture(self)                               # compared with a stored run's (docs/reproducibility.md)
+        prov = self.provenance()                           # compared with a stored run's (docs/reproducibility.md)
         row = store.run(run_id)
         if row is not None and row["status"] == "finished":
             store.start_run(run_id, cfg.values, self.sweep, provenance=prov)   # sweep membership
@@ -556,7 +567,7 @@ class Experiment:
         final = final_metrics(history, elapsed)
         final.update(privacy_metrics(cfg, self.ctx.privacy))
         kept = False
-        if cfg["keep_final"]:
+        if cfg["keep_final"] and self.shares_final:
             if self.clients is not None and self.clients.storage == "mmap":
                 self.clients.move_to(store.final_rows_dir(cfg.train_id))   # the row files go with the state
             store.save_final(cfg.train_id, self._snapshot(T - 1, state, seen, elapsed))
@@ -619,6 +630,21 @@ def _free_disk(path) -> int | None:
         return shutil.disk_usage(Path(path).resolve().parent).free
     except OSError:
         return None
+
+
+def divergence_note(run_id: str, final: dict) -> str:
+    """What to tell a user about a run whose `final` says it diverged (`final_metrics`)."""
+    r = final.get("diverged_round", 0)
+    since = "of all rounds" if r == 0 else f"from round {r + 1} on"
+    return (f"run {run_id} DIVERGED: every update {since} was rejected (non-finite values; "
+            f"{final.get('rejected')} rejected in all); its metrics are those of the "
+            + ("initial model" if r == 0 else f"model after round {r}") + " (lower lr?)")
+
+
+def _trained_remotely(row) -> bool:
+    """A stored run whose clients trained elsewhere (a Flower run: its provenance names its engine)."""
+    prov = _json(row["provenance"] if "provenance" in row.keys() else None)
+    return (prov.get("execution") or {}).get("engine") == "RemoteTrainer"
 
 
 def _json(s: str | None) -> dict:

@@ -121,7 +121,8 @@ def decode_update(content: RecordDict, plan_row: Plan, config_id: str | None = N
     """The reply to `plan_row`'s message -> Update of one client, its payload decoded by `wire` (shapes are
     checked by the runner against the method's declared upload). With `config_id`, the reply must say it
     was computed for that experiment. Metrics must be finite numbers (they are the node's word, stored as
-    is)."""
+    is), unless the payload itself holds NaN/Inf: a diverged client, whose update the runner then rejects
+    for its payload ("non-finite values"), as in a simulation."""
     try:
         arrays, meta = content.array_records[UPDATE], content.config_records[META]
     except Exception as e:  # noqa: BLE001 - KeyError, or records of the wrong kind
@@ -140,9 +141,14 @@ def decode_update(content: RecordDict, plan_row: Plan, config_id: str | None = N
         if v.dim() == 0 or v.shape[0] != 1:
             raise ValueError(f"tensor {k!r} must have one row, got shape {tuple(v.shape)}")
     for k, v in metrics.items():
-        if v.dtype == torch.bool or v.is_complex() or not bool(torch.isfinite(v.double()).all()):
+        if v.dtype == torch.bool or v.is_complex():
             raise ValueError(f"tensor 'm.{k}' must hold finite numbers")
     payload = decode_rows(wire, "update", payload)
+    diverged = any(isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all())
+                   for v in payload.values())
+    for k, v in metrics.items():     # a diverged node's loss is NaN/Inf too: the runner rejects its payload
+        if not diverged and not bool(torch.isfinite(v.double()).all()):
+            raise ValueError(f"tensor 'm.{k}' must hold finite numbers")
     return Update(plan_row.clients.copy(), payload, n.to(torch.float64).reshape(1), metrics)
 
 

@@ -42,13 +42,16 @@ from fedprism.experiment.limits import check_limits
 from fedprism.experiment.runner import Experiment, RunResult, make_algorithm, make_context, make_model, validate_update
 from fedprism.experiment.store import Store
 from fedprism.flower import codec
-from fedprism.flower.settings import RunSettings, flower_label, flower_run_id
+from fedprism.flower.settings import IDENTITY_KEYS, RunSettings, check_flower_config, flower_label
 from fedprism.flower.trust import (FLOAT32_MAX, Refused, Registry, clip_update, node_keys, parse_identity, sample_count,
                                   scaled_hist, update_norm)
 from fedprism.params import Functional, ParamSpec
 from fedprism.protocol import EvalResult, Plan, Rows, Update
 
 IDENTITY_QUERY = "query.identity"
+
+#: run-config settings stored in a Flower run's provenance: those its numbers depend on, and the deadlines
+FLOWER_RECORDED = (*IDENTITY_KEYS, "min-nodes", "round-timeout")
 
 try:  # names of Flower's error codes, for readable failure records
     from flwr.common.constant import ErrorCode as _EC
@@ -550,21 +553,13 @@ class FlowerExperiment(Experiment):
         cfg = flower_label(settings.cfg)
         if cfg.get("drift.fraction", 0.0) and (drift is None or sizes is None):
             raise ConfigError("drift.fraction", cfg["drift.fraction"], NO_DRIFT_WITHOUT_DATA)
-        if cfg.get("eval.clients", 0):
-            raise ConfigError("eval.clients", cfg["eval.clients"], "0 on Flower: every connected node scores "
-                              "its client at each evaluation (sampled evaluation is simulated in process only)")
-        if cfg.get("state.storage", "memory") != "memory":
-            raise ConfigError("state.storage", cfg["state.storage"], "memory on Flower: each node keeps its own "
-                              "client's rows in its Context.state")
-        if cfg.get("eval.gate", "none") != "none":
-            raise ConfigError("eval.gate", cfg["eval.gate"], "none on Flower: the gate is fitted on every "
-                              "client's stream outputs in one process (in-process runs and re-scoring only)")
+        check_flower_config(cfg)
         self.cfg, self.store, self.sweep, self.progress = cfg, store, None, False
         self.drift = drift.schedule if drift is not None else None
         self._drift_counts = drift.counts if drift is not None else None
         self._drift_key: tuple | None = None
         self.settings, self.link = settings, link
-        self.run_id = flower_run_id(settings.cfg)
+        self.run_id = settings.run_id
         self.fed = None
         self.model = make_model(cfg, link.input_shape, link.num_classes)
         self.ctx = make_context(cfg, self.model, link.n_train, link.label_hist)   # arrays filled as nodes report
@@ -585,6 +580,15 @@ class FlowerExperiment(Experiment):
                                     wire=self.algo)
         self._records: list[Record] = []
         self._rnd = -1
+
+    shares_final = False               # the nodes trained it: no re-scoring from or for in-process runs
+
+    def provenance(self) -> dict:
+        """The runner's provenance plus the Flower settings the run's numbers depend on (`fedprism show`)."""
+        from dataclasses import asdict
+
+        s = asdict(self.settings)
+        return {**super().provenance(), "flower": {k: s[k.replace("-", "_")] for k in FLOWER_RECORDED}}
 
     def apply_drift(self, rnd: int, evaluator: Evaluator | None) -> int:
         """Round `rnd` begins: the evaluation messages say it (a node scores its rows of that round). Under

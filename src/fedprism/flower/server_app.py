@@ -27,7 +27,7 @@ from fedprism.data.drift import class_counts
 from fedprism.experiment.runner import RunResult, drift_schedule, make_model
 from fedprism.experiment.store import Store, drop_if_new_and_empty
 from fedprism.flower.server import NO_DRIFT_WITHOUT_DATA, FlowerExperiment, Link, ServerDrift, _log
-from fedprism.flower.settings import RunSettings, flower_run_id
+from fedprism.flower.settings import RunSettings
 from fedprism.flower.trust import Registry
 
 
@@ -80,7 +80,7 @@ def serve(grid: Grid, run_config: dict[str, Any]) -> RunResult:
     created = not Path(s.db).exists()
     store = Store(s.db)
     try:
-        run_id = flower_run_id(s.cfg)
+        run_id = s.run_id
         row = store.run(run_id)
         if row is not None and row["status"] == "finished":
             _log(f"run {run_id} is already finished in {s.db}; nothing to do")
@@ -97,7 +97,9 @@ def serve(grid: Grid, run_config: dict[str, Any]) -> RunResult:
                     max_samples=cap)
         where = "server" if s.global_eval == "server" and shared is not None else "nodes"
         capped = cap if cap is not None else "nothing (max-samples unset, the dataset is not readable here)"
-        _log(f"trust: sample counts capped at {capped}; registry {s.registry or 'none'}; "
+        bound = (f"update norms bounded at {s.update_norm_bound:g} ({s.norm_action})" if s.update_norm_bound
+                 else "update norms unbounded (update-norm-bound=0)")
+        _log(f"trust: sample counts capped at {capped}; registry {s.registry or 'none'}; {bound}; "
              f"global test set scored on the {where}")
         _log(f"run {run_id}: {s.cfg['method']} on {s.cfg['dataset']}, {s.cfg['clients']} clients, "
              f"{s.cfg['rounds']} rounds; waiting for {s.min_nodes} node(s) (at most {s.nodes_timeout:g}s)")

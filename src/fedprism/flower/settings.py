@@ -45,6 +45,7 @@ Node config (per SuperNode, `--node-config 'client-id=3 data-root="/data"'`):
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import shlex
 from collections.abc import Mapping
@@ -88,6 +89,11 @@ RUN_KEYS: dict[str, Param] = {
     "global-eval": Param("server", "who scores the global test set: the server (when it can build the "
                          "dataset) or the nodes", choices=("server", "nodes")),
 }
+
+#: run-config keys that change what a Flower run computes (which replies count, what the nodes report, who
+#: scores the global test set): part of its run id whenever they are not at their defaults
+IDENTITY_KEYS = ("min-replies", "max-samples", "update-norm-bound", "norm-action", "registry", "stats-epsilon",
+                 "global-eval")
 
 #: SuperNode node-config keys (Flower's simulation adds partition-id / num-partitions)
 NODE_KEYS = ("client-id", "partition-id", "num-partitions", "data-root", "device")
@@ -143,6 +149,7 @@ class RunSettings:
             raise ConfigError("stats-epsilon", v["stats-epsilon"], "0 when the experiment sets privacy.epsilon "
                               "(the label counts are then released once, with the run's Gaussian mechanism)")
         check_cohort(cfg)                       # what needs no data: before any SuperLink or node starts
+        check_flower_config(cfg)
         return cls(cfg=cfg, db=v["db"], min_nodes=v["min-nodes"], nodes_timeout=v["nodes-timeout"],
                    min_replies=v["min-replies"], round_timeout=v["round-timeout"],
                    poll_interval=v["poll-interval"], probe_timeout=v["probe-timeout"],
@@ -150,6 +157,28 @@ class RunSettings:
                    update_norm_bound=v["update-norm-bound"], norm_action=v["norm-action"],
                    registry=v["registry"], global_eval=v["global-eval"],
                    stats_epsilon=v["stats-epsilon"])
+
+    def knobs(self) -> dict[str, Any]:
+        """The `IDENTITY_KEYS` settings of this run (run-config names)."""
+        return {k: getattr(self, k.replace("-", "_")) for k in IDENTITY_KEYS}
+
+    @property
+    def run_id(self) -> str:
+        return flower_run_id(self.cfg, self.knobs())
+
+
+def check_flower_config(cfg: Config) -> None:
+    """Experiment settings a Flower run cannot honour, refused from the experiment alone (before any
+    SuperLink, Ray or node starts)."""
+    if cfg.get("eval.clients", 0):
+        raise ConfigError("eval.clients", cfg["eval.clients"], "0 on Flower: every connected node scores "
+                          "its client at each evaluation (sampled evaluation is simulated in process only)")
+    if cfg.get("state.storage", "memory") != "memory":
+        raise ConfigError("state.storage", cfg["state.storage"], "memory on Flower: each node keeps its own "
+                          "client's rows in its Context.state")
+    if cfg.get("eval.gate", "none") != "none":
+        raise ConfigError("eval.gate", cfg["eval.gate"], "none on Flower: the gate is fitted on every "
+                          "client's stream outputs in one process (in-process runs and re-scoring only)")
 
 
 def client_id_of(node_config: Mapping[str, Any], num_clients: int) -> int:
@@ -165,10 +194,16 @@ def client_id_of(node_config: Mapping[str, Any], num_clients: int) -> int:
     return cid
 
 
-def flower_run_id(cfg: Config) -> str:
-    """Store id of a Flower run of `cfg`: stable (a restarted ServerApp resumes it) and distinct from the
-    in-process run of the same config (so both can live in one store and be compared)."""
-    return hashlib.sha256(f"flower:{cfg.run_id}".encode()).hexdigest()[:16]
+def flower_run_id(cfg: Config, run_config: Mapping[str, Any] | None = None) -> str:
+    """Store id of a Flower run of `cfg` with the run-config `run_config`: stable (a restarted ServerApp
+    resumes it), distinct from the in-process run of the same config (so both can live in one store and
+    be compared), and distinct for each value of the `IDENTITY_KEYS` (a run with update-norm-bound=50 is
+    not the finished run without it). Keys at their defaults leave the id as it was before they counted."""
+    knobs = {k: RUN_KEYS[k].validate(k, run_config[k]) for k in IDENTITY_KEYS
+             if run_config is not None and k in run_config}
+    knobs = {k: v for k, v in knobs.items() if v != RUN_KEYS[k].default}
+    tail = f":{json.dumps(knobs, sort_keys=True)}" if knobs else ""
+    return hashlib.sha256(f"flower:{cfg.run_id}{tail}".encode()).hexdigest()[:16]
 
 
 def flower_label(cfg: Config) -> Config:

@@ -42,7 +42,7 @@ from typing import Any
 
 from fedprism.errors import ConfigError
 from fedprism.experiment.store import Store
-from fedprism.flower.settings import OFFLINE_ENV, RunSettings, flower_run_id
+from fedprism.flower.settings import OFFLINE_ENV, RunSettings
 
 #: Ray turns a node address of 127.0.0.1 into this machine's routable address (its
 #: `resolve_ip_for_localhost`) unless multi-node clusters are disabled; with them disabled the node
@@ -366,10 +366,14 @@ def simulate(experiment: str, db: str | Path = "fedprism-results.db", num_nodes:
     # Flower logs a failing ServerApp or backend and returns: say so to the caller
     store = Store(run_config["db"])
     try:
-        row = store.run(flower_run_id(s.cfg))
+        row = store.run(s.run_id)
         status = None if row is None else row["status"]
+        final = json.loads(row["final"] or "{}") if row is not None else {}
     finally:
         store.close()
+    if final.get("diverged"):
+        from fedprism.experiment.runner import divergence_note
+        print(f"fedprism: warning: {divergence_note(s.run_id, final)}", file=sys.stderr)
     if status not in ("finished", "interrupted"):
         raise RuntimeError(f"the Flower simulation did not complete (run status: {status}); see the log above"
                            " (Ray needs RAY_TMPDIR short enough for its socket paths: < ~60 characters)")
