@@ -92,7 +92,13 @@ def _rollback_journal_store(tmp_path) -> Path:
 
 
 def test_read_only_commands_change_no_byte(tmp_path, capsys):
+    """Nor leave a file: also a store in WAL mode (as `fedprism run` leaves one), where a read-only
+    connection creates -wal and -shm files it cannot remove itself."""
     dbs = [_rollback_journal_store(tmp_path)]
+    (tmp_path / "wal").mkdir()
+    dbs.append(tmp_path / "wal" / "w.db")
+    _run(str(dbs[-1]))
+    assert dbs[-1].read_bytes()[18:20] == b"\x02\x02"
     if COMMITTED.exists():
         dbs.append(tmp_path / "committed.db")
         with open(COMMITTED, "rb") as fh:
@@ -107,15 +113,16 @@ def test_read_only_commands_change_no_byte(tmp_path, capsys):
             dst.close()
             src.close()
     for db in dbs:
-        before = _digest(db)
+        before, header = _digest(db), db.read_bytes()[18:20]
         beside = sorted(p.name for p in db.parent.glob(db.name + "*"))
-        run_id = sqlite3.connect(f"file:{db}?mode=ro", uri=True).execute("SELECT run_id FROM runs").fetchone()[0]
+        with Store(str(db), readonly=True) as st:
+            run_id = st.runs()[0]["run_id"]
         assert main(["report", "--db", str(db), "--out", str(tmp_path / "rep"), "--no-plots"]) == 0
         assert main(["export", "--db", str(db), "--out", str(tmp_path / "exp")]) == 0
         assert main(["runs", "--db", str(db)]) == 0
         assert main(["show", "--db", str(db), run_id]) == 0
         assert _digest(db) == before, db
-        assert db.read_bytes()[18:20] == b"\x01\x01"                 # still a rollback-journal file, not WAL
+        assert db.read_bytes()[18:20] == header                      # a rollback-journal file stays one
         assert sorted(p.name for p in db.parent.glob(db.name + "*")) == beside       # no -wal / -shm left
         assert not any(n.endswith(("-wal", "-shm", "-journal")) for n in beside)
     capsys.readouterr()

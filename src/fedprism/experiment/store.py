@@ -234,6 +234,7 @@ class Store:
                 raise MissingStoreError(f"no results store at {self.path} (check --db or $FEDPRISM_DB"
                                         + (f"; stores here: {shown}" if near else "") + ")")
             uri = f"file:{self.path.resolve().as_posix()}?mode=ro"
+            self._had = {x for x in ("-wal", "-shm") if Path(f"{self.path}{x}").exists()}
             try:
                 self.db = sqlite3.connect(uri, uri=True, timeout=60, isolation_level=None)
                 self.db.row_factory = sqlite3.Row
@@ -313,6 +314,7 @@ class Store:
         self._closed = True
         if self.readonly:
             self.db.close()
+            self._drop_wal_files()
             return
         for lock in self._locks.values():
             lock.release()
@@ -323,6 +325,24 @@ class Store:
             pass                          # read-only or busy: the WAL stays for the next writer
         finally:
             self.db.close()
+
+    def _drop_wal_files(self) -> None:
+        """A read-only connection to a WAL store creates its -wal and -shm files and cannot remove them.
+        When this store created them (there were none before) and no other connection is open, one plain
+        connection that reads and closes lets SQLite remove them, as the last connection to close does;
+        the WAL is empty, so the database file is not written. With another connection open (a sweep
+        writing) SQLite leaves them, as it must."""
+        created = [x for x in ("-wal", "-shm") if x not in self._had and Path(f"{self.path}{x}").exists()]
+        if not created or self._had:
+            return
+        try:
+            con = sqlite3.connect(str(self.path), timeout=0)
+            try:
+                con.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()
+            finally:
+                con.close()
+        except sqlite3.Error:
+            pass                              # busy, or a file this user may not write: leave them
 
     def __enter__(self) -> "Store":
         return self
