@@ -232,10 +232,10 @@ def test_simulation_federation_is_what_flwr_run_takes(tmp_path, monkeypatch):
     (tmp_path / "home" / "config.toml").write_text(flower_config(43210))
     conn = read_superlink_connection(CONNECTION)
     assert conn.address == "127.0.0.1:43210" and conn.insecure and conn.options is None
-    for kw, field in [({"num_nodes": 0}, "num-supernodes"), ({"cpus_per_client": 0.5}, "client-resources-num-cpus"),
-                      ({"gpus_per_client": -1.0}, "client-resources-num-gpus"), ({"num_cpus": 0}, "init-args-num-cpus"),
-                      ({"cpus_per_client": 2, "num_cpus": 1}, "init-args-num-cpus"),
-                      ({"ray_address": "head-without-port"}, "ray-address"), ({"ray_address": "h:70000"}, "ray-address")]:
+    for kw, field in [({"num_nodes": 0}, "--nodes"), ({"cpus_per_client": 0.5}, "--cpus-per-client"),
+                      ({"gpus_per_client": -1.0}, "--gpus-per-client"), ({"num_cpus": 0}, "--num-cpus"),
+                      ({"cpus_per_client": 2, "num_cpus": 1}, "--num-cpus"),
+                      ({"ray_address": "head-without-port"}, "--ray-address"), ({"ray_address": "h:70000"}, "--ray-address")]:
         with pytest.raises(ConfigError, match=field):
             federation_config(**{"num_nodes": 3, **kw})
     from fedprism.flower.__main__ import main as cli

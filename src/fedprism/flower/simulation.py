@@ -61,7 +61,7 @@ def check_ray_address(value: Any) -> str:
     """`HOST:PORT` of a Ray head's GCS, as `ray start --head` prints it (port 6379 by default)."""
     m = _RAY_ADDRESS.match(value) if isinstance(value, str) else None
     if m is None or not 0 < int(m.group(2)) < 65536:
-        raise ConfigError("ray-address", value, "HOST:PORT of the Ray head (`ray start --head` prints it), "
+        raise ConfigError("--ray-address (ray_address)", value, "HOST:PORT of the Ray head (`ray start --head` prints it), "
                           "e.g. 10.0.0.1:6379")
     return value
 
@@ -79,21 +79,22 @@ def federation_config(num_nodes: int, *, cpus_per_client: float = 1, gpus_per_cl
     --federation-config` takes them. `num_cpus` is what a local Ray is started with; with
     `ray_address` the cluster's own resources count (Ray refuses `num_cpus` when attaching)."""
     cfg: dict[str, Any] = {
-        "num-supernodes": _whole("num-supernodes", num_nodes, 1),
+        "num-supernodes": _whole("--nodes (num_nodes)", num_nodes, 1),
         "backend": "ray",
-        "client-resources-num-cpus": _whole("client-resources-num-cpus", cpus_per_client, 1),
+        "client-resources-num-cpus": _whole("--cpus-per-client (cpus_per_client)", cpus_per_client, 1),
         "client-resources-num-gpus": float(gpus_per_client),
         "init-args-log-to-driver": bool(verbose),
         "verbose": bool(verbose),
     }
     g = cfg["client-resources-num-gpus"]
     if isinstance(gpus_per_client, bool) or not 0 <= g < float("inf"):
-        raise ConfigError("client-resources-num-gpus", gpus_per_client, "a finite number >= 0 (a fraction shares a GPU)")
+        raise ConfigError("--gpus-per-client (gpus_per_client)", gpus_per_client,
+                          "a finite number >= 0 (a fraction shares a GPU)")
     if ray_address is None:
-        n = _whole("init-args-num-cpus", num_cpus, 1)
+        n = _whole("--num-cpus (num_cpus)", num_cpus, 1)
         if n < cfg["client-resources-num-cpus"]:
-            raise ConfigError("init-args-num-cpus", num_cpus,
-                              f"at least client-resources-num-cpus = {cfg['client-resources-num-cpus']}")
+            raise ConfigError("--num-cpus (num_cpus)", num_cpus,
+                              f"at least --cpus-per-client = {cfg['client-resources-num-cpus']}")
         cfg["init-args-num-cpus"] = n
     else:
         check_ray_address(ray_address)
