@@ -306,6 +306,13 @@ def test_app_directory_for_flwr_run(tmp_path):
     rc = doc["tool"]["flwr"]["app"]["config"]
     assert RunSettings.from_run_config(rc).min_replies == 2 and rc["experiment"] == EXP4 and rc["db"] == "/abs/r.db"
     assert cli(["app", str(tmp_path / "bad"), "--experiment", EXP4, "bogus=1"]) == 2     # unknown key: clear error
+    with pytest.MonkeyPatch.context() as mp:            # a relative db is named absolutely (else: SuperLink's cwd)
+        mp.chdir(tmp_path)
+        assert cli(["app", str(tmp_path / "rel"), "--experiment", EXP4, "db=rel.db"]) == 0
+        assert cli(["app", str(tmp_path / "dflt"), "--experiment", EXP4]) == 0
+    for d, name in (("rel", "rel.db"), ("dflt", "fedprism-results.db")):
+        got = tomllib.loads((tmp_path / d / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]["db"]
+        assert got == str(tmp_path.resolve() / name), got
     # Flower itself accepts it as an app (builds a FAB), offline
     flwr_bin = Path(sys.executable).parent / "flwr"
     if flwr_bin.exists():

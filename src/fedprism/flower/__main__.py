@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from pathlib import Path
 
 from fedprism.errors import FedPrismError
 from fedprism.experiment.config import parse_value
+from fedprism.flower.settings import RUN_KEYS
 
 
 def _kv(items: list[str]) -> dict:
@@ -50,7 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "app":
             from fedprism.flower.app_dir import write_app
-            p = write_app(args.dir, {"experiment": args.experiment, **_kv(args.settings)})
+            rc = {"experiment": args.experiment, **_kv(args.settings)}
+            db = str(rc.get("db", RUN_KEYS["db"].default))
+            if not Path(db).is_absolute():     # else the ServerApp writes it wherever the SuperLink runs
+                rc["db"] = str(Path(db).resolve())
+                print(f"db: {db} is relative; the app names {rc['db']} (pass db=/absolute/path for another "
+                      "machine)", file=sys.stderr)
+            p = write_app(args.dir, rc)
             print(p)
         else:
             from fedprism.flower.simulation import simulate
