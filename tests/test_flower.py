@@ -618,6 +618,16 @@ def test_failures_are_recorded_and_survivors_aggregate(tmp_path, task_identity):
     assert all(r["local_acc"] is not None for r in s.client_rows(res.run_id, 0))
 
 
+def test_an_error_reply_is_stored_without_colour_codes_and_bounded():
+    from types import SimpleNamespace
+
+    from fedprism.flower.server import Link
+
+    tb = "Traceback (most recent call last):\n" + "  \x1b[31mFile x\x1b[0m, line 1\n" * 200 + "ValueError: boom"
+    why = Link.describe_error(SimpleNamespace(error=SimpleNamespace(code=0, reason=tb)))
+    assert "\x1b" not in why and why.endswith("ValueError: boom") and len(why) < 1100
+
+
 def test_too_few_replies_skip_the_update(tmp_path, task_identity):
     nodes = nodes_for(4)
     silent = {nid for nid, c in nodes.items() if c["client-id"] in (0, 1)}

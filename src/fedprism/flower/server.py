@@ -25,6 +25,7 @@ could compute are marked node-reported, and the server scores the global test se
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -267,9 +268,14 @@ class Link:
 
     # -- exchange ----------------------------------------------------------------------------------
     @staticmethod
-    def describe_error(r: Message) -> str:
+    def describe_error(r: Message, limit: int = 1000) -> str:
+        """An error reply as one stored reason: terminal colour codes dropped, at most `limit` characters of
+        the node's text (its last ones: a traceback ends with the exception)."""
         code = int(r.error.code)
-        return f"{ERROR_NAMES.get(code, 'ERROR')} ({code}): {r.error.reason}"
+        text = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", str(r.error.reason)).strip()
+        if len(text) > limit:
+            text = "..." + text[-limit:]
+        return f"{ERROR_NAMES.get(code, 'ERROR')} ({code}): {text}"
 
     def exchange(self, message_type: str, bodies: dict[int, RecordDict], timeout: float,
                  group: str = "") -> tuple[dict[int, RecordDict], dict[int, str]]:
