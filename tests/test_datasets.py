@@ -261,6 +261,28 @@ def test_truncated_and_hostile_pickles(tmp_path):
         load_dataset("cifar10", root=tmp_path / "d")
 
 
+def test_forged_headers_and_fields_are_data_errors(tmp_path):
+    """An IDX header whose dimensions overflow int64, and CIFAR batches whose labels or data are not arrays
+    of integers, are refused as corrupt files (no ValueError / OverflowError traceback)."""
+    raw = tmp_path / "huge.idx"
+    raw.write_bytes(bytes([0, 0, 0x08, 3]) + (2 ** 31).to_bytes(4, "big") * 3 + b"\x00" * 16)
+    with pytest.raises(DataError, match="truncated"):
+        read_idx(raw)
+    write_cifar(tmp_path / "d", "cifar10")
+    p = tmp_path / "d" / "cifar-10-batches-py" / "data_batch_2"
+    good = pickle.loads(p.read_bytes(), encoding="bytes")
+    for labels, data in ((["a"] * 10, None), ({"x": 1}, None), ([2 ** 70] * 10, None), (None, [[1, 2], [3]])):
+        bad = dict(good)
+        if labels is not None:
+            bad[b"labels"] = labels
+        if data is not None:
+            bad[b"data"] = data
+        p.write_bytes(pickle.dumps(bad, protocol=2))
+        with pytest.raises(DataError) as e:
+            load_dataset("cifar10", root=tmp_path / "d")
+        assert str(p) in str(e.value), (labels, data)
+
+
 def test_corrupt_cifar_archive(tmp_path):
     write_cifar(tmp_path / "d", "cifar100", archive=True)
     tar = tmp_path / "d" / "cifar-100-python.tar.gz"

@@ -456,6 +456,32 @@ def test_export_of_selected_runs_and_sweeps(tmp_path, capsys):
     assert "has no sweep secnd" in capsys.readouterr().err and not (tmp_path / "no").exists()
 
 
+def test_a_damaged_store_page_and_a_file_in_a_folder_s_place_are_one_line_errors(tmp_path, capsys, monkeypatch):
+    """A damaged page that the open's probe does not touch, and `--out` naming a file: exit 2 with one
+    line, no traceback. `threads` has an upper bound (torch crashed with 100000)."""
+    import sqlite3
+
+    from fedprism.cli import main
+
+    db = str(tmp_path / "d.db")
+    _run(db)
+    (tmp_path / "afile").write_text("x")
+    capsys.readouterr()
+    assert main(["export", "--db", db, "--out", str(tmp_path / "afile")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fedprism: error:") and "afile" in err and len(err.splitlines()) == 1
+
+    def damaged(*a, **k):
+        raise sqlite3.DatabaseError("database disk image is malformed")
+
+    monkeypatch.setattr(Store, "runs", damaged)
+    assert main(["runs", "--db", db]) == 2
+    err = capsys.readouterr().err
+    assert f"{db} is damaged (database disk image is malformed)" in err and ".recover" in err
+    with pytest.raises(ConfigError, match=r"'threads' = 100000 .*\[0, 1024\]"):
+        resolve({**TINY, "threads": 100000})
+
+
 def test_a_numbered_cuda_device_says_how_to_pick_a_gpu():
     """`device=cuda:1` is not a value the engines take; the error says how to run on GPU N instead."""
     with pytest.raises(ConfigError, match=r"'device' = 'cuda:1'.*cpu, cuda; .*CUDA_VISIBLE_DEVICES=N"):

@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import shutil
+import sqlite3
 import sys
 import textwrap
 from pathlib import Path
@@ -514,6 +515,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\nfedprism: interrupted; run the same command again to resume", file=sys.stderr)
         return 130
+    except sqlite3.DatabaseError as e:       # a page of the store damaged (the open itself is checked)
+        where = getattr(args, "db", None) or "the results store"
+        print(f"fedprism: error: {where} is damaged ({e}); copy what is readable with `sqlite3 {where} .recover "
+              f"| sqlite3 repaired.db`, or use another --db", file=sys.stderr)
+        return 2
+    except OSError as e:                     # a path that is a file where a folder is needed, no permission, ...
+        print(f"fedprism: error: {e}", file=sys.stderr)
+        return 2
     finally:
         warnings.formatwarning = plain
 

@@ -361,7 +361,9 @@ def read_idx(path: str | Path, ndim: int | None = None) -> np.ndarray:
                         f"the file has {len(data)}")
     dims = tuple(int(v) for v in np.frombuffer(data, ">u4", count=nd, offset=4))
     dtype = _IDX_DTYPES[code]
-    count = int(np.prod(dims, dtype=np.int64))
+    count = 1
+    for d in dims:                       # Python ints: no int64 wrap-around for a forged header
+        count *= d
     expected, got = count * dtype.itemsize, len(data) - header
     if got < expected:
         raise DataError(f"{path}: truncated: dims {dims} need {expected} bytes of data, "
@@ -423,8 +425,14 @@ def _cifar_batch(path: Path, label_key: bytes) -> tuple[np.ndarray, np.ndarray]:
     if b"data" not in d or label_key not in d:
         keys = ", ".join(sorted(k.decode(errors="replace") for k in d if isinstance(k, bytes)))
         raise DataError(f"{path}: not a CIFAR batch: needs 'data' and '{label_key.decode()}', has {keys}")
-    data = np.asarray(d[b"data"])
-    labels = np.asarray(d[label_key]).reshape(-1).astype(np.int64)
+    try:
+        data = np.asarray(d[b"data"])
+        raw = np.asarray(d[label_key])
+    except (ValueError, TypeError) as e:      # ragged lists and the like
+        raise DataError(f"{path}: 'data' or '{label_key.decode()}' is not an array ({e}); corrupt file") from None
+    if raw.dtype.kind not in "iu" or raw.ndim != 1:
+        raise DataError(f"{path}: '{label_key.decode()}' is {raw.dtype} {raw.shape}, expected integer labels [N]")
+    labels = raw.astype(np.int64)
     if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
         raise DataError(f"{path}: 'data' is {data.dtype} {data.shape}, expected uint8 [N, 3072]")
     if len(labels) != len(data):

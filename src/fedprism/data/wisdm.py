@@ -49,7 +49,7 @@ def parse_raw(text: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
             if len(f) != 6 or f[1] not in index:
                 raise ValueError
             u, x, y, z = int(f[0]), float(f[3]), float(f[4]), float(f[5])
-            if not (math.isfinite(x) and math.isfinite(y) and math.isfinite(z)):
+            if not (math.isfinite(x) and math.isfinite(y) and math.isfinite(z)) or not -2 ** 62 < u < 2 ** 62:
                 raise ValueError
         except ValueError:
             skipped += 1

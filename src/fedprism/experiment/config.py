@@ -27,6 +27,9 @@ _pos = lambda v: v > 0  # noqa: E731
 _nonneg = lambda v: v >= 0  # noqa: E731
 
 #: experiment keys (not method- or partition-specific)
+#: upper bound of `threads=` (torch crashed with 100000 intra-op threads; no machine needs more than this)
+MAX_THREADS = 1024
+
 KEYS: dict[str, Param] = {
     "method": Param("fedprism", "algorithm (see `fedprism methods`)"),
     "name": Param("", "free-form label stored with the run (not part of its id)"),
@@ -104,7 +107,7 @@ KEYS: dict[str, Param] = {
                          "launch per step; the same bits); auto: on for compiled CUDA runs; true needs CUDA; "
                          "not part of the run id", choices=("auto", "true", "false", True, False), new=True),
     "threads": Param(0, "torch intra-op threads for the run (0: leave torch's default); recorded with the "
-                     "run, not part of its id", _nonneg, "an integer >= 0"),
+                     "run, not part of its id", lambda v: 0 <= v <= MAX_THREADS, f"an integer in [0, {MAX_THREADS}]"),
     "scalars": Param("", "directory for per-round and per-client scalars as CSV, written as each round is "
                      "stored ('' = none; not part of the run id)"),
     "optimizer": Param("sgd", "client optimiser: sgd (lr, momentum, weight_decay) or adam (lr, weight_decay; "
