@@ -478,6 +478,14 @@ def test_a_damaged_store_page_and_a_file_in_a_folder_s_place_are_one_line_errors
     assert main(["runs", "--db", db]) == 2
     err = capsys.readouterr().err
     assert f"{db} is damaged (database disk image is malformed)" in err and ".recover" in err
+    other = tmp_path / "other.db"                  # another program's SQLite file is not written to
+    con = sqlite3.connect(other)
+    con.execute("CREATE TABLE people (name TEXT)")
+    con.commit()
+    con.close()
+    before = other.read_bytes()
+    assert main(["run", "method=fedavg", "dataset=digits", "clients=4", "rounds=1", "--db", str(other)]) == 2
+    assert "not a fedprism results store" in capsys.readouterr().err and other.read_bytes() == before
     with pytest.raises(ConfigError, match=r"'threads' = 100000 .*\[0, 1024\]"):
         resolve({**TINY, "threads": 100000})
 

@@ -255,6 +255,12 @@ class Store:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.db = sqlite3.connect(str(self.path), timeout=timeout, isolation_level=None)
             self.db.row_factory = sqlite3.Row
+            tables = sorted(r[0] for r in self.db.execute("SELECT name FROM sqlite_master WHERE type='table'"))
+            if tables and "runs" not in tables:     # another program's database: add nothing to it
+                self.db.close()
+                shown = ", ".join(tables[:5]) + (", ..." if len(tables) > 5 else "")
+                raise StoreError(f"{self.path} is an SQLite database of something else (tables: {shown}), not a "
+                                 "fedprism results store; choose another --db")
             _until_free(self._set_wal, self.timeout)
             self.db.execute("PRAGMA synchronous=NORMAL")
             with self.transaction():
