@@ -327,8 +327,21 @@ def cmd_data(args) -> int:
     from fedprism.data.download import download
 
     if args.action == "download":
-        for name in args.names:
-            print(f"{name}: {download(name, args.dest)}")
+        import signal
+
+        def stop(*_):
+            raise KeyboardInterrupt
+
+        before = signal.signal(signal.SIGTERM, stop)   # as Ctrl-C: the partial file is removed on the way out
+        try:
+            for name in args.names:
+                print(f"{name}: {download(name, args.dest)}")
+        except KeyboardInterrupt:
+            print("\nfedprism: download interrupted; nothing partial was kept (run it again to download "
+                  "again)", file=sys.stderr)
+            return 130
+        finally:
+            signal.signal(signal.SIGTERM, before)
     else:
         for name in args.names:
             ds = load_dataset(name, root=args.dest)

@@ -6,7 +6,9 @@ This is the only module of fedprism that touches the network, and only when the 
 Each file is streamed to a temporary ``<name>.<random>.part`` file in the destination folder while its
 SHA-256 and MD5 are computed; only when every known checksum matches is it renamed (atomically) to its
 final name. A mismatch deletes the partial file and raises :class:`DataError`, so the destination never
-holds a file that failed verification.
+holds a file that failed verification (nor the folder, when the failed attempt created it). A ``.part``
+file left by a killed process (SIGKILL) and untouched for ``STALE_PART_S`` is removed by the next fetch
+of that file; ``fedprism data download`` turns SIGTERM into the clean exit of Ctrl-C.
 
 Checksum policy, one of three per file (a :class:`RemoteFile` must declare one; a file with no checksum
 and no trust-on-first-use declaration is refused when it is defined):
@@ -26,6 +28,7 @@ and no trust-on-first-use declaration is refused when it is defined):
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -47,6 +50,8 @@ Opener = Callable[..., IO[bytes]]
 (default: ``urllib.request.urlopen`` with a User-Agent header)."""
 
 _CHUNK = 1 << 20
+#: a `.part` file of this file untouched for this long is a killed download's: removed at the next fetch
+STALE_PART_S = 600.0
 _USER_AGENT = "fedprism-dataset-download/1 (+urllib)"
 
 
@@ -266,8 +271,15 @@ def fetch(remote: RemoteFile, dest_dir: str | Path, *, opener: Opener | None = N
     new at the destination.
     """
     dest_dir = Path(dest_dir)
+    created = not dest_dir.exists()
     dest_dir.mkdir(parents=True, exist_ok=True)
     final = dest_dir / remote.filename
+    for old in dest_dir.glob(f"{glob.escape(remote.filename)}.*.part"):   # a killed download's leftovers
+        try:
+            if time.time() - old.stat().st_mtime > STALE_PART_S:
+                old.unlink()
+        except OSError:
+            pass
     record = read_tofu_record(final) if remote.tofu else None
     if final.is_file():
         if remote.tofu:
@@ -278,6 +290,7 @@ def fetch(remote: RemoteFile, dest_dir: str | Path, *, opener: Opener | None = N
             return final
     open_url = opener or _default_opener
     problems: list[str] = []
+    mismatched = False
     for url in remote.urls:
         fd, tmp_name = tempfile.mkstemp(prefix=remote.filename + ".", suffix=".part", dir=dest_dir)
         tmp = Path(tmp_name)
@@ -301,13 +314,20 @@ def fetch(remote: RemoteFile, dest_dir: str | Path, *, opener: Opener | None = N
                 os.replace(tmp, final)
                 return final
             problems.append(f"{url}: {problem}")
+            mismatched = True
         except (OSError, ValueError) as e:  # URLError, HTTPError and timeouts are OSErrors
             problems.append(f"{url}: {type(e).__name__}: {e}")
         finally:
             tmp.unlink(missing_ok=True)
+    if created:
+        try:
+            dest_dir.rmdir()               # the folder this attempt created, if it stayed empty
+        except OSError:
+            pass
     lines = "\n".join(f"  - {p}" for p in problems)
-    raise DataError(f"could not download {remote.filename} to {dest_dir}:\n{lines}\n"
-                    "A checksum mismatch means a corrupt or tampered file; nothing was kept.")
+    why = ("A checksum mismatch means a corrupt or tampered file; nothing was kept." if mismatched
+           else "Nothing was kept.")
+    raise DataError(f"could not download {remote.filename} to {dest_dir}:\n{lines}\n{why}")
 
 
 def download(name: str, dest: str | Path | None = None, *, files: Iterable[RemoteFile] | None = None,
