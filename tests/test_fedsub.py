@@ -298,6 +298,43 @@ def test_end_to_end_digits_beats_stated_accuracy(tmp_path):
     assert len(recs) == 3 and all(1 <= k <= 5 for r in recs for k in r["data"]["k"].values())
 
 
+def test_input_prototypes_are_class_means_of_the_raw_samples_kept_while_the_data_do_not_change(tmp_path,
+                                                                                              monkeypatch):
+    """prototypes=input: each uploaded prototype is the class mean of the client's flattened train inputs
+    (by hand from the federation) and the upload is [C, input width]; on static data a client computes
+    them once (round 0) and sends the kept ones after; under class drift again when its rows change."""
+    from fedprism.algorithms.fedsub import FedSub
+
+    made, sent = [], []
+    real = FedSub.input_prototypes
+
+    def counting(self, trainer, clients, cstate, rnd):
+        before = cstate["pkey"].clone()
+        out = real(self, trainer, clients, cstate, rnd)
+        made.append((rnd, int((cstate["pkey"] != before).any(1).sum())))
+        sent.append(out.clone())
+        return out
+
+    monkeypatch.setattr(FedSub, "input_prototypes", counting)
+    e, res = run(tmp_path, "inp", rounds=3, fedsub__prototypes="input")
+    C, D = e.ctx.num_classes, e.fed.x_train[0].numel()
+    assert tuple(e.upload["protos"].shape) == (C, D) and tuple(e.state["protos"].shape[1:]) == (C, D)
+    for c in range(e.ctx.num_clients):
+        idx = torch.as_tensor(e.fed.train_idx[c])
+        x, y = e.fed.x_train[idx].reshape(len(idx), -1).double(), e.fed.y_train[idx]
+        want = torch.zeros(C, D, dtype=torch.float64)
+        for k in y.unique().tolist():
+            want[k] = x[y == k].mean(0)
+        torch.testing.assert_close(e.state["protos"][c].double(), want, atol=1e-5, rtol=0)
+    assert made == [(0, 6), (1, 0), (2, 0)]
+    sent.clear()                          # with DP: one noisy release per data state, sent again as it is
+    run(tmp_path, "dp", rounds=3, fedsub__prototypes="input", **{"privacy.epsilon": 5.0})
+    assert torch.equal(sent[0], sent[1]) and torch.equal(sent[0], sent[2])
+    made.clear()
+    run(tmp_path, "drift", rounds=4, fedsub__prototypes="input", **{"drift.fraction": 1.0, "drift.every": 2})
+    assert made[0] == (0, 6) and made[1] == (1, 0) and sum(n for _, n in made[2:]) > 0
+
+
 @pytest.mark.parametrize("bad, why", [({"fedsub.fusion": "mean"}, "fedsub.fusion"),
                                        ({"fedsub.subnetwork": "lrp"}, "fedsub.subnetwork"),
                                        ({"fedsub.reliability": "loss"}, "fedsub.reliability"),

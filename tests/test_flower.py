@@ -535,7 +535,7 @@ def test_simulator_only_scale_keys_are_refused_on_flower(key, value, tmp_path, t
     assert db.exists() and Store(db).round_metrics(flower_run_id(parse_experiment(rc["experiment"]))) == []
 
 
-@pytest.mark.parametrize("method", _methods())
+@pytest.mark.parametrize("method", _methods() + ["fedsub fedsub.prototypes=input"])   # + kept client rows
 def test_every_method_runs_the_same_on_flower(method, tmp_path, task_identity):
     """No algorithm code is duplicated for Flower: each registered method's plan / client_update /
     aggregate / evaluation gives the in-process numbers. Client-side rows (fedprism_dual's P_i and L_i)

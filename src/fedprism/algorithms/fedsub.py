@@ -49,11 +49,17 @@ Decisions where the paper is silent or ambiguous:
   assumes a positive logit, so a sample whose class-c logit is not positive contributes no relevance.
   Rules in `fedprism.explain.lrp` (bias left out of the alpha-beta denominators). `lrp_eps` (epsilon
   rule, `lrp_eps` = eps) is an extra the paper does not use.
-* Prototypes: FedProto's Eq. 4 with the model's penultimate features, computed after local training on
-  the whole train split (`fedproto.local_prototypes`, so `privacy.epsilon` releases them with DP). The
-  paper keeps prototypes unchanged while the local data do not change; here the features change with the
-  model every round, so they are recomputed every round (which also covers data that change). Subnetworks
-  and scores are sent without noise (the paper's privacy section covers prototypes only).
+* Prototypes (`prototypes`). Eq. 1 names "the feature extraction function" f as FedProto and ProtoHAR
+  do, whose f is the model's embedding, yet Section 4.4 says the prototypes "remain unchanged throughout
+  the whole simulation" on static data and Algorithm 1 updates them only "whenever the local dataset
+  changes", which needs a fixed f. `features` (default): FedProto's Eq. 4 with the model's penultimate
+  features after local training, on the whole train split (`fedproto.local_prototypes`), recomputed every
+  round since f changes with the model. `input`: f is the identity on the flattened input (the MLP's input
+  vector), so a prototype is a class mean of the raw samples; the client keeps it in its state with a
+  signature of its train split (size and sums) and computes it again only when that split changes (class
+  drift), so with `privacy.epsilon` each data state is released once. Either way `privacy.epsilon`
+  releases prototypes with DP; subnetworks and scores are sent without noise (the paper's privacy section
+  covers prototypes only).
 * Reliability (Section 4.3's four options): `uniform` 1 (the paper's reported setting, default),
   `samples` |D_k^c|, `accuracy` the trained model's accuracy on the client's class-c train samples,
   `combined` |D_k^c| x accuracy. Scores are divided by the maximum inside each cluster; a cluster whose
@@ -77,7 +83,8 @@ Decisions where the paper is silent or ambiguous:
            'params' the parameters of the neurons in the union of the masks (a neuron's weight row and
                     bias), in the flat vector's order: 4 bytes each (float32); each kept parameter once,
                     however many class subnetworks hold it;
-           'protos' [C, d] and 'scores' [C], dense (4 bytes each): every class's row travels, as
+           'protos' [C, d] ([C, input width] with `prototypes=input`) and 'scores' [C], dense (4
+                    bytes each): every class's row travels, as
                     `privacy.epsilon` releases every class's prototype;
     down:  'write'  the written neurons [U] as bits, ceil(U / 8) bytes; 'values' the parameters of the
                     written neurons, 4 bytes each (the same for the evaluation payload).
@@ -112,6 +119,7 @@ from fedprism.params import ParamSpec
 SUBNETWORKS = ("naive", "lrp_a1b0", "lrp_a2b1", "lrp_eps")
 FUSIONS = ("avg", "leadership", "overlap")
 RELIABILITY = ("uniform", "samples", "accuracy", "combined")
+PROTOTYPES = ("features", "input")
 #: (rule, alpha, beta) of each LRP variant
 LRP_RULES = {"lrp_a1b0": ("alpha_beta", 1.0, 0.0), "lrp_a2b1": ("alpha_beta", 2.0, 1.0), "lrp_eps": ("epsilon", 1.0, 0.0)}
 CHUNK = 1024
@@ -348,6 +356,9 @@ class FedSub(Algorithm):
         "reliability": Param("uniform", "reliability score r_k^c: uniform (1), samples (|D_k^c|), accuracy "
                              "(class-c train accuracy) or combined (samples x accuracy)", choices=RELIABILITY),
         "lrp_eps": Param(1e-6, "epsilon of subnetwork=lrp_eps", lambda v: v > 0, "a number > 0"),
+        "prototypes": Param("features", "f of Eq. 1: features (the model's penultimate features, every round) "
+                            "or input (class means of the raw input, kept until the client's data change)",
+                            choices=PROTOTYPES, new=True),
     }
     client_state = {"w": ClientState(("P",), init="model")}
     shares_prototypes = True             # `privacy.epsilon` releases them with DP (fedprism.privacy)
@@ -359,6 +370,11 @@ class FedSub(Algorithm):
         self.unit = self.layout.unit_of_param()
         self.domain = self.layout.class_domain(ctx.num_classes)
         self._checked = False
+        self.proto_dim = self.layout.shapes[0][1] if self.hp["prototypes"] == "input" else "d"
+        if self.hp["prototypes"] == "input":     # the client keeps its input prototypes and their data's signature
+            self.client_state = {**type(self).client_state,
+                                 "pin": ClientState(("C", self.proto_dim), init="zeros"),
+                                 "pkey": ClientState((3,), init=-1.0, dtype=torch.float64)}
 
     @classmethod
     def headline(cls, config: dict) -> str:
@@ -367,10 +383,11 @@ class FedSub(Algorithm):
     def upload(self) -> dict:
         U = self.layout.units
         return {"params": TensorSpec(("P",)), "masks": TensorSpec(("C", U), torch.uint8, low=0, high=2),
-                "protos": TensorSpec(("C", "d")), "scores": TensorSpec(("C",), low=0)}
+                "protos": TensorSpec(("C", self.proto_dim)), "scores": TensorSpec(("C",), low=0)}
 
     def init_state(self) -> dict:
-        N, C, d, U, P = self.ctx.num_clients, self.ctx.num_classes, self.ctx.feature_dim, self.layout.units, self.ctx.spec.size
+        N, C, U, P = self.ctx.num_clients, self.ctx.num_classes, self.layout.units, self.ctx.spec.size
+        d = self.ctx.feature_dim if self.proto_dim == "d" else self.proto_dim
         return {"params": torch.zeros(N, P), "masks": torch.zeros(N, C, U, dtype=torch.uint8),
                 "protos": torch.zeros(N, C, d), "scores": torch.zeros(N, C),
                 "made": torch.full((N,), -1, dtype=torch.long),            # round of each client's artifacts
@@ -449,7 +466,10 @@ class FedSub(Algorithm):
         S, C = plan.clients, self.ctx.num_classes
         w = self.integrate(cstate["w"], plan.payload)
         t = trainer.train(TrainJob(S, w), rnd)
-        protos, _ = local_prototypes(trainer, S, t.params, C, self.ctx, rnd)          # Eq. 1 (DP when asked)
+        if self.hp["prototypes"] == "input":
+            protos = self.input_prototypes(trainer, S, cstate, rnd)
+        else:
+            protos, _ = local_prototypes(trainer, S, t.params, C, self.ctx, rnd)      # Eq. 1 (DP when asked)
         masks, scores, sent = [], [], []
         for i, c in enumerate(S):
             x, y = trainer.data(int(c), "train")
@@ -462,7 +482,37 @@ class FedSub(Algorithm):
             sent.append(torch.where(keep, t.params[i], torch.zeros((), dtype=t.params.dtype, device=t.params.device)))
         payload = {"params": torch.stack(sent), "masks": torch.stack(masks), "protos": protos,
                    "scores": torch.stack(scores)}
-        return Update(S, payload, t.n_samples, {"train_loss": t.loss}, client_state={"w": t.params})
+        kept = {"w": t.params}
+        if self.hp["prototypes"] == "input":
+            kept.update(pin=cstate["pin"], pkey=cstate["pkey"])
+        return Update(S, payload, t.n_samples, {"train_loss": t.loss}, client_state=kept)
+
+    def input_prototypes(self, trainer, clients: np.ndarray, cstate: dict, rnd: int) -> torch.Tensor:
+        """Eq. 1 with f the identity on the flattened input: [n, C, D] class means, from `cstate` while the
+        client's train split is the one they were made from (signature: size, sum of inputs, sum of labels),
+        else computed again and kept (`cstate` rows updated in place). `privacy.epsilon`: clipped rows and
+        the Gaussian release of `fedprism.privacy`, once per data state."""
+        from fedprism.privacy import clip_rows
+
+        C, privacy = self.ctx.num_classes, getattr(self.ctx, "privacy", None)
+        for i, c in enumerate(clients):
+            x, y = trainer.data(int(c), "train")
+            z = x.reshape(len(x), -1).to(torch.float64).cpu()
+            y = y.cpu()
+            key = torch.tensor([float(len(y)), float(z.sum()), float(y.sum())], dtype=torch.float64)
+            if torch.equal(cstate["pkey"][i], key):
+                continue
+            if privacy is not None:
+                z = clip_rows(z, privacy.clip)
+            sums = torch.zeros(C, z.shape[1], dtype=torch.float64).index_add_(0, y, z)
+            n = torch.bincount(y, minlength=C).to(torch.float64)
+            if privacy is not None:
+                p, _ = privacy.prototype_sums(sums, n, privacy.generator(self.ctx.seed, rnd, int(c), "prototypes"))
+            else:
+                p = sums / n.clamp(min=1)[:, None]
+            cstate["pin"][i] = p.to(cstate["pin"].dtype)
+            cstate["pkey"][i] = key
+        return cstate["pin"].clone()
 
     # -- server ---------------------------------------------------------------------------------------------
     def aggregate(self, state: dict, rnd: int, update: Update) -> dict:
