@@ -486,6 +486,10 @@ def test_a_damaged_store_page_and_a_file_in_a_folder_s_place_are_one_line_errors
     before = other.read_bytes()
     assert main(["run", "method=fedavg", "dataset=digits", "clients=4", "rounds=1", "--db", str(other)]) == 2
     assert "not a fedprism results store" in capsys.readouterr().err and other.read_bytes() == before
+    from fedprism.experiment.federation import build_federation
+    for key in ("data.train_subset", "data.test_subset"):         # more rows than the split holds: refused
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.") + r".*<= the \d+ samples of digits"):
+            build_federation(resolve({**TINY, key: 100000}))
     with pytest.raises(ConfigError, match=r"'threads' = 100000 .*\[0, 1024\]"):
         resolve({**TINY, "threads": 100000})
 

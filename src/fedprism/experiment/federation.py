@@ -51,6 +51,11 @@ def _federation(dataset: str, root: str, download: bool, pad32: bool, partition:
                           "client the samples of one user or device and needs a dataset that records them "
                           f"(built in: {', '.join(NATURAL_CLIENTS)}); dataset '{dataset}' does not")
     rng = np.random.default_rng([seed, 0xDA7A])
+    for key, want, have in (("data.train_subset", train_subset, len(y_tr)), ("data.test_subset", test_subset,
+                                                                            len(y_te))):
+        if want > have:                 # "all of it" under another run id would hide a typo
+            raise ConfigError(key, want, f"0 (all) or an integer <= the {have} samples of {dataset}'s "
+                              f"{key.split('.')[1].split('_')[0]} split")
     if 0 < train_subset < len(y_tr):
         keep = torch.as_tensor(np.sort(rng.permutation(len(y_tr))[:train_subset]))
         x_tr, y_tr = x_tr[keep], y_tr[keep]
