@@ -555,6 +555,17 @@ def test_load_with_download_fetches_then_loads(tmp_path, monkeypatch):
     assert got["name"] == "mnist"
     np.testing.assert_array_equal(ds.y_test.numpy(), got["fake"].y_test)
 
+    def into(name, dest=None, **kw):                  # a named data.root receives the download
+        got["dest"] = dest
+        write_fake(name, dest)
+        return Path(dest)
+
+    monkeypatch.setattr(dl, "download", into)
+    with pytest.raises(DataError, match="data.download=true"):
+        load_dataset("fmnist", root=tmp_path / "mine")
+    ds = load_dataset("fmnist", root=tmp_path / "mine", download=True)
+    assert got["dest"] == tmp_path / "mine" and len(ds.y_test)
+
 
 # ------------------------------------------------------------------------------ digits, synthetic
 

@@ -494,6 +494,14 @@ def test_a_damaged_store_page_and_a_file_in_a_folder_s_place_are_one_line_errors
         resolve({**TINY, "threads": 100000})
 
 
+def test_a_method_s_array_of_tables_and_pad32_on_tabular_data_name_what_to_write():
+    with pytest.raises(ConfigError, match=r"'fedavg' = .*a \[fedavg\] table .*\[\[fedavg\]\] is an array"):
+        resolve({**TINY, "method": "fedavg", "fedavg": [{"mu": 1}]})
+    from fedprism.experiment.federation import build_federation
+    with pytest.raises(ConfigError, match=r"'data\.pad32' = True"):
+        build_federation(resolve({**TINY, "dataset": "synthetic", "data.pad32": True}))
+
+
 def test_a_numbered_cuda_device_says_how_to_pick_a_gpu():
     """`device=cuda:1` is not a value the engines take; the error says how to run on GPU N instead."""
     with pytest.raises(ConfigError, match=r"'device' = 'cuda:1'.*cpu, cuda; .*CUDA_VISIBLE_DEVICES=N"):

@@ -305,7 +305,8 @@ def _locate(name: str, root: str | Path | None) -> tuple[dict[str, Path], Path] 
             return found, d
         if root is not None and not looked:       # an explicit data.root is never silently passed over
             raise DataError(f"data.root {d} does not hold dataset '{name}' ({found}); needed: {_needed(name)}. "
-                            "Fix data.root or leave it empty to search the default locations")
+                            "Fix data.root, leave it empty to search the default locations, or add "
+                            "data.download=true to download it into data.root")
         looked.append((d, found))
     return looked
 
@@ -772,7 +773,7 @@ def _to_tensor(x: np.ndarray, scale: float, mean: tuple[float, ...], std: tuple[
     if pad32:
         n, c, h, w = t.shape
         if h > 32 or w > 32:
-            raise ConfigError("pad32", True, f"only for images up to 32x32, these are {h}x{w}")
+            raise ConfigError("data.pad32", True, f"only for images up to 32x32, these are {h}x{w}")
         top, left = (32 - h) // 2, (32 - w) // 2
         padded = torch.zeros(n, c, 32, 32, dtype=t.dtype)
         padded[:, :, top:top + h, left:left + w] = t
@@ -936,18 +937,23 @@ def load_dataset(name: str, root: str | Path | None = None, download: bool = Fal
         return _load_digits(pad32=pad32, **kw)  # type: ignore[arg-type]
     if name == "synthetic":
         if pad32:
-            raise ConfigError("pad32", pad32, "false for the synthetic (tabular) dataset")
+            raise ConfigError("data.pad32", pad32, "false for the synthetic (tabular) dataset")
         return generate_synthetic(**kw)  # type: ignore[arg-type]
     if name == "wisdm":
         if pad32:
-            raise ConfigError("pad32", pad32, "false for the wisdm (tabular) dataset")
+            raise ConfigError("data.pad32", pad32, "false for the wisdm (tabular) dataset")
         split = {"seed": _int_kw("seed", kw.get("seed", 0), 0),
                  "test_fraction": _float_kw("test_fraction", kw.get("test_fraction", 0.2), 0.0, 1.0,
                                             open_low=True)}
 
-    found = _locate(name, root)
+    try:
+        found = _locate(name, root)
+    except DataError:                             # an explicit data.root without the files
+        if not download:
+            raise
+        found = []
     if isinstance(found, list) and download:
-        _download.download(name)
+        _download.download(name, root)            # into data.root when one is named, else the cache
         found = _locate(name, root)
     if isinstance(found, list):
         raise _missing_error(name, found)

@@ -327,6 +327,9 @@ def resolve(raw: dict[str, Any]) -> Config:
             allowed = ", ".join(f"partition.{p}" for p in part_params)
             raise ConfigError(k, raw[k], f"unknown key for partition={part}{hint}; it takes {allowed}")
         other = k.split(".")[0]
+        if other in REGISTRY and "." not in k:     # a TOML [[fedavg]]: an array of tables, not a table
+            raise ConfigError(k, raw[k], f"a [{other}] table of {other}.KEY = value parameters (a TOML "
+                              f"[[{other}]] is an array of tables)")
         if other in REGISTRY:
             raise ConfigError(k, raw[k], f"a {other} parameter, but method={method}")
         raise ConfigError(k, raw[k], f"unknown key{hint}; known keys: {', '.join(KEYS)} and {method}.*, "
