@@ -494,6 +494,18 @@ def test_a_damaged_store_page_and_a_file_in_a_folder_s_place_are_one_line_errors
         resolve({**TINY, "threads": 100000})
 
 
+def test_a_run_id_prefix_of_sql_wildcards_or_nothing_matches_no_run(tmp_path):
+    from fedprism.errors import FedPrismError
+
+    db = str(tmp_path / "p.db")
+    rid = _run(db).run_id
+    with Store(db, readonly=True) as st:
+        assert st.find(rid[:5])["run_id"] == rid
+        for prefix in ("%", "_", "", f"{rid[:3]}%"):
+            with pytest.raises(FedPrismError, match="no run"):
+                st.find(prefix)
+
+
 def test_a_method_s_array_of_tables_and_pad32_on_tabular_data_name_what_to_write():
     with pytest.raises(ConfigError, match=r"'fedavg' = .*a \[fedavg\] table .*\[\[fedavg\]\] is an array"):
         resolve({**TINY, "method": "fedavg", "fedavg": [{"mu": 1}]})

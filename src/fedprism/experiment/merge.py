@@ -146,8 +146,9 @@ def selection(src: Store, runs: list[str] | None, sweeps: list[str] | None
         return None, []
     chosen, missing = set(), []
     for prefix in runs or []:
-        rows = src.db.execute("SELECT run_id FROM runs WHERE run_id LIKE ?",
-                              (prefix.replace("%", "").replace("_", "") + "%",)).fetchall()
+        clean = prefix.replace("%", "").replace("_", "")
+        rows = [] if not clean or clean != prefix else src.db.execute(
+            "SELECT run_id FROM runs WHERE run_id LIKE ?", (clean + "%",)).fetchall()
         if len(rows) > 1:
             src.find(prefix)                     # raises, naming the candidates
         chosen |= {r[0] for r in rows}

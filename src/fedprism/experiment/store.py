@@ -447,15 +447,14 @@ class Store:
 
     def find(self, prefix: str) -> sqlite3.Row:
         """The run whose id starts with `prefix` (an unambiguous prefix, as git accepts)."""
-        rows = self.db.execute("SELECT * FROM runs WHERE run_id LIKE ? ORDER BY run_id",
-                               (prefix.replace("%", "").replace("_", "") + "%",)).fetchall()
+        clean = prefix.replace("%", "").replace("_", "")
+        rows = [] if not clean or clean != prefix else self.db.execute(
+            "SELECT * FROM runs WHERE run_id LIKE ? ORDER BY run_id", (clean + "%",)).fetchall()
         if not rows:
             raise FedPrismError(f"no run {prefix!r} in {self.path} (`fedprism runs` lists them)")
         if len(rows) > 1:
             raise FedPrismError(f"run id prefix {prefix!r} is ambiguous: {', '.join(r['run_id'] for r in rows[:5])}")
         return rows[0]
-
-
 
     def lock(self, run_id: str) -> None:
         """Hold the run's lock (`runlock`) until `finish`, `mark` or `close`."""
