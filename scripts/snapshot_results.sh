@@ -27,7 +27,7 @@ rm -rf results/paper_fmnist
     --out results/paper_fmnist > /dev/null
 rm -rf results/fedsub
 .venv/bin/fedprism report --db "$tmp/render.db" --sweep fedsub_static --sweep fedsub_dynamic \
-    --out results/fedsub > /dev/null
+    --sweep fedsub_prototypes --out results/fedsub > /dev/null
 rm -rf results/fedprism_ablations
 .venv/bin/fedprism report --db "$tmp/render.db" --sweep fedprism_ablation_components --sweep fedprism_ablation_alpha \
     --reference fedprism-paper-fmnist --out results/fedprism_ablations > /dev/null

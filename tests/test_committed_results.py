@@ -21,7 +21,7 @@ REPORTS = {
                                                "paper_fmnist_dir01_pfl", "fedamp_mu_validation",
                                                "fedprism_validation", "fedprism_ablation_inference_weight"],
                          reference="fedprism-paper-fmnist"),
-    "fedsub": dict(sweep=["fedsub_static", "fedsub_dynamic"]),
+    "fedsub": dict(sweep=["fedsub_static", "fedsub_dynamic", "fedsub_prototypes"]),
     "pfpl_mixed": dict(sweep=["pfpl_mixed"]),
     "fedprism_ablations": dict(sweep=["fedprism_ablation_components", "fedprism_ablation_alpha"],
                                reference="fedprism-paper-fmnist"),
@@ -378,7 +378,7 @@ def test_pfpl_mixed_as_results_readme_states(db_copy):
     """results/README.md, "PFPL, mixed label + feature skew": prototype-only messages 73x smaller; PFPL
     and FedProto ahead of Local at round 5 and not below it at the end for every n; the top rows within
     2 points; FedAvg the lowest row and still rising; Local at least 85.67 in every domain; FedBN first at
-    n = 3 and 5."""
+    n = 3 and 5; PFPL run with the server-side own share, the earlier live-share runs outside the sweep."""
     import sqlite3
 
     store = Store(db_copy)
@@ -403,13 +403,36 @@ def test_pfpl_mixed_as_results_readme_states(db_copy):
         assert acc(rows["PFPL"], 4) > acc(rows["Local"], 4) + 0.01 and acc(rows["FedProto"], 4) > acc(rows["Local"], 4) + 0.01
         top = [loc[k] for k in ("PFPL", "FedProto", "FedBN", "APFL", "Local")]
         assert max(top) - min(top) < 0.02, (n, top)
-        assert abs(loc["PFPL"] - loc["FedProto"]) < 0.005
+        assert abs(loc["PFPL"] - loc["FedProto"]) < 0.0025
+        assert json.loads(rows["PFPL"]["config"])["pfpl.own_share"] == "uploaded"
         assert (max(loc, key=loc.get) == "FedBN") == (n in (3, 5)), (n, loc)
         up = {k: f["bytes_up"] for k, f in fin.items()}
         assert up["PFPL"] == up["FedProto"] and 70 < up["FedAvg"] / up["PFPL"] < 75 and up["Local"] == 0
         dom = domain_accuracy(store, rows["Local"]["run_id"])
         assert sorted(dom) == [0, 1, 2, 3] and min(dom.values()) >= 0.8567 - 5e-5, (n, dom)
-    assert round(100 * json.loads(by_n[3]["PFPL"]["final"])["local_acc"], 2) == 94.68
+    got = [round(100 * json.loads(by_n[n]["PFPL"]["final"])["local_acc"], 2) for n in (3, 4, 5)]
+    assert got == [94.71, 92.44, 90.29]
+    live = [round(100 * json.loads(store.run(rid)["final"])["local_acc"], 2)
+            for rid in ("f2e45435db9d2737", "b9e4f5bd19aec722", "fd1267f8398f2993")]
+    assert live == [94.68, 92.02, 90.02]
+    assert not {"f2e45435db9d2737", "b9e4f5bd19aec722", "fd1267f8398f2993"} & {r["run_id"] for r in runs}
+
+
+def test_fedsub_prototypes_as_results_readme_states(db_copy):
+    """results/README.md, "Prototypes: the model's features or the raw input": the two Overlap rows with
+    each f, their F1 and upload bytes, and K per class fixed over 300 rounds with input prototypes only."""
+    store = Store(db_copy)
+    rows = {r["label"]: r for r in store.runs(sweep="fedsub_prototypes")}
+    assert sorted(rows) == ["FedSub LRP a2b1 Overlap | input", "FedSub naive Overlap | input"]
+    runs = {("naive", "features"): "a809522c59e11b9b", ("naive", "input"): "326c541a081df266",
+            ("a2b1", "features"): "33f3e6f8487d274b", ("a2b1", "input"): "366616dc6e35f05c"}
+    want = {("naive", "features"): (77.06, 214, 7), ("naive", "input"): (76.23, 196, 1),
+            ("a2b1", "features"): (77.53, 179, 6), ("a2b1", "input"): (77.63, 161, 1)}
+    for key, rid in runs.items():
+        f = json.loads(store.run(rid)["final"])
+        ks = {json.dumps(r["data"]["k"], sort_keys=True) for r in store.records(rid, "fedsub")}
+        got = (round(100 * f["local_f1"], 2), round(f["bytes_up"] / 36 / 300 / 1e3), len(ks))
+        assert got == want[key], (key, got)
 
 
 def test_fedprism_components_as_results_readme_states(db_copy):
