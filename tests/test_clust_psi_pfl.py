@@ -124,7 +124,7 @@ def test_per_cluster_sampling_takes_q_of_each_cluster():
     assert len(plan.clients) == 4 and (g == 0).sum() == 2 and (g == 1).sum() == 2
     assert not np.array_equal(algo.plan(state, 1, np.arange(3)).clients, plan.clients) or \
         not np.array_equal(algo.plan(state, 2, np.arange(3)).clients, plan.clients)
-    glob = ClustPsiPfl(_ctx(h, fraction=0.4))          # the default: the paper's uniform cohort of q K clients
+    glob = ClustPsiPfl(_ctx(h, fraction=0.4))          # the default: the paper's uniform cohort
     assert glob.plan(glob.init_state(), 0, np.arange(3)).clients.tolist() == [0, 1, 2]
 
 

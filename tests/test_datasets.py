@@ -469,6 +469,23 @@ def test_download_all_mirrors_fail(tmp_path):
     assert not (tmp_path / "dest").exists()               # the folder this attempt created is gone again
 
 
+def test_an_interrupted_download_leaves_neither_a_part_file_nor_the_folder_it_made(tmp_path):
+    class Stop:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+        def read(self, n):
+            raise KeyboardInterrupt                    # Ctrl-C, or SIGTERM in `fedprism data download`
+
+    remote = dl.RemoteFile("a.bin", ("https://example.invalid/a.bin",), md5="0" * 32)
+    with pytest.raises(KeyboardInterrupt):
+        dl.fetch(remote, tmp_path / "new" / "dest", opener=lambda url, timeout: Stop())
+    assert not (tmp_path / "new" / "dest").exists()
+
+
 def test_a_killed_download_s_stale_part_file_is_removed_by_the_next(tmp_path):
     payload = b"y" * 50
     good = _remote(tmp_path, payload, hashlib.sha256(payload).hexdigest())

@@ -235,7 +235,8 @@ def test_simulation_federation_is_what_flwr_run_takes(tmp_path, monkeypatch):
     for kw, field in [({"num_nodes": 0}, "--nodes"), ({"cpus_per_client": 0.5}, "--cpus-per-client"),
                       ({"gpus_per_client": -1.0}, "--gpus-per-client"), ({"num_cpus": 0}, "--num-cpus"),
                       ({"cpus_per_client": 2, "num_cpus": 1}, "--num-cpus"),
-                      ({"ray_address": "head-without-port"}, "--ray-address"), ({"ray_address": "h:70000"}, "--ray-address")]:
+                      ({"ray_address": "head-without-port"}, "--ray-address"),
+                      ({"ray_address": "h:70000"}, "--ray-address")]:
         with pytest.raises(ConfigError, match=field):
             federation_config(**{"num_nodes": 3, **kw})
     from fedprism.flower.__main__ import main as cli
@@ -249,6 +250,8 @@ def test_flower_run_id_is_stable_and_distinct():
     assert flower_run_id(cfg) == flower_run_id(parse_experiment(EXP4 + " name=x device=cpu"))
     assert flower_run_id(cfg) != cfg.run_id
     assert flower_run_id(cfg) != flower_run_id(parse_experiment(EXP4.replace("seed=3", "seed=4")))
+    import hashlib                      # the formula Flower runs were stored under before the settings counted
+    assert flower_run_id(cfg) == hashlib.sha256(f"flower:{cfg.run_id}".encode()).hexdigest()[:16]
     # run-config settings that change the numbers are part of the id, unless at their defaults
     rc = run_config(EXP4, Path("x.db"), round_timeout=7.0, poll_interval=0.2)
     assert RunSettings.from_run_config(rc).run_id == flower_run_id(cfg, rc) == flower_run_id(cfg)
@@ -306,12 +309,13 @@ def test_app_directory_for_flwr_run(tmp_path):
     rc = doc["tool"]["flwr"]["app"]["config"]
     assert RunSettings.from_run_config(rc).min_replies == 2 and rc["experiment"] == EXP4 and rc["db"] == "/abs/r.db"
     assert cli(["app", str(tmp_path / "bad"), "--experiment", EXP4, "bogus=1"]) == 2     # unknown key: clear error
-    with pytest.MonkeyPatch.context() as mp:            # a relative db is named absolutely (else: SuperLink's cwd)
+    with pytest.MonkeyPatch.context() as mp:            # a relative db is named absolutely
         mp.chdir(tmp_path)
         assert cli(["app", str(tmp_path / "rel"), "--experiment", EXP4, "db=rel.db"]) == 0
         assert cli(["app", str(tmp_path / "dflt"), "--experiment", EXP4]) == 0
     for d, name in (("rel", "rel.db"), ("dflt", "fedprism-results.db")):
-        got = tomllib.loads((tmp_path / d / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]["db"]
+        doc = tomllib.loads((tmp_path / d / "pyproject.toml").read_text())
+        got = doc["tool"]["flwr"]["app"]["config"]["db"]
         assert got == str(tmp_path.resolve() / name), got
     # Flower itself accepts it as an app (builds a FAB), offline
     flwr_bin = Path(sys.executable).parent / "flwr"
@@ -623,7 +627,8 @@ def test_an_error_reply_is_stored_without_colour_codes_and_bounded():
 
     from fedprism.flower.server import Link
 
-    tb = "Traceback (most recent call last):\n" + "  \x1b[31mFile x\x1b[0m, line 1\n" * 200 + "ValueError: boom"
+    tb = ("Traceback (most recent call last):\n" + "  \x1b[31mFile x\x1b[0m, line 1\n" * 200
+          + "ValueError: boom")
     why = Link.describe_error(SimpleNamespace(error=SimpleNamespace(code=0, reason=tb)))
     assert "\x1b" not in why and why.endswith("ValueError: boom") and len(why) < 1100
 

@@ -70,7 +70,7 @@ def test_reducing_settings_are_local_training_bit_for_bit(tmp_path):
         b = [tuple(r)[2:] for r in one.store.client_rows(one.run_id, 3)]
         assert a == b, name
     for name, kw in (("half", {}), ("up1", dict(pfpl__alpha=1.0)), ("live", dict(pfpl__own_share="live"))):
-        other = run(tmp_path, name, method="pfpl", **kw)         # alpha = 1 with the uploaded share still pulls
+        other = run(tmp_path, name, method="pfpl", **kw)         # alpha = 1, uploaded share: still pulls
         assert not torch.equal(other.clients.data["w"], local.clients.data["w"]), name
 
 

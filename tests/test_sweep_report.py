@@ -173,6 +173,15 @@ def test_megabytes_of_a_small_model_are_not_shown_as_zero():
     assert _mb([]) == "-"
 
 
+def test_a_label_with_a_pipe_stays_one_table_cell_in_markdown_and_html():
+    from fedprism.report import _cell
+    from fedprism.report.html import _cells
+
+    row = f"| {_cell('FedAvg | S 0.03')} | 83.56 | 83.58 |"
+    assert row == "| FedAvg \\| S 0.03 | 83.56 | 83.58 |"
+    assert _cells(row) == ["FedAvg | S 0.03", "83.56", "83.58"]
+
+
 def test_quick_without_a_quick_section_is_refused(tmp_path):
     """--quick on a file without [quick] would silently run the full-size sweep: refused, naming the section."""
     from fedprism.errors import ConfigError

@@ -154,7 +154,8 @@ def test_ctrl_c_while_the_workers_start_prints_no_traceback(tmp_path):
                 continue
         return n
 
-    proc = subprocess.Popen([sys.executable, "-m", "fedprism", "sweep", str(f), "--db", str(db), "--workers", "2"],
+    proc = subprocess.Popen([sys.executable, "-m", "fedprism", "sweep", str(f), "--db", str(db),
+                             "--workers", "2"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
         deadline = time.time() + 60

@@ -99,6 +99,10 @@ def test_read_only_commands_change_no_byte(tmp_path, capsys):
     dbs.append(tmp_path / "wal" / "w.db")
     _run(str(dbs[-1]))
     assert dbs[-1].read_bytes()[18:20] == b"\x02\x02"
+    (tmp_path / "link").mkdir()                        # the same store through a symbolic link
+    (tmp_path / "link" / "l.db").symlink_to(dbs[-1])
+    assert main(["runs", "--db", str(tmp_path / "link" / "l.db")]) == 0
+    assert sorted(p.name for p in (tmp_path / "wal").iterdir()) == ["w.db", "w.db.final"]
     if COMMITTED.exists():
         dbs.append(tmp_path / "committed.db")
         with open(COMMITTED, "rb") as fh:
@@ -260,6 +264,26 @@ def test_verify_reproduces_and_names_the_first_difference(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "DIFFERS: round 2, metric train_loss" in out, out
     assert _digest(Path(db)) == before
+
+
+def test_verify_sets_a_key_added_since_the_run_was_stored_and_no_other(tmp_path, capsys):
+    """A run stored before `pfpl.own_share` existed (its config lacks the key; it ran the `live` reading):
+    verify with the current default differs, with `pfpl.own_share=live` it reproduces; a key the stored
+    configuration holds is refused."""
+    db = str(tmp_path / "o.db")
+    res = _run(db, threads=1, method="pfpl", **{"pfpl.own_share": "live"})
+    con = sqlite3.connect(db)
+    cfg = json.loads(con.execute("SELECT config FROM runs WHERE run_id=?", (res.run_id,)).fetchone()[0])
+    del cfg["pfpl.own_share"]
+    con.execute("UPDATE runs SET config=? WHERE run_id=?", (json.dumps(cfg), res.run_id))
+    con.commit()
+    con.close()
+    assert main(["verify", "--db", db, res.run_id, "--rounds", "2", "--quiet", "pfpl.own_share=live"]) == 0
+    assert "reproduced" in capsys.readouterr().out
+    assert main(["verify", "--db", db, res.run_id, "--rounds", "2", "--quiet"]) == 1
+    assert "DIFFERS" in capsys.readouterr().out
+    assert main(["verify", "--db", db, res.run_id, "--quiet", "lr=0.1"]) == 2
+    assert "a key this run's stored configuration does not hold" in capsys.readouterr().err
 
 
 # -- 4. progress, runs, show -----------------------------------------------------------------------
@@ -447,7 +471,8 @@ def test_export_of_selected_runs_and_sweeps(tmp_path, capsys):
         assert {r["run_id"] for r in table("sw", name)} == {a}, name
     assert {r["run_id"] for r in table("sw", "records")} <= {a}        # (FedAvg may write no record)
     assert [(r["sweep"], r["run_id"]) for r in table("sw", "sweep_runs")] == [("second", a)]
-    assert main(["export", "--db", db, "--out", str(tmp_path / "id"), "--run", a[:6], "--sweep", "other"]) == 0
+    assert main(["export", "--db", db, "--out", str(tmp_path / "id"), "--run", a[:6],
+                 "--sweep", "other"]) == 0
     assert {r["run_id"] for r in table("id", "runs")} == {a, b}
     assert sorted((r["sweep"], r["run_id"]) for r in table("id", "sweep_runs")) == \
         sorted([("first", a), ("second", a), ("other", b)])
@@ -456,7 +481,8 @@ def test_export_of_selected_runs_and_sweeps(tmp_path, capsys):
     assert "has no sweep secnd" in capsys.readouterr().err and not (tmp_path / "no").exists()
 
 
-def test_a_damaged_store_page_and_a_file_in_a_folder_s_place_are_one_line_errors(tmp_path, capsys, monkeypatch):
+def test_a_damaged_store_page_and_a_file_in_a_folder_s_place_are_one_line_errors(tmp_path, capsys,
+                                                                                  monkeypatch):
     """A damaged page that the open's probe does not touch, and `--out` naming a file: exit 2 with one
     line, no traceback. `threads` has an upper bound (torch crashed with 100000)."""
     import sqlite3
@@ -478,14 +504,17 @@ def test_a_damaged_store_page_and_a_file_in_a_folder_s_place_are_one_line_errors
     assert main(["runs", "--db", db]) == 2
     err = capsys.readouterr().err
     assert f"{db} is damaged (database disk image is malformed)" in err and ".recover" in err
-    other = tmp_path / "other.db"                  # another program's SQLite file is not written to
-    con = sqlite3.connect(other)
-    con.execute("CREATE TABLE people (name TEXT)")
-    con.commit()
-    con.close()
-    before = other.read_bytes()
-    assert main(["run", "method=fedavg", "dataset=digits", "clients=4", "rounds=1", "--db", str(other)]) == 2
-    assert "not a fedprism results store" in capsys.readouterr().err and other.read_bytes() == before
+    for tables in (["people (name TEXT)"], ["runs (x INTEGER)", "users (name TEXT)"]):
+        other = tmp_path / f"other{len(tables)}.db"      # another program's SQLite file is not written to
+        con = sqlite3.connect(other)
+        for t in tables:
+            con.execute(f"CREATE TABLE {t}")
+        con.commit()
+        con.close()
+        before = other.read_bytes()
+        assert main(["run", "method=fedavg", "dataset=digits", "clients=4", "rounds=1",
+                     "--db", str(other)]) == 2
+        assert "not a fedprism results store" in capsys.readouterr().err and other.read_bytes() == before
     from fedprism.experiment.federation import build_federation
     for key in ("data.train_subset", "data.test_subset"):         # more rows than the split holds: refused
         with pytest.raises(ConfigError, match=key.replace(".", r"\.") + r".*<= the \d+ samples of digits"):

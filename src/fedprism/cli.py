@@ -486,7 +486,8 @@ def build_parser() -> argparse.ArgumentParser:
                                "counted from 0) into --out, or only the runs --run and --sweep select. "
                                "The store is only read."))
     e.add_argument("--format", choices=("csv", "parquet"), default="csv")
-    e.add_argument("--run", action="append", metavar="ID", help="export only this run (id or prefix; repeatable)")
+    e.add_argument("--run", action="append", metavar="ID",
+                   help="export only this run (id or prefix; repeatable)")
     e.add_argument("--sweep", action="append", metavar="NAME",
                    help="export only the runs this sweep holds, with its memberships (repeatable)")
     e.add_argument("--out", default="export", help="output directory (default: ./export)")
@@ -528,13 +529,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\nfedprism: interrupted; run the same command again to resume", file=sys.stderr)
         return 130
-    except sqlite3.DatabaseError as e:       # a page of the store damaged (the open itself is checked)
+    except sqlite3.DatabaseError as e:       # the open itself is checked; a page read later may be damaged
         where = getattr(args, "db", None) or "the results store"
-        print(f"fedprism: error: {where} is damaged ({e}); copy what is readable with `sqlite3 {where} .recover "
-              f"| sqlite3 repaired.db`, or use another --db", file=sys.stderr)
+        if not any(m in str(e) for m in ("malformed", "not a database", "disk image")):
+            raise                                # locked, full, ...: not a damaged file
+        print(f"fedprism: error: {where} is damaged ({e}); copy what is readable with "
+              f"`sqlite3 {where} .recover | sqlite3 repaired.db`, or use another --db", file=sys.stderr)
         return 2
-    except OSError as e:                     # a path that is a file where a folder is needed, no permission, ...
-        print(f"fedprism: error: {e}", file=sys.stderr)
+    except (FileExistsError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as e:
+        print(f"fedprism: error: {e}", file=sys.stderr)   # e.g. a file where --out needs a folder
         return 2
     finally:
         warnings.formatwarning = plain

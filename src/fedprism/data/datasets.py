@@ -430,9 +430,11 @@ def _cifar_batch(path: Path, label_key: bytes) -> tuple[np.ndarray, np.ndarray]:
         data = np.asarray(d[b"data"])
         raw = np.asarray(d[label_key])
     except (ValueError, TypeError) as e:      # ragged lists and the like
-        raise DataError(f"{path}: 'data' or '{label_key.decode()}' is not an array ({e}); corrupt file") from None
+        raise DataError(f"{path}: 'data' or '{label_key.decode()}' is not an array ({e}); "
+                        "corrupt file") from None
     if raw.dtype.kind not in "iu" or raw.ndim != 1:
-        raise DataError(f"{path}: '{label_key.decode()}' is {raw.dtype} {raw.shape}, expected integer labels [N]")
+        raise DataError(f"{path}: '{label_key.decode()}' is {raw.dtype} {raw.shape}, "
+                        "expected integer labels [N]")
     labels = raw.astype(np.int64)
     if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3 * 32 * 32:
         raise DataError(f"{path}: 'data' is {data.dtype} {data.shape}, expected uint8 [N, 3072]")

@@ -288,7 +288,20 @@ def fetch(remote: RemoteFile, dest_dir: str | Path, *, opener: Opener | None = N
                 return final
         elif _mismatch(remote, file_digests(final)) is None:
             return final
-    open_url = opener or _default_opener
+    try:
+        return _fetch_mirrors(remote, final, record, opener or _default_opener, timeout)
+    finally:                               # failed, interrupted (Ctrl-C, SIGTERM in the CLI) or done
+        if created and not final.exists():
+            try:
+                dest_dir.rmdir()           # the folder this attempt created, if it stayed empty
+            except OSError:
+                pass
+
+
+def _fetch_mirrors(remote: RemoteFile, final: Path, record: dict | None, open_url: Opener,
+                   timeout: float) -> Path:
+    """`fetch`'s downloads: each mirror in turn into a `.part` file, verified, renamed to `final`."""
+    dest_dir = final.parent
     problems: list[str] = []
     mismatched = False
     for url in remote.urls:
@@ -319,11 +332,6 @@ def fetch(remote: RemoteFile, dest_dir: str | Path, *, opener: Opener | None = N
             problems.append(f"{url}: {type(e).__name__}: {e}")
         finally:
             tmp.unlink(missing_ok=True)
-    if created:
-        try:
-            dest_dir.rmdir()               # the folder this attempt created, if it stayed empty
-        except OSError:
-            pass
     lines = "\n".join(f"  - {p}" for p in problems)
     why = ("A checksum mismatch means a corrupt or tampered file; nothing was kept." if mismatched
            else "Nothing was kept.")

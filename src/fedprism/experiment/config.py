@@ -107,7 +107,8 @@ KEYS: dict[str, Param] = {
                          "launch per step; the same bits); auto: on for compiled CUDA runs; true needs CUDA; "
                          "not part of the run id", choices=("auto", "true", "false", True, False), new=True),
     "threads": Param(0, "torch intra-op threads for the run (0: leave torch's default); recorded with the "
-                     "run, not part of its id", lambda v: 0 <= v <= MAX_THREADS, f"an integer in [0, {MAX_THREADS}]"),
+                     "run, not part of its id", lambda v: 0 <= v <= MAX_THREADS,
+                     f"an integer in [0, {MAX_THREADS}]"),
     "scalars": Param("", "directory for per-round and per-client scalars as CSV, written as each round is "
                      "stored ('' = none; not part of the run id)"),
     "optimizer": Param("sgd", "client optimiser: sgd (lr, momentum, weight_decay) or adam (lr, weight_decay; "

@@ -146,9 +146,7 @@ def selection(src: Store, runs: list[str] | None, sweeps: list[str] | None
         return None, []
     chosen, missing = set(), []
     for prefix in runs or []:
-        clean = prefix.replace("%", "").replace("_", "")
-        rows = [] if not clean or clean != prefix else src.db.execute(
-            "SELECT run_id FROM runs WHERE run_id LIKE ?", (clean + "%",)).fetchall()
+        rows = src.with_prefix(prefix, "run_id")
         if len(rows) > 1:
             src.find(prefix)                     # raises, naming the candidates
         chosen |= {r[0] for r in rows}

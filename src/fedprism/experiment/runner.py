@@ -468,7 +468,7 @@ class Experiment:
         run_id = self.run_id
         set_threads(cfg)                                   # `threads=`: execution-only, recorded below
         selector = make_selector(cfg, self.ctx, self.algo)
-        prov = self.provenance()                           # compared with a stored run's (docs/reproducibility.md)
+        prov = self.provenance()                 # compared with a stored run's (docs/reproducibility.md)
         row = store.run(run_id)
         if row is not None and row["status"] == "finished":
             store.start_run(run_id, cfg.values, self.sweep, provenance=prov)   # sweep membership

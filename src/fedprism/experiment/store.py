@@ -234,7 +234,8 @@ class Store:
                 raise MissingStoreError(f"no results store at {self.path} (check --db or $FEDPRISM_DB"
                                         + (f"; stores here: {shown}" if near else "") + ")")
             uri = f"file:{self.path.resolve().as_posix()}?mode=ro"
-            self._had = {x for x in ("-wal", "-shm") if Path(f"{self.path}{x}").exists()}
+            self._real = self.path.resolve()        # SQLite keeps -wal / -shm beside the file a link names
+            self._had = {x for x in ("-wal", "-shm") if Path(f"{self._real}{x}").exists()}
             try:
                 self.db = sqlite3.connect(uri, uri=True, timeout=60, isolation_level=None)
                 self.db.row_factory = sqlite3.Row
@@ -255,12 +256,14 @@ class Store:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.db = sqlite3.connect(str(self.path), timeout=timeout, isolation_level=None)
             self.db.row_factory = sqlite3.Row
-            tables = sorted(r[0] for r in self.db.execute("SELECT name FROM sqlite_master WHERE type='table'"))
-            if tables and "runs" not in tables:     # another program's database: add nothing to it
+            tables = sorted(r[0] for r in self.db.execute(
+                "SELECT name FROM sqlite_master WHERE type='table'"))
+            cols = {r[1] for r in self.db.execute("PRAGMA table_info(runs)")}
+            if tables and not {"run_id", "config", "status"} <= cols:   # another program's: add nothing to it
                 self.db.close()
                 shown = ", ".join(tables[:5]) + (", ..." if len(tables) > 5 else "")
-                raise StoreError(f"{self.path} is an SQLite database of something else (tables: {shown}), not a "
-                                 "fedprism results store; choose another --db")
+                raise StoreError(f"{self.path} is an SQLite database of something else (tables: {shown}), "
+                                 "not a fedprism results store; choose another --db")
             _until_free(self._set_wal, self.timeout)
             self.db.execute("PRAGMA synchronous=NORMAL")
             with self.transaction():
@@ -335,14 +338,14 @@ class Store:
     def _drop_wal_files(self) -> None:
         """A read-only connection to a WAL store creates its -wal and -shm files and cannot remove them.
         When this store created them (there were none before) and no other connection is open, one plain
-        connection that reads and closes lets SQLite remove them, as the last connection to close does;
-        the WAL is empty, so the database file is not written. With another connection open (a sweep
-        writing) SQLite leaves them, as it must."""
-        created = [x for x in ("-wal", "-shm") if x not in self._had and Path(f"{self.path}{x}").exists()]
+        connection that reads and closes lets SQLite remove them, as the last connection to close does
+        (checkpointing first whatever a writer committed meanwhile, as any last connection would). With
+        another connection open (a sweep writing) SQLite leaves them, as it must."""
+        created = [x for x in ("-wal", "-shm") if x not in self._had and Path(f"{self._real}{x}").exists()]
         if not created or self._had:
             return
         try:
-            con = sqlite3.connect(str(self.path), timeout=0)
+            con = sqlite3.connect(str(self._real), timeout=0)
             try:
                 con.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()
             finally:
@@ -445,11 +448,16 @@ class Store:
             return None
         return _json_or_none(row["provenance"])
 
+    def with_prefix(self, prefix: str, cols: str = "*") -> list[sqlite3.Row]:
+        """The runs whose id starts with `prefix`; none for an empty prefix or one with SQL wildcards."""
+        if not prefix or "%" in prefix or "_" in prefix:
+            return []
+        return self.db.execute(f"SELECT {cols} FROM runs WHERE run_id LIKE ? ORDER BY run_id",
+                               (prefix + "%",)).fetchall()
+
     def find(self, prefix: str) -> sqlite3.Row:
         """The run whose id starts with `prefix` (an unambiguous prefix, as git accepts)."""
-        clean = prefix.replace("%", "").replace("_", "")
-        rows = [] if not clean or clean != prefix else self.db.execute(
-            "SELECT * FROM runs WHERE run_id LIKE ? ORDER BY run_id", (clean + "%",)).fetchall()
+        rows = self.with_prefix(prefix)
         if not rows:
             raise FedPrismError(f"no run {prefix!r} in {self.path} (`fedprism runs` lists them)")
         if len(rows) > 1:

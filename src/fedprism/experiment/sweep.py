@@ -192,6 +192,11 @@ def _sweep_worker_init(threads: int, stop=None, in_run=None) -> None:
     torch.set_num_threads(threads)
     plugins.load()                     # methods registered by entry points (in-process registrations are not seen)
     exit_with_parent()
+    if threading.current_thread() is threading.main_thread():
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)       # until a run (`_sweep_job`); a Ctrl-C pending
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})   # since the spawn is dropped here
 
 
 def exit_with_parent(poll_s: float = 1.0) -> None:
@@ -220,12 +225,13 @@ def _sweep_job(db: str, name: str, cfg: Config) -> dict:
     from fedprism.experiment.runner import Experiment
     from fedprism.experiment.store import Store
 
-    # A worker ignores SIGINT (`_spawning`) except inside a run, where it ends the run 'interrupted' with
-    # its checkpoint. The handler, then the pid in `_IN_RUN`, then the stop check: `stop_workers` sets the
-    # event, reads `_IN_RUN`, and sends SIGINT to the pids it holds and SIGTERM to the other workers.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    _mark_in_run(os.getpid())
+    # A worker ignores SIGINT (`_sweep_worker_init`) except inside a run, where it ends the run
+    # 'interrupted' with its checkpoint. The pid in `_IN_RUN`, then the handler, then the stop check:
+    # `stop_workers` sets the event, reads `_IN_RUN`, and sends SIGINT to the pids it holds and SIGTERM to
+    # the other workers, so a run either sees the event or gets the signal with its handler in place.
     try:
+        _mark_in_run(os.getpid())
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         if _STOP is not None and _STOP.is_set():
             return None                # the sweep was interrupted before this run started: leave it untouched
         store = Store(db)
@@ -244,8 +250,9 @@ def _mark_in_run(pid: int, leaving: bool = False) -> None:
     if _IN_RUN is None:
         return
     with _IN_RUN.get_lock():
-        slot = list(_IN_RUN).index(pid if leaving else 0)
-        _IN_RUN[slot] = 0 if leaving else pid
+        held = list(_IN_RUN)
+        if (pid if leaving else 0) in held:
+            _IN_RUN[held.index(pid if leaving else 0)] = 0 if leaving else pid
 
 
 def worker_threads(workers: int) -> int:
@@ -282,21 +289,22 @@ def run_in_workers(db: str, name: str, todo: list[tuple[str, Config]], workers: 
 
 @contextlib.contextmanager
 def _spawning():
-    """SIGINT ignored in this process while the pool spawns its workers (`submit` starts them), so that
-    they inherit it ignored; `_sweep_job` catches it only inside a run. A Ctrl-C reaches the whole
-    foreground process group: a worker importing torch, or idle between runs, would otherwise print a
-    `KeyboardInterrupt` traceback before the sweep's own message. The sweep process stops the workers
-    itself (`stop_workers`); a worker that has not started its run finds the stop event set."""
+    """SIGINT blocked in this process while the pool spawns its workers (`submit` starts them): they
+    inherit the mask, so a Ctrl-C (it reaches the whole foreground process group) stays pending in a
+    worker still importing torch instead of printing a `KeyboardInterrupt` traceback before the sweep's
+    own message; `_sweep_worker_init` ignores SIGINT and drops it, and `_sweep_job` catches it only inside
+    a run. Here the pending signal is delivered when the mask is restored, and the sweep process stops
+    the workers itself (`stop_workers`); a worker that has not started its run finds the stop event set."""
     import signal
 
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, before)
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def stop_workers(pool, stop, in_run=None, grace_s: float = 30.0) -> None:

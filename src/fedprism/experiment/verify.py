@@ -81,16 +81,14 @@ def compare(old: tuple[dict, dict, dict], new: tuple[dict, dict, dict], n: int) 
 def verify(db: str, run: str, rounds: int = 2, threads: int | None = None, progress: bool = True,
            say: Callable[[str], None] = print, overrides: dict[str, Any] | None = None) -> bool:
     """True when the first `rounds` rounds re-run equal the stored ones. `overrides`: execution-only
-    keys (engine=sequential, compile=false, device=cpu, ...) to re-run under other execution settings."""
+    keys (engine=sequential, compile=false, device=cpu, ...) to re-run under other execution settings, and
+    keys the stored configuration does not hold (added since the run was stored: the value its code had,
+    e.g. pfpl.own_share=live)."""
     from fedprism.errors import ConfigError
     from fedprism.experiment.config import EXECUTION_KEYS, resolve
 
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ConfigError("--rounds", rounds, "an integer >= 1 (how many rounds to re-run)", kind="option")
-    for k in overrides or {}:
-        if k not in EXECUTION_KEYS:
-            raise ConfigError(k, overrides[k], f"verify takes execution-only keys ({', '.join(sorted(EXECUTION_KEYS))}):"
-                              " other keys would make it another run")
     from fedprism.experiment.runner import Experiment
 
     src = Store(db, readonly=True)
@@ -98,6 +96,12 @@ def verify(db: str, run: str, rounds: int = 2, threads: int | None = None, progr
         row = src.find(run)
         run_id = row["run_id"]
         stored_cfg = json.loads(row["config"])
+        for k in overrides or {}:
+            if k not in EXECUTION_KEYS and k in stored_cfg:
+                raise ConfigError(k, overrides[k], "an execution-only key ("
+                                  + ", ".join(sorted(EXECUTION_KEYS)) + ") or a key this run's stored "
+                                  "configuration does not hold: other values of its own keys would make it "
+                                  "another run")
         prov = src.provenance(run_id)
         n = min(rounds, int(row["rounds_done"]))
         old = _snapshot(src, run_id, n)

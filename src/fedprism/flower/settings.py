@@ -92,8 +92,8 @@ RUN_KEYS: dict[str, Param] = {
 
 #: run-config keys that change what a Flower run computes (which replies count, what the nodes report, who
 #: scores the global test set): part of its run id whenever they are not at their defaults
-IDENTITY_KEYS = ("min-replies", "max-samples", "update-norm-bound", "norm-action", "registry", "stats-epsilon",
-                 "global-eval")
+IDENTITY_KEYS = ("min-replies", "max-samples", "update-norm-bound", "norm-action", "registry",
+                 "stats-epsilon", "global-eval")
 
 #: SuperNode node-config keys (Flower's simulation adds partition-id / num-partitions)
 NODE_KEYS = ("client-id", "partition-id", "num-partitions", "data-root", "device")

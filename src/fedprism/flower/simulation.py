@@ -61,8 +61,8 @@ def check_ray_address(value: Any) -> str:
     """`HOST:PORT` of a Ray head's GCS, as `ray start --head` prints it (port 6379 by default)."""
     m = _RAY_ADDRESS.match(value) if isinstance(value, str) else None
     if m is None or not 0 < int(m.group(2)) < 65536:
-        raise ConfigError("--ray-address (ray_address)", value, "HOST:PORT of the Ray head (`ray start --head` prints it), "
-                          "e.g. 10.0.0.1:6379")
+        raise ConfigError("--ray-address (ray_address)", value, "HOST:PORT of the Ray head (`ray start "
+                          "--head` prints it), e.g. 10.0.0.1:6379")
     return value
 
 

@@ -47,6 +47,12 @@ def _pm(vals: list[float], scale: float = 100.0) -> str:
     return f"{a.mean():.2f} ± {a.std(ddof=1):.2f}" if len(a) > 1 else f"{a.mean():.2f}"
 
 
+def _cell(text: object) -> str:
+    """Text for a markdown table cell: a `|` in a run label (e.g. "FedAvg | S 0.03") escaped, so that it
+    does not split the cell (the HTML page reads it back as a `|`)."""
+    return str(text).replace("|", "\\|")
+
+
 def _mb(vals: list[float]) -> str:
     """Bytes as MB (10^6) like `_pm`, with two significant digits below 0.005 MB (a model of a few KB
     would read 0.00, which is what a method that sends nothing shows)."""
@@ -175,7 +181,7 @@ def paper_tables(groups) -> list[str]:
             for c in cols:
                 runs = groups[fams[fam][c]].get(lab, [])
                 cells += [_pm([r["final"].get(k) for r in runs]) for k in ("global_acc", "local_acc")]
-            md.append(f"| {lab} | " + " | ".join(cells) + " |")
+            md.append(f"| {_cell(lab)} | " + " | ".join(cells) + " |")
         md.append("")
     return md
 
@@ -215,7 +221,7 @@ def reference_table(groups, name: str) -> list[str]:
                 glob[0] += " (G)"
             cells = glob + cmp(mean(runs, "local_acc"), p_loc)
             cells.append("-" if routed is None else f"{routed:.2f}" if g is not None else "(= Glob)")
-            md.append(f"| {setting} | {lab} | {len(runs)} | " + " | ".join(cells) + " |")
+            md.append(f"| {setting} | {_cell(lab)} | {len(runs)} | " + " | ".join(cells) + " |")
     md += ["", f"Bold: |Δ| > {FLAG_POINTS:g} points. '-': not run (yet). Glob ours is the quantity the paper's "
            "Glob column behaves like: for a method with a shared global model (G: Fed-PRISM's w_g, FedPrism's "
            "backbone G) that model on the global test set, marked (G), because the paper's Glob does not move "
@@ -248,8 +254,9 @@ def alternatives_table(groups) -> list[str]:
                 label_of = method.predictions if method else {}
                 md += [f"**{label}**, {setting}, seed {cfg['seed']} (`{r['run_id']}`)", "",
                        "| prediction | Glob | Loc |", "|---|---|---|",
-                       f"| {head} (headline) | {_pm([f.get('global_acc')])} | {_pm([f.get('local_acc')])} |"]
-                md += [f"| {label_of.get(n, n)} | {_pm([f.get('global_acc@' + n)])} | "
+                       f"| {_cell(head)} (headline) | {_pm([f.get('global_acc')])} | "
+                       f"{_pm([f.get('local_acc')])} |"]
+                md += [f"| {_cell(label_of.get(n, n))} | {_pm([f.get('global_acc@' + n)])} | "
                        f"{_pm([f.get('local_acc@' + n)])} |" for n in names]
                 md.append("")
     return md
@@ -271,7 +278,7 @@ def dispersion_table(groups) -> list[str]:
                              if r["final"].get(k) is not None and r["final"].get("rounds")
                              and not r["final"].get("rescored_from")]
                          for k in ("bytes_down", "bytes_up")}
-            md.append(f"| {label} | {len(runs)} | " + " | ".join(
+            md.append(f"| {_cell(label)} | {len(runs)} | " + " | ".join(
                 [_pm([r["final"].get(k) for r in runs]) for k in ("global_acc", "local_acc", "ad", "sdad")]
                 + [_mb(per_round[k]) for k in ("bytes_down", "bytes_up")]) + " |")
         md.append("")
@@ -295,7 +302,8 @@ def privacy_table(groups) -> list[str]:
                           "client spent.", "",
                           "| method | setting | seed | target ε | δ | noise multiplier z | ε spent |",
                           "|---|---|---|---|---|---|---|"]
-                md.append(f"| {label} | {setting} | {r['config']['seed']} | {f['dp_target_epsilon']:g} | "
+                md.append(f"| {_cell(label)} | {setting} | {r['config']['seed']} | "
+                          f"{f['dp_target_epsilon']:g} | "
                           f"{f['dp_delta']:g} | {f['dp_noise_multiplier']:.3f} | {f['dp_epsilon']:.3f} |")
     return md + [""] if md else md
 def sampled_evaluation_table(groups) -> list[str]:
@@ -315,7 +323,8 @@ def sampled_evaluation_table(groups) -> list[str]:
                           "metric `eval_clients` marks them); Final is over every client, and Best is taken over "
                           "the rounds that scored every client only.", "",
                           "| method | setting | seed | K of N clients | sampled rounds |", "|---|---|---|---|---|"]
-                md.append(f"| {label} | {setting} | {c['seed']} | {c.get('eval.clients')} of {c.get('clients')} | "
+                md.append(f"| {_cell(label)} | {setting} | {c['seed']} | "
+                          f"{c.get('eval.clients')} of {c.get('clients')} | "
                           f"{f['eval_sampled_rounds']} |")
     return md + [""] if md else md
 
@@ -364,7 +373,8 @@ def alpha_table(store: Store, groups) -> list[str]:
                           "|---|---|---|---|---|---|---|"]
                 n = len(t["round"])
                 for i in sorted({0, n // 10, n // 4, n // 2, (3 * n) // 4, n - 1}):
-                    md.append(f"| {label} | {setting} | {r['config']['seed']} | {int(t['round'][i])} | "
+                    md.append(f"| {_cell(label)} | {setting} | {r['config']['seed']} | "
+                              f"{int(t['round'][i])} | "
                               f"{t['mean'][i]:.4f} [{t['min'][i]:.4f}, {t['max'][i]:.4f}] | "
                               f"{t['gamma'][i]:.4f} ({t['gamma_max'][i]:.4f}) | {int(t['seen'][i])} |")
     return md + [""] if md else md
@@ -429,7 +439,7 @@ def domain_table(store: Store, groups) -> list[str]:
         cols = sorted(doms)
         md += [f"### {setting}", "", "| method | " + " | ".join(f"{d}: {DOMAINS[d]}" for d in cols) + " |",
                "|---|" + "---|" * len(cols)]
-        md += [f"| {label} | " + " | ".join(_pm([a.get(d) for a in per_seed]) for d in cols) + " |"
+        md += [f"| {_cell(label)} | " + " | ".join(_pm([a.get(d) for a in per_seed]) for d in cols) + " |"
                for label, per_seed in rows]
         md.append("")
     return md
@@ -458,7 +468,7 @@ def tables(groups, reference: str | None = None,
         for label in sorted(groups[setting]):
             runs = sorted(groups[setting][label], key=lambda x: x["config"]["seed"])
             cells = [_pm([r["final"].get(k) for r in runs]) for k, _ in COLUMNS]
-            md.append(f"| {label} | {len(runs)} | " + " | ".join(cells) + " |")
+            md.append(f"| {_cell(label)} | {len(runs)} | " + " | ".join(cells) + " |")
             for r in runs:
                 rows.append([setting, label, r["config"]["seed"], r["run_id"]]
                             + [r["final"].get(k) for k, _ in COLUMNS])

@@ -23,8 +23,8 @@ def _tables(store: Store, keep=None) -> dict[str, tuple[list[str], list[list]]]:
                  [[r["run_id"], r["status"], r["code_version"], r["sweep"], prov(r)]
                   + [json.loads(r["config"]).get(k) for k in ckeys]
                   + [json.loads(r["final"] or "{}").get(k) for k in fkeys] for r in runs])
-    rr = [r for r in store.db.execute("SELECT run_id, round, metrics, wall_s FROM rounds ORDER BY run_id, round")
-          if take(r["run_id"])]
+    rr = [r for r in store.db.execute("SELECT run_id, round, metrics, wall_s FROM rounds "
+                                      "ORDER BY run_id, round") if take(r["run_id"])]
     mkeys = sorted({k for r in rr for k in json.loads(r["metrics"])})
     t["rounds"] = (["run_id", "round", "wall_s"] + mkeys,
                    [[r["run_id"], r["round"], r["wall_s"]] + [json.loads(r["metrics"]).get(k) for k in mkeys] for r in rr])
@@ -61,8 +61,8 @@ def export(db: str, out: str, fmt: str = "csv", runs: list[str] | None = None,
         by_id, missing = selection(store, runs, None)
         _, missing_sweeps = selection(store, None, sweeps)
         if missing or missing_sweeps:
-            raise FedPrismError(f"{db} has no {', '.join(missing + missing_sweeps)}; `fedprism runs --db {db}` "
-                                "lists its runs and sweeps")
+            raise FedPrismError(f"{db} has no {', '.join(missing + missing_sweeps)}; "
+                                f"`fedprism runs --db {db}` lists its runs and sweeps")
         keep = None
         if runs or sweeps:
             in_sweep = {(sw, r["run_id"]) for sw in sweeps or [] for r in store.runs(sweep=sw)}

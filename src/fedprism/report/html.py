@@ -43,7 +43,8 @@ def _numeric(cell: str) -> bool:
 
 
 def _cells(line: str) -> list[str]:
-    return [c.strip() for c in line.strip().strip("|").split("|")]
+    cells = re.split(r"(?<!\\)\|", line.strip().strip("|"))     # `\|` is a pipe inside a cell (a label)
+    return [c.strip().replace("\\|", "|") for c in cells]
 
 
 def _data_uri(path: Path) -> str | None:
