@@ -169,6 +169,7 @@ def dump_sweep(name: str, base: dict[str, Any], runs: list[dict[str, Any]], grid
 
 _STOP = None            # in a worker: the sweep's "stop" event (set when the sweep is interrupted)
 _IN_RUN = None          # in a worker: the shared array of the pids of the workers inside a run
+_READY = None           # in a worker: the shared array of the pids of the workers done with their set-up
 
 
 def stop_on_sigint() -> None:
@@ -182,13 +183,13 @@ def stop_on_sigint() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def _sweep_worker_init(threads: int, stop=None, in_run=None) -> None:
+def _sweep_worker_init(threads: int, stop=None, in_run=None, ready=None) -> None:
     import torch
 
     from fedprism import plugins
 
-    global _STOP, _IN_RUN
-    _STOP, _IN_RUN = stop, in_run
+    global _STOP, _IN_RUN, _READY
+    _STOP, _IN_RUN, _READY = stop, in_run, ready
     torch.set_num_threads(threads)
     plugins.load()                     # methods registered by entry points (in-process registrations are not seen)
     exit_with_parent()
@@ -197,6 +198,7 @@ def _sweep_worker_init(threads: int, stop=None, in_run=None) -> None:
 
         signal.signal(signal.SIGINT, signal.SIG_IGN)       # until a run (`_sweep_job`); a Ctrl-C pending
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})   # since the spawn is dropped here
+    _mark(_READY, os.getpid())
 
 
 def exit_with_parent(poll_s: float = 1.0) -> None:
@@ -230,7 +232,7 @@ def _sweep_job(db: str, name: str, cfg: Config) -> dict:
     # `stop_workers` sets the event, reads `_IN_RUN`, and sends SIGINT to the pids it holds and SIGTERM to
     # the other workers, so a run either sees the event or gets the signal with its handler in place.
     try:
-        _mark_in_run(os.getpid())
+        _mark(_IN_RUN, os.getpid())
         signal.signal(signal.SIGINT, signal.default_int_handler)
         if _STOP is not None and _STOP.is_set():
             return None                # the sweep was interrupted before this run started: leave it untouched
@@ -243,16 +245,17 @@ def _sweep_job(db: str, name: str, cfg: Config) -> dict:
             store.close()
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        _mark_in_run(os.getpid(), leaving=True)
+        _mark(_IN_RUN, os.getpid(), leaving=True)
 
 
-def _mark_in_run(pid: int, leaving: bool = False) -> None:
-    if _IN_RUN is None:
+def _mark(pids, pid: int, leaving: bool = False) -> None:
+    """Put `pid` into a free slot of the shared array `pids`, or take it out."""
+    if pids is None:
         return
-    with _IN_RUN.get_lock():
-        held = list(_IN_RUN)
+    with pids.get_lock():
+        held = list(pids)
         if (pid if leaving else 0) in held:
-            _IN_RUN[held.index(pid if leaving else 0)] = 0 if leaving else pid
+            pids[held.index(pid if leaving else 0)] = 0 if leaving else pid
 
 
 def worker_threads(workers: int) -> int:
@@ -270,9 +273,9 @@ def run_in_workers(db: str, name: str, todo: list[tuple[str, Config]], workers: 
     from fedprism.experiment.runlock import RunBusyError
 
     ctx = mp.get_context("spawn")
-    stop, in_run = ctx.Event(), ctx.Array("q", workers)
+    stop, in_run, ready = ctx.Event(), ctx.Array("q", workers), ctx.Array("q", workers)
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_sweep_worker_init,
-                               initargs=(worker_threads(workers), stop, in_run))
+                               initargs=(worker_threads(workers), stop, in_run, ready))
     try:
         with _spawning():
             futures = {pool.submit(_sweep_job, db, name, cfg): tag for tag, cfg in todo}
@@ -282,7 +285,7 @@ def run_in_workers(db: str, name: str, todo: list[tuple[str, Config]], workers: 
             except RunBusyError as e:
                 yield futures[fut], e
     except BaseException:              # Ctrl-C, a signal to this process alone, an error, the caller leaving
-        stop_workers(pool, stop, in_run)
+        stop_workers(pool, stop, in_run, ready)
         raise
     pool.shutdown(wait=True)
 
@@ -307,24 +310,33 @@ def _spawning():
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
-def stop_workers(pool, stop, in_run=None, grace_s: float = 30.0) -> None:
+def stop_workers(pool, stop, in_run=None, ready=None, grace_s: float = 30.0) -> None:
     """Stop a sweep's worker pool at once: no queued run starts (the executor's own shutdown would run
     every queued run first), each running run gets SIGINT, marks itself 'interrupted' and keeps the
-    checkpoint of its last finished round; a worker outside a run (still importing, or idle) is ended
-    with SIGTERM; a worker still alive after `grace_s` is killed (its run then resumes from the same
-    checkpoint: the run lock dies with the process). Without `in_run` every worker gets SIGINT."""
+    checkpoint of its last finished round; a worker still importing (not in `ready`) is ended with
+    SIGTERM; an idle one ends on the pool's sentinel (a signal could catch it holding a queue's lock); a
+    worker still alive after `grace_s` is killed (its run then resumes from the same checkpoint: the run
+    lock dies with the process). Without `in_run` every worker gets SIGINT."""
     import signal
 
     procs = [p for p in (getattr(pool, "_processes", None) or {}).values()]
     stop.set()
     pool.shutdown(wait=False, cancel_futures=True)
+    running = up = set()
     if in_run is not None:
         with in_run.get_lock():
             running = set(in_run)
+    if ready is not None:
+        with ready.get_lock():
+            up = set(ready)
     for p in procs:
-        if p.is_alive():
+        if not p.is_alive():
+            continue
+        sig = signal.SIGINT if in_run is None or p.pid in running else \
+            signal.SIGTERM if ready is not None and p.pid not in up else None
+        if sig is not None:
             try:
-                os.kill(p.pid, signal.SIGINT if in_run is None or p.pid in running else signal.SIGTERM)
+                os.kill(p.pid, sig)
             except ProcessLookupError:
                 pass
     deadline = time.time() + grace_s
