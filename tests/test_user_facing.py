@@ -523,6 +523,42 @@ def test_a_damaged_store_page_and_a_file_in_a_folder_s_place_are_one_line_errors
         resolve({**TINY, "threads": 100000})
 
 
+def test_runs_marks_a_killed_run_without_writing(tmp_path, capsys):
+    """A row left `running` by a killed process shows as interrupted* in `fedprism runs` (no lock file, or
+    a lock file naming a dead process of this host); a live holder keeps it `running`; nothing is written."""
+    import socket
+    import subprocess
+    import sys
+
+    from fedprism.cli import main
+
+    db = tmp_path / "k.db"
+    rid = _run(str(db)).run_id
+    con = sqlite3.connect(db)
+    con.execute("UPDATE runs SET status='running' WHERE run_id=?", (rid,))
+    con.commit()
+    con.close()
+    before = _digest(db)
+    lock = Path(f"{db}.ckpt") / f"{rid}.lock"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    for holder, shown in ((None, "interrupted*"), (f"pid {dead} on {socket.gethostname()}", "interrupted*"),
+                          (f"pid {os.getpid()} on {socket.gethostname()}", "running"),
+                          (f"pid {dead} on another-host", "running")):
+        if holder is not None:
+            lock.parent.mkdir(exist_ok=True)
+            lock.write_text(holder)
+        capsys.readouterr()
+        assert main(["runs", "--db", str(db)]) == 0
+        out, err = capsys.readouterr()
+        assert f" {shown} " in out, (holder, out)
+        assert ("no process runs it" in err) == (shown == "interrupted*")
+        assert main(["runs", "--db", str(db), "--json"]) == 0
+        rec = json.loads(capsys.readouterr().out)[0]
+        assert rec["status"] == "running" and rec.get("process_gone", False) == (shown == "interrupted*")
+    assert _digest(db) == before
+
+
 def test_a_run_id_prefix_of_sql_wildcards_or_nothing_matches_no_run(tmp_path):
     from fedprism.errors import FedPrismError
 

@@ -143,6 +143,8 @@ def cmd_runs(args) -> int:
                                 f" methods of stored runs: {', '.join(stored) or 'none'}")
     where = {k: v for k, v in (("method", args.method), ("status", args.status)) if v}
     rows = store.runs(**({"sweep": args.sweep} if args.sweep else {}), **where)
+    from fedprism.experiment.runlock import holder_gone
+
     records = []                # numbers as stored (accuracies in [0, 1]; None before a run has finished)
     for r in rows:
         f = json.loads(r["final"] or "{}")
@@ -151,14 +153,21 @@ def cmd_runs(args) -> int:
                         "seed": cfg.get("seed"), "status": r["status"], "rounds_done": r["rounds_done"],
                         "rounds": cfg.get("rounds"), "local_acc": f.get("local_acc"),
                         "global_acc": f.get("global_acc")})
+        if r["status"] == "running" and holder_gone(store.ckpt_dir / f"{r['run_id']}.lock"):
+            records[-1]["process_gone"] = True        # killed: the store says so at its next write-open
     store.close()
+    gone = any(d.get("process_gone") for d in records)
     if args.json:
         print(json.dumps(records))
     elif records:
         head = ["id", "method", "label", "seed", "status", "rounds", "local %", "global %"]
-        print(_table([[d["run_id"], d["method"], d["label"], d["seed"], d["status"],
+        print(_table([[d["run_id"], d["method"], d["label"], d["seed"],
+                       "interrupted*" if d.get("process_gone") else d["status"],
                        f"{d['rounds_done']}/{d['rounds']}", _acc(d, "local_acc"), _acc(d, "global_acc")]
                       for d in records], head))
+        if gone:
+            print("* stored as running, but no process runs it (killed); the same command resumes it, and "
+                  "the store records it as interrupted when next opened for writing", file=sys.stderr)
     else:
         print("no runs match", file=sys.stderr)
     return 0

@@ -68,6 +68,28 @@ class RunLock:
             self.fd = None
 
 
+def holder_gone(path: str | Path) -> bool:
+    """True when no process runs the run of lock file `path`: there is no lock file (a run unlinks it when
+    it ends), or the file names a process of this host that no longer exists (`kill -9`). Takes no lock
+    and writes nothing, so a read-only command may ask; a holder on another host counts as alive."""
+    try:
+        text = Path(path).read_text().strip()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    pid, _, host = text.removeprefix("pid ").partition(" on ")
+    if not pid.isdigit() or host != socket.gethostname():
+        return False                              # being written right now, or another machine's
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
 def _read(fd: int) -> str:
     try:
         return os.pread(fd, 200, 0).decode(errors="replace").strip()
