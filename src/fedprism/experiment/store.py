@@ -341,8 +341,7 @@ class Store:
         connection that reads and closes lets SQLite remove them, as the last connection to close does
         (checkpointing first whatever a writer committed meanwhile, as any last connection would). With
         another connection open (a sweep writing) SQLite leaves them, as it must."""
-        created = [x for x in ("-wal", "-shm") if x not in self._had and Path(f"{self._real}{x}").exists()]
-        if not created or self._had:
+        if self._had or not any(Path(f"{self._real}{x}").exists() for x in ("-wal", "-shm")):
             return
         try:
             con = sqlite3.connect(str(self._real), timeout=0)

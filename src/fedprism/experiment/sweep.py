@@ -229,8 +229,8 @@ def _sweep_job(db: str, name: str, cfg: Config) -> dict:
 
     # A worker ignores SIGINT (`_sweep_worker_init`) except inside a run, where it ends the run
     # 'interrupted' with its checkpoint. The pid in `_IN_RUN`, then the handler, then the stop check:
-    # `stop_workers` sets the event, reads `_IN_RUN`, and sends SIGINT to the pids it holds and SIGTERM to
-    # the other workers, so a run either sees the event or gets the signal with its handler in place.
+    # `stop_workers` sets the event, reads `_IN_RUN` and sends SIGINT to the pids it holds, so a run
+    # either sees the event or gets the signal with its handler in place.
     try:
         _mark(_IN_RUN, os.getpid())
         signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -140,14 +140,12 @@ def decode_update(content: RecordDict, plan_row: Plan, config_id: str | None = N
     for k, v in {**payload, **metrics}.items():
         if v.dim() == 0 or v.shape[0] != 1:
             raise ValueError(f"tensor {k!r} must have one row, got shape {tuple(v.shape)}")
-    for k, v in metrics.items():
-        if v.dtype == torch.bool or v.is_complex():
-            raise ValueError(f"tensor 'm.{k}' must hold finite numbers")
     payload = decode_rows(wire, "update", payload)
     diverged = any(isinstance(v, torch.Tensor) and v.is_floating_point() and not bool(torch.isfinite(v).all())
                    for v in payload.values())
-    for k, v in metrics.items():     # a diverged node's loss is NaN/Inf too: the runner rejects its payload
-        if not diverged and not bool(torch.isfinite(v.double()).all()):
+    for k, v in metrics.items():     # a diverged node's NaN loss passes: the runner rejects its payload
+        if v.dtype == torch.bool or v.is_complex() or not (
+                diverged or bool(torch.isfinite(v.double()).all())):
             raise ValueError(f"tensor 'm.{k}' must hold finite numbers")
     return Update(plan_row.clients.copy(), payload, n.to(torch.float64).reshape(1), metrics)
 

@@ -591,10 +591,7 @@ class FlowerExperiment(Experiment):
 
     def provenance(self) -> dict:
         """The runner's provenance plus the Flower settings the run's numbers depend on (`fedprism show`)."""
-        from dataclasses import asdict
-
-        s = asdict(self.settings)
-        return {**super().provenance(), "flower": {k: s[k.replace("-", "_")] for k in FLOWER_RECORDED}}
+        return {**super().provenance(), "flower": self.settings.knobs(FLOWER_RECORDED)}
 
     def apply_drift(self, rnd: int, evaluator: Evaluator | None) -> int:
         """Round `rnd` begins: the evaluation messages say it (a node scores its rows of that round). Under

@@ -158,9 +158,9 @@ class RunSettings:
                    registry=v["registry"], global_eval=v["global-eval"],
                    stats_epsilon=v["stats-epsilon"])
 
-    def knobs(self) -> dict[str, Any]:
-        """The `IDENTITY_KEYS` settings of this run (run-config names)."""
-        return {k: getattr(self, k.replace("-", "_")) for k in IDENTITY_KEYS}
+    def knobs(self, keys: tuple[str, ...] = IDENTITY_KEYS) -> dict[str, Any]:
+        """This run's values of the run-config keys `keys` (run-config names)."""
+        return {k: getattr(self, k.replace("-", "_")) for k in keys}
 
     @property
     def run_id(self) -> str:

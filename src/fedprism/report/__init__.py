@@ -39,12 +39,12 @@ COLUMNS = [("global_acc", "Glob Final"), ("best_global_acc", "Glob Best"), ("loc
            ("best_local_acc", "Loc Best"), ("sdad", "SDAD"), ("global_model_acc", "G Final")]
 
 
-def _pm(vals: list[float], scale: float = 100.0) -> str:
+def _pm(vals: list[float], scale: float = 100.0, fmt: str = ".2f") -> str:
     v = [x for x in vals if x is not None]
     if not v:
         return "-"
     a = np.asarray(v, dtype=float) * scale             # ± is the sample std over seeds (ddof=1)
-    return f"{a.mean():.2f} ± {a.std(ddof=1):.2f}" if len(a) > 1 else f"{a.mean():.2f}"
+    return f"{a.mean():{fmt}} ± {a.std(ddof=1):{fmt}}" if len(a) > 1 else f"{a.mean():{fmt}}"
 
 
 def _cell(text: object) -> str:
@@ -56,10 +56,8 @@ def _cell(text: object) -> str:
 def _mb(vals: list[float]) -> str:
     """Bytes as MB (10^6) like `_pm`, with two significant digits below 0.005 MB (a model of a few KB
     would read 0.00, which is what a method that sends nothing shows)."""
-    v = np.asarray([x for x in vals if x is not None], dtype=float) * 1e-6
-    if not len(v) or v.mean() == 0 or v.mean() >= 0.005:
-        return _pm(vals, 1e-6)
-    return f"{v.mean():.2g} ± {v.std(ddof=1):.2g}" if len(v) > 1 else f"{v.mean():.2g}"
+    mean = np.mean([x for x in vals if x is not None] or [0.0]) * 1e-6
+    return _pm(vals, 1e-6, ".2g" if 0 < mean < 0.005 else ".2f")
 
 
 def setting_of(cfg: dict) -> str:
