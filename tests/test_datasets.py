@@ -244,6 +244,23 @@ def test_label_out_of_range(tmp_path):
         load_dataset("mnist", root=tmp_path / "d")
 
 
+@pytest.mark.parametrize("name", ["mnist", "fmnist"])
+def test_idx_files_of_another_image_size_or_empty_are_refused(tmp_path, name):
+    """IDX files of 5x5 images are not MNIST, whatever their names say; an empty test split is no split."""
+    write_idx_dataset(tmp_path / "small", size=5)
+    with pytest.raises(DataError, match=f"train images are 1x5x5 .*; {name} images are 1x28x28"):
+        load_dataset(name, root=tmp_path / "small")
+    write_idx_dataset(tmp_path / "empty", n_test=0)
+    with pytest.raises(DataError, match="the test split holds no images"):
+        load_dataset(name, root=tmp_path / "empty")
+
+
+@pytest.mark.parametrize("name", ["digits", "synthetic"])
+def test_built_in_datasets_say_that_they_ignore_a_root(tmp_path, name):
+    with pytest.warns(UserWarning, match=f"dataset {name} is built in .*data.root '.*nowhere' is not read"):
+        load_dataset(name, root=tmp_path / "nowhere")
+
+
 def test_truncated_and_hostile_pickles(tmp_path):
     write_cifar(tmp_path / "d", "cifar10")
     p = tmp_path / "d" / "cifar-10-batches-py" / "data_batch_3"

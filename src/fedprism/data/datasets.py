@@ -84,6 +84,9 @@ FMNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
                   "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
 _DIGIT_CLASSES = tuple(str(i) for i in range(10))
 _NUM_CLASSES = {"fmnist": 10, "mnist": 10, "cifar10": 10, "cifar100": 100, "svhn": 10, "usps": 10}
+_IMAGE_SHAPE = {"fmnist": (1, 28, 28), "mnist": (1, 28, 28), "cifar10": (3, 32, 32), "cifar100": (3, 32, 32),
+                "svhn": (3, 32, 32), "usps": (1, 16, 16)}
+"""[channels, height, width] of each image dataset's official files; other sizes are other data."""
 
 
 @dataclass
@@ -602,7 +605,13 @@ def _check_raw(name: str, raw: _Raw, where: object) -> None:
         x, y = getattr(raw, f"x_{split}"), getattr(raw, f"y_{split}")
         if x.dtype != np.uint8 or x.ndim != 4 or y.ndim != 1 or len(x) != len(y):
             raise DataError(f"{where}: {split} split has images {x.dtype} {x.shape} and labels {y.shape}")
-        if len(y) and (y.min() < 0 or y.max() >= k):
+        if not len(y):
+            raise DataError(f"{where}: the {split} split holds no images")
+        if x.shape[1:] != _IMAGE_SHAPE[name]:
+            c, h, w = _IMAGE_SHAPE[name]
+            raise DataError(f"{where}: {split} images are {'x'.join(map(str, x.shape[1:]))} "
+                            f"(channels x height x width); {name} images are {c}x{h}x{w}")
+        if y.min() < 0 or y.max() >= k:
             raise DataError(f"{where}: {split} labels must lie in 0..{k - 1}, found {y.min()}..{y.max()}")
     if len(raw.classes) != k:
         raise DataError(f"{where}: {len(raw.classes)} class names, expected {k}")
@@ -922,6 +931,7 @@ def load_dataset(name: str, root: str | Path | None = None, download: bool = Fal
     each side) *before* normalising, so the padding equals the black background (for LeNet-5 on
     FMNIST, FedPrism paper 4.3). ``cache_dir`` holds the decoded-array cache and the temporary CIFAR
     extraction (default ``$FEDPRISM_CACHE`` or ``~/.cache/fedprism``; ``False`` disables the cache).
+    ``digits`` and ``synthetic`` are built in and read no files: a ``root`` is only warned about.
     Extra options: ``digits`` takes ``seed``, ``test_fraction``; ``synthetic`` takes those of
     :func:`generate_synthetic`; ``wisdm`` takes ``seed`` (0) and ``test_fraction`` (0.2) of its per-user
     split (:func:`fedprism.data.wisdm.split_by_user`).
@@ -935,6 +945,9 @@ def load_dataset(name: str, root: str | Path | None = None, download: bool = Fal
         if key not in allowed:
             opts = f"only {', '.join(allowed)}" if allowed else "no extra options"
             raise ConfigError(key, value, f"dataset '{name}' takes {opts}")
+    if root is not None and name in ("digits", "synthetic"):
+        warnings.warn(f"dataset {name} is built in (no files): data.root {str(root)!r} is not read",
+                      UserWarning, stacklevel=2)
     if name == "digits":
         return _load_digits(pad32=pad32, **kw)  # type: ignore[arg-type]
     if name == "synthetic":
