@@ -240,7 +240,8 @@ def test_fedsub_dynamic_as_results_readme_states(db_copy):
     """results/README.md, "FedSub, dynamic scenario": 14 drifting clients, each left with one class; the
     returns at rounds 50/100/150/200; FedSub LRP a2b1 Overlap the best final F1, FedSub (Overlap) >
     ProtoHAR > Ditto > FedAvg, Leadership the weakest fusion; FedAvg the smallest drop at a return; Local
-    and every FedSub row equal on every drifting client until round 64."""
+    and eight of the nine FedSub rows equal on every drifting client at every evaluation until round 64
+    (naive Leadership differs on one client at two of them)."""
     import sqlite3
 
     store = Store(db_copy)
@@ -271,11 +272,14 @@ def test_fedsub_dynamic_as_results_readme_states(db_copy):
     drop = {k: sum(mean(k, r + 5) - mean(k, r) for r in (49, 99, 149, 199)) / 4 for k in runs}
     assert max(drop, key=drop.get) == "FedAvg"
     assert round(drop["FedAvg"], 1) == -7.4 and round(drop["Local"], 1) == -15.7
-    for rnd in (54, 64):
-        ref = per_client("Local", rnd)
+    differ = {}
+    for rnd in range(4, 65, 5):                                      # every evaluation up to round 64
+        ref = dict(per_client("Local", rnd))
         for k in runs:
             if k.startswith("FedSub"):
-                assert per_client(k, rnd) == ref, (k, rnd)
+                differ.update({(k, rnd, c): f for c, f in per_client(k, rnd) if f != ref[c]})
+    assert sorted((k, r, c) for k, r, c in differ) == [("FedSub naive Leadership", 4, 28),
+                                                       ("FedSub naive Leadership", 59, 24)]
     con.close()
 
 
