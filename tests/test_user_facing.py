@@ -428,6 +428,59 @@ def test_parquet_export_without_its_libraries_writes_nothing(tmp_path, monkeypat
     assert names == ["client_metrics.csv", "records.csv", "rounds.csv", "runs.csv", "sweep_runs.csv"]
 
 
+def test_a_resumed_run_says_after_which_round_as_people_count(tmp_path, capsys):
+    """Rounds are 0-based in the store and 1-based where a person reads them: a run stopped after its
+    first round resumes "after round 1"."""
+    db = str(tmp_path / "r.db")
+    store = Store(db)
+    Experiment(tiny(rounds=3), store).run(stop_after=1)
+    store.close()
+    args = [f"{k}={v}" for k, v in {**TINY, "rounds": 3}.items()]
+    assert main(["run", *args, "--db", db]) == 0
+    assert "-> finished, resumed after round 1" in capsys.readouterr().out
+
+
+def test_a_rescored_run_says_so_in_text_json_and_show(tmp_path, capsys):
+    """A run that differs from a finished one only in an evaluation-only key is scored from that run's kept
+    final state: `run` says so instead of looking like a 0-second training, `--json` names the source
+    run, and `show` explains why the run holds only its last round."""
+    db = str(tmp_path / "r.db")
+    base = [f"{k}={v}" for k, v in {**TINY, "method": "fedprism_dual", "fedprism_dual.k": 2,
+                                     "fraction": 1.0}.items()]
+    assert main(["run", *base, "--db", db, "--json"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert "rescored_from" not in first
+    assert main(["run", *base, "fedprism_dual.inference_temperature=2", "--db", db]) == 0
+    out = capsys.readouterr().out
+    assert f"-> finished, re-scored from run {first['run_id']}'s kept final state (no training)" in out
+    assert main(["run", *base, "fedprism_dual.inference_temperature=2", "--db", db, "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["rescored_from"] == first["run_id"] and again["reused"]
+    assert main(["show", again["run_id"], "--db", db]) == 0
+    assert f"re-scored from run {first['run_id']}'s kept final state" in capsys.readouterr().out
+
+
+def test_every_exported_table_has_rows_as_wide_as_its_header(tmp_path):
+    """Every CSV table's rows have its header's columns, and `records.csv` names each (its `seq` too): a
+    method that writes records (clusters, assignments) exported and read back field by field."""
+    import csv
+
+    from fedprism.report.export import export
+
+    db = str(tmp_path / "e.db")
+    _run(db, method="fedprism", fedprism__k=2, fedprism__every=1)
+    export(db, str(tmp_path / "out"))
+    for p in sorted((tmp_path / "out").glob("*.csv")):
+        header, *rows = list(csv.reader(open(p)))
+        assert (p.name == "sweep_runs.csv" or rows) and all(len(r) == len(header) for r in rows), p.name
+    header, *rows = list(csv.reader(open(tmp_path / "out" / "records.csv")))
+    assert header == ["run_id", "round", "seq", "kind", "client", "data"]
+    store = Store(db, readonly=True)
+    stored = store.db.execute("SELECT run_id, round, seq, kind, data FROM records ORDER BY rowid").fetchall()
+    store.close()
+    assert [(r[0], int(r[1]), int(r[2]), r[3], r[5]) for r in rows] == [tuple(s) for s in stored]
+
+
 def test_export_carries_every_sweep_a_run_belongs_to(tmp_path):
     """`runs.csv` has the sweep that first ran a run; `sweep_runs.csv` every sweep holding it (its label)."""
     import csv

@@ -55,7 +55,9 @@ def cmd_run(args) -> int:
         rounds = f"{cfg['rounds']} round{'s' if cfg['rounds'] != 1 else ''}"
         print(f"run {res.run_id} ({cfg['method']} on {cfg['dataset']}, {cfg['clients']} clients, "
               f"{rounds}) -> {res.status}" + (" (DIVERGED)" if f.get("diverged") else "")
-              + (f", resumed after round {res.resumed_from}" if res.resumed_from is not None else "")
+              + (f", resumed after round {res.resumed_from + 1}" if res.resumed_from is not None else "")
+              + (f", re-scored from run {f['rescored_from']}'s kept final state (no training)"
+                 if f.get("rescored_from") and not res.reused else "")
               + (" (stored: not run again; --fresh runs it again)" if res.reused else ""))
         keys = [k for k in ("global_acc", "local_acc", "local_acc_weighted", "ad", "sdad", "local_f1",
                             "global_model_acc", "seconds") if k in f]
@@ -70,6 +72,8 @@ def cmd_run(args) -> int:
     out["status"] = res.status
     out["reused"] = res.reused
     out["run_id"] = res.run_id
+    if f.get("rescored_from"):                     # evaluated from another run's final state, not trained
+        out["rescored_from"] = f["rescored_from"]
     if args.json:
         print(json.dumps(out))
     return 0
@@ -182,9 +186,12 @@ def cmd_show(args) -> int:
     cfg = json.loads(row["config"])
     prov = store.provenance(run_id)
     sweeps = [r[0] for r in store.db.execute("SELECT sweep FROM sweep_runs WHERE run_id=? ORDER BY sweep", (run_id,))]
+    source = json.loads(row["final"] or "{}").get("rescored_from")
     print(f"run {run_id}: {row['method']} '{row['name'] or ''}' seed {row['seed']}, {row['status']}, "
           f"{row['rounds_done']}/{cfg.get('rounds')} rounds; code {row['code_version']}"
           + (f"; sweeps: {', '.join(sweeps)}" if sweeps else ""))
+    if source:
+        print(f"re-scored from run {source}'s kept final state: no training; its rounds are in that run")
     print("\nConfiguration:")
     print(_table([[k, json.dumps(v)] for k, v in sorted(cfg.items())], ["key", "value"]))
     print("\nProvenance:")

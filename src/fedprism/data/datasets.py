@@ -325,7 +325,7 @@ def _missing_error(name: str, looked: list[tuple[Path, str]]) -> DataError:
         lines.append(f"Download them (checksum-verified) with:\n    fedprism data download {name}")
     if name == "fmnist":
         lines.append("or, on Debian/Ubuntu:\n    sudo apt-get install dataset-fashion-mnist")
-    lines.append("or copy them into one of the folders above (set $FEDPRISM_DATA or pass root=...).")
+    lines.append("or copy them into one of the folders above (set $FEDPRISM_DATA or pass data.root=...).")
     return DataError("\n".join(lines))
 
 

@@ -111,7 +111,7 @@ def serve(grid: Grid, run_config: dict[str, Any]) -> RunResult:
             drop_if_new_and_empty(store, created)
             raise
         res = exp.run(stop_after=s.stop_after or None)
-        _log(f"run {run_id} {res.status}" + (f" (resumed after round {res.resumed_from})"
+        _log(f"run {run_id} {res.status}" + (f" (resumed after round {res.resumed_from + 1})"
                                               if res.resumed_from is not None else "")
              + (f": local_acc {res.final['local_acc']:.4f}" if "local_acc" in res.final else ""))
         if res.status == "finished" and s.save_final:

@@ -31,8 +31,11 @@ def _tables(store: Store, keep=None) -> dict[str, tuple[list[str], list[list]]]:
     cm = [r for r in store.db.execute("SELECT * FROM client_metrics ORDER BY run_id, round, client")
           if take(r["run_id"])]
     t["client_metrics"] = (list(cm[0].keys()) if cm else ["run_id"], [list(r) for r in cm])
-    rec = [r for r in store.db.execute("SELECT * FROM records ORDER BY rowid") if take(r["run_id"])]
-    t["records"] = (["run_id", "round", "kind", "client", "data"], [list(r) for r in rec])
+    has_seq = any(c[1] == "seq" for c in store.db.execute("PRAGMA table_info(records)"))  # older stores: none
+    cols = ["run_id", "round"] + ["seq"] * has_seq + ["kind", "client", "data"]
+    rec = [r for r in store.db.execute(f"SELECT {', '.join(cols)} FROM records ORDER BY rowid")
+           if take(r["run_id"])]
+    t["records"] = (cols, [list(r) for r in rec])
     # sweep membership: every sweep that holds a run, under its row label (`runs.sweep` is the first only)
     sr = store.db.execute(
         "SELECT m.sweep, m.run_id, COALESCE(m.label, r.name) FROM sweep_runs m "
@@ -72,6 +75,13 @@ def export(db: str, out: str, fmt: str = "csv", runs: list[str] | None = None,
         tables = _tables(store, keep)
     finally:
         store.close()
+    for name, (header, rows) in tables.items():   # a table that does not hold together writes nothing
+        if any(len(r) != len(header) for r in rows):
+            raise FedPrismError(f"{db}: table {name} has rows of another width than its {len(header)} columns")
+    if fmt != "csv":
+        import pandas as pd
+
+        frames = {name: pd.DataFrame(rows, columns=header) for name, (header, rows) in tables.items()}
     outdir = Path(out)
     outdir.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -83,9 +93,7 @@ def export(db: str, out: str, fmt: str = "csv", runs: list[str] | None = None,
                 w.writerow(header)
                 w.writerows(rows)
         else:
-            import pandas as pd
-
             p = outdir / f"{name}.parquet"
-            pd.DataFrame(rows, columns=header).to_parquet(p)
+            frames[name].to_parquet(p)
         paths.append(p)
     return paths
