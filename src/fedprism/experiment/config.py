@@ -64,7 +64,8 @@ KEYS: dict[str, Param] = {
     "model": Param("auto", "lenet5, lenet5_bn, mlp, mlp_bn, cnn, clustpsi_fmnist_cnn, clustpsi_cifar_cnn, mlp_fedsub, "
                    "a registered "
                    "model, or auto (lenet5 for images >= 28px, else mlp)"),
-    "partition": Param("dirichlet", "how the data is split across clients (see `fedprism partition --help`)"),
+    "partition": Param("dirichlet", "how the data is split across clients (the partitions and their keys: "
+                       "end of `fedprism methods`)"),
     "clients": Param(100, "number of clients N", _pos, "an integer >= 1"),
     "rounds": Param(100, "communication rounds T", _pos, "an integer >= 1"),
     "fraction": Param(0.1, "client sampling rate R per round", lambda v: 0 < v <= 1, "a number in (0, 1]"),

@@ -84,8 +84,8 @@ def load_sweep(path: str | Path, quick: bool = False, overrides: dict[str, Any] 
         if "label" in r and (not isinstance(r["label"], str) or not r["label"]):
             raise ConfigError(f"{p.name}: runs[{i}].label", r["label"], "a non-empty string")
     if quick and not doc.get("quick"):      # --quick must never fall through to the full-size sweep
-        raise ConfigError(f"{p.name}: [quick]", None, "a [quick] section of smaller settings for --quick "
-                          "(this file has none, so --quick would run the full sweep)")
+        raise ConfigError("--quick", True, f"{p.name} has no [quick] section of smaller settings, so --quick "
+                          "would run the full sweep; add one or leave --quick out", kind="option")
     quick_over = flatten(doc.get("quick", {})) if quick else {}
     configs, made, seen = [], [], set()
     for i, variant in enumerate(runs):
