@@ -208,11 +208,28 @@ def test_fedamp_uniform_attention_is_fedavg(planted5):
 
 @pytest.mark.parametrize("attention", ["distance", "cosine"])
 def test_fedamp_attention_rows_and_auto_sigma(planted5, attention):
+    """sigma=auto is set once, after round 0, from its definition on the uploaded models (distance: the
+    median off-diagonal ||w_i - w_j||^2; cosine: 1 / median off-diagonal (1 - cos)); the attention rows
+    sum to 1 and favour the client's own planted group."""
     fed, truth = planted5
     algo, eng = setup(fed, "fedamp", attention=attention)
-    recs = []
-    state = drive(algo, eng, 3, on_round=lambda t, s, p, rec, b: recs.append(rec)).state
+    recs, w0 = [], []
+
+    def on_round(t, s, p, rec, b):
+        recs.append(rec)
+        if t == 0:
+            w0.append(s["w"].double().numpy().copy())
+
+    state = drive(algo, eng, 3, on_round=on_round).state
     assert recs[0]["fedamp"]["sigma"] == state["sigma"] > 0                # set once, at round 0
+    (w,) = w0
+    off = ~np.eye(len(w), dtype=bool)
+    if attention == "distance":
+        expect = np.median(((w[:, None, :] - w[None, :, :]) ** 2).sum(-1)[off])
+    else:
+        v = w / np.linalg.norm(w, axis=1, keepdims=True)
+        expect = 1.0 / np.median(1.0 - (v @ v.T)[off])
+    assert state["sigma"] == pytest.approx(expect, rel=1e-9)
     assert all("fedamp" not in r for r in recs[1:])
     clients = np.arange(fed.num_clients)
     xi, peers = algo.attention(state, clients)
