@@ -64,12 +64,14 @@ def test_ties_go_to_the_smallest_tau(monkeypatch):
     assert set(cl.scores.values()) == {0.5} and len(cl.scores) > 2 and cl.tau == 2
 
 
-def _planted_hist(seed: int = 0, centres=(0.9, 0.2), jitter: float = 0.01) -> tuple[np.ndarray, np.ndarray]:
-    """Two groups of five clients with pmfs [p, 1 - p] jittered around the two centres."""
+def _planted_hist(seed: int = 0, centres=(0.9, 0.2), jitter: float = 0.01, sizes=(5, 5)
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Two groups (of `sizes` clients, five each by default) with pmfs [p, 1 - p] jittered around the two
+    centres."""
     rng = np.random.default_rng(seed)
     rows, truth = [], []
-    for g, p in enumerate(centres):
-        for _ in range(5):
+    for g, (p, size) in enumerate(zip(centres, sizes)):
+        for _ in range(size):
             q = p + rng.uniform(-jitter, jitter)
             rows.append([round(1000 * q), 1000 - round(1000 * q)])
             truth.append(g)
@@ -114,18 +116,58 @@ def _ctx(hist: np.ndarray, fraction: float = 0.5, P: int = 3) -> Context:
                    n_train=hist.sum(1), label_hist=hist, seed=0, rounds=3, fraction=fraction)
 
 
+def _distinct_models(state: dict) -> None:
+    """Give every cluster its own model row (they all start at the same init), so a payload names its row."""
+    tau, P = state["w"].shape
+    state["w"] = torch.arange(tau * P, dtype=torch.float32).view(tau, P) + 1.0
+
+
+def _sends_each_client_its_cluster_model(state: dict, plan) -> None:
+    """Row i of the payload is the model of the cluster planned client i is assigned to (both clusters
+    are in the plan, so a payload from the wrong row shows)."""
+    a = state["assign"][torch.as_tensor(plan.clients)]
+    assert sorted(set(a.tolist())) == [0, 1] and len(state["w"]) == 2
+    for i, c in enumerate(a.tolist()):
+        assert torch.equal(plan.payload["params"][i], state["w"][c]), (plan.clients[i], c)
+
+
 def test_per_cluster_sampling_takes_q_of_each_cluster():
+    """q |c| = 2 members of each cluster of five; each planned client is sent its own cluster's model row
+    (with either sampling)."""
     h, truth = _planted_hist()
     algo = ClustPsiPfl(_ctx(h, fraction=0.4), sampling="per_cluster")
     assert _same_groups(algo.init_state()["assign"].numpy(), truth)
     state = algo.init_state()
+    _distinct_models(state)
     plan = algo.plan(state, 0, np.arange(3))                     # the runner's cohort is replaced
     g = truth[plan.clients]
     assert len(plan.clients) == 4 and (g == 0).sum() == 2 and (g == 1).sum() == 2
+    _sends_each_client_its_cluster_model(state, plan)
     assert not np.array_equal(algo.plan(state, 1, np.arange(3)).clients, plan.clients) or \
         not np.array_equal(algo.plan(state, 2, np.arange(3)).clients, plan.clients)
     glob = ClustPsiPfl(_ctx(h, fraction=0.4))          # the default: the paper's uniform cohort
-    assert glob.plan(glob.init_state(), 0, np.arange(3)).clients.tolist() == [0, 1, 2]
+    gstate = glob.init_state()
+    _distinct_models(gstate)
+    gplan = glob.plan(gstate, 0, np.array([0, 1, 7]))
+    assert gplan.clients.tolist() == [0, 1, 7]
+    _sends_each_client_its_cluster_model(gstate, gplan)
+
+
+@pytest.mark.parametrize("fraction, want", [(0.4, (2, 1)), (0.1, (1, 1))])
+def test_per_cluster_sampling_floors_q_times_the_cluster_size(fraction, want):
+    """Clusters of 7 and 4 clients: max(floor(q |c|), 1) members each (the module's rule), i.e. q = 0.4
+    takes 2 of 7 (q |c| = 2.8, rounding would take 3) and 1 of 4 (1.6, rounding: 2); q = 0.1 takes the
+    minimum of one from each (0.7 and 0.4 floor to 0). The payloads are the members' cluster models."""
+    h, truth = _planted_hist(sizes=(7, 4), jitter=0.0)                   # two distinct rows: tau = 2
+    algo = ClustPsiPfl(_ctx(h, fraction=fraction), sampling="per_cluster")
+    state = algo.init_state()
+    assert _same_groups(state["assign"].numpy(), truth)
+    _distinct_models(state)
+    for rnd in range(3):
+        plan = algo.plan(state, rnd, np.arange(3))
+        g = truth[plan.clients]
+        assert ((g == 0).sum(), (g == 1).sum()) == want and len(set(plan.clients.tolist())) == sum(want), rnd
+        _sends_each_client_its_cluster_model(state, plan)
 
 
 def test_aggregation_is_per_cluster_and_an_idle_cluster_keeps_its_model():

@@ -136,32 +136,60 @@ def test_soft_cluster_step_robust_cluster_by_cluster():
     assert torch.equal(soft_cluster_step(w_c, W_S, X, robust={"rule": "mean"}), soft_cluster_step(w_c, W_S, X))
 
 
+#: method -> the state keys of its averaged models (tests/test_server_opt.py names the same ones)
+AVERAGED_KEYS = {"fedavg": ("w",), "ifca": ("w",), "fedclust": ("w_c", "w_g"), "cfl": ("w",),
+                 "fedprism": ("w_g", "w_c"), "fedprism_dual": ("w_g", "w_c"), "fedprox": ("w",),
+                 "ditto": ("w",), "apfl": ("w",), "fedper": ("shared",), "fedrep": ("shared",),
+                 "fedbn": ("shared",), "protohar": ("body",), "clust_psi_pfl": ("w",)}
+
+
 @pytest.mark.parametrize("rule", ["median", "trimmed_mean", "clipped_mean"])
 @pytest.mark.parametrize("method, extra", [
     ("fedavg", ""), ("ifca", "ifca.k=2"), ("ifca", "ifca.k=2 ifca.init=warmup ifca.warmup_rounds=1"),
     ("fedclust", "fedclust.k=2"), ("cfl", "cfl.warmup=0 cfl.eps1=100 cfl.eps2=0"),
     ("fedprism", "fedprism.k=2 fedprism.every=1"), ("fedprism", "fedprism.k=2 fedprism.every=1 fedprism.update=model"),
     ("fedprism_dual", "fedprism_dual.k=2"), ("fedprox", ""), ("ditto", ""), ("apfl", ""), ("fedper", ""),
-    ("fedrep", ""), ("fedbn", "model=mlp_bn"), ("protohar", ""),
+    ("fedrep", ""), ("fedbn", "model=mlp_bn"), ("protohar", ""), ("clust_psi_pfl", ""),
 ])
 def test_every_averaging_method_runs_each_rule(method, extra, rule, tmp_path):
     """Each rule through the whole round loop (plan, local training, aggregate, evaluation): finite
-    models, and not the mean's numbers."""
+    models, and not the mean's numbers in any averaged model (fedprism's w_g and every w_c, fedclust's
+    cluster and global models, ...). Every round is also replayed with `mean` on a copy of the server (the
+    same state, the same uploads): each averaged model differs from that replay in some round, so the rule
+    reaches each of them, not only through the other models' trajectories. (Not in every round, and a
+    matrix of cluster models as a whole: in a cluster of one or two clients the median is the mean.)"""
+    import copy
+
     from fedprism.experiment.runner import Experiment
     from fedprism.experiment.store import Store
     from fedprism.flower.settings import parse_experiment
 
     exp = (f"method={method} dataset=digits clients=5 rounds=2 fraction=1.0 local_epochs=1 lr=0.05 model=mlp "
            f"device=cpu engine=sequential partition.alpha=0.5 seed=3 {extra}")
-    runs = {}
+    runs, replays = {}, []                                 # (state after the rule, after the mean) per round
     for r in ("mean", rule):
         e = Experiment(parse_experiment(exp + f" {method}.aggregation={r} {method}.aggregation.trim=0.2"),
                        Store(tmp_path / f"{r}.db"))
+        if r == rule:
+            real = e.algo.aggregate
+
+            def aggregate(state, rnd, update, algo=e.algo, real=real):
+                mean_algo = copy.copy(algo)                    # aggregate changes no attribute of the algo
+                mean_algo.hp = {**algo.hp, "aggregation": "mean"}
+                mean_state = copy.deepcopy(state)
+                type(algo).aggregate(mean_algo, mean_state, rnd, copy.deepcopy(update))
+                out = real(state, rnd, update)
+                replays.append((copy.deepcopy(state), mean_state))
+                return out
+
+            e.algo.aggregate = aggregate
         res = e.run()
         assert res.status == "finished"
         runs[r] = e.state
     for k, v in runs[rule].items():
         if isinstance(v, torch.Tensor) and v.is_floating_point():
             assert bool(torch.isfinite(v).all()), k
-    w = next(k for k in ("w_g", "w", "shared", "body") if k in runs[rule])     # the averaged model
-    assert not torch.equal(runs[rule][w], runs["mean"][w])
+    assert len(replays) == 2
+    for key in AVERAGED_KEYS[method]:                                   # every averaged model
+        assert not torch.equal(runs[rule][key], runs["mean"][key]), key
+        assert any(not torch.equal(got[key], mean[key]) for got, mean in replays), key
