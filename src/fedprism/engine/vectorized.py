@@ -222,7 +222,8 @@ class VectorizedEngine(EngineBase):
                    (`fedprism.protocol.train_together`; default: on CUDA only). A row's batch order and
                    dropout masks do not change, its arithmetic only at rounding level (the slot count
                    changes the batched kernels, as `max_slots` does), so the CPU default keeps stored runs
-                   bit for bit; on this project's CPU the pass is FLOP-bound and fusing gains nothing.
+                   bit for bit; on this project's CPU the fused pass measured slower than the two it
+                   replaces (bench/README.md, `bench/dual_cost.py`).
       cuda_graphs  replay each training step from a CUDA graph (`fedprism.engine.cuda_graph`; default: on
                    for compiled CUDA runs). The same kernels on the same inputs, so the same bits; one
                    launch per step instead of one per kernel. Needs a CUDA device.
