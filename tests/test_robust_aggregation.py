@@ -140,7 +140,7 @@ def test_soft_cluster_step_robust_cluster_by_cluster():
 AVERAGED_KEYS = {"fedavg": ("w",), "ifca": ("w",), "fedclust": ("w_c", "w_g"), "cfl": ("w",),
                  "fedprism": ("w_g", "w_c"), "fedprism_dual": ("w_g", "w_c"), "fedprox": ("w",),
                  "ditto": ("w",), "apfl": ("w",), "fedper": ("shared",), "fedrep": ("shared",),
-                 "fedbn": ("shared",), "protohar": ("body",), "clust_psi_pfl": ("w",)}
+                 "fedbn": ("shared",), "protohar": ("body",), "clust_psi_pfl": ("w",), "fedsoft": ("c",)}
 
 
 @pytest.mark.parametrize("rule", ["median", "trimmed_mean", "clipped_mean"])
@@ -149,7 +149,7 @@ AVERAGED_KEYS = {"fedavg": ("w",), "ifca": ("w",), "fedclust": ("w_c", "w_g"), "
     ("fedclust", "fedclust.k=2"), ("cfl", "cfl.warmup=0 cfl.eps1=100 cfl.eps2=0"),
     ("fedprism", "fedprism.k=2 fedprism.every=1"), ("fedprism", "fedprism.k=2 fedprism.every=1 fedprism.update=model"),
     ("fedprism_dual", "fedprism_dual.k=2"), ("fedprox", ""), ("ditto", ""), ("apfl", ""), ("fedper", ""),
-    ("fedrep", ""), ("fedbn", "model=mlp_bn"), ("protohar", ""), ("clust_psi_pfl", ""),
+    ("fedrep", ""), ("fedbn", "model=mlp_bn"), ("protohar", ""), ("clust_psi_pfl", ""), ("fedsoft", ""),
 ])
 def test_every_averaging_method_runs_each_rule(method, extra, rule, tmp_path):
     """Each rule through the whole round loop (plan, local training, aggregate, evaluation): finite

@@ -33,6 +33,10 @@ Decisions where the paper is silent or our interface differs from its code (gith
 Defaults: S = 2 (`k`), lambda = 0.1 and sigma = 1e-4 (the authors' MNIST values), tau = 2.
 `fedsoft.server_opt` (`aggregation.server_update`) takes a server optimiser step on each cluster model
 from its Eq. 5 average (one optimiser state per cluster; default `none`: Eq. 5 itself).
+`fedsoft.aggregation` replaces Eq. 5's weighted mean of cluster s by a robust rule with the same weights
+v_s. (`aggregation.average`; default `mean`: Eq. 5 bit for bit). Clients train from their own w_k, which
+the server never sees, so `clipped_mean` clips each returned model's distance from c_s, the model it is
+averaged into.
 """
 
 from __future__ import annotations
@@ -43,7 +47,8 @@ import torch.nn.functional as F
 
 from fedprism.algorithms.base import (Algorithm, ClientState, Inference, Plan, TensorSpec, TrainJob, Update,
                                       register)
-from fedprism.algorithms.aggregation import SERVER_OPT_PARAMS, server_update
+from fedprism.algorithms.aggregation import (ROBUST_PARAMS, SERVER_OPT_PARAMS, average, robust_args,
+                                             server_update)
 from fedprism.algorithms.ifca import permuted_inits
 from fedprism.hparams import Param
 
@@ -77,6 +82,7 @@ class FedSoft(Algorithm):
         "tau": Param(2, "importance re-estimation period in rounds", lambda v: isinstance(v, int) and v >= 1,
                      "an integer >= 1"),
         **SERVER_OPT_PARAMS,         # a server step on each cluster model after Eq. 5
+        **ROBUST_PARAMS,             # Eq. 5's weighted mean, or a robust rule with the same weights
     }
     client_state = {"w": ClientState(("P",), init="model")}      # + u [S], sized in __init__
 
@@ -119,10 +125,12 @@ class FedSoft(Algorithm):
             return {}
         a = update.payload["u"].to(torch.float64) * update.n_samples.to(torch.float64)[:, None]   # [n, S]
         total = a.sum(0)
-        x = update.params.to(torch.float64)
+        x, rb = update.params.to(torch.float64), robust_args(self.hp)
         for s in range(state["c"].shape[0]):
             if total[s] > 0:
-                server_update(state, "c", (a[:, s] / total[s]) @ x, self.hp, rows=s)
+                avg = ((a[:, s] / total[s]) @ x if rb["rule"] == "mean"
+                       else average(x, a[:, s], state["c"][s].expand(len(x), -1), **rb))
+                server_update(state, "c", avg, self.hp, rows=s)
         return {"fedsoft_importance": {"clients": update.clients.tolist(),
                                        "u": [[round(float(v), 6) for v in row] for row in update.payload["u"]]}}
 
