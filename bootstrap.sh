@@ -32,6 +32,11 @@ if [ ! -e /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] && [ -z
   fi
 fi
 
+# The fast tests run in $FEDPRISM_TEST_WORKERS pytest-xdist processes (default 2: each test uses one torch
+# thread, so two processes use both cores of the 2-core target); the slow ones (Flower clusters, whole
+# paper runs) one at a time.
+WORKERS="${FEDPRISM_TEST_WORKERS:-2}"
+
 pytest_phase() {  # pytest exits 5 when a marker selects nothing: that is not a failure here
   local rc=0
   .venv/bin/python -m pytest "$@" || rc=$?
@@ -40,8 +45,8 @@ pytest_phase() {  # pytest exits 5 when a marker selects nothing: that is not a 
 
 case "${1:-demo}" in
   demo)    shift || true; exec .venv/bin/fedprism demo "$@" ;;
-  test)    pytest_phase -q -m "not slow"; pytest_phase -q -m slow ;;
-  fast)    pytest_phase -q -m "not slow" ;;
+  test)    pytest_phase -q -m "not slow" -n "$WORKERS"; pytest_phase -q -m slow ;;
+  fast)    pytest_phase -q -m "not slow" -n "$WORKERS" ;;
   install) echo "installed: $(.venv/bin/fedprism --help | head -1)" ;;
   *)       echo "usage: bash bootstrap.sh [demo|test|fast|install]" >&2; exit 2 ;;
 esac
