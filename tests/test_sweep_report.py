@@ -193,6 +193,18 @@ def test_quick_without_a_quick_section_is_refused(tmp_path):
     assert len(load_sweep(f)[1]) == 1
 
 
+def test_a_refused_sweep_names_no_results_file_and_creates_none(tmp_path, capsys):
+    """`fedprism sweep` says where results go only once the file and options are valid: a refused
+    --quick prints one error line and no 'results: PATH' for a store it never creates."""
+    from fedprism.cli import main
+
+    f = tmp_path / "s.toml"
+    f.write_text('name = "s"\n[base]\ndataset = "digits"\n[[runs]]\nmethod = "fedavg"\n')
+    assert main(["sweep", str(f), "--quick", "--db", str(tmp_path / "x.db")]) == 2
+    err = capsys.readouterr().err
+    assert "option '--quick'" in err and "results:" not in err and not (tmp_path / "x.db").exists()
+
+
 def test_every_shipped_sweep_has_a_small_quick_form():
     for path in sorted((Path(__file__).parent.parent / "sweeps").glob("*.toml")):
         _, configs = load_sweep(path, quick=True)

@@ -91,7 +91,6 @@ def cmd_sweep(args) -> int:
 
     # --db, then $FEDPRISM_DB, then the file's own `db` (not for --quick smoke runs), then the default
     db = args.db or os.environ.get("FEDPRISM_DB") or (None if args.quick else sweep_db(args.file)) or DEFAULT_DB
-    print(f"results: {db}", file=sys.stderr)
     return run_sweep(args.file, db, only=args.only, quick=args.quick, progress=not args.quiet,
                      limit=args.limit, seeds=args.seed, overrides=parse_overrides(args.items), workers=args.workers)
 

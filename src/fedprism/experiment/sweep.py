@@ -387,6 +387,7 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
         raise ConfigError("--workers", workers, "an integer >= 1", kind="option")
     from fedprism.experiment.provenance import ProvenanceMismatch
 
+    print(f"results: {db}", file=sys.stderr)      # once the file and the options are known to be valid
     store = Store(db)
     done = skipped = busy = 0
     t0 = time.time()
