@@ -132,6 +132,21 @@ def test_read_only_commands_change_no_byte(tmp_path, capsys):
     capsys.readouterr()
 
 
+@pytest.mark.parametrize("name", ["a#1.db", "q?x.db", "p%41.db", "sp ace.db"])
+def test_a_store_whose_path_holds_uri_characters_opens_read_only_as_itself(tmp_path, name):
+    """The read-only open goes through an SQLite URI: '#', '?' and '%' in the path are that file's name,
+    not a fragment, a query or an escape (they used to open, and create, another file)."""
+    import fedprism
+
+    (tmp_path / "a").write_bytes(b"")                              # what an unescaped 'a#1.db' opened
+    (tmp_path / "pA.db").write_bytes(b"")                          # ... and 'p%41.db'
+    res = _run(str(tmp_path / name))
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert [r["run_id"] for r in fedprism.results(str(tmp_path / name))] == [res.run_id]
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert (tmp_path / "a").read_bytes() == b"" and (tmp_path / "pA.db").read_bytes() == b""
+
+
 def test_report_on_a_missing_store_is_one_line_and_creates_nothing(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for cmd in (["report"], ["export"], ["runs"], ["show", "abc"]):

@@ -35,6 +35,7 @@ import os
 import sqlite3
 import subprocess
 import time
+import urllib.parse
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -233,7 +234,8 @@ class Store:
                 shown = ", ".join(near[:3]) + (", ..." if len(near) > 3 else "")
                 raise MissingStoreError(f"no results store at {self.path} (check --db or $FEDPRISM_DB"
                                         + (f"; stores here: {shown}" if near else "") + ")")
-            uri = f"file:{self.path.resolve().as_posix()}?mode=ro"
+            # percent-encoded: a '#', '?' or '%' in the path would otherwise end or change the file name
+            uri = f"file:{urllib.parse.quote(self.path.resolve().as_posix())}?mode=ro"
             self._real = self.path.resolve()        # SQLite keeps -wal / -shm beside the file a link names
             self._had = {x for x in ("-wal", "-shm") if Path(f"{self._real}{x}").exists()}
             try:
