@@ -12,7 +12,16 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
+
 from fedprism.errors import ConfigError
+
+
+def plain(value: Any) -> Any:
+    """A numpy scalar (np.int64 from a loop over np.arange, np.float32, np.bool_, np.str_) as the Python
+    value it holds, so that it validates, and hashes into a run id, as that value does; anything else
+    unchanged."""
+    return value.item() if isinstance(value, np.generic) else value
 
 
 @dataclass(frozen=True)
@@ -36,6 +45,7 @@ class Param:
         if own is not None and not getattr(own, "_prechecked", False):
             @functools.wraps(own)
             def validate(self: Param, key: str, value: Any) -> Any:
+                value = plain(value)
                 self._precheck(key, value)
                 return own(self, key, value)
             validate._prechecked = True  # type: ignore[attr-defined]
@@ -49,13 +59,14 @@ class Param:
             raise ConfigError(key, value, f"an integer of magnitude below 2**63{extra}")
 
     def validate(self, key: str, value: Any) -> Any:
+        value = plain(value)
         self._precheck(key, value)
         t = type(self.default)
         if self.choices is not None:
             if value not in self.choices:
                 extra = f"; {self.allowed}" if self.allowed else ""
                 raise ConfigError(key, value, f"one of {', '.join(map(str, self.choices))}{extra}")
-            return value
+            return self.choices[self.choices.index(value)]   # the listed value: 1 -> True, 2.0 -> 2
         if t is bool:
             if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
                 value = value.lower() in ("true", "1")

@@ -43,6 +43,7 @@ from typing import Any, Iterator
 import torch
 
 from fedprism.errors import FedPrismError
+from fedprism.hparams import plain
 from fedprism.experiment import checkpoint
 from fedprism.experiment.runlock import RunLock
 
@@ -571,6 +572,10 @@ class Store:
 
                 raise UnknownFilter(f"no run column {k!r} to filter on{suggest(k, columns)}; columns: "
                                     f"{', '.join(columns)}")
+        where = {k: plain(v) for k, v in where.items()}          # np.int64(0) matches seed 0
+        for k, v in where.items():
+            if not isinstance(v, (str, int, float)) or isinstance(v, bool):
+                raise UnknownFilter(f"filter {k}={v!r}: one value (a string or a number) per column")
         if "sweep" in where:
             sweep = where.pop("sweep")
             q = ("SELECT runs.*, COALESCE(m.label, runs.name) AS label FROM runs LEFT JOIN sweep_runs m"
@@ -583,16 +588,28 @@ class Store:
             q += " WHERE " + " AND ".join(f"{k}=?" for k in where)
         return self.db.execute(q + " ORDER BY created", tuple(where.values())).fetchall()
 
+    def _known(self, run_id: str, rows: list) -> list:
+        """`rows`, unless they are none because `run_id` names no run: that is an error, not an empty
+        answer (it would read as 'no rows yet')."""
+        if not rows and self.db.execute("SELECT 1 FROM runs WHERE run_id=?", (run_id,)).fetchone() is None:
+            raise FedPrismError(f"no run {run_id!r} in {self.path} (`fedprism runs` lists them; "
+                                "`Store.find(prefix)` resolves a prefix)")
+        return rows
+
     def round_metrics(self, run_id: str) -> list[dict]:
-        rows = self.db.execute("SELECT round, metrics, wall_s FROM rounds WHERE run_id=? ORDER BY round",
-                               (run_id,)).fetchall()
+        rows = self._known(run_id, self.db.execute(
+            "SELECT round, metrics, wall_s FROM rounds WHERE run_id=? ORDER BY round", (run_id,)).fetchall())
         return [{"round": r["round"], "wall_s": r["wall_s"], **json.loads(r["metrics"])} for r in rows]
 
     def client_rows(self, run_id: str, rnd: int | None = None) -> list[sqlite3.Row]:
+        """One row per client of round `rnd` (0-based; default: the last round with client rows)."""
+        rnd = plain(rnd)
+        if rnd is not None and (isinstance(rnd, bool) or not isinstance(rnd, int)):
+            raise FedPrismError(f"client_rows: rnd={rnd!r} is not a round number (an integer, 0-based)")
         if rnd is None:
             rnd = self.db.execute("SELECT MAX(round) FROM client_metrics WHERE run_id=?", (run_id,)).fetchone()[0]
-        return self.db.execute("SELECT * FROM client_metrics WHERE run_id=? AND round=? ORDER BY client",
-                               (run_id, rnd)).fetchall()
+        return self._known(run_id, self.db.execute(
+            "SELECT * FROM client_metrics WHERE run_id=? AND round=? ORDER BY client", (run_id, rnd)).fetchall())
 
     def records(self, run_id: str, kind: str | None = None) -> list[dict]:
         q, args = "SELECT round, kind, client, data FROM records WHERE run_id=?", [run_id]
@@ -601,8 +618,9 @@ class Store:
             args.append(kind)
         # a store of an older schema opened read-only has no `seq` (never migrated): its rowid order is the same
         keyed = "seq" in {r[1] for r in self.db.execute("PRAGMA table_info(records)")}
-        return [{"round": r[0], "kind": r[1], "client": r[2], "data": json.loads(r[3])}
-                for r in self.db.execute(q + (" ORDER BY round, seq" if keyed else " ORDER BY rowid"), args)]
+        q += " ORDER BY round, seq" if keyed else " ORDER BY rowid"
+        return self._known(run_id, [{"round": r[0], "kind": r[1], "client": r[2], "data": json.loads(r[3])}
+                                    for r in self.db.execute(q, args)])
 
     # -- checkpoints (beside the db, never inside) -------------------------------------------------
     @property
