@@ -110,6 +110,56 @@ def test_failing_client_is_recorded_and_others_aggregate(tmp_path, monkeypatch):
     assert r0["accepted"] == r0["clients"] - 1
 
 
+def test_a_method_that_raises_for_every_client_stops_the_run_with_its_traceback(tmp_path):
+    """One client raising is a client's failure (previous test); every client of a round raising is, in
+    process, the method's bug: `MethodError` naming the method, the round and the first client's error,
+    chained to the real exception, and the run is `failed` (it was stored 'finished', 'diverged')."""
+    from fedprism.experiment.runner import MethodError
+
+    c = cfg(method="fedavg", rounds=2)
+    exp = Experiment(c, Store(tmp_path / "m.db"))
+
+    def broken(plan, trainer, rnd, cstate):
+        return exp.algo.undefined_helper(plan)
+
+    exp.algo.client_update = broken
+    with pytest.raises(MethodError, match=r"every client of round 1 raised in FedAvg\.client_update "
+                                          r"\(client \d+: AttributeError: .*undefined_helper") as e:
+        exp.run()
+    assert isinstance(e.value.__cause__, AttributeError)
+    assert exp.store.run(c.run_id)["status"] == "failed"
+
+
+def _as(up, clients=None, payload=None, n=None):
+    """The reply `up` with some of its parts replaced."""
+    return type(up)(up.clients if clients is None else clients, up.payload if payload is None else payload,
+                    up.n_samples if n is None else n)
+
+
+@pytest.mark.parametrize("reply, what", [
+    (lambda up: {"params": up.params}, r"a dict, not a fedprism\.protocol\.Update"),
+    (lambda up: _as(up, payload={"params": up.params[:-1]}), r"payload\['params'\] of \(3, "),
+    (lambda up: _as(up, clients=up.clients + 100), r"clients \[1\d\d.*plan does not hold"),
+    (lambda up: _as(up, clients=np.repeat(up.clients[:1], 4)), r"clients \[\d+, .* with repeats"),
+    (lambda up: _as(up, n=up.n_samples[:1]), r"n_samples .* one value per client \(4\)"),
+    (lambda up: _as(up, payload={"params": up.params.numpy()}), r"payload\['params'\] of ndarray"),
+])
+def test_a_malformed_reply_is_a_method_error_naming_what_is_wrong(tmp_path, reply, what):
+    """Replies whose structure no client could send (not an Update, a row short, clients outside the
+    plan or repeated, numpy instead of tensors) stop the run with what was wrong, instead of an
+    IndexError or KeyError from inside the runner; per-client rows that fail the declared upload are
+    rejected client by client (tests/test_api_v2.py)."""
+    from fedprism.experiment.runner import MethodError
+
+    c = cfg(method="fedavg", rounds=1)
+    exp = Experiment(c, Store(tmp_path / "m.db"))
+    real = exp.algo.client_update
+    exp.algo.client_update = lambda plan, trainer, rnd, cstate: reply(real(plan, trainer, rnd, cstate))
+    with pytest.raises(MethodError, match="FedAvg.client_update returned " + what):
+        exp.run()
+    assert exp.store.run(c.run_id)["status"] == "failed"
+
+
 def test_store_is_transactional(tmp_path):
     s = Store(tmp_path / "t.db")
     s.start_run("x", {"method": "fedavg", "dataset": "digits", "seed": 0})

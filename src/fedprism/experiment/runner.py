@@ -77,14 +77,51 @@ def validate_update(update: Update, upload: dict[str, TensorSpec]) -> tuple[Upda
     return update.select(keep), bad
 
 
-def receive(update: Update | None, plan: Plan, clients: ClientStore | None, upload: dict[str, TensorSpec]
-            ) -> tuple[Update, dict[int, str]]:
+class MethodError(RuntimeError):
+    """A method's `client_update` returned what no client reply can be, or raised for every client of a
+    round in process: a bug of the method, reported with what was wrong (and the traceback)."""
+
+
+def check_reply(update: object, plan: Plan, method: str) -> None:
+    """The shape of an `Update` before anything reads it: an Update, of clients of the plan (each once),
+    with one n_samples value and one row of every payload, metric and client-state tensor per client.
+    Rows that fail their declared upload spec are rejected per client later (`validate_update`)."""
+    def bad(what: str) -> None:
+        raise MethodError(f"{method}.client_update returned {what}")
+
+    if not isinstance(update, Update):
+        bad(f"a {type(update).__name__}, not a fedprism.protocol.Update")
+    c = update.clients
+    if not isinstance(c, np.ndarray) or c.ndim != 1 or (c.size and not np.issubdtype(c.dtype, np.integer)):
+        bad(f"clients {c!r}: expected a 1-D integer numpy array of the plan's clients")
+    ids = c.tolist()
+    if len(set(ids)) != len(ids):
+        bad(f"clients {ids[:10]} with repeats: each client replies once")
+    stray = sorted(set(ids) - set(plan.clients.tolist()))
+    if stray:
+        bad(f"clients {stray[:5]} that the round's plan does not hold")
+    n = len(ids)
+    if not isinstance(update.n_samples, torch.Tensor) or tuple(update.n_samples.shape) != (n,):
+        bad(f"n_samples {update.n_samples!r}: expected a tensor of one value per client ({n})")
+    for part in ("payload", "metrics", "client_state"):
+        rows = getattr(update, part)
+        if not isinstance(rows, dict):
+            bad(f"{part} of type {type(rows).__name__}: expected a dict of tensors")
+        for k, v in rows.items():
+            if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.shape[0] != n:
+                shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+                bad(f"{part}[{k!r}] of {shape} for {n} client(s): expected a tensor with one row per client")
+
+
+def receive(update: Update | None, plan: Plan, clients: ClientStore | None, upload: dict[str, TensorSpec],
+            method: str = "the method") -> tuple[Update, dict[int, str]]:
     """What the server does with the clients' replies before aggregating: the clients keep their new
     state (the simulator writes it to `clients`), the rows each client was sent are attached
     (`Update.sent`), and rows that do not match the declared upload are rejected. No reply at all
     (`update` None) is an empty update."""
     if update is None:
         return Update(plan.clients[:0], sent=plan.subset(np.zeros(0, dtype=np.int64)).payload), {}
+    check_reply(update, plan, method)
     if clients is not None and update.client_state:
         clients.write(update.clients, update.client_state)
     pos = {int(c): i for i, c in enumerate(plan.clients)}
@@ -116,7 +153,7 @@ class Simulator:
     def round(self, rnd: int, clients: np.ndarray) -> tuple[Plan, Update, dict]:
         plan = self.algo.plan(self.state, rnd, np.asarray(clients))
         update, failed = _local_work(self.algo, plan, self.engine, rnd, self.clients)
-        update, rejected = receive(update, plan, self.clients, self.upload)
+        update, rejected = receive(update, plan, self.clients, self.upload, type(self.algo).__name__)
         update.rejected = {**failed, **rejected}
         return plan, update, self.algo.aggregate(self.state, rnd, update) or {}
 
@@ -335,8 +372,25 @@ class Experiment:
 
     # -- hooks (overridden by the Flower ServerApp) -------------------------------------------------
     def local_work(self, plan: Plan, rnd: int) -> tuple[Update | None, dict[int, str]]:
-        """The sampled clients' work: (update of the clients that succeeded, failed client -> reason)."""
-        return _local_work(self.algo, plan, self.engine, rnd, self.clients)
+        """The sampled clients' work: (update of the clients that succeeded, failed client -> reason).
+
+        A client that raises is recorded and the round goes on without it. When every client of the
+        round raises, in process that is the method's bug, not the clients' bad luck: the run stops
+        with a `MethodError` carrying the first client's traceback (it was stored as 'finished' with
+        a note about non-finite values)."""
+        update, failed = _local_work(self.algo, plan, self.engine, rnd, self.clients)
+        if update is None and len(plan.clients) and len(failed) == len(plan.clients):
+            name = type(self.algo).__name__
+            first = int(plan.clients[0])
+            msg = (f"every client of round {rnd + 1} raised in {name}.client_update (client {first}: "
+                   f"{failed[first]})")
+            try:                                   # once more, outside the guard: the traceback
+                self.algo.client_update(plan.subset(np.array([0])), self.engine, rnd,
+                                        self.clients.rows(plan.clients[:1]) if self.clients else {})
+            except Exception as e:  # noqa: BLE001 - re-raised as the method's error, chained
+                raise MethodError(msg) from e
+            raise MethodError(msg + "; it did not raise when run again alone")
+        return update, failed
 
     def extra_records(self, rnd: int) -> list[tuple[str, int | None, Any]]:
         """Further (kind, client, data) records to store with round `rnd`."""
@@ -510,7 +564,7 @@ class Experiment:
                 t_train = time.time()
                 update, failed = self.local_work(plan, rnd)
                 t_train = time.time() - t_train
-                update, rejected = receive(update, plan, self.clients, self.upload)
+                update, rejected = receive(update, plan, self.clients, self.upload, type(self.algo).__name__)
                 update.rejected = {**failed, **rejected}
                 seen[update.clients] = True
                 recs = self.algo.aggregate(state, rnd, update) or {}
