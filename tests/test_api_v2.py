@@ -378,3 +378,78 @@ def test_the_documented_plugin_is_the_tested_one():
     code = (Path(__file__).parent / "plugins" / "fedavgm_plugin.py").read_text()
     body = code[code.index('"""', 3) + 3:]
     assert block.strip() == body.strip()
+
+
+# -- registration and plugin checks -------------------------------------------------------------------
+def test_register_refuses_what_could_never_run_and_built_in_names(tmp_path):
+    """A non-Algorithm, a name with a dot, a params entry that is no Param, a built-in method's, model's or
+    dataset's name, a builder that is not callable: each refused at registration, naming it; registering
+    a plugin's name again replaces it (a notebook cell run twice)."""
+    import fedprism
+    from fedprism.algorithms.base import REGISTRY
+    from fedprism.algorithms.fedavg import FedAvg
+
+    with pytest.raises(TypeError, match="subclass of fedprism.Algorithm"):
+        fedprism.register(object)
+    for name, params, match in (("fed.avg", {}, "without dots"), ("fedavg", {}, "built-in method"),
+                                ("mine", {"k": 3}, r"params\['k'\] is 3")):
+        cls = type("Mine", (FedAvg,), {"name": name, "params": {**FedAvg.params, **params}})
+        with pytest.raises((TypeError, ValueError), match=match):
+            fedprism.register(cls)
+    assert REGISTRY["fedavg"] is FedAvg and "mine" not in REGISTRY
+    with pytest.raises(ValueError, match="'mlp' is a built-in model"):
+        fedprism.register_model("mlp", lambda shape, k: None)
+    with pytest.raises(ValueError, match="'digits' is a built-in dataset"):
+        fedprism.register_dataset("digits", lambda pad32, root: None)
+    with pytest.raises(TypeError, match="not callable"):
+        fedprism.register_model("mine_model", 3)
+    try:
+        first = fedprism.register(type("Mine", (FedAvg,), {"name": "mine_again"}))
+        second = fedprism.register(type("Mine", (FedAvg,), {"name": "mine_again"}))
+        assert REGISTRY["mine_again"] is second is not first
+    finally:
+        REGISTRY.pop("mine_again", None)
+
+
+@pytest.mark.parametrize("build, match", [
+    (lambda shape, k: None, "returns a torch.nn.Module; it returned NoneType"),
+    (lambda shape, k: torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, k + 3)), r"gave \[2, 13\]"),
+    (lambda shape, k: torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(50, k)), "inputs of the data's shape"),
+    (lambda shape, k: torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, k)).requires_grad_(False)
+     .apply(lambda m: m.weight.fill_(float("nan")) if isinstance(m, torch.nn.Linear) else None), "finite weights"),
+])
+def test_a_registered_model_that_cannot_serve_the_data_is_refused_and_leaves_no_store(tmp_path, build, match):
+    """Checked when a run builds it: a module, finite weights, [batch, classes] logits for the data's
+    input shape; the refusal names the model, and `fedprism.run` removes the store it created."""
+    import fedprism
+    from fedprism import plugins
+    from fedprism.errors import ConfigError
+
+    plugins.MODELS["bad_model"] = build
+    try:
+        with pytest.raises(ConfigError, match="'model' = 'bad_model' .*" + match):
+            fedprism.run(fedprism.config(method="fedavg", model="bad_model", clients=4, rounds=1,
+                                         local_epochs=1), db=tmp_path / "p.db")
+        assert not (tmp_path / "p.db").exists()
+    finally:
+        plugins.MODELS.pop("bad_model", None)
+
+
+def test_a_registered_dataset_with_labels_out_of_range_is_refused(tmp_path):
+    import fedprism
+    from fedprism import plugins
+    from fedprism.data.datasets import load_dataset
+    from fedprism.errors import ConfigError
+
+    def load(pad32, root):
+        ds = load_dataset("digits", cache_dir=False)
+        ds.classes = ds.classes[:3]                               # 3 class names, labels up to 9
+        return ds
+
+    plugins.DATASETS["bad_data"] = load
+    try:
+        with pytest.raises(ConfigError, match=r"'dataset' = 'bad_data' .*labels in 0\.\.2"):
+            fedprism.run(fedprism.config(method="fedavg", dataset="bad_data", model="mlp", clients=4, rounds=1),
+                         db=tmp_path / "d.db")
+    finally:
+        plugins.DATASETS.pop("bad_data", None)

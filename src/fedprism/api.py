@@ -34,11 +34,22 @@ def config(source: str | Path | dict | Config | None = None, **keys: Any) -> Con
 
 def run(cfg: Config | dict | str | Path, db: str | Path = "fedprism-results.db", progress: bool = False,
         **keys: Any) -> RunResult:
-    """Run (or resume, or return the stored result of) one experiment into the store `db`."""
+    """Run (or resume, or return the stored result of) one experiment into the store `db`. A store this
+    call creates is removed again when the configuration is refused before any run is stored in it (its
+    data, partition or model), as `fedprism run` does."""
+    from fedprism.experiment.store import drop_if_new_and_empty
+
     c = config(cfg, **keys)
+    created = not Path(db).exists()
     store = Store(db)
     try:
-        return Experiment(c, store, progress=progress).run()
+        exp = Experiment(c, store, progress=progress)
+    except BaseException:
+        drop_if_new_and_empty(store, created)
+        store.close()
+        raise
+    try:
+        return exp.run()
     finally:
         store.close()
 

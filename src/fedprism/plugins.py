@@ -32,12 +32,30 @@ DATASETS: dict[str, Callable[..., Any]] = {}
 _loaded = False
 
 
+def _check(kind: str, name: object, fn: object, builtin: tuple[str, ...]) -> None:
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"register_{kind}: the name {name!r} is not a non-empty string")
+    if name in builtin:
+        raise ValueError(f"register_{kind}: {name!r} is a built-in {kind}; give yours a name of its own")
+    if not callable(fn):
+        raise TypeError(f"register_{kind}({name!r}, ...): {fn!r} is not callable")
+
+
 def register_model(name: str, build: Callable[..., Any]) -> Callable[..., Any]:
+    """`build(input_shape, num_classes) -> torch.nn.Module` under `name` (not a built-in model's name: it
+    would never be used). What it returns is checked when a run builds it (`runner.make_model`)."""
+    from fedprism.models import MODELS as BUILTIN
+
+    _check("model", name, build, BUILTIN)
     MODELS[name] = build
     return build
 
 
 def register_dataset(name: str, load: Callable[..., Any]) -> Callable[..., Any]:
+    """`load(pad32, root) -> fedprism.data.datasets.Dataset` under `name` (not a built-in dataset's)."""
+    from fedprism.data.datasets import DATASETS as BUILTIN
+
+    _check("dataset", name, load, BUILTIN)
     DATASETS[name] = load
     return load
 
@@ -64,7 +82,10 @@ def load(force: bool = False) -> None:
                     warnings.warn(f"fedprism plugin {ep.name!r} is not an Algorithm subclass; skipped", stacklevel=2)
                     continue
                 if REGISTRY.get(obj.name) is not obj:
-                    register(obj)
+                    try:
+                        register(obj)
+                    except (TypeError, ValueError) as e:
+                        warnings.warn(f"fedprism plugin {ep.name!r}: {e}; skipped", stacklevel=2)
             elif group == "fedprism.models":
                 MODELS.setdefault(ep.name, obj)
             else:

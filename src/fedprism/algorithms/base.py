@@ -177,8 +177,23 @@ REGISTRY: dict[str, type[Algorithm]] = {}
 
 
 def register(cls: type[Algorithm]) -> type[Algorithm]:
-    """Add a method to the registry under `cls.name` (usable by `fedprism run`, sweeps, reports, Flower)."""
+    """Add a method to the registry under `cls.name` (usable by `fedprism run`, sweeps, reports, Flower).
+
+    Registering a name again replaces the earlier class (a notebook cell run twice), except a built-in
+    method's name: a plugin cannot silently stand in for `fedavg`."""
+    if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
+        raise TypeError(f"register() takes a subclass of fedprism.Algorithm, not {cls!r}")
     if not cls.name:
         raise ValueError(f"{cls.__name__} has no `name`")
+    if not isinstance(cls.name, str) or "." in cls.name or any(c.isspace() for c in cls.name):
+        raise ValueError(f"{cls.__name__}.name = {cls.name!r}: a method name is a string without dots or "
+                         "spaces (its keys are `name.key`)")
+    for key, p in cls.params.items():
+        if not isinstance(p, Param):
+            raise TypeError(f"{cls.__name__}.params[{key!r}] is {p!r}: each parameter is a fedprism.hparams.Param")
+    old = REGISTRY.get(cls.name)
+    if old is not None and old is not cls and old.__module__.startswith("fedprism.algorithms."):
+        raise ValueError(f"{cls.__name__}.name = {cls.name!r} is the built-in method {old.__module__}."
+                         f"{old.__qualname__}; give the new method a name of its own")
     REGISTRY[cls.name] = cls
     return cls

@@ -27,6 +27,30 @@ def _pad32(cfg: Config, dataset: str) -> bool:
     return dataset in ("fmnist", "mnist") and cfg["model"] in ("auto", "lenet5", "lenet5_bn", "cnn", "clustpsi_cifar_cnn")
 
 
+def _check_plugin_dataset(name: str, ds: object):
+    """What a registered loader returned, if it is a Dataset a run can use: float inputs, finite, one
+    integer label in 0..classes-1 per input, both splits non-empty."""
+    from fedprism.data.datasets import Dataset
+    from fedprism.errors import ConfigError
+
+    def bad(what: str) -> ConfigError:
+        return ConfigError("dataset", name, f"a registered loader {what}")
+
+    if not isinstance(ds, Dataset):
+        raise bad(f"returns a fedprism.data.datasets.Dataset; it returned {type(ds).__name__}")
+    k = len(ds.classes)
+    for split in ("train", "test"):
+        x, y = getattr(ds, f"x_{split}"), getattr(ds, f"y_{split}")
+        if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)) or len(x) != len(y) or not len(y):
+            raise bad(f"gives a non-empty {split} split of tensors, one label per input")
+        if not x.is_floating_point() or not bool(torch.isfinite(x).all()):
+            raise bad(f"gives finite floating-point {split} inputs")
+        if y.is_floating_point() or y.dtype == torch.bool or int(y.min()) < 0 or int(y.max()) >= k:
+            raise bad(f"gives integer {split} labels in 0..{k - 1} (one per class name); "
+                      f"found {y.dtype} {y.min().item()}..{y.max().item()}")
+    return ds
+
+
 @lru_cache(maxsize=4)
 def _federation(dataset: str, root: str, download: bool, pad32: bool, partition: str,
                 part_items: tuple, clients: int, seed: int, train_subset: int = 0, test_subset: int = 0,
@@ -39,7 +63,7 @@ def _federation(dataset: str, root: str, download: bool, pad32: bool, partition:
     from fedprism import plugins
 
     if dataset in plugins.DATASETS and dataset not in DATASETS:
-        ds = plugins.DATASETS[dataset](pad32=pad32, root=root or None)
+        ds = _check_plugin_dataset(dataset, plugins.DATASETS[dataset](pad32=pad32, root=root or None))
     elif dataset == "synthetic":
         ds = load_dataset(dataset, root=root or None, download=download, pad32=pad32, num_devices=synthetic_devices)
     else:

@@ -194,8 +194,40 @@ def local_config(cfg: Config) -> LocalConfig:
 
 
 def make_model(cfg: Config, input_shape: tuple[int, ...], num_classes: int) -> torch.nn.Module:
-    """The config's model, initialised from the run seed (same seed -> same initial vector)."""
-    return build_model(resolve_model_name(cfg["model"], input_shape), input_shape, num_classes, seed=cfg["seed"])
+    """The config's model, initialised from the run seed (same seed -> same initial vector). A
+    registered (plugin) model is checked first: a torch module with finite weights whose output on a
+    batch of the data's input shape is [batch, num_classes]."""
+    from fedprism import plugins
+    from fedprism.models import MODELS
+
+    name = resolve_model_name(cfg["model"], input_shape)
+    model = build_model(name, input_shape, num_classes, seed=cfg["seed"])
+    if name in plugins.MODELS and name not in MODELS:
+        _check_plugin_model(name, model, tuple(input_shape), num_classes)
+    return model
+
+
+def _check_plugin_model(name: str, model: object, input_shape: tuple[int, ...], num_classes: int) -> None:
+    def bad(what: str) -> ConfigError:
+        return ConfigError("model", name, f"a registered model {what}")
+
+    if not isinstance(model, torch.nn.Module):
+        raise bad(f"builder returns a torch.nn.Module; it returned {type(model).__name__}")
+    if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+        raise bad("starts from finite weights; this one holds NaN or inf")
+    was = model.training
+    model.eval()                                   # no dropout draw, no BatchNorm statistics update
+    try:
+        with torch.no_grad():
+            out = model(torch.zeros((2, *input_shape)))
+    except Exception as e:  # noqa: BLE001 - the plugin's own error, chained
+        raise bad(f"takes inputs of the data's shape {list(input_shape)}: {type(e).__name__}: {e}") from e
+    finally:
+        model.train(was)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, num_classes):
+        shape = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise bad(f"maps [batch, {', '.join(map(str, input_shape))}] to [batch, {num_classes}] logits; "
+                  f"it gave {shape} for a batch of 2")
 
 
 def make_context(cfg: Config, model: torch.nn.Module, n_train: np.ndarray, label_hist: np.ndarray) -> Context:
