@@ -414,9 +414,10 @@ def test_register_refuses_what_could_never_run_and_built_in_names(tmp_path):
 @pytest.mark.parametrize("build, match", [
     (lambda shape, k: None, "returns a torch.nn.Module; it returned NoneType"),
     (lambda shape, k: torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, k + 3)), r"gave \[2, 13\]"),
-    (lambda shape, k: torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(50, k)), "inputs of the data's shape"),
+    (lambda shape, k: torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(50, k)), "the data's shape"),
     (lambda shape, k: torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, k)).requires_grad_(False)
-     .apply(lambda m: m.weight.fill_(float("nan")) if isinstance(m, torch.nn.Linear) else None), "finite weights"),
+     .apply(lambda m: m.weight.fill_(float("nan")) if isinstance(m, torch.nn.Linear) else None),
+     "finite weights"),
 ])
 def test_a_registered_model_that_cannot_serve_the_data_is_refused_and_leaves_no_store(tmp_path, build, match):
     """Checked when a run builds it: a module, finite weights, [batch, classes] logits for the data's
@@ -449,7 +450,7 @@ def test_a_registered_dataset_with_labels_out_of_range_is_refused(tmp_path):
     plugins.DATASETS["bad_data"] = load
     try:
         with pytest.raises(ConfigError, match=r"'dataset' = 'bad_data' .*labels in 0\.\.2"):
-            fedprism.run(fedprism.config(method="fedavg", dataset="bad_data", model="mlp", clients=4, rounds=1),
-                         db=tmp_path / "d.db")
+            fedprism.run(fedprism.config(method="fedavg", dataset="bad_data", model="mlp", clients=4,
+                                         rounds=1), db=tmp_path / "d.db")
     finally:
         plugins.DATASETS.pop("bad_data", None)

@@ -190,7 +190,8 @@ def register(cls: type[Algorithm]) -> type[Algorithm]:
                          "spaces (its keys are `name.key`)")
     for key, p in cls.params.items():
         if not isinstance(p, Param):
-            raise TypeError(f"{cls.__name__}.params[{key!r}] is {p!r}: each parameter is a fedprism.hparams.Param")
+            raise TypeError(f"{cls.__name__}.params[{key!r}] is {p!r}: each parameter is a "
+                            "fedprism.hparams.Param")
     old = REGISTRY.get(cls.name)
     if old is not None and old is not cls and old.__module__.startswith("fedprism.algorithms."):
         raise ValueError(f"{cls.__name__}.name = {cls.name!r} is the built-in method {old.__module__}."

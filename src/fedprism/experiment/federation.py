@@ -41,7 +41,8 @@ def _check_plugin_dataset(name: str, ds: object):
     k = len(ds.classes)
     for split in ("train", "test"):
         x, y = getattr(ds, f"x_{split}"), getattr(ds, f"y_{split}")
-        if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)) or len(x) != len(y) or not len(y):
+        tensors = isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
+        if not tensors or len(x) != len(y) or not len(y):
             raise bad(f"gives a non-empty {split} split of tensors, one label per input")
         if not x.is_floating_point() or not bool(torch.isfinite(x).all()):
             raise bad(f"gives finite floating-point {split} inputs")
