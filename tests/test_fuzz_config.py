@@ -22,7 +22,8 @@ from fedprism.errors import ConfigError, PartitionError
 from fedprism.experiment import sweep as sweep_mod
 from fedprism.experiment.config import KEYS, PARTITION_COMMON, Config, resolve
 
-#: deterministic in the test suite; FEDPRISM_FUZZ_EXAMPLES=4000 FEDPRISM_FUZZ_RANDOM=1 for a longer, fresh search
+#: deterministic in the test suite; FEDPRISM_FUZZ_EXAMPLES=4000 FEDPRISM_FUZZ_RANDOM=1 for a longer,
+#: fresh search
 FUZZ = settings(max_examples=int(os.environ.get("FEDPRISM_FUZZ_EXAMPLES", "400")), deadline=None,
                 derandomize=not os.environ.get("FEDPRISM_FUZZ_RANDOM"), database=None,
                 suppress_health_check=[HealthCheck.too_slow])

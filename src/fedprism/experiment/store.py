@@ -608,8 +608,8 @@ class Store:
             raise FedPrismError(f"client_rows: rnd={rnd!r} is not a round number (an integer, 0-based)")
         if rnd is None:
             rnd = self.db.execute("SELECT MAX(round) FROM client_metrics WHERE run_id=?", (run_id,)).fetchone()[0]
-        return self._known(run_id, self.db.execute(
-            "SELECT * FROM client_metrics WHERE run_id=? AND round=? ORDER BY client", (run_id, rnd)).fetchall())
+        q = "SELECT * FROM client_metrics WHERE run_id=? AND round=? ORDER BY client"
+        return self._known(run_id, self.db.execute(q, (run_id, rnd)).fetchall())
 
     def records(self, run_id: str, kind: str | None = None) -> list[dict]:
         q, args = "SELECT round, kind, client, data FROM records WHERE run_id=?", [run_id]

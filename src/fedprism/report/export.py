@@ -77,7 +77,8 @@ def export(db: str, out: str, fmt: str = "csv", runs: list[str] | None = None,
         store.close()
     for name, (header, rows) in tables.items():   # a table that does not hold together writes nothing
         if any(len(r) != len(header) for r in rows):
-            raise FedPrismError(f"{db}: table {name} has rows of another width than its {len(header)} columns")
+            raise FedPrismError(f"{db}: table {name} has rows of another width than its "
+                                f"{len(header)} columns")
     if fmt != "csv":
         import pandas as pd
 
