@@ -160,6 +160,36 @@ def test_a_malformed_reply_is_a_method_error_naming_what_is_wrong(tmp_path, repl
     assert exp.store.run(c.run_id)["status"] == "failed"
 
 
+@pytest.mark.parametrize("stop", ["1", 0, -1, 1.5, True])
+def test_a_bad_stop_after_is_refused_before_the_stored_run_is_touched(tmp_path, stop):
+    """`stop_after` is validated first: an interrupted run stays interrupted (it used to become `failed`
+    on "1"; 0 and -1 created an interrupted row of 0 rounds)."""
+    c = cfg(method="fedavg", rounds=3)
+    store = Store(tmp_path / "s.db")
+    Experiment(c, store).run(stop_after=1)
+    before = dict(store.run(c.run_id))
+    with pytest.raises(ConfigError, match=f"argument 'stop_after' = {stop!r} is not valid"):
+        Experiment(c, store).run(stop_after=stop)
+    assert dict(store.run(c.run_id)) == before and before["status"] == "interrupted"
+    other = cfg(method="fedavg", rounds=3, seed=5)
+    with pytest.raises(ConfigError, match="stop_after"):
+        Experiment(other, store).run(stop_after=0)
+    assert store.run(other.run_id) is None
+
+
+def test_a_run_on_a_read_only_store_is_refused_and_leaves_no_file(tmp_path):
+    from fedprism.experiment.store import StoreError
+
+    db = tmp_path / "r.db"
+    Store(db).close()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    ro = Store(db, readonly=True)
+    with pytest.raises(StoreError, match="open read-only"):
+        Experiment(cfg(method="fedavg", rounds=1), ro).run()
+    ro.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
 def test_store_is_transactional(tmp_path):
     s = Store(tmp_path / "t.db")
     s.start_run("x", {"method": "fedavg", "dataset": "digits", "seed": 0})

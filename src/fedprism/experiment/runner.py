@@ -27,7 +27,8 @@ from fedprism.experiment.federation import build_federation, resolve_model_name
 from fedprism.experiment.progress import Progress
 from fedprism.experiment.provenance import capture, set_threads
 from fedprism.experiment.limits import check_limits
-from fedprism.experiment.store import Store
+from fedprism.experiment.store import Store, StoreError
+from fedprism.hparams import plain
 from fedprism.federation import Federation
 from fedprism.models import build_model
 from fedprism.params import flatten
@@ -551,6 +552,14 @@ class Experiment:
     def run(self, stop_after: int | None = None) -> RunResult:
         """Run to the end (or for `stop_after` more rounds, for tests of resumption)."""
         cfg, store = self.cfg, self.store
+        stop_after = plain(stop_after)
+        if stop_after is not None and (isinstance(stop_after, bool) or not isinstance(stop_after, int)
+                                       or stop_after < 1):
+            raise ConfigError("stop_after", stop_after, "None (run to the end) or an integer >= 1: the "
+                              "number of rounds to run now", kind="argument")
+        if getattr(store, "readonly", False):          # before its lock file or any write
+            raise StoreError(f"{store.path} is open read-only (Store(path, readonly=True)): a run writes its "
+                             "rounds; open the store with Store(path)")
         run_id = self.run_id
         set_threads(cfg)                                   # `threads=`: execution-only, recorded below
         selector = make_selector(cfg, self.ctx, self.algo)
