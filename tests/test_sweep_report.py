@@ -340,3 +340,23 @@ def test_method_keys_follow_the_method_wherever_it_is_set():
             ("A", 0), ("A", 1), ("P (fedprism.k=2)", 0), ("P (fedprism.k=2)", 1), ("P (fedprism.k=3)", 0),
             ("P (fedprism.k=3)", 1)]
         assert len({c.run_id for c in cfgs}) == 6
+
+
+def test_a_diverged_run_is_named_under_its_setting_table(tmp_path):
+    """A run whose every update was rejected pools with the other seeds like any run: the report names it
+    (label, seed, id, round) under its setting's table, so the row's numbers are not read as learned."""
+    from fedprism.experiment.config import resolve
+    from fedprism.experiment.runner import Experiment
+    from fedprism.report import write_report
+
+    db = str(tmp_path / "d.db")
+    store = Store(db)
+    base = {"method": "fedavg", "dataset": "digits", "model": "mlp", "clients": 4, "rounds": 2,
+            "fraction": 1.0, "local_epochs": 1, "engine": "sequential"}
+    good = Experiment(resolve({**base, "seed": 0}), store).run()
+    bad = Experiment(resolve({**base, "seed": 1, "lr": 1e30}), store).run()
+    store.close()
+    assert bad.final["diverged"] and not good.final["diverged"]
+    write_report(db, str(tmp_path / "rep"), plots=False)
+    md = (tmp_path / "rep" / "results.md").read_text()
+    assert f"seed 1 (`{bad.run_id}`, from round 1)" in md and good.run_id not in md.split("Diverged")[-1]

@@ -470,6 +470,13 @@ def tables(groups, reference: str | None = None,
             for r in runs:
                 rows.append([setting, label, r["config"]["seed"], r["run_id"]]
                             + [r["final"].get(k) for k, _ in COLUMNS])
+        gone = [(label, r) for label in sorted(groups[setting]) for r in groups[setting][label]
+                if r["final"].get("diverged")]
+        if gone:                           # pooled like the others: say which seeds stopped learning
+            md += ["", "Diverged (every update rejected from the round named on, so the numbers are those of "
+                   "the model before it): " + "; ".join(
+                       f"{_cell(lab)} seed {r['config']['seed']} (`{r['run_id']}`, from round "
+                       f"{r['final'].get('diverged_round', 0) + 1})" for lab, r in gone) + "."]
         md.append("")
         for path, caption in (figures or {}).get(setting, []):
             md += [f"![{caption}]({path})", "", f"*{caption}*", ""]
