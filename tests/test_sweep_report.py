@@ -360,3 +360,27 @@ def test_a_diverged_run_is_named_under_its_setting_table(tmp_path):
     write_report(db, str(tmp_path / "rep"), plots=False)
     md = (tmp_path / "rep" / "results.md").read_text()
     assert f"seed 1 (`{bad.run_id}`, from round 1)" in md and good.run_id not in md.split("Diverged")[-1]
+
+
+def test_plots_of_labels_with_one_slug_or_brackets_stay_apart_and_embedded(tmp_path):
+    """Row labels 'FP a' and 'FP-a' slug alike: each run keeps its own cluster plot file (the second used to
+    overwrite the first); a label with brackets ('FP [k=2]') still has its plots embedded in report.html."""
+    import re
+
+    from fedprism.experiment.config import resolve
+    from fedprism.experiment.runner import Experiment
+
+    db = str(tmp_path / "p.db")
+    store = Store(db)
+    base = {"method": "fedprism", "dataset": "digits", "model": "mlp", "clients": 4, "rounds": 2,
+            "fraction": 1.0, "local_epochs": 1, "engine": "sequential", "fedprism.k": 2, "fedprism.every": 1}
+    for i, label in enumerate(["FP a", "FP-a", "FP [k=2]"]):
+        res = Experiment(resolve({**base, "seed": 0, "lr": 0.01 * (i + 1)}), store).run()
+        store.add_to_sweep("s", res.run_id, label)
+    store.close()
+    write_report(db, str(tmp_path / "rep"), sweep="s", html=True)
+    md = (tmp_path / "rep" / "results.md").read_text()
+    linked = re.findall(r"^!\[.*\]\((plots/clusters_[^)]+)\)$", md, flags=re.M)
+    assert len(linked) == 3 == len(set(linked)) and all((tmp_path / "rep" / p).is_file() for p in linked)
+    html = (tmp_path / "rep" / "report.html").read_text()
+    assert html.count("<img") == md.count("\n![") and "![" not in html

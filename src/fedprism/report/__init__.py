@@ -650,6 +650,14 @@ def plot_clusters(store: Store, run: dict, out: Path, label: str | None = None,
 def plan_figures(store: Store, groups) -> dict[str, list[tuple[str, str, object]]]:
     """setting -> [(path relative to the report folder, caption, drawer)] of every plot the report has."""
     plan: dict[str, list[tuple[str, str, object]]] = {}
+    used: set[str] = set()
+
+    def unique(name: str, run: dict) -> str:       # labels 'FP a' and 'FP-a' share a slug: one file each
+        if name in used:
+            name = name.removesuffix(".png") + f"-{run['run_id']}.png"
+        used.add(name)
+        return name
+
     for setting in sorted(groups):
         fn = figure_names(setting)
         figs: list[tuple[str, str, object]] = [
@@ -662,12 +670,12 @@ def plan_figures(store: Store, groups) -> dict[str, list[tuple[str, str, object]
         for label in sorted(groups[setting]):
             for run in sorted(groups[setting][label], key=lambda r: r["config"]["seed"]):
                 if has_clusters(store, run["run_id"]):
-                    name = cluster_name(setting, label, run)
+                    name = unique(cluster_name(setting, label, run), run)
                     figs.append((f"plots/{name}", f"Cluster assignment of every client over the rounds: "
                                  f"{label}, seed {run['config']['seed']}, {setting} (run {run['run_id']}).",
                                  ("clusters", setting, label, run, name)))
                 if store.records(run["run_id"], "alpha")[:1]:
-                    name = "alpha" + cluster_name(setting, label, run)[len("clusters"):]
+                    name = unique("alpha" + cluster_name(setting, label, run)[len("clusters"):], run)
                     figs.append((f"plots/{name}", f"Adaptive alpha_i and private share gamma_i over the rounds: "
                                  f"{label}, seed {run['config']['seed']}, {setting} (run {run['run_id']}).",
                                  ("alpha", setting, label, run, name)))

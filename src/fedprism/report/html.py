@@ -27,7 +27,7 @@ code { background: #f2f2f2; padding: 0 3px; }
 dt { font-weight: bold; margin-top: 0.6em; }
 """
 
-_IMG = re.compile(r"^!\[(?P<alt>[^\]]*)\]\((?P<src>[^)]+)\)$")
+_IMG = re.compile(r"^!\[(?P<alt>.*)\]\((?P<src>[^)]+)\)$")       # the caption may hold brackets (a label's)
 
 
 def _inline(text: str) -> str:
