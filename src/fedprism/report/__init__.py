@@ -495,7 +495,8 @@ def slug(setting: str) -> str:
 
 
 def _save(fig, path: Path) -> None:
-    fig.savefig(path, dpi=90, metadata={"Software": None})
+    # tight: the legend beside the axes may be taller than the figure; the saved image holds all of it
+    fig.savefig(path, dpi=90, metadata={"Software": None}, bbox_inches="tight", pad_inches=0.1)
 
 
 #: smallest font on any plot (points)
