@@ -454,3 +454,26 @@ def test_a_registered_dataset_with_labels_out_of_range_is_refused(tmp_path):
                                          rounds=1), db=tmp_path / "d.db")
     finally:
         plugins.DATASETS.pop("bad_data", None)
+
+
+def test_api_arguments_of_the_wrong_kind_are_named(tmp_path):
+    """`fedprism.config(5)`, `run(db=None)` and a Simulator round of clients that do not exist name the
+    argument (they gave 'expected str, bytes or os.PathLike' or silently trained client N-1 for -1)."""
+    import numpy as np
+
+    import fedprism
+    from fedprism.experiment.runner import Simulator
+
+    for bad in (5, [1, 2], b"x.toml"):
+        with pytest.raises(TypeError, match=r"fedprism.config\(source\)"):
+            fedprism.config(bad)
+    small = fedprism.config(method="fedavg", dataset="digits", clients=6, rounds=1, local_epochs=1,
+                            model="mlp")
+    with pytest.raises(TypeError, match=r"fedprism.run\(db=...\): None"):
+        fedprism.run(small, db=None)
+    exp = fedprism.Experiment(small, fedprism.Store(tmp_path / "s.db"))
+    sim = Simulator(exp.algo, exp.engine)
+    for bad in ([-1], [6], [1, 1], [0.5]):
+        with pytest.raises(ValueError, match=r"not distinct client indices in 0\.\.5"):
+            sim.round(0, np.array(bad))
+    assert sim.round(0, np.arange(3))[1].clients.tolist() == [0, 1, 2]

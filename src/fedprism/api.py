@@ -26,8 +26,11 @@ def config(source: str | Path | dict | Config | None = None, **keys: Any) -> Con
         raw.update(source.values)
     elif isinstance(source, dict):
         raw.update(flatten(source))
-    elif source is not None:
+    elif isinstance(source, (str, Path)):
         raw.update(load_toml(source))
+    elif source is not None:
+        raise TypeError(f"fedprism.config(source): {source!r} is not a TOML file path, a dict of keys or a "
+                        "Config")
     raw.update(flatten({k.replace("__", "."): v for k, v in keys.items()}))
     return resolve(raw)
 
@@ -40,6 +43,8 @@ def run(cfg: Config | dict | str | Path, db: str | Path = "fedprism-results.db",
     from fedprism.experiment.store import drop_if_new_and_empty
 
     c = config(cfg, **keys)
+    if not isinstance(db, (str, Path)):
+        raise TypeError(f"fedprism.run(db=...): {db!r} is not a file path (str or pathlib.Path)")
     created = not Path(db).exists()
     store = Store(db)
     try:

@@ -152,7 +152,12 @@ class Simulator:
         self.upload = {k: spec.resolve(algo.ctx) for k, spec in algo.upload().items()}
 
     def round(self, rnd: int, clients: np.ndarray) -> tuple[Plan, Update, dict]:
-        plan = self.algo.plan(self.state, rnd, np.asarray(clients))
+        c, n = np.asarray(clients), self.algo.ctx.num_clients
+        if c.ndim != 1 or (c.size and (not np.issubdtype(c.dtype, np.integer) or c.min() < 0 or c.max() >= n
+                                       or len(np.unique(c)) != len(c))):
+            raise ValueError(f"Simulator.round: clients {clients!r} are not distinct client indices in "
+                             f"0..{n - 1}")
+        plan = self.algo.plan(self.state, rnd, c)
         update, failed = _local_work(self.algo, plan, self.engine, rnd, self.clients)
         update, rejected = receive(update, plan, self.clients, self.upload, type(self.algo).__name__)
         update.rejected = {**failed, **rejected}
