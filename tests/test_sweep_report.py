@@ -292,6 +292,22 @@ def test_a_rescored_run_moves_no_bytes_of_its_own():
     assert "| rescored | 1 | 50.00 | 90.00 | 10.00 | 2.00 | - | - |" in md
 
 
+def test_a_rescored_run_has_no_best_round_of_its_own():
+    """A re-scored run holds its final round only: its Best columns are '-' in the markdown and empty in
+    the CSV (they showed the final value as the best over training)."""
+    from fedprism.experiment.config import resolve
+    from fedprism.report import tables
+
+    fin = {"global_acc": 0.5, "best_global_acc": 0.5, "local_acc": 0.9, "best_local_acc": 0.9, "sdad": 0.02}
+    run = {"run_id": "r", "config": dict(resolve({"method": "fedavg"}).values)}
+    groups = {"s": {"trained": [{**run, "final": {**fin, "best_global_acc": 0.6}}],
+                    "rescored": [{**run, "final": {**fin, "rescored_from": "0123456789abcdef"}}]}}
+    md, rows = tables(groups)
+    assert "| trained | 1 | 50.00 | 60.00 | 90.00 | 90.00 | 2.00 | - |" in md
+    assert "| rescored | 1 | 50.00 | - | 90.00 | - | 2.00 | - |" in md
+    assert [r[4:] for r in rows] == [[0.5, None, 0.9, None, 0.02, None], [0.5, 0.6, 0.9, 0.9, 0.02, None]]
+
+
 def test_runs_that_would_share_a_row_are_told_apart_by_their_keys(tmp_path):
     """Two unlabelled `[[runs]]` of one method, or one label over a grid of a parameter, would share a row
     and supersede each other: their labels get the keys that differ, and every run stays in the sweep."""

@@ -39,6 +39,14 @@ COLUMNS = [("global_acc", "Glob Final"), ("best_global_acc", "Glob Best"), ("loc
            ("best_local_acc", "Loc Best"), ("sdad", "SDAD"), ("global_model_acc", "G Final")]
 
 
+def _column(run: dict, key: str) -> object:
+    """A run's value of a detail column: a re-scored run's best_* is None (it holds its final round only,
+    so its 'best' would be its final value, not a best over training)."""
+    if key.startswith("best_") and run["final"].get("rescored_from"):
+        return None
+    return run["final"].get(key)
+
+
 def _pm(vals: list[float], scale: float = 100.0, fmt: str = ".2f") -> str:
     v = [x for x in vals if x is not None]
     if not v:
@@ -220,7 +228,8 @@ def reference_table(groups, name: str) -> list[str]:
             cells = glob + cmp(mean(runs, "local_acc"), p_loc)
             cells.append("-" if routed is None else f"{routed:.2f}" if g is not None else "(= Glob)")
             md.append(f"| {setting} | {_cell(lab)} | {len(runs)} | " + " | ".join(cells) + " |")
-    md += ["", f"Bold: |Δ| > {FLAG_POINTS:g} points. '-': not run (yet). Glob ours is the quantity the paper's "
+    md += ["", f"Bold: |Δ| > {FLAG_POINTS:g} points. '-': no run of the rendered sweeps. Glob ours is the "
+           "quantity the paper's "
            "Glob column behaves like: for a method with a shared global model (G: Fed-PRISM's w_g, FedPrism's "
            "backbone G) that model on the global test set, marked (G), because the paper's Glob does not move "
            "when its routing goes from backbone-only to specialist-only (its Tables 4 and 10); otherwise the "
@@ -465,11 +474,11 @@ def tables(groups, reference: str | None = None,
                "|---|---|" + "---|" * len(COLUMNS)]
         for label in sorted(groups[setting]):
             runs = sorted(groups[setting][label], key=lambda x: x["config"]["seed"])
-            cells = [_pm([r["final"].get(k) for r in runs]) for k, _ in COLUMNS]
+            cells = [_pm([_column(r, k) for r in runs]) for k, _ in COLUMNS]
             md.append(f"| {_cell(label)} | {len(runs)} | " + " | ".join(cells) + " |")
             for r in runs:
                 rows.append([setting, label, r["config"]["seed"], r["run_id"]]
-                            + [r["final"].get(k) for k, _ in COLUMNS])
+                            + [_column(r, k) for k, _ in COLUMNS])
         gone = [(label, r) for label in sorted(groups[setting]) for r in groups[setting][label]
                 if r["final"].get("diverged")]
         if gone:                           # pooled like the others: say which seeds stopped learning
@@ -482,7 +491,8 @@ def tables(groups, reference: str | None = None,
             md += [f"![{caption}]({path})", "", f"*{caption}*", ""]
     md.append("Glob: each client's model on the full global test set, mean over clients. Loc: each client's "
               "model on its own test split, mean over clients. Final = last round, Best = best evaluated "
-              "round; mean ± sample standard deviation (ddof=1) over seeds, in %. SDAD: std of per-client "
+              "round (- for a run re-scored from another's final state: it holds that round only); mean ± "
+              "sample standard deviation (ddof=1) over seeds, in %. SDAD: std of per-client "
               "local accuracy (×100). G: the method's shared global model (Fed-PRISM's w_g, FedPrism's G) "
               "on the global test set, where it has one. A row pools runs that differ only in their seed "
               "(and execution-only keys); rows that share a name are told apart by the keys in which they "
