@@ -403,6 +403,12 @@ def test_register_refuses_what_could_never_run_and_built_in_names(tmp_path):
         fedprism.register_dataset("digits", lambda pad32, root: None)
     with pytest.raises(TypeError, match="not callable"):
         fedprism.register_model("mine_model", 3)
+    # a reload of the built-in's own module (IPython %autoreload) makes a class of the same module and name
+    again = type("FedAvg", (FedAvg,), {"__module__": FedAvg.__module__, "__qualname__": FedAvg.__qualname__})
+    try:
+        assert fedprism.register(again) is again and REGISTRY["fedavg"] is again
+    finally:
+        REGISTRY["fedavg"] = FedAvg
     try:
         first = fedprism.register(type("Mine", (FedAvg,), {"name": "mine_again"}))
         second = fedprism.register(type("Mine", (FedAvg,), {"name": "mine_again"}))
@@ -452,6 +458,7 @@ def test_a_registered_dataset_with_labels_out_of_range_is_refused(tmp_path):
         with pytest.raises(ConfigError, match=r"'dataset' = 'bad_data' .*labels in 0\.\.2"):
             fedprism.run(fedprism.config(method="fedavg", dataset="bad_data", model="mlp", clients=4,
                                          rounds=1), db=tmp_path / "d.db")
+        assert not (tmp_path / "d.db").exists()
     finally:
         plugins.DATASETS.pop("bad_data", None)
 

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ def config(source: str | Path | dict | Config | None = None, **keys: Any) -> Con
         raw.update(source.values)
     elif isinstance(source, dict):
         raw.update(flatten(source))
-    elif isinstance(source, (str, Path)):
+    elif isinstance(source, (str, os.PathLike)):
         raw.update(load_toml(source))
     elif source is not None:
         raise TypeError(f"fedprism.config(source): {source!r} is not a TOML file path, a dict of keys or a "
@@ -43,7 +44,7 @@ def run(cfg: Config | dict | str | Path, db: str | Path = "fedprism-results.db",
     from fedprism.experiment.store import drop_if_new_and_empty
 
     c = config(cfg, **keys)
-    if not isinstance(db, (str, Path)):
+    if not isinstance(db, (str, os.PathLike)):
         raise TypeError(f"fedprism.run(db=...): {db!r} is not a file path (str or pathlib.Path)")
     created = not Path(db).exists()
     store = Store(db)

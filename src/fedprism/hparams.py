@@ -66,7 +66,7 @@ class Param:
             if value not in self.choices:
                 extra = f"; {self.allowed}" if self.allowed else ""
                 raise ConfigError(key, value, f"one of {', '.join(map(str, self.choices))}{extra}")
-            return self.choices[self.choices.index(value)]   # the listed value: 1 -> True, 2.0 -> 2
+            return value      # as given (1 is not rewritten to True: that would change stored run ids)
         if t is bool:
             if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
                 value = value.lower() in ("true", "1")

@@ -193,7 +193,8 @@ def register(cls: type[Algorithm]) -> type[Algorithm]:
             raise TypeError(f"{cls.__name__}.params[{key!r}] is {p!r}: each parameter is a "
                             "fedprism.hparams.Param")
     old = REGISTRY.get(cls.name)
-    if old is not None and old is not cls and old.__module__.startswith("fedprism.algorithms."):
+    same = old is not None and (old.__module__, old.__qualname__) == (cls.__module__, cls.__qualname__)
+    if old is not None and not same and old.__module__.startswith("fedprism.algorithms."):  # reload: same
         raise ValueError(f"{cls.__name__}.name = {cls.name!r} is the built-in method {old.__module__}."
                          f"{old.__qualname__}; give the new method a name of its own")
     REGISTRY[cls.name] = cls

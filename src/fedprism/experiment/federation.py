@@ -44,10 +44,11 @@ def _check_plugin_dataset(name: str, ds: object):
         tensors = isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
         if not tensors or len(x) != len(y) or not len(y):
             raise bad(f"gives a non-empty {split} split of tensors, one label per input")
-        if not x.is_floating_point() or not bool(torch.isfinite(x).all()):
-            raise bad(f"gives finite floating-point {split} inputs")
-        if y.is_floating_point() or y.dtype == torch.bool or int(y.min()) < 0 or int(y.max()) >= k:
-            raise bad(f"gives integer {split} labels in 0..{k - 1} (one per class name); "
+        if x.dtype == torch.bool or (x.is_floating_point() and not bool(torch.isfinite(x).all())):
+            raise bad(f"gives finite numeric {split} inputs")
+        whole = not y.is_floating_point() or bool((y == y.round()).all())      # Federation casts with .long()
+        if y.dtype == torch.bool or not whole or int(y.min()) < 0 or int(y.max()) >= k:
+            raise bad(f"gives whole-number {split} labels in 0..{k - 1} (one per class name); "
                       f"found {y.dtype} {y.min().item()}..{y.max().item()}")
     return ds
 

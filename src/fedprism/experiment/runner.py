@@ -219,12 +219,13 @@ def _check_plugin_model(name: str, model: object, input_shape: tuple[int, ...], 
 
     if not isinstance(model, torch.nn.Module):
         raise bad(f"builder returns a torch.nn.Module; it returned {type(model).__name__}")
-    if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+    lazy = torch.nn.parameter.is_lazy
+    if not all(lazy(p) or bool(torch.isfinite(p).all()) for p in model.parameters()):
         raise bad("starts from finite weights; this one holds NaN or inf")
     was = model.training
     model.eval()                                   # no dropout draw, no BatchNorm statistics update
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):      # a forward that draws: not the run's
             out = model(torch.zeros((2, *input_shape)))
     except Exception as e:  # noqa: BLE001 - the plugin's own error, chained
         raise bad(f"takes inputs of the data's shape {list(input_shape)}: {type(e).__name__}: {e}") from e
@@ -412,12 +413,13 @@ class Experiment:
     def local_work(self, plan: Plan, rnd: int) -> tuple[Update | None, dict[int, str]]:
         """The sampled clients' work: (update of the clients that succeeded, failed client -> reason).
 
-        A client that raises is recorded and the round goes on without it. When every client of the
-        round raises, in process that is the method's bug, not the clients' bad luck: the run stops
-        with a `MethodError` carrying the first client's traceback (it was stored as 'finished' with
-        a note about non-finite values)."""
+        A client that raises is recorded and the round goes on without it. When every client of a
+        round of two or more raises, in process that is the method's bug, not the clients' bad luck:
+        the run stops with a `MethodError` carrying the first client's traceback (it was stored as
+        'finished' with a note about non-finite values). A round of one client cannot tell the two
+        apart and records the failure."""
         update, failed = _local_work(self.algo, plan, self.engine, rnd, self.clients)
-        if update is None and len(plan.clients) and len(failed) == len(plan.clients):
+        if update is None and len(plan.clients) > 1 and len(failed) == len(plan.clients):
             name = type(self.algo).__name__
             first = int(plan.clients[0])
             msg = (f"every client of round {rnd + 1} raised in {name}.client_update (client {first}: "
