@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fedprism.errors import FedPrismError
-from fedprism.experiment.store import MissingStoreError, Store
+from fedprism.experiment.store import MissingStoreError, Store, table_columns
 
 ROW_TABLES = ("rounds", "client_metrics", "records")
 
@@ -63,10 +63,6 @@ class MergeReport:
         return "; ".join(parts)
 
 
-def _columns(db, table: str) -> list[str]:
-    return [r[1] for r in db.execute(f"PRAGMA table_info({table})")]
-
-
 def _open_source(path: str | Path, dst: Store) -> Store:
     p = Path(path)
     if p.resolve() == dst.path.resolve():
@@ -79,7 +75,7 @@ def _open_source(path: str | Path, dst: Store) -> Store:
             raise MissingStoreError(f"{p} is corrupt ({e}); nothing was merged") from None
         if ok != "ok":
             raise MissingStoreError(f"{p} is corrupt (integrity check: {ok}); nothing was merged")
-        missing = [t for t in ("runs", *ROW_TABLES) if not _columns(src.db, t)]
+        missing = [t for t in ("runs", *ROW_TABLES) if not table_columns(src.db, t)]
         if missing:
             raise MissingStoreError(f"{p} is not a fedprism results store (no table {', '.join(missing)})")
     except BaseException:
@@ -96,7 +92,7 @@ def merge(dst: Store, source: str | Path, dry_run: bool = False, runs: list[str]
     src = _open_source(source, dst)
     rep = MergeReport(str(source))
     try:
-        cols = {t: [c for c in _columns(src.db, t) if c in set(_columns(dst.db, t))]
+        cols = {t: [c for c in table_columns(src.db, t) if c in set(table_columns(dst.db, t))]
                 for t in ("runs", *ROW_TABLES, "sweep_runs")}
         if "run_id" not in cols["runs"] or "status" not in cols["runs"]:
             raise MissingStoreError(f"{source} is not a fedprism results store (its runs table lacks run_id)")

@@ -175,17 +175,20 @@ class Simulator:
                                self.inference(c), c, split)
 
 
-def _local_work(algo: Algorithm, plan: Plan, engine, rnd: int, clients: ClientStore | None
-                ) -> tuple[Update | None, dict[int, str]]:
-    """Run the cohort; if it fails, retry client by client and record the ones that fail."""
+def _local_work(algo: Algorithm, plan: Plan, engine, rnd: int, clients: ClientStore | None,
+                errors: dict[int, Exception] | None = None) -> tuple[Update | None, dict[int, str]]:
+    """Run the cohort; if it fails, retry client by client and record the ones that fail (their
+    exceptions, tracebacks included, into `errors` when given)."""
     try:
         return algo.client_update(plan, engine, rnd, clients.rows(plan.clients) if clients else {}), {}
     except Exception as e:  # noqa: BLE001 - a client failure must not stop the run
         if len(plan.clients) == 1:
+            if errors is not None:
+                errors[int(plan.clients[0])] = e
             return None, {int(plan.clients[0]): f"{type(e).__name__}: {e}"}
     parts, failed = [], {}
     for r in range(len(plan.clients)):
-        up, f = _local_work(algo, plan.subset(np.array([r])), engine, rnd, clients)
+        up, f = _local_work(algo, plan.subset(np.array([r])), engine, rnd, clients, errors)
         failed.update(f)
         if up is not None:
             parts.append(up)
@@ -415,21 +418,15 @@ class Experiment:
 
         A client that raises is recorded and the round goes on without it. When every client of a
         round of two or more raises, in process that is the method's bug, not the clients' bad luck:
-        the run stops with a `MethodError` carrying the first client's traceback (it was stored as
+        the run stops with a `MethodError` chained to the first client's exception (it was stored as
         'finished' with a note about non-finite values). A round of one client cannot tell the two
         apart and records the failure."""
-        update, failed = _local_work(self.algo, plan, self.engine, rnd, self.clients)
-        if update is None and len(plan.clients) > 1 and len(failed) == len(plan.clients):
-            name = type(self.algo).__name__
+        errors: dict[int, Exception] = {}
+        update, failed = _local_work(self.algo, plan, self.engine, rnd, self.clients, errors)
+        if update is None and len(plan.clients) > 1 and len(errors) == len(plan.clients):
             first = int(plan.clients[0])
-            msg = (f"every client of round {rnd + 1} raised in {name}.client_update (client {first}: "
-                   f"{failed[first]})")
-            try:                                   # once more, outside the guard: the traceback
-                self.algo.client_update(plan.subset(np.array([0])), self.engine, rnd,
-                                        self.clients.rows(plan.clients[:1]) if self.clients else {})
-            except Exception as e:  # noqa: BLE001 - re-raised as the method's error, chained
-                raise MethodError(msg) from e
-            raise MethodError(msg + "; it did not raise when run again alone")
+            raise MethodError(f"every client of round {rnd + 1} raised in {type(self.algo).__name__}"
+                              f".client_update (client {first}: {failed[first]})") from errors[first]
         return update, failed
 
     def extra_records(self, rnd: int) -> list[tuple[str, int | None, Any]]:

@@ -188,9 +188,14 @@ def _create(db: sqlite3.Connection) -> None:
             db.execute(stmt)
 
 
+def table_columns(db: sqlite3.Connection, table: str) -> list[str]:
+    """The column names of `table` in `db`, in order (none when it has no such table)."""
+    return [r[1] for r in db.execute(f"PRAGMA table_info({table})")]
+
+
 def _migrate_records(db: sqlite3.Connection) -> None:
     """Stores written before records had a key: number each round's records in their old order."""
-    cols = {r[1] for r in db.execute("PRAGMA table_info(records)")}
+    cols = table_columns(db, "records")
     if not cols or "seq" in cols:          # a new store, or one already keyed
         return
     db.execute("ALTER TABLE records RENAME TO records_unkeyed")
@@ -261,7 +266,7 @@ class Store:
             self.db.row_factory = sqlite3.Row
             tables = sorted(r[0] for r in self.db.execute(
                 "SELECT name FROM sqlite_master WHERE type='table'"))
-            cols = {r[1] for r in self.db.execute("PRAGMA table_info(runs)")}
+            cols = set(table_columns(self.db, "runs"))
             if tables and not {"run_id", "config", "status"} <= cols:   # another program's: add nothing to it
                 self.db.close()
                 shown = ", ".join(tables[:5]) + (", ..." if len(tables) > 5 else "")
@@ -272,7 +277,7 @@ class Store:
             with self.transaction():
                 _migrate_records(self.db)
                 _create(self.db)
-                have = {r[1] for r in self.db.execute("PRAGMA table_info(runs)")}
+                have = table_columns(self.db, "runs")
                 for col, typ in MIGRATIONS:
                     if col not in have:
                         self.db.execute(f"ALTER TABLE runs ADD COLUMN {col} {typ}")
@@ -565,7 +570,7 @@ class Store:
     def runs(self, **where: Any) -> list[sqlite3.Row]:
         """Run rows matching column values; `sweep=NAME` means the runs that sweep holds, with its labels.
         A key that is not a column of `runs` is an `UnknownFilter` naming the columns (never SQL)."""
-        columns = [r[1] for r in self.db.execute("PRAGMA table_info(runs)")]
+        columns = table_columns(self.db, "runs")
         for k in where:
             if k not in columns:
                 from fedprism.experiment.config import suggest
@@ -617,7 +622,7 @@ class Store:
             q += " AND kind=?"
             args.append(kind)
         # a store of an older schema opened read-only has no `seq` (never migrated): its rowid order is the same
-        keyed = "seq" in {r[1] for r in self.db.execute("PRAGMA table_info(records)")}
+        keyed = "seq" in table_columns(self.db, "records")
         q += " ORDER BY round, seq" if keyed else " ORDER BY rowid"
         return self._known(run_id, [{"round": r[0], "kind": r[1], "client": r[2], "data": json.loads(r[3])}
                                     for r in self.db.execute(q, args)])

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from fedprism.errors import FedPrismError
-from fedprism.experiment.store import Store
+from fedprism.experiment.store import Store, table_columns
 
 
 def _tables(store: Store, keep=None) -> dict[str, tuple[list[str], list[list]]]:
@@ -31,7 +31,7 @@ def _tables(store: Store, keep=None) -> dict[str, tuple[list[str], list[list]]]:
     cm = [r for r in store.db.execute("SELECT * FROM client_metrics ORDER BY run_id, round, client")
           if take(r["run_id"])]
     t["client_metrics"] = (list(cm[0].keys()) if cm else ["run_id"], [list(r) for r in cm])
-    has_seq = any(c[1] == "seq" for c in store.db.execute("PRAGMA table_info(records)"))  # older stores: none
+    has_seq = "seq" in table_columns(store.db, "records")          # older stores opened read-only: none
     cols = ["run_id", "round"] + ["seq"] * has_seq + ["kind", "client", "data"]
     rec = [r for r in store.db.execute(f"SELECT {', '.join(cols)} FROM records ORDER BY rowid")
            if take(r["run_id"])]
@@ -75,11 +75,7 @@ def export(db: str, out: str, fmt: str = "csv", runs: list[str] | None = None,
         tables = _tables(store, keep)
     finally:
         store.close()
-    for name, (header, rows) in tables.items():   # a table that does not hold together writes nothing
-        if any(len(r) != len(header) for r in rows):
-            raise FedPrismError(f"{db}: table {name} has rows of another width than its "
-                                f"{len(header)} columns")
-    if fmt != "csv":
+    if fmt != "csv":                             # every frame built before any file is written
         import pandas as pd
 
         frames = {name: pd.DataFrame(rows, columns=header) for name, (header, rows) in tables.items()}
