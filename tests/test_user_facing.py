@@ -838,3 +838,34 @@ def test_report_names_the_unfinished_runs_it_leaves_out(tmp_path, capsys):
     _run(db, seed=1)                                                  # finished now: nothing to say
     assert main(["report", "--db", db, "--out", str(tmp_path / "rep2"), "--no-plots"]) == 0
     assert "left out" not in capsys.readouterr().err
+
+
+def test_a_registered_model_is_fingerprinted_by_its_builder(tmp_path, monkeypatch):
+    """A builder that returns `nn.Sequential` was fingerprinted by torch's container file, so editing the
+    builder reused the stored run. Now its own file is the model's code, and an edit is other code."""
+    import importlib
+    import sys
+
+    import fedprism
+    from fedprism import plugins
+    from fedprism.experiment.provenance import ProvenanceMismatch
+
+    body = ("import torch\n\ndef build(shape, k):\n    return torch.nn.Sequential(torch.nn.Flatten(), "
+            "torch.nn.Linear({}, k))\n")
+    n_in = 64
+    (tmp_path / "seq_plugin.py").write_text(body.format(n_in))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    plugins.register_model("seq_model", importlib.import_module("seq_plugin").build)
+    try:
+        cfg = fedprism.config(method="fedavg", model="seq_model", clients=4, rounds=1, local_epochs=1)
+        db = tmp_path / "p.db"
+        res = fedprism.run(cfg, db=db)
+        code = Store(str(db), readonly=True).provenance(res.run_id)["code"]["model"]
+        assert code["file"].endswith("seq_plugin.py") and code["class"] == "seq_plugin.build"
+        assert code["sha256"] == hashlib.sha256((tmp_path / "seq_plugin.py").read_bytes()).hexdigest()
+        (tmp_path / "seq_plugin.py").write_text(body.format(n_in) + "# edited\n")
+        with pytest.raises(ProvenanceMismatch, match="model"):
+            fedprism.run(cfg, db=db)
+    finally:
+        plugins.MODELS.pop("seq_model", None)
+        sys.modules.pop("seq_plugin", None)

@@ -5,7 +5,9 @@ A run's provenance is a JSON object in the `provenance` column of the store's `r
     version      the fedprism package version
     code         sha256 of the source file of the algorithm class and of the model class that ran
                  (`inspect.getsourcefile`, so a method or model defined in a plugin is covered too),
-                 with the file's repository-relative or absolute path
+                 with the file's repository-relative or absolute path. A registered model is its
+                 builder's file, together with its class's file when that is another file outside
+                 torch: a builder returning `torch.nn.Sequential` is fingerprinted by its own code
     data         sha256 over the arrays the run trained and evaluated on: the in-memory train/test
                  tensors after loading, padding and subsetting, and every client's train/test indices
                  (the partition). Hashing the decoded arrays is cheap (a fraction of a second for
@@ -72,6 +74,37 @@ def source_fingerprint(obj: Any) -> dict[str, str] | None:
     return {"sha256": sha256_file(path), "file": _where(path), "class": f"{cls.__module__}.{cls.__qualname__}"}
 
 
+def _source_file(obj: Any) -> Path | None:
+    try:
+        path = inspect.getsourcefile(obj)
+    except TypeError:
+        return None
+    return Path(path).resolve() if path and Path(path).is_file() else None
+
+
+def model_fingerprint(name: str, model: Any) -> dict[str, str] | None:
+    """The code fingerprint of model `name` as built (`model`). A built-in model is its class's file. A
+    registered model is its builder's file, and its class's too when that is another file outside torch:
+    the class alone would be torch's own file for a builder that returns `nn.Sequential`, and a changed
+    builder would not count as changed code."""
+    from fedprism import plugins
+    from fedprism.models import MODELS
+
+    built = source_fingerprint(type(model))
+    build = plugins.MODELS.get(name) if name not in MODELS else None
+    path = _source_file(build) if build is not None else None
+    if path is None:
+        return built
+    ours = {"sha256": sha256_file(path), "file": _where(str(path)),
+            "class": f"{getattr(build, '__module__', '?')}.{getattr(build, '__qualname__', repr(build))}"}
+    cls_path = _source_file(type(model))
+    if built is None or cls_path is None or cls_path == path or _source_file(torch).parent in cls_path.parents:
+        return ours
+    both = hashlib.sha256((ours["sha256"] + built["sha256"]).encode()).hexdigest()
+    return {"sha256": both, "file": f"{ours['file']} + {built['file']}",
+            "class": f"{ours['class']} -> {built['class']}"}
+
+
 def _hash_tensor(h: "hashlib._Hash", x: Any) -> None:
     if isinstance(x, torch.Tensor):
         x = x.detach().cpu().contiguous().numpy()
@@ -131,10 +164,21 @@ def capture(exp: Any) -> dict[str, Any]:
     return {"version": __version__,
             "code": {"method": source_fingerprint(type(exp.algo)) if getattr(exp, "algo", None) is not None
                      else None,
-                     "model": source_fingerprint(type(exp.model)) if getattr(exp, "model", None) is not None
-                     else None},
+                     "model": _experiment_model(exp)},
             "data": data_fingerprint(getattr(exp, "fed", None)),
             "execution": ex}
+
+
+def _experiment_model(exp: Any) -> dict[str, str] | None:
+    model = getattr(exp, "model", None)
+    if model is None:
+        return None
+    cfg, fed = getattr(exp, "cfg", None), getattr(exp, "fed", None)
+    if cfg is None or fed is None:
+        return source_fingerprint(type(model))
+    from fedprism.experiment.federation import resolve_model_name
+
+    return model_fingerprint(resolve_model_name(cfg["model"], fed.input_shape), model)
 
 
 def fingerprints(cfg: Any) -> dict[str, Any]:
@@ -145,8 +189,9 @@ def fingerprints(cfg: Any) -> dict[str, Any]:
     from fedprism.models import build_model
 
     fed = build_federation(cfg)
-    model = build_model(resolve_model_name(cfg["model"], fed.input_shape), fed.input_shape, fed.num_classes)
-    return {"code": {"method": source_fingerprint(REGISTRY[cfg["method"]]), "model": source_fingerprint(type(model))},
+    name = resolve_model_name(cfg["model"], fed.input_shape)
+    model = build_model(name, fed.input_shape, fed.num_classes)
+    return {"code": {"method": source_fingerprint(REGISTRY[cfg["method"]]), "model": model_fingerprint(name, model)},
             "data": data_fingerprint(fed)}
 
 
