@@ -311,4 +311,9 @@ def test_partition_study_gives_the_tau_a_run_chose(tmp_path):
     assert len(skipped) == 1 and "min_train" in skipped[0][-1]
     md = markdown(div, [row], "digits", skipped)
     assert f"| Dirichlet alpha=0.3 | 8 | {d['tau']} |" in md and "cannot be partitioned" in md
+    # a setting skipped by both figures, over two seeds, is one line naming both seeds
+    divergence_rows(y, yt, 10, clients=900, seeds=(0, 1), dirichlet=(0.3,), similarity=(), skipped=skipped)
+    silhouette_rows(y, yt, 10, clients=(900,), seeds=(1,), settings=(("dirichlet", "alpha", 0.3),), skipped=skipped)
+    lines = [ln for ln in markdown(div, [row], "digits", skipped).splitlines() if ln.startswith("* ")]
+    assert len(skipped) == 4 and len(lines) == 1 and lines[0].startswith("* Dirichlet alpha=0.3, K = 900, seeds 0, 1:")
     assert all(p.stat().st_size > 1000 for p in plot(div, [row], tmp_path))

@@ -134,8 +134,13 @@ def markdown(div: list[dict], sil: list[dict], dataset: str, skipped: Skipped = 
     if skipped:
         md += ["", "## Settings that cannot be partitioned", "",
                "Left out above (the same error a run of that setting would stop with):", ""]
-        md += [f"* {_label({'protocol': p, 'param': k, 'value': v})}, K = {K}, seed {sd}: {why}"
-               for p, k, v, K, sd, why in skipped]
+        seeds_of: dict[tuple[str, int, str], list[int]] = {}     # one line per setting, K and reason
+        for p, k, v, K, sd, why in skipped:                      # (Figs. 3 and 5 may both skip it)
+            sds = seeds_of.setdefault((_label({"protocol": p, "param": k, "value": v}), K, why), [])
+            if sd not in sds:
+                sds.append(sd)
+        md += [f"* {label}, K = {K}, seed{'s' if len(sds) > 1 else ''} {', '.join(map(str, sds))}: {why}"
+               for (label, K, why), sds in seeds_of.items()]
     return "\n".join(md) + "\n"
 
 
