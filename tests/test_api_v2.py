@@ -89,6 +89,34 @@ def test_a_rejected_row_is_recorded_and_the_run_goes_on(tmp_path):
         REGISTRY.pop("test_badshape")
 
 
+class NoWeight(FedAvg):
+    """FedAvg whose clients all report 0 training samples."""
+
+    name = "test_noweight"
+
+    def client_update(self, plan, trainer, rnd, cstate):
+        up = train_update(trainer, TrainJob(plan.clients, plan.start), rnd)
+        up.n_samples = torch.zeros_like(up.n_samples)
+        return up
+
+
+def test_replies_of_zero_samples_are_rejected_and_the_model_is_kept(tmp_path):
+    """A reply of 0 samples has no weight (a Flower server refuses it the same way). When every client of
+    a round says 0, the weighted mean had nothing to divide by and raised from inside the method."""
+    REGISTRY["test_noweight"] = NoWeight
+    try:
+        c = cfg(method="test_noweight", fraction=1.0)
+        store = Store(tmp_path / "r.db")
+        e = Experiment(c, store)
+        res = e.run()
+        assert res.status == "finished" and [h["accepted"] for h in res.history] == [0, 0]
+        rec = store.records(c.run_id, "rejected")
+        assert len(rec) == 2 * c["clients"] and all("0 samples" in r["data"]["reason"] for r in rec)
+        assert torch.equal(e.state["w"], e.ctx.init)                      # nothing was averaged in
+    finally:
+        REGISTRY.pop("test_noweight")
+
+
 # -- bytes per round -----------------------------------------------------------------------------------
 def _bytes_methods() -> list[str]:
     return sorted(m for m in REGISTRY if not m.startswith("test_") or m == "test_protostate")

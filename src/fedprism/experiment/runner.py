@@ -72,6 +72,8 @@ def validate_update(update: Update, upload: dict[str, TensorSpec]) -> tuple[Upda
         else:
             if not (math.isfinite(float(ns[i])) and float(ns[i]) >= 0):
                 bad[int(c)] = f"n_samples: {float(ns[i])!r} is not a finite number >= 0"
+            elif float(ns[i]) == 0:             # as a Flower server refuses it (flower.server)
+                bad[int(c)] = "n_samples: 0 samples: an update without weight"
     if not bad:
         return update, bad
     keep = np.array([int(c) not in bad for c in update.clients])
