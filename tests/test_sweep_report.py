@@ -400,3 +400,27 @@ def test_plots_of_labels_with_one_slug_or_brackets_stay_apart_and_embedded(tmp_p
     assert len(linked) == 3 == len(set(linked)) and all((tmp_path / "rep" / p).is_file() for p in linked)
     html = (tmp_path / "rep" / "report.html").read_text()
     assert html.count("<img") == md.count("\n![") and "![" not in html
+
+
+def test_a_run_of_one_evaluated_round_is_a_marker_on_the_accuracy_plot(tmp_path, monkeypatch):
+    """A run with one evaluated round (a re-scored run, or rounds=1) was a line of one point: drawn as
+    nothing, so the method was in the legend but not on the plot."""
+    import fedprism.report as report
+    from fedprism.experiment.config import resolve
+    from fedprism.experiment.runner import Experiment
+
+    db = str(tmp_path / "p.db")
+    store = Store(db)
+    base = {"method": "fedavg", "dataset": "digits", "model": "mlp", "clients": 4, "fraction": 1.0,
+            "local_epochs": 1, "engine": "sequential", "seed": 0}
+    ids = {f"R{n}": Experiment(resolve({**base, "rounds": n}), store).run().run_id for n in (1, 3)}
+    seen = {}
+
+    def keep(fig, path):
+        if "accuracy" in Path(path).name:
+            seen.update({ln.get_label(): (len(ln.get_xdata()), ln.get_marker()) for ln in fig.axes[0].lines})
+        fig.savefig(path)
+
+    monkeypatch.setattr(report, "_save", keep)
+    report.plot_setting(store, "s", {k: [{"run_id": v}] for k, v in ids.items()}, tmp_path)
+    assert seen["R1"] == (1, "D") and seen["R3"] == (3, "None")

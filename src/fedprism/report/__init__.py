@@ -572,8 +572,10 @@ def plot_setting(store: Store, setting: str, labels: dict[str, list[dict]], out:
                                       (axes[0], "global_model_acc", f"{lab} (G)", "o")):
             vals = [[b[t].get(key) for t in rounds] for b in by_round]
             if rounds and all(v is not None for row in vals for v in row):
+                one = len(x) == 1            # a single evaluated round (a re-scored run): a line shows nothing
                 ax.plot(x, np.mean(vals, axis=0), label=name, color=sty[lab]["color"], ls=sty[lab]["ls"],
-                        lw=1.4 if marker is None else 0.9, marker=marker, markersize=3.5,
+                        lw=1.4 if marker is None else 0.9, marker=marker or ("D" if one else None),
+                        markersize=6 if one else 3.5,
                         markevery=max(1, len(x) // 10))
     from matplotlib.ticker import MaxNLocator
 
