@@ -117,6 +117,38 @@ def test_replies_of_zero_samples_are_rejected_and_the_model_is_kept(tmp_path):
         REGISTRY.pop("test_noweight")
 
 
+class NanState(REGISTRY["local"]):
+    """Local whose client 0 returns a NaN model as its new state."""
+
+    name = "test_nanstate"
+
+    def client_update(self, plan, trainer, rnd, cstate):
+        up = super().client_update(plan, trainer, rnd, cstate)
+        up.client_state["w"][plan.clients == 0] = float("nan")
+        return up
+
+
+def test_a_client_whose_new_state_is_nan_is_rejected_and_keeps_its_state(tmp_path):
+    """Client 0's NaN model is not kept (it holds its initial model, the others their trained ones), and
+    its reply is a `rejected` record. It was stored as sent, and the run scored a NaN model."""
+    REGISTRY["test_nanstate"] = NanState
+    try:
+        c = cfg(method="test_nanstate", fraction=1.0, rounds=1)
+        store = Store(tmp_path / "r.db")
+        e = Experiment(c, store)
+        res = e.run()
+        w = e.clients.rows(np.arange(c["clients"]))["w"]
+        assert torch.equal(w[0], e.ctx.init)
+        assert not any(torch.equal(w[k], e.ctx.init) for k in range(1, len(w)))
+        assert bool(torch.isfinite(w).all())
+        rec = store.records(c.run_id, "rejected")
+        why = "client state 'w': non-finite values (NaN/Inf)"
+        assert [(r["client"], r["data"]["reason"]) for r in rec] == [(0, why)]
+        assert res.history[0]["accepted"] == c["clients"] - 1 and not res.final["diverged"]
+    finally:
+        REGISTRY.pop("test_nanstate")
+
+
 # -- bytes per round -----------------------------------------------------------------------------------
 def _bytes_methods() -> list[str]:
     return sorted(m for m in REGISTRY if not m.startswith("test_") or m == "test_protostate")

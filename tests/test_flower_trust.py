@@ -694,3 +694,28 @@ def test_size_keys_are_bounded_on_the_server_and_on_the_nodes(tmp_path):
     with pytest.raises(ConfigError, match="local_epochs"):
         build_node(exp, 0)
     assert Store(tmp_path / "r.db").runs() == []
+
+
+def test_a_node_whose_new_state_is_nan_keeps_its_state_and_replies_an_error():
+    """As in process (`runner.receive`): a client whose training left its own model NaN does not keep it.
+    The node raises, so the server records the client's failure, and its next round starts from the last
+    finite state."""
+    from fedprism.protocol import Plan
+
+    node = build_node("method=local dataset=digits clients=4 rounds=2 local_epochs=1 model=mlp device=cpu "
+                      "engine=sequential", 0)
+    before = {k: v.clone() for k, v in node.store.rows().items()}
+    real = node.algo.client_update
+
+    def diverge(plan, trainer, rnd, cstate):
+        up = real(plan, trainer, rnd, cstate)
+        up.client_state["w"][0, 3] = float("inf")
+        return up
+
+    node.algo.client_update = diverge
+    with pytest.raises(ValueError, match="client state 'w': non-finite values"):
+        node.train(Plan(np.array([0])), 0)
+    assert all(torch.equal(v, node.store.rows()[k]) for k, v in before.items())
+    node.algo.client_update = real
+    node.train(Plan(np.array([0])), 0)
+    assert not torch.equal(before["w"], node.store.rows()["w"])          # a finite state is kept

@@ -115,8 +115,10 @@ def test_ifca_choice_survives_nan_losses():
     assert j[1] == 1 and j[2] == 1 and set(j) <= {0, 1}
 
 
-@pytest.mark.parametrize("method", ["ifca", "fedavg"])
+@pytest.mark.parametrize("method", ["ifca", "fedavg", "local", "ditto"])
 def test_exploding_learning_rates_finish_and_report_rejections(tmp_path, capsys, method):
+    """local and ditto: a client whose new state (its own model) is NaN is rejected like a NaN upload and
+    keeps its state; Local's run used to finish as not diverged, scored with NaN models."""
     db = str(tmp_path / "d.db")
     args = ["run", "--db", db, "dataset=digits", f"method={method}", "clients=6", "rounds=3", "local_epochs=1",
             "engine=sequential"] + (["ifca.k=2"] if method == "ifca" else [])

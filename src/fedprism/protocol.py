@@ -175,6 +175,17 @@ class Update:
     def bytes(self) -> int:
         return payload_bytes(self.payload)
 
+    def nonfinite_state(self) -> dict[int, str]:
+        """{client: why} for the clients whose new `client_state` rows hold NaN or Inf (their training
+        diverged): such a reply is not used and the client keeps the state it had."""
+        out: dict[int, str] = {}
+        n = len(self.clients)
+        for k, v in self.client_state.items():
+            if n and v.is_floating_point():
+                for i in torch.nonzero(~torch.isfinite(v.reshape(n, -1)).all(1)).flatten().tolist():
+                    out.setdefault(int(self.clients[i]), f"client state {k!r}: non-finite values (NaN/Inf)")
+        return out
+
     def select(self, keep: np.ndarray) -> "Update":
         """The rows where `keep` (bool [n]) is True."""
         t = torch.as_tensor(np.asarray(keep, dtype=bool))

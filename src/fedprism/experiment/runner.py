@@ -120,16 +120,21 @@ def receive(update: Update | None, plan: Plan, clients: ClientStore | None, uplo
             method: str = "the method") -> tuple[Update, dict[int, str]]:
     """What the server does with the clients' replies before aggregating: the clients keep their new
     state (the simulator writes it to `clients`), the rows each client was sent are attached
-    (`Update.sent`), and rows that do not match the declared upload are rejected. No reply at all
-    (`update` None) is an empty update."""
+    (`Update.sent`), and rows that do not match the declared upload are rejected. A client whose new state
+    holds NaN/Inf is rejected whole: its state stays as it was, as a Flower node keeps it (`node.train`).
+    No reply at all (`update` None) is an empty update."""
     if update is None:
         return Update(plan.clients[:0], sent=plan.subset(np.zeros(0, dtype=np.int64)).payload), {}
     check_reply(update, plan, method)
+    diverged = update.nonfinite_state()            # these clients keep their state; their upload is unused
+    if diverged:
+        update = update.select(np.array([int(c) not in diverged for c in update.clients], dtype=bool))
     if clients is not None and update.client_state:
         clients.write(update.clients, update.client_state)
     pos = {int(c): i for i, c in enumerate(plan.clients)}
     update.sent = plan.subset(np.array([pos[int(c)] for c in update.clients], dtype=np.int64)).payload
-    return validate_update(update, upload)
+    kept, bad = validate_update(update, upload)
+    return kept, {**diverged, **bad}
 
 
 class Simulator:

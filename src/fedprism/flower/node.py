@@ -141,11 +141,15 @@ class Node:
 
     def train(self, plan: Plan, rnd: int) -> Update:
         """The method's `client_update` for this client, with its own state, on its rows of round `rnd`;
-        the new state is kept (`store.write`) only after the update succeeded."""
+        the new state is kept (`store.write`) only after the update succeeded and only when it is finite
+        (a diverged client's reply is an error; it keeps the state it had, as in process)."""
         if plan.clients.tolist() != [self.client]:
             raise ValueError(f"this node is client {self.client}; the message is for clients {plan.clients.tolist()}")
         self.at_round(rnd)
         up = self.algo.client_update(plan, self.engine, rnd, self.store.rows())
+        diverged = up.nonfinite_state()
+        if diverged:                       # the server records the failure; the node keeps its last state
+            raise ValueError(f"{diverged[self.client]}; this client keeps its previous state")
         self.store.write(up.client_state)
         up.client_state = {}
         return up
