@@ -166,9 +166,11 @@ def test_bytes_per_round_are_the_payload_sizes(method, tmp_path):
     body = e.ctx.spec.body.stop - e.ctx.spec.body.start
     protos = C * d + C                                      # [C, d] prototypes + [C] counts or presence
     per_down = {"local": 0, "fedprism_dual": P + 1, "ifca": 3 * P, "fedper": body, "fedrep": body,
-                "fedproto": protos, "pfpl": protos, "protohar": body + protos, "fedsoft": 2 * P}.get(method, P)
+                "fedproto": protos, "pfpl": protos, "protohar": body + protos, "fedsoft": 2 * P,
+                "lg_fedavg": P - body, "fedbabu": body}.get(method, P)
     per_up = {"local": 0, "ifca": P + 1, "fedper": body, "fedrep": body, "fedproto": protos, "pfpl": protos,
-              "protohar": body + protos, "fedsoft": P + 2}.get(method, P)
+              "protohar": body + protos, "fedsoft": P + 2, "lg_fedavg": P - body,
+              "fedbabu": body}.get(method, P)
     res = e.run()
     if method == "fedsub":          # sparse: bit masks and the kept parameters only (FedSub.encode)
         U = e.algo.layout.units

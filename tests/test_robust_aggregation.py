@@ -95,7 +95,7 @@ def test_one_hostile_client_in_ten():
 
 
 AVERAGING = ("fedavg", "ifca", "fedclust", "cfl", "fedprism", "fedprism_dual", "fedprox", "ditto", "apfl", "fedper",
-             "fedrep", "fedbn", "protohar")
+             "fedrep", "fedbn", "protohar", "lg_fedavg", "fedbabu", "pfedme", "perfedavg")
 
 
 @pytest.mark.parametrize("method", AVERAGING)
@@ -140,7 +140,8 @@ def test_soft_cluster_step_robust_cluster_by_cluster():
 AVERAGED_KEYS = {"fedavg": ("w",), "ifca": ("w",), "fedclust": ("w_c", "w_g"), "cfl": ("w",),
                  "fedprism": ("w_g", "w_c"), "fedprism_dual": ("w_g", "w_c"), "fedprox": ("w",),
                  "ditto": ("w",), "apfl": ("w",), "fedper": ("shared",), "fedrep": ("shared",),
-                 "fedbn": ("shared",), "protohar": ("body",), "clust_psi_pfl": ("w",), "fedsoft": ("c",)}
+                 "fedbn": ("shared",), "protohar": ("body",), "clust_psi_pfl": ("w",), "fedsoft": ("c",),
+                 "lg_fedavg": ("shared",), "fedbabu": ("shared",), "pfedme": ("w",), "perfedavg": ("w",)}
 
 
 @pytest.mark.parametrize("rule", ["median", "trimmed_mean", "clipped_mean"])
@@ -150,6 +151,7 @@ AVERAGED_KEYS = {"fedavg": ("w",), "ifca": ("w",), "fedclust": ("w_c", "w_g"), "
     ("fedprism", "fedprism.k=2 fedprism.every=1"), ("fedprism", "fedprism.k=2 fedprism.every=1 fedprism.update=model"),
     ("fedprism_dual", "fedprism_dual.k=2"), ("fedprox", ""), ("ditto", ""), ("apfl", ""), ("fedper", ""),
     ("fedrep", ""), ("fedbn", "model=mlp_bn"), ("protohar", ""), ("clust_psi_pfl", ""), ("fedsoft", ""),
+    ("lg_fedavg", ""), ("fedbabu", "fedbabu.finetune_epochs=1"), ("pfedme", ""), ("perfedavg", ""),
 ])
 def test_every_averaging_method_runs_each_rule(method, extra, rule, tmp_path):
     """Each rule through the whole round loop (plan, local training, aggregate, evaluation): finite

@@ -153,6 +153,8 @@ AVERAGING = {
     "cfl": ("cfl.warmup=0 cfl.eps1=100 cfl.eps2=0", ("w",)),
     "fedprism": ("fedprism.k=2 fedprism.every=1", ("w_g", "w_c")),
     "fedprism_dual": ("fedprism_dual.k=2", ("w_g", "w_c")), "clust_psi_pfl": ("", ("w",)),
+    "lg_fedavg": ("", ("shared",)), "fedbabu": ("fedbabu.finetune_epochs=1", ("shared",)),
+    "pfedme": ("", ("w",)), "perfedavg": ("", ("w",)),
 }
 CASES = [(m, e) for m, (e, _) in AVERAGING.items()] + [
     ("ifca", "ifca.k=2 ifca.init=warmup ifca.warmup_rounds=1"), ("fedclust", "fedclust.variant=original"),

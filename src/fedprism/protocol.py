@@ -346,9 +346,15 @@ class Inference:
 
 
 class Trainer(Protocol):
-    """The engine as an algorithm sees it (the simulator's engines and a Flower node's engine)."""
+    """The engine as an algorithm sees it (the simulator's engines and a Flower node's engine).
+
+    `f` is the model as a function of its flat parameter vector (`fedprism.params.Functional`:
+    `f(w, x)` logits, `f.features`, `f.head`), differentiable, for a method's own gradient steps outside
+    a `TrainJob` (Per-FedAvg's adaptation before it predicts); `logits` / `features` score without
+    gradients at the evaluation precision."""
 
     device: torch.device
+    f: Any
 
     def train(self, job: TrainJob, rnd: int) -> Trained: ...
 

@@ -1,8 +1,9 @@
 """Partial sharing: the server averages some coordinates of the parameter vector, each client keeps the rest.
 
-FedPer and FedRep (the personal layers stay on the client) and FedBN (the BatchNorm layers stay on the
-client) are one pattern with a different split and a different local training; `PartialSharing` is
-that pattern, and each method module sets the split and its local training:
+FedPer and FedRep (the personal layers stay on the client), LG-FedAvg (the lower layers stay), FedBN (the
+BatchNorm layers stay) and FedBABU (the head is frozen, so only the body is shared) are one pattern with a
+different split and a different local training; `PartialSharing` is that pattern, and each method module
+sets the split and its local training:
 
     server state   s = the shared coordinates; the other coordinates never reach the server
     plan           every sampled client receives s                               (payload 'shared')
@@ -39,7 +40,8 @@ WEIGHTING = Param("samples", "aggregation weights: n_k (samples, FedAvg) or 1/|S
 
 
 class PartialSharing(Algorithm):
-    """Base of FedPer, FedRep and FedBN (not registered itself). Subclasses set `shared_mask()`."""
+    """Base of FedPer, FedRep, FedBN, LG-FedAvg and FedBABU (not registered itself). Subclasses set
+    `shared_mask()`."""
 
     client_state = {"local": ClientState(("P",), init="model")}
 
