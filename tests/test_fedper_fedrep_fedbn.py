@@ -108,15 +108,19 @@ def test_reducing_setting_is_fedavg_bit_for_bit(method, model, digits):
 
 
 @pytest.mark.parametrize("method,model,hp", [("fedper", "mlp", {}), ("fedrep", "mlp", {"head_epochs": 2}),
-                                             ("fedper", "mlp_bn", {"personal": 2}), ("fedbn", "mlp_bn", {})])
+                                             ("fedper", "mlp_bn", {"personal": 2}), ("fedbn", "mlp_bn", {}),
+                                             ("lg_fedavg", "mlp", {})])
 def test_private_coordinates_never_leave_the_client(method, model, hp, digits, tmp_path):
-    """The head (FedPer, FedRep) or the BN layers (FedBN): in no payload, not in the server state, not in
-    the bytes; a client that is not sampled keeps them bit-identical, a sampled one trains them."""
+    """The head (FedPer, FedRep), the BN layers (FedBN) or the lower layers (LG-FedAvg): in no payload, not
+    in the server state, not in the bytes; a client that is not sampled keeps them bit-identical, a sampled
+    one trains them; each client predicts with its own private coordinates under the server's shared ones."""
     fed = unequal_federation(digits)
     algo, eng = setup(fed, method, model, **hp)
     spec, priv = algo.ctx.spec, private_index(algo)
     if method == "fedbn":
         expect = sum(s.stop - s.start for s in spec.batchnorm)
+    elif method == "lg_fedavg":               # everything below the shared head
+        expect = spec.head.start
     elif hp.get("personal") == 2:             # mlp_bn's last two layers, BN not counted: fc2, its BN, head
         expect = spec.size - spec.layers[2][1].start
     else:

@@ -88,44 +88,6 @@ def test_lg_fedavg_shares_the_top_layers(digits):
             setup(fed, "lg_fedavg", "mlp_bn", shared=bad)
 
 
-def test_lg_fedavg_local_layers_never_leave_the_client(digits, tmp_path):
-    """The lower layers: in no payload and not in the server state or the bytes (bytes per round are the
-    head's); a client not sampled keeps them bit-identical, a sampled one trains them; each client
-    predicts with its own lower layers under the server's head."""
-    fed = unequal_federation(digits)
-    algo, eng = setup(fed, "lg_fedavg")
-    spec = algo.ctx.spec
-    head, body = spec.head, spec.body
-    n_head = head.stop - head.start
-    assert 0 < n_head < spec.size
-    assert {k: v.shape for k, v in algo.upload().items()} == {"shared": (n_head,)}
-    moved = []
-
-    def check(t, plan, update, before, sim):
-        evaluation = sim.algo.eval_payload(sim.state, np.arange(fed.num_clients))
-        for rows in (plan.payload, update.payload, evaluation):
-            assert all(v.shape[1:] == (n_head,) for v in rows.values())
-        assert all(v.numel() == n_head for v in sim.state.values())
-        local = sim.clients.data["local"]
-        out = np.setdiff1d(np.arange(fed.num_clients), plan.clients)
-        assert len(out) and torch.equal(local[out][:, body], before["local"][out][:, body])
-        trained = local[plan.clients][:, body] != before["local"][plan.clients][:, body]
-        moved.append(bool(trained.any(1).all()))
-        model = sim.inference().single
-        assert torch.equal(model[:, body], local[:, body])
-        assert torch.equal(model[:, head], sim.state["shared"].expand(fed.num_clients, -1))
-
-    drive(algo, eng, on_round=check)
-    assert all(moved)
-    c = resolve(dict(dataset="digits", clients=6, rounds=2, fraction=0.5, local_epochs=1, batch_size=16,
-                     lr=0.05, model="mlp", engine="sequential", device="cpu", seed=1, method="lg_fedavg"))
-    res = Experiment(c, Store(tmp_path / "b.db")).run()
-    for h in res.history:
-        assert h["bytes_up"] == 4 * n_head * h["accepted"] > 0
-        assert h["bytes_down"] == 4 * n_head * h["clients"]
-
-
-# -- FedBABU -----------------------------------------------------------------------------------------
 def test_fedbabu_head_stays_the_initial_head_and_the_body_is_the_mean(digits, tmp_path):
     """Every local training freezes the head (trained models keep the initial head bit for bit), starts
     from the server's body under the initial head, and the server's body is the n_k-weighted mean of the
