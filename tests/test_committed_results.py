@@ -19,7 +19,8 @@ PAPER_SWEEPS = ["paper_fmnist_dir01", "paper_fmnist_dir03", "paper_fmnist_dir05"
 REPORTS = {
     "paper_fmnist": dict(sweep=PAPER_SWEEPS + ["fedprism_ablation_temperature", "fedamp_ablation_mu",
                                                "paper_fmnist_dir01_pfl", "fedamp_mu_validation",
-                                               "fedprism_validation", "fedprism_ablation_inference_weight"],
+                                               "fedprism_validation", "fedprism_ablation_inference_weight",
+                                               "paper_fmnist_dir01_pfl_more"],
                          reference="fedprism-paper-fmnist"),
     "fedsub": dict(sweep=["fedsub_static", "fedsub_dynamic", "fedsub_prototypes"]),
     "pfpl_mixed": dict(sweep=["pfpl_mixed"]),
@@ -334,6 +335,30 @@ def test_personal_head_and_prototype_rows_as_results_readme_states(db_copy):
                  if lab in runs}
     assert per_round["FedProto"]["bytes_up"] * 70 < pfl[("FedProx", 0)]["bytes_up"] / pfl[("FedProx", 0)]["rounds"]
     assert per_round["FedRep"]["bytes_up"] < pfl[("FedProx", 0)]["bytes_up"] / pfl[("FedProx", 0)]["rounds"]
+
+
+def test_more_pfl_baselines_as_results_readme_states(db_copy):
+    """results/README.md, "More personalized-FL baselines": LG-FedAvg (head shared) stays within 2.2 / 2.7
+    points of Local's Glob / Loc in every evaluated round and sends only the head; Per-FedAvg's global
+    model is FedAvg's to 0.5 points, and its one adaptation step raises Loc over the un-adapted model's
+    while Glob stays the highest of the personalized rows."""
+    store = Store(db_copy)
+    base, more = _finals(store, "paper_fmnist_dir01"), _finals(store, "paper_fmnist_dir01_pfl_more")
+    runs = {r["label"]: r for r in store.runs(sweep="paper_fmnist_dir01_pfl_more")}
+    local_run = next(r for r in store.runs(sweep="paper_fmnist_dir01") if r["label"] == "Local"
+                     and json.loads(r["config"])["seed"] == 0)
+    lg, pf = more[("LG-FedAvg", 0)], more[("Per-FedAvg (FO)", 0)]
+    curve = {h["round"]: h for h in store.round_metrics(runs["LG-FedAvg"]["run_id"]) if "local_acc" in h}
+    ref = {h["round"]: h for h in store.round_metrics(local_run["run_id"]) if "local_acc" in h}
+    assert set(curve) == set(ref) and len(curve) == 20
+    assert max(abs(curve[t]["global_acc"] - ref[t]["global_acc"]) for t in curve) < 0.022
+    assert max(abs(curve[t]["local_acc"] - ref[t]["local_acc"]) for t in curve) < 0.028
+    assert lg["bytes_up"] == lg["bytes_down"] == 100 * 10 * 850 * 4                 # the head, 10 clients a round
+    fedavg, local = base[("FedAvg", 0)], base[("Local", 0)]
+    assert abs(pf["global_model_acc"] - fedavg["global_acc"]) < 0.005
+    assert pf["local_acc"] > pf["local_acc@global"] + 0.015 and pf["local_acc"] < local["local_acc"] - 0.075
+    pfl = _finals(store, "paper_fmnist_dir01_pfl")
+    assert pf["global_acc"] > max(f["global_acc"] for f in pfl.values())
 
 
 def test_seen_class_shares_as_results_readme_states(db_copy):
