@@ -23,7 +23,8 @@ rm -rf results/paper_fmnist
 .venv/bin/fedprism report --db "$tmp/render.db" --sweep paper_fmnist_dir01 --sweep paper_fmnist_dir03 \
     --sweep paper_fmnist_dir05 --sweep fedprism_ablation_temperature --sweep fedamp_ablation_mu \
     --sweep paper_fmnist_dir01_pfl --sweep fedamp_mu_validation --sweep fedprism_validation \
-    --sweep fedprism_ablation_inference_weight --sweep paper_fmnist_dir01_pfl_more --reference fedprism-paper-fmnist \
+    --sweep fedprism_ablation_inference_weight --sweep paper_fmnist_dir01_pfl_more \
+    --reference fedprism-paper-fmnist \
     --out results/paper_fmnist > /dev/null
 rm -rf results/fedsub
 .venv/bin/fedprism report --db "$tmp/render.db" --sweep fedsub_static --sweep fedsub_dynamic \

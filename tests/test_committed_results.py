@@ -353,7 +353,7 @@ def test_more_pfl_baselines_as_results_readme_states(db_copy):
     assert set(curve) == set(ref) and len(curve) == 20
     assert max(abs(curve[t]["global_acc"] - ref[t]["global_acc"]) for t in curve) < 0.022
     assert max(abs(curve[t]["local_acc"] - ref[t]["local_acc"]) for t in curve) < 0.028
-    assert lg["bytes_up"] == lg["bytes_down"] == 100 * 10 * 850 * 4                 # the head, 10 clients a round
+    assert lg["bytes_up"] == lg["bytes_down"] == 100 * 10 * 850 * 4         # the head, 10 clients a round
     fedavg, local = base[("FedAvg", 0)], base[("Local", 0)]
     assert abs(pf["global_model_acc"] - fedavg["global_acc"]) < 0.005
     assert pf["local_acc"] > pf["local_acc@global"] + 0.015 and pf["local_acc"] < local["local_acc"] - 0.075
