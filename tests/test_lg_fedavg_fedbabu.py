@@ -8,37 +8,15 @@ import numpy as np
 import pytest
 import torch
 from conftest import planted_federation, unequal_federation
+from test_fedper_fedrep_fedbn import drive, setup
 
 from fedprism.algorithms import REGISTRY
-from fedprism.algorithms.base import Context
-from fedprism.engine import LocalConfig, SequentialEngine
+from fedprism.engine import SequentialEngine
 from fedprism.engine.vectorized import VectorizedEngine
 from fedprism.errors import ConfigError
 from fedprism.experiment.config import resolve
 from fedprism.experiment.runner import Experiment, Simulator, sample_clients
 from fedprism.experiment.store import Store
-from fedprism.models import build_model
-from fedprism.params import ParamSpec, flatten
-
-LOCAL = LocalConfig(epochs=1, batch_size=16, lr=0.05, momentum=0.9, weight_decay=1e-4)
-
-
-def setup(fed, method, model="mlp", engine=SequentialEngine, **hp):
-    m = build_model(model, fed.input_shape, fed.num_classes, seed=0)
-    ctx = Context(fed.num_clients, fed.num_classes, ParamSpec.of(m), flatten(m), fed.n_train,
-                  fed.label_hist(), 0, 10, 0.5)
-    kw = {} if engine is SequentialEngine else {"compile": False}
-    return REGISTRY[method](ctx, **hp), engine(fed, m, LOCAL, 0, "cpu", **kw)
-
-
-def drive(algo, engine, rounds=3, fraction=0.5, on_round=None):
-    sim = Simulator(algo, engine)
-    for t in range(rounds):
-        before = {k: v.clone() for k, v in sim.clients.data.items()}
-        plan, update, _ = sim.round(t, sample_clients(0, t, algo.ctx.num_clients, fraction))
-        if on_round:
-            on_round(t, plan, update, before, sim)
-    return sim
 
 
 class Recorder:
