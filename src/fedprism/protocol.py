@@ -23,7 +23,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 import torch
 
-from fedprism.params import ParamSpec
+from fedprism.params import Functional, ParamSpec
 
 Rows = dict[str, torch.Tensor]
 """Named tensors with one row per client ([n, ...]); row i belongs to clients[i]."""
@@ -348,13 +348,13 @@ class Inference:
 class Trainer(Protocol):
     """The engine as an algorithm sees it (the simulator's engines and a Flower node's engine).
 
-    `f` is the model as a function of its flat parameter vector (`fedprism.params.Functional`:
-    `f(w, x)` logits, `f.features`, `f.head`), differentiable, for a method's own gradient steps outside
+    `f` is the model as a function of its flat parameter vector (`f(w, x)` logits, `f.features`,
+    `f.head`), differentiable, for a method's own gradient steps outside
     a `TrainJob` (Per-FedAvg's adaptation before it predicts); `logits` / `features` score without
     gradients at the evaluation precision."""
 
     device: torch.device
-    f: Any
+    f: Functional
 
     def train(self, job: TrainJob, rnd: int) -> Trained: ...
 

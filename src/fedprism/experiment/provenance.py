@@ -62,24 +62,23 @@ def _where(path: str) -> str:
         return p.as_posix()
 
 
-def source_fingerprint(obj: Any) -> dict[str, str] | None:
-    """sha256 of the source file that defines `obj` (a class), and the file, or None if it has none."""
-    cls = obj if inspect.isclass(obj) else type(obj)
-    try:
-        path = inspect.getsourcefile(cls)
-    except TypeError:
-        path = None
-    if not path or not Path(path).is_file():
-        return None
-    return {"sha256": sha256_file(path), "file": _where(path), "class": f"{cls.__module__}.{cls.__qualname__}"}
-
-
 def _source_file(obj: Any) -> Path | None:
+    """The source file that defines `obj` (a class, function or module), resolved; None if it has none."""
     try:
         path = inspect.getsourcefile(obj)
     except TypeError:
         return None
     return Path(path).resolve() if path and Path(path).is_file() else None
+
+
+def source_fingerprint(obj: Any) -> dict[str, str] | None:
+    """sha256 of the source file that defines `obj` (a class), and the file, or None if it has none."""
+    cls = obj if inspect.isclass(obj) else type(obj)
+    path = _source_file(cls)
+    if path is None:
+        return None
+    return {"sha256": sha256_file(path), "file": _where(str(path)),
+            "class": f"{cls.__module__}.{cls.__qualname__}"}
 
 
 def model_fingerprint(name: str, model: Any) -> dict[str, str] | None:
@@ -97,8 +96,8 @@ def model_fingerprint(name: str, model: Any) -> dict[str, str] | None:
         return built
     ours = {"sha256": sha256_file(path), "file": _where(str(path)),
             "class": f"{getattr(build, '__module__', '?')}.{getattr(build, '__qualname__', repr(build))}"}
-    cls_path = _source_file(type(model))
-    if built is None or cls_path is None or cls_path == path or _source_file(torch).parent in cls_path.parents:
+    cls_path = _source_file(type(model))           # None exactly when `built` is None
+    if cls_path is None or cls_path == path or _source_file(torch).parent in cls_path.parents:
         return ours
     both = hashlib.sha256((ours["sha256"] + built["sha256"]).encode()).hexdigest()
     return {"sha256": both, "file": f"{ours['file']} + {built['file']}",
