@@ -258,6 +258,8 @@ def test_other_code_or_data_never_reuses_the_stored_result(tmp_path, capsys):
     res = _run(db)
     for path in (("code", "method", "sha256"), ("data",)):
         _tamper(db, res.run_id, path, "0" * 64)
+        if path[0] == "code":                                   # other code: other text too
+            _tamper(db, res.run_id, ("code", "method", "text"), "0" * 64)
         with pytest.raises(ProvenanceMismatch, match="--fresh"):
             Experiment(tiny(), Store(db)).run()
         args = [f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in TINY.items()]
@@ -741,9 +743,12 @@ def test_a_sweep_does_not_skip_a_run_stored_from_other_code(tmp_path, capsys):
     assert "finished earlier, skipped" in capsys.readouterr().err
     (run_id,) = [r["run_id"] for r in Store(db).runs()]
     _tamper(db, run_id, ("code", "model", "sha256"), "1" * 64)
+    assert main(["sweep", str(f), "--db", db, "--quiet"]) == 0            # only the file: the same text
+    assert "finished earlier, skipped" in capsys.readouterr().err
+    _tamper(db, run_id, ("code", "model", "text"), "1" * 64)
     assert main(["sweep", str(f), "--db", db, "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert "stored from other code or data" in err and "model code" in err and "skipped" not in err
+    assert "stored from other code or data" in err and "model code" in err and "finished earlier" not in err
     # a run added to the file still runs; the stale one is reported, neither re-used nor re-run
     f.write_text(f.read_text() + '[[runs]]\nlabel = "B"\nmethod = "local"\n')
     assert main(["sweep", str(f), "--db", db, "--quiet"]) == 2
@@ -863,9 +868,67 @@ def test_a_registered_model_is_fingerprinted_by_its_builder(tmp_path, monkeypatc
         code = Store(str(db), readonly=True).provenance(res.run_id)["code"]["model"]
         assert code["file"].endswith("seq_plugin.py") and code["class"] == "seq_plugin.build"
         assert code["sha256"] == hashlib.sha256((tmp_path / "seq_plugin.py").read_bytes()).hexdigest()
-        (tmp_path / "seq_plugin.py").write_text(body.format(n_in) + "# edited\n")
+        (tmp_path / "seq_plugin.py").write_text(body.format(n_in) + "X = 1\n")
         with pytest.raises(ProvenanceMismatch, match="model"):
             fedprism.run(cfg, db=db)
     finally:
         plugins.MODELS.pop("seq_model", None)
         sys.modules.pop("seq_plugin", None)
+
+
+def test_text_hash_ignores_comments_docstrings_and_blank_lines_only(tmp_path):
+    from fedprism.experiment.provenance import text_sha256
+
+    def h(src: str) -> str:
+        (tmp_path / "m.py").write_text(src)
+        return text_sha256(tmp_path / "m.py")
+
+    base = h('"""Module."""\n\nclass A:\n    """A."""\n\n    def f(self, x):\n        return x + 1  # one\n')
+    same = ['"""Module, reworded\n\nover lines."""\n\nclass A:\n    def f(self, x):\n\n'
+            '        # a comment\n        return x + 1\n',
+            'class A:\n    """A."""\n    def f(self, x):\n        """f."""\n        return x + 1\n',
+            '"""Module."""\nclass A:\n    """A."""\n    def f(self, x):\n        "s"; return x + 1\n']
+    other = ['"""Module."""\nclass A:\n    """A."""\n    def f(self, x):\n        return x + 2\n',
+             '"""Module."""\nclass A:\n    """A."""\n    def f(self, y):\n        return y + 1\n',
+             '"""Module."""\nclass A:\n    """A."""\n    def f(self, x):\n        return x + 1\n'
+             '"not a docstring"\n',
+             '"""Module."""; X = 1\nclass A:\n    """A."""\n    def f(self, x):\n        return x + 1\n',
+             '"""Module."""\nclass A:\n    """A."""\n    def f(self, x):\n        y = "doc"\n'
+             '        return x + 1\n']
+    assert all(h(s) == base for s in same)
+    assert len({base, *(h(s) for s in other)}) == 1 + len(other)
+    assert h("def f(:\n") is None
+
+
+def test_a_comment_or_docstring_edit_keeps_the_stored_run_and_old_runs_gain_the_text_hash(tmp_path,
+                                                                                       monkeypatch):
+    import importlib
+    import sys
+
+    import fedprism
+    from fedprism import plugins
+    from fedprism.experiment.provenance import ProvenanceMismatch
+
+    body = ('"""A plugin model."""\nimport torch\n\ndef build(shape, k):\n    return torch.nn.Sequential('
+            'torch.nn.Flatten(), torch.nn.Linear(64, k))\n')
+    (tmp_path / "doc_plugin.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    plugins.register_model("doc_model", importlib.import_module("doc_plugin").build)
+    try:
+        cfg = fedprism.config(method="fedavg", model="doc_model", clients=4, rounds=1, local_epochs=1)
+        db = tmp_path / "p.db"
+        res = fedprism.run(cfg, db=db)
+        code = Store(str(db), readonly=True).provenance(res.run_id)["code"]["model"]
+        _tamper(str(db), res.run_id, ("code", "model"), {k: v for k, v in code.items() if k != "text"})
+        assert fedprism.run(cfg, db=db).run_id == res.run_id     # same file: reused, and the text recorded
+        assert Store(str(db), readonly=True).provenance(res.run_id)["code"]["model"] == code
+        (tmp_path / "doc_plugin.py").write_text(body.replace("A plugin model.", "A plugin model, reworded.")
+                                               + "# a comment\n")
+        again = fedprism.run(cfg, db=db)
+        assert again.run_id == res.run_id and again.final == res.final
+        (tmp_path / "doc_plugin.py").write_text(body.replace("(64, k)", "(64, k, bias=False)"))
+        with pytest.raises(ProvenanceMismatch, match="model"):
+            fedprism.run(cfg, db=db)
+    finally:
+        plugins.MODELS.pop("doc_model", None)
+        sys.modules.pop("doc_plugin", None)

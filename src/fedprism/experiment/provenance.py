@@ -7,7 +7,9 @@ A run's provenance is a JSON object in the `provenance` column of the store's `r
                  (`inspect.getsourcefile`, so a method or model defined in a plugin is covered too),
                  with the file's repository-relative or absolute path. A registered model is its
                  builder's file, together with its class's file when that is another file outside
-                 torch: a builder returning `torch.nn.Sequential` is fingerprinted by its own code
+                 torch: a builder returning `torch.nn.Sequential` is fingerprinted by its own code.
+                 `text` is a second hash of the same file(s), over its Python tokens without comments,
+                 docstrings and blank lines (`text_sha256`)
     data         sha256 over the arrays the run trained and evaluated on: the in-memory train/test
                  tensors after loading, padding and subsetting, and every client's train/test indices
                  (the partition). Hashing the decoded arrays is cheap (a fraction of a second for
@@ -17,8 +19,12 @@ A run's provenance is a JSON object in the `provenance` column of the store's `r
                  device, torch and numpy versions, Python version, CPU model (/proc/cpuinfo)
 
 Reuse rule (`check`): a stored run is returned, or resumed, only when its recorded code and data
-fingerprints equal the current ones. When they differ, `ProvenanceMismatch` is raised, naming what
-changed; `fedprism run --fresh` replaces the stored run, or `fedprism verify RUN` checks whether the new
+fingerprints equal the current ones. Code counts as equal when the file hashes are equal, or when both
+sides record a `text` hash and those are equal: a run is not orphaned by an edit of a comment or
+docstring. (A docstring that the code reads at run time, as `__doc__`, would escape this; no method does.)
+A run recorded before `text` existed gains it the first time a write command (`run`, `sweep`) finds
+its file hash equal to the current one (`with_text`). When they differ, `ProvenanceMismatch` is raised,
+naming what changed; `fedprism run --fresh` replaces the stored run, or `fedprism verify RUN` checks whether the new
 code still reproduces it. A run stored before provenance was recorded ("unknown": the column is NULL)
 has no fingerprint to compare and is reused as before. Execution details (threads, engine, versions,
 CPU) are recorded, never compared: they may change the last bits of a result, not what it means.
@@ -26,9 +32,12 @@ CPU) are recorded, never compared: they may change the last bits of a result, no
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import inspect
+import io
 import platform
+import tokenize
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -48,6 +57,33 @@ class ProvenanceMismatch(FedPrismError):
 
 def sha256_file(path: str | Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def text_sha256(path: str | Path) -> str | None:
+    """sha256 of a Python file's tokens without comments, docstrings and blank lines, so that editing
+    only those leaves it as it was; None when the file does not parse. A docstring is the string
+    statement that opens a module, class or function (as `ast.get_docstring` reads it); the statement's
+    end (its NEWLINE or `;`) goes with it, so that adding or removing one changes nothing either."""
+    src = Path(path).read_text(encoding="utf-8")
+    try:
+        tree = ast.parse(src)
+        toks = list(tokenize.generate_tokens(io.StringIO(src).readline))
+    except (SyntaxError, tokenize.TokenError, ValueError):
+        return None
+    starts = {(d.lineno, d.col_offset)
+              for node in ast.walk(tree)
+              if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+              and node.body and isinstance(d := node.body[0], ast.Expr)
+              and isinstance(d.value, ast.Constant) and isinstance(d.value.value, str)}
+    h, in_doc = hashlib.sha256(), False
+    for t in toks:
+        if t.type in (tokenize.COMMENT, tokenize.NL):
+            continue
+        if in_doc or t.start in starts:      # the docstring statement, up to its NEWLINE or `;`
+            in_doc = not (t.type == tokenize.NEWLINE or (t.type == tokenize.OP and t.string == ";"))
+            continue
+        h.update(f"{t.type}\x00{t.string}\x01".encode())
+    return h.hexdigest()
 
 
 def _where(path: str) -> str:
@@ -77,7 +113,7 @@ def source_fingerprint(obj: Any) -> dict[str, str] | None:
     path = _source_file(cls)
     if path is None:
         return None
-    return {"sha256": sha256_file(path), "file": _where(str(path)),
+    return {"sha256": sha256_file(path), "text": text_sha256(path), "file": _where(str(path)),
             "class": f"{cls.__module__}.{cls.__qualname__}"}
 
 
@@ -94,13 +130,15 @@ def model_fingerprint(name: str, model: Any) -> dict[str, str] | None:
     path = _source_file(build) if build is not None else None
     if path is None:
         return built
-    ours = {"sha256": sha256_file(path), "file": _where(str(path)),
+    ours = {"sha256": sha256_file(path), "text": text_sha256(path), "file": _where(str(path)),
             "class": f"{getattr(build, '__module__', '?')}.{getattr(build, '__qualname__', repr(build))}"}
     cls_path = _source_file(type(model))           # None exactly when `built` is None
     if cls_path is None or cls_path == path or _source_file(torch).parent in cls_path.parents:
         return ours
     both = hashlib.sha256((ours["sha256"] + built["sha256"]).encode()).hexdigest()
-    return {"sha256": both, "file": f"{ours['file']} + {built['file']}",
+    text = (hashlib.sha256((ours["text"] + built["text"]).encode()).hexdigest()
+            if ours["text"] and built["text"] else None)
+    return {"sha256": both, "text": text, "file": f"{ours['file']} + {built['file']}",
             "class": f"{ours['class']} -> {built['class']}"}
 
 
@@ -194,14 +232,19 @@ def fingerprints(cfg: Any) -> dict[str, Any]:
             "data": data_fingerprint(fed)}
 
 
-def _get(d: dict | None, path: tuple[str, ...]) -> Any:
+def _get(d: dict | None, path: tuple[str, ...], key: str = "sha256") -> Any:
     for k in path:
         if not isinstance(d, dict):
             return None
         d = d.get(k)
     if isinstance(d, dict):
-        return d.get("sha256")
-    return d
+        return d.get(key)
+    return d if key == "sha256" else None
+
+
+def _same_text(stored: dict | None, current: dict | None, path: tuple[str, ...]) -> bool:
+    a, b = _get(stored, path, "text"), _get(current, path, "text")
+    return a is not None and a == b
 
 
 def differences(stored: dict | None, current: dict | None) -> list[str]:
@@ -210,13 +253,29 @@ def differences(stored: dict | None, current: dict | None) -> list[str]:
     out = []
     for path in COMPARED:
         a, b = _get(stored, path), _get(current, path)
-        if a is not None and b is not None and a != b:
+        if a is not None and b is not None and a != b and not _same_text(stored, current, path):
             what = "/".join(path)
             if path[0] == "code":
                 f = ((current or {}).get("code") or {}).get(path[1]) or {}
                 what = f"{path[1]} code ({f.get('file', '?')})"
             out.append(f"{what}: stored {a[:12]}, now {b[:12]}")
     return out
+
+
+def with_text(stored: dict | None, current: dict | None) -> dict | None:
+    """`stored` with the current `text` hash added to each code fingerprint that lacks one and whose file
+    hash equals the current one (the same file, so the same text); None when there is nothing to add."""
+    if not isinstance(stored, dict) or not isinstance(stored.get("code"), dict):
+        return None
+    out, added = {**stored, "code": dict(stored["code"])}, False
+    for path in COMPARED:
+        if path[0] != "code":
+            continue
+        fp, text = stored["code"].get(path[1]), _get(current, path, "text")
+        if (isinstance(fp, dict) and "text" not in fp and text is not None
+                and fp.get("sha256") == _get(current, path)):
+            out["code"][path[1]], added = {**fp, "text": text}, True
+    return out if added else None
 
 
 def check(run_id: str, stored: dict | None, current: dict | None) -> None:

@@ -394,7 +394,7 @@ class Store:
         raised: the stored result is never returned (nor resumed) as if this code had produced it.
         A non-empty `name` in `config` relabels a stored run (its id and results stay as they are).
         """
-        from fedprism.experiment.provenance import check
+        from fedprism.experiment.provenance import check, with_text
 
         now = time.time()
         row = self.run(run_id)
@@ -412,6 +412,7 @@ class Store:
             else:
                 if provenance is not None:
                     check(run_id, _json_or_none(row["provenance"]), provenance)
+                    self._add_text(db, run_id, with_text(_json_or_none(row["provenance"]), provenance))
                 if config.get("name") and config["name"] != row["name"]:
                     self._rename(db, row, config["name"])
             if sweep is not None:
@@ -426,6 +427,22 @@ class Store:
         if config.get("scalars"):
             self._scalars[run_id] = Scalars(config["scalars"], run_id)
         return self.run(run_id)
+
+    @staticmethod
+    def _add_text(db: sqlite3.Connection, run_id: str, upgraded: dict | None) -> None:
+        if upgraded is not None:        # `provenance.with_text`: the same files, now also hashed as text
+            db.execute("UPDATE runs SET provenance=? WHERE run_id=?", (dumps(upgraded), run_id))
+
+    def add_text_fingerprints(self, run_id: str, current: dict) -> None:
+        """Record the `text` code hashes of `current` with a stored run whose files are unchanged
+        (`fedprism.experiment.provenance.with_text`); nothing when there is none to add."""
+        from fedprism.experiment.provenance import with_text
+
+        row = self.run(run_id)
+        upgraded = with_text(_json_or_none(row["provenance"]), current) if row is not None else None
+        if upgraded is not None:
+            with self.transaction() as db:
+                self._add_text(db, run_id, upgraded)
 
     @staticmethod
     def _rename(db: sqlite3.Connection, row: sqlite3.Row, name: str) -> None:
