@@ -16,6 +16,7 @@ is left out of the medians, and every round checks the bits against `MaxPool2d`.
     python bench/pool_train.py --epochs 2 --rounds 4            # one thread
     python bench/pool_train.py --epochs 2 --rounds 4 --unfold   # and the unfold + GEMM convolution
     python bench/pool_train.py --epochs 2 --rounds 5 --fused-conv1 --nchw
+    python bench/pool_train.py --epochs 2 --rounds 7 --aten-pool-bwd
 
 Two more variants, which change the convolutions rather than the pooling:
 
@@ -28,6 +29,10 @@ Two more variants, which change the convolutions rather than the pooling:
   nchw         the unchanged model compiled with Inductor's layout optimisation off
                (`torch._inductor.config.layout_optimization = False`), so that activations stay NCHW
                instead of the channels-last layout Inductor picks for oneDNN convolutions on CPU.
+  aten-pool-bwd the unchanged model compiled with the pooling's backward left to ATen's CPU kernel
+               (Inductor's decomposition and lowering of `max_pool2d_with_indices_backward` taken out
+               while it compiles), instead of the gather loop Inductor generates and fuses with ReLU's
+               backward. The same bits.
 """
 
 from __future__ import annotations
@@ -117,6 +122,20 @@ def fuse_first_block(model: nn.Module) -> nn.Module:
     return out
 
 
+class _OwnGraph(nn.MaxPool2d):
+    """`nn.MaxPool2d(2)` under another type. Every engine's step is the same Python function, and Dynamo's
+    guards check the model's module types, so the unchanged model of `--nchw` or `--aten-pool-bwd` would
+    run the graph compiled for the first engine; `own_graph` gives each such engine a subclass of its own."""
+
+    def __init__(self):
+        super().__init__(2)
+
+
+def own_graph(model: nn.Module) -> nn.Module:
+    """`model` with its poolings of a new type, so that its engine compiles a graph of its own."""
+    return replace_plain_2x2(model, type("_OwnGraph", (_OwnGraph,), {}))
+
+
 class _NoLayoutOpt(VectorizedEngine):
     """`--nchw`: compiles (lazily, inside `train`) with Inductor's layout optimisation off."""
 
@@ -125,6 +144,32 @@ class _NoLayoutOpt(VectorizedEngine):
 
         with inductor.patch(layout_optimization=False):
             return super().train(job, rnd)
+
+
+class _AtenPoolBackward(VectorizedEngine):
+    """`--aten-pool-bwd`: compiles (lazily, inside `train`) with `max_pool2d_with_indices_backward` an
+    ATen call. Inductor's graph caches are off meanwhile: the key does not cover the tables patched here,
+    so a cached graph of the plain engine would be loaded instead."""
+
+    def train(self, job, rnd):
+        import torch._functorch.config as functorch
+        import torch._inductor.config as inductor
+        import torch._inductor.decomposition as decomp
+        import torch._inductor.lowering as lowering
+
+        op = torch.ops.aten.max_pool2d_with_indices_backward
+        keys = (op, *(getattr(op, o) for o in op.overloads()))
+        saved = {k: lowering.lowerings[k] for k in keys if k in lowering.lowerings}
+        dropped = {k: decomp.decompositions.pop(k) for k in keys if k in decomp.decompositions}
+        lowering.lowerings.update({k: lowering.fallback_max_pool2d_with_indices_backward for k in saved})
+        decomp.fast_random_decomps.cache_clear()
+        try:
+            with inductor.patch(fx_graph_cache=False), functorch.patch(enable_autograd_cache=False):
+                return super().train(job, rnd)
+        finally:
+            lowering.lowerings.update(saved)
+            decomp.decompositions.update(dropped)
+            decomp.fast_random_decomps.cache_clear()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also time the first block as element-wise operations (other rounding)")
     ap.add_argument("--nchw", action="store_true",
                     help="also time the model compiled with Inductor's layout optimisation off")
+    ap.add_argument("--aten-pool-bwd", action="store_true",
+                    help="also time the model compiled with the pooling's backward as an ATen call")
     ap.add_argument("--eval-reps", type=int, default=0,
                     help="also time R evaluations of 100 models on the global test set per variant")
     a = ap.parse_args(argv)
@@ -160,7 +207,10 @@ def main(argv: list[str] | None = None) -> int:
         engines["fused-conv1"] = VectorizedEngine(fed, fuse_first_block(model), cfg, 0, "cpu", compile=comp,
                                                   rounds=100)
     if a.nchw:
-        engines["nchw"] = _NoLayoutOpt(fed, copy.deepcopy(model), cfg, 0, "cpu", compile=comp, rounds=100)
+        engines["nchw"] = _NoLayoutOpt(fed, own_graph(model), cfg, 0, "cpu", compile=comp, rounds=100)
+    if a.aten_pool_bwd:
+        engines["aten-pool-bwd"] = _AtenPoolBackward(fed, own_graph(model), cfg, 0, "cpu", compile=comp,
+                                                     rounds=100)
     print(f"# pooling bench  torch {torch.__version__}  threads {a.threads}  data {src}  E={cfg.epochs}")
     w0, rng = flatten(model), np.random.default_rng(0)
     times: dict[str, list[float]] = {k: [] for k in engines}
@@ -176,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             res[k] = engines[k].train(job, r)
             if r > 0:
                 times[k].append(time.perf_counter() - t)
-        for k in ("where", "stack", *(("nchw",) if "nchw" in res else ())):
+        for k in ("where", "stack", *(v for v in ("nchw", "aten-pool-bwd") if v in res)):
             eq = torch.equal(res[k].params, res["MaxPool2d"].params) and torch.equal(res[k].loss,
                                                                                       res["MaxPool2d"].loss)
             same &= eq
@@ -190,9 +240,24 @@ def main(argv: list[str] | None = None) -> int:
         if v:
             print(f"{k:>10}: median training round {statistics.median(v):.3f} s, "
                   f"{statistics.median(v) / base:.2f}x MaxPool2d's")
+    if a.aten_pool_bwd:
+        _pool_backward_calls({k: engines[k] for k in ("MaxPool2d", "aten-pool-bwd")}, job)
     if a.eval_reps:
         _time_evaluation(engines, res["MaxPool2d"].params, fed.num_clients, a.eval_reps)
     return 0 if same else 1
+
+
+def _pool_backward_calls(engines: dict, job: TrainJob) -> None:
+    """One more round of each engine under torch.profiler: how often, and how long, ATen's pooling
+    backward ran (none in the plain engine, where Inductor generates it)."""
+    from torch.profiler import profile
+
+    for k, eng in engines.items():
+        with profile() as prof:
+            eng.train(job, 99)
+        ev = [e for e in prof.key_averages() if e.key == "aten::max_pool2d_with_indices_backward"]
+        n, s = (ev[0].count, ev[0].self_cpu_time_total / 1e6) if ev else (0, 0.0)
+        print(f"{k:>13}: aten::max_pool2d_with_indices_backward {n} calls, {s:.3f} s in a profiled round")
 
 
 def _time_evaluation(engines: dict, trained: torch.Tensor, n: int, reps: int) -> None:

@@ -86,6 +86,27 @@ def test_pool_train_bench_keeps_the_bits(capsys):
     assert out.count("same bits") == 4 and "DIFFERENT" not in out
 
 
+def test_pool_train_variants_of_the_unchanged_model_get_graphs_of_their_own(capsys):
+    """`--nchw` and `--aten-pool-bwd` compile the unchanged model under other compiler settings. Dynamo
+    reuses a compiled step for a model of the same module types, so each such engine's poolings must be
+    of a type of its own (and compute MaxPool2d's numbers); without compiling, they train to its bits."""
+    import torch
+
+    from fedprism.models import build_model
+
+    mod = load_script("bench/pool_train.py")
+    model = build_model("lenet5", (1, 32, 32), 10, seed=0)
+    pools = lambda m: [type(x) for x in m.modules() if isinstance(x, torch.nn.MaxPool2d)]
+    a, b = mod.own_graph(model), mod.own_graph(model)
+    assert pools(model) and set(pools(model)) == {torch.nn.MaxPool2d}
+    assert len({*pools(a), *pools(b), torch.nn.MaxPool2d}) == 3
+    x = torch.randn(4, 1, 32, 32)
+    assert torch.equal(a(x), model(x))
+    assert mod.main(["--quick", "--rounds", "2", "--nchw", "--aten-pool-bwd"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("same bits") == 8 and "aten-pool-bwd: median" in out
+
+
 def test_client_threads_bench_groups_keep_the_bits(capsys):
     """`bench/client_threads.py --quick`: two engines in two threads, each training half of the cohort, give
     every client the bits of one engine training them all (each engine has its own copy of the model)."""
