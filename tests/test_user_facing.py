@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -845,35 +846,43 @@ def test_report_names_the_unfinished_runs_it_leaves_out(tmp_path, capsys):
     assert "left out" not in capsys.readouterr().err
 
 
-def test_a_registered_model_is_fingerprinted_by_its_builder(tmp_path, monkeypatch):
-    """A builder that returns `nn.Sequential` was fingerprinted by torch's container file, so editing the
-    builder reused the stored run. Now its own file is the model's code, and an edit is other code."""
+@contextlib.contextmanager
+def _plugin_model(tmp_path, monkeypatch, module: str, source: str):
+    """A model registered from `tmp_path/<module>.py` (written from `source`); yields the config of a tiny
+    FedAvg run on it and a store path, and unregisters it afterwards."""
     import importlib
     import sys
 
     import fedprism
     from fedprism import plugins
+
+    (tmp_path / f"{module}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    plugins.register_model(f"{module}_model", importlib.import_module(module).build)
+    try:
+        yield (fedprism.config(method="fedavg", model=f"{module}_model", clients=4, rounds=1, local_epochs=1),
+               tmp_path / "p.db")
+    finally:
+        plugins.MODELS.pop(f"{module}_model", None)
+        sys.modules.pop(module, None)
+
+
+def test_a_registered_model_is_fingerprinted_by_its_builder(tmp_path, monkeypatch):
+    """A builder that returns `nn.Sequential` was fingerprinted by torch's container file, so editing the
+    builder reused the stored run. Now its own file is the model's code, and an edit is other code."""
+    import fedprism
     from fedprism.experiment.provenance import ProvenanceMismatch
 
     body = ("import torch\n\ndef build(shape, k):\n    return torch.nn.Sequential(torch.nn.Flatten(), "
-            "torch.nn.Linear({}, k))\n")
-    n_in = 64
-    (tmp_path / "seq_plugin.py").write_text(body.format(n_in))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    plugins.register_model("seq_model", importlib.import_module("seq_plugin").build)
-    try:
-        cfg = fedprism.config(method="fedavg", model="seq_model", clients=4, rounds=1, local_epochs=1)
-        db = tmp_path / "p.db"
+            "torch.nn.Linear(64, k))\n")
+    with _plugin_model(tmp_path, monkeypatch, "seq_plugin", body) as (cfg, db):
         res = fedprism.run(cfg, db=db)
         code = Store(str(db), readonly=True).provenance(res.run_id)["code"]["model"]
         assert code["file"].endswith("seq_plugin.py") and code["class"] == "seq_plugin.build"
         assert code["sha256"] == hashlib.sha256((tmp_path / "seq_plugin.py").read_bytes()).hexdigest()
-        (tmp_path / "seq_plugin.py").write_text(body.format(n_in) + "X = 1\n")
+        (tmp_path / "seq_plugin.py").write_text(body + "X = 1\n")
         with pytest.raises(ProvenanceMismatch, match="model"):
             fedprism.run(cfg, db=db)
-    finally:
-        plugins.MODELS.pop("seq_model", None)
-        sys.modules.pop("seq_plugin", None)
 
 
 def test_text_hash_ignores_comments_docstrings_and_blank_lines_only(tmp_path):
@@ -902,21 +911,12 @@ def test_text_hash_ignores_comments_docstrings_and_blank_lines_only(tmp_path):
 
 def test_a_comment_or_docstring_edit_keeps_the_stored_run_and_old_runs_gain_the_text_hash(tmp_path,
                                                                                        monkeypatch):
-    import importlib
-    import sys
-
     import fedprism
-    from fedprism import plugins
     from fedprism.experiment.provenance import ProvenanceMismatch
 
     body = ('"""A plugin model."""\nimport torch\n\ndef build(shape, k):\n    return torch.nn.Sequential('
             'torch.nn.Flatten(), torch.nn.Linear(64, k))\n')
-    (tmp_path / "doc_plugin.py").write_text(body)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    plugins.register_model("doc_model", importlib.import_module("doc_plugin").build)
-    try:
-        cfg = fedprism.config(method="fedavg", model="doc_model", clients=4, rounds=1, local_epochs=1)
-        db = tmp_path / "p.db"
+    with _plugin_model(tmp_path, monkeypatch, "doc_plugin", body) as (cfg, db):
         res = fedprism.run(cfg, db=db)
         code = Store(str(db), readonly=True).provenance(res.run_id)["code"]["model"]
         _tamper(str(db), res.run_id, ("code", "model"), {k: v for k, v in code.items() if k != "text"})
@@ -929,6 +929,3 @@ def test_a_comment_or_docstring_edit_keeps_the_stored_run_and_old_runs_gain_the_
         (tmp_path / "doc_plugin.py").write_text(body.replace("(64, k)", "(64, k, bias=False)"))
         with pytest.raises(ProvenanceMismatch, match="model"):
             fedprism.run(cfg, db=db)
-    finally:
-        plugins.MODELS.pop("doc_model", None)
-        sys.modules.pop("doc_plugin", None)
