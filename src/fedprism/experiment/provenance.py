@@ -86,6 +86,18 @@ def text_sha256(path: str | Path) -> str | None:
     return h.hexdigest()
 
 
+@lru_cache(maxsize=256)
+def _text_of(path: str, sha256: str) -> str | None:
+    """`text_sha256(path)` once per file content (`sha256`: tokenizing a method module takes ~60 ms, and a
+    sweep fingerprints the same files for every run it checks)."""
+    return text_sha256(path)
+
+
+def _file_hashes(path: Path) -> dict[str, str | None]:
+    sha = sha256_file(path)
+    return {"sha256": sha, "text": _text_of(str(path), sha)}
+
+
 def _where(path: str) -> str:
     """A path to show: relative to the package's parent folder when inside it, else absolute."""
     import fedprism
@@ -113,8 +125,7 @@ def source_fingerprint(obj: Any) -> dict[str, str] | None:
     path = _source_file(cls)
     if path is None:
         return None
-    return {"sha256": sha256_file(path), "text": text_sha256(path), "file": _where(str(path)),
-            "class": f"{cls.__module__}.{cls.__qualname__}"}
+    return {**_file_hashes(path), "file": _where(str(path)), "class": f"{cls.__module__}.{cls.__qualname__}"}
 
 
 def model_fingerprint(name: str, model: Any) -> dict[str, str] | None:
@@ -130,7 +141,7 @@ def model_fingerprint(name: str, model: Any) -> dict[str, str] | None:
     path = _source_file(build) if build is not None else None
     if path is None:
         return built
-    ours = {"sha256": sha256_file(path), "text": text_sha256(path), "file": _where(str(path)),
+    ours = {**_file_hashes(path), "file": _where(str(path)),
             "class": f"{getattr(build, '__module__', '?')}.{getattr(build, '__qualname__', repr(build))}"}
     cls_path = _source_file(type(model))           # None exactly when `built` is None
     if cls_path is None or cls_path == path or _source_file(torch).parent in cls_path.parents:
