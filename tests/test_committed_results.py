@@ -341,7 +341,7 @@ def test_more_pfl_baselines_as_results_readme_states(db_copy):
     """results/README.md, "More personalized-FL baselines": LG-FedAvg (head shared) stays within 2.2 / 2.7
     points of Local's Glob / Loc in every evaluated round and sends only the head; Per-FedAvg's global
     model is FedAvg's to 0.5 points, and its one adaptation step raises Loc over the un-adapted model's
-    while Glob stays the highest of the personalized rows."""
+    while Glob stays the highest of the personalized rows; FedBABU and pFedMe as its bullets state."""
     store = Store(db_copy)
     base, more = _finals(store, "paper_fmnist_dir01"), _finals(store, "paper_fmnist_dir01_pfl_more")
     runs = {r["label"]: r for r in store.runs(sweep="paper_fmnist_dir01_pfl_more")}
@@ -364,8 +364,18 @@ def test_more_pfl_baselines_as_results_readme_states(db_copy):
     fb = more[("FedBABU", 0)]
     assert fb["global_acc@global"] > fedavg["global_acc"] + 0.005 and fb["rounds"] == 100
     locs = {lab: f["local_acc"] for (lab, _), f in {**pfl, **more}.items()}
-    assert sorted(locs, key=locs.get)[-2:] == ["FedBABU", "FedPer"] and fb["local_acc"] > local["local_acc"]
+    assert sorted(locs, key=locs.get)[-3:] == ["FedBABU", "FedPer", "pFedMe"]
+    assert fb["local_acc"] > local["local_acc"]
     assert pfl[("FedPer", 0)]["global_acc"] < fb["global_acc"] < pfl[("Ditto", 0)]["global_acc"]
+    # pFedMe: the highest Loc, Glob between FedBABU's and Ditto's, G FedAvg's to 0.3 points, 6 updates
+    # rejected (a NaN/Inf personal model), every other one of the 1,000 averaged
+    pm = more[("pFedMe", 0)]
+    assert fb["global_acc"] < pm["global_acc"] < pfl[("Ditto", 0)]["global_acc"]
+    assert abs(pm["global_model_acc"] - fedavg["global_acc"]) < 0.003 and pm["rounds"] == 100
+    assert pm["rejected"] == 6 and pm["accepted"] == 994 and not pm["diverged"]
+    rejected = store.records(runs["pFedMe"]["run_id"], "rejected")
+    assert sorted(r["round"] for r in rejected) == [0, 1, 4, 6, 30, 31]
+    assert all("client state 'theta': non-finite" in r["data"]["reason"] for r in rejected)
 
 
 def test_seen_class_shares_as_results_readme_states(db_copy):
