@@ -149,6 +149,35 @@ def test_a_client_whose_new_state_is_nan_is_rejected_and_keeps_its_state(tmp_pat
         REGISTRY.pop("test_nanstate")
 
 
+class NanDitto(REGISTRY["ditto"]):
+    """Ditto whose client 0 returns NaN as its personal model and its upload, client 1 as its personal
+    model only."""
+
+    name = "test_nanditto"
+
+    def client_update(self, plan, trainer, rnd, cstate):
+        up = super().client_update(plan, trainer, rnd, cstate)
+        for k in up.client_state:
+            up.client_state[k][np.isin(plan.clients, [0, 1])] = float("nan")
+        up.payload["params"][plan.clients == 0] = float("nan")
+        return up
+
+
+def test_a_rejected_state_names_a_non_finite_upload_too(tmp_path):
+    """The record tells a client whose whole local training diverged (state and upload) from one whose
+    state alone did."""
+    REGISTRY["test_nanditto"] = NanDitto
+    try:
+        c = cfg(method="test_nanditto", fraction=1.0, rounds=1)
+        store = Store(tmp_path / "r.db")
+        Experiment(c, store).run()
+        why = {r["client"]: r["data"]["reason"] for r in store.records(c.run_id, "rejected")}
+        assert set(why) == {0, 1} and why[0].endswith("; its upload 'params' too")
+        assert why[1].startswith("client state ") and why[1].endswith("non-finite values (NaN/Inf)")
+    finally:
+        REGISTRY.pop("test_nanditto")
+
+
 # -- bytes per round -----------------------------------------------------------------------------------
 def _bytes_methods() -> list[str]:
     return sorted(m for m in REGISTRY if not m.startswith("test_") or m == "test_protostate")

@@ -178,13 +178,21 @@ class Update:
     def nonfinite_state(self) -> dict[int, str]:
         """{client: why} for the clients whose new `client_state` rows hold NaN or Inf (their training
         diverged): such a reply is not used and the client keeps the state it had."""
-        out: dict[int, str] = {}
         n = len(self.clients)
-        for k, v in self.client_state.items():
-            if n and v.is_floating_point():
-                for i in torch.nonzero(~torch.isfinite(v.reshape(n, -1)).all(1)).flatten().tolist():
-                    out.setdefault(int(self.clients[i]), f"client state {k!r}: non-finite values (NaN/Inf)")
-        return out
+
+        def bad_rows(rows: Rows) -> dict[int, list[str]]:
+            out: dict[int, list[str]] = {}
+            for k, v in rows.items():
+                if n and isinstance(v, torch.Tensor) and v.is_floating_point():
+                    for i in torch.nonzero(~torch.isfinite(v.reshape(n, -1)).all(1)).flatten().tolist():
+                        out.setdefault(i, []).append(k)
+            return out
+
+        state, upload = bad_rows(self.client_state), bad_rows(self.payload)
+        # the upload is named too: it tells a diverged local training from a diverged state-only step
+        return {int(self.clients[i]): f"client state {names[0]!r}: non-finite values (NaN/Inf)"
+                + (f"; its upload {', '.join(map(repr, upload[i]))} too" if i in upload else "")
+                for i, names in state.items()}
 
     def select(self, keep: np.ndarray) -> "Update":
         """The rows where `keep` (bool [n]) is True."""
