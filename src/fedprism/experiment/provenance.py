@@ -24,8 +24,8 @@ sides record a `text` hash and those are equal: a run is not orphaned by an edit
 docstring. (A docstring that the code reads at run time, as `__doc__`, would escape this; no method does.)
 A run recorded before `text` existed gains it the first time a write command (`run`, `sweep`) finds
 its file hash equal to the current one (`with_text`). When they differ, `ProvenanceMismatch` is raised,
-naming what changed; `fedprism run --fresh` replaces the stored run, or `fedprism verify RUN` checks whether the new
-code still reproduces it. A run stored before provenance was recorded ("unknown": the column is NULL)
+naming what changed; `fedprism run --fresh` replaces the stored run, or `fedprism verify RUN` checks
+whether the new code still reproduces it. A run stored before provenance was recorded ("unknown": the column is NULL)
 has no fingerprint to compare and is reused as before. Execution details (threads, engine, versions,
 CPU) are recorded, never compared: they may change the last bits of a result, not what it means.
 """
