@@ -397,6 +397,16 @@ def test_runs_lists_and_show_prints_config_provenance_and_rounds(tmp_path, capsy
     for text in ("Configuration:", "lr", "Provenance:", "code.method", "execution.threads", "Rounds:",
                  "train_loss"):
         assert text in out, text
+    assert "code now: the same as stored; data not checked here" in out
+    _tamper(db, a.run_id, ("code", "method", "sha256"), "0" * 64)             # a comment edit: the same text
+    assert main(["show", "--db", db, a.run_id]) == 0
+    assert "code now: the same as stored" in capsys.readouterr().out
+    _tamper(db, a.run_id, ("code", "method", "text"), "0" * 64)
+    assert main(["show", "--db", db, a.run_id]) == 0
+    assert "code now: differs (method code (fedprism/algorithms/fedavg.py): stored 000000000000" in \
+        capsys.readouterr().out
+    _tamper(db, a.run_id, ("code", "method", "class"), "fedprism.algorithms.gone.Gone")
+    assert main(["show", "--db", db, a.run_id]) == 0 and "code now: cannot tell" in capsys.readouterr().out
 
 
 def test_a_mistyped_sweep_is_an_error_that_names_the_sweeps_and_writes_nothing(tmp_path, capsys):

@@ -205,6 +205,11 @@ def cmd_show(args) -> int:
             else:
                 flat.append([k, _fmt(v)])
         print(_table(flat, ["key", "value"]))
+        from fedprism.experiment.provenance import code_now
+
+        now = code_now(prov)
+        print("code now: " + (f"{now}; data not checked here (`fedprism verify` re-runs it)" if now else
+                              "cannot tell (a class it names no longer imports, or a model of two files)"))
     hist = store.round_metrics(run_id)
     store.close()
     if hist:

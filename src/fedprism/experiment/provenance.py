@@ -289,6 +289,35 @@ def with_text(stored: dict | None, current: dict | None) -> dict | None:
     return out if added else None
 
 
+def code_now(stored: dict | None) -> str | None:
+    """Whether today's code still matches a stored run's code fingerprints, found from the classes (or
+    builders) they name without building anything; None when a fingerprint cannot be followed (no
+    provenance, a class that no longer imports, a registered model with two files). The data fingerprint
+    needs the federation built, so it is not checked here."""
+    import importlib
+
+    code = (stored or {}).get("code")
+    if not isinstance(code, dict):
+        return None
+    now: dict[str, Any] = {}
+    for part, fp in code.items():
+        if not isinstance(fp, dict) or " + " in str(fp.get("file", "")):
+            return None
+        module, _, qualname = str(fp.get("class", "")).rpartition(".")
+        try:
+            obj: Any = importlib.import_module(module)
+            for name in qualname.split("."):
+                obj = getattr(obj, name)
+        except (ImportError, AttributeError, ValueError):
+            return None
+        path = _source_file(obj)
+        if path is None:
+            return None
+        now[part] = {**_file_hashes(path), "file": _where(str(path))}
+    diff = differences({"code": code}, {"code": now})
+    return f"differs ({'; '.join(diff)})" if diff else "the same as stored"
+
+
 def check(run_id: str, stored: dict | None, current: dict | None) -> None:
     """Raise `ProvenanceMismatch` when the stored run was produced by other code or data."""
     diff = differences(stored, current)
