@@ -301,6 +301,8 @@ def code_now(stored: dict | None) -> str | None:
         return None
     now: dict[str, Any] = {}
     for part, fp in code.items():
+        if fp is None:                           # nothing recorded for this part: nothing to compare
+            continue
         if not isinstance(fp, dict) or " + " in str(fp.get("file", "")):
             return None
         module, _, qualname = str(fp.get("class", "")).rpartition(".")
@@ -314,6 +316,8 @@ def code_now(stored: dict | None) -> str | None:
         if path is None:
             return None
         now[part] = {**_file_hashes(path), "file": _where(str(path))}
+    if not now:
+        return None
     diff = differences({"code": code}, {"code": now})
     return f"differs ({'; '.join(diff)})" if diff else "the same as stored"
 
