@@ -208,8 +208,9 @@ def cmd_show(args) -> int:
         from fedprism.experiment.provenance import code_now
 
         now = code_now(prov)
-        print("code now: " + (f"{now}; data not checked here (`fedprism verify` re-runs it)" if now else
-                              "cannot tell (a class it names no longer imports, or a model of two files)"))
+        why_not = "no code fingerprint, a class that no longer imports, or a model of two files"
+        print("code now: " + (f"{now}; data not checked here (`fedprism verify` re-runs it)" if now
+                              else f"cannot tell ({why_not})"))
     hist = store.round_metrics(run_id)
     store.close()
     if hist:
