@@ -359,8 +359,8 @@ def test_more_pfl_baselines_as_results_readme_states(db_copy):
     assert pf["local_acc"] > pf["local_acc@global"] + 0.015 and pf["local_acc"] < local["local_acc"] - 0.075
     pfl = _finals(store, "paper_fmnist_dir01_pfl")
     assert pf["global_acc"] > max(f["global_acc"] for f in pfl.values())
-    # FedBABU: the frozen-head global model above FedAvg's; fine-tuned Loc second only to FedPer's; Glob
-    # between the personal-head rows and Ditto's
+    # FedBABU: the frozen-head global model above FedAvg's; fine-tuned Loc third, after FedPer's and
+    # pFedMe's; Glob between the personal-head rows and Ditto's
     fb = more[("FedBABU", 0)]
     assert fb["global_acc@global"] > fedavg["global_acc"] + 0.005 and fb["rounds"] == 100
     locs = {lab: f["local_acc"] for (lab, _), f in {**pfl, **more}.items()}

@@ -25,9 +25,10 @@ docstring. (A docstring that the code reads at run time, as `__doc__`, would esc
 A run recorded before `text` existed gains it the first time a write command (`run`, `sweep`) finds
 its file hash equal to the current one (`with_text`). When they differ, `ProvenanceMismatch` is raised,
 naming what changed; `fedprism run --fresh` replaces the stored run, or `fedprism verify RUN` checks
-whether the new code still reproduces it. A run stored before provenance was recorded ("unknown": the column is NULL)
-has no fingerprint to compare and is reused as before. Execution details (threads, engine, versions,
-CPU) are recorded, never compared: they may change the last bits of a result, not what it means.
+whether the new code still reproduces it. A run stored before provenance was recorded ("unknown": the
+column is NULL) has no fingerprint to compare and is reused as before. Execution details (threads,
+engine, versions, CPU) are recorded, never compared: they may change the last bits of a result, not
+what it means.
 """
 
 from __future__ import annotations
@@ -88,8 +89,8 @@ def text_sha256(path: str | Path) -> str | None:
 
 @lru_cache(maxsize=256)
 def _text_of(path: str, sha256: str) -> str | None:
-    """`text_sha256(path)` once per file content (`sha256`: tokenizing a method module takes ~60 ms, and a
-    sweep fingerprints the same files for every run it checks)."""
+    """`text_sha256(path)` once per file content (`sha256`): tokenizing costs far more than hashing the
+    bytes, and a sweep fingerprints the same files for every run it checks."""
     return text_sha256(path)
 
 

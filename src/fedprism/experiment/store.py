@@ -433,13 +433,12 @@ class Store:
         if upgraded is not None:        # `provenance.with_text`: the same files, now also hashed as text
             db.execute("UPDATE runs SET provenance=? WHERE run_id=?", (dumps(upgraded), run_id))
 
-    def add_text_fingerprints(self, run_id: str, current: dict) -> None:
-        """Record the `text` code hashes of `current` with a stored run whose files are unchanged
-        (`fedprism.experiment.provenance.with_text`); nothing when there is none to add."""
+    def add_text_fingerprints(self, run_id: str, stored: dict | None, current: dict) -> None:
+        """Record the `text` code hashes of `current` with a stored run (its provenance `stored`) whose
+        files are unchanged (`fedprism.experiment.provenance.with_text`); nothing when there is none."""
         from fedprism.experiment.provenance import with_text
 
-        row = self.run(run_id)
-        upgraded = with_text(_json_or_none(row["provenance"]), current) if row is not None else None
+        upgraded = with_text(stored, current)
         if upgraded is not None:
             with self.transaction() as db:
                 self._add_text(db, run_id, upgraded)

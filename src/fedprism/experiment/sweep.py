@@ -400,12 +400,12 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
             stored = row["provenance"] if "provenance" in row.keys() else None
             if stored:                         # other code or data: never skipped as if it were this run's
                 try:
-                    check(cfg.run_id, json.loads(stored), now := fingerprints(cfg))
+                    check(cfg.run_id, stored := json.loads(stored), now := fingerprints(cfg))
                 except ProvenanceMismatch as e:  # the others still run; the sweep ends with status 2
                     other_code.append(f"{tag}: {e}")
                     print(f"{tag}: not run, {e}", file=sys.stderr)
                     continue
-                store.add_text_fingerprints(cfg.run_id, now)
+                store.add_text_fingerprints(cfg.run_id, stored, now)
             skipped += 1
             store.add_to_sweep(name, cfg.run_id, cfg["name"])
             supersede(store, name, cfg)
