@@ -211,6 +211,10 @@ def test_soft_assign_rows_and_sparsity():
         )
     # lower temperature sharpens
     assert soft_assign(features, centroids, k, 0.1).max(axis=1).min() > dense.max(axis=1).min()
+    # a small temperature stays finite: exp of Sim / T is taken after subtracting the row's largest entry
+    # (cosines 0.9 and -0.9 at T = 1e-3 are 900 and -900; exp(1800) overflows float64)
+    np.testing.assert_array_equal(soft_assign(np.array([[0.9, np.sqrt(0.19)]]),
+                                              np.array([[1.0, 0.0], [-1.0, 0.0]]), 2, 1e-3), [[1.0, 0.0]])
 
 
 def test_soft_assign_ties_and_zero_norm():

@@ -50,6 +50,10 @@ def test_trimmed_mean_by_hand():
     assert torch.allclose(average(X, W, rule="trimmed_mean", trim=0.0), average(X, W), atol=1e-12, rtol=0)
     with pytest.raises(ValueError):
         average(X, W, rule="trimmed_mean", trim=0.5)
+    # rows wholly outside the kept window weigh 0, not less: five equal weights, trim 0.25 keeps [1.25, 3.75]
+    # of [0, 5]; 0 covers [0, 1] and 100 covers [4, 5] -> 0; 1 and 3 keep 0.75 each, 2 keeps 1: 5 / 2.5
+    five = torch.tensor([[0.0], [1.0], [2.0], [3.0], [100.0]])
+    assert average(five, torch.ones(5), rule="trimmed_mean", trim=0.25).tolist() == pytest.approx([2.0], abs=1e-12)
 
 
 def test_clipped_mean_by_hand():
@@ -65,6 +69,10 @@ def test_clipped_mean_by_hand():
     # without `sent` the rows are the updates: clipped around 0
     assert average(X, W, None, rule="clipped_mean").tolist() == pytest.approx(
         [(1 + 2 + 2 * 100 * math.sqrt(404 / 10025)) / 4, (10 + 20 - 10 * math.sqrt(404 / 10025)) / 4], abs=1e-12)
+    # tau is the median over the rows that take part: with row 2 at weight 0 (a client outside the cluster
+    # being averaged) the norms are sqrt(101) and 2 sqrt(101), tau = 1.5 sqrt(101); row 1 scales by 0.75
+    assert average(X, torch.tensor([1.0, 1.0, 0.0]), None, rule="clipped_mean").tolist() == pytest.approx(
+        [(1 + 0.75 * 2) / 2, (10 + 0.75 * 20) / 2], abs=1e-12)
 
 
 def test_one_hostile_client_in_ten():
