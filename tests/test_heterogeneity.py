@@ -69,6 +69,10 @@ def test_psi_laplace_smoothing_is_finite_and_close_to_exact_for_large_counts():
     big = np.array([[2000, 5000, 3000], [4000, 3000, 3000]])
     exact, _ = H.psi(big, eps=0.0)
     assert np.allclose(H.psi(big, smoothing="laplace", eps=1.0)[0], exact, rtol=1e-3)
+    # by hand: counts (2, 0) and (0, 2), pseudo-count 1 -> client pmfs (3/4, 1/4) and (1/4, 3/4), global
+    # (1/2, 1/2); PSI = (1/2 - 3/4) ln(2/3) + (1/2 - 1/4) ln 2 = (1/4) ln 3 for each client
+    lap2, _ = H.psi(np.array([[2, 0], [0, 2]]), smoothing="laplace", eps=1.0)
+    assert lap2.tolist() == pytest.approx([0.25 * np.log(3)] * 2, abs=1e-12)
     with pytest.raises(ValueError, match="smoothing"):
         H.psi(hist, smoothing="other")
     with pytest.raises(ValueError, match="eps"):
