@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,8 @@ import pytest
 from conftest import load_script
 
 from fedprism.data.domains import DOMAINS, apply_domain, apply_domains
-from fedprism.data.partition import PARTITIONS, Partition, label_histograms, make_partition, summarize
+from fedprism.data.partition import (PARTITIONS, Partition, _split_among_holders, label_histograms,
+                                     make_partition, summarize)
 from fedprism.data.plots import plot_class_distribution
 from fedprism.errors import PartitionError
 
@@ -125,6 +127,37 @@ def test_test_split_disjoint_while_pool_lasts_then_reused():
 def test_test_ratio_sets_size():
     part = make_partition("iid", Y_TRAIN, Y_TEST, 10, seed=0, test_ratio=0.1)
     assert np.all(np.abs(part.n_test - np.rint(part.n_train * 0.1)) <= 0)
+
+
+def test_min_test_raises_small_test_splits_only():
+    # unequal client sizes; test_ratio 0.02 gives round(0.02 n_i) < 7 test rows to the smaller clients: they get 7, the others keep
+    # their rounded size
+    part = make_partition("dirichlet_per_class", Y_TRAIN, Y_TEST, 20, seed=0, min_train=50, min_test=7,
+                          alpha=0.5, test_ratio=0.02)
+    want = np.maximum(np.rint(part.n_train * 0.02), 7)
+    assert (np.rint(part.n_train * 0.02) < 7).any() and (np.rint(part.n_train * 0.02) > 7).any()
+    assert part.n_test.tolist() == want.tolist()
+
+
+def test_a_class_missing_from_the_test_set_is_left_out_of_every_test_split():
+    # no test image of class 3: a client holding class 3 draws its test rows from its other classes only
+    y_test = Y_TEST[Y_TEST != 3]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        part = make_partition("dirichlet", Y_TRAIN, y_test, 20, seed=0, alpha=0.1)
+    holds_3 = [i for i, tr in enumerate(part.train) if (Y_TRAIN[tr] == 3).any()]
+    assert holds_3
+    for tr, te in zip(part.train, part.test):
+        assert set(y_test[te].tolist()) <= set(Y_TRAIN[tr].tolist()) - {3}
+
+
+def test_leftover_samples_go_to_holders_at_random():
+    # 30 classes of 4 samples, each held by the same 3 clients: every class leaves one sample over, and the
+    # client that gets it is drawn per class, so no client gets all 30 (nor none)
+    alloc = _split_among_holders(np.random.default_rng(0), np.ones((3, 30), dtype=bool), np.full(30, 4))
+    assert (alloc.sum(axis=0) == 4).all() and set(alloc.ravel().tolist()) == {1, 2}
+    extras = (alloc == 2).sum(axis=1)
+    assert extras.sum() == 30 and extras.min() > 0
 
 
 def test_dirichlet_equal_sizes_and_skew():
