@@ -130,8 +130,8 @@ def test_test_ratio_sets_size():
 
 
 def test_min_test_raises_small_test_splits_only():
-    # unequal client sizes; test_ratio 0.02 gives round(0.02 n_i) < 7 test rows to the smaller clients: they get 7, the others keep
-    # their rounded size
+    # unequal client sizes; test_ratio 0.02 gives round(0.02 n_i) < 7 test rows to the smaller clients:
+    # they get 7, the others keep their rounded size
     part = make_partition("dirichlet_per_class", Y_TRAIN, Y_TEST, 20, seed=0, min_train=50, min_test=7,
                           alpha=0.5, test_ratio=0.02)
     want = np.maximum(np.rint(part.n_train * 0.02), 7)
