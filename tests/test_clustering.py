@@ -277,6 +277,9 @@ def test_match_rectangular_and_centroid_cost():
     # more new clusters than models: extra cluster gets a fresh index k_old
     cost = -np.array([[0.9, 0.0], [0.1, 0.2], [0.0, 0.8]])
     np.testing.assert_array_equal(match_clusters(cost), [0, 2, 1])
+    # two extra clusters get two fresh indices, in increasing j (the result stays injective)
+    cost = -np.array([[0.1, 0.0], [0.9, 0.0], [0.2, 0.1], [0.0, 0.7]])
+    np.testing.assert_array_equal(match_clusters(cost), [2, 0, 3, 1])
     # centroid cost: new centroids are the models permuted and perturbed
     rng = np.random.default_rng(0)
     models = rng.normal(size=(4, 100))
