@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import numpy as np
 import pytest
@@ -312,6 +313,12 @@ def test_choose_k_degenerate():
     # identical rows: every k > 1 is infeasible and skipped
     same = np.ones((5, 10))
     assert choose_k_silhouette(same, allow_single_cluster=True) == (1, {})
+    # three distinct rows, each three times: k > 3 is skipped before K-Means runs (no convergence warning)
+    trio = np.repeat(np.eye(3) * 5, 3, axis=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        k, scores = choose_k_silhouette(trio, seed=0)
+    assert k == 3 and set(scores) == {2, 3}
     with pytest.raises(ConfigError):
         choose_k_silhouette(x, method="covariance")
 
