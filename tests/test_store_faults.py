@@ -139,6 +139,20 @@ def test_writing_a_round_twice_replaces_it(tmp_path):
         s.db.execute("INSERT INTO records (run_id, round, kind, client, data, seq) VALUES ('x', 0, 'r', 1, '{}', 0)")
 
 
+def test_truncating_drops_every_later_row_and_the_round_count(tmp_path):
+    # what a resume from round 2's checkpoint does to rounds 3-4 written after it: gone from every table, and
+    # the run counts 3 rounds (0-2) until it writes round 3 again
+    s = Store(tmp_path / "k.db")
+    s.start_run("x", {"method": "fedavg", "dataset": "digits", "seed": 0})
+    for rnd in range(5):
+        s.write_round("x", rnd, {"a": rnd}, [(0, 0.5, 1.0, 0.4, 10, 0.3)], [("r", 1, {"v": rnd})], 0.1)
+    s.truncate("x", 2)
+    assert [h["round"] for h in s.round_metrics("x")] == [0, 1, 2]
+    assert [r[0] for r in s.db.execute("SELECT DISTINCT round FROM client_metrics ORDER BY round")] == [0, 1, 2]
+    assert [r["round"] for r in s.records("x")] == [0, 1, 2]
+    assert s.run("x")["rounds_done"] == 3
+
+
 OLD_SCHEMA = """
 CREATE TABLE runs (run_id TEXT PRIMARY KEY, name TEXT, method TEXT, dataset TEXT, seed INTEGER,
     config TEXT NOT NULL, code_version TEXT, status TEXT NOT NULL, rounds_done INTEGER NOT NULL DEFAULT 0,
