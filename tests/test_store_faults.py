@@ -148,7 +148,8 @@ def test_truncating_drops_every_later_row_and_the_round_count(tmp_path):
         s.write_round("x", rnd, {"a": rnd}, [(0, 0.5, 1.0, 0.4, 10, 0.3)], [("r", 1, {"v": rnd})], 0.1)
     s.truncate("x", 2)
     assert [h["round"] for h in s.round_metrics("x")] == [0, 1, 2]
-    assert [r[0] for r in s.db.execute("SELECT DISTINCT round FROM client_metrics ORDER BY round")] == [0, 1, 2]
+    client_rounds = s.db.execute("SELECT DISTINCT round FROM client_metrics ORDER BY round").fetchall()
+    assert [r[0] for r in client_rounds] == [0, 1, 2]
     assert [r["round"] for r in s.records("x")] == [0, 1, 2]
     assert s.run("x")["rounds_done"] == 3
 
