@@ -248,3 +248,14 @@ def test_final_metrics_when_no_evaluation_gave_a_value():
 
     f = final_metrics([{"local_acc": None, "global_acc": None, "bytes_up": 3}], 1.0)
     assert f["local_acc"] is None and "best_local_acc" not in f and f["bytes_up"] == 3
+
+
+def test_macro_f1_by_hand_over_the_classes_present():
+    from fedprism.experiment.evaluate import macro_f1
+
+    # confusion[true, predicted] of one model, 3 classes; class 2 never occurs but is predicted twice:
+    # F1_0 = 2*3 / (4 + 3) = 6/7, F1_1 = 2*2 / (4 + 3) = 4/7; class 2 has no support and takes no part
+    conf = torch.tensor([[[3, 1, 0], [0, 2, 2], [0, 0, 0]]])
+    assert macro_f1(conf).tolist() == pytest.approx([5 / 7], abs=1e-12)
+    # a perfect model scores 1; a model with no test rows scores 0
+    assert macro_f1(torch.stack([torch.eye(3) * 4, torch.zeros(3, 3)])).tolist() == [1.0, 0.0]
