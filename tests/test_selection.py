@@ -97,6 +97,13 @@ def test_fedcls_picks_complementary_labels():
     # union 1111: client 1 (1100) and client 3 (0110) are both at distance 2 -> either, drawn
     third = {(set(fedcls_choose(0, r, b, 3, first=0).tolist()) - {0, 2}).pop() for r in range(30)}
     assert third == {1, 3}
+    # a client without samples holds no class (0 >= tau x 0 must not count)
+    assert presence(np.array([[0, 0, 0], [5, 1, 0]]), 0.1).tolist() == [[0, 0, 0], [1, 1, 0]]
+
+
+def test_cohort_size_is_floor_qn_without_float_rounding_loss():
+    # 0.29 x 100 = 28.999999999999996 and 0.57 x 100 = 56.99999999999999 in floating point; q N is 29 and 57
+    assert [len(sample_clients(0, 0, 100, q)) for q in (0.29, 0.57, 0.1, 0.005)] == [29, 57, 10, 1]
 
 
 @pytest.mark.parametrize("rule", ["poc", "haccs", "fedcls"])
