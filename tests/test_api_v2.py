@@ -15,7 +15,7 @@ import torch
 
 import plugins.protostate  # noqa: F401 (registers the test-only method)
 from fedprism.algorithms import REGISTRY
-from fedprism.algorithms.base import Plan, TensorSpec, TrainJob, Update, train_update
+from fedprism.algorithms.base import ClientState, Plan, TensorSpec, TrainJob, Update, train_update
 from fedprism.algorithms.fedavg import FedAvg
 from fedprism.engine.base import LocalConfig, optimizer_state, optimizer_step
 from fedprism.engine.sequential import SequentialEngine
@@ -58,6 +58,18 @@ def test_wrong_or_missing_payload_tensors_are_rejected_and_recorded():
     wrong_dtype = Update(np.array([3]), {"params": torch.zeros(1, 4, dtype=torch.float64),
                                          "cluster": torch.zeros(1, dtype=torch.int32)}, torch.ones(1, dtype=torch.float64))
     assert "wrong dtype" in validate_update(wrong_dtype, spec)[1][3]
+    # a bound holds for every entry of a row, not for the row as a whole
+    counts = {"n": TensorSpec((3,), torch.int64, low=0)}
+    rows = Update(np.array([1, 2]), {"n": torch.tensor([[2, 0, 5], [2, -1, 0]])}, torch.ones(2, dtype=torch.float64))
+    kept, bad = validate_update(rows, counts)
+    assert kept.clients.tolist() == [1] and bad == {2: "n: values below 0"}
+
+
+def test_client_state_starts_from_its_declared_fill(tmp_path):
+    ctx = Experiment(cfg(method="fedavg"), Store(tmp_path / "x.db")).ctx
+    assert ClientState((2,), init=0.25).initial(ctx, 3).tolist() == [[0.25, 0.25]] * 3
+    assert ClientState(("C",), init="zeros").initial(ctx, 1).tolist() == [[0.0] * ctx.num_classes]
+    assert torch.equal(ClientState().initial(ctx, 2), ctx.init.expand(2, -1))
 
 
 class BadShape(FedAvg):
