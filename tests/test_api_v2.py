@@ -60,7 +60,8 @@ def test_wrong_or_missing_payload_tensors_are_rejected_and_recorded():
     assert "wrong dtype" in validate_update(wrong_dtype, spec)[1][3]
     # a bound holds for every entry of a row, not for the row as a whole
     counts = {"n": TensorSpec((3,), torch.int64, low=0)}
-    rows = Update(np.array([1, 2]), {"n": torch.tensor([[2, 0, 5], [2, -1, 0]])}, torch.ones(2, dtype=torch.float64))
+    rows = Update(np.array([1, 2]), {"n": torch.tensor([[2, 0, 5], [2, -1, 0]])},
+                  torch.ones(2, dtype=torch.float64))
     kept, bad = validate_update(rows, counts)
     assert kept.clients.tolist() == [1] and bad == {2: "n: values below 0"}
 
