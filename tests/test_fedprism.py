@@ -178,3 +178,57 @@ def test_invalid_parameters_name_the_key(bad):
         FedPrism.resolve(bad)
     key = "m" if "m" in bad and bad.get("m", 1) != 1 else next(iter(bad))
     assert f"fedprism.{key}" in str(e.value)
+
+
+def test_reclustering_runs_when_t_mod_C_is_0(planted):
+    fed, _ = planted
+    algo, eng = setup(fed, "fedprism", k=2, m=1, every=3)
+    rounds = []
+    drive(algo, eng, 7, on_round=lambda t, state, plan, rec: rounds.append(t) if "clusters" in rec else None)
+    assert rounds == [0, 3, 6]
+
+
+def test_matching_uses_the_previous_assignment_once_there_is_one():
+    """Two groups; group A (rows 0-2) sits next to cluster model 0 but was in cluster 1 before. With that
+    previous assignment the matching keeps A in cluster 1 (overlap); with none (uniform rows) it puts A at
+    the nearer model 0 (centroid distance)."""
+    from fedprism.algorithms.fedprism import recluster
+
+    jitter = np.array([[0.0, 0.1], [0.1, 0.0], [0.1, 0.1]])
+    feats = np.vstack([[5.0, 0.0] + jitter, [0.0, 5.0] + jitter])
+    models = np.array([[5.0, 0.0], [0.0, 5.0]])
+    before = np.repeat([[0.0, 1.0], [1.0, 0.0]], 3, axis=0)
+    _, labels, info = recluster(feats, before, models, 2, 1, "kmeans", seed=0)
+    assert labels.tolist() == [1, 1, 1, 0, 0, 0] and info["matching"] == "overlap"
+    _, labels, info = recluster(feats, np.full((6, 2), 0.5), models, 2, 1, "kmeans", seed=0)
+    assert labels.tolist() == [0, 0, 0, 1, 1, 1] and info["matching"] == "centroid"
+
+
+@pytest.mark.parametrize("clustering", ["covariance", "kmeans"])
+def test_covariance_clusters_the_updates_and_the_others_the_models(planted, clustering):
+    fed, _ = planted
+    algo, _ = setup(fed, "fedprism", k=2, m=1, clustering=clustering)
+    P = algo.ctx.spec.size
+    g = torch.Generator().manual_seed(0)
+    sent, params = torch.randn(4, P, generator=g), torch.randn(4, P, generator=g)
+    up = Update(np.arange(4), {"params": params}, torch.ones(4, dtype=torch.float64), sent={"params": sent})
+    _, feats = algo._cluster_features(algo.init_state(), up)
+    want = (params - sent) if clustering == "covariance" else params
+    assert np.array_equal(feats, want.double().numpy())
+
+
+def test_a_cluster_nobody_trained_keeps_its_model_and_server_momentum(planted):
+    fed, _ = planted
+    algo, _ = setup(fed, "fedprism", k=3, m=1, every=100, server_opt="avgm")
+    state = algo.init_state()
+    state["W"][:] = torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64)        # every client in cluster 0
+    state["W"][1::2] = torch.tensor([0.0, 1.0, 0.0], dtype=torch.float64)     # ... or 1; none in 2
+    P = algo.ctx.spec.size
+    f64 = torch.float64
+    state["opt"] = {"w_c": {"m": torch.ones(3, P, dtype=f64), "v": torch.zeros(3, P, dtype=f64)}}
+    before_w2, before_m2 = state["w_c"][2].clone(), state["opt"]["w_c"]["m"][2].clone()
+    sent = algo.model_for(state, np.arange(4))
+    up = Update(np.arange(4), {"params": sent + 0.01}, torch.ones(4, dtype=f64), sent={"params": sent})
+    algo.aggregate(state, 1, up)
+    assert torch.equal(state["w_c"][2], before_w2) and torch.equal(state["opt"]["w_c"]["m"][2], before_m2)
+    assert not torch.equal(state["w_c"][0], before_w2)                       # cluster 0 took its step
