@@ -113,6 +113,8 @@ def test_ifca_ties_are_broken_by_the_seeded_rng():
     assert not np.array_equal(a, choose(losses, clients, [0, 2]))         # another round, other picks
     losses[:, 2] = 0.5
     assert (choose(losses, clients, [0, 1]) == 2).all()
+    # a diverged model's NaN loss is never the choice
+    assert choose(np.array([[np.nan, 2.0, 1.0], [1.0, np.nan, 3.0]]), np.arange(2), [0, 1]).tolist() == [2, 0]
 
 
 def test_ifca_never_sampled_clients_pick_by_train_loss(planted5):
