@@ -166,7 +166,7 @@ def _ctx(N, P):
 
 
 def test_cfl_opposite_updates_split_exactly():
-    """Specs section 5 test: updates +u, +u, -u, -u: mean ~ 0 < eps1, max = ||u|| > eps2."""
+    """Updates +u, +u, -u, -u: mean ~ 0 < eps1, max = ||u|| > eps2."""
     torch.manual_seed(0)
     u = torch.randn(6)
     delta = torch.stack([u, u, -u, -u]) + 1e-4 * torch.randn(4, 6)
@@ -186,6 +186,33 @@ def test_cfl_opposite_updates_split_exactly():
                 sent={"params": delta[2:]})
     algo.aggregate(state, 1, up)
     assert torch.equal(state["w"][0], w0)
+
+
+def _three_against_two(min_size: int, first: int = 3):
+    """CFL over 7 clients: the first `first` of clients 0-4 send +u, the others -u; 5-6 were never sampled."""
+    u = torch.randn(6, generator=torch.Generator().manual_seed(1))
+    half = 0.5 * float(u.norm())
+    algo = CFL(_ctx(7, 6), eps1=half, eps2=half, warmup=0, min_size=min_size)
+    state = algo.init_state()
+    delta = torch.stack([u if i < first else -u for i in range(5)])
+    up = Update(np.arange(5), {"params": delta}, torch.full((5,), 10.0, dtype=torch.float64),
+                sent={"params": torch.zeros(5, 6)})
+    return state, algo.aggregate(state, 0, up)
+
+
+@pytest.mark.parametrize("first", [3, 2])
+def test_cfl_members_without_an_update_join_the_larger_child(first):
+    state, rec = _three_against_two(min_size=3, first=first)
+    assert len(rec["cfl_split"]) == 1
+    a = state["assign"].tolist()
+    larger = 0 if first == 3 else 4
+    assert a[5] == a[6] == a[larger] and len({a[0], a[4]}) == 2 and sorted(a).count(a[5]) == 5
+
+
+def test_cfl_splits_only_clusters_of_at_least_min_size_members():
+    assert "cfl_split" in _three_against_two(min_size=7)[1]          # the cluster holds all 7 clients
+    state, rec = _three_against_two(min_size=8)
+    assert "cfl_split" not in rec and state["assign"].tolist() == [0] * 7
 
 
 # -- FedAMP ---------------------------------------------------------------------------------------
