@@ -67,6 +67,16 @@ def test_alpha_is_clipped_to_one_minus_beta_and_raw_signal():
     assert st["alpha"][2].item() == 0.0                     # clipped at 0
 
 
+def test_relative_alpha_signal_is_zero_when_the_model_did_not_move():
+    # W' = G = C_k: both distances are 0, the relative signal 0 / 0 is taken as 0 and alpha stays
+    a = algo(alpha_lr=0.2, alpha_signal="relative", alpha=0.4)
+    P = a.ctx.spec.size
+    st = a.init_state()
+    up = Update(np.array([1]), {"params": st["w_g"][None].clone()}, torch.tensor([30.0], dtype=torch.float64))
+    rec = a.aggregate(st, 3, up)
+    assert st["alpha"][1].item() == 0.4 and rec["alpha"]["signal"].tolist() == [0.0]
+
+
 def test_routing_rules_by_hand():
     from fedprism.algorithms.fedprism_dual import combine, route
 
