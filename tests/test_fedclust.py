@@ -53,3 +53,43 @@ def test_threshold_cut_at_largest_gap():
     labels, thr, heights = threshold_clusters(p)
     assert len(set(labels)) == 2 and adjusted_rand_score([0] * 5 + [1] * 4, labels) == 1.0
     assert heights.min() < thr < heights.max()
+
+
+def _six_clients(planted, **hp):
+    """FedClust with clients 0-2 near +5 and 3-5 near -5 in parameter space (the update of a round)."""
+    from fedprism.protocol import Update
+
+    fed, _ = planted
+    algo, _ = setup(fed, "fedclust", **hp)
+    P = algo.ctx.spec.size
+    params = torch.cat([torch.full((3, P), 5.0), torch.full((3, P), -5.0)])
+    params += 0.01 * torch.randn(6, P, generator=torch.Generator().manual_seed(0))
+    return algo, algo.init_state(), Update(np.arange(6), {"params": params}, torch.ones(6, dtype=torch.float64))
+
+
+def test_reclustering_keeps_the_members_previous_clusters(planted):
+    # clients 0-2 were in cluster 1 and 3-5 in cluster 0, although model 0 lies next to 0-2: the matching
+    # follows the members' previous clusters, not the nearest model
+    algo, state, up = _six_clients(planted, k=2, every=1)
+    P = algo.ctx.spec.size
+    state["w_c"] = torch.stack([torch.full((P,), 5.0), torch.full((P,), -5.0)])
+    state["assign"][:6] = torch.tensor([1, 1, 1, 0, 0, 0])
+    rec = algo.aggregate(state, 0, up)
+    assert rec["clusters"]["labels"].tolist() == [1, 1, 1, 0, 0, 0]
+
+
+def test_a_newcomer_joins_the_nearest_cluster_that_has_members(planted):
+    algo, state, up = _six_clients(planted, k=3, every=100)
+    P = algo.ctx.spec.size
+    state["assign"][:5] = torch.tensor([0, 0, 0, 1, 1])                 # client 5 is new; cluster 2 is empty
+    state["w_c"] = torch.stack([torch.full((P,), 4.0), torch.full((P,), 0.0), torch.full((P,), -5.0)])
+    rec = algo.aggregate(state, 1, up)
+    assert rec["joined"]["clients"].tolist() == [5] and state["assign"][5].item() == 1
+
+
+def test_cosine_features_ignore_the_scale_of_a_model(planted):
+    fed, _ = planted
+    x = torch.randn(3, setup(fed, "fedclust")[0].ctx.spec.size, generator=torch.Generator().manual_seed(1))
+    cos, euc = setup(fed, "fedclust", metric="cosine")[0], setup(fed, "fedclust")[0]
+    assert np.allclose(cos._features(3 * x), cos._features(x), atol=1e-12)
+    assert not np.allclose(euc._features(3 * x), euc._features(x))
