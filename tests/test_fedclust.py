@@ -64,7 +64,8 @@ def _six_clients(planted, **hp):
     P = algo.ctx.spec.size
     params = torch.cat([torch.full((3, P), 5.0), torch.full((3, P), -5.0)])
     params += 0.01 * torch.randn(6, P, generator=torch.Generator().manual_seed(0))
-    return algo, algo.init_state(), Update(np.arange(6), {"params": params}, torch.ones(6, dtype=torch.float64))
+    up = Update(np.arange(6), {"params": params}, torch.ones(6, dtype=torch.float64))
+    return algo, algo.init_state(), up
 
 
 def test_reclustering_keeps_the_members_previous_clusters(planted):
