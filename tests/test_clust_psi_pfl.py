@@ -45,12 +45,15 @@ def test_zscore_constant_column_is_zero():
     assert z.tolist() == [[-1.0, 0.0], [1.0, 0.0]] and std.tolist() == [1.0, 0.0]
 
 
-@pytest.mark.xfail(strict=True, reason="known issue, docs/clust_psi_pfl.md 'Known issue: a constant column "
-                   "with a rounding residue': the fix changes the method's code fingerprint")
 def test_zscore_constant_column_is_zero_despite_a_rounding_residue():
-    # the mean of 0.1 three times is 0.10000000000000002, so std is 1.4e-17, not 0
-    z, _, std = zscore(np.full((3, 1), 0.1))
-    assert std.tolist() == [0.0] and z.tolist() == [[0.0]] * 3
+    # the mean of 0.1 three times is 0.10000000000000002: numpy's std is 1.4e-17, not 0. A late client
+    # standardised with that scaler would get (0.3 - mean) / 1.4e-17 ~ 1e16 in the column, a term that
+    # swamps every other column's distance to the centroids (nearest centroid: a tie, cluster 0)
+    x = np.array([[0.1, 0.0], [0.1, 1.0], [0.1, 2.0]])
+    z, mean, std = zscore(x)
+    assert std[0] == 0.0 and z[:, 0].tolist() == [0.0] * 3
+    late, _, _ = zscore(np.array([[0.3, 2.0]]), mean, std)
+    assert late[0, 0] == 0.0 and late[0, 1] == pytest.approx(z[2, 1])
 
 
 def test_silhouette_hand_value_and_smallest_tau_on_ties():

@@ -84,9 +84,13 @@ def psi_features(hist: np.ndarray, eps: float = PSI_EPS, smoothing: str = "addit
 
 def zscore(x: np.ndarray, mean: np.ndarray | None = None, std: np.ndarray | None = None
            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Column-wise (x - mean) / std (population std); zero-variance columns give 0. Returns (z, mean, std)."""
+    """Column-wise (x - mean) / std (population std); constant columns give 0. Returns (z, mean, std).
+
+    A column is constant when its largest and smallest values are equal: its std is then set to 0 exactly
+    (numpy's mean of equal values can carry a rounding residue, e.g. the mean of 0.1 three times, which
+    would leave a std of about 1e-17 and blow the column's residues up to +-1)."""
     mean = x.mean(0) if mean is None else mean
-    std = x.std(0) if std is None else std
+    std = np.where(x.max(0) == x.min(0), 0.0, x.std(0)) if std is None else std
     safe = np.where(std > 0, std, 1.0)
     return np.where(std > 0, (x - mean) / safe, 0.0), mean, std
 
