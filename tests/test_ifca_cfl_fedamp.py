@@ -362,3 +362,36 @@ def test_evaluator_scores_each_distinct_global_row_once():
     assert calls == [("local", 5), ("global", 3)]
     assert got.global_acc.tolist() == [0.3, 0.5, 0.3, 0.5, 0.7] == got.local_acc.tolist()
     assert got.evaluated == 8
+
+
+def test_fedamp_neighbours_are_clients_that_have_uploaded():
+    # client 0 uploaded before; clients 1 and 2 are in this cohort for the first time: each attends to 0
+    # (and itself) only, never to the other newcomer's untrained model
+    amp = FedAMP(_ctx(4, 3), sigma=1.0, alpha_k=0.2)
+    state = amp.init_state()
+    state["w"][0] = torch.tensor([1.0, 0.0, 0.0])
+    state["known"][0] = True
+    xi, peers = amp.attention(state, np.array([1, 2]))
+    assert peers.tolist() == [0, 1, 2]
+    assert xi[0, 2] == 0.0 and xi[1, 1] == 0.0 and xi[0, 0] > 0 and xi[1, 0] > 0
+    assert np.allclose(xi.sum(1), 1.0)
+
+
+def test_fedamp_cosine_attention_stays_finite_with_a_sharp_kernel():
+    # sigma = 1e4: exp(-sigma (1 - cos)) underflows for every neighbour unless the softmax is shifted by
+    # the row's smallest 1 - cos; the neighbours' weights must still sum to 1 - self_weight
+    amp = FedAMP(_ctx(3, 2), attention="cosine", sigma=1e4, self_weight=0.25)
+    state = amp.init_state()
+    state["w"] = torch.tensor([[1.0, 0.0], [0.8, 0.6], [0.0, 1.0]])
+    state["known"][:] = True
+    xi, _ = amp.attention(state, np.array([0]))
+    assert xi[0, 0] == pytest.approx(0.25) and xi[0, 1] == pytest.approx(0.75) and xi[0, 2] < 1e-300
+
+
+def test_fedamp_auto_sigma_waits_while_the_known_models_are_equal():
+    amp = FedAMP(_ctx(3, 2))
+    state = amp.init_state()
+    state["known"][:2] = True                                       # two uploads, the same model
+    assert amp._auto_sigma(state) is None
+    state["w"][1] = torch.tensor([3.0, 4.0])
+    assert amp._auto_sigma(state) == pytest.approx(25.0)            # the one squared distance
