@@ -4,6 +4,8 @@ feature skew protocol."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -96,6 +98,14 @@ def test_inverse_weights_favour_the_near_same_domain_client_and_as_printed_the_f
         mix, present, _ = neighbour_prototypes(protos, counts, how, clustering="none")
         x0 = float(mix[0, 0, 0])                              # P_0 lies between 0.1 (near) and 5 (far)
         assert present[0, 0] and (x0 < 2.55 if how != "as_printed" else x0 > 2.55), (how, x0)
+
+
+def test_weights_at_the_edges_stay_finite():
+    # softmax over far candidates: exp(-d / T) underflows for every one unless shifted by the nearest
+    w = neighbour_weights(torch.tensor([1e4, 1e4 + 1.0], dtype=torch.float64), "softmax")
+    assert w.tolist() == pytest.approx([1 / (1 + math.exp(-1)), math.exp(-1) / (1 + math.exp(-1))], abs=1e-12)
+    # the printed weights of identical candidates (all distances 0): uniform, not 0 / 0
+    assert neighbour_weights(torch.zeros(3, dtype=torch.float64), "as_printed").tolist() == [1 / 3] * 3
 
 
 def test_hand_computed_personalised_prototypes():
