@@ -144,6 +144,30 @@ def test_tampered_truncated_and_foreign_files_raise(tmp_path):
         checkpoint.load(tmp_path / "absent.ckpt")
 
 
+def _signed(skeleton: dict, tensors: list, data: bytes) -> bytes:
+    """A checkpoint whose checksum is right (anyone can compute it) around a lying header."""
+    import hashlib
+    import json
+    import struct
+    hdr = json.dumps({"format": checkpoint.FORMAT, "version": checkpoint.VERSION, "skeleton": skeleton,
+                      "tensors": tensors}).encode()
+    body = checkpoint.MAGIC + struct.pack("<Q", len(hdr)) + hdr + data
+    return body + hashlib.sha256(body).digest()
+
+
+def test_a_tensor_entry_whose_size_disagrees_with_its_shape_is_refused():
+    # 10 floats said to take 8 bytes (the data section holds 64)
+    entry = {"kind": "torch", "dtype": "float32", "shape": [10], "offset": 0, "nbytes": 8}
+    with pytest.raises(CheckpointError, match="outside"):
+        checkpoint.loads(_signed({"t": "tensor", "i": 0}, [entry], b"\0" * 64))
+
+
+def test_a_numpy_scalar_node_must_point_at_a_scalar():
+    entry = {"kind": "numpy", "dtype": "<f8", "shape": [3], "offset": 0, "nbytes": 24}
+    with pytest.raises(CheckpointError, match="scalar"):
+        checkpoint.loads(_signed({"t": "npscalar", "i": 0}, [entry], b"\0" * 24))
+
+
 def test_save_is_atomic_with_unique_temporary_names(tmp_path, monkeypatch):
     p = tmp_path / "r.ckpt"
     checkpoint.save(p, {"a": 1})
