@@ -10,7 +10,7 @@ import torch
 from fedprism.algorithms import REGISTRY
 from fedprism.algorithms.aggregation import weighted_mean
 from fedprism.algorithms.base import Context, Update
-from fedprism.algorithms.fedsub import class_subnetworks, mlp_layout, subnetwork_bytes
+from fedprism.algorithms.fedsub import class_subnetworks, fuse, mlp_layout, reliability, subnetwork_bytes
 from fedprism.errors import ConfigError
 from fedprism.experiment.config import resolve
 from fedprism.experiment.runner import Experiment
@@ -167,6 +167,26 @@ def test_lrp_a1b0_subnetworks_lie_inside_the_naive_ones():
     assert torch.equal(lrp_m[:, out0:], torch.eye(3, dtype=torch.bool))
     b = [subnetwork_bytes(m, layout) for m in (naive, lrp_m)]
     assert b[1]["separate"] < b[0]["separate"] and b[1]["union"] <= b[0]["union"]
+
+
+def test_subnetwork_bytes_by_hand():
+    # MLP 2 -> 3 -> 3 -> 2: neurons 0-2 hold 3 parameters each (2 weights, a bias), neurons 3-7 hold 4
+    layout = mlp_layout(ParamSpec.of(MLP(2, 2, 3)), 2)
+    masks = torch.zeros(2, 8, dtype=torch.bool)
+    masks[0, [0, 3, 6]] = True                                      # class 0: 3 + 4 + 4 parameters
+    masks[1, [0, 4, 7]] = True                                      # class 1: 3 + 4 + 4, neuron 0 shared
+    b = subnetwork_bytes(masks, layout)                              # + 2 classes x 8 neurons of mask bits
+    assert b == {"separate": 22 * 4 + 2.0, "union": 19 * 4 + 2.0, "full_model": 29 * 4.0}
+
+
+def test_reliability_is_zero_for_a_class_the_client_lacks_and_fusion_without_scores_is_uniform():
+    counts, acc = torch.tensor([3.0, 0.0]), torch.tensor([0.5, 0.9])
+    assert reliability("uniform", counts, acc).tolist() == [1.0, 0.0]
+    assert reliability("combined", counts, acc).tolist() == [1.5, 0.0]
+    unit = mlp_layout(ParamSpec.of(MLP(2, 2, 3)), 2).unit_of_param()
+    theta = torch.stack([torch.zeros(29), torch.full((29,), 2.0)])
+    values, mask = fuse(theta, torch.ones(2, 8, dtype=torch.bool), torch.zeros(2), "avg", unit)
+    assert mask.all() and values.tolist() == [1.0] * 29                 # every score 0: the plain mean
 
 
 # -- the run ----------------------------------------------------------------------------------------------------
