@@ -939,3 +939,28 @@ def test_a_comment_or_docstring_edit_keeps_the_stored_run_and_old_runs_gain_the_
         (tmp_path / "doc_plugin.py").write_text(body.replace("(64, k)", "(64, k, bias=False)"))
         with pytest.raises(ProvenanceMismatch, match="model"):
             fedprism.run(cfg, db=db)
+
+
+def test_mutate_script_says_whether_a_test_guards_a_line():
+    """scripts/mutate.py: a mutation the selected test catches is KILLED (exit 0), one it cannot see
+    SURVIVED (exit 1), one that does not apply exits 2; the working tree is never changed."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    soft = root / "src/fedprism/clustering/soft.py"
+    before = soft.read_bytes()
+
+    def mutate(old, new, *tests):
+        done = subprocess.run([sys.executable, "scripts/mutate.py", "fedprism/clustering/soft.py", old, new,
+                               *tests], cwd=root, capture_output=True, text=True)
+        return done.returncode, done.stdout + done.stderr
+
+    select = ("tests/test_clustering.py", "-k", "soft_assign_rows")
+    rc, out = mutate('np.argsort(-sim, axis=1, kind="stable")', 'np.argsort(sim, axis=1, kind="stable")', *select)
+    assert rc == 0 and out.startswith("KILLED") and "test_soft_assign_rows_and_sparsity" in out
+    rc, out = mutate("    m = int(m)\n", "    m = int(m) + 0\n", *select)
+    assert rc == 1 and out.startswith("SURVIVED")
+    rc, out = mutate("no such text", "x", *select)
+    assert rc == 2 and "occurs 0 times" in out
+    assert soft.read_bytes() == before
