@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from fedprism._alloc import tune_allocator  # noqa: E402
 from fedprism.engine.base import LocalConfig, optimizer_state, optimizer_step, optimizer_step_  # noqa: E402
 from fedprism.models import build_model  # noqa: E402
 from fedprism.params import Functional, flatten  # noqa: E402
@@ -56,8 +57,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repetitions; the minimum is kept")
+    ap.add_argument("--default-malloc", action="store_true",
+                    help="keep glibc's default malloc thresholds (the committed table's conditions) instead of "
+                         "the tuning every engine applies (fedprism._alloc)")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if not args.default_malloc:
+        tune_allocator()           # what an engine does on construction: large blocks are reused, not re-faulted
     print(f"# torch {torch.__version__}, 1 thread, batch {args.batch}, {args.steps} steps x {args.repeats}")
     print(f"{'model':22s} {'params':>10s} {'part':8s} {'old ms':>8s} {'new ms':>8s} {'old/new':>8s}")
     for name in args.models:
