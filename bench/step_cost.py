@@ -58,12 +58,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repetitions; the minimum is kept")
     ap.add_argument("--default-malloc", action="store_true",
-                    help="keep glibc's default malloc thresholds (the committed table's conditions) instead of "
-                         "the tuning every engine applies (fedprism._alloc)")
+                    help="keep glibc's default malloc thresholds (the committed table's conditions) "
+                         "instead of the tuning every engine applies (fedprism._alloc)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if not args.default_malloc:
-        tune_allocator()           # what an engine does on construction: large blocks are reused, not re-faulted
+        tune_allocator()           # as every engine on construction: large blocks reused, not re-faulted
     print(f"# torch {torch.__version__}, 1 thread, batch {args.batch}, {args.steps} steps x {args.repeats}")
     print(f"{'model':22s} {'params':>10s} {'part':8s} {'old ms':>8s} {'new ms':>8s} {'old/new':>8s}")
     for name in args.models:
