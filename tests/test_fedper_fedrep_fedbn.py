@@ -268,3 +268,19 @@ def test_fedbn_on_a_model_without_batchnorm_warns_that_it_is_fedavg(tmp_path):
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and p.stderr.startswith("fedprism: warning: fedbn keeps no parameter"), p.stderr
     assert len(p.stderr.splitlines()) == 1
+
+
+def test_fedrep_reports_the_epoch_weighted_mean_loss_of_its_two_phases(digits):
+    from fedprism.protocol import Trained
+
+    algo, _ = setup(unequal_federation(digits), "fedrep", head_epochs=1, body_epochs=3)
+
+    class Phases:                                   # a trainer whose head phase has loss 1, body phase 4
+        def train(self, job, rnd):
+            n = len(job.clients)
+            loss = 1.0 if job.stream == "fedrep_head" else 4.0
+            return Trained(job.clients, job.start, torch.ones(n, dtype=torch.float64),
+                           torch.full((n,), loss, dtype=torch.float64))
+
+    t = algo.local_training(np.arange(2), torch.zeros(2, algo.ctx.spec.size), Phases(), 0)
+    assert t.loss.tolist() == [(1 * 1.0 + 3 * 4.0) / 4] * 2

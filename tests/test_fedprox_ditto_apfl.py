@@ -257,3 +257,21 @@ def test_fedprism_methods_lists_them_with_their_papers(capsys):
         assert head in out
     for key in ("fedprox.mu", "ditto.lam", "ditto.personal_epochs", "apfl.alpha", "apfl.alpha_mode"):
         assert key in out
+
+
+def test_ditto_personal_phase_is_anchored_at_the_received_global_model(tmp_path, monkeypatch):
+    """Algorithm 1's personal objective F_k(v) + (lambda/2)||v - w^t||^2 anchors v at the model the client
+    received (w^t), not at the client's own freshly trained w_k."""
+    import fedprism.algorithms.ditto as ditto_module
+
+    anchors, real = [], ditto_module.prox_job
+
+    def spy(clients, start, anchor, *a, **k):
+        anchors.append(anchor.clone())
+        return real(clients, start, anchor, *a, **k)
+
+    monkeypatch.setattr(ditto_module, "prox_job", spy)
+    e = Experiment(resolve({**SMALL, "method": "ditto", "rounds": 1}), Store(tmp_path / "d.db"))
+    e.run()
+    (anchor,) = anchors
+    assert torch.equal(anchor, e.ctx.init.expand_as(anchor))          # round 0 sends the initial model
