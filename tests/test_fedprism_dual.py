@@ -143,6 +143,11 @@ def test_global_expert_logit_cache_is_exact(unequal, monkeypatch):
     sub = np.array([1, 4])
     sim.round(1, sub)                                                     # 2 specialists change
     cached = scorer(sim.inference(clients), clients, "global")
+    runs = []
+    real_run = scorer._run
+    monkeypatch.setattr(scorer, "_run", lambda params, *a: runs.append(len(params)) or real_run(params, *a))
+    again = scorer(sim.inference(clients), clients, "global")            # nothing changed: nothing recomputed
+    assert runs == [] and torch.equal(again.correct, cached.correct)
     monkeypatch.setattr(evaluate_mod, "STREAM_CACHE_BYTES", 0)            # no cache: everything recomputed
     fresh = scorer(sim.inference(clients), clients, "global")
     assert torch.equal(cached.correct, fresh.correct) and torch.equal(cached.confusion, fresh.confusion)
