@@ -53,7 +53,8 @@ def test_trimmed_mean_by_hand():
     # rows wholly outside the kept window weigh 0, not less: five equal weights, trim 0.25 keeps [1.25, 3.75]
     # of [0, 5]; 0 covers [0, 1] and 100 covers [4, 5] -> 0; 1 and 3 keep 0.75 each, 2 keeps 1: 5 / 2.5
     five = torch.tensor([[0.0], [1.0], [2.0], [3.0], [100.0]])
-    assert average(five, torch.ones(5), rule="trimmed_mean", trim=0.25).tolist() == pytest.approx([2.0], abs=1e-12)
+    got = average(five, torch.ones(5), rule="trimmed_mean", trim=0.25)
+    assert got.tolist() == pytest.approx([2.0], abs=1e-12)
 
 
 def test_clipped_mean_by_hand():

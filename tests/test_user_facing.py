@@ -957,7 +957,8 @@ def test_mutate_script_says_whether_a_test_guards_a_line():
         return done.returncode, done.stdout + done.stderr
 
     select = ("tests/test_clustering.py", "-k", "soft_assign_rows")
-    rc, out = mutate('np.argsort(-sim, axis=1, kind="stable")', 'np.argsort(sim, axis=1, kind="stable")', *select)
+    argsort = 'np.argsort({}sim, axis=1, kind="stable")'
+    rc, out = mutate(argsort.format("-"), argsort.format(""), *select)
     assert rc == 0 and out.startswith("KILLED") and "test_soft_assign_rows_and_sparsity" in out
     rc, out = mutate("    m = int(m)\n", "    m = int(m) + 0\n", *select)
     assert rc == 1 and out.startswith("SURVIVED")
