@@ -48,6 +48,10 @@ def test_mechanisms_clip_and_noise_at_the_stated_scale():
     protos, n = p.prototype_sums(sums, counts, g)
     std = 3.0 * math.sqrt(0.5 ** 2 + 1)
     assert float((protos * n[:, None]).std()) == pytest.approx(std, rel=0.03)
+    # released counts are clamped at 0: classes the client lacks come back as 0, never negative
+    f64 = torch.float64
+    _, n0 = p.prototype_sums(torch.zeros(200, 2, dtype=f64), torch.zeros(200, dtype=f64), g)
+    assert float(n0.min()) == 0.0 and 50 < int((n0 == 0).sum()) < 150
     z = torch.tensor([[3.0, 4.0], [0.3, 0.4]], dtype=torch.float64)
     assert torch.allclose(clip_rows(z, 1.0), torch.tensor([[0.6, 0.8], [0.3, 0.4]], dtype=torch.float64))
 
