@@ -4,6 +4,7 @@ planted groups, per-cluster sampling, late clients, the one-off label-count uplo
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -330,3 +331,19 @@ def test_partition_study_gives_the_tau_a_run_chose(tmp_path):
     lines = [ln for ln in markdown(div, [row], "digits", skipped).splitlines() if ln.startswith("* ")]
     assert len(skipped) == 4 and len(lines) == 1 and lines[0].startswith("* Dirichlet alpha=0.3, K = 900, seeds 0, 1:")
     assert all(p.stat().st_size > 1000 for p in plot(div, [row], tmp_path))
+
+
+@pytest.mark.skipif(not (Path("/usr/share/datasets/fashion-mnist") / "train-images-idx3-ubyte.gz").is_file(),
+                    reason="needs the Debian Fashion-MNIST files")
+def test_the_committed_runs_partition_has_no_constant_feature_column():
+    """docs/clust_psi_pfl.md ("zero-variance feature columns") and results/README.md: the constant-column
+    fix cannot change the committed S = 0.03 run, whose PSI features have no constant column (smallest
+    column deviation 0.51)."""
+    from fedprism.data.datasets import load_dataset
+    from fedprism.data.partition import label_histograms, make_partition
+
+    ds = load_dataset("fmnist")
+    y = ds.y_train.numpy()
+    part = make_partition("similarity", y, ds.y_test.numpy(), 100, 0, s=0.03)
+    x = psi_features(label_histograms(part.train, y, 10))
+    assert (x.max(0) > x.min(0)).all() and round(float(x.std(0).min()), 2) == 0.51

@@ -188,7 +188,8 @@ class Update:
                         out.setdefault(i, []).append(k)
             return out
 
-        state, upload = bad_rows(self.client_state), bad_rows(self.payload)
+        state = bad_rows(self.client_state)
+        upload = bad_rows(self.payload) if state else {}          # scanned only to explain a rejection
         # the upload is named too: it tells a diverged local training from a diverged state-only step
         return {int(self.clients[i]): f"client state {names[0]!r}: non-finite values (NaN/Inf)"
                 + (f"; its upload {', '.join(map(repr, upload[i]))} too" if i in upload else "")
