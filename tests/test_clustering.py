@@ -323,6 +323,22 @@ def test_choose_k_degenerate():
         choose_k_silhouette(x, method="covariance")
 
 
+def test_choose_k_silhouette_single_cluster_competes_with_score_zero(monkeypatch):
+    # Every candidate negative (K-Means' optima rarely give that on real data, so the scores are set):
+    # without the fallback the least negative wins; with it k = 1 wins at 0, and only a strictly
+    # positive silhouette beats it.
+    import sklearn.metrics
+
+    x, _ = planted_models(2, per_group=3)                       # n = 6: candidates k = 2..5
+    for scores, plain, single in (({2: -0.3, 3: -0.1, 4: -0.2, 5: -0.4}, 3, 1),
+                                  ({2: -0.3, 3: 0.0, 4: -0.2, 5: -0.4}, 3, 1),
+                                  ({2: -0.3, 3: -0.1, 4: 0.05, 5: -0.4}, 4, 4)):
+        monkeypatch.setattr(sklearn.metrics, "silhouette_score",
+                            lambda emb, labels, metric, s=scores: s[len(np.unique(labels))])
+        assert choose_k_silhouette(x, seed=0) == (plain, scores)
+        assert choose_k_silhouette(x, seed=0, allow_single_cluster=True) == (single, scores)
+
+
 def test_silhouette_two_psi_groups():
     # two groups of five, jittered, tau = 2 and exactly those groups
     rng = np.random.default_rng(0)
