@@ -13,7 +13,7 @@ import torch
 
 from fedprism.errors import ConfigError
 from fedprism.experiment import evaluate
-from fedprism.experiment.clientstore import FLOAT16_MAX, MmapStore, make_store
+from fedprism.experiment.clientstore import FLOAT16_MAX, MmapStore, StoreMismatch, make_store
 from fedprism.experiment.config import resolve
 from fedprism.experiment.evaluate import sample_eval_clients
 from fedprism.experiment.runner import Experiment
@@ -136,6 +136,50 @@ def test_mmap_files_that_are_not_the_checkpoints_restart_the_run(tmp_path):
     ref = Store(tmp_path / "r.db")
     Experiment(mm, ref).run()
     assert stored(ref, mm.run_id)[0] == stored(s, mm.run_id)[0]
+
+
+def _damage_meta(**change):
+    def damage(folder: Path) -> None:
+        meta = json.loads((folder / "meta.json").read_text())
+        (folder / "meta.json").write_text(json.dumps({**meta, **change}))
+    return damage
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda f: (f / "meta.json").unlink(), "no readable .*meta.json"),
+    (lambda f: (f / "meta.json").write_text("{not json"), "no readable .*meta.json"),
+    (_damage_meta(token="0" * 16), "another run or attempt"),
+    (_damage_meta(clients=8), "hold other shapes"),
+    (_damage_meta(state={"w": {"shape": [5], "dtype": "float16"}, "z": {"shape": [3], "dtype": "float32"}}),
+     "hold other shapes"),
+    (_damage_meta(seq=0), r"at commit 0, the checkpoint at 3"),              # files older than the checkpoint
+    (_damage_meta(seq=5), r"at commit 5, the checkpoint at 3"),              # or newer
+    (lambda f: (f / "z.rows").unlink(), r"z.rows is missing or not 84 bytes"),
+    (lambda f: (f / "w.rows").write_bytes((f / "w.rows").read_bytes()[:-4]), r"w.rows is missing or not 140"),
+], ids=["meta deleted", "meta not json", "other token", "other N", "other dtype", "older commit",
+        "newer commit", "rows deleted", "rows truncated"])
+def test_mmap_restore_refuses_row_files_that_are_not_the_checkpoints(tmp_path, damage, reason):
+    """Each way the row files can disagree with a checkpoint is refused with a StoreMismatch naming it
+    (the runner then discards the checkpoint and restarts the run: the test above); undamaged files
+    restore to the checkpoint's rows, pending rows included."""
+    c = ctx(7)
+    decl = {"w": ClientState(("P",), init="model"), "z": ClientState((3,), init="zeros")}
+    st = make_store("mmap", decl, c, tmp_path / "rows")
+    rng = torch.Generator().manual_seed(0)
+    for who in ([1, 4], [0, 5]):
+        rows = {"w": torch.randn(2, 5, generator=rng), "z": torch.randn(2, 3, generator=rng)}
+        st.write(np.array(who), rows)
+        st.commit()
+    st.write(np.array([2]), {"w": torch.randn(1, 5, generator=rng), "z": torch.randn(1, 3, generator=rng)})
+    snap, want = st.snapshot(), st.rows(np.arange(7))
+    assert snap["client_rows"]["seq"] == 3
+    fresh = make_store("mmap", decl, c, tmp_path / "rows")
+    fresh.restore(snap)                                               # the undamaged files: restored
+    for k in decl:
+        assert torch.equal(fresh.rows(np.arange(7))[k], want[k])
+    damage(tmp_path / "rows")
+    with pytest.raises(StoreMismatch, match=reason):
+        make_store("mmap", decl, c, tmp_path / "rows").restore(snap)
 
 
 def test_mmap_rereads_written_rows_and_initial_rows(tmp_path):
