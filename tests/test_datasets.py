@@ -7,6 +7,7 @@ import hashlib
 import io
 import os
 import pickle
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -298,6 +299,82 @@ def test_forged_headers_and_fields_are_data_errors(tmp_path):
         with pytest.raises(DataError) as e:
             load_dataset("cifar10", root=tmp_path / "d")
         assert str(p) in str(e.value), (labels, data)
+
+
+def _edit_cifar_batch(edit):
+    def damage(folder: Path) -> Path:
+        p = folder / "cifar-10-batches-py" / "data_batch_2"
+        batch = pickle.loads(p.read_bytes(), encoding="bytes")
+        p.write_bytes(pickle.dumps(edit(batch), protocol=2))
+        return p
+    return damage
+
+
+def _edit_cifar_meta(folder: Path) -> Path:
+    p = folder / "cifar-10-batches-py" / "batches.meta"
+    meta = pickle.loads(p.read_bytes(), encoding="bytes")
+    p.write_bytes(pickle.dumps({**meta, b"label_names": meta[b"label_names"][:9]}, protocol=2))
+    return p
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (_edit_cifar_batch(lambda b: [b[b"data"]]), "expected a dict, found list; not a CIFAR file"),
+    (_edit_cifar_batch(lambda b: {k: v for k, v in b.items() if k != b"labels"}),
+     "not a CIFAR batch: needs 'data' and 'labels', has batch_label, data, filenames"),
+    (_edit_cifar_batch(lambda b: {**b, b"data": b[b"data"][:, :1024]}),
+     r"'data' is uint8 \(6, 1024\), expected uint8 \[N, 3072\]"),
+    (_edit_cifar_batch(lambda b: {**b, b"labels": b[b"labels"][:5]}), "5 labels for 6 images"),
+    (_edit_cifar_meta, "'label_names' should list 10 class names"),
+], ids=["not a dict", "no labels", "grey images", "labels short", "nine class names"])
+def test_well_formed_cifar_files_with_the_wrong_content_are_named(tmp_path, damage, needle):
+    """A file that unpickles but is not what CIFAR's file of that name holds: a DataError naming the file
+    and what is wrong, never a KeyError or a shape error from deeper down."""
+    write_cifar(tmp_path / "d", "cifar10")
+    p = damage(tmp_path / "d")
+    with pytest.raises(DataError, match=needle) as e:
+        load_dataset("cifar10", root=tmp_path / "d", cache_dir=False)
+    assert str(p) in str(e.value)
+
+
+@pytest.mark.parametrize("variables, needle", [
+    (lambda x, y: {"images": x, "y": y}, "no 'X' and 'y' variables; not an SVHN cropped-digits file"),
+    (lambda x, y: {"X": x[:, :, :1], "y": y}, r"'X' is uint8 \(32, 32, 1, 12\), expected uint8 \[32, 32, 3, N\]"),
+    (lambda x, y: {"X": x, "y": y[:7]}, "7 labels for 12 images"),
+], ids=["no X", "grey images", "labels short"])
+def test_well_formed_svhn_files_with_the_wrong_content_are_named(tmp_path, variables, needle):
+    from scipy.io import loadmat, savemat
+
+    write_svhn(tmp_path / "d")
+    p = tmp_path / "d" / "test_32x32.mat"
+    m = loadmat(p)
+    savemat(p, variables(m["X"], m["y"]))
+    with pytest.raises(DataError, match=needle) as e:
+        load_dataset("svhn", root=tmp_path / "d", cache_dir=False)
+    assert str(p) in str(e.value)
+
+
+def test_an_incomplete_cifar_folder_or_archive_is_named(tmp_path):
+    """The missing-data error says what is incomplete: the folder's missing members, or an archive
+    without them (which is refused after opening it, leaving no extraction behind)."""
+    write_cifar(tmp_path / "d", "cifar10")
+    (tmp_path / "d" / "cifar-10-batches-py" / "data_batch_4").unlink()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="incomplete: cifar-10-batches-py/ lacks data_batch_4"):
+        load_dataset("cifar10", root=tmp_path / "d")
+    with pytest.raises(DataError, match=r"no cifar-10-batches-py/ folder and no cifar-10-python.tar.gz"):
+        load_dataset("cifar10", root=tmp_path / "empty")
+    write_cifar(tmp_path / "a", "cifar10", archive=True)
+    tar = tmp_path / "a" / "cifar-10-python.tar.gz"
+    with tarfile.open(tar) as t:
+        members = [(m, t.extractfile(m).read() if m.isfile() else None) for m in t.getmembers()]
+    with tarfile.open(tar, "w:gz") as t:
+        for m, data in members:
+            if not m.name.endswith("test_batch"):
+                t.addfile(m, io.BytesIO(data) if data is not None else None)
+    with pytest.raises(DataError, match="the archive lacks cifar-10-batches-py/test_batch") as e:
+        load_dataset("cifar10", root=tmp_path / "a", cache_dir=tmp_path / "c")
+    assert str(tar) in str(e.value)
+    assert not any((tmp_path / "c").glob("cifar-10-batches-py-*"))      # no extraction left behind
 
 
 def test_corrupt_cifar_archive(tmp_path):
