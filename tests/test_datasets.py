@@ -338,7 +338,8 @@ def test_well_formed_cifar_files_with_the_wrong_content_are_named(tmp_path, dama
 
 @pytest.mark.parametrize("variables, needle", [
     (lambda x, y: {"images": x, "y": y}, "no 'X' and 'y' variables; not an SVHN cropped-digits file"),
-    (lambda x, y: {"X": x[:, :, :1], "y": y}, r"'X' is uint8 \(32, 32, 1, 12\), expected uint8 \[32, 32, 3, N\]"),
+    (lambda x, y: {"X": x[:, :, :1], "y": y},
+     r"'X' is uint8 \(32, 32, 1, 12\), expected uint8 \[32, 32, 3, N\]"),
     (lambda x, y: {"X": x, "y": y[:7]}, "7 labels for 12 images"),
 ], ids=["no X", "grey images", "labels short"])
 def test_well_formed_svhn_files_with_the_wrong_content_are_named(tmp_path, variables, needle):
