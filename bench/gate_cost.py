@@ -22,7 +22,6 @@ import time
 def synthetic_rows(rng, clients: int, sizes: dict, features: int = 63) -> dict:
     """{split: [(features [n, F], specialist right [n], backbone right [n])] per client}: the streams are
     right or wrong with rates that depend on two of the features, as a gate's target does."""
-    import numpy as np
 
     rows = {}
     for split, n in sizes.items():

@@ -15,7 +15,7 @@ import torch
 
 import plugins.protostate  # noqa: F401 (registers the test-only method)
 from fedprism.algorithms import REGISTRY
-from fedprism.algorithms.base import ClientState, Plan, TensorSpec, TrainJob, Update, train_update
+from fedprism.algorithms.base import ClientState, TensorSpec, TrainJob, Update, train_update
 from fedprism.algorithms.fedavg import FedAvg
 from fedprism.engine.base import LocalConfig, optimizer_state, optimizer_step
 from fedprism.engine.sequential import SequentialEngine
@@ -25,7 +25,6 @@ from fedprism.experiment.runner import Experiment, validate_update
 from fedprism.experiment.store import Store
 from fedprism.experiment.sweep import dump_sweep
 from fedprism.models import build_model
-from fedprism.params import Functional
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = dict(dataset="digits", clients=6, rounds=2, fraction=0.5, local_epochs=1, batch_size=16, lr=0.05,

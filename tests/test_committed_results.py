@@ -382,7 +382,6 @@ def test_seen_class_shares_as_results_readme_states(db_copy):
     """The "seen-class share" counts of results/README.md: how many clients score above the share of
     the global test set whose class they hold (Fashion-MNIST's test set has 1000 images per class).
     Rebuilds the seed-0 partition, so it needs Fashion-MNIST."""
-    import numpy as np
 
     from fedprism.experiment.config import resolve
     from fedprism.experiment.federation import build_federation

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-import pytest
 import torch
 
 from fedprism.cli import main

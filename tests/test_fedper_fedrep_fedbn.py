@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from conftest import unequal_federation
 
 from fedprism.algorithms import REGISTRY
-from fedprism.algorithms.base import Context, TrainJob
+from fedprism.algorithms.base import Context
 from fedprism.engine import LocalConfig, SequentialEngine
 from fedprism.engine.vectorized import VectorizedEngine
 from fedprism.errors import ConfigError

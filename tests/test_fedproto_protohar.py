@@ -12,8 +12,7 @@ from fedprism.algorithms import REGISTRY
 from fedprism.algorithms.aggregation import class_prototypes
 from fedprism.algorithms.base import Context, Inference, TrainJob, train_update
 from fedprism.algorithms.fedavg import FedAvg
-from fedprism.algorithms.fedproto import FedProto, prototype_loss, update_prototypes
-from fedprism.algorithms.protohar import ProtoHAR
+from fedprism.algorithms.fedproto import prototype_loss, update_prototypes
 from fedprism.engine.base import LocalConfig
 from fedprism.engine.sequential import SequentialEngine
 from fedprism.experiment.config import resolve

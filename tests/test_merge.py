@@ -114,6 +114,29 @@ def test_unfinished_runs_stay_behind_and_bad_sources_change_nothing(tmp_path, pa
         merge(Store(home_db), bad)
 
 
+def test_a_store_with_any_one_page_overwritten_is_refused_as_corrupt(tmp_path, part):
+    """Every page of a source store, overwritten in turn: the merge refuses it as corrupt (SQLite's own
+    error, or the quick_check run before anything is read) and the target keeps its bytes."""
+    _, src = part
+    home_db = tmp_path / "home.db"
+    Store(home_db).close()
+    before = home_db.read_bytes()
+    pages = src.stat().st_size // 4096
+    found = []
+    for page in range(1, pages):                    # page 0 holds the header: "not a database"
+        damaged = tmp_path / f"damaged{page}.db"
+        shutil.copy(src, damaged)
+        with open(damaged, "r+b") as fh:
+            fh.seek(4096 * page)
+            fh.write(b"\xff" * 4096)
+        with pytest.raises(MissingStoreError, match=f"damaged{page}.db is corrupt") as e:
+            merge(Store(home_db), damaged)
+        found.append(str(e.value))
+    assert home_db.read_bytes() == before
+    assert any("integrity check" in m and "nothing was merged" in m for m in found)   # quick_check's finds
+    assert any("malformed" in m for m in found)                                       # SQLite's own
+
+
 def test_dry_run_writes_nothing(tmp_path, part, capsys):
     f, src = part
     import sqlite3

@@ -5,7 +5,6 @@ samples to its own per-class sums (`sums` [C, d], `counts` [C]); it uploads the 
 it plus a bias towards the classes it has seen (from `counts`), so the client state changes the scores.
 """
 
-import numpy as np
 import torch
 
 from fedprism.algorithms.aggregation import client_weights, weighted_mean

@@ -106,10 +106,6 @@ def _json_or_none(s: str | None) -> dict | None:
     return json.loads(s) if s else None
 
 
-def dumps(x: Any) -> str:
-    return json.dumps(_clean(x), sort_keys=True, separators=(",", ":"))
-
-
 #: columns added after the first release of the schema: (name, SQL type), added on write-open
 MIGRATIONS = (("provenance", "TEXT"),)
 
@@ -249,7 +245,8 @@ class Store:
                 self.db.row_factory = sqlite3.Row
                 self.db.execute("SELECT 1 FROM runs LIMIT 1").fetchall()
             except sqlite3.DatabaseError as e:
-                raise MissingStoreError(f"{self.path} is not a fedprism results store ({e})") from None
+                what = "is corrupt" if "malformed" in str(e) else "is not a fedprism results store"
+                raise MissingStoreError(f"{self.path} {what} ({e})") from None
             self.timeout = 60.0
             return
         if timeout is None:
