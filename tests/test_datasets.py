@@ -745,3 +745,19 @@ def test_real_fashion_mnist(tmp_path, monkeypatch):
     assert abs(float(inner.mean())) < 0.01 and abs(float(inner.std()) - 1) < 0.01
     background = -ds.mean[0] / ds.std[0]
     assert float(ds.x_train[:, :, :2].max()) == pytest.approx(background, abs=1e-6)
+
+
+def test_data_info_prints_each_datasets_shapes_and_names_what_is_missing(tmp_path, capsys):
+    """`fedprism data info NAME... [--dest DIR]` loads each named dataset (verifying its files) and prints
+    its splits' shapes; a folder without the files is an error naming the files it needs."""
+    from fedprism.cli import main
+
+    write_fake("fmnist", tmp_path / "f", n_train=30, n_test=12)
+    assert main(["data", "info", "fmnist", "--dest", str(tmp_path / "f")]) == 0
+    assert capsys.readouterr().out == "fmnist: train (30, 1, 28, 28) test (12, 1, 28, 28) classes 10\n"
+    assert main(["data", "info", "digits"]) == 0
+    assert capsys.readouterr().out == "digits: train (1347, 1, 8, 8) test (450, 1, 8, 8) classes 10\n"
+    (tmp_path / "none").mkdir()
+    assert main(["data", "info", "cifar10", "--dest", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert "does not hold dataset 'cifar10'" in err and "cifar-10-python.tar.gz" in err
