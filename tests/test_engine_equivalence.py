@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -511,3 +512,33 @@ def test_deterministic_cudnn_is_set_and_recorded_for_cuda_runs(monkeypatch):
     assert capture(on)["execution"]["cudnn_deterministic"] is True
     cpu = capture(SimpleNamespace(engine=SimpleNamespace(device=torch.device("cpu"))))
     assert "cudnn_deterministic" not in cpu["execution"]
+
+
+def test_a_compiler_failure_falls_back_to_eager_with_the_same_numbers_and_one_warning(mlp_setup, monkeypatch):
+    """compile=true, and every compiled function raises (as a broken compiler toolchain would): the engine
+    warns once, continues eagerly, and trains and scores exactly as compile=false does."""
+    from fedprism.engine import vectorized
+
+    fed, model = mlp_setup
+
+    def broken(fn, **kw):
+        def run(*args):
+            raise RuntimeError("no C++ compiler found")
+        return run
+
+    monkeypatch.setattr(vectorized._MaybeCompiled, "_warned", False)
+    monkeypatch.setattr(torch, "compile", broken)
+    clients = np.array([4, 0, 2])
+    plan = TrainJob(clients, starts(model, len(clients)))
+    eager = VectorizedEngine(fed, model, CFG, 3, "cpu", compile=False)
+    failing = VectorizedEngine(fed, model, CFG, 3, "cpu", compile=True)
+    assert failing.compiled
+    with pytest.warns(RuntimeWarning, match=r"torch.compile failed \(RuntimeError: no C\+\+ compiler found\)"):
+        got = failing.train(plan, rnd=1)
+    want = eager.train(plan, rnd=1)
+    assert torch.equal(got.params, want.params) and torch.equal(got.loss, want.loss)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                              # once per process, not per function
+        a = failing.evaluate(got.params, clients, "local")
+    b = eager.evaluate(want.params, clients, "local")
+    assert torch.equal(a.correct, b.correct) and torch.equal(a.loss_sum, b.loss_sum)
