@@ -22,7 +22,9 @@ from flwr.proto.node_pb2 import NodeInfo  # noqa: E402
 from test_flower import (EXP4, FakeGrid, assert_same_state, in_process, nodes_for, offline,  # noqa: E402,F401
                          run_config, task_identity)
 
+from fedprism.algorithms.base import Plan, Update  # noqa: E402
 from fedprism.experiment.store import Store  # noqa: E402
+from fedprism.protocol import EvalResult  # noqa: E402
 from fedprism.flower import codec  # noqa: E402
 from fedprism.flower.node import build_node  # noqa: E402
 from fedprism.flower.server_app import serve, server_data  # noqa: E402
@@ -719,3 +721,82 @@ def test_a_node_whose_new_state_is_nan_keeps_its_state_and_replies_an_error():
     node.algo.client_update = real
     node.train(Plan(np.array([0])), 0)
     assert not torch.equal(before["w"], node.store.rows()["w"])          # a finite state is kept
+
+
+# -- the codec, message by message ---------------------------------------------------------------------------
+def _plan_row(P: int = 4) -> Plan:
+    return Plan(np.array([2]), {"params": torch.zeros(1, P)})
+
+
+def _reply(P: int = 4) -> RecordDict:
+    up = Update(np.array([2]), {"params": torch.ones(1, P)}, torch.tensor([7.0], dtype=torch.float64),
+                {"train_loss": torch.tensor([0.5])})
+    return codec.encode_update(up, 2, config_id="abc")
+
+
+def _scores(**change) -> RecordDict:
+    r = EvalResult(torch.tensor([3, 1]), torch.tensor([1.5, 0.25], dtype=torch.float64), torch.tensor([4, 2]),
+                   torch.tensor([[[2, 1], [0, 1]], [[1, 0], [1, 0]]]), {"proto": torch.tensor([4, 0])})
+    content = codec.encode_scores(r, 2)
+    a = {k: content.array_records[codec.SCORES][k] for k in content.array_records[codec.SCORES].keys()}
+    for k, v in change.items():
+        if v is None:
+            a.pop(k)
+        else:
+            a[k] = Array(np.ascontiguousarray(v))
+    return RecordDict({codec.SCORES: ArrayRecord(a), codec.META: content.config_records[codec.META]})
+
+
+@pytest.mark.parametrize("content, needle", [
+    (lambda: RecordDict({codec.META: _reply().config_records[codec.META]}), "record .* missing"),
+    (lambda: mutate(_reply(), meta={"config-id": "other"}),
+     "field 'config-id': the reply is for experiment 'other', the server runs abc"),
+    (lambda: mutate(_reply(), meta={"payload": None}), "field 'payload' missing"),
+    (lambda: mutate(_reply(), meta={"payload": "params"}),
+     "field 'payload' must be a list of names, got str"),
+    (lambda: mutate(_reply(), {"u.params": None}), "tensor 'u.params' missing"),
+    (lambda: mutate(_reply(), {"n_samples": np.array([7], dtype=np.int64)}),
+     "field 'n_samples' must be one float"),
+    (lambda: mutate(_reply(), {"u.params": np.ones((2, 4), np.float32)}),
+     "tensor 'params' must have one row"),
+    (lambda: mutate(_reply(), {"m.train_loss": np.array([np.inf], np.float32)}),
+     "tensor 'm.train_loss' must hold finite numbers"),
+], ids=["no update record", "other experiment", "no payload names", "payload names a string",
+        "tensor missing", "integer count", "two rows", "infinite loss"])
+def test_a_malformed_train_reply_is_refused_naming_the_field(content, needle):
+    """Each way a train reply can be malformed is a ValueError naming the field (the server records it as
+    that client's failure: `test_fuzzed_messages_never_stop_the_server`)."""
+    with pytest.raises(ValueError, match=needle):
+        codec.decode_update(content(), _plan_row(), config_id="abc")
+    up = codec.decode_update(_reply(), _plan_row(), config_id="abc")           # the well-formed reply
+    assert up.n_samples.tolist() == [7.0] and torch.equal(up.payload["params"], torch.ones(1, 4))
+
+
+def test_a_diverged_nodes_nan_loss_passes_decoding_for_the_runner_to_reject():
+    up = codec.decode_update(mutate(_reply(), {"u.params": np.full((1, 4), np.nan, np.float32),
+                                               "m.train_loss": np.array([np.nan], np.float32)}),
+                             _plan_row(), config_id="abc")
+    assert torch.isnan(up.payload["params"]).all() and torch.isnan(up.metrics["train_loss"]).all()
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"correct": None}, "tensor 'correct' missing"),
+    ({"correct": np.array([3.0, 1.0])}, r"field 'correct' must be 2 integers, got \(2,\) torch.float64"),
+    ({"count": np.array([4, 2, 1])}, "field 'correct' must be 3 integers"),
+    ({"loss_sum": np.array([1.5, -0.25])}, "field 'loss_sum' must be 2 finite numbers >= 0"),
+    ({"loss_sum": np.array([1.5, np.nan])}, "field 'loss_sum' must be 2 finite numbers >= 0"),
+    ({"correct": np.array([5, 1])}, "need 0 <= correct <= count"),
+    ({"confusion": np.array([[[2, 1], [0, 0]], [[1, 0], [1, 0]]])}, "counts summing to 'count'"),
+    ({"confusion": np.array([[[2, 1], [0, 1]], [[1, 0], [1, 0]]]).astype(np.float32)}, "counts summing to"),
+    ({"alt:proto": np.array([5, 0])}, r"field 'alt:proto' must lie in \[0, count\]"),
+], ids=["no correct", "float correct", "count of 3", "negative loss", "nan loss", "correct > count",
+        "confusion sums", "float confusion", "alternative > count"])
+def test_malformed_scores_are_refused_naming_the_field(change, needle):
+    with pytest.raises(ValueError, match=needle):
+        codec.decode_scores(_scores(**change), num_classes=2)
+    r = codec.decode_scores(_scores(), num_classes=2)
+    assert r.correct.tolist() == [3, 1] and r.alternatives["proto"].tolist() == [4, 0]
+    with pytest.raises(ValueError, match=r"\[2, C, C\] counts"):
+        codec.decode_scores(_scores(), num_classes=3)                           # other number of classes
+    with pytest.raises(ValueError, match="record .* missing"):
+        codec.decode_scores(RecordDict({codec.META: _scores().config_records[codec.META]}))
