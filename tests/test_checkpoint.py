@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 import os
 import pickle
@@ -225,3 +227,50 @@ def test_checkpoint_of_another_run_is_discarded(tmp_path):
     res = Experiment(c, s).run()
     assert res.resumed_from is None
     assert "not a checkpoint of this run" in s.records(c.run_id, "checkpoint_discarded")[0]["data"]["reason"]
+
+
+def _raw(header: bytes, data: bytes = b"", hlen: int | None = None) -> bytes:
+    import hashlib
+    import struct
+    body = checkpoint.MAGIC + struct.pack("<Q", len(header) if hlen is None else hlen) + header + data
+    return body + hashlib.sha256(body).digest()
+
+
+_F32 = {"kind": "torch", "dtype": "float32", "shape": [2], "offset": 0, "nbytes": 8}
+_NP = {"kind": "numpy", "dtype": "<f8", "shape": [1], "offset": 0, "nbytes": 8}
+
+
+@pytest.mark.parametrize("blob, needle", [
+    (lambda: _raw(b"{}", hlen=10 ** 6), "header length exceeds the file"),
+    (lambda: _raw(b"\xff\xfe{"), r"unreadable header \(UnicodeDecodeError\)"),
+    (lambda: _raw(b"{not json"), r"unreadable header \(JSONDecodeError\)"),
+    (lambda: _raw(b'["fedprism"]'), "not a fedprism checkpoint header"),
+    (lambda: _raw(b'{"format": "other"}'), "not a fedprism checkpoint header"),
+    (lambda: _raw(json.dumps({"format": checkpoint.FORMAT, "version": checkpoint.VERSION,
+                              "skeleton": None}).encode()), "header has no tensor table"),
+    (lambda: _signed({"t": "tensor", "i": 3}, [_F32], b"\0" * 8), "tensor index 3 out of range"),
+    (lambda: _signed({"t": "tensor", "i": True}, [_F32, _F32], b"\0" * 8), "tensor index True out of range"),
+    (lambda: _signed({"t": "tensor", "i": 0}, ["x"], b"\0" * 8), "a tensor entry is not an object"),
+    (lambda: _signed({"t": "tensor", "i": 0}, [{**_F32, "kind": "jax"}], b"\0" * 8),
+     "unknown tensor kind 'jax'"),
+    (lambda: _signed({"t": "tensor", "i": 0}, [{**_F32, "dtype": "float99"}], b"\0" * 8),
+     r"bad tensor entry \(KeyError"),
+    (lambda: _signed({"t": "tensor", "i": 0}, [{**_F32, "shape": [-2]}], b"\0" * 8), "outside the data"),
+    (lambda: _signed({"t": "ndarray", "i": 0}, [_F32], b"\0" * 8), "an ndarray node points at a torch entry"),
+    (lambda: _signed({"t": "tensor", "i": 0}, [_NP], b"\0" * 8), "a tensor node points at a numpy entry"),
+    (lambda: _signed([1, 2], [], b""), "unexpected skeleton node list"),
+    (lambda: _signed({"t": "set", "v": []}, [], b""), "unknown skeleton node 'set'"),
+    (lambda: _signed({"t": "float", "v": "0xZZ"}, [], b""), r"bad skeleton node 'float' \(ValueError"),
+    (lambda: _signed({"t": "dict", "items": [[{"t": "list", "v": []}, 1]]}, [], b""),
+     r"bad skeleton node 'dict' \(TypeError"),                                 # an unhashable key
+    (lambda: _signed(functools.reduce(lambda s, _: {"t": "list", "v": [s]}, range(300), None), [], b""),
+     "skeleton nested too deeply"),
+], ids=["header past the end", "header not utf-8", "header not json", "header a list", "other format",
+        "no tensor table", "index out of range", "index a bool", "entry not an object", "unknown kind",
+        "unknown dtype", "negative shape", "ndarray at torch", "tensor at numpy", "skeleton a list",
+        "unknown node", "bad float", "unhashable key", "deep nesting"])
+def test_every_forged_structure_is_a_checkpoint_error(blob, needle):
+    """A file with a right checksum (anyone can compute one) and a forged header or skeleton: each lie is
+    a CheckpointError saying what is wrong, never a crash, a KeyError or an object built from it."""
+    with pytest.raises(CheckpointError, match=needle):
+        checkpoint.loads(blob())
