@@ -71,6 +71,38 @@ def test_torn_checkpoint_restarts_cleanly(tmp_path):
     assert note["round"] == 0 and "truncated" in note["data"]["reason"]
 
 
+@pytest.mark.parametrize("storage", ["memory", "float16"])
+@pytest.mark.parametrize("change", ["added", "reshaped"])
+def test_a_checkpoint_of_other_client_state_declarations_restarts_the_run(tmp_path, monkeypatch, storage,
+                                                                          change):
+    """The method's code changed between an interruption and the resume so that its declared client
+    state differs from the checkpoint's: the checkpoint is discarded with a record naming both, and the
+    run completes from round 0 with the numbers of a fresh run under the new declarations."""
+    from fedprism.algorithms.base import REGISTRY, ClientState
+
+    c = cfg(method="local", **{"state.storage": storage})
+    s = Store(tmp_path / "c.db")
+    before = dict(REGISTRY["local"].client_state)
+
+    def declare(n: int) -> None:
+        decl = {**before, "extra": ClientState((n,), init="zeros")}
+        monkeypatch.setattr(REGISTRY["local"], "client_state", decl)
+
+    if change == "reshaped":                                    # a state row of 3 numbers, then of 4
+        declare(3)
+    Experiment(c, s).run(stop_after=2)
+    declare(4)
+    res = Experiment(c, s).run()
+    assert res.status == "finished" and res.resumed_from is None
+    (note,) = s.records(c.run_id, "checkpoint_discarded")
+    assert note["round"] == 0 and note["data"]["reason"].startswith("client state: checkpoint")
+    ref = Store(tmp_path / "ref.db")
+    Experiment(c, ref).run()
+    strip = ("train_s", "eval_s", "wall_s")
+    assert [{k: v for k, v in h.items() if k not in strip} for h in s.round_metrics(c.run_id)] == \
+        [{k: v for k, v in h.items() if k not in strip} for h in ref.round_metrics(c.run_id)]
+
+
 def test_nan_update_is_rejected_and_the_round_goes_on(tmp_path, monkeypatch):
     c = cfg(method="fedavg", rounds=2)
     exp = Experiment(c, Store(tmp_path / "n.db"))

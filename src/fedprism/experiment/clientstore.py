@@ -43,7 +43,9 @@ FLOAT16_MAX = 65504.0
 
 
 class StoreMismatch(Exception):
-    """The row files of an `mmap` store do not belong to the checkpoint being restored."""
+    """A checkpoint's client state cannot be restored into this store: the row files of an `mmap` store
+    are not the checkpoint's, or the checkpoint holds other client-state names, shapes or dtypes than the
+    method declares (its code changed since the checkpoint was written)."""
 
 
 def _index(clients) -> torch.Tensor:
@@ -107,12 +109,13 @@ class ClientStore:
     def restore(self, snap: dict, folder: Path | None = None) -> None:
         cs = snap.get("client_state", {})
         if not isinstance(cs, dict) or set(cs) != set(self.data):
-            raise ValueError(f"checkpoint holds client state {sorted(cs) if isinstance(cs, dict) else cs!r}, "
+            held = sorted(cs) if isinstance(cs, dict) else cs
+            raise StoreMismatch(f"checkpoint holds client state {held!r}, "
                              f"the method declares {sorted(self.data)}")
         for k, v in cs.items():
             want = self.data[k]
             if not isinstance(v, torch.Tensor) or v.shape != want.shape or v.dtype != want.dtype:
-                raise ValueError(f"checkpoint's client state {k!r} is {getattr(v, 'dtype', type(v))} "
+                raise StoreMismatch(f"checkpoint's client state {k!r} is {getattr(v, 'dtype', type(v))} "
                                  f"{tuple(getattr(v, 'shape', ()))}, this store keeps {want.dtype} {tuple(want.shape)}"
                                  f" (state.storage={self.storage})")
         self.data = cs

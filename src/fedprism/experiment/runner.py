@@ -500,8 +500,9 @@ class Experiment:
 
     def _restore(self, snap: dict, folder=None) -> dict:
         """The server state of a checkpoint (or kept final state); the client store is brought to it
-        (`folder`: where a kept final state's row files are). Raises StoreMismatch when the row files
-        of `state.storage=mmap` cannot be those of the checkpoint."""
+        (`folder`: where a kept final state's row files are). Raises StoreMismatch when the checkpoint's
+        client state is not what the method declares, or the row files of `state.storage=mmap` cannot be
+        those of the checkpoint."""
         if self.clients is not None:
             self.clients.restore(snap, folder)
         return snap["state"]
@@ -588,8 +589,8 @@ class Experiment:
         if ckpt is not None and ckpt.get("run_id") == run_id:
             try:
                 state, start, resumed = self._restore(ckpt), ckpt["round"] + 1, ckpt["round"]
-            except StoreMismatch as e:          # `state.storage=mmap`: files that are not the checkpoint's
-                store.discard_checkpoint(run_id, f"client row files: {e}")
+            except StoreMismatch as e:   # client state this code cannot take (other declarations, or
+                store.discard_checkpoint(run_id, f"client state: {e}")   # `mmap` files not the checkpoint's)
                 self.clients = self.client_store()
                 ckpt = None
         if ckpt is not None and ckpt.get("run_id") == run_id:
