@@ -761,3 +761,4 @@ def test_data_info_prints_each_datasets_shapes_and_names_what_is_missing(tmp_pat
     assert main(["data", "info", "cifar10", "--dest", str(tmp_path / "none")]) == 2
     err = capsys.readouterr().err
     assert "does not hold dataset 'cifar10'" in err and "cifar-10-python.tar.gz" in err
+    assert f"`fedprism data download cifar10 --dest {tmp_path / 'none'}` fetches the files into it" in err

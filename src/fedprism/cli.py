@@ -12,7 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from fedprism.errors import FedPrismError
+from fedprism.errors import DataError, FedPrismError
 from fedprism.textable import fmt as _fmt  # noqa: F401
 from fedprism.textable import table as _table
 
@@ -365,7 +365,13 @@ def cmd_data(args) -> int:
             signal.signal(signal.SIGTERM, before)
     else:
         for name in args.names:
-            ds = load_dataset(name, root=args.dest)
+            try:
+                ds = load_dataset(name, root=args.dest)
+            except DataError as e:
+                if args.dest is None:
+                    raise
+                raise DataError(f"{e}\n(--dest is the data.root here: `fedprism data download {name} --dest "
+                                f"{args.dest}` fetches the files into it)") from None
             print(f"{name}: train {tuple(ds.x_train.shape)} test {tuple(ds.x_test.shape)} classes {len(ds.classes)}")
     return 0
 
