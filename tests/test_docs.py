@@ -23,7 +23,7 @@ PATH = re.compile(r"\b(?:" + "|".join(TOP) + r")/[A-Za-z0-9_./*<>-]+")
 NOT_IN_CHECKOUT = {"results/x.db", "results/fedprism.db.ckpt/"}
 #: wrong on purpose: the README's example of a mistyped configuration key
 MISTYPED = {"fedprism.kk"}
-DOTTED = re.compile(r"\bfedprism(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
+DOTTED = re.compile(r"(?<![/\w.-])fedprism(?:\.[A-Za-z_][A-Za-z0-9_]*)+")            # not inside a path
 
 
 def resolves(name: str) -> bool:

@@ -965,3 +965,52 @@ def test_mutate_script_says_whether_a_test_guards_a_line():
     rc, out = mutate("no such text", "x", *select)
     assert rc == 2 and "occurs 0 times" in out
     assert soft.read_bytes() == before
+
+
+def test_a_methods_base_classes_in_other_files_are_part_of_its_code(tmp_path, monkeypatch, capsys):
+    """A method that inherits its behaviour from a class in another module (FedPer from `partial.py`,
+    FedProx from `fedavg.py`) was fingerprinted by its own file only, so an edit of the base class reused
+    runs it had changed. The base files are now a fingerprint of their own (`method_bases`): a comment
+    there keeps the run, a code token is other code, and a run stored without it is still reused."""
+    import importlib
+    import sys
+
+    import fedprism
+    from fedprism.algorithms.base import REGISTRY
+    from fedprism.experiment.provenance import ProvenanceMismatch, bases_fingerprint, code_now
+
+    assert bases_fingerprint(REGISTRY["fedper"])["file"].endswith("fedprism/algorithms/partial.py")
+    assert bases_fingerprint(REGISTRY["fedprox"])["file"].endswith("fedprism/algorithms/fedavg.py")
+    assert bases_fingerprint(REGISTRY["fedavg"]) is None            # only the interface above it
+    base_src = ("from fedprism.algorithms.fedavg import FedAvg\n\n\nclass Mine(FedAvg):\n"
+                "    def aggregate(self, state, rnd, update):\n"
+                "        return super().aggregate(state, rnd, update)\n")
+    (tmp_path / "my_base.py").write_text(base_src)
+    (tmp_path / "my_method.py").write_text(         # a helper base in the method's own file is its own code
+        "from my_base import Mine\nfrom fedprism.algorithms.base import register\n\n\nclass Helper(Mine):\n"
+        "    pass\n\n\n@register\nclass Child(Helper):\n    name = 'child'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        importlib.import_module("my_method")
+        fp = bases_fingerprint(REGISTRY["child"])
+        assert fp["file"].split(" + ") == [(tmp_path / "my_base.py").resolve().as_posix(),
+                                           "fedprism/algorithms/fedavg.py"]
+        cfg = fedprism.config(method="child", clients=4, rounds=1, local_epochs=1)
+        db = tmp_path / "p.db"
+        res = fedprism.run(cfg, db=db)
+        prov = Store(str(db), readonly=True).provenance(res.run_id)
+        assert prov["code"]["method_bases"] == fp and code_now(prov) == "the same as stored"
+        (tmp_path / "my_base.py").write_text(base_src + "# a comment\n")
+        assert fedprism.run(cfg, db=db).final == res.final                  # a comment: the same code
+        (tmp_path / "my_base.py").write_text(base_src.replace("return super()", "out = super()") +
+                                             "        return out\n")
+        assert code_now(prov).startswith("differs (method_bases code (")
+        with pytest.raises(ProvenanceMismatch, match="method_bases code .*my_base.py"):
+            fedprism.run(cfg, db=db)
+        before = {k: v for k, v in prov["code"].items() if k != "method_bases"}
+        _tamper(str(db), res.run_id, ("code",), before)
+        assert fedprism.run(cfg, db=db).final == res.final                  # recorded before: not compared
+    finally:
+        REGISTRY.pop("child", None)
+        for m in ("my_method", "my_base"):
+            sys.modules.pop(m, None)

@@ -9,7 +9,11 @@ A run's provenance is a JSON object in the `provenance` column of the store's `r
                  builder's file, together with its class's file when that is another file outside
                  torch: a builder returning `torch.nn.Sequential` is fingerprinted by its own code.
                  `text` is a second hash of the same file(s), over its Python tokens without comments,
-                 docstrings and blank lines (`text_sha256`)
+                 docstrings and blank lines (`text_sha256`). `method_bases`: the same two hashes over
+                 the files of the classes the algorithm inherits from, other than its own file and the
+                 interface (`INTERFACE_MODULES`): FedPer's `partial.py`, FedProx's `fedavg.py`; absent
+                 (None) for a method that inherits only the interface, and in runs recorded before it
+                 existed, which are therefore compared on their own file alone
     data         sha256 over the arrays the run trained and evaluated on: the in-memory train/test
                  tensors after loading, padding and subsetting, and every client's train/test indices
                  (the partition). Hashing the decoded arrays is cheap (a fraction of a second for
@@ -49,7 +53,7 @@ import torch
 from fedprism.errors import FedPrismError
 
 #: keys of the provenance object that `check` compares (fingerprints); everything else is a record
-COMPARED = (("code", "method"), ("code", "model"), ("data",))
+COMPARED = (("code", "method"), ("code", "method_bases"), ("code", "model"), ("data",))
 
 
 class ProvenanceMismatch(FedPrismError):
@@ -127,6 +131,33 @@ def source_fingerprint(obj: Any) -> dict[str, str] | None:
     if path is None:
         return None
     return {**_file_hashes(path), "file": _where(str(path)), "class": f"{cls.__module__}.{cls.__qualname__}"}
+
+
+#: the interface every method implements: not a method's own code (changing it would orphan every run)
+INTERFACE_MODULES = ("fedprism.algorithms.base", "fedprism.protocol")
+
+
+def bases_fingerprint(cls: type) -> dict[str, str] | None:
+    """The source files of the classes `cls` inherits from (its method resolution order), other than its
+    own file and the interface (`INTERFACE_MODULES`, builtins): FedPer's `partial.py`, FedProx's
+    `fedavg.py`. One hash over their file hashes (and one over their text hashes), or None when `cls`
+    inherits only from the interface."""
+    own = _source_file(cls)
+    files: list[Path] = []
+    for base in cls.__mro__[1:]:
+        if base.__module__ in INTERFACE_MODULES or base.__module__ == "builtins":
+            continue
+        path = _source_file(base)
+        if path is not None and path != own and path not in files:
+            files.append(path)
+    if not files:
+        return None
+    parts = [_file_hashes(p) for p in files]
+    texts = [h["text"] for h in parts]
+    return {"sha256": hashlib.sha256("".join(h["sha256"] for h in parts).encode()).hexdigest(),
+            "text": hashlib.sha256("".join(texts).encode()).hexdigest() if all(texts) else None,
+            "file": " + ".join(_where(str(p)) for p in files),
+            "class": f"{cls.__module__}.{cls.__qualname__}"}
 
 
 def model_fingerprint(name: str, model: Any) -> dict[str, str] | None:
@@ -210,9 +241,10 @@ def capture(exp: Any) -> dict[str, Any]:
                "device": str(getattr(eng, "device", "") or "") or None})
     if str(ex["device"]).startswith("cuda"):     # CUDA engines turn it on (engine.base.deterministic_cudnn)
         ex["cudnn_deterministic"] = bool(torch.backends.cudnn.deterministic)
+    algo = type(exp.algo) if getattr(exp, "algo", None) is not None else None
     return {"version": __version__,
-            "code": {"method": source_fingerprint(type(exp.algo)) if getattr(exp, "algo", None) is not None
-                     else None,
+            "code": {"method": source_fingerprint(algo) if algo is not None else None,
+                     "method_bases": bases_fingerprint(algo) if algo is not None else None,
                      "model": _experiment_model(exp)},
             "data": data_fingerprint(getattr(exp, "fed", None)),
             "execution": ex}
@@ -240,7 +272,9 @@ def fingerprints(cfg: Any) -> dict[str, Any]:
     fed = build_federation(cfg)
     name = resolve_model_name(cfg["model"], fed.input_shape)
     model = build_model(name, fed.input_shape, fed.num_classes)
-    return {"code": {"method": source_fingerprint(REGISTRY[cfg["method"]]), "model": model_fingerprint(name, model)},
+    cls = REGISTRY[cfg["method"]]
+    return {"code": {"method": source_fingerprint(cls), "method_bases": bases_fingerprint(cls),
+                     "model": model_fingerprint(name, model)},
             "data": data_fingerprint(fed)}
 
 
@@ -304,7 +338,7 @@ def code_now(stored: dict | None) -> str | None:
     for part, fp in code.items():
         if fp is None:                           # nothing recorded for this part: nothing to compare
             continue
-        if not isinstance(fp, dict) or " + " in str(fp.get("file", "")):
+        if not isinstance(fp, dict) or (part != "method_bases" and " + " in str(fp.get("file", ""))):
             return None
         module, _, qualname = str(fp.get("class", "")).rpartition(".")
         try:
@@ -313,6 +347,11 @@ def code_now(stored: dict | None) -> str | None:
                 obj = getattr(obj, name)
         except (ImportError, AttributeError, ValueError):
             return None
+        if part == "method_bases":               # the files of the classes it inherits from, followed again
+            now[part] = bases_fingerprint(obj) if inspect.isclass(obj) else None
+            if now[part] is None:
+                return f"differs ({part}: it inherits from no file outside the interface now)"
+            continue
         path = _source_file(obj)
         if path is None:
             return None
