@@ -1,8 +1,7 @@
 """The documentation names things that exist: every `fedprism.x.y` in a code span is an importable
 module or attribute, a method's configuration key or an entry-point group, and every repository path in
 a code span or a fenced code block (the commands) and every relative markdown link points at a file or
-folder of the checkout. A rename in the
-code that leaves a document behind fails here."""
+folder of the checkout. A rename in the code that leaves a document behind fails here."""
 
 from __future__ import annotations
 
