@@ -986,9 +986,9 @@ def test_a_methods_base_classes_in_other_files_are_part_of_its_code(tmp_path, mo
                 "    def aggregate(self, state, rnd, update):\n"
                 "        return super().aggregate(state, rnd, update)\n")
     (tmp_path / "my_base.py").write_text(base_src)
-    (tmp_path / "my_method.py").write_text(         # a helper base in the method's own file is its own code
-        "from my_base import Mine\nfrom fedprism.algorithms.base import register\n\n\nclass Helper(Mine):\n"
-        "    pass\n\n\n@register\nclass Child(Helper):\n    name = 'child'\n")
+    (tmp_path / "my_method.py").write_text(         # a helper base in its own file, and Python's abc.ABC
+        "import abc\nfrom my_base import Mine\nfrom fedprism.algorithms.base import register\n\n\n"
+        "class Helper(Mine, abc.ABC):\n    pass\n\n\n@register\nclass Child(Helper):\n    name = 'child'\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
         importlib.import_module("my_method")

@@ -42,6 +42,7 @@ import hashlib
 import inspect
 import io
 import platform
+import sysconfig
 import tokenize
 from functools import lru_cache
 from pathlib import Path
@@ -139,16 +140,16 @@ INTERFACE_MODULES = ("fedprism.algorithms.base", "fedprism.protocol")
 
 def bases_fingerprint(cls: type) -> dict[str, str] | None:
     """The source files of the classes `cls` inherits from (its method resolution order), other than its
-    own file and the interface (`INTERFACE_MODULES`, builtins): FedPer's `partial.py`, FedProx's
-    `fedavg.py`. One hash over their file hashes (and one over their text hashes), or None when `cls`
-    inherits only from the interface."""
-    own = _source_file(cls)
+    own file, the interface (`INTERFACE_MODULES`) and Python's own (builtins, the standard library):
+    FedPer's `partial.py`, FedProx's `fedavg.py`. One hash over their file hashes (and one over their text
+    hashes), or None when `cls` inherits only from the interface."""
+    own, stdlib = _source_file(cls), Path(sysconfig.get_paths()["stdlib"]).resolve()
     files: list[Path] = []
     for base in cls.__mro__[1:]:
         if base.__module__ in INTERFACE_MODULES or base.__module__ == "builtins":
             continue
-        path = _source_file(base)
-        if path is not None and path != own and path not in files:
+        path = _source_file(base)                # `abc.ABC`, `typing.Generic`: Python's, not the method's
+        if path is not None and path != own and path not in files and stdlib not in path.parents:
             files.append(path)
     if not files:
         return None
