@@ -377,6 +377,31 @@ def test_changing_the_routing_temperature_rescores_without_training(tmp_path):
     assert e4.engine.samples_trained > 0
 
 
+def test_a_kept_state_trained_by_other_code_is_not_rescored(tmp_path):
+    """The reuse rule holds for re-scoring too: a kept final state whose run was stored from other code
+    (its method file's fingerprint differs) is what that code trained, so a new evaluation setting trains
+    under today's code instead of re-scoring it, and the source run is left as it is."""
+    import json
+    import sqlite3
+
+    base = dict(method="fedprism_dual", fedprism_dual__k=2, rounds=2, fraction=1.0)
+    c5 = cfg(**base, fedprism_dual__inference_temperature=5.0)
+    c2 = cfg(**base, fedprism_dual__inference_temperature=2.0)
+    store = Store(tmp_path / "t.db")
+    Experiment(c5, store).run()
+    prov = store.provenance(c5.run_id)
+    prov["code"]["method"] = {**prov["code"]["method"], "sha256": "0" * 64, "text": "1" * 64}
+    con = sqlite3.connect(tmp_path / "t.db")
+    con.execute("UPDATE runs SET provenance=? WHERE run_id=?", (json.dumps(prov), c5.run_id))
+    con.commit()
+    con.close()
+    e2 = Experiment(c2, store)
+    second = e2.run()
+    assert e2.engine.samples_trained > 0 and "rescored_from" not in second.final
+    assert store.records(c2.run_id, "rescored") == []
+    assert store.provenance(c5.run_id)["code"]["method"]["sha256"] == "0" * 64
+
+
 # -- layering ----------------------------------------------------------------------------------------
 def _imports(path: Path) -> set[str]:
     tree = ast.parse(path.read_text())

@@ -511,10 +511,13 @@ class Experiment:
         """What is stored with the run about how it ran (`fedprism.experiment.provenance.capture`)."""
         return capture(self)
 
-    def rescore_source(self) -> tuple[str, dict] | None:
+    def rescore_source(self, provenance: dict | None = None) -> tuple[str, dict] | None:
         """A finished run that trained exactly this configuration (same training identity, other
-        evaluation-only settings) and whose final state was kept: (its run id, the kept state)."""
+        evaluation-only settings) and whose final state was kept: (its run id, the kept state). With
+        `provenance` (this run's), a run stored from other code or data is not a source: its kept state
+        is not what this code would have trained (the reuse rule of docs/reproducibility.md)."""
         from fedprism.experiment.config import resolve
+        from fedprism.experiment.provenance import differences
 
         if not self.shares_final:
             return None
@@ -527,6 +530,8 @@ class Experiment:
             except Exception:  # noqa: BLE001 - a stored config of an older version: not a match
                 continue
             if other.train_id == want:
+                if provenance is not None and differences(self.store.provenance(row["run_id"]), provenance):
+                    continue
                 kept = self.store.load_final(want)
                 if kept is not None:
                     return row["run_id"], kept
@@ -581,7 +586,7 @@ class Experiment:
             store.start_run(run_id, cfg.values, self.sweep, provenance=prov)   # sweep membership
             return RunResult(run_id, "finished", _json(row["final"]), store.round_metrics(run_id), reused=True)
         if row is None or row["rounds_done"] == 0:
-            src = self.rescore_source()
+            src = self.rescore_source(prov)
             if src is not None:
                 return self.rescore(*src, provenance=prov)
         store.start_run(run_id, cfg.values, self.sweep, provenance=prov)
