@@ -24,12 +24,12 @@ from test_flower import (EXP4, FakeGrid, assert_same_state, in_process, nodes_fo
 
 from fedprism.algorithms.base import Plan, Update  # noqa: E402
 from fedprism.experiment.store import Store  # noqa: E402
-from fedprism.protocol import EvalResult  # noqa: E402
 from fedprism.flower import codec  # noqa: E402
 from fedprism.flower.node import build_node  # noqa: E402
 from fedprism.flower.server_app import serve, server_data  # noqa: E402
 from fedprism.flower.settings import RunSettings, parse_experiment  # noqa: E402
 from fedprism.flower.trust import Refused, Registry, fingerprint, parse_identity, sample_count  # noqa: E402
+from fedprism.protocol import EvalResult  # noqa: E402
 
 FEDAVG4 = EXP4.replace("method=fedprism", "method=fedavg").replace(" fedprism.k=2 fedprism.every=1", "")
 
