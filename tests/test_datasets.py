@@ -762,3 +762,17 @@ def test_data_info_prints_each_datasets_shapes_and_names_what_is_missing(tmp_pat
     err = capsys.readouterr().err
     assert "does not hold dataset 'cifar10'" in err and "cifar-10-python.tar.gz" in err
     assert f"`fedprism data download cifar10 --dest {tmp_path / 'none'}` fetches the files into it" in err
+
+
+def test_the_demo_uses_fashion_mnist_when_found_and_says_when_it_falls_back_to_digits(tmp_path, monkeypatch,
+                                                                                     capsys):
+    """README's set-up promise: `fedprism demo` runs on Fashion-MNIST where it is installed or downloaded,
+    and otherwise on scikit-learn's bundled digits, saying why and how to get Fashion-MNIST."""
+    from fedprism.experiment.demo import default_dataset
+
+    assert default_dataset() == "digits"                              # isolated: no copy anywhere
+    err = capsys.readouterr().err
+    assert "Fashion-MNIST not found" in err and "fedprism data download fmnist" in err and "digits" in err
+    write_fake("fmnist", tmp_path / "data" / "fmnist", n_train=30, n_test=12)
+    monkeypatch.setenv("FEDPRISM_DATA", str(tmp_path / "data"))
+    assert default_dataset() == "fmnist" and capsys.readouterr().err == ""
