@@ -800,3 +800,30 @@ def test_malformed_scores_are_refused_naming_the_field(change, needle):
         codec.decode_scores(_scores(), num_classes=3)                           # other number of classes
     with pytest.raises(ValueError, match="record .* missing"):
         codec.decode_scores(RecordDict({codec.META: _scores().config_records[codec.META]}))
+
+
+def test_a_node_refuses_messages_that_are_not_for_it_or_malformed():
+    """The node side of a hostile or broken server: a plan for another client, an unknown split, parameter
+    rows that do not match the splits, a client id outside the federation, and a drifting federation's
+    message without its round are each a ValueError naming the problem, and the node's state is unchanged."""
+    exp = ("method=local dataset=digits clients=4 rounds=2 local_epochs=1 model=mlp device=cpu "
+           "engine=sequential")
+    node = build_node(exp, 1)
+    before = {k: v.clone() for k, v in node.store.rows().items()}
+    P = node.engine.spec.size
+    with pytest.raises(ValueError, match=r"this node is client 1; the message is for clients \[2\]"):
+        node.train(Plan(np.array([2])), 0)
+    with pytest.raises(ValueError, match=r"this node is client 1; the message is for clients \[1, 2\]"):
+        node.train(Plan(np.array([1, 2])), 0)
+    with pytest.raises(ValueError, match="unknown split 'secret': one of"):
+        node.evaluate(torch.zeros(1, P), ["secret"])
+    with pytest.raises(ValueError, match=r"\(1, \d+\) parameter rows for 2 splits"):
+        node.evaluate(torch.zeros(1, P), ["local", "train"])
+    assert all(torch.equal(v, before[k]) for k, v in node.store.rows().items())
+    assert node.evaluate(torch.zeros(2, P), ["local", "train"]).count.shape == (2,)     # well-formed: scored
+    for bad in (-1, 4):
+        with pytest.raises(ValueError, match=r"client id -?\d outside \[0, 3\]"):
+            build_node(exp, bad)
+    drifting = build_node(exp + " drift.fraction=0.5", 0)
+    with pytest.raises(ValueError, match="field 'round' missing: under drift.fraction > 0"):
+        drifting.evaluate(torch.zeros(1, P), ["local"])
