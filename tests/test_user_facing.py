@@ -1014,3 +1014,33 @@ def test_a_methods_base_classes_in_other_files_are_part_of_its_code(tmp_path, mo
         REGISTRY.pop("child", None)
         for m in ("my_method", "my_base"):
             sys.modules.pop(m, None)
+
+
+def test_verify_compares_per_client_rows_and_records_too(tmp_path, capsys):
+    """Beyond the round metrics: a stored client's accuracy or a stored record (Fed-PRISM's clusters) that
+    today's code does not reproduce is named, round and client or record kind; the store is not written."""
+    db = str(tmp_path / "v.db")
+    res = _run(db, threads=1, method="fedprism", fedprism__k=2, fedprism__every=1)
+    assert main(["verify", "--db", db, res.run_id, "--rounds", "2", "--quiet"]) == 0
+    capsys.readouterr()
+    con = sqlite3.connect(db)
+    kinds = [k for (k,) in con.execute("SELECT DISTINCT kind FROM records WHERE run_id=? AND round=1",
+                                       (res.run_id,))]
+    assert kinds, "a Fed-PRISM round records its clustering"
+    seq, data = con.execute("SELECT seq, data FROM records WHERE run_id=? AND round=1 AND kind=? "
+                            "ORDER BY seq", (res.run_id, kinds[0])).fetchone()
+    con.execute("UPDATE records SET data=? WHERE run_id=? AND round=1 AND seq=?",
+                (json.dumps({"forged": True, "was": json.loads(data) if data else None}), res.run_id, seq))
+    con.commit()
+    before = _digest(Path(db))
+    assert main(["verify", "--db", db, res.run_id, "--rounds", "2", "--quiet"]) == 1
+    assert f"DIFFERS: round 2, record '{kinds[0]}' differs" in capsys.readouterr().out
+    assert _digest(Path(db)) == before
+    first = con.execute("SELECT MIN(client) FROM client_metrics WHERE run_id=? AND round=1",
+                        (res.run_id,)).fetchone()[0]
+    con.execute("UPDATE client_metrics SET local_acc = local_acc + 0.5 "
+                "WHERE run_id=? AND round=1 AND client=?", (res.run_id, first))
+    con.commit()
+    con.close()
+    assert main(["verify", "--db", db, res.run_id, "--rounds", "2", "--quiet"]) == 1
+    assert f"DIFFERS: round 2, client {first}, local_acc" in capsys.readouterr().out
