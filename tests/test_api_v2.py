@@ -612,3 +612,27 @@ def test_api_arguments_of_the_wrong_kind_are_named(tmp_path):
         with pytest.raises(ValueError, match=r"not distinct client indices in 0\.\.5"):
             sim.round(0, np.array(bad))
     assert sim.round(0, np.arange(3))[1].clients.tolist() == [0, 1, 2]
+
+
+def test_a_failing_rescore_marks_only_the_new_run_failed_and_runs_again(tmp_path, monkeypatch):
+    """An error while a kept final state is re-scored (here: in the evaluation) marks the new run failed
+    and leaves the source run and its kept state as they were; the same command then re-scores."""
+    base = dict(method="fedprism_dual", fedprism_dual__k=2, rounds=2, fraction=1.0)
+    c5 = cfg(**base, fedprism_dual__inference_temperature=5.0)
+    c2 = cfg(**base, fedprism_dual__inference_temperature=2.0)
+    store = Store(tmp_path / "t.db")
+    first = Experiment(c5, store).run()
+    e2 = Experiment(c2, store)
+
+    def broken(*a, **k):
+        raise RuntimeError("evaluation broke")
+
+    monkeypatch.setattr(e2, "evaluate_round", broken)
+    with pytest.raises(RuntimeError, match="evaluation broke"):
+        e2.run()
+    assert store.run(c2.run_id)["status"] == "failed" and e2.engine.samples_trained == 0
+    assert store.run(c5.run_id)["status"] == "finished" and store.load_final(c5.train_id) is not None
+    again = Experiment(c2, store)
+    second = again.run()
+    assert again.engine.samples_trained == 0 and second.final["rescored_from"] == c5.run_id
+    assert second.final["global_acc"] == pytest.approx(first.final["global_acc@T=2"], abs=1e-12)
