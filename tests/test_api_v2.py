@@ -377,6 +377,16 @@ def test_changing_the_routing_temperature_rescores_without_training(tmp_path):
     assert e4.engine.samples_trained > 0
 
 
+def _trained_at_t5(tmp_path, rounds: int):
+    """A finished fedprism_dual run at inference temperature 5 (its final state kept), and the config that
+    differs only in that evaluation-only setting (temperature 2)."""
+    base = dict(method="fedprism_dual", fedprism_dual__k=2, rounds=rounds, fraction=1.0)
+    c5 = cfg(**base, fedprism_dual__inference_temperature=5.0)
+    c2 = cfg(**base, fedprism_dual__inference_temperature=2.0)
+    store = Store(tmp_path / "t.db")
+    return c5, c2, store, Experiment(c5, store).run()
+
+
 def test_a_kept_state_trained_by_other_code_is_not_rescored(tmp_path):
     """The reuse rule holds for re-scoring too: a kept final state whose run was stored from other code
     (its method file's fingerprint differs) is what that code trained, so a new evaluation setting trains
@@ -384,11 +394,7 @@ def test_a_kept_state_trained_by_other_code_is_not_rescored(tmp_path):
     import json
     import sqlite3
 
-    base = dict(method="fedprism_dual", fedprism_dual__k=2, rounds=2, fraction=1.0)
-    c5 = cfg(**base, fedprism_dual__inference_temperature=5.0)
-    c2 = cfg(**base, fedprism_dual__inference_temperature=2.0)
-    store = Store(tmp_path / "t.db")
-    Experiment(c5, store).run()
+    c5, c2, store, _ = _trained_at_t5(tmp_path, rounds=2)
     prov = store.provenance(c5.run_id)
     prov["code"]["method"] = {**prov["code"]["method"], "sha256": "0" * 64, "text": "1" * 64}
     con = sqlite3.connect(tmp_path / "t.db")
@@ -617,11 +623,7 @@ def test_api_arguments_of_the_wrong_kind_are_named(tmp_path):
 def test_a_failing_rescore_marks_only_the_new_run_failed_and_runs_again(tmp_path, monkeypatch):
     """An error while a kept final state is re-scored (here: in the evaluation) marks the new run failed
     and leaves the source run and its kept state as they were; the same command then re-scores."""
-    base = dict(method="fedprism_dual", fedprism_dual__k=2, rounds=2, fraction=1.0)
-    c5 = cfg(**base, fedprism_dual__inference_temperature=5.0)
-    c2 = cfg(**base, fedprism_dual__inference_temperature=2.0)
-    store = Store(tmp_path / "t.db")
-    first = Experiment(c5, store).run()
+    c5, c2, store, first = _trained_at_t5(tmp_path, rounds=2)
     e2 = Experiment(c2, store)
 
     def broken(*a, **k):

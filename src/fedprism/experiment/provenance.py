@@ -153,12 +153,16 @@ def bases_fingerprint(cls: type) -> dict[str, str] | None:
             files.append(path)
     if not files:
         return None
-    parts = [_file_hashes(p) for p in files]
+    return {**_joint([_file_hashes(p) for p in files]), "file": " + ".join(_where(str(p)) for p in files),
+            "class": f"{cls.__module__}.{cls.__qualname__}"}
+
+
+def _joint(parts: list[dict]) -> dict[str, str | None]:
+    """One fingerprint of several files, in order: sha256 over their sha256 hex digests, and over their
+    text hashes when every file has one."""
     texts = [h["text"] for h in parts]
     return {"sha256": hashlib.sha256("".join(h["sha256"] for h in parts).encode()).hexdigest(),
-            "text": hashlib.sha256("".join(texts).encode()).hexdigest() if all(texts) else None,
-            "file": " + ".join(_where(str(p)) for p in files),
-            "class": f"{cls.__module__}.{cls.__qualname__}"}
+            "text": hashlib.sha256("".join(texts).encode()).hexdigest() if all(texts) else None}
 
 
 def model_fingerprint(name: str, model: Any) -> dict[str, str] | None:
@@ -179,10 +183,7 @@ def model_fingerprint(name: str, model: Any) -> dict[str, str] | None:
     cls_path = _source_file(type(model))           # None exactly when `built` is None
     if cls_path is None or cls_path == path or _source_file(torch).parent in cls_path.parents:
         return ours
-    both = hashlib.sha256((ours["sha256"] + built["sha256"]).encode()).hexdigest()
-    text = (hashlib.sha256((ours["text"] + built["text"]).encode()).hexdigest()
-            if ours["text"] and built["text"] else None)
-    return {"sha256": both, "text": text, "file": f"{ours['file']} + {built['file']}",
+    return {**_joint([ours, built]), "file": f"{ours['file']} + {built['file']}",
             "class": f"{ours['class']} -> {built['class']}"}
 
 

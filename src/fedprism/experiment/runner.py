@@ -513,9 +513,10 @@ class Experiment:
 
     def rescore_source(self, provenance: dict | None = None) -> tuple[str, dict] | None:
         """A finished run that trained exactly this configuration (same training identity, other
-        evaluation-only settings) and whose final state was kept: (its run id, the kept state). With
-        `provenance` (this run's), a run stored from other code or data is not a source: its kept state
-        is not what this code would have trained (the reuse rule of docs/reproducibility.md)."""
+        evaluation-only settings) and whose final state was kept: (the id of the run that kept it, the
+        kept state). One state is kept per training id, so it is loaded once. With `provenance` (this
+        run's), a state kept by a run stored from other code or data is not a source: it is not what this
+        code would have trained (the reuse rule of docs/reproducibility.md)."""
         from fedprism.experiment.config import resolve
         from fedprism.experiment.provenance import differences
 
@@ -529,12 +530,15 @@ class Experiment:
                 other = resolve(_json(row["config"]))
             except Exception:  # noqa: BLE001 - a stored config of an older version: not a match
                 continue
-            if other.train_id == want:
-                if provenance is not None and differences(self.store.provenance(row["run_id"]), provenance):
-                    continue
-                kept = self.store.load_final(want)
-                if kept is not None:
-                    return row["run_id"], kept
+            if other.train_id != want:
+                continue
+            kept = self.store.load_final(want)
+            if kept is None:
+                return None
+            source = str(kept.get("run_id") or row["run_id"])          # the run that trained this state
+            if provenance is not None and differences(self.store.provenance(source), provenance):
+                return None
+            return source, kept
         return None
 
     def rescore(self, source: str, kept: dict, provenance: dict | None = None) -> RunResult:
