@@ -181,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bf16-eval", action="store_true",
                     help="also score every model with a second engine at eval.precision=bfloat16 (b16), timed "
                          "right after (b)'s evaluation: its ratio to (a) and (b) and the largest accuracy change")
+    ap.add_argument("--fused-eval", action="store_true",
+                    help="also score every model with a second engine at eval.kernels=fused (bf: the fused "
+                         "first conv block, fedprism.engine.fused), timed right after (b)'s evaluation: its "
+                         "ratio to (a) and (b) and the largest accuracy change")
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds = min(args.rounds, 2)
@@ -217,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     eng16 = VectorizedEngine(fed, model, dataclasses.replace(cfg, eval_precision="bfloat16"), args.seed, device,
                              compile=compile_opt, rounds=args.full_rounds) if args.bf16_eval else None
     d16: list[float] = []
+    engf = VectorizedEngine(fed, model, dataclasses.replace(cfg, eval_kernels="fused"), args.seed, device,
+                            compile=compile_opt, rounds=args.full_rounds) if args.fused_eval else None
+    dfu: list[float] = []
     W = flatten(model).to(device).expand(fed.num_clients, -1).clone()
     everyone = np.arange(fed.num_clients)
     n_ref = args.ref_eval_models if 0 < args.ref_eval_models < fed.num_clients else fed.num_clients
@@ -261,6 +268,12 @@ def main(argv: list[str] | None = None) -> int:
                 t["beval16"] = now(device) - s
                 d16.append(max((l16.accuracy - lr_.accuracy).abs().max().item(),
                                (g16.accuracy - gr.accuracy).abs().max().item()))
+            if who == "b" and engf is not None:            # the same models and splits, fused kernels
+                s = now(device)
+                lf, gf = engf.evaluate(W, everyone, "local"), engf.evaluate(W, everyone, "global")
+                t["bevalf"] = now(device) - s
+                dfu.append(max((lf.accuracy - lr_.accuracy).abs().max().item(),
+                               (gf.accuracy - gr.accuracy).abs().max().item()))
         t["aeval"] *= scale          # (a) evaluated n_ref models; scale to all of them
         # (b) with exact evaluation caching (Local): only this round's trained models change
         s = now(device)
@@ -299,6 +312,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"evaluation  samples/s  (b16) {ev16:9,.0f}   ratio (b16)/(a) {ev16 / ev_a:5.2f}x   (b16)/(b) "
               f"{ev16 / ev_b:5.2f}x   end-to-end (a)/(b16) {per_a / per16:5.2f}x   largest change of a model's "
               f"accuracy against (b): {max(d16):.4f}")
+    if engf is not None:
+        evf = n_eval / tot["bevalf"]
+        perf = (tot["btrain"] + tot["bevalf"]) / k
+        print(f"evaluation  samples/s  (bf) {evf:9,.0f}   ratio (bf)/(a) {evf / ev_a:5.2f}x   (bf)/(b) "
+              f"{evf / ev_b:5.2f}x   end-to-end (a)/(bf) {per_a / perf:5.2f}x   largest change of a model's "
+              f"accuracy against (b): {max(dfu):.4f}")
     print(f"(b) one-time overhead: engine setup {setup_b:.1f} s + compilation/warm-up in round 0 "
           f"~{compile_s:.1f} s")
     full_a = R * per_a

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -46,6 +47,10 @@ class LocalConfig:
     #: precision of evaluation forward passes: float32, or bfloat16 (weights and inputs cast, logits
     #: returned as float32; faster where the CPU has native bf16, e.g. AVX512-BF16). Training is float32.
     eval_precision: str = "float32"
+    #: kernels of evaluation forward passes: "aten" (PyTorch's), or "fused" (a model's first
+    #: conv -> ReLU -> 2x2 max-pooling in one CPU kernel, `fedprism.engine.fused`; logits change at float32
+    #: rounding). Training always runs PyTorch's kernels.
+    eval_kernels: str = "aten"
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
 
@@ -244,12 +249,35 @@ class EngineBase:
         self.f = Functional(self.model)
         self.spec = self.f.spec
         self.cfg = cfg
+        if cfg.eval_kernels not in ("aten", "fused"):
+            raise ValueError(f"eval_kernels must be 'aten' or 'fused', got {cfg.eval_kernels!r}")
+        if cfg.eval_kernels == "fused":
+            self._fuse_eval_kernels()
         self.seed = seed
         self._train_idx = [torch.as_tensor(i, dtype=torch.long, device=self.device) for i in fed.train_idx]
         self._test_idx = [torch.as_tensor(i, dtype=torch.long, device=self.device) for i in fed.test_idx]
         self._val_idx = None if fed.val_idx is None else \
             [torch.as_tensor(i, dtype=torch.long, device=self.device) for i in fed.val_idx]
         self.samples_trained = 0
+
+    def _fuse_eval_kernels(self) -> None:
+        """`eval_kernels = fused`: the inference copy of the model gets the fused first block
+        (`fedprism.engine.fused`); on a CUDA device, or where the kernel cannot be built, a warning and
+        PyTorch's kernels."""
+        from fedprism.engine import fused
+
+        if self.device.type != "cpu":
+            warnings.warn(f"eval.kernels=fused has a CPU kernel only; this engine on {self.device} "
+                          "evaluates with PyTorch's kernels", stacklevel=3)
+            return
+        if not fused.load():
+            warnings.warn(f"eval.kernels=fused: the fused kernel is unavailable "
+                          f"({fused.unavailable_reason()}); evaluating with PyTorch's kernels", stacklevel=3)
+            return
+        base = self.f.inference_module if self.f.inference_module is not None else self.model
+        done = fused.fuse_stems(base)
+        if done is not None:
+            self.f.inference_module = done
 
     def set_rows(self, train_idx: list, test_idx: list, val_idx: list | None = None) -> None:
         """Replace every client's train / local test / validation rows (indices into the same pools): a

@@ -85,6 +85,12 @@ KEYS: dict[str, Param] = {
                             "(weights and inputs cast; faster on CPUs with native bf16 such as AVX512-BF16, "
                             "numbers change slightly: bench/README.md). Training is always float32",
                             choices=("float32", "bfloat16"), new=True),
+    "eval.kernels": Param("aten", "kernels of every evaluation forward pass on a CPU: aten (PyTorch's, "
+                          "the stored runs' numbers) or fused (a model's first conv -> ReLU -> 2x2 "
+                          "max-pooling in one C++ kernel built with the system compiler on first use, "
+                          "fedprism.engine.fused; logits change at float32 rounding: bench/README.md). "
+                          "Training always runs PyTorch's kernels",
+                          choices=("aten", "fused"), new=True),
     "eval.gate": Param("none", "a learned routing gate between a dual-stream method's specialist and "
                        "backbone (learned: fitted on the validation splits at the final evaluation, one "
                        "candidate routing per weight, `gate w=..`; fedprism.experiment.gate); "

@@ -1,0 +1,216 @@
+"""A fused CPU kernel for a model's first block, ``Conv2d -> ReLU -> MaxPool2d(2)``, in evaluation
+(``eval.kernels = fused``).
+
+Why: on the FedPrism paper workload the first convolution of LeNet-5 (one input channel, 6 filters of
+5 x 5) is the largest cost of scoring models on the CPU. oneDNN computes it at about a tenth of the
+CPU's GEMM peak and writes the [samples, models x 6, 28, 28] map, which the pooling then reads back
+(bench/README.md, "Fused first block"). `csrc/fused_stem.cpp` computes each pooled output from the
+image in registers: an im2col of one image whose columns are the four corners of each 2 x 2 window,
+times a block of six filters, the maximum of the four, then ReLU. The 28 x 28 map is never written.
+
+Numbers: each output is the same sum of the same products as the convolution's, but summed in tap
+order, so the logits differ from PyTorch's at float32 rounding (a few 1e-6) and a prediction can flip
+where two classes tie to that precision. So it is a setting, `aten` by default (every stored run's
+numbers), like `eval.precision`. Training never uses it: the kernel has no backward.
+
+Where it applies: a plain ``Conv2d`` (stride 1, no padding, no dilation, one group, with bias, at most
+`MAX_IN_CHANNELS` input channels) directly followed by ``ReLU`` and a plain 2 x 2 max-pooling inside an
+``nn.Sequential``, on a CPU, in float32 (a bfloat16 evaluation, or a CUDA device, runs the plain
+layers). On the second convolution of LeNet-5 (6 input channels) the kernel measured 3.5x slower than
+oneDNN's grouped convolution, so only first layers qualify. ``torch.vmap`` over models maps onto the
+kernel's groups: a shared input batch stacks all models' filters into one group, a batch per model
+gives one group per model.
+
+The kernel is compiled once per machine with the system's C++ compiler (``$CXX``, else g++; the same
+compiler ``torch.compile`` needs) for its instruction set (``-march=native``), and cached under
+``$FEDPRISM_KERNEL_CACHE`` (default ``~/.cache/fedprism/kernels``) by a hash of the source, the torch
+version and the CPU's flags. If it cannot be built or loaded the engine warns once, names the reason,
+and evaluates with the plain layers.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fedprism.models.pooling import MaxPool2x2, _plain_2x2
+
+SOURCE = Path(__file__).with_name("csrc") / "fused_stem.cpp"
+#: first layers only: with 6 input channels (LeNet-5's second convolution) the kernel is slower than oneDNN
+MAX_IN_CHANNELS = 3
+KERNELS = ("aten", "fused")
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}      # this process's verdict: "ok", and "why" when not
+_loaded: dict[str, Path] = {}      # the library loaded into this process, if any
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("FEDPRISM_KERNEL_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fedprism" / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compile(cxx: str, out: Path) -> None:
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    libs = library_paths()
+    cmd = [cxx, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
+           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+           *[f"-I{p}" for p in include_paths()], str(SOURCE), "-o", str(out),
+           *[f"-L{p}" for p in libs], "-lc10", "-ltorch_cpu", "-ltorch", *[f"-Wl,-rpath,{p}" for p in libs]]
+    r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"{cxx} failed ({r.returncode}): {r.stderr.strip()[-800:]}")
+
+
+def load() -> bool:
+    """Build (once per machine) and load the kernel; False, with `unavailable_reason()`, if that fails."""
+    with _lock:
+        if "ok" in _state:
+            return bool(_state["ok"])
+        try:
+            cxx = os.environ.get("CXX", "g++")
+            if shutil.which(cxx) is None:
+                raise RuntimeError(f"no C++ compiler {cxx!r} on PATH (set CXX)")
+            key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode()
+                                 + cxx.encode()).hexdigest()[:16]
+            lib = cache_dir() / f"fused_stem_{key}.so"
+            if not lib.exists():
+                lib.parent.mkdir(parents=True, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
+                os.close(fd)
+                try:
+                    _compile(cxx, Path(tmp))
+                    os.replace(tmp, lib)          # atomic: a concurrent build wins or loses whole
+                finally:
+                    if os.path.exists(tmp):
+                        os.unlink(tmp)
+            if "lib" not in _loaded:           # a namespace can be registered once per process
+                torch.ops.load_library(str(lib))
+                torch.library.register_fake("fedprism_kernels::stem_forward")(_stem_fake)
+                _loaded["lib"] = lib
+            _state["ok"] = True
+        except Exception as e:  # noqa: BLE001 - any failure means: evaluate with the plain layers
+            _state["ok"], _state["why"] = False, f"{type(e).__name__}: {e}"
+        return bool(_state["ok"])
+
+
+def unavailable_reason() -> str | None:
+    return None if _state.get("ok", True) else str(_state.get("why"))
+
+
+def _pooled(n: int, k: int) -> int:
+    return (n - k + 1) // 2
+
+
+def _stem_fake(x: Tensor, w: Tensor, b: Tensor, k: int) -> Tensor:
+    G, N, _, H, W = x.shape
+    return x.new_empty(G, N, w.shape[1], _pooled(H, k), _pooled(W, k))
+
+
+@torch.library.custom_op("fedprism::conv_relu_pool", mutates_args=())
+def conv_relu_pool(x: Tensor, w: Tensor, b: Tensor) -> Tensor:
+    """``max_pool2d(relu(conv2d(x, w, b)), 2)`` for x [N, C, H, W], w [O, C, k, k] (the fused kernel)."""
+    O, _, k, _ = w.shape
+    return torch.ops.fedprism_kernels.stem_forward(x[None], w.reshape(1, O, -1), b[None], k)[0]
+
+
+@conv_relu_pool.register_fake
+def _(x, w, b):
+    N, _, H, W = x.shape
+    O, _, k, _ = w.shape
+    return x.new_empty(N, O, _pooled(H, k), _pooled(W, k))
+
+
+def _vmap_rule(info, in_dims, x, w, b):
+    """Models batched over the filters: a shared input is one group of all models' filters stacked; an
+    input per model is one group per model."""
+    xd, wd, bd = in_dims
+    M = info.batch_size
+    w = w.movedim(wd, 0) if wd is not None else w.expand(M, *w.shape)
+    b = b.movedim(bd, 0) if bd is not None else b.expand(M, *b.shape)
+    _, O, _, k, _ = w.shape
+    stem = torch.ops.fedprism_kernels.stem_forward
+    if xd is None:
+        out = stem(x[None], w.reshape(1, M * O, -1), b.reshape(1, M * O), k)[0]
+        return out.unflatten(1, (M, O)), 1
+    return stem(x.movedim(xd, 0), w.reshape(M, O, -1), b.reshape(M, O), k), 0
+
+
+conv_relu_pool.register_vmap(_vmap_rule)
+
+
+class FusedConvReLUPool(nn.Module):
+    """``conv -> ReLU -> MaxPool2d(2)`` through the fused kernel on a CPU in float32, the plain layers
+    otherwise. Holds the convolution's `weight` and `bias` under the convolution's names, so a flat
+    parameter vector maps onto it as onto the model it replaces."""
+
+    def __init__(self, conv: nn.Conv2d):
+        super().__init__()
+        self.weight, self.bias = conv.weight, conv.bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        w, b = self.weight, self.bias
+        if x.device.type == "cpu" and x.dtype == w.dtype == b.dtype == torch.float32:
+            return conv_relu_pool(x, w, b)
+        return MaxPool2x2()(F.relu(F.conv2d(x, w, b)))
+
+
+def _fusable(conv: nn.Module) -> bool:
+    pair = lambda v: v if isinstance(v, tuple) else (v, v)
+    return (type(conv) is nn.Conv2d and conv.bias is not None and conv.groups == 1
+            and conv.padding_mode == "zeros" and conv.in_channels <= MAX_IN_CHANNELS
+            and pair(conv.stride) == (1, 1) and pair(conv.dilation) == (1, 1)
+            and conv.padding in ((0, 0), 0, "valid") and conv.kernel_size[0] == conv.kernel_size[1])
+
+
+def _fusable_triples(module: nn.Module) -> list[tuple[nn.Sequential, int]]:
+    found = []
+    for seq in module.modules():
+        if isinstance(seq, nn.Sequential):
+            kids = list(seq)
+            for i in range(len(kids) - 2):
+                if (_fusable(kids[i]) and type(kids[i + 1]) is nn.ReLU
+                        and (_plain_2x2(kids[i + 2]) or type(kids[i + 2]) is MaxPool2x2)):
+                    found.append((seq, i))
+    return found
+
+
+def fuse_stems(module: nn.Module) -> nn.Module | None:
+    """A copy of `module` (an inference copy: see `fedprism.models.pooling.for_inference`) with every
+    qualifying ``Conv2d -> ReLU -> MaxPool2d(2)`` replaced by :class:`FusedConvReLUPool` and two
+    ``nn.Identity`` (parameter names unchanged), or None when nothing qualifies."""
+    if not _fusable_triples(module):
+        return None
+    out = copy.deepcopy(module)
+    for seq, i in _fusable_triples(out):
+        seq[i], seq[i + 1], seq[i + 2] = FusedConvReLUPool(seq[i]), nn.Identity(), nn.Identity()
+    return out
+
+
+__all__ = ["KERNELS", "MAX_IN_CHANNELS", "FusedConvReLUPool", "cache_dir", "conv_relu_pool", "fuse_stems",
+           "load", "unavailable_reason"]

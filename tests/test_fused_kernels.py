@@ -1,0 +1,181 @@
+"""`eval.kernels = fused`: a model's first conv -> ReLU -> 2x2 max-pooling as one C++ kernel in evaluation
+(`fedprism.engine.fused`). Exact where the arithmetic is exact (integer-valued inputs), within float32
+rounding of PyTorch's layers otherwise, under every way the engines call it (one model, vmap over
+models with a shared or an own input batch, compiled); only qualifying layers are fused; a kernel that
+cannot be built leaves PyTorch's numbers and says why."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import vmap
+
+from fedprism.cli import main
+from fedprism.engine import fused
+from fedprism.engine.sequential import SequentialEngine
+from fedprism.engine.vectorized import VectorizedEngine
+from fedprism.models import build_model
+from fedprism.params import ParamSpec, flatten
+
+from test_engine_equivalence import CFG, make_fed
+
+pytestmark = pytest.mark.skipif(not fused.load(),
+                                reason=f"fused kernel unavailable: {fused.unavailable_reason()}")
+
+
+def plain(x, w, b):
+    return F.max_pool2d(F.relu(F.conv2d(x, w, b)), 2)
+
+
+def _ints(*shape, lo=-3, hi=4, seed=0):
+    return torch.randint(lo, hi, shape, generator=torch.Generator().manual_seed(seed)).float()
+
+
+@pytest.mark.parametrize("n,c,h,w,o,k", [(5, 1, 32, 32, 6, 5), (3, 3, 13, 11, 7, 3), (2, 2, 9, 9, 13, 4),
+                                          (1, 1, 6, 6, 1, 1)])
+def test_integer_inputs_give_pytorchs_numbers_exactly(n, c, h, w, o, k):
+    """Small integers: every partial sum is exact in float32, so summation order cannot matter and the
+    kernel must equal conv2d -> relu -> max_pool2d bit for bit: odd sizes (floor pooling), channel counts
+    that are not a multiple of the kernel's block of six, pooled maps that are not a multiple of 16."""
+    x, wt, b = _ints(n, c, h, w), _ints(o, c, k, k, seed=1), _ints(o, seed=2)
+    assert torch.equal(fused.conv_relu_pool(x, wt, b), plain(x, wt, b))
+
+
+def test_vmap_shared_and_own_inputs_match_a_loop_over_models():
+    x, xs = _ints(4, 1, 12, 12), _ints(3, 4, 1, 12, 12, seed=5)
+    W, B = _ints(3, 5, 1, 3, 3, seed=3), _ints(3, 5, seed=4)
+    shared = vmap(fused.conv_relu_pool, in_dims=(None, 0, 0))(x, W, B)
+    own = vmap(fused.conv_relu_pool)(xs, W, B)
+    one_filter = vmap(fused.conv_relu_pool, in_dims=(0, None, None))(xs, W[0], B[0])
+    for m in range(3):
+        assert torch.equal(shared[m], plain(x, W[m], B[m]))
+        assert torch.equal(own[m], plain(xs[m], W[m], B[m]))
+        assert torch.equal(one_filter[m], plain(xs[m], W[0], B[0]))
+
+
+def test_float_inputs_stay_within_rounding():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(20, 3, 32, 32, generator=g), torch.randn(6, 3, 5, 5, generator=g)
+    b = torch.randn(6, generator=g)
+    d = (fused.conv_relu_pool(x, w, b) - plain(x, w, b)).abs().max().item()
+    assert d < 1e-5 * plain(x, w, b).abs().max().item()
+
+
+def test_only_qualifying_first_blocks_are_fused_and_names_stay():
+    lenet = build_model("lenet5", (1, 32, 32), 10, seed=0)
+    done = fused.fuse_stems(lenet)
+    kinds = [type(m).__name__ for m in done.body]
+    assert kinds[:6] == ["FusedConvReLUPool", "Identity", "Identity", "Conv2d", "ReLU", "MaxPool2d"]
+    assert ParamSpec.of(done) == ParamSpec.of(lenet)          # a flat vector maps the same way
+    assert type(lenet.body[0]) is nn.Conv2d                     # the original is untouched
+    assert fused.fuse_stems(build_model("mlp", (1, 8, 8), 10, seed=0)) is None
+    refused = [nn.Conv2d(1, 4, 3, padding=1), nn.Conv2d(1, 4, 3, stride=2), nn.Conv2d(1, 4, 3, bias=False),
+               nn.Conv2d(4, 4, 3), nn.Conv2d(1, 4, 3, dilation=2)]
+    for conv in refused:
+        assert fused.fuse_stems(nn.Sequential(conv, nn.ReLU(), nn.MaxPool2d(2))) is None, conv
+    assert fused.fuse_stems(nn.Sequential(nn.Conv2d(1, 4, 3), nn.MaxPool2d(2), nn.ReLU())) is None
+    assert fused.fuse_stems(nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.MaxPool2d(3))) is None
+
+
+def _models(model, n=6):
+    g = torch.Generator().manual_seed(1)
+    w = flatten(model)
+    return w.expand(n, -1) + 0.05 * torch.randn(n, w.numel(), generator=g)
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+def test_engines_score_within_rounding_of_pytorchs_kernels(channels):
+    shape = (channels, 32, 32)
+    fed = make_fed(shape)
+    model = build_model("lenet5", shape, 10, seed=0)
+    W, clients = _models(model), np.arange(6)
+    cfg = dataclasses.replace(CFG, eval_kernels="fused")
+    pairs = [(SequentialEngine(fed, model, CFG, 3), SequentialEngine(fed, model, cfg, 3)),
+             (VectorizedEngine(fed, model, CFG, 3, compile=False),
+              VectorizedEngine(fed, model, cfg, 3, compile=False))]
+    for aten, fast in pairs:
+        assert type(fast.f.inference_module.body[0]) is fused.FusedConvReLUPool
+        la, lf = aten.logits(W, fed.x_test[:40]), fast.logits(W, fed.x_test[:40])
+        assert 0 < (la - lf).abs().max().item() < 1e-4            # really the kernel, and close
+        for split in ("local", "global"):
+            a, f = aten.evaluate(W, clients, split), fast.evaluate(W, clients, split)
+            assert torch.equal(a.count, f.count)
+            assert (a.correct - f.correct).abs().max() <= 1, split
+            torch.testing.assert_close(a.loss_sum, f.loss_sum, rtol=1e-4, atol=1e-4)
+
+
+def test_compiled_evaluation_uses_the_kernel_and_training_does_not():
+    fed = make_fed((1, 32, 32))
+    model = build_model("lenet5", (1, 32, 32), 10, seed=0)
+    cfg = dataclasses.replace(CFG, eval_kernels="fused")
+    aten = VectorizedEngine(fed, model, CFG, 3, compile=True, eval_samples=40)
+    fast = VectorizedEngine(fed, model, cfg, 3, compile=True, eval_samples=40)
+    W = _models(model, 4)
+    a, f = aten.logits(W, fed.x_test[:40]), fast.logits(W, fed.x_test[:40])
+    assert 0 < (a - f).abs().max().item() < 1e-4
+    from fedprism.algorithms.base import TrainJob
+    job = TrainJob(np.array([0, 1, 2]), W[:3].clone())
+    assert torch.equal(aten.train(job, 0).params, fast.train(job, 0).params)   # training: PyTorch's kernels
+
+
+def test_a_kernel_that_cannot_be_built_warns_and_keeps_pytorchs_numbers(monkeypatch, tmp_path):
+    saved = dict(fused._state)
+    try:
+        fused._state.clear()
+        monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+        monkeypatch.setenv("FEDPRISM_KERNEL_CACHE", str(tmp_path / "cache"))
+        assert fused.load() is False and "no-such-compiler" in fused.unavailable_reason()
+        fed = make_fed((1, 32, 32))
+        model = build_model("lenet5", (1, 32, 32), 10, seed=0)
+        with pytest.warns(UserWarning, match="no-such-compiler"):
+            eng = SequentialEngine(fed, model, dataclasses.replace(CFG, eval_kernels="fused"), 3)
+        W = _models(model, 3)
+        plain_engine = SequentialEngine(fed, model, CFG, 3)
+        assert torch.equal(eng.logits(W, fed.x_test[:20]), plain_engine.logits(W, fed.x_test[:20]))
+        assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+    finally:
+        fused._state.clear()
+        fused._state.update(saved)
+
+
+def test_a_fresh_cache_builds_the_kernel_once(monkeypatch, tmp_path):
+    """A cache without the library compiles it (atomically, into the cache) and a second process-state
+    reuses the file; the cache key changes with the source."""
+    saved = dict(fused._state)
+    try:
+        fused._state.clear()
+        monkeypatch.setenv("FEDPRISM_KERNEL_CACHE", str(tmp_path))
+        assert fused.load() is True
+        built = sorted(p.name for p in tmp_path.iterdir())
+        assert len(built) == 1 and built[0].startswith("fused_stem_") and built[0].endswith(".so")
+        mtime = os.path.getmtime(tmp_path / built[0])
+        fused._state.clear()
+        assert fused.load() is True and os.path.getmtime(tmp_path / built[0]) == mtime
+    finally:
+        fused._state.clear()
+        fused._state.update(saved)
+
+
+def test_eval_kernels_setting_end_to_end_and_refused_values(tmp_path, capsys):
+    common = ["run", "--db", str(tmp_path / "s.db"), "dataset=digits", "method=fedavg", "clients=6",
+              "rounds=2", "fraction=0.5", "local_epochs=1", "model=mlp", "engine=sequential", "--quiet"]
+    assert main(common) == 0
+    assert main(common + ["eval.kernels=aten"]) == 0                 # the default: the same run, reused
+    from fedprism.experiment.store import Store
+    assert len(Store(tmp_path / "s.db").runs()) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                                # an MLP has nothing to fuse: no warning
+        assert main(common + ["eval.kernels=fused"]) == 0
+    runs = Store(tmp_path / "s.db").runs()
+    assert len(runs) == 2 and all(r["status"] == "finished" for r in runs)
+    capsys.readouterr()
+    assert main(["run", "--db", str(tmp_path / "x.db"), "eval.kernels=mkl"]) == 2
+    err = capsys.readouterr().err
+    assert "eval.kernels" in err and "fused" in err and not (tmp_path / "x.db").exists()
