@@ -181,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bf16-eval", action="store_true",
                     help="also score every model with a second engine at eval.precision=bfloat16 (b16), timed "
                          "right after (b)'s evaluation: its ratio to (a) and (b) and the largest accuracy change")
+    ap.add_argument("--kernels", default="aten", choices=("aten", "fused"),
+                    help="(b)'s train.kernels and eval.kernels (fused: the fused first conv block, "
+                         "fedprism.engine.fused)")
     ap.add_argument("--fused-eval", action="store_true",
                     help="also score every model with a second engine at eval.kernels=fused (bf: the fused "
                          "first conv block, fedprism.engine.fused), timed right after (b)'s evaluation: its "
@@ -202,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(args.seed)
     fed, src = build_federation(args)
-    cfg = LocalConfig(epochs=args.epochs, batch_size=args.batch, lr=0.01, momentum=0.9)
+    cfg = LocalConfig(epochs=args.epochs, batch_size=args.batch, lr=0.01, momentum=0.9,
+                      train_kernels=args.kernels, eval_kernels=args.kernels)
     model = build_model("lenet5", (1, 32, 32), 10, seed=args.seed)
     n_tr = fed.n_train
     print(f"# fedprism engine bench  torch {torch.__version__}  python {platform.python_version()}  "
@@ -211,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
           f"min/median/max {n_tr.min()}/{int(np.median(n_tr))}/{n_tr.max()}, global test {len(fed.y_test)}, "
           f"local test total {fed.n_test.sum()}")
     print(f"# {args.per_round} clients/round, E={args.epochs}, B={args.batch}, SGD lr 0.01 momentum 0.9, "
-          f"LeNet-5; evaluation every round of all {fed.num_clients} personalized models; compile={compile_opt}")
+          f"LeNet-5; evaluation every round of all {fed.num_clients} personalized models; "
+          f"compile={compile_opt}; (b) kernels={args.kernels}")
     print(f"# fp32 GEMM peak now: {gemm_peak(device):.0f} GFLOP/s")
 
     ref = PFLlibReference(fed, model, cfg, device)

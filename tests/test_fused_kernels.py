@@ -1,8 +1,8 @@
-"""`eval.kernels = fused`: a model's first conv -> ReLU -> 2x2 max-pooling as one C++ kernel in evaluation
-(`fedprism.engine.fused`). Exact where the arithmetic is exact (integer-valued inputs), within float32
-rounding of PyTorch's layers otherwise, under every way the engines call it (one model, vmap over
-models with a shared or an own input batch, compiled); only qualifying layers are fused; a kernel that
-cannot be built leaves PyTorch's numbers and says why."""
+"""`eval.kernels = fused` / `train.kernels = fused`: a model's first conv -> ReLU -> 2x2 max-pooling as C++
+kernels (`fedprism.engine.fused`). Exact where the arithmetic is exact (integer-valued inputs: outputs,
+pooling ties and gradients), within float32 rounding of PyTorch's layers otherwise, under every way the
+engines call them (one model, vmap over models with a shared or an own input batch, compiled); only
+qualifying layers are fused; a kernel that cannot be built leaves PyTorch's numbers and says why."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from fedprism.engine import fused
 from fedprism.engine.sequential import SequentialEngine
 from fedprism.engine.vectorized import VectorizedEngine
 from fedprism.models import build_model
-from fedprism.params import ParamSpec, flatten
+from fedprism.params import Functional, ParamSpec, flatten
 
 from test_engine_equivalence import CFG, make_fed
 
@@ -179,3 +179,99 @@ def test_eval_kernels_setting_end_to_end_and_refused_values(tmp_path, capsys):
     assert main(["run", "--db", str(tmp_path / "x.db"), "eval.kernels=mkl"]) == 2
     err = capsys.readouterr().err
     assert "eval.kernels" in err and "fused" in err and not (tmp_path / "x.db").exists()
+
+
+# -- training ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("G,N,C,H,O,k", [(3, 5, 1, 12, 6, 5), (2, 4, 3, 13, 7, 3), (1, 3, 2, 9, 13, 4)])
+def test_training_kernels_give_pytorchs_outputs_ties_and_gradients_exactly(G, N, C, H, O, k):
+    """Integer inputs: many exact ties in the pooling windows (and at zero), which must go where
+    max_pool2d after ReLU sends them; every gradient sum is exact."""
+    ops = torch.ops.fedprism_kernels
+    x, w, b = _ints(G, N, C, H, H), _ints(G, O, C, k, k, seed=1), _ints(G, O, seed=2)
+    out, arg = ops.stem_train_forward(x, w.reshape(G, O, -1), b, k)
+    go = _ints(*out.shape, seed=3)
+    dw, db = ops.stem_backward(go, arg, x, k)
+    for g in range(G):
+        wg, bg = w[g].clone().requires_grad_(), b[g].clone().requires_grad_()
+        ref = plain(x[g], wg, bg)
+        (ref * go[g]).sum().backward()
+        assert torch.equal(out[g], ref)
+        assert torch.equal(dw[g], wg.grad.reshape(O, -1)) and torch.equal(db[g], bg.grad)
+
+
+def _split(channels=1):
+    model = build_model("lenet5", (channels, 32, 32), 10, seed=0)
+    return model, fused.StemSplit(Functional(model))
+
+
+def test_split_gradient_is_the_models_gradient():
+    """The chain rule through the kernels gives the gradient autograd gives through PyTorch's layers, for
+    cross-entropy and for FedProx's objective (whose proximal term also touches the fused filters)."""
+    from fedprism.objectives import OBJECTIVES
+    model, split = _split()
+    f = Functional(model)
+    g = torch.Generator().manual_seed(0)
+    flat = flatten(model) + 0.05 * torch.randn(flatten(model).numel(), generator=g)
+    x, y, wt = torch.randn(8, 1, 32, 32, generator=g), torch.randint(0, 10, (8,), generator=g), torch.ones(8)
+    extras = {"anchor": flatten(model), "mu": torch.tensor(0.3)}
+    for name in ("ce", "prox"):
+        obj = OBJECTIVES[name]
+        g_ref, l_ref = torch.func.grad_and_value(lambda p: obj(f, p, x, y, wt, extras))(flat)
+        g_fu, l_fu = split.grad_and_value(obj)(flat, x, y, wt, extras)
+        torch.testing.assert_close(g_fu, g_ref, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(l_fu, l_ref)
+    W = flat.expand(3, -1) + 0.01 * torch.randn(3, flat.numel(), generator=g)
+    xs = torch.randn(3, 8, 1, 32, 32, generator=g)
+    batched, _ = vmap(split.grad_and_value(OBJECTIVES["ce"]))(W, xs, y.expand(3, -1), wt.expand(3, -1), {})
+    shared, _ = vmap(split.grad_and_value(OBJECTIVES["ce"]), in_dims=(0, None, None, None, None))(W, x, y, wt, {})
+    for m in range(3):
+        one, _ = split.grad_and_value(OBJECTIVES["ce"])(W[m], xs[m], y, wt, {})
+        torch.testing.assert_close(batched[m], one, rtol=0, atol=1e-7)
+        one, _ = split.grad_and_value(OBJECTIVES["ce"])(W[m], x, y, wt, {})
+        torch.testing.assert_close(shared[m], one, rtol=0, atol=1e-7)
+
+
+def test_an_objective_on_another_input_is_refused():
+    model, split = _split()
+    other = lambda f, p, x, y, wt, ex: F.cross_entropy(f(p, x + 1), y)         # noqa: E731
+    with pytest.raises(RuntimeError, match="train.kernels=aten"):
+        split.grad_and_value(other)(flatten(model), torch.randn(4, 1, 32, 32), torch.zeros(4, dtype=torch.long),
+                                    torch.ones(4), {})
+
+
+def test_engines_train_with_the_fused_kernels_and_agree():
+    from fedprism.algorithms.base import TrainJob
+    fed = make_fed((1, 32, 32))
+    model = build_model("lenet5", (1, 32, 32), 10, seed=0)
+    cfg = dataclasses.replace(CFG, train_kernels="fused")
+    seq, vec = SequentialEngine(fed, model, cfg, 3), VectorizedEngine(fed, model, cfg, 3, compile=False)
+    assert seq.stem is not None and vec.stem is not None
+    job = TrainJob(np.array([0, 2, 5]), _models(model, 3))
+    a, b = seq.train(job, 1), vec.train(job, 1)
+    torch.testing.assert_close(a.params, b.params, rtol=0, atol=1e-5)
+    for plain_engine, run in ((SequentialEngine(fed, model, CFG, 3), a),
+                              (VectorizedEngine(fed, model, CFG, 3, compile=False), b)):
+        d = (plain_engine.train(job, 1).params - run.params).abs().max().item()
+        assert 0 < d < 1e-3                               # really the kernels, and PyTorch's training
+    for other in ("mlp", "lenet5_bn"):                     # nothing qualifies: PyTorch's training
+        m = build_model(other, (1, 32, 32), 10, seed=0)
+        assert SequentialEngine(fed, m, cfg, 3).stem is None
+
+
+def test_compiled_training_with_the_fused_kernels_compiles_and_matches_eager():
+    from fedprism.algorithms.base import TrainJob
+    fed = make_fed((1, 32, 32))
+    model = build_model("lenet5", (1, 32, 32), 10, seed=0)
+    cfg = dataclasses.replace(CFG, train_kernels="fused")
+    job = TrainJob(np.array([0, 1, 2]), _models(model, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)           # a compile failure would warn and fall back
+        compiled = VectorizedEngine(fed, model, cfg, 3, compile=True).train(job, 0)
+    eager = VectorizedEngine(fed, model, cfg, 3, compile=False).train(job, 0)
+    torch.testing.assert_close(compiled.params, eager.params, rtol=0, atol=1e-5)
+
+
+def test_train_kernels_setting_refused_values(tmp_path, capsys):
+    assert main(["run", "--db", str(tmp_path / "x.db"), "train.kernels=fast"]) == 2
+    err = capsys.readouterr().err
+    assert "train.kernels" in err and "fused" in err and not (tmp_path / "x.db").exists()

@@ -51,6 +51,10 @@ class LocalConfig:
     #: conv -> ReLU -> 2x2 max-pooling in one CPU kernel, `fedprism.engine.fused`; logits change at float32
     #: rounding). Training always runs PyTorch's kernels.
     eval_kernels: str = "aten"
+    #: kernels of local training: "aten", or "fused" (the same first block through the fused kernel's
+    #: training forward and backward, `fedprism.engine.fused.StemSplit`; the numbers change at float32
+    #: rounding, so the key is part of a run's identity)
+    train_kernels: str = "aten"
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
 
@@ -249,10 +253,16 @@ class EngineBase:
         self.f = Functional(self.model)
         self.spec = self.f.spec
         self.cfg = cfg
-        if cfg.eval_kernels not in ("aten", "fused"):
-            raise ValueError(f"eval_kernels must be 'aten' or 'fused', got {cfg.eval_kernels!r}")
-        if cfg.eval_kernels == "fused":
+        for name in ("eval_kernels", "train_kernels"):
+            if getattr(cfg, name) not in ("aten", "fused"):
+                raise ValueError(f"{name} must be 'aten' or 'fused', got {getattr(cfg, name)!r}")
+        if cfg.eval_kernels == "fused" and self._fused_kernels_usable("eval.kernels"):
             self._fuse_eval_kernels()
+        #: the fused first block's training gradient (`fedprism.engine.fused.StemSplit`), or None
+        self.stem = None
+        if cfg.train_kernels == "fused" and self._fused_kernels_usable("train.kernels"):
+            from fedprism.engine.fused import StemSplit
+            self.stem = StemSplit(self.f) if StemSplit.qualifies(self.f) else None
         self.seed = seed
         self._train_idx = [torch.as_tensor(i, dtype=torch.long, device=self.device) for i in fed.train_idx]
         self._test_idx = [torch.as_tensor(i, dtype=torch.long, device=self.device) for i in fed.test_idx]
@@ -260,20 +270,26 @@ class EngineBase:
             [torch.as_tensor(i, dtype=torch.long, device=self.device) for i in fed.val_idx]
         self.samples_trained = 0
 
-    def _fuse_eval_kernels(self) -> None:
-        """`eval_kernels = fused`: the inference copy of the model gets the fused first block
-        (`fedprism.engine.fused`); on a CUDA device, or where the kernel cannot be built, a warning and
-        PyTorch's kernels."""
+    def _fused_kernels_usable(self, key: str) -> bool:
+        """True when the fused kernel can run here; else a warning that says why and that PyTorch's
+        kernels run instead (a CUDA device; no C++ compiler or a failed build)."""
         from fedprism.engine import fused
 
         if self.device.type != "cpu":
-            warnings.warn(f"eval.kernels=fused has a CPU kernel only; this engine on {self.device} "
-                          "evaluates with PyTorch's kernels", stacklevel=3)
-            return
+            warnings.warn(f"{key}=fused has a CPU kernel only; this engine on {self.device} runs PyTorch's "
+                          "kernels", stacklevel=4)
+            return False
         if not fused.load():
-            warnings.warn(f"eval.kernels=fused: the fused kernel is unavailable "
-                          f"({fused.unavailable_reason()}); evaluating with PyTorch's kernels", stacklevel=3)
-            return
+            warnings.warn(f"{key}=fused: the fused kernel is unavailable ({fused.unavailable_reason()}); "
+                          "running PyTorch's kernels", stacklevel=4)
+            return False
+        return True
+
+    def _fuse_eval_kernels(self) -> None:
+        """`eval_kernels = fused`: the inference copy of the model gets the fused first block
+        (`fedprism.engine.fused.fuse_stems`) where one qualifies."""
+        from fedprism.engine import fused
+
         base = self.f.inference_module if self.f.inference_module is not None else self.model
         done = fused.fuse_stems(base)
         if done is not None:
@@ -353,10 +369,14 @@ class EngineBase:
         for j, b in enumerate(batches):
             bi = rows[b.to(self.device)]
             x, y = self.fed.x_train[bi], self.fed.y_train[bi]
-            wr = w.detach().requires_grad_(True)
-            f = self.f if drop is None else self.f.keyed(dropout_key(drop, j, self.device))
-            loss = loss_fn(f, wr, x, y, torch.ones(len(y), device=self.device), extras)
-            (g,) = torch.autograd.grad(loss, wr)
+            ones = torch.ones(len(y), device=self.device)
+            if self.stem is not None:          # train.kernels=fused (models with dropout never get here)
+                g, loss = self.stem.grad_and_value(loss_fn)(w.detach(), x, y, ones, extras)
+            else:
+                wr = w.detach().requires_grad_(True)
+                f = self.f if drop is None else self.f.keyed(dropout_key(drop, j, self.device))
+                loss = loss_fn(f, wr, x, y, ones, extras)
+                (g,) = torch.autograd.grad(loss, wr)
             with torch.no_grad():
                 w, st = optimizer_step_(w, g, st, cfg, mask)
             total += float(loss.detach()) * len(y)

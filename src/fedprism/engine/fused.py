@@ -111,7 +111,7 @@ def load() -> bool:
                         os.unlink(tmp)
             if "lib" not in _loaded:           # a namespace can be registered once per process
                 torch.ops.load_library(str(lib))
-                torch.library.register_fake("fedprism_kernels::stem_forward")(_stem_fake)
+                _register()
                 _loaded["lib"] = lib
             _state["ok"] = True
         except Exception as e:  # noqa: BLE001 - any failure means: evaluate with the plain layers
@@ -130,6 +130,56 @@ def _pooled(n: int, k: int) -> int:
 def _stem_fake(x: Tensor, w: Tensor, b: Tensor, k: int) -> Tensor:
     G, N, _, H, W = x.shape
     return x.new_empty(G, N, w.shape[1], _pooled(H, k), _pooled(W, k))
+
+
+def _train_fake(x: Tensor, w: Tensor, b: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    out = _stem_fake(x, w, b, k)
+    return out, out.new_empty(out.shape, dtype=torch.uint8)
+
+
+def _backward_fake(grad: Tensor, arg: Tensor, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    G, _, O = grad.shape[:3]
+    return grad.new_empty(G, O, x.shape[2] * k * k), grad.new_empty(G, O)
+
+
+def _fold(t: Tensor, d: int | None, M: int) -> Tensor:
+    """`t` with its vmap dimension `d` moved to the front (expanded if unbatched) and merged into the
+    kernel's group dimension: [M * G, ...]."""
+    t = t.movedim(d, 0) if d is not None else t.expand(M, *t.shape)
+    return t.flatten(0, 1)
+
+
+def _train_vmap(info, in_dims, x, w, b, k):
+    """Models batched: a shared input (unbatched, one group) runs all models' filters as one group; else one
+    group per (model, group)."""
+    xd, wd, bd, _ = in_dims
+    M = info.batch_size
+    train = torch.ops.fedprism_kernels.stem_train_forward
+    if xd is None and x.shape[0] == 1:
+        w = (w.movedim(wd, 0) if wd is not None else w.expand(M, *w.shape)).transpose(0, 1).flatten(1, 2)
+        b = (b.movedim(bd, 0) if bd is not None else b.expand(M, *b.shape)).transpose(0, 1).flatten(1, 2)
+        out, arg = train(x, w, b, k)
+        view = lambda t: t.unflatten(2, (M, -1))              # [1, N, M, O, Hp, Wp]  # noqa: E731
+        return (view(out), view(arg)), (2, 2)
+    out, arg = train(_fold(x, xd, M), _fold(w, wd, M), _fold(b, bd, M), k)
+    return (out.unflatten(0, (M, -1)), arg.unflatten(0, (M, -1))), (0, 0)
+
+
+def _backward_vmap(info, in_dims, grad, arg, x, k):
+    gd, ad, xd, _ = in_dims
+    M = info.batch_size
+    x5 = x if xd is None and x.shape[0] == 1 else _fold(x, xd, M)    # one shared input stays one group
+    dw, db = torch.ops.fedprism_kernels.stem_backward(_fold(grad, gd, M), _fold(arg, ad, M), x5, k)
+    return (dw.unflatten(0, (M, -1)), db.unflatten(0, (M, -1))), (0, 0)
+
+
+def _register() -> None:
+    lib = "fedprism_kernels::"
+    torch.library.register_fake(lib + "stem_forward")(_stem_fake)
+    torch.library.register_fake(lib + "stem_train_forward")(_train_fake)
+    torch.library.register_fake(lib + "stem_backward")(_backward_fake)
+    torch.library.register_vmap(lib + "stem_train_forward")(_train_vmap)
+    torch.library.register_vmap(lib + "stem_backward")(_backward_vmap)
 
 
 @torch.library.custom_op("fedprism::conv_relu_pool", mutates_args=())
@@ -212,5 +262,92 @@ def fuse_stems(module: nn.Module) -> nn.Module | None:
     return out
 
 
-__all__ = ["KERNELS", "MAX_IN_CHANNELS", "FusedConvReLUPool", "cache_dir", "conv_relu_pool", "fuse_stems",
-           "load", "unavailable_reason"]
+# -- training (`train.kernels = fused`) -------------------------------------------------------------------
+class StemSplit:
+    """The training gradient of a model whose first layers are a qualifying ``Conv2d -> ReLU -> MaxPool2d(2)``
+    (``body[0:3]`` of a model with `body` and `head`, no dropout), with that block fused.
+
+    `grad_and_value(objective)` returns ``(flat, x, y, weight, extras) -> (gradient, loss)``, vmap- and
+    compile-safe, in three steps (chain rule, no autograd through the kernel):
+      1. h, arg = the block's output on x and each output's winning window corner (the kernel, forward only);
+      2. torch.func differentiates the objective with respect to the flat vector and to h, the rest of the
+         model running from h (`WithStem`);
+      3. the block's filter and bias gradients from dL/dh, arg and x (the kernel), added to the flat
+         gradient (an objective's own terms on those parameters, e.g. FedProx's, come from step 2).
+    The gradients are PyTorch's in exact arithmetic (`tests/test_fused_kernels.py` checks it exactly on
+    integer inputs); in float32 they are summed in another order.
+    """
+
+    NAMES = ("body.0.weight", "body.0.bias")
+
+    def __init__(self, f):
+        self.f = f
+        self.rest = copy.deepcopy(f.module)
+        for i in range(3):
+            self.rest.body[i] = nn.Identity()
+        w = f.module.body[0].weight
+        self.O, self.C, self.k = w.shape[0], w.shape[1], w.shape[2]
+        self.nw = w.numel()
+        self.n1 = self.nw + self.O
+        assert f.spec.names[:2] == self.NAMES and f.spec.offsets[2] == self.n1, f.spec.names[:2]
+
+    @staticmethod
+    def qualifies(f) -> bool:
+        body = getattr(f.module, "body", None)
+        return (not f.dropout and isinstance(body, nn.Sequential) and hasattr(f.module, "head")
+                and len(body) >= 3 and (body, 0) in _fusable_triples(body)
+                and f.spec.names[:2] == StemSplit.NAMES)
+
+    def grad_and_value(self, objective):
+        from torch.func import grad_and_value
+
+        O, k, nw, n1 = self.O, self.k, self.nw, self.n1
+
+        def loss_of(flat, h, x, y, wt, extras):
+            return objective(WithStem(self, h, x), flat, x, y, wt, extras)
+
+        gv = grad_and_value(loss_of, argnums=(0, 1))
+
+        def step(flat, x, y, wt, extras):
+            h, arg = torch.ops.fedprism_kernels.stem_train_forward(
+                x[None], flat[:nw].reshape(1, O, -1), flat[nw:n1].reshape(1, O), k)
+            (g, gh), loss = gv(flat, h[0], x, y, wt, extras)
+            dw, db = torch.ops.fedprism_kernels.stem_backward(gh[None], arg, x[None], k)
+            return torch.cat([g[:n1] + torch.cat([dw[0].reshape(-1), db[0]]), g[n1:]]), loss
+
+        return step
+
+
+class WithStem:
+    """What an objective sees as `f` under `StemSplit`: the model evaluated from the block's output `h`,
+    which was computed from the batch `x`. An objective that evaluates the model on any other input is
+    refused (its block output is not differentiable here)."""
+
+    def __init__(self, split: StemSplit, h: Tensor, x: Tensor):
+        self.split, self.h, self.x = split, h, x
+        self.spec, self.module = split.f.spec, split.f.module
+
+    def _params(self, flat):
+        return {n: v for n, v in self.spec.unflatten(flat).items() if n not in StemSplit.NAMES}
+
+    def _check(self, x):
+        if x is not self.x:
+            raise RuntimeError("train.kernels=fused: the objective evaluates the model on an input other "
+                               "than its batch; run it with train.kernels=aten")
+
+    def __call__(self, flat, x):
+        self._check(x)
+        return torch.func.functional_call(self.split.rest, (self._params(flat), self.split.f.buffers),
+                                          (self.h,))
+
+    def features(self, flat, x):
+        self._check(x)
+        return torch.func.functional_call(self.split.rest, (self._params(flat), self.split.f.buffers),
+                                          (self.h,), {"features_only": True})
+
+    def head(self, flat, z):
+        return self.split.f.head(flat, z)
+
+
+__all__ = ["KERNELS", "MAX_IN_CHANNELS", "FusedConvReLUPool", "StemSplit", "WithStem", "cache_dir",
+           "conv_relu_pool", "fuse_stems", "load", "unavailable_reason"]

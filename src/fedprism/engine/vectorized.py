@@ -300,7 +300,8 @@ class VectorizedEngine(EngineBase):
                 def loss_of(flat, x, y, wt, extras):
                     return obj(f, flat, x, y, wt, extras)
 
-                vg = vmap(grad_and_value(loss_of))
+                # train.kernels=fused: the first block's gradient by the kernel (`fedprism.engine.fused`)
+                vg = vmap(self.stem.grad_and_value(obj) if self.stem is not None else grad_and_value(loss_of))
 
                 def step(w, st, x, y, wt, extras, active, mask):
                     g, lv = vg(w, x, y, wt, extras)

@@ -89,8 +89,13 @@ KEYS: dict[str, Param] = {
                           "the stored runs' numbers) or fused (a model's first conv -> ReLU -> 2x2 "
                           "max-pooling in one C++ kernel built with the system compiler on first use, "
                           "fedprism.engine.fused; logits change at float32 rounding: bench/README.md). "
-                          "Training always runs PyTorch's kernels",
+                          "Training: train.kernels",
                           choices=("aten", "fused"), new=True),
+    "train.kernels": Param("aten", "kernels of local training on a CPU: aten (PyTorch's, the stored runs' "
+                           "numbers) or fused (the same first block through the fused kernel's forward and "
+                           "backward, fedprism.engine.fused; about 1.4x faster training of LeNet-5, numbers "
+                           "change at float32 rounding: bench/README.md)",
+                           choices=("aten", "fused"), new=True),
     "eval.gate": Param("none", "a learned routing gate between a dual-stream method's specialist and "
                        "backbone (learned: fitted on the validation splits at the final evaluation, one "
                        "candidate routing per weight, `gate w=..`; fedprism.experiment.gate); "
