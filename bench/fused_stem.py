@@ -7,6 +7,9 @@ FedPrism paper workload's evaluation shapes (LeNet-5, 32 x 32 Fashion-MNIST-size
    2x2 max-pooling, against the kernel. The second block is why only first layers are fused.
 2. One evaluation chunk of the compiled vectorized engine (10 models x 1000 images of the global test set,
    the CPU default), `aten` against `fused`, interleaved, then each profiled by operator.
+3. One training round of the compiled vectorized engine (10 clients of the paper partition, E=`--epochs`,
+   B=32, SGD 0.01 / 0.9), `train.kernels` `aten` against `fused`, interleaved over `--rounds` rounds (round 0,
+   compilation, left out), and the largest parameter difference after each round.
 
     python bench/fused_stem.py                # two threads (torch's default here)
     python bench/fused_stem.py --threads 1
@@ -15,11 +18,13 @@ FedPrism paper workload's evaluation shapes (LeNet-5, 32 x 32 Fashion-MNIST-size
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -29,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine import build_federation
 
 from fedprism._alloc import tune_allocator
+from fedprism.algorithms.base import TrainJob
 from fedprism.engine import fused
 from fedprism.engine.base import LocalConfig
 from fedprism.engine.vectorized import VectorizedEngine
@@ -52,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--rounds", type=int, default=5, help="training rounds (part 3)")
+    ap.add_argument("--epochs", type=int, default=2, help="local epochs per training round (part 3)")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -86,12 +94,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:>13}: PyTorch {p * 1e3:8.1f} ms   fused {f * 1e3:8.1f} ms   PyTorch/fused {p / f:5.2f}x"
               f"   max |diff| {diff:.2g}")
 
-    fed, src = build_federation(argparse.Namespace(clients=10, partition="dirichlet", alpha=0.1, seed=0,
-                                                   test_samples=1000, max_train=100))
+    fed, src = build_federation(argparse.Namespace(clients=100, partition="dirichlet", alpha=0.1, seed=0,
+                                                   test_samples=1000, max_train=0))
     xt, yt = fed.x_test, fed.y_test
     model = build_model("lenet5", (1, 32, 32), 10, seed=0)
     W = flatten(model).expand(10, -1) + 0.05 * torch.randn(10, flatten(model).numel(), generator=g)
-    engines = {k: VectorizedEngine(fed, model, LocalConfig(eval_kernels=k), 0, compile=True, eval_samples=1000)
+    engines = {k: VectorizedEngine(fed, model, LocalConfig(eval_kernels=k), 0, compile=True,
+                                   eval_samples=1000)
                for k in ("aten", "fused")}
     valid = torch.ones(1000)
     with torch.no_grad():
@@ -100,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         t = timed(chunk, a.reps)
         print(f"\n## one evaluation chunk of the compiled engine: 10 models x 1000 images ({src})")
         print(f"aten {t['aten'] * 1e3:.1f} ms   fused {t['fused'] * 1e3:.1f} ms   aten/fused "
-              f"{t['aten'] / t['fused']:.2f}x   correct counts equal: {torch.equal(res['aten'][0], res['fused'][0])}")
+              f"{t['aten'] / t['fused']:.2f}x   correct counts equal: "
+              f"{torch.equal(res['aten'][0], res['fused'][0])}")
         from torch.profiler import profile
         for k, f in chunk.items():
             with profile(record_shapes=True) as prof:
@@ -112,6 +122,26 @@ def main(argv: list[str] | None = None) -> int:
             for e in rows[:5]:
                 shape = str(e.input_shapes[:2]) if e.input_shapes else ""
                 print(f"  {100 * e.self_cpu_time_total / total:5.1f} %  {e.key[:60]:<60} {shape[:60]}")
+
+    cfg = LocalConfig(epochs=a.epochs, batch_size=32, lr=0.01, momentum=0.9)
+    trainers = {k: VectorizedEngine(fed, model, dataclasses.replace(cfg, train_kernels=k), 0, compile=True)
+                for k in ("aten", "fused")}
+    rng = np.random.default_rng(0)
+    t = {k: [] for k in trainers}
+    print(f"\n## training rounds of the compiled engine: 10 clients, E={a.epochs}, B=32 (seconds)")
+    for r in range(a.rounds):
+        job = TrainJob(np.sort(rng.choice(fed.num_clients, 10, replace=False)), W.clone())
+        out = {}
+        for k in (list(trainers) if r % 2 == 0 else list(trainers)[::-1]):
+            s = time.perf_counter()
+            out[k] = trainers[k].train(job, r)
+            if r:
+                t[k].append(time.perf_counter() - s)
+        d = (out["aten"].params - out["fused"].params).abs().max().item()
+        shown = "  ".join(f"{k} {v[-1]:.3f}" for k, v in t.items()) if r else "compilation"
+        print(f"round {r}: {shown}   max |dW| {d:.2g}", flush=True)
+    ma, mf = statistics.median(t["aten"]), statistics.median(t["fused"])
+    print(f"median training round: aten {ma:.3f} s   fused {mf:.3f} s   aten/fused {ma / mf:.2f}x")
     return 0
 
 

@@ -130,7 +130,7 @@ def test_a_kernel_that_cannot_be_built_warns_and_keeps_pytorchs_numbers(monkeypa
     try:
         fused._state.clear()
         monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-        monkeypatch.setenv("FEDPRISM_KERNEL_CACHE", str(tmp_path / "cache"))
+        monkeypatch.setenv("FEDPRISM_CACHE", str(tmp_path))
         assert fused.load() is False and "no-such-compiler" in fused.unavailable_reason()
         fed = make_fed((1, 32, 32))
         model = build_model("lenet5", (1, 32, 32), 10, seed=0)
@@ -139,7 +139,7 @@ def test_a_kernel_that_cannot_be_built_warns_and_keeps_pytorchs_numbers(monkeypa
         W = _models(model, 3)
         plain_engine = SequentialEngine(fed, model, CFG, 3)
         assert torch.equal(eng.logits(W, fed.x_test[:20]), plain_engine.logits(W, fed.x_test[:20]))
-        assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+        assert not (tmp_path / "kernels").exists() or not any((tmp_path / "kernels").iterdir())
     finally:
         fused._state.clear()
         fused._state.update(saved)
@@ -151,13 +151,13 @@ def test_a_fresh_cache_builds_the_kernel_once(monkeypatch, tmp_path):
     saved = dict(fused._state)
     try:
         fused._state.clear()
-        monkeypatch.setenv("FEDPRISM_KERNEL_CACHE", str(tmp_path))
+        monkeypatch.setenv("FEDPRISM_CACHE", str(tmp_path))
         assert fused.load() is True
-        built = sorted(p.name for p in tmp_path.iterdir())
+        built = sorted(p.name for p in (tmp_path / "kernels").iterdir())
         assert len(built) == 1 and built[0].startswith("fused_stem_") and built[0].endswith(".so")
-        mtime = os.path.getmtime(tmp_path / built[0])
+        mtime = os.path.getmtime(tmp_path / "kernels" / built[0])
         fused._state.clear()
-        assert fused.load() is True and os.path.getmtime(tmp_path / built[0]) == mtime
+        assert fused.load() is True and os.path.getmtime(tmp_path / "kernels" / built[0]) == mtime
     finally:
         fused._state.clear()
         fused._state.update(saved)
@@ -223,7 +223,8 @@ def test_split_gradient_is_the_models_gradient():
     W = flat.expand(3, -1) + 0.01 * torch.randn(3, flat.numel(), generator=g)
     xs = torch.randn(3, 8, 1, 32, 32, generator=g)
     batched, _ = vmap(split.grad_and_value(OBJECTIVES["ce"]))(W, xs, y.expand(3, -1), wt.expand(3, -1), {})
-    shared, _ = vmap(split.grad_and_value(OBJECTIVES["ce"]), in_dims=(0, None, None, None, None))(W, x, y, wt, {})
+    ce = split.grad_and_value(OBJECTIVES["ce"])
+    shared, _ = vmap(ce, in_dims=(0, None, None, None, None))(W, x, y, wt, {})
     for m in range(3):
         one, _ = split.grad_and_value(OBJECTIVES["ce"])(W[m], xs[m], y, wt, {})
         torch.testing.assert_close(batched[m], one, rtol=0, atol=1e-7)
@@ -235,8 +236,8 @@ def test_an_objective_on_another_input_is_refused():
     model, split = _split()
     other = lambda f, p, x, y, wt, ex: F.cross_entropy(f(p, x + 1), y)         # noqa: E731
     with pytest.raises(RuntimeError, match="train.kernels=aten"):
-        split.grad_and_value(other)(flatten(model), torch.randn(4, 1, 32, 32), torch.zeros(4, dtype=torch.long),
-                                    torch.ones(4), {})
+        split.grad_and_value(other)(flatten(model), torch.randn(4, 1, 32, 32),
+                                    torch.zeros(4, dtype=torch.long), torch.ones(4), {})
 
 
 def test_engines_train_with_the_fused_kernels_and_agree():
@@ -275,3 +276,27 @@ def test_train_kernels_setting_refused_values(tmp_path, capsys):
     assert main(["run", "--db", str(tmp_path / "x.db"), "train.kernels=fast"]) == 2
     err = capsys.readouterr().err
     assert "train.kernels" in err and "fused" in err and not (tmp_path / "x.db").exists()
+
+
+def test_a_fused_lenet_run_end_to_end_records_what_ran(monkeypatch, tmp_path):
+    """A small Fashion-MNIST-format federation: the fused run is its own run id, finishes, and its provenance
+    says the fused block ran in training and in evaluation; its accuracies are the aten run's to rounding."""
+    from _fakedata import isolate, write_fake
+
+    from fedprism.experiment.store import Store
+    isolate(monkeypatch, tmp_path)
+    write_fake("fmnist", tmp_path / "fm", n_train=200, n_test=50)
+    db = str(tmp_path / "s.db")
+    common = ["run", "--db", db, "dataset=fmnist", f"data.root={tmp_path / 'fm'}", "model=lenet5",
+              "clients=4", "rounds=2", "fraction=0.5", "local_epochs=1", "method=fedavg", "engine=vectorized",
+              "compile=false", "--quiet"]
+    assert main(common) == 0
+    assert main(common + ["train.kernels=fused", "eval.kernels=fused"]) == 0
+    import json
+    runs = {json.loads(r["config"]).get("train.kernels", "aten"): r for r in Store(db).runs()}
+    assert set(runs) == {"aten", "fused"} and all(r["status"] == "finished" for r in runs.values())
+    prov = {k: json.loads(r["provenance"]) for k, r in runs.items()}
+    assert prov["fused"]["execution"]["fused_kernels"] == {"train": True, "eval": True}
+    assert "fused_kernels" not in prov["aten"]["execution"]
+    fa, ff = (json.loads(runs[k]["final"]) for k in ("aten", "fused"))
+    assert abs(fa["global_acc"] - ff["global_acc"]) <= 0.05

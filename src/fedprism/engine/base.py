@@ -253,6 +253,7 @@ class EngineBase:
         self.f = Functional(self.model)
         self.spec = self.f.spec
         self.cfg = cfg
+        self.eval_fused = False      # eval.kernels=fused applied (the inference copy holds the fused block)
         for name in ("eval_kernels", "train_kernels"):
             if getattr(cfg, name) not in ("aten", "fused"):
                 raise ValueError(f"{name} must be 'aten' or 'fused', got {getattr(cfg, name)!r}")
@@ -294,6 +295,7 @@ class EngineBase:
         done = fused.fuse_stems(base)
         if done is not None:
             self.f.inference_module = done
+            self.eval_fused = True
 
     def set_rows(self, train_idx: list, test_idx: list, val_idx: list | None = None) -> None:
         """Replace every client's train / local test / validation rows (indices into the same pools): a

@@ -23,8 +23,8 @@ gives one group per model.
 
 The kernel is compiled once per machine with the system's C++ compiler (``$CXX``, else g++; the same
 compiler ``torch.compile`` needs) for its instruction set (``-march=native``), and cached under
-``$FEDPRISM_KERNEL_CACHE`` (default ``~/.cache/fedprism/kernels``) by a hash of the source, the torch
-version and the CPU's flags. If it cannot be built or loaded the engine warns once, names the reason,
+``~/.cache/fedprism/kernels`` (``$FEDPRISM_CACHE/kernels`` where that is set) by a hash of the source, the
+torch version and the CPU's flags. If it cannot be built or loaded the engine warns once, names the reason,
 and evaluates with the plain layers.
 """
 
@@ -57,11 +57,10 @@ _loaded: dict[str, Path] = {}      # the library loaded into this process, if an
 
 
 def cache_dir() -> Path:
-    env = os.environ.get("FEDPRISM_KERNEL_CACHE")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "fedprism" / "kernels"
+    """``$FEDPRISM_CACHE/kernels``, else ``~/.cache/fedprism/kernels`` (beside the data cache)."""
+    from fedprism.data.download import cache_root
+
+    return cache_root() / "kernels"
 
 
 def _cpu_flags() -> str:
