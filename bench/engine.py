@@ -311,18 +311,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"training    samples/s  (a) {tr_a:9,.0f}   (b) {tr_b:9,.0f}   ratio (b)/(a) {tr_b / tr_a:5.2f}x")
     print(f"evaluation  samples/s  (a) {ev_a:9,.0f}   (b) {ev_b:9,.0f}   ratio (b)/(a) {ev_b / ev_a:5.2f}x")
     print(f"per round   seconds    (a) {per_a:9.2f}   (b) {per_b:9.2f}   end-to-end ratio {per_a / per_b:5.2f}x")
-    if eng16 is not None:
-        ev16 = n_eval / tot["beval16"]
-        per16 = (tot["btrain"] + tot["beval16"]) / k
-        print(f"evaluation  samples/s  (b16) {ev16:9,.0f}   ratio (b16)/(a) {ev16 / ev_a:5.2f}x   (b16)/(b) "
-              f"{ev16 / ev_b:5.2f}x   end-to-end (a)/(b16) {per_a / per16:5.2f}x   largest change of a model's "
-              f"accuracy against (b): {max(d16):.4f}")
-    if engf is not None:
-        evf = n_eval / tot["bevalf"]
-        perf = (tot["btrain"] + tot["bevalf"]) / k
-        print(f"evaluation  samples/s  (bf) {evf:9,.0f}   ratio (bf)/(a) {evf / ev_a:5.2f}x   (bf)/(b) "
-              f"{evf / ev_b:5.2f}x   end-to-end (a)/(bf) {per_a / perf:5.2f}x   largest change of a model's "
-              f"accuracy against (b): {max(dfu):.4f}")
+    for name, key, diffs, side in (("b16", "beval16", d16, eng16), ("bf", "bevalf", dfu, engf)):
+        if side is None:            # the second evaluation engine of --bf16-eval / --fused-eval
+            continue
+        ev2 = n_eval / tot[key]
+        per2 = (tot["btrain"] + tot[key]) / k
+        print(f"evaluation  samples/s  ({name}) {ev2:9,.0f}   ratio ({name})/(a) {ev2 / ev_a:5.2f}x   "
+              f"({name})/(b) {ev2 / ev_b:5.2f}x   end-to-end (a)/({name}) {per_a / per2:5.2f}x   largest change "
+              f"of a model's accuracy against (b): {max(diffs):.4f}")
     print(f"(b) one-time overhead: engine setup {setup_b:.1f} s + compilation/warm-up in round 0 "
           f"~{compile_s:.1f} s")
     full_a = R * per_a

@@ -19,14 +19,13 @@ typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));
 inline v16 load(const float* p) { return *(const v16u*)p; }
 inline void store(float* p, v16 v) { *(v16u*)p = v; }
-inline v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
 
-// Channels q < OB, pooled positions [p0, p0 + n): the four window corners d of each position are four
-// planes of the sample's patch matrix P [T][4][Q] (Q: the pooled positions, padded to a multiple of 16).
+// The conv outputs at the four corners d of the pooled positions [p0, p0 + 16) for channels q < OB:
+// acc[q][d] = b[q] + sum_t w[q][t] P[t][d][p0 ..], the taps in order. P is one image's patch matrix
+// [T][4][Q] (Q: the pooled positions, padded to a multiple of 16).
 template <int OB>
-inline void tile(const float* P, int64_t Q, int64_t T, const float* w, const float* b, float* out,
-                 int64_t QO, int64_t p0, int n) {
-  v16 acc[OB][4];
+inline void corners(const float* P, int64_t Q, int64_t T, const float* w, const float* b, int64_t p0,
+                    v16 (&acc)[OB][4]) {
 #pragma GCC unroll 8
   for (int q = 0; q < OB; ++q)
 #pragma GCC unroll 4
@@ -42,116 +41,9 @@ inline void tile(const float* P, int64_t Q, int64_t T, const float* w, const flo
       for (int d = 0; d < 4; ++d) acc[q][d] += wv * x[d];
     }
   }
-#pragma GCC unroll 8
-  for (int q = 0; q < OB; ++q) {
-    v16 m = vmax(vmax(vmax(acc[q][0], acc[q][1]), vmax(acc[q][2], acc[q][3])), v16{});
-    if (n == 16) {
-      store(out + q * QO + p0, m);
-    } else {
-      for (int l = 0; l < n; ++l) out[q * QO + p0 + l] = m[l];
-    }
-  }
 }
 
-template <int OB>
-void channels(const float* P, int64_t Q, int64_t T, const float* w, const float* b, float* out, int64_t QO) {
-  for (int64_t p0 = 0; p0 < QO; p0 += 16)
-    tile<OB>(P, Q, T, w, b, out, QO, p0, (int)std::min<int64_t>(16, QO - p0));
-}
-
-at::Tensor stem_forward(const at::Tensor& x_, const at::Tensor& w_, const at::Tensor& b_, int64_t k) {
-  TORCH_CHECK(x_.dim() == 5 && w_.dim() == 3 && b_.dim() == 2,
-              "stem_forward: x [G,N,C,H,W], w [G,O,T], b [G,O]");
-  TORCH_CHECK(x_.scalar_type() == at::kFloat && w_.scalar_type() == at::kFloat &&
-              b_.scalar_type() == at::kFloat, "stem_forward: float32 only");
-  const at::Tensor x = x_.contiguous(), w = w_.contiguous(), b = b_.contiguous();
-  const int64_t G = x.size(0), N = x.size(1), C = x.size(2), H = x.size(3), W = x.size(4);
-  const int64_t O = w.size(1), T = C * k * k, Hp = (H - k + 1) / 2, Wp = (W - k + 1) / 2;
-  TORCH_CHECK(w.size(0) == G && w.size(2) == T && b.size(0) == G && b.size(1) == O && Hp > 0 && Wp > 0,
-              "stem_forward: shapes do not match");
-  const int64_t QO = Hp * Wp, Q = (QO + 15) / 16 * 16;
-  at::Tensor out = at::empty({G, N, O, Hp, Wp}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  const float* bp = b.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, G * N, 1, [&](int64_t s0, int64_t s1) {
-    std::vector<float> P(T * 4 * Q, 0.f);
-    for (int64_t s = s0; s < s1; ++s) {
-      const float* xs = xp + s * C * H * W;
-      for (int64_t c = 0; c < C; ++c)
-        for (int64_t ki = 0; ki < k; ++ki)
-          for (int64_t kj = 0; kj < k; ++kj)
-            for (int64_t d = 0; d < 4; ++d) {
-              float* pt = P.data() + (((c * k + ki) * k + kj) * 4 + d) * Q;
-              for (int64_t i = 0; i < Hp; ++i) {
-                const float* xr = xs + (c * H + 2 * i + (d >> 1) + ki) * W + kj + (d & 1);
-                for (int64_t j = 0; j < Wp; ++j) pt[i * Wp + j] = xr[2 * j];
-              }
-            }
-      const int64_t g = s / N;
-      for (int64_t o0 = 0; o0 < O; o0 += 6) {
-        const float* wb = wp + (g * O + o0) * T;
-        const float* bb = bp + g * O + o0;
-        float* od = op + (s * O + o0) * QO;
-        switch (std::min<int64_t>(6, O - o0)) {
-          case 6: channels<6>(P.data(), Q, T, wb, bb, od, QO); break;
-          case 5: channels<5>(P.data(), Q, T, wb, bb, od, QO); break;
-          case 4: channels<4>(P.data(), Q, T, wb, bb, od, QO); break;
-          case 3: channels<3>(P.data(), Q, T, wb, bb, od, QO); break;
-          case 2: channels<2>(P.data(), Q, T, wb, bb, od, QO); break;
-          default: channels<1>(P.data(), Q, T, wb, bb, od, QO); break;
-        }
-      }
-    }
-  });
-  return out;
-}
-
-// ---- training: the forward also records each pooled output's winning corner; the backward gives the
-// filters' and biases' gradients from the gradient of the block's output (not the input's: the block is
-// a model's first layer). fedprism/engine/fused.py composes them with torch.func (StemSplit). ----
-
-// As `tile`, and arg[q][p] = the first corner d with the window's maximum, or 255 when that maximum is
-// <= 0 (ReLU's gradient is 0 there): max_pool2d's choice after ReLU, in exact arithmetic.
-template <int OB>
-inline void tile_arg(const float* P, int64_t Q, int64_t T, const float* w, const float* b, float* out,
-                     uint8_t* arg, int64_t QO, int64_t p0, int n) {
-  v16 acc[OB][4];
-#pragma GCC unroll 8
-  for (int q = 0; q < OB; ++q)
-#pragma GCC unroll 4
-    for (int d = 0; d < 4; ++d) acc[q][d] = v16{} + b[q];
-  for (int64_t t = 0; t < T; ++t) {
-    v16 x[4];
-#pragma GCC unroll 4
-    for (int d = 0; d < 4; ++d) x[d] = load(P + (t * 4 + d) * Q + p0);
-#pragma GCC unroll 8
-    for (int q = 0; q < OB; ++q) {
-      const float wv = w[q * T + t];
-#pragma GCC unroll 4
-      for (int d = 0; d < 4; ++d) acc[q][d] += wv * x[d];
-    }
-  }
-#pragma GCC unroll 8
-  for (int q = 0; q < OB; ++q) {
-    v16 m = acc[q][0], idx = v16{};
-#pragma GCC unroll 3
-    for (int d = 1; d < 4; ++d) {
-      const auto gt = acc[q][d] > m;
-      m = gt ? acc[q][d] : m;
-      idx = gt ? v16{} + (float)d : idx;
-    }
-    const auto on = m > v16{};
-    idx = on ? idx : v16{} + 255.f;
-    m = on ? m : v16{};
-    for (int l = 0; l < n; ++l) {
-      out[q * QO + p0 + l] = m[l];
-      arg[q * QO + p0 + l] = (uint8_t)idx[l];
-    }
-  }
-}
-
+// One image's patch matrix P [C*k*k][4][Q]: tap t of pooled position (i, j) at window corner d.
 void im2col4(const float* xs, int64_t C, int64_t H, int64_t W, int64_t k, int64_t Hp, int64_t Wp, int64_t Q,
              float* P) {
   for (int64_t c = 0; c < C; ++c)
@@ -166,23 +58,64 @@ void im2col4(const float* xs, int64_t C, int64_t H, int64_t W, int64_t k, int64_
         }
 }
 
-std::tuple<at::Tensor, at::Tensor> stem_train_forward(const at::Tensor& x_, const at::Tensor& w_,
-                                                      const at::Tensor& b_, int64_t k) {
+// Channels q < OB, pooled positions [p0, p0 + n): out = relu(max over the corners), in rows of QO. With
+// `arg`, also the first corner holding the window's maximum, or 255 where that maximum is <= 0 (ReLU's
+// gradient is 0 there): max_pool2d's choice after ReLU, in exact arithmetic.
+template <int OB>
+inline void tile(const float* P, int64_t Q, int64_t T, const float* w, const float* b, float* out,
+                 uint8_t* arg, int64_t QO, int64_t p0, int n) {
+  v16 acc[OB][4];
+  corners<OB>(P, Q, T, w, b, p0, acc);
+#pragma GCC unroll 8
+  for (int q = 0; q < OB; ++q) {
+    v16 m = acc[q][0], idx = v16{};
+#pragma GCC unroll 3
+    for (int d = 1; d < 4; ++d) {
+      const auto gt = acc[q][d] > m;
+      m = gt ? acc[q][d] : m;
+      idx = gt ? v16{} + (float)d : idx;
+    }
+    const auto on = m > v16{};
+    m = on ? m : v16{};
+    if (n == 16) {
+      store(out + q * QO + p0, m);
+    } else {
+      for (int l = 0; l < n; ++l) out[q * QO + p0 + l] = m[l];
+    }
+    if (arg != nullptr) {
+      idx = on ? idx : v16{} + 255.f;
+      for (int l = 0; l < n; ++l) arg[q * QO + p0 + l] = (uint8_t)idx[l];
+    }
+  }
+}
+
+template <int OB>
+void channels(const float* P, int64_t Q, int64_t T, const float* w, const float* b, float* out, uint8_t* arg,
+              int64_t QO) {
+  for (int64_t p0 = 0; p0 < QO; p0 += 16)
+    tile<OB>(P, Q, T, w, b, out, arg, QO, p0, (int)std::min<int64_t>(16, QO - p0));
+}
+
+// The block's output, and with keep_arg each output's winning corner (uint8; else an empty tensor).
+std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x_, const at::Tensor& w_, const at::Tensor& b_,
+                                           int64_t k, bool keep_arg) {
   TORCH_CHECK(x_.dim() == 5 && w_.dim() == 3 && b_.dim() == 2,
-              "stem_train_forward: x [G,N,C,H,W], w [G,O,T], b [G,O]");
+              "fused stem: x [G,N,C,H,W], w [G,O,T], b [G,O]");
+  TORCH_CHECK(x_.scalar_type() == at::kFloat && w_.scalar_type() == at::kFloat &&
+              b_.scalar_type() == at::kFloat, "fused stem: float32 only");
   const at::Tensor x = x_.contiguous(), w = w_.contiguous(), b = b_.contiguous();
   const int64_t G = x.size(0), N = x.size(1), C = x.size(2), H = x.size(3), W = x.size(4);
   const int64_t O = w.size(1), T = C * k * k, Hp = (H - k + 1) / 2, Wp = (W - k + 1) / 2;
   TORCH_CHECK(w.size(0) == G && w.size(2) == T && b.size(0) == G && b.size(1) == O && Hp > 0 && Wp > 0,
-              "stem_train_forward: shapes do not match");
+              "fused stem: shapes do not match");
   const int64_t QO = Hp * Wp, Q = (QO + 15) / 16 * 16;
   at::Tensor out = at::empty({G, N, O, Hp, Wp}, x.options());
-  at::Tensor arg = at::empty({G, N, O, Hp, Wp}, x.options().dtype(at::kByte));
+  at::Tensor arg = at::empty({keep_arg ? G : 0, N, O, Hp, Wp}, x.options().dtype(at::kByte));
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   const float* bp = b.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  uint8_t* ap = arg.data_ptr<uint8_t>();
+  uint8_t* ap = keep_arg ? arg.data_ptr<uint8_t>() : nullptr;
   at::parallel_for(0, G * N, 1, [&](int64_t s0, int64_t s1) {
     std::vector<float> P(T * 4 * Q, 0.f);
     for (int64_t s = s0; s < s1; ++s) {
@@ -192,24 +125,33 @@ std::tuple<at::Tensor, at::Tensor> stem_train_forward(const at::Tensor& x_, cons
         const float* wb = wp + (g * O + o0) * T;
         const float* bb = bp + g * O + o0;
         float* od = op + (s * O + o0) * QO;
-        uint8_t* ad = ap + (s * O + o0) * QO;
-        const int64_t ob = std::min<int64_t>(6, O - o0);
-        for (int64_t p0 = 0; p0 < QO; p0 += 16) {
-          const int n = (int)std::min<int64_t>(16, QO - p0);
-          switch (ob) {
-            case 6: tile_arg<6>(P.data(), Q, T, wb, bb, od, ad, QO, p0, n); break;
-            case 5: tile_arg<5>(P.data(), Q, T, wb, bb, od, ad, QO, p0, n); break;
-            case 4: tile_arg<4>(P.data(), Q, T, wb, bb, od, ad, QO, p0, n); break;
-            case 3: tile_arg<3>(P.data(), Q, T, wb, bb, od, ad, QO, p0, n); break;
-            case 2: tile_arg<2>(P.data(), Q, T, wb, bb, od, ad, QO, p0, n); break;
-            default: tile_arg<1>(P.data(), Q, T, wb, bb, od, ad, QO, p0, n); break;
-          }
+        uint8_t* ad = ap == nullptr ? nullptr : ap + (s * O + o0) * QO;
+        switch (std::min<int64_t>(6, O - o0)) {
+          case 6: channels<6>(P.data(), Q, T, wb, bb, od, ad, QO); break;
+          case 5: channels<5>(P.data(), Q, T, wb, bb, od, ad, QO); break;
+          case 4: channels<4>(P.data(), Q, T, wb, bb, od, ad, QO); break;
+          case 3: channels<3>(P.data(), Q, T, wb, bb, od, ad, QO); break;
+          case 2: channels<2>(P.data(), Q, T, wb, bb, od, ad, QO); break;
+          default: channels<1>(P.data(), Q, T, wb, bb, od, ad, QO); break;
         }
       }
     }
   });
   return {out, arg};
 }
+
+at::Tensor stem_forward(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b, int64_t k) {
+  return std::get<0>(forward(x, w, b, k, false));
+}
+
+std::tuple<at::Tensor, at::Tensor> stem_train_forward(const at::Tensor& x, const at::Tensor& w,
+                                                      const at::Tensor& b, int64_t k) {
+  return forward(x, w, b, k, true);
+}
+
+// ---- the backward: the filters' and biases' gradients from the gradient of the block's output, its
+// winning corners and the images (not the input's gradient: the block is a model's first layer).
+// fedprism/engine/fused.py composes forward and backward with torch.func (StemSplit). ----
 
 // acc[o][t] (vector partial sums) += sum over corners d and positions of Gd[o][d][.] * P[t][d][.]
 template <int OB, int TB>
