@@ -163,6 +163,19 @@ def test_a_fresh_cache_builds_the_kernel_once(monkeypatch, tmp_path):
         fused._state.update(saved)
 
 
+def test_a_damaged_cached_library_is_rebuilt(tmp_path):
+    """A truncated or foreign file where the cached build should be: rebuilt once and loaded (in a fresh
+    process: a library loads once per process)."""
+    import subprocess
+    import sys
+    code = ("from fedprism.engine import fused; p = fused.library_path(); p.parent.mkdir(parents=True); "
+            "p.write_bytes(b'not a shared library'); ok = fused.load(); "
+            "print(ok, fused.unavailable_reason(), p.stat().st_size > 1000)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "FEDPRISM_CACHE": str(tmp_path)})
+    assert out.stdout.split() == ["True", "None", "True"], out.stderr[-2000:]
+
+
 def test_eval_kernels_setting_end_to_end_and_refused_values(tmp_path, capsys):
     common = ["run", "--db", str(tmp_path / "s.db"), "dataset=digits", "method=fedavg", "clients=6",
               "rounds=2", "fraction=0.5", "local_epochs=1", "model=mlp", "engine=sequential", "--quiet"]

@@ -86,6 +86,27 @@ def _compile(cxx: str, out: Path) -> None:
         raise RuntimeError(f"{cxx} failed ({r.returncode}): {r.stderr.strip()[-800:]}")
 
 
+def library_path(cxx: str | None = None) -> Path:
+    """Where this machine's build of the kernel is cached: named by a hash of the source, the torch
+    version, the CPU's flags and the compiler."""
+    cxx = cxx or os.environ.get("CXX", "g++")
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode()
+                         + cxx.encode()).hexdigest()[:16]
+    return cache_dir() / f"fused_stem_{key}.so"
+
+
+def _build(cxx: str, lib: Path) -> None:
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
+    os.close(fd)
+    try:
+        _compile(cxx, Path(tmp))
+        os.replace(tmp, lib)                   # atomic: a concurrent build wins or loses whole
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def load() -> bool:
     """Build (once per machine) and load the kernel; False, with `unavailable_reason()`, if that fails."""
     with _lock:
@@ -95,21 +116,18 @@ def load() -> bool:
             cxx = os.environ.get("CXX", "g++")
             if shutil.which(cxx) is None:
                 raise RuntimeError(f"no C++ compiler {cxx!r} on PATH (set CXX)")
-            key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode()
-                                 + cxx.encode()).hexdigest()[:16]
-            lib = cache_dir() / f"fused_stem_{key}.so"
-            if not lib.exists():
-                lib.parent.mkdir(parents=True, exist_ok=True)
-                fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
-                os.close(fd)
-                try:
-                    _compile(cxx, Path(tmp))
-                    os.replace(tmp, lib)          # atomic: a concurrent build wins or loses whole
-                finally:
-                    if os.path.exists(tmp):
-                        os.unlink(tmp)
+            lib = library_path(cxx)
+            built = not lib.exists()
+            if built:
+                _build(cxx, lib)
             if "lib" not in _loaded:           # a namespace can be registered once per process
-                torch.ops.load_library(str(lib))
+                try:
+                    torch.ops.load_library(str(lib))
+                except OSError:
+                    if built:
+                        raise
+                    _build(cxx, lib)           # a damaged cached copy (truncated, another ABI): once more
+                    torch.ops.load_library(str(lib))
                 _register()
                 _loaded["lib"] = lib
             _state["ok"] = True
@@ -349,4 +367,4 @@ class WithStem:
 
 
 __all__ = ["KERNELS", "MAX_IN_CHANNELS", "FusedConvReLUPool", "StemSplit", "WithStem", "cache_dir",
-           "conv_relu_pool", "fuse_stems", "load", "unavailable_reason"]
+           "conv_relu_pool", "fuse_stems", "library_path", "load", "unavailable_reason"]
