@@ -245,12 +245,17 @@ def test_split_gradient_is_the_models_gradient():
         torch.testing.assert_close(shared[m], one, rtol=0, atol=1e-7)
 
 
-def test_an_objective_on_another_input_is_refused():
+def test_an_objective_on_another_input_or_other_parameters_is_refused():
+    """The block output was computed from the batch and the parameters being differentiated; an objective
+    that evaluates the model elsewhere (another input; APFL's mixed model at the same input) is refused."""
     model, split = _split()
-    other = lambda f, p, x, y, wt, ex: F.cross_entropy(f(p, x + 1), y)         # noqa: E731
-    with pytest.raises(RuntimeError, match="train.kernels=aten"):
-        split.grad_and_value(other)(flatten(model), torch.randn(4, 1, 32, 32),
-                                    torch.zeros(4, dtype=torch.long), torch.ones(4), {})
+    other_input = lambda f, p, x, y, wt, ex: F.cross_entropy(f(p, x + 1), y)             # noqa: E731
+    other_params = lambda f, p, x, y, wt, ex: F.cross_entropy(f(0.5 * p, x), y)          # noqa: E731
+    other_features = lambda f, p, x, y, wt, ex: f.features(p.detach(), x).sum()           # noqa: E731
+    for objective in (other_input, other_params, other_features):
+        with pytest.raises(RuntimeError, match="train.kernels=aten"):
+            split.grad_and_value(objective)(flatten(model), torch.randn(4, 1, 32, 32),
+                                            torch.zeros(4, dtype=torch.long), torch.ones(4), {})
 
 
 def test_engines_train_with_the_fused_kernels_and_agree():

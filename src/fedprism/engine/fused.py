@@ -321,7 +321,7 @@ class StemSplit:
         O, k, nw, n1 = self.O, self.k, self.nw, self.n1
 
         def loss_of(flat, h, x, y, wt, extras):
-            return objective(WithStem(self, h, x), flat, x, y, wt, extras)
+            return objective(WithStem(self, h, x, flat), flat, x, y, wt, extras)
 
         gv = grad_and_value(loss_of, argnums=(0, 1))
 
@@ -337,28 +337,30 @@ class StemSplit:
 
 class WithStem:
     """What an objective sees as `f` under `StemSplit`: the model evaluated from the block's output `h`,
-    which was computed from the batch `x`. An objective that evaluates the model on any other input is
-    refused (its block output is not differentiable here)."""
+    which was computed from the batch `x` with the parameters `flat`. An objective that evaluates the
+    model on any other input or at any other parameters (APFL's mixed model, Per-FedAvg's inner step) is
+    refused: `h` would be the wrong block output, and it has no gradient there."""
 
-    def __init__(self, split: StemSplit, h: Tensor, x: Tensor):
-        self.split, self.h, self.x = split, h, x
+    def __init__(self, split: StemSplit, h: Tensor, x: Tensor, flat: Tensor):
+        self.split, self.h, self.x, self.flat = split, h, x, flat
         self.spec, self.module = split.f.spec, split.f.module
 
     def _params(self, flat):
         return {n: v for n, v in self.spec.unflatten(flat).items() if n not in StemSplit.NAMES}
 
-    def _check(self, x):
-        if x is not self.x:
-            raise RuntimeError("train.kernels=fused: the objective evaluates the model on an input other "
-                               "than its batch; run it with train.kernels=aten")
+    def _check(self, flat, x):
+        if x is not self.x or flat is not self.flat:
+            raise RuntimeError("train.kernels=fused: the objective evaluates the model on another input or "
+                               "at other parameters than its batch and its own; run it with "
+                               "train.kernels=aten")
 
     def __call__(self, flat, x):
-        self._check(x)
+        self._check(flat, x)
         return torch.func.functional_call(self.split.rest, (self._params(flat), self.split.f.buffers),
                                           (self.h,))
 
     def features(self, flat, x):
-        self._check(x)
+        self._check(flat, x)
         return torch.func.functional_call(self.split.rest, (self._params(flat), self.split.f.buffers),
                                           (self.h,), {"features_only": True})
 
