@@ -93,7 +93,7 @@ KEYS: dict[str, Param] = {
                           choices=("aten", "fused"), new=True),
     "train.kernels": Param("aten", "kernels of local training on a CPU: aten (PyTorch's, the stored runs' "
                            "numbers) or fused (the same first block through the fused kernel's forward and "
-                           "backward, fedprism.engine.fused; about 1.4x faster training of LeNet-5, numbers "
+                           "backward, fedprism.engine.fused; LeNet-5 training rounds 1.3x faster, numbers "
                            "change at float32 rounding: bench/README.md)",
                            choices=("aten", "fused"), new=True),
     "eval.gate": Param("none", "a learned routing gate between a dual-stream method's specialist and "
