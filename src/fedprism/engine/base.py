@@ -49,7 +49,7 @@ class LocalConfig:
     eval_precision: str = "float32"
     #: kernels of evaluation forward passes: "aten" (PyTorch's), or "fused" (a model's first
     #: conv -> ReLU -> 2x2 max-pooling in one CPU kernel, `fedprism.engine.fused`; logits change at float32
-    #: rounding). Training always runs PyTorch's kernels.
+    #: rounding). Training: `train_kernels`.
     eval_kernels: str = "aten"
     #: kernels of local training: "aten", or "fused" (the same first block through the fused kernel's
     #: training forward and backward, `fedprism.engine.fused.StemSplit`; the numbers change at float32
@@ -254,9 +254,10 @@ class EngineBase:
         self.spec = self.f.spec
         self.cfg = cfg
         self.eval_fused = False      # eval.kernels=fused applied (the inference copy holds the fused block)
+        from fedprism.engine.fused import KERNELS
         for name in ("eval_kernels", "train_kernels"):
-            if getattr(cfg, name) not in ("aten", "fused"):
-                raise ValueError(f"{name} must be 'aten' or 'fused', got {getattr(cfg, name)!r}")
+            if getattr(cfg, name) not in KERNELS:
+                raise ValueError(f"{name} must be one of {KERNELS}, got {getattr(cfg, name)!r}")
         if cfg.eval_kernels == "fused" and self._fused_kernels_usable("eval.kernels"):
             self._fuse_eval_kernels()
         #: the fused first block's training gradient (`fedprism.engine.fused.StemSplit`), or None
@@ -368,12 +369,13 @@ class EngineBase:
         seed (`dropout_seed`; step j trains with `dropout_key(drop, j)`). Returns (w, mean loss)."""
         st = optimizer_state(cfg, w)
         total, count = 0.0, 0
+        fused_gv = None if self.stem is None else self.stem.grad_and_value(loss_fn)    # train.kernels=fused
         for j, b in enumerate(batches):
             bi = rows[b.to(self.device)]
             x, y = self.fed.x_train[bi], self.fed.y_train[bi]
             ones = torch.ones(len(y), device=self.device)
-            if self.stem is not None:          # train.kernels=fused (models with dropout never get here)
-                g, loss = self.stem.grad_and_value(loss_fn)(w.detach(), x, y, ones, extras)
+            if fused_gv is not None:           # (models with dropout never qualify)
+                g, loss = fused_gv(w.detach(), x, y, ones, extras)
             else:
                 wr = w.detach().requires_grad_(True)
                 f = self.f if drop is None else self.f.keyed(dropout_key(drop, j, self.device))

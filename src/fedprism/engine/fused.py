@@ -1,31 +1,32 @@
-"""A fused CPU kernel for a model's first block, ``Conv2d -> ReLU -> MaxPool2d(2)``, in evaluation
-(``eval.kernels = fused``).
+"""Fused CPU kernels for a model's first block, ``Conv2d -> ReLU -> MaxPool2d(2)``, in evaluation
+(``eval.kernels = fused``) and in local training (``train.kernels = fused``, :class:`StemSplit`).
 
-Why: on the FedPrism paper workload the first convolution of LeNet-5 (one input channel, 6 filters of
-5 x 5) is the largest cost of scoring models on the CPU. oneDNN computes it at about a tenth of the
-CPU's GEMM peak and writes the [samples, models x 6, 28, 28] map, which the pooling then reads back
-(bench/README.md, "Fused first block"). `csrc/fused_stem.cpp` computes each pooled output from the
-image in registers: an im2col of one image whose columns are the four corners of each 2 x 2 window,
-times a block of six filters, the maximum of the four, then ReLU. The 28 x 28 map is never written.
+Why: on the FedPrism paper workload LeNet-5's first convolution (one input channel, 6 filters of 5 x 5)
+and the passes over its [samples, models x 6, 28, 28] output are one of the two largest costs of a CPU
+round (bench/README.md: `bench/round_profile.py`, `bench/fused_stem.py`). `csrc/fused_stem.cpp` computes
+each pooled output from the image in registers: an im2col of one image whose columns are the four
+corners of each 2 x 2 window, times a block of six filters, the maximum of the four, then ReLU. The
+28 x 28 map is never written. The training forward also keeps each window's winning corner, from which
+the backward forms the filters' and biases' gradients.
 
 Numbers: each output is the same sum of the same products as the convolution's, but summed in tap
 order, so the logits differ from PyTorch's at float32 rounding (a few 1e-6) and a prediction can flip
-where two classes tie to that precision. So it is a setting, `aten` by default (every stored run's
-numbers), like `eval.precision`. Training never uses it: the kernel has no backward.
+where two classes tie to that precision; gradients likewise. So both are settings, `aten` by default
+(every stored run's numbers), like `eval.precision`.
 
 Where it applies: a plain ``Conv2d`` (stride 1, no padding, no dilation, one group, with bias, at most
 `MAX_IN_CHANNELS` input channels) directly followed by ``ReLU`` and a plain 2 x 2 max-pooling inside an
 ``nn.Sequential``, on a CPU, in float32 (a bfloat16 evaluation, or a CUDA device, runs the plain
-layers). On the second convolution of LeNet-5 (6 input channels) the kernel measured 3.5x slower than
-oneDNN's grouped convolution, so only first layers qualify. ``torch.vmap`` over models maps onto the
-kernel's groups: a shared input batch stacks all models' filters into one group, a batch per model
-gives one group per model.
+layers). On the second convolution of LeNet-5 (6 input channels) the kernel measured 0.39x the speed of
+oneDNN's grouped convolution (`bench/fused_stem.py`), so only first layers qualify. ``torch.vmap`` over
+models maps onto the kernel's groups: a shared input batch stacks all models' filters into one group, a
+batch per model gives one group per model.
 
 The kernel is compiled once per machine with the system's C++ compiler (``$CXX``, else g++; the same
 compiler ``torch.compile`` needs) for its instruction set (``-march=native``), and cached under
 ``~/.cache/fedprism/kernels`` (``$FEDPRISM_CACHE/kernels`` where that is set) by a hash of the source, the
-torch version and the CPU's flags. If it cannot be built or loaded the engine warns once, names the reason,
-and evaluates with the plain layers.
+torch version and the CPU's flags. If it cannot be built or loaded the engine warns, names the reason,
+and runs the plain layers.
 """
 
 from __future__ import annotations
@@ -166,20 +167,24 @@ def _fold(t: Tensor, d: int | None, M: int) -> Tensor:
     return t.flatten(0, 1)
 
 
-def _train_vmap(info, in_dims, x, w, b, k):
-    """Models batched: a shared input (unbatched, one group) runs all models' filters as one group; else one
-    group per (model, group)."""
-    xd, wd, bd, _ = in_dims
-    M = info.batch_size
-    train = torch.ops.fedprism_kernels.stem_train_forward
-    if xd is None and x.shape[0] == 1:
-        w = (w.movedim(wd, 0) if wd is not None else w.expand(M, *w.shape)).transpose(0, 1).flatten(1, 2)
-        b = (b.movedim(bd, 0) if bd is not None else b.expand(M, *b.shape)).transpose(0, 1).flatten(1, 2)
-        out, arg = train(x, w, b, k)
-        view = lambda t: t.unflatten(2, (M, -1))              # [1, N, M, O, Hp, Wp]  # noqa: E731
-        return (view(out), view(arg)), (2, 2)
-    out, arg = train(_fold(x, xd, M), _fold(w, wd, M), _fold(b, bd, M), k)
-    return (out.unflatten(0, (M, -1)), arg.unflatten(0, (M, -1))), (0, 0)
+def _forward_vmap(op):
+    """The vmap rule of a kernel forward (`stem_forward`, `stem_train_forward`; x [G, N, C, H, W],
+    w [G, O, T], b [G, O]) over models: a shared input (unbatched, one group) runs all models' filters as
+    one group; otherwise one group per (model, group)."""
+    def rule(info, in_dims, x, w, b, k):
+        xd, wd, bd, _ = in_dims
+        M = info.batch_size
+        if xd is None and x.shape[0] == 1:
+            w = (w.movedim(wd, 0) if wd is not None else w.expand(M, *w.shape)).transpose(0, 1).flatten(1, 2)
+            b = (b.movedim(bd, 0) if bd is not None else b.expand(M, *b.shape)).transpose(0, 1).flatten(1, 2)
+            res, dim, view = op(x, w, b, k), 2, (lambda t: t.unflatten(2, (M, -1)))   # [1, N, M, O, Hp, Wp]
+        else:
+            res, dim = op(_fold(x, xd, M), _fold(w, wd, M), _fold(b, bd, M), k), 0
+            view = lambda t: t.unflatten(0, (M, -1))                                   # noqa: E731
+        if isinstance(res, tuple):
+            return tuple(view(t) for t in res), (dim,) * len(res)
+        return view(res), dim
+    return rule
 
 
 def _backward_vmap(info, in_dims, grad, arg, x, k):
@@ -195,40 +200,16 @@ def _register() -> None:
     torch.library.register_fake(lib + "stem_forward")(_stem_fake)
     torch.library.register_fake(lib + "stem_train_forward")(_train_fake)
     torch.library.register_fake(lib + "stem_backward")(_backward_fake)
-    torch.library.register_vmap(lib + "stem_train_forward")(_train_vmap)
+    for name in ("stem_forward", "stem_train_forward"):
+        torch.library.register_vmap(lib + name)(_forward_vmap(getattr(torch.ops.fedprism_kernels, name)))
     torch.library.register_vmap(lib + "stem_backward")(_backward_vmap)
 
 
-@torch.library.custom_op("fedprism::conv_relu_pool", mutates_args=())
 def conv_relu_pool(x: Tensor, w: Tensor, b: Tensor) -> Tensor:
-    """``max_pool2d(relu(conv2d(x, w, b)), 2)`` for x [N, C, H, W], w [O, C, k, k] (the fused kernel)."""
+    """``max_pool2d(relu(conv2d(x, w, b)), 2)`` for x [N, C, H, W], w [O, C, k, k] (the fused kernel; under
+    ``torch.vmap`` over models through the kernel's vmap rule). Needs `load()`."""
     O, _, k, _ = w.shape
     return torch.ops.fedprism_kernels.stem_forward(x[None], w.reshape(1, O, -1), b[None], k)[0]
-
-
-@conv_relu_pool.register_fake
-def _(x, w, b):
-    N, _, H, W = x.shape
-    O, _, k, _ = w.shape
-    return x.new_empty(N, O, _pooled(H, k), _pooled(W, k))
-
-
-def _vmap_rule(info, in_dims, x, w, b):
-    """Models batched over the filters: a shared input is one group of all models' filters stacked; an
-    input per model is one group per model."""
-    xd, wd, bd = in_dims
-    M = info.batch_size
-    w = w.movedim(wd, 0) if wd is not None else w.expand(M, *w.shape)
-    b = b.movedim(bd, 0) if bd is not None else b.expand(M, *b.shape)
-    _, O, _, k, _ = w.shape
-    stem = torch.ops.fedprism_kernels.stem_forward
-    if xd is None:
-        out = stem(x[None], w.reshape(1, M * O, -1), b.reshape(1, M * O), k)[0]
-        return out.unflatten(1, (M, O)), 1
-    return stem(x.movedim(xd, 0), w.reshape(M, O, -1), b.reshape(M, O), k), 0
-
-
-conv_relu_pool.register_vmap(_vmap_rule)
 
 
 class FusedConvReLUPool(nn.Module):
@@ -303,7 +284,7 @@ class StemSplit:
         for i in range(3):
             self.rest.body[i] = nn.Identity()
         w = f.module.body[0].weight
-        self.O, self.C, self.k = w.shape[0], w.shape[1], w.shape[2]
+        self.O, self.k = w.shape[0], w.shape[2]
         self.nw = w.numel()
         self.n1 = self.nw + self.O
         assert f.spec.names[:2] == self.NAMES and f.spec.offsets[2] == self.n1, f.spec.names[:2]
