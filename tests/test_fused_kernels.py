@@ -39,11 +39,14 @@ def _ints(*shape, lo=-3, hi=4, seed=0):
 
 
 @pytest.mark.parametrize("n,c,h,w,o,k", [(5, 1, 32, 32, 6, 5), (3, 3, 13, 11, 7, 3), (2, 2, 9, 9, 13, 4),
-                                          (1, 1, 6, 6, 1, 1)])
+                                          (1, 1, 6, 6, 1, 1), (2, 1, 11, 45, 5, 3), (1, 1, 9, 36, 3, 5),
+                                          (3, 6, 14, 14, 16, 5), (2, 5, 17, 19, 20, 3), (2, 4, 9, 30, 3, 2)])
 def test_integer_inputs_give_pytorchs_numbers_exactly(n, c, h, w, o, k):
     """Small integers: every partial sum is exact in float32, so summation order cannot matter and the
-    kernel must equal conv2d -> relu -> max_pool2d bit for bit: odd sizes (floor pooling), channel counts
-    that are not a multiple of the kernel's block of six, pooled maps that are not a multiple of 16."""
+    kernel must equal conv2d -> relu -> max_pool2d bit for bit: odd sizes (floor pooling), filter counts
+    that are not a multiple of the kernel's blocks (six by position, 16 by filter), pooled rows that are
+    not a multiple of 16 (or wider than 16: a two-vector grid row) nor of the seven windows of the
+    filter-vectorized layout (which blocks with more than three input channels take)."""
     x, wt, b = _ints(n, c, h, w), _ints(o, c, k, k, seed=1), _ints(o, seed=2)
     assert torch.equal(fused.conv_relu_pool(x, wt, b), plain(x, wt, b))
 
@@ -60,6 +63,27 @@ def test_vmap_shared_and_own_inputs_match_a_loop_over_models():
         assert torch.equal(one_filter[m], plain(xs[m], W[0], B[0]))
 
 
+def test_an_inner_block_reads_the_first_blocks_output_in_place_under_vmap():
+    """LeNet-5's two blocks under vmap over models on a shared batch: the second block's input is a
+    strided view of the first's stacked output (the models' dimension inside), read without a copy."""
+    x = _ints(4, 1, 32, 32)
+    W1, B1 = _ints(3, 6, 1, 5, 5, seed=1), _ints(3, 6, seed=2)
+    W2, B2 = _ints(3, 16, 6, 5, 5, seed=3, lo=-1, hi=2), _ints(3, 16, seed=4)
+
+    def two(x, w1, b1, w2, b2):
+        return fused.conv_relu_pool(fused.conv_relu_pool(x, w1, b1), w2, b2)
+
+    out = vmap(two, in_dims=(None, 0, 0, 0, 0))(x, W1, B1, W2, B2)
+    for m in range(3):
+        assert torch.equal(out[m], plain(plain(x, W1[m], B1[m]), W2[m], B2[m]))
+    h = torch.ops.fedprism_kernels.stem_forward(x[None], W1.reshape(1, 18, 25), B1.reshape(1, 18), 5)
+    view = h.unflatten(2, (3, 6)).movedim(2, 0).flatten(0, 1)           # [3 models, 4, 6, 14, 14]
+    assert not view.is_contiguous()
+    got = torch.ops.fedprism_kernels.stem_forward(view, W2.reshape(3, 16, -1), B2, 5)
+    assert torch.equal(got, torch.ops.fedprism_kernels.stem_forward(view.contiguous(), W2.reshape(3, 16, -1),
+                                                                       B2, 5))
+
+
 def test_float_inputs_stay_within_rounding():
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(20, 3, 32, 32, generator=g), torch.randn(6, 3, 5, 5, generator=g)
@@ -72,12 +96,12 @@ def test_only_qualifying_first_blocks_are_fused_and_names_stay():
     lenet = build_model("lenet5", (1, 32, 32), 10, seed=0)
     done = fused.fuse_stems(lenet)
     kinds = [type(m).__name__ for m in done.body]
-    assert kinds[:6] == ["FusedConvReLUPool", "Identity", "Identity", "Conv2d", "ReLU", "MaxPool2d"]
+    assert kinds[:6] == ["FusedConvReLUPool", "Identity", "Identity"] * 2    # both of LeNet-5's blocks
     assert ParamSpec.of(done) == ParamSpec.of(lenet)          # a flat vector maps the same way
     assert type(lenet.body[0]) is nn.Conv2d                     # the original is untouched
     assert fused.fuse_stems(build_model("mlp", (1, 8, 8), 10, seed=0)) is None
     refused = [nn.Conv2d(1, 4, 3, padding=1), nn.Conv2d(1, 4, 3, stride=2), nn.Conv2d(1, 4, 3, bias=False),
-               nn.Conv2d(4, 4, 3), nn.Conv2d(1, 4, 3, dilation=2)]
+               nn.Conv2d(4, 4, 3, groups=2), nn.Conv2d(1, 4, 3, dilation=2), nn.Conv2d(1, 4, (3, 2))]
     for conv in refused:
         assert fused.fuse_stems(nn.Sequential(conv, nn.ReLU(), nn.MaxPool2d(2))) is None, conv
     assert fused.fuse_stems(nn.Sequential(nn.Conv2d(1, 4, 3), nn.MaxPool2d(2), nn.ReLU())) is None
@@ -195,7 +219,8 @@ def test_eval_kernels_setting_end_to_end_and_refused_values(tmp_path, capsys):
 
 
 # -- training ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("G,N,C,H,O,k", [(3, 5, 1, 12, 6, 5), (2, 4, 3, 13, 7, 3), (1, 3, 2, 9, 13, 4)])
+@pytest.mark.parametrize("G,N,C,H,O,k", [(3, 5, 1, 12, 6, 5), (2, 4, 3, 13, 7, 3), (1, 3, 2, 9, 13, 4),
+                                          (2, 2, 1, 40, 4, 5), (1, 2, 6, 14, 16, 5)])
 def test_training_kernels_give_pytorchs_outputs_ties_and_gradients_exactly(G, N, C, H, O, k):
     """Integer inputs: many exact ties in the pooling windows (and at zero), which must go where
     max_pool2d after ReLU sends them; every gradient sum is exact."""

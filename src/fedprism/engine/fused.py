@@ -1,26 +1,28 @@
-"""Fused CPU kernels for a model's first block, ``Conv2d -> ReLU -> MaxPool2d(2)``, in evaluation
-(``eval.kernels = fused``) and in local training (``train.kernels = fused``, :class:`StemSplit`).
+"""Fused CPU kernels for ``Conv2d -> ReLU -> MaxPool2d(2)`` blocks: every such block in evaluation
+(``eval.kernels = fused``), a model's first block in local training (``train.kernels = fused``,
+:class:`StemSplit`).
 
-Why: on the FedPrism paper workload LeNet-5's first convolution (one input channel, 6 filters of 5 x 5)
-and the passes over its [samples, models x 6, 28, 28] output are one of the two largest costs of a CPU
-round (bench/README.md: `bench/round_profile.py`, `bench/fused_stem.py`). `csrc/fused_stem.cpp` computes
-each pooled output from the image in registers: an im2col of one image whose columns are the four
-corners of each 2 x 2 window, times a block of six filters, the maximum of the four, then ReLU. The
-28 x 28 map is never written. The training forward also keeps each window's winning corner, from which
-the backward forms the filters' and biases' gradients.
+Why: on the FedPrism paper workload LeNet-5's two convolutions (1 -> 6 and 6 -> 16 channels, 5 x 5) and the
+passes over their outputs are most of a CPU round (bench/README.md: `bench/round_profile.py`,
+`bench/fused_stem.py`). `csrc/fused_stem.cpp` computes each pooled output in registers: the conv outputs
+at the four corners of each 2 x 2 window, their maximum, then ReLU; the conv map is never written. It has
+two layouts of the same sums. With at most three input channels (a first layer) a vector holds 16 pooled
+positions of one filter, read straight from the image's four polyphase planes (x[2i + a, 2j + b]), six
+filters at a time. With more (an inner layer) a vector holds 16 filters at one position, multiplied by a
+broadcast input value, seven windows at a time. The training forward also keeps each window's winning
+corner, from which the backward forms the filters' and biases' gradients.
 
 Numbers: each output is the same sum of the same products as the convolution's, but summed in tap
 order, so the logits differ from PyTorch's at float32 rounding (a few 1e-6) and a prediction can flip
 where two classes tie to that precision; gradients likewise. So both are settings, `aten` by default
 (every stored run's numbers), like `eval.precision`.
 
-Where it applies: a plain ``Conv2d`` (stride 1, no padding, no dilation, one group, with bias, at most
-`MAX_IN_CHANNELS` input channels) directly followed by ``ReLU`` and a plain 2 x 2 max-pooling inside an
-``nn.Sequential``, on a CPU, in float32 (a bfloat16 evaluation, or a CUDA device, runs the plain
-layers). On the second convolution of LeNet-5 (6 input channels) the kernel measured 0.39x the speed of
-oneDNN's grouped convolution (`bench/fused_stem.py`), so only first layers qualify. ``torch.vmap`` over
-models maps onto the kernel's groups: a shared input batch stacks all models' filters into one group, a
-batch per model gives one group per model.
+Where it applies: a plain ``Conv2d`` (stride 1, no padding, no dilation, one group, with bias, square
+kernel) directly followed by ``ReLU`` and a plain 2 x 2 max-pooling inside an ``nn.Sequential``, on a CPU,
+in float32 (a bfloat16 evaluation, or a CUDA device, runs the plain layers). Training fuses only the
+model's first block, whose input needs no gradient. ``torch.vmap`` over models maps onto the kernel's
+groups: a shared input batch stacks all models' filters into one group, a batch per model gives one
+group per model (read in place from the previous block's output: no copy).
 
 The kernel is compiled once per machine with the system's C++ compiler (``$CXX``, else g++; the same
 compiler ``torch.compile`` needs) for its instruction set (``-march=native``), and cached under
@@ -48,8 +50,6 @@ from torch import Tensor, nn
 from fedprism.models.pooling import MaxPool2x2, _plain_2x2
 
 SOURCE = Path(__file__).with_name("csrc") / "fused_stem.cpp"
-#: first layers only: with 6 input channels (LeNet-5's second convolution) the kernel is slower than oneDNN
-MAX_IN_CHANNELS = 3
 KERNELS = ("aten", "fused")
 
 _lock = threading.Lock()
@@ -231,7 +231,7 @@ class FusedConvReLUPool(nn.Module):
 def _fusable(conv: nn.Module) -> bool:
     pair = lambda v: v if isinstance(v, tuple) else (v, v)
     return (type(conv) is nn.Conv2d and conv.bias is not None and conv.groups == 1
-            and conv.padding_mode == "zeros" and conv.in_channels <= MAX_IN_CHANNELS
+            and conv.padding_mode == "zeros"
             and pair(conv.stride) == (1, 1) and pair(conv.dilation) == (1, 1)
             and conv.padding in ((0, 0), 0, "valid") and conv.kernel_size[0] == conv.kernel_size[1])
 
@@ -349,5 +349,5 @@ class WithStem:
         return self.split.f.head(flat, z)
 
 
-__all__ = ["KERNELS", "MAX_IN_CHANNELS", "FusedConvReLUPool", "StemSplit", "WithStem", "cache_dir",
+__all__ = ["KERNELS", "FusedConvReLUPool", "StemSplit", "WithStem", "cache_dir",
            "conv_relu_pool", "fuse_stems", "library_path", "load", "unavailable_reason"]

@@ -1,9 +1,12 @@
-// A model's first block, conv(k x k, stride 1, no padding) -> ReLU -> max_pool2d(2), in one pass on the CPU:
+// A block conv(k x k, stride 1, no padding) -> ReLU -> max_pool2d(2) in one pass on the CPU:
 // fedprism/engine/fused.py builds and loads this file. Each output is
 //   relu(max over the 2 x 2 window of (b[o] + sum_t w[o][t] x[patch t]))
 // with the taps t summed in order (channel, row, column); the k x k conv map is never written.
 // x [G, N, C, H, W], w [G, O, C*k*k], b [G, O] -> [G, N, O, (H-k+1)/2, (W-k+1)/2]: group g's images
 // through group g's filters (G = 1 with the filters of all models stacked: a shared input batch).
+// Two layouts of the same sums: with few input channels (a first layer) a vector holds 16 pooled
+// positions of one filter, read from the image's polyphase planes; with more (an inner layer, evaluation
+// only) a vector holds 16 filters at one position, times a broadcast input value.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -12,127 +15,239 @@
 #include <cstdint>
 #include <tuple>
 #include <vector>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 namespace {
+
+// Above this many input channels an evaluation block is filter-vectorized (see `windows`).
+constexpr int64_t MAX_POSITION_CHANNELS = 3;
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));
 inline v16 load(const float* p) { return *(const v16u*)p; }
-inline void store(float* p, v16 v) { *(v16u*)p = v; }
 
-// The conv outputs at the four corners d of the pooled positions [p0, p0 + 16) for channels q < OB:
-// acc[q][d] = b[q] + sum_t w[q][t] P[t][d][p0 ..], the taps in order. P is one image's patch matrix
-// [T][4][Q] (Q: the pooled positions, padded to a multiple of 16).
-template <int OB>
-inline void corners(const float* P, int64_t Q, int64_t T, const float* w, const float* b, int64_t p0,
-                    v16 (&acc)[OB][4]) {
+// The first `n` lanes of v to p[0 .. n).
+inline void store_first(float* p, v16 v, int n) {
+#ifdef __AVX512F__
+  _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), (__m512)v);
+#else
+  for (int l = 0; l < n; ++l) p[l] = v[l];
+#endif
+}
+
+// relu(max over the four corners), and in idx the first corner holding that maximum (255 where it is
+// <= 0: ReLU's gradient is 0 there): max_pool2d's choice after ReLU, in exact arithmetic.
+inline v16 pool4(const v16 (&a)[4], v16* idx) {
+  v16 m = a[0], i = v16{};
+#pragma GCC unroll 3
+  for (int d = 1; d < 4; ++d) {
+    const auto gt = a[d] > m;
+    m = gt ? a[d] : m;
+    i = gt ? v16{} + (float)d : i;
+  }
+  const auto on = m > v16{};
+  if (idx != nullptr) *idx = on ? i : v16{} + 255.f;
+  return on ? m : v16{};
+}
+
+// One image's geometry. The pooled position (i, j) sits at q = i * S + j of a grid S >= Wp + k/2 wide
+// (a multiple of 16, so a vector is a stretch of one pooled row; lanes j >= Wp are computed and dropped).
+struct Geo {
+  int64_t C, H, W, k, Hp, Wp, S, R, PH;
+  Geo(int64_t C_, int64_t H_, int64_t W_, int64_t k_)
+      : C(C_), H(H_), W(W_), k(k_), Hp((H_ - k_ + 1) / 2), Wp((W_ - k_ + 1) / 2) {
+    S = (Wp + k / 2 + 15) / 16 * 16;
+    R = Hp + k / 2 + 1;                  // the rows read, and one more for the dropped lanes' reads
+    PH = R * S;
+  }
+  int64_t grid() const { return Hp * S; }
+  int64_t phase_floats() const { return C * 4 * PH + 16; }
+  // The conv input under tap (c, ki, kj) at window corner d = 2 dy + dx of every grid position:
+  // x[c][2i + ki + dy][2j + kj + dx] = phase (c, u & 1, v & 1)[i + u / 2][j + v / 2], u = ki + dy, v = kj + dx.
+  int64_t tap(int64_t c, int64_t ki, int64_t kj, int d) const {
+    const int64_t u = ki + (d >> 1), v = kj + (d & 1);
+    return ((c * 2 + (u & 1)) * 2 + (v & 1)) * PH + (u >> 1) * S + (v >> 1);
+  }
+};
+
+// The four polyphase planes of each channel of one image [C, H, W] (row stride xr, contiguous rows):
+// ph[c][a][b][i][j] = x[c][2i + a][2j + b], 0 outside. With them every tap of every corner is a plain
+// (unaligned) vector load at Geo::tap: no im2col.
+void phases(const float* xs, int64_t xc, const Geo& g, float* ph, std::vector<float>& row) {
+  const int64_t half = g.S + 2;
+  row.assign(2 * half, 0.f);
+  for (int64_t c = 0; c < g.C; ++c)
+    for (int a = 0; a < 2; ++a)
+      for (int64_t i = 0; i < g.R; ++i) {
+        const int64_t y = 2 * i + a;
+        std::fill(row.begin(), row.end(), 0.f);
+        if (y < g.H)
+          for (int64_t x = 0; x < std::min(g.W, 2 * half); ++x) row[(x & 1) * half + (x >> 1)] = xs[c * xc + y * g.W + x];
+        for (int b = 0; b < 2; ++b)
+          std::copy_n(row.data() + b * half, g.S, ph + ((c * 2 + a) * 2 + b) * g.PH + i * g.S);
+      }
+}
+
+// Position-vectorized (first layers: few input channels): OB <= 6 filters, the 16 grid positions from p0,
+// all four corners in 24 accumulators; w holds the block's filters interleaved, [T][OB].
+template <int OB, int K>
+inline void tile(const float* ph, const Geo& g, const float* w, const float* b, int64_t p0, float* out,
+                 uint8_t* arg) {
+  const int64_t k = K > 0 ? K : g.k;
+  v16 acc[OB][4];
 #pragma GCC unroll 8
   for (int q = 0; q < OB; ++q)
 #pragma GCC unroll 4
     for (int d = 0; d < 4; ++d) acc[q][d] = v16{} + b[q];
-  for (int64_t t = 0; t < T; ++t) {
-    v16 x[4];
-#pragma GCC unroll 4
-    for (int d = 0; d < 4; ++d) x[d] = load(P + (t * 4 + d) * Q + p0);
+  for (int64_t c = 0; c < g.C; ++c)
+    for (int64_t ki = 0; ki < k; ++ki) {
+      const float* wt = w + (c * k + ki) * k * OB;
 #pragma GCC unroll 8
-    for (int q = 0; q < OB; ++q) {
-      const float wv = w[q * T + t];
+      for (int64_t kj = 0; kj < k; ++kj) {
+        v16 x[4];
 #pragma GCC unroll 4
-      for (int d = 0; d < 4; ++d) acc[q][d] += wv * x[d];
-    }
-  }
-}
-
-// One image's patch matrix P [C*k*k][4][Q]: tap t of pooled position (i, j) at window corner d.
-void im2col4(const float* xs, int64_t C, int64_t H, int64_t W, int64_t k, int64_t Hp, int64_t Wp, int64_t Q,
-             float* P) {
-  for (int64_t c = 0; c < C; ++c)
-    for (int64_t ki = 0; ki < k; ++ki)
-      for (int64_t kj = 0; kj < k; ++kj)
-        for (int64_t d = 0; d < 4; ++d) {
-          float* pt = P + (((c * k + ki) * k + kj) * 4 + d) * Q;
-          for (int64_t i = 0; i < Hp; ++i) {
-            const float* xr = xs + (c * H + 2 * i + (d >> 1) + ki) * W + kj + (d & 1);
-            for (int64_t j = 0; j < Wp; ++j) pt[i * Wp + j] = xr[2 * j];
-          }
+        for (int d = 0; d < 4; ++d) x[d] = load(ph + g.tap(c, ki, kj, d) + p0);
+#pragma GCC unroll 8
+        for (int q = 0; q < OB; ++q) {
+          const float wv = wt[kj * OB + q];
+#pragma GCC unroll 4
+          for (int d = 0; d < 4; ++d) acc[q][d] += wv * x[d];
         }
-}
-
-// Channels q < OB, pooled positions [p0, p0 + n): out = relu(max over the corners), in rows of QO. With
-// `arg`, also the first corner holding the window's maximum, or 255 where that maximum is <= 0 (ReLU's
-// gradient is 0 there): max_pool2d's choice after ReLU, in exact arithmetic.
-template <int OB>
-inline void tile(const float* P, int64_t Q, int64_t T, const float* w, const float* b, float* out,
-                 uint8_t* arg, int64_t QO, int64_t p0, int n) {
-  v16 acc[OB][4];
-  corners<OB>(P, Q, T, w, b, p0, acc);
+      }
+    }
+  const int64_t QO = g.Hp * g.Wp, i = p0 / g.S, j0 = p0 % g.S, at = i * g.Wp + j0;
+  const int n = (int)std::min<int64_t>(16, g.Wp - j0);
 #pragma GCC unroll 8
   for (int q = 0; q < OB; ++q) {
-    v16 m = acc[q][0], idx = v16{};
-#pragma GCC unroll 3
-    for (int d = 1; d < 4; ++d) {
-      const auto gt = acc[q][d] > m;
-      m = gt ? acc[q][d] : m;
-      idx = gt ? v16{} + (float)d : idx;
-    }
-    const auto on = m > v16{};
-    m = on ? m : v16{};
-    if (n == 16) {
-      store(out + q * QO + p0, m);
-    } else {
-      for (int l = 0; l < n; ++l) out[q * QO + p0 + l] = m[l];
-    }
-    if (arg != nullptr) {
-      idx = on ? idx : v16{} + 255.f;
-      for (int l = 0; l < n; ++l) arg[q * QO + p0 + l] = (uint8_t)idx[l];
-    }
+    v16 idx;
+    store_first(out + q * QO + at, pool4(acc[q], arg == nullptr ? nullptr : &idx), n);
+    if (arg != nullptr)
+      for (int l = 0; l < n; ++l) arg[q * QO + at + l] = (uint8_t)idx[l];
   }
 }
 
 template <int OB>
-void channels(const float* P, int64_t Q, int64_t T, const float* w, const float* b, float* out, uint8_t* arg,
-              int64_t QO) {
-  for (int64_t p0 = 0; p0 < QO; p0 += 16)
-    tile<OB>(P, Q, T, w, b, out, arg, QO, p0, (int)std::min<int64_t>(16, QO - p0));
+void positions(const float* ph, const Geo& g, const float* w, const float* b, float* out, uint8_t* arg) {
+  for (int64_t i = 0; i < g.Hp; ++i)
+    for (int64_t j0 = 0; j0 < g.Wp; j0 += 16) {
+      if (g.k == 5) tile<OB, 5>(ph, g, w, b, i * g.S + j0, out, arg);
+      else if (g.k == 3) tile<OB, 3>(ph, g, w, b, i * g.S + j0, out, arg);
+      else tile<OB, 0>(ph, g, w, b, i * g.S + j0, out, arg);
+    }
+}
+
+// Filter-vectorized (inner layers, e.g. LeNet-5's second: 6 -> 16 channels): NW windows of one pooled
+// row, their four corners, 16 filters (one vector) per accumulator; per tap one load of the 16 filters'
+// weights (w: [T][16]) and 4 NW products with a broadcast input value.
+template <int NW>
+inline void windows(const float* x, const Geo& g, const float* w, const float* b, float* out, int64_t q0,
+                    int nO) {
+  v16 acc[NW][4];
+  const v16 bias = load(b);
+#pragma GCC unroll 7
+  for (int j = 0; j < NW; ++j)
+#pragma GCC unroll 4
+    for (int d = 0; d < 4; ++d) acc[j][d] = bias;
+  for (int64_t c = 0; c < g.C; ++c)
+    for (int64_t ki = 0; ki < g.k; ++ki) {
+      const float* r0 = x + (c * g.H + ki) * g.W;
+      const float* r1 = r0 + g.W;
+      for (int64_t kj = 0; kj < g.k; ++kj, w += 16) {
+        const v16 wv = load(w);
+#pragma GCC unroll 7
+        for (int j = 0; j < NW; ++j) {
+          acc[j][0] += r0[kj + 2 * j] * wv;
+          acc[j][1] += r0[kj + 2 * j + 1] * wv;
+          acc[j][2] += r1[kj + 2 * j] * wv;
+          acc[j][3] += r1[kj + 2 * j + 1] * wv;
+        }
+      }
+    }
+  const int64_t QO = g.Hp * g.Wp;
+#pragma GCC unroll 7
+  for (int j = 0; j < NW; ++j) {
+    const v16 m = pool4(acc[j], nullptr);
+    for (int l = 0; l < nO; ++l) out[l * QO + q0 + j] = m[l];
+  }
 }
 
 // The block's output, and with keep_arg each output's winning corner (uint8; else an empty tensor).
+// x may be a strided view over its first two dimensions (each image [C, H, W] contiguous).
 std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x_, const at::Tensor& w_, const at::Tensor& b_,
                                            int64_t k, bool keep_arg) {
   TORCH_CHECK(x_.dim() == 5 && w_.dim() == 3 && b_.dim() == 2,
               "fused stem: x [G,N,C,H,W], w [G,O,T], b [G,O]");
   TORCH_CHECK(x_.scalar_type() == at::kFloat && w_.scalar_type() == at::kFloat &&
               b_.scalar_type() == at::kFloat, "fused stem: float32 only");
-  const at::Tensor x = x_.contiguous(), w = w_.contiguous(), b = b_.contiguous();
-  const int64_t G = x.size(0), N = x.size(1), C = x.size(2), H = x.size(3), W = x.size(4);
-  const int64_t O = w.size(1), T = C * k * k, Hp = (H - k + 1) / 2, Wp = (W - k + 1) / 2;
-  TORCH_CHECK(w.size(0) == G && w.size(2) == T && b.size(0) == G && b.size(1) == O && Hp > 0 && Wp > 0,
+  const bool rows = x_.stride(4) == 1 && x_.stride(3) == x_.size(4) && x_.stride(2) == x_.size(3) * x_.size(4);
+  const at::Tensor x = rows ? x_ : x_.contiguous(), w = w_.contiguous(), b = b_.contiguous();
+  const int64_t G = x.size(0), N = x.size(1), O = w.size(1);
+  const Geo g(x.size(2), x.size(3), x.size(4), k);
+  const int64_t T = g.C * k * k, QO = g.Hp * g.Wp, sg = x.stride(0), sn = x.stride(1);
+  TORCH_CHECK(w.size(0) == G && w.size(2) == T && b.size(0) == G && b.size(1) == O && g.Hp > 0 && g.Wp > 0,
               "fused stem: shapes do not match");
-  const int64_t QO = Hp * Wp, Q = (QO + 15) / 16 * 16;
-  at::Tensor out = at::empty({G, N, O, Hp, Wp}, x.options());
-  at::Tensor arg = at::empty({keep_arg ? G : 0, N, O, Hp, Wp}, x.options().dtype(at::kByte));
-  const float* xp = x.data_ptr<float>();
+  // Filters regrouped: position-vectorized blocks of 6 interleaved [T][6]; filter-vectorized blocks of
+  // 16 as [T][16] (zero padded), biases [16].
+  const bool by_filter = g.C > MAX_POSITION_CHANNELS && !keep_arg;
+  const int64_t OB = by_filter ? 16 : 6, NB = (O + OB - 1) / OB;
+  std::vector<float> wk(G * NB * T * OB, 0.f), bk(G * NB * OB, 0.f);
   const float* wp = w.data_ptr<float>();
   const float* bp = b.data_ptr<float>();
+  for (int64_t gi = 0; gi < G; ++gi)
+    for (int64_t o = 0; o < O; ++o) {
+      const int64_t blk = gi * NB + o / OB, ob = by_filter ? OB : std::min(OB, O - o / OB * OB);
+      bk[blk * OB + o % OB] = bp[gi * O + o];
+      for (int64_t t = 0; t < T; ++t) wk[blk * T * OB + t * ob + o % OB] = wp[(gi * O + o) * T + t];
+    }
+  at::Tensor out = at::empty({G, N, O, g.Hp, g.Wp}, x.options());
+  at::Tensor arg = at::empty({keep_arg ? G : 0, N, O, g.Hp, g.Wp}, x.options().dtype(at::kByte));
+  const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   uint8_t* ap = keep_arg ? arg.data_ptr<uint8_t>() : nullptr;
   at::parallel_for(0, G * N, 1, [&](int64_t s0, int64_t s1) {
-    std::vector<float> P(T * 4 * Q, 0.f);
+    std::vector<float> ph(by_filter ? 0 : g.phase_floats(), 0.f), row;
     for (int64_t s = s0; s < s1; ++s) {
-      im2col4(xp + s * C * H * W, C, H, W, k, Hp, Wp, Q, P.data());
-      const int64_t g = s / N;
-      for (int64_t o0 = 0; o0 < O; o0 += 6) {
-        const float* wb = wp + (g * O + o0) * T;
-        const float* bb = bp + g * O + o0;
+      const int64_t gi = s / N;
+      const float* xs = xp + gi * sg + (s % N) * sn;
+      if (by_filter) {
+        for (int64_t blk = 0; blk < NB; ++blk) {
+          const int nO = (int)std::min<int64_t>(16, O - blk * 16);
+          const float* wb = wk.data() + (gi * NB + blk) * T * 16;
+          const float* bb = bk.data() + (gi * NB + blk) * 16;
+          float* od = op + (s * O + blk * 16) * QO;
+          for (int64_t i = 0; i < g.Hp; ++i)
+            for (int64_t j0 = 0; j0 < g.Wp; j0 += 7) {
+              const float* xr = xs + 2 * i * g.W + 2 * j0;
+              const int64_t q0 = i * g.Wp + j0;
+              switch (std::min<int64_t>(7, g.Wp - j0)) {
+                case 7: windows<7>(xr, g, wb, bb, od, q0, nO); break;
+                case 6: windows<6>(xr, g, wb, bb, od, q0, nO); break;
+                case 5: windows<5>(xr, g, wb, bb, od, q0, nO); break;
+                case 4: windows<4>(xr, g, wb, bb, od, q0, nO); break;
+                case 3: windows<3>(xr, g, wb, bb, od, q0, nO); break;
+                case 2: windows<2>(xr, g, wb, bb, od, q0, nO); break;
+                default: windows<1>(xr, g, wb, bb, od, q0, nO); break;
+              }
+            }
+        }
+        continue;
+      }
+      phases(xs, g.H * g.W, g, ph.data(), row);
+      for (int64_t blk = 0; blk < NB; ++blk) {
+        const int64_t o0 = blk * 6;
+        const float* wb = wk.data() + (gi * NB + blk) * T * 6;
+        const float* bb = bk.data() + (gi * NB + blk) * 6;
         float* od = op + (s * O + o0) * QO;
         uint8_t* ad = ap == nullptr ? nullptr : ap + (s * O + o0) * QO;
         switch (std::min<int64_t>(6, O - o0)) {
-          case 6: channels<6>(P.data(), Q, T, wb, bb, od, ad, QO); break;
-          case 5: channels<5>(P.data(), Q, T, wb, bb, od, ad, QO); break;
-          case 4: channels<4>(P.data(), Q, T, wb, bb, od, ad, QO); break;
-          case 3: channels<3>(P.data(), Q, T, wb, bb, od, ad, QO); break;
-          case 2: channels<2>(P.data(), Q, T, wb, bb, od, ad, QO); break;
-          default: channels<1>(P.data(), Q, T, wb, bb, od, ad, QO); break;
+          case 6: positions<6>(ph.data(), g, wb, bb, od, ad); break;
+          case 5: positions<5>(ph.data(), g, wb, bb, od, ad); break;
+          case 4: positions<4>(ph.data(), g, wb, bb, od, ad); break;
+          case 3: positions<3>(ph.data(), g, wb, bb, od, ad); break;
+          case 2: positions<2>(ph.data(), g, wb, bb, od, ad); break;
+          default: positions<1>(ph.data(), g, wb, bb, od, ad); break;
         }
       }
     }
@@ -153,10 +268,10 @@ std::tuple<at::Tensor, at::Tensor> stem_train_forward(const at::Tensor& x, const
 // winning corners and the images (not the input's gradient: the block is a model's first layer).
 // fedprism/engine/fused.py composes forward and backward with torch.func (StemSplit). ----
 
-// acc[o][t] (vector partial sums) += sum over corners d and positions of Gd[o][d][.] * P[t][d][.]
+// acc[o][t] (vector partial sums) += sum over corners d and grid positions of Gd[o][d][.] * x(tap t, d)[.]
 template <int OB, int TB>
-inline void grad_block(const float* Gd, const float* P, int64_t Q, int64_t o0, int64_t t0, v16* acc,
-                       int64_t T) {
+inline void grad_block(const float* Gd, const float* ph, const int64_t* off, int64_t Q, int64_t o0,
+                       int64_t t0, v16* acc, int64_t T) {
   v16 a[OB][TB];
 #pragma GCC unroll 8
   for (int q = 0; q < OB; ++q)
@@ -168,7 +283,7 @@ inline void grad_block(const float* Gd, const float* P, int64_t Q, int64_t o0, i
 #pragma GCC unroll 8
       for (int q = 0; q < OB; ++q) g[q] = load(Gd + ((o0 + q) * 4 + d) * Q + p0);
 #pragma GCC unroll 4
-      for (int r = 0; r < TB; ++r) p[r] = load(P + ((t0 + r) * 4 + d) * Q + p0);
+      for (int r = 0; r < TB; ++r) p[r] = load(ph + off[(t0 + r) * 4 + d] + p0);
 #pragma GCC unroll 8
       for (int q = 0; q < OB; ++q)
 #pragma GCC unroll 4
@@ -181,10 +296,11 @@ inline void grad_block(const float* Gd, const float* P, int64_t Q, int64_t o0, i
 }
 
 template <int OB>
-inline void grad_rows(const float* Gd, const float* P, int64_t Q, int64_t o0, v16* acc, int64_t T) {
+inline void grad_rows(const float* Gd, const float* ph, const int64_t* off, int64_t Q, int64_t o0, v16* acc,
+                      int64_t T) {
   int64_t t0 = 0;
-  for (; t0 + 4 <= T; t0 += 4) grad_block<OB, 4>(Gd, P, Q, o0, t0, acc, T);
-  for (; t0 < T; ++t0) grad_block<OB, 1>(Gd, P, Q, o0, t0, acc, T);
+  for (; t0 + 4 <= T; t0 += 4) grad_block<OB, 4>(Gd, ph, off, Q, o0, t0, acc, T);
+  for (; t0 < T; ++t0) grad_block<OB, 1>(Gd, ph, off, Q, o0, t0, acc, T);
 }
 
 // grad [G, N, O, Hp, Wp], arg (from stem_train_forward), x [G or 1, N, C, H, W] -> (dw [G, O, T], db [G, O])
@@ -194,11 +310,16 @@ std::tuple<at::Tensor, at::Tensor> stem_backward(const at::Tensor& grad_, const 
   TORCH_CHECK(grad.dim() == 5 && arg.sizes() == grad.sizes() && x.dim() == 5 &&
               arg.scalar_type() == at::kByte,
               "stem_backward: grad/arg [G,N,O,Hp,Wp], x [G or 1,N,C,H,W]");
-  const int64_t G = grad.size(0), N = grad.size(1), O = grad.size(2), Hp = grad.size(3), Wp = grad.size(4);
-  const int64_t C = x.size(2), H = x.size(3), W = x.size(4), T = C * k * k;
-  TORCH_CHECK((x.size(0) == G || x.size(0) == 1) && x.size(1) == N && (H - k + 1) / 2 == Hp &&
-              (W - k + 1) / 2 == Wp, "stem_backward: shapes do not match");
-  const int64_t QO = Hp * Wp, Q = (QO + 15) / 16 * 16, xg = x.size(0) == 1 ? 0 : 1;
+  const int64_t G = grad.size(0), N = grad.size(1), O = grad.size(2);
+  const Geo g(x.size(2), x.size(3), x.size(4), k);
+  const int64_t T = g.C * k * k, QO = g.Hp * g.Wp, Q = g.grid(), xg = x.size(0) == 1 ? 0 : 1;
+  TORCH_CHECK((x.size(0) == G || x.size(0) == 1) && x.size(1) == N && g.Hp == grad.size(3) &&
+              g.Wp == grad.size(4), "stem_backward: shapes do not match");
+  std::vector<int64_t> off(T * 4);                    // tap t = (c, ki, kj), corner d -> Geo::tap
+  for (int64_t c = 0, t = 0; c < g.C; ++c)
+    for (int64_t ki = 0; ki < k; ++ki)
+      for (int64_t kj = 0; kj < k; ++kj, ++t)
+        for (int d = 0; d < 4; ++d) off[t * 4 + d] = g.tap(c, ki, kj, d);
   at::Tensor dw = at::empty({G, O, T}, grad.options());
   at::Tensor db = at::empty({G, O}, grad.options());
   const float* gp = grad.data_ptr<float>();
@@ -207,43 +328,44 @@ std::tuple<at::Tensor, at::Tensor> stem_backward(const at::Tensor& grad_, const 
   float* dwp = dw.data_ptr<float>();
   float* dbp = db.data_ptr<float>();
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<float> P(T * 4 * Q, 0.f), Gd(O * 4 * Q, 0.f);
+    std::vector<float> ph(g.phase_floats(), 0.f), row, Gd(O * 4 * Q, 0.f);
     std::vector<v16> acc(O * T);
-    for (int64_t g = g0; g < g1; ++g) {
+    for (int64_t gi = g0; gi < g1; ++gi) {
       std::fill(acc.begin(), acc.end(), v16{});
       std::vector<float> bsum(O, 0.f);
       for (int64_t n = 0; n < N; ++n) {
-        im2col4(xp + (g * xg * N + n) * C * H * W, C, H, W, k, Hp, Wp, Q, P.data());
-        const float* gn = gp + (g * N + n) * O * QO;
-        const uint8_t* an = ap + (g * N + n) * O * QO;
-        std::fill(Gd.begin(), Gd.end(), 0.f);
+        phases(xp + (gi * xg * N + n) * g.C * g.H * g.W, g.H * g.W, g, ph.data(), row);
+        const float* gn = gp + (gi * N + n) * O * QO;
+        const uint8_t* an = ap + (gi * N + n) * O * QO;
+        std::fill(Gd.begin(), Gd.end(), 0.f);         // each pooled gradient at its winning corner, 0 elsewhere
         for (int64_t o = 0; o < O; ++o)
-          for (int64_t q = 0; q < QO; ++q) {
-            const uint8_t a = an[o * QO + q];
-            if (a < 4) {
-              const float v = gn[o * QO + q];
-              Gd[(o * 4 + a) * Q + q] = v;
-              bsum[o] += v;
+          for (int64_t i = 0; i < g.Hp; ++i)
+            for (int64_t j = 0; j < g.Wp; ++j) {
+              const uint8_t a = an[o * QO + i * g.Wp + j];
+              if (a < 4) {
+                const float v = gn[o * QO + i * g.Wp + j];
+                Gd[(o * 4 + a) * Q + i * g.S + j] = v;
+                bsum[o] += v;
+              }
             }
-          }
         for (int64_t o0 = 0; o0 < O; o0 += 6) {
           switch (std::min<int64_t>(6, O - o0)) {
-            case 6: grad_rows<6>(Gd.data(), P.data(), Q, o0, acc.data(), T); break;
-            case 5: grad_rows<5>(Gd.data(), P.data(), Q, o0, acc.data(), T); break;
-            case 4: grad_rows<4>(Gd.data(), P.data(), Q, o0, acc.data(), T); break;
-            case 3: grad_rows<3>(Gd.data(), P.data(), Q, o0, acc.data(), T); break;
-            case 2: grad_rows<2>(Gd.data(), P.data(), Q, o0, acc.data(), T); break;
-            default: grad_rows<1>(Gd.data(), P.data(), Q, o0, acc.data(), T); break;
+            case 6: grad_rows<6>(Gd.data(), ph.data(), off.data(), Q, o0, acc.data(), T); break;
+            case 5: grad_rows<5>(Gd.data(), ph.data(), off.data(), Q, o0, acc.data(), T); break;
+            case 4: grad_rows<4>(Gd.data(), ph.data(), off.data(), Q, o0, acc.data(), T); break;
+            case 3: grad_rows<3>(Gd.data(), ph.data(), off.data(), Q, o0, acc.data(), T); break;
+            case 2: grad_rows<2>(Gd.data(), ph.data(), off.data(), Q, o0, acc.data(), T); break;
+            default: grad_rows<1>(Gd.data(), ph.data(), off.data(), Q, o0, acc.data(), T); break;
           }
         }
       }
       for (int64_t o = 0; o < O; ++o) {
-        dbp[g * O + o] = bsum[o];
+        dbp[gi * O + o] = bsum[o];
         for (int64_t t = 0; t < T; ++t) {
           const v16 v = acc[o * T + t];
           float s = 0.f;
           for (int l = 0; l < 16; ++l) s += v[l];
-          dwp[(g * O + o) * T + t] = s;
+          dwp[(gi * O + o) * T + t] = s;
         }
       }
     }
