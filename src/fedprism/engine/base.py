@@ -47,8 +47,8 @@ class LocalConfig:
     #: precision of evaluation forward passes: float32, or bfloat16 (weights and inputs cast, logits
     #: returned as float32; faster where the CPU has native bf16, e.g. AVX512-BF16). Training is float32.
     eval_precision: str = "float32"
-    #: kernels of evaluation forward passes: "aten" (PyTorch's), or "fused" (a model's first
-    #: conv -> ReLU -> 2x2 max-pooling in one CPU kernel, `fedprism.engine.fused`; logits change at float32
+    #: kernels of evaluation forward passes: "aten" (PyTorch's), or "fused" (each conv -> ReLU -> 2x2
+    #: max-pooling block of the model in one CPU kernel, `fedprism.engine.fused`; logits change at float32
     #: rounding). Training: `train_kernels`.
     eval_kernels: str = "aten"
     #: kernels of local training: "aten", or "fused" (the same first block through the fused kernel's
@@ -288,8 +288,8 @@ class EngineBase:
         return True
 
     def _fuse_eval_kernels(self) -> None:
-        """`eval_kernels = fused`: the inference copy of the model gets the fused first block
-        (`fedprism.engine.fused.fuse_stems`) where one qualifies."""
+        """`eval_kernels = fused`: the inference copy of the model gets fused blocks
+        (`fedprism.engine.fused.fuse_stems`) where any qualify."""
         from fedprism.engine import fused
 
         base = self.f.inference_module if self.f.inference_module is not None else self.model
