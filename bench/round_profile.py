@@ -1,6 +1,6 @@
 """Where a round's time goes: the vectorized engine on the FedPrism paper workload, under torch.profiler.
 
-    python bench/round_profile.py [--threads 1] [--rounds 1] [--quick]
+    python bench/round_profile.py [--threads 1] [--rounds 1] [--quick] [--fused]
 
 The workload of `bench/engine.py` (FMNIST, 100 clients, Dirichlet 0.1, 10 clients per round, E = 10,
 B = 32, SGD 0.01 / 0.9, LeNet-5, compiled; every round all 100 models scored on the local test splits
@@ -8,6 +8,8 @@ and the global test set). One warm-up round (compilation), then `--rounds` profi
 operator's *self* time is put in one class:
 
   convolution      oneDNN convolution forward and backward
+  fused blocks     with --fused (train.kernels = eval.kernels = fused): the conv -> ReLU -> pooling
+                   kernels of `fedprism.engine.fused`, forward and backward
   GEMM             mm / bmm / addmm / baddbmm (the linear layers, per client)
   compiled kernels Inductor's generated C++ (ReLU, max-pooling and its backward, softmax / cross-
                    entropy, the SGD-momentum update, the accuracy counts): everything the compiled
@@ -36,6 +38,7 @@ from engine import build_federation
 
 CLASSES = (
     ("convolution", ("convolution", "conv2d", "mkldnn_conv")),
+    ("fused blocks", ("fedprism_kernels",)),
     ("GEMM", ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::linear", "aten::matmul")),
     ("compiled kernels", ("CompiledFxGraph", "Compiled Function", "cpp_fused")),
     ("data movement", ("index", "copy_", "aten::cat", "aten::stack", "aten::to", "_to_copy", "contiguous",
@@ -100,6 +103,7 @@ def main() -> int:
     ap.add_argument("--kernels", type=int, default=0,
                     help="also list the N largest operators, Inductor's generated kernels one by one "
                          "(torch._inductor.config.cpp.enable_kernel_profile)")
+    ap.add_argument("--fused", action="store_true", help="train.kernels = eval.kernels = fused")
     a = ap.parse_args()
     global KERNELS
     KERNELS = a.kernels
@@ -112,13 +116,16 @@ def main() -> int:
     if a.quick:
         args.clients, args.per_round, args.epochs, args.test_samples, args.max_train = 20, 4, 1, 1000, 200
     fed, src = build_federation(args)
-    cfg = LocalConfig(epochs=args.epochs, batch_size=args.batch, lr=0.01, momentum=0.9)
+    kernels = "fused" if a.fused else "aten"
+    cfg = LocalConfig(epochs=args.epochs, batch_size=args.batch, lr=0.01, momentum=0.9,
+                      train_kernels=kernels, eval_kernels=kernels)
     model = build_model("lenet5", (1, 32, 32), 10, seed=a.seed)
     eng = VectorizedEngine(fed, model, cfg, a.seed, "cpu", compile="false" if a.quick else "true", rounds=100)
     W = flatten(model).expand(fed.num_clients, -1).clone()
     everyone = np.arange(fed.num_clients)
     rng = np.random.default_rng(a.seed)
-    print(f"# data {src}; {fed.num_clients} clients; compiled={eng.compiled}; torch {torch.__version__}")
+    print(f"# data {src}; {fed.num_clients} clients; compiled={eng.compiled}; kernels={kernels}; "
+          f"torch {torch.__version__}")
 
     def one_round(r: int) -> None:
         clients = np.sort(rng.choice(fed.num_clients, size=args.per_round, replace=False))

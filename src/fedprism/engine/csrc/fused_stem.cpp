@@ -107,15 +107,25 @@ inline void tile(const float* ph, const Geo& g, const float* w, const float* b, 
   for (int q = 0; q < OB; ++q)
 #pragma GCC unroll 4
     for (int d = 0; d < 4; ++d) acc[q][d] = v16{} + b[q];
-  for (int64_t c = 0; c < g.C; ++c)
+  const int64_t C = g.C, S = g.S, PH = g.PH;               // locals: the barrier below reloads memory
+  for (int64_t c = 0; c < C; ++c)
     for (int64_t ki = 0; ki < k; ++ki) {
       const float* wt = w + (c * k + ki) * k * OB;
+      const float* r[2][2];                                   // [dy][v & 1]: Geo::tap without the v / 2
+      for (int dy = 0; dy < 2; ++dy)
+        for (int pv = 0; pv < 2; ++pv) {
+          const int64_t u = ki + dy;
+          r[dy][pv] = ph + ((c * 2 + (u & 1)) * 2 + pv) * PH + (u >> 1) * S + p0;
+        }
 #pragma GCC unroll 8
       for (int64_t kj = 0; kj < k; ++kj) {
         reload();
         v16 x[4];
 #pragma GCC unroll 4
-        for (int d = 0; d < 4; ++d) x[d] = load(ph + g.tap(c, ki, kj, d) + p0);
+        for (int d = 0; d < 4; ++d) {
+          const int64_t v = kj + (d & 1);
+          x[d] = load(r[d >> 1][v & 1] + (v >> 1));
+        }
 #pragma GCC unroll 8
         for (int q = 0; q < OB; ++q) {
           const float wv = wt[kj * OB + q];
@@ -157,11 +167,12 @@ inline void windows(const float* x, const Geo& g, const float* w, const float* b
   for (int j = 0; j < NW; ++j)
 #pragma GCC unroll 4
     for (int d = 0; d < 4; ++d) acc[j][d] = bias;
-  for (int64_t c = 0; c < g.C; ++c)
-    for (int64_t ki = 0; ki < g.k; ++ki) {
-      const float* r0 = x + (c * g.H + ki) * g.W;
-      const float* r1 = r0 + g.W;
-      for (int64_t kj = 0; kj < g.k; ++kj, w += 16) {
+  const int64_t C = g.C, H = g.H, W = g.W, k = g.k;       // locals: the barrier below reloads memory
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t ki = 0; ki < k; ++ki) {
+      const float* r0 = x + (c * H + ki) * W;
+      const float* r1 = r0 + W;
+      for (int64_t kj = 0; kj < k; ++kj, w += 16) {
         reload();
         const v16 wv = load(w);
 #pragma GCC unroll 7
