@@ -1,15 +1,19 @@
-"""The fused first block (`eval.kernels=fused`, `fedprism.engine.fused`) against PyTorch's layers, on the
-FedPrism paper workload's evaluation shapes (LeNet-5, 32 x 32 Fashion-MNIST-sized inputs).
+"""The fused conv -> ReLU -> 2x2 max-pooling blocks (`eval.kernels=fused`, `train.kernels=fused`,
+`fedprism.engine.fused`) against PyTorch's layers, on the FedPrism paper workload's shapes (LeNet-5, 32 x 32
+Fashion-MNIST-sized inputs).
 
 1. The block alone, interleaved, median of `--reps`: LeNet-5's first block for 10 models on a shared
-   batch of 1000 images (one input channel, 60 stacked filters), and its second block with an input per
-   model (6 -> 16 channels, grouped): PyTorch's conv2d in channels-last (what Inductor picks) then ReLU and
-   2x2 max-pooling, against the kernel. The second block is why only first layers are fused.
+   batch of 1000 images (one input channel, 60 stacked filters: the kernel's position-vectorized layout),
+   and its second block with an input per model (6 -> 16 channels, grouped: the filter-vectorized layout):
+   PyTorch's conv2d in channels-last (what Inductor picks) then ReLU and 2x2 max-pooling, against the
+   kernel.
 2. One evaluation chunk of the compiled vectorized engine (10 models x 1000 images of the global test set,
-   the CPU default), `aten` against `fused`, interleaved, then each profiled by operator.
+   the CPU default), `aten` against `fused` (both blocks fused), interleaved, then each profiled by
+   operator.
 3. One training round of the compiled vectorized engine (10 clients of the paper partition, E=`--epochs`,
-   B=32, SGD 0.01 / 0.9), `train.kernels` `aten` against `fused`, interleaved over `--rounds` rounds (round 0,
-   compilation, left out), and the largest parameter difference after each round.
+   B=32, SGD 0.01 / 0.9), `train.kernels` `aten` against `fused` (the first block fused), interleaved over
+   `--rounds` rounds (round 0, compilation, left out), and the largest parameter difference after each
+   round.
 
     python bench/fused_stem.py                # two threads (torch's default here)
     python bench/fused_stem.py --threads 1
@@ -67,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     if not fused.load():
         print(f"fused kernel unavailable: {fused.unavailable_reason()}")
         return 2
-    print(f"# fused first block bench  torch {torch.__version__}  threads {torch.get_num_threads()}")
+    print(f"# fused blocks bench  torch {torch.__version__}  threads {torch.get_num_threads()}")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1000, 1, 32, 32, generator=g)
     w1, b1 = 0.2 * torch.randn(60, 1, 5, 5, generator=g), 0.1 * torch.randn(60, generator=g)

@@ -339,7 +339,9 @@ def test_a_fused_lenet_run_end_to_end_records_what_ran(monkeypatch, tmp_path):
     runs = {json.loads(r["config"]).get("train.kernels", "aten"): r for r in Store(db).runs()}
     assert set(runs) == {"aten", "fused"} and all(r["status"] == "finished" for r in runs.values())
     prov = {k: json.loads(r["provenance"]) for k, r in runs.items()}
-    assert prov["fused"]["execution"]["fused_kernels"] == {"train": True, "eval": True}
+    assert prov["fused"]["execution"]["fused_kernels"] == {"train": True, "eval": True,
+                                                           "source": fused.source_hash()}
+    assert len(fused.source_hash()) == 16
     assert "fused_kernels" not in prov["aten"]["execution"]
     fa, ff = (json.loads(runs[k]["final"]) for k in ("aten", "fused"))
     assert abs(fa["global_acc"] - ff["global_acc"]) <= 0.05

@@ -87,6 +87,13 @@ def _compile(cxx: str, out: Path) -> None:
         raise RuntimeError(f"{cxx} failed ({r.returncode}): {r.stderr.strip()[-800:]}")
 
 
+def source_hash() -> str:
+    """The first 16 hex digits of the kernels' C++ source's sha256: a run's provenance records it, since the
+    engine's code is not part of a run's fingerprint and a change of the kernels' summation order changes
+    a fused run's numbers at float32 rounding."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+
+
 def library_path(cxx: str | None = None) -> Path:
     """Where this machine's build of the kernel is cached: named by a hash of the source, the torch
     version, the CPU's flags and the compiler."""
@@ -350,4 +357,4 @@ class WithStem:
 
 
 __all__ = ["KERNELS", "FusedConvReLUPool", "StemSplit", "WithStem", "cache_dir",
-           "conv_relu_pool", "fuse_stems", "library_path", "load", "unavailable_reason"]
+           "conv_relu_pool", "fuse_stems", "library_path", "load", "source_hash", "unavailable_reason"]

@@ -243,7 +243,9 @@ def capture(exp: Any) -> dict[str, Any]:
                "device": str(getattr(eng, "device", "") or "") or None})
     fused = {"train": getattr(eng, "stem", None) is not None, "eval": bool(getattr(eng, "eval_fused", False))}
     if any(fused.values()):                      # train.kernels / eval.kernels = fused, where it applied
-        ex["fused_kernels"] = fused
+        from fedprism.engine.fused import source_hash
+
+        ex["fused_kernels"] = {**fused, "source": source_hash()}    # which version of the kernels' C++
     if str(ex["device"]).startswith("cuda"):     # CUDA engines turn it on (engine.base.deterministic_cudnn)
         ex["cudnn_deterministic"] = bool(torch.backends.cudnn.deterministic)
     algo = type(exp.algo) if getattr(exp, "algo", None) is not None else None
