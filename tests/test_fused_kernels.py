@@ -237,6 +237,27 @@ def test_training_kernels_give_pytorchs_outputs_ties_and_gradients_exactly(G, N,
         assert torch.equal(dw[g], wg.grad.reshape(O, -1)) and torch.equal(db[g], bg.grad)
 
 
+@pytest.mark.parametrize("G,N,C,H,O,k", [(2, 3, 6, 14, 16, 5), (1, 2, 5, 11, 20, 3), (2, 2, 4, 9, 3, 2),
+                                          (1, 2, 4, 21, 5, 3)])
+def test_an_inner_blocks_training_kernels_give_pytorchs_gradients_exactly(G, N, C, H, O, k):
+    """More than three input channels (the filter-vectorized layout, LeNet-5's second block): the winning
+    corners and the filters', biases' and input's gradients, bit for bit on integer inputs; 20 filters
+    span two blocks of 16; k = 2 takes the kernel's generic path; a 21-wide input, two vectors per row."""
+    ops = torch.ops.fedprism_kernels
+    x, w, b = _ints(G, N, C, H, H, lo=0, hi=3), _ints(G, O, C, k, k, seed=1), _ints(G, O, seed=2)
+    out, arg = ops.stem_train_forward(x, w.reshape(G, O, -1), b, k)
+    go = _ints(*out.shape, seed=3)
+    dw, db, dx = ops.block_backward(go, arg, x, w.reshape(G, O, -1), k)
+    assert 0 < (arg == 255).float().mean() < 1 and (arg < 4).any()
+    for g in range(G):
+        xg, wg, bg = x[g].clone().requires_grad_(), w[g].clone().requires_grad_(), b[g].clone().requires_grad_()
+        ref = plain(xg, wg, bg)
+        (ref * go[g]).sum().backward()
+        assert torch.equal(out[g], ref.detach())
+        assert torch.equal(dw[g], wg.grad.reshape(O, -1)) and torch.equal(db[g], bg.grad)
+        assert torch.equal(dx[g], xg.grad)
+
+
 def _split(channels=1):
     model = build_model("lenet5", (channels, 32, 32), 10, seed=0)
     return model, fused.StemSplit(Functional(model))
@@ -247,6 +268,7 @@ def test_split_gradient_is_the_models_gradient():
     cross-entropy and for FedProx's objective (whose proximal term also touches the fused filters)."""
     from fedprism.objectives import OBJECTIVES
     model, split = _split()
+    assert split.names == ("body.0.weight", "body.0.bias", "body.3.weight", "body.3.bias")   # both blocks
     f = Functional(model)
     g = torch.Generator().manual_seed(0)
     flat = flatten(model) + 0.05 * torch.randn(flatten(model).numel(), generator=g)

@@ -167,6 +167,11 @@ def _backward_fake(grad: Tensor, arg: Tensor, x: Tensor, k: int) -> tuple[Tensor
     return grad.new_empty(G, O, x.shape[2] * k * k), grad.new_empty(G, O)
 
 
+def _block_backward_fake(grad: Tensor, arg: Tensor, x: Tensor, w: Tensor, k: int):
+    G, _, O = grad.shape[:3]
+    return grad.new_empty(G, O, w.shape[2]), grad.new_empty(G, O), x.new_empty(x.shape)
+
+
 def _fold(t: Tensor, d: int | None, M: int) -> Tensor:
     """`t` with its vmap dimension `d` moved to the front (expanded if unbatched) and merged into the
     kernel's group dimension: [M * G, ...]."""
@@ -202,14 +207,23 @@ def _backward_vmap(info, in_dims, grad, arg, x, k):
     return (dw.unflatten(0, (M, -1)), db.unflatten(0, (M, -1))), (0, 0)
 
 
+def _block_backward_vmap(info, in_dims, grad, arg, x, w, k):
+    M = info.batch_size
+    dw, db, dx = torch.ops.fedprism_kernels.block_backward(
+        *(_fold(t, d, M) for t, d in zip((grad, arg, x, w), in_dims[:4])), k)
+    return tuple(t.unflatten(0, (M, -1)) for t in (dw, db, dx)), (0, 0, 0)
+
+
 def _register() -> None:
     lib = "fedprism_kernels::"
     torch.library.register_fake(lib + "stem_forward")(_stem_fake)
     torch.library.register_fake(lib + "stem_train_forward")(_train_fake)
     torch.library.register_fake(lib + "stem_backward")(_backward_fake)
+    torch.library.register_fake(lib + "block_backward")(_block_backward_fake)
     for name in ("stem_forward", "stem_train_forward"):
         torch.library.register_vmap(lib + name)(_forward_vmap(getattr(torch.ops.fedprism_kernels, name)))
     torch.library.register_vmap(lib + "stem_backward")(_backward_vmap)
+    torch.library.register_vmap(lib + "block_backward")(_block_backward_vmap)
 
 
 def conv_relu_pool(x: Tensor, w: Tensor, b: Tensor) -> Tensor:
@@ -270,31 +284,41 @@ def fuse_stems(module: nn.Module) -> nn.Module | None:
 # -- training (`train.kernels = fused`) -------------------------------------------------------------------
 class StemSplit:
     """The training gradient of a model whose first layers are a qualifying ``Conv2d -> ReLU -> MaxPool2d(2)``
-    (``body[0:3]`` of a model with `body` and `head`, no dropout), with that block fused.
+    (``body[0:3]`` of a model with `body` and `head`, no dropout), with that block fused, and the next block
+    ``body[3:6]`` too where it qualifies (LeNet-5's second).
 
     `grad_and_value(objective)` returns ``(flat, x, y, weight, extras) -> (gradient, loss)``, vmap- and
-    compile-safe, in three steps (chain rule, no autograd through the kernel):
-      1. h, arg = the block's output on x and each output's winning window corner (the kernel, forward only);
-      2. torch.func differentiates the objective with respect to the flat vector and to h, the rest of the
-         model running from h (`WithStem`);
-      3. the block's filter and bias gradients from dL/dh, arg and x (the kernel), added to the flat
-         gradient (an objective's own terms on those parameters, e.g. FedProx's, come from step 2).
+    compile-safe, in three steps (chain rule, no autograd through the kernels):
+      1. h, arg = the blocks' outputs on x and each output's winning window corner (the kernels' forwards);
+      2. torch.func differentiates the objective with respect to the flat vector and to the last block's
+         output h, the rest of the model running from h (`WithStem`);
+      3. the kernels' backwards, last block first: its filter and bias gradients and the gradient of its
+         input (`block_backward`), then the first block's filter and bias gradients (`stem_backward`), added
+         to the flat gradient (an objective's own terms on those parameters, e.g. FedProx's, come from 2).
     The gradients are PyTorch's in exact arithmetic (`tests/test_fused_kernels.py` checks it exactly on
     integer inputs); in float32 they are summed in another order.
     """
 
     NAMES = ("body.0.weight", "body.0.bias")
+    SECOND = ("body.3.weight", "body.3.bias")
 
     def __init__(self, f):
         self.f = f
+        body, spec = f.module.body, f.spec
+        self.blocks = [(body[0].weight.shape, 0)]
+        two = (len(body) >= 6 and (body, 3) in _fusable_triples(body)
+               and spec.names[2:4] == self.SECOND)
+        if two:
+            self.blocks.append((body[3].weight.shape, spec.offsets[2]))
+        self.names = self.NAMES + (self.SECOND if two else ())
         self.rest = copy.deepcopy(f.module)
-        for i in range(3):
+        for i in range(3 * len(self.blocks)):
             self.rest.body[i] = nn.Identity()
-        w = f.module.body[0].weight
-        self.O, self.k = w.shape[0], w.shape[2]
-        self.nw = w.numel()
-        self.n1 = self.nw + self.O
-        assert f.spec.names[:2] == self.NAMES and f.spec.offsets[2] == self.n1, f.spec.names[:2]
+        last_shape, last_at = self.blocks[-1]
+        self.n = last_at + last_shape.numel() + last_shape[0]     # the fused blocks' parameters: flat[:n]
+        first = body[0].weight
+        assert spec.names[:2] == self.NAMES and spec.offsets[2] == first.numel() + first.shape[0]
+        assert spec.offsets[len(self.names)] == self.n, spec.names[:len(self.names)]
 
     @staticmethod
     def qualifies(f) -> bool:
@@ -306,7 +330,8 @@ class StemSplit:
     def grad_and_value(self, objective):
         from torch.func import grad_and_value
 
-        O, k, nw, n1 = self.O, self.k, self.nw, self.n1
+        ops, n = torch.ops.fedprism_kernels, self.n
+        blocks = [(shape[0], shape[2], shape.numel(), at) for shape, at in self.blocks]   # O, k, |w|, offset
 
         def loss_of(flat, h, x, y, wt, extras):
             return objective(WithStem(self, h, x, flat), flat, x, y, wt, extras)
@@ -314,11 +339,21 @@ class StemSplit:
         gv = grad_and_value(loss_of, argnums=(0, 1))
 
         def step(flat, x, y, wt, extras):
-            h, arg = torch.ops.fedprism_kernels.stem_train_forward(
-                x[None], flat[:nw].reshape(1, O, -1), flat[nw:n1].reshape(1, O), k)
-            (g, gh), loss = gv(flat, h[0], x, y, wt, extras)
-            dw, db = torch.ops.fedprism_kernels.stem_backward(gh[None], arg, x[None], k)
-            return torch.cat([g[:n1] + torch.cat([dw[0].reshape(-1), db[0]]), g[n1:]]), loss
+            ins, args, wts = [x[None]], [], []
+            for O, k, nw, at in blocks:
+                w, b = flat[at:at + nw].reshape(1, O, -1), flat[at + nw:at + nw + O].reshape(1, O)
+                h, arg = ops.stem_train_forward(ins[-1], w, b, k)
+                ins.append(h)
+                args.append(arg)
+                wts.append(w)
+            (g, gh), loss = gv(flat, ins[-1][0], x, y, wt, extras)
+            grads, gh = [], gh[None]
+            for i in range(len(blocks) - 1, 0, -1):
+                dw, db, gh = ops.block_backward(gh, args[i], ins[i], wts[i], blocks[i][1])
+                grads[:0] = [dw[0].reshape(-1), db[0]]
+            dw, db = ops.stem_backward(gh, args[0], x[None], blocks[0][1])
+            grads[:0] = [dw[0].reshape(-1), db[0]]
+            return torch.cat([g[:n] + torch.cat(grads), g[n:]]), loss
 
         return step
 
@@ -334,7 +369,7 @@ class WithStem:
         self.spec, self.module = split.f.spec, split.f.module
 
     def _params(self, flat):
-        return {n: v for n, v in self.spec.unflatten(flat).items() if n not in StemSplit.NAMES}
+        return {n: v for n, v in self.spec.unflatten(flat).items() if n not in self.split.names}
 
     def _check(self, flat, x):
         if x is not self.x or flat is not self.flat:
