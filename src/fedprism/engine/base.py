@@ -51,9 +51,9 @@ class LocalConfig:
     #: max-pooling block of the model in one CPU kernel, `fedprism.engine.fused`; logits change at float32
     #: rounding). Training: `train_kernels`.
     eval_kernels: str = "aten"
-    #: kernels of local training: "aten", or "fused" (the same first block through the fused kernel's
-    #: training forward and backward, `fedprism.engine.fused.StemSplit`; the numbers change at float32
-    #: rounding, so the key is part of a run's identity)
+    #: kernels of local training: "aten", or "fused" (the model's first two such blocks through the fused
+    #: kernels' training forwards and backwards, `fedprism.engine.fused.StemSplit`; the numbers change at
+    #: float32 rounding, so the key is part of a run's identity)
     train_kernels: str = "aten"
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -260,7 +260,7 @@ class EngineBase:
                 raise ValueError(f"{name} must be one of {KERNELS}, got {getattr(cfg, name)!r}")
         if cfg.eval_kernels == "fused" and self._fused_kernels_usable("eval.kernels"):
             self._fuse_eval_kernels()
-        #: the fused first block's training gradient (`fedprism.engine.fused.StemSplit`), or None
+        #: the fused blocks' training gradient (`fedprism.engine.fused.StemSplit`), or None
         self.stem = None
         if cfg.train_kernels == "fused" and self._fused_kernels_usable("train.kernels"):
             from fedprism.engine.fused import StemSplit

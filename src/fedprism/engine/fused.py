@@ -1,6 +1,6 @@
 """Fused CPU kernels for ``Conv2d -> ReLU -> MaxPool2d(2)`` blocks: every such block in evaluation
-(``eval.kernels = fused``), a model's first block in local training (``train.kernels = fused``,
-:class:`StemSplit`).
+(``eval.kernels = fused``), a model's first block and the one after it in local training
+(``train.kernels = fused``, :class:`StemSplit`).
 
 Why: on the FedPrism paper workload LeNet-5's two convolutions (1 -> 6 and 6 -> 16 channels, 5 x 5) and the
 passes over their outputs are most of a CPU round (bench/README.md: `bench/round_profile.py`,
@@ -10,7 +10,8 @@ two layouts of the same sums. With at most three input channels (a first layer) 
 positions of one filter, read straight from the image's four polyphase planes (x[2i + a, 2j + b]), six
 filters at a time. With more (an inner layer) a vector holds 16 filters at one position, multiplied by a
 broadcast input value, seven windows at a time. The training forward also keeps each window's winning
-corner, from which the backward forms the filters' and biases' gradients.
+corner, from which the backward forms the filters' and biases' gradients and, for an inner block, its
+input's gradient; only winning corners have a gradient, so that backward runs over them alone.
 
 Numbers: each output is the same sum of the same products as the convolution's, but summed in tap
 order, so the logits differ from PyTorch's at float32 rounding (a few 1e-6) and a prediction can flip
@@ -19,10 +20,10 @@ where two classes tie to that precision; gradients likewise. So both are setting
 
 Where it applies: a plain ``Conv2d`` (stride 1, no padding, no dilation, one group, with bias, square
 kernel) directly followed by ``ReLU`` and a plain 2 x 2 max-pooling inside an ``nn.Sequential``, on a CPU,
-in float32 (a bfloat16 evaluation, or a CUDA device, runs the plain layers). Training fuses only the
-model's first block, whose input needs no gradient. ``torch.vmap`` over models maps onto the kernel's
-groups: a shared input batch stacks all models' filters into one group, a batch per model gives one
-group per model (read in place from the previous block's output: no copy).
+in float32 (a bfloat16 evaluation, or a CUDA device, runs the plain layers). Training fuses the model's
+first block (whose input needs no gradient) and the next block where it qualifies. ``torch.vmap`` over
+models maps onto the kernel's groups: a shared input batch stacks all models' filters into one group, a
+batch per model gives one group per model (read in place from the previous block's output: no copy).
 
 The kernel is compiled once per machine with the system's C++ compiler (``$CXX``, else g++; the same
 compiler ``torch.compile`` needs) for its instruction set (``-march=native``), and cached under

@@ -86,15 +86,16 @@ KEYS: dict[str, Param] = {
                             "numbers change slightly: bench/README.md). Training is always float32",
                             choices=("float32", "bfloat16"), new=True),
     "eval.kernels": Param("aten", "kernels of every evaluation forward pass on a CPU: aten (PyTorch's, "
-                          "the stored runs' numbers) or fused (a model's first conv -> ReLU -> 2x2 "
-                          "max-pooling in one C++ kernel built with the system compiler on first use, "
+                          "the stored runs' numbers) or fused (each conv -> ReLU -> 2x2 max-pooling block "
+                          "of the model in one C++ kernel built with the system compiler on first use, "
                           "fedprism.engine.fused; logits change at float32 rounding: bench/README.md). "
                           "Training: train.kernels",
                           choices=("aten", "fused"), new=True),
     "train.kernels": Param("aten", "kernels of local training on a CPU: aten (PyTorch's, the stored runs' "
-                           "numbers) or fused (the same first block through the fused kernel's forward and "
-                           "backward, fedprism.engine.fused; LeNet-5 training rounds 1.3x faster, numbers "
-                           "change at float32 rounding: bench/README.md)",
+                           "numbers) or fused (the model's first two conv -> ReLU -> 2x2 max-pooling "
+                           "blocks through the fused kernels' forwards and backwards, fedprism.engine.fused; "
+                           "LeNet-5 training rounds 2.5x faster, numbers change at float32 rounding: "
+                           "bench/README.md)",
                            choices=("aten", "fused"), new=True),
     "eval.gate": Param("none", "a learned routing gate between a dual-stream method's specialist and "
                        "backbone (learned: fitted on the validation splits at the final evaluation, one "

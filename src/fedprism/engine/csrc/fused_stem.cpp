@@ -468,7 +468,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward(const at::Tensor& 
                                                               const at::Tensor& x_, const at::Tensor& w_,
                                                               int64_t k_) {
   const int64_t k = k_;
-  const at::Tensor grad = grad_.contiguous(), arg = arg_.contiguous(), x = x_.contiguous(), w = w_.contiguous();
+  const at::Tensor grad = grad_.contiguous(), arg = arg_.contiguous();
+  const at::Tensor x = x_.contiguous(), w = w_.contiguous();
   TORCH_CHECK(grad.dim() == 5 && arg.sizes() == grad.sizes() && x.dim() == 5 && w.dim() == 3 &&
               arg.scalar_type() == at::kByte,
               "block_backward: grad/arg [G,N,O,Hp,Wp], x [G,N,C,H,W], w [G,O,T]");
