@@ -238,11 +238,12 @@ def test_training_kernels_give_pytorchs_outputs_ties_and_gradients_exactly(G, N,
 
 
 @pytest.mark.parametrize("G,N,C,H,O,k", [(2, 3, 6, 14, 16, 5), (1, 2, 5, 11, 20, 3), (2, 2, 4, 9, 3, 2),
-                                          (1, 2, 4, 21, 5, 3)])
+                                          (1, 2, 4, 21, 5, 3), (1, 2, 2, 10, 4, 3)])
 def test_an_inner_blocks_training_kernels_give_pytorchs_gradients_exactly(G, N, C, H, O, k):
     """More than three input channels (the filter-vectorized layout, LeNet-5's second block): the winning
     corners and the filters', biases' and input's gradients, bit for bit on integer inputs; 20 filters
-    span two blocks of 16; k = 2 takes the kernel's generic path; a 21-wide input, two vectors per row."""
+    span two blocks of 16; k = 2 takes the kernel's generic path; a 21-wide input, two vectors per row; an
+    inner block with two input channels takes the position-vectorized forward, the same backward."""
     ops = torch.ops.fedprism_kernels
     x, w, b = _ints(G, N, C, H, H, lo=0, hi=3), _ints(G, O, C, k, k, seed=1), _ints(G, O, seed=2)
     out, arg = ops.stem_train_forward(x, w.reshape(G, O, -1), b, k)
