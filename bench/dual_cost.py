@@ -1,7 +1,7 @@
 """Cost of a `fedprism_dual` run against a FedAvg run of the same configuration, in one process.
 
     python bench/dual_cost.py [--rounds 4] [--threads 1] [--quick] [--device cuda]
-                              [--only "dual own;dual own fused"]
+                              [--only "dual own;dual own fused"] [--kernels fused]
 
 Workload: the FedPrism paper's FMNIST protocol (arXiv:2603.08252, section 4: 100 clients, Dirichlet 0.1,
 10 clients per round, E = 10, B = 32, SGD 0.01 / 0.9, LeNet-5). Every variant runs `--rounds` rounds with an
@@ -78,11 +78,14 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--only", default="", help="semicolon-separated variant labels to run besides both "
                     "FedAvg runs (default: all)")
+    ap.add_argument("--kernels", default="aten", choices=("aten", "fused"),
+                    help="train.kernels and eval.kernels of every variant (fedprism.engine.fused)")
     a = ap.parse_args()
     if a.rounds < 3:
         ap.error("--rounds must be >= 3 (round 0 compiles; the median needs the rest)")
     torch.set_num_threads(a.threads)
-    base = {**PAPER, **(QUICK if a.quick else {}), "rounds": a.rounds, "device": a.device}
+    base = {**PAPER, **(QUICK if a.quick else {}), "rounds": a.rounds, "device": a.device,
+            "train.kernels": a.kernels, "eval.kernels": a.kernels}
     only = {x.strip() for x in a.only.split(";") if x.strip()}
     unknown = only - {label for label, _ in VARIANTS}
     if unknown:
