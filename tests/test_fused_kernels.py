@@ -251,7 +251,7 @@ def test_an_inner_blocks_training_kernels_give_pytorchs_gradients_exactly(G, N, 
     dw, db, dx = ops.block_backward(go, arg, x, w.reshape(G, O, -1), k)
     assert 0 < (arg == 255).float().mean() < 1 and (arg < 4).any()
     for g in range(G):
-        xg, wg, bg = x[g].clone().requires_grad_(), w[g].clone().requires_grad_(), b[g].clone().requires_grad_()
+        xg, wg, bg = (t[g].clone().requires_grad_() for t in (x, w, b))
         ref = plain(xg, wg, bg)
         (ref * go[g]).sum().backward()
         assert torch.equal(out[g], ref.detach())

@@ -71,14 +71,15 @@ struct Geo {
   int64_t grid() const { return Hp * S; }
   int64_t phase_floats() const { return C * 4 * PH + 16; }
   // The conv input under tap (c, ki, kj) at window corner d = 2 dy + dx of every grid position:
-  // x[c][2i + ki + dy][2j + kj + dx] = phase (c, u & 1, v & 1)[i + u / 2][j + v / 2], u = ki + dy, v = kj + dx.
+  // x[c][2i + ki + dy][2j + kj + dx] = phase (c, u & 1, v & 1)[i + u / 2][j + v / 2],
+  // u = ki + dy, v = kj + dx.
   int64_t tap(int64_t c, int64_t ki, int64_t kj, int d) const {
     const int64_t u = ki + (d >> 1), v = kj + (d & 1);
     return ((c * 2 + (u & 1)) * 2 + (v & 1)) * PH + (u >> 1) * S + (v >> 1);
   }
 };
 
-// The four polyphase planes of each channel of one image [C, H, W] (row stride xr, contiguous rows):
+// The four polyphase planes of each channel of one image [C, H, W] (channel stride xc, contiguous rows):
 // ph[c][a][b][i][j] = x[c][2i + a][2j + b], 0 outside. With them every tap of every corner is a plain
 // (unaligned) vector load at Geo::tap: no im2col.
 void phases(const float* xs, int64_t xc, const Geo& g, float* ph, std::vector<float>& row) {
@@ -90,7 +91,8 @@ void phases(const float* xs, int64_t xc, const Geo& g, float* ph, std::vector<fl
         const int64_t y = 2 * i + a;
         std::fill(row.begin(), row.end(), 0.f);
         if (y < g.H)
-          for (int64_t x = 0; x < std::min(g.W, 2 * half); ++x) row[(x & 1) * half + (x >> 1)] = xs[c * xc + y * g.W + x];
+          for (int64_t x = 0; x < std::min(g.W, 2 * half); ++x)
+            row[(x & 1) * half + (x >> 1)] = xs[c * xc + y * g.W + x];
         for (int b = 0; b < 2; ++b)
           std::copy_n(row.data() + b * half, g.S, ph + ((c * 2 + a) * 2 + b) * g.PH + i * g.S);
       }
@@ -204,7 +206,8 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x_, const at::Tenso
               "fused stem: x [G,N,C,H,W], w [G,O,T], b [G,O]");
   TORCH_CHECK(x_.scalar_type() == at::kFloat && w_.scalar_type() == at::kFloat &&
               b_.scalar_type() == at::kFloat, "fused stem: float32 only");
-  const bool rows = x_.stride(4) == 1 && x_.stride(3) == x_.size(4) && x_.stride(2) == x_.size(3) * x_.size(4);
+  const bool rows =
+      x_.stride(4) == 1 && x_.stride(3) == x_.size(4) && x_.stride(2) == x_.size(3) * x_.size(4);
   const at::Tensor x = rows ? x_ : x_.contiguous(), w = w_.contiguous(), b = b_.contiguous();
   const int64_t G = x.size(0), N = x.size(1), O = w.size(1);
   const Geo g(x.size(2), x.size(3), x.size(4), k);
@@ -361,7 +364,7 @@ std::tuple<at::Tensor, at::Tensor> stem_backward(const at::Tensor& grad_, const 
         phases(xp + (gi * xg * N + n) * g.C * g.H * g.W, g.H * g.W, g, ph.data(), row);
         const float* gn = gp + (gi * N + n) * O * QO;
         const uint8_t* an = ap + (gi * N + n) * O * QO;
-        std::fill(Gd.begin(), Gd.end(), 0.f);         // each pooled gradient at its winning corner, 0 elsewhere
+        std::fill(Gd.begin(), Gd.end(), 0.f);  // each pooled gradient at its winning corner, 0 elsewhere
         for (int64_t o = 0; o < O; ++o)
           for (int64_t i = 0; i < g.Hp; ++i)
             for (int64_t j = 0; j < g.Wp; ++j) {
