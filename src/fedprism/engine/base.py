@@ -253,7 +253,7 @@ class EngineBase:
         self.f = Functional(self.model)
         self.spec = self.f.spec
         self.cfg = cfg
-        self.eval_fused = False      # eval.kernels=fused applied (the inference copy holds the fused block)
+        self.eval_fused = False      # eval.kernels=fused applied (the inference copy holds fused blocks)
         from fedprism.engine.fused import KERNELS
         for name in ("eval_kernels", "train_kernels"):
             if getattr(cfg, name) not in KERNELS:

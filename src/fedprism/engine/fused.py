@@ -173,11 +173,14 @@ def _block_backward_fake(grad: Tensor, arg: Tensor, x: Tensor, w: Tensor, k: int
     return grad.new_empty(G, O, w.shape[2]), grad.new_empty(G, O), x.new_empty(x.shape)
 
 
+def _front(t: Tensor, d: int | None, M: int) -> Tensor:
+    """`t` with its vmap dimension `d` moved to the front, expanded to M there if unbatched."""
+    return t.movedim(d, 0) if d is not None else t.expand(M, *t.shape)
+
+
 def _fold(t: Tensor, d: int | None, M: int) -> Tensor:
-    """`t` with its vmap dimension `d` moved to the front (expanded if unbatched) and merged into the
-    kernel's group dimension: [M * G, ...]."""
-    t = t.movedim(d, 0) if d is not None else t.expand(M, *t.shape)
-    return t.flatten(0, 1)
+    """`t`'s vmap dimension merged into the kernel's group dimension: [M * G, ...]."""
+    return _front(t, d, M).flatten(0, 1)
 
 
 def _forward_vmap(op):
@@ -188,8 +191,7 @@ def _forward_vmap(op):
         xd, wd, bd, _ = in_dims
         M = info.batch_size
         if xd is None and x.shape[0] == 1:
-            w = (w.movedim(wd, 0) if wd is not None else w.expand(M, *w.shape)).transpose(0, 1).flatten(1, 2)
-            b = (b.movedim(bd, 0) if bd is not None else b.expand(M, *b.shape)).transpose(0, 1).flatten(1, 2)
+            w, b = (_front(t, d, M).transpose(0, 1).flatten(1, 2) for t, d in ((w, wd), (b, bd)))
             res, dim, view = op(x, w, b, k), 2, (lambda t: t.unflatten(2, (M, -1)))   # [1, N, M, O, Hp, Wp]
         else:
             res, dim = op(_fold(x, xd, M), _fold(w, wd, M), _fold(b, bd, M), k), 0
@@ -317,9 +319,7 @@ class StemSplit:
             self.rest.body[i] = nn.Identity()
         last_shape, last_at = self.blocks[-1]
         self.n = last_at + last_shape.numel() + last_shape[0]     # the fused blocks' parameters: flat[:n]
-        first = body[0].weight
-        assert spec.names[:2] == self.NAMES and spec.offsets[2] == first.numel() + first.shape[0]
-        assert spec.offsets[len(self.names)] == self.n, spec.names[:len(self.names)]
+        assert spec.names[:2] == self.NAMES and spec.offsets[len(self.names)] == self.n, spec.names[:4]
 
     @staticmethod
     def qualifies(f) -> bool:

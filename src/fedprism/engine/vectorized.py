@@ -300,7 +300,7 @@ class VectorizedEngine(EngineBase):
                 def loss_of(flat, x, y, wt, extras):
                     return obj(f, flat, x, y, wt, extras)
 
-                # train.kernels=fused: the first block's gradient by the kernel (`fedprism.engine.fused`)
+                # train.kernels=fused: the fused blocks' gradients by the kernels (`fedprism.engine.fused`)
                 vg = vmap(self.stem.grad_and_value(obj) if self.stem is not None else grad_and_value(loss_of))
 
                 def step(w, st, x, y, wt, extras, active, mask):

@@ -5,8 +5,8 @@
 // x [G, N, C, H, W], w [G, O, C*k*k], b [G, O] -> [G, N, O, (H-k+1)/2, (W-k+1)/2]: group g's images
 // through group g's filters (G = 1 with the filters of all models stacked: a shared input batch).
 // Two layouts of the same sums: with few input channels (a first layer) a vector holds 16 pooled
-// positions of one filter, read from the image's polyphase planes; with more (an inner layer, evaluation
-// only) a vector holds 16 filters at one position, times a broadcast input value.
+// positions of one filter, read from the image's polyphase planes; with more (an inner layer) a vector
+// holds 16 filters at one position, times a broadcast input value.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -30,8 +30,7 @@ inline v16 load(const float* p) { return *(const v16u*)p; }
 
 // Neighbouring taps read overlapping inputs, and GCC then carries loaded values from tap to tap in
 // registers and re-broadcasts them with shuffles, which compete with the multiply-adds for a port. A
-// compiler barrier at each tap makes it read them again as memory operands of the multiply-adds (measured:
-// LeNet-5's second block 1.5x faster, bench/README.md).
+// compiler barrier at each tap makes it read them again as memory operands of the multiply-adds.
 inline void reload() { asm volatile("" ::: "memory"); }
 
 // The first `n` lanes of v to p[0 .. n).
@@ -402,8 +401,7 @@ std::tuple<at::Tensor, at::Tensor> stem_backward(const at::Tensor& grad_, const 
 
 // ---- an inner block's backward (filter-vectorized, as its forward): the filters' and biases' gradients
 // and the gradient of the block's input, which the previous block's backward takes. Every pass keeps its
-// sums in registers: read-modify-writes of overlapping rows through memory stall on store forwarding
-// (a first version that added patches onto the input that way was 2.7x slower: bench/README.md). ----
+// sums in registers: read-modify-writes of overlapping rows through memory stall on store forwarding. ----
 
 // dW[taps of channel c] (K * K vectors of 16 filters) += sum over windows q and corners d of
 // Gq[q][d] (the filters' pooled gradients where corner d won, else 0) * x[c][2i + dy + ki][2j + dx + kj];
