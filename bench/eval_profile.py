@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--rounds", type=int, default=4, help="rounds trained, each followed by an evaluation")
     ap.add_argument("--top", type=int, default=15, help="lines of each profile")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads (the run's `threads`; 0: torch's default): the host's share of an "
+                         "evaluation (hashing rows, mixing models) runs in that many")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--validation", action="store_true",
                     help="with validation splits (10 %% of each client's rows, a 5000-image global "
@@ -65,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.method != "fedprism_dual":
         keys = {k: v for k, v in keys.items() if not k.startswith("fedprism_dual.")}
     cfg = fedprism.config(method=a.method, rounds=a.rounds, eval_every=1, local_epochs=1, device=a.device,
-                          seed=0, **keys)
+                          seed=0, threads=a.threads, **keys)
     times: list[float] = []
     report: list[str] = []
     original = evaluate.Evaluator.__call__
@@ -102,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         evaluate.Evaluator.__call__ = original
     print(f"# evaluation profile  torch {torch.__version__}  device {a.device}  method {a.method}  "
+          f"threads {torch.get_num_threads()}  "
           f"{cfg['dataset']}, {cfg['clients']} clients, {cfg['model']}"
           + (f", validation splits (global {cfg['data.global_val']})" if a.validation else ""))
     print(f"evaluations: {len(times)}; seconds each: {', '.join(f'{t:.3f}' for t in times)}")

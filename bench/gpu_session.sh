@@ -24,6 +24,10 @@ export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 OMP_N
 [ -d .gpu/data ] && export FEDPRISM_DATA="$PWD/.gpu/data"
 PY=${PY:-python3}
 DEVICE=${DEVICE:-cuda}
+# torch's host threads for one run alone on the GPU (hashing rows for the evaluation caches, mixing models
+# in float64): a share of the host's cores (the sweeps of several workers below pass 0: each worker
+# keeps its share of the cores, `fedprism.experiment.sweep.worker_threads`)
+THREADS=${THREADS:-8}
 Q=${QUICK:+--quick}          # QUICK=1: the CI-size smoke version of every part
 left() { echo $(( START + BUDGET - $(date +%s) )); }
 
@@ -63,7 +67,7 @@ fi
 # 0d. where an evaluation goes: fedprism_dual's and FedAvg's, profiled (paper configuration, 4 rounds)
 if has evalprofile; then
   for m in fedprism_dual fedavg; do
-    timeout -s INT 150 $PY bench/eval_profile.py --device "$DEVICE" --method $m $Q \
+    timeout -s INT 150 $PY bench/eval_profile.py --device "$DEVICE" --method $m --threads "$THREADS" $Q \
       > "$OUT/eval_profile_$m.txt" 2>&1
     echo "eval profile $m rc=$? after $(( $(date +%s) - START )) s"; sed -n 2,3p "$OUT/eval_profile_$m.txt"
   done
@@ -83,6 +87,7 @@ run() {   # run NAME SWEEPFILE DB ARGS...
   local name=$1 file=$2 db=$3 s; shift 3; s=$(stop)
   [ "$s" -gt 10 ] || { echo "$name skipped: deadline" >> "$OUT/logs/done.txt"; return; }
   timeout -s INT "$s" $PY -m fedprism sweep "$file" --db "$db" --quiet $Q "$@" device="$DEVICE" \
+    threads="$THREADS" \
     keep_final="${KEEP_FINAL:-false}" > "$OUT/logs/$name.log" 2>&1
   echo "$name rc=$? at $(( $(date +%s) - START )) s" >> "$OUT/logs/done.txt"
 }
@@ -99,7 +104,7 @@ fi
 # the routing study on final states: both seeds of the validation sweep (kept final states, on this
 # machine only), then every rule of scripts/routing_study.py scored from them (tables under $OUT)
 if has routing; then
-  KEEP_FINAL=true run routing_runs sweeps/fedprism_validation.toml "$OUT/val.db" --workers 2
+  KEEP_FINAL=true THREADS=0 run routing_runs sweeps/fedprism_validation.toml "$OUT/val.db" --workers 2
   runs=$($PY -c "import sqlite3, sys; c = sqlite3.connect(sys.argv[1]); print(' '.join(r for (r,) in c.execute(
 \"select run_id from runs where status = 'finished' and method = 'fedprism_dual' order by run_id\")))" "$OUT/val.db")
   if [ -n "$runs" ] && [ "$(stop)" -gt 30 ]; then
@@ -110,7 +115,9 @@ if has routing; then
 fi
 # the Clust-PSI-PFL rows: one sweep with a few workers (every worker holds its clients' models and
 # optimiser states on the GPU; 14 processes at once ran out of the H100's 80 GiB)
-has sweep && run psi sweeps/clust_psi_pfl_fmnist.toml "$OUT/sweep.db" --workers "${SWEEP_WORKERS:-4}" compile=false
+has sweep && THREADS=0 run psi sweeps/clust_psi_pfl_fmnist.toml "$OUT/sweep.db" \
+  --workers "${SWEEP_WORKERS:-4}" \
+  compile=false
 cat "$OUT/logs/done.txt"
 
 # 3. pack: fold the WAL into each store, compress, keep the logs in one file

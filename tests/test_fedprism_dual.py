@@ -3,6 +3,8 @@ alpha bounds and mixing rows, components, engines, runner (bytes, resume)."""
 
 from __future__ import annotations
 
+import copy
+import warnings
 from dataclasses import replace
 
 import numpy as np
@@ -439,6 +441,66 @@ def test_batched_own_splits_equal_the_per_client_loop(unequal, chunk, per):
         assert torch.allclose(a.loss_sum, b.loss_sum, rtol=1e-5, atol=1e-4)
         assert a.count.tolist() == [len(eng.data(int(c), split)[1]) for c in clients]
     assert not torch.equal(a.alternatives["backbone"], a.alternatives["expert"])   # the streams differ
+
+
+def test_shared_set_caches_refreshed_in_groups(unequal):
+    """The global test set's per-stream logit caches are refreshed in groups of the engine's width. With
+    groups of 2 models and windows of 7 test rows, the first evaluation (every row stale) and a second one
+    after the rows of three non-adjacent clients changed (only those refreshed) give the numbers of a
+    scorer that computes everything in one group."""
+    algo, eng = setup(unequal, engine="vectorized", k=2, every=1)
+    sim = drive(algo, eng, 2)
+    clients = np.arange(6)
+    inf = sim.inference(clients)
+    grouped = StreamScorer(eng, 6)
+    grouped.chunk, grouped.budget = 7, 7 * 2
+
+    def check(inf):
+        a, b = grouped(inf, clients, "global"), StreamScorer(eng, 6)(inf, clients, "global")
+        assert torch.equal(a.correct, b.correct) and torch.equal(a.confusion, b.confusion)
+        assert all(torch.equal(a.alternatives[k], b.alternatives[k]) for k in b.alternatives)
+        assert torch.allclose(a.loss_sum, b.loss_sum, rtol=1e-5, atol=1e-4)
+        return a
+
+    first = check(inf)
+    expert = inf.streams["expert"].clone()
+    expert[[1, 4, 5]] = inf.streams["backbone"][[1, 4, 5]].to(expert.dtype)
+    run, models = grouped._run, []
+    grouped._run = lambda p, x, f: models.append(len(p)) or run(p, x, f)
+    second = check(replace(inf, streams={**inf.streams, "expert": expert}))
+    assert not torch.equal(first.alternatives["expert"], second.alternatives["expert"])
+    windows = -(-len(eng.data(0, "global")[1]) // 7)
+    assert models == [2] * windows + [1] * windows      # the three changed rows only, in groups of two
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_stream_scorer_on_cuda_does_not_wait_for_the_device_per_chunk(unequal):
+    """On CUDA the scorer's loops over chunks and groups queue work without waiting for the device (no
+    host index tensors, no bincount, no boolean masks): the synchronising calls that
+    `torch.cuda.set_sync_debug_mode` reports are as many with windows of 7 rows as with one window."""
+    algo, _ = setup(unequal, engine="vectorized", k=2, every=1)
+    sim = drive(algo, _, 2)
+    clients = np.arange(6)
+    inf = sim.inference(clients)
+    model = build_model("mlp", unequal.input_shape, unequal.num_classes, seed=0)
+    eng = VectorizedEngine(copy.copy(unequal), model, LOCAL, 0, "cuda", compile=False)
+    syncs, results = {}, {}
+    for chunk in (7, 1000):
+        sc = StreamScorer(eng, 6)
+        assert sc.batch_own
+        sc.chunk, sc.budget = chunk, chunk * 2 * len(inf.streams)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                results[chunk] = [sc(inf, clients, split) for split in ("local", "global")]
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs[chunk] = sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)
+    assert syncs[7] == syncs[1000], syncs
+    for a, b in zip(*results.values()):
+        assert torch.equal(a.count, b.count) and a.count.sum() == a.confusion.sum()
 
 
 def test_batched_own_splits_with_feature_streams(unequal):

@@ -22,6 +22,8 @@ Results are exact, not approximations: a cached score is the score the same mode
 from __future__ import annotations
 
 import hashlib
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,9 +56,30 @@ def sample_eval_clients(seed: int, rnd: int, num_clients: int, k: int) -> np.nda
     return np.sort(rng.choice(num_clients, size=k, replace=False)).astype(np.int64)
 
 
+#: (pid, pool) of `row_hashes`' threads; a forked child makes its own (the parent's threads are not in it)
+_HASHERS: tuple[int, ThreadPoolExecutor] | None = None
+
+
 def row_hashes(params: torch.Tensor) -> list[bytes]:
+    """A 16-byte blake2b digest of each row's float32 bytes: the caches' exact identity of a model.
+
+    Rows are hashed in as many threads as torch may use (`torch.get_num_threads()`, the run's `threads`):
+    hashlib releases the GIL on buffers this large, and on a GPU run hashing was most of a FedAvg
+    evaluation (bench/README.md, "Where a GPU evaluation goes")."""
+    global _HASHERS
     a = params.detach().to("cpu", torch.float32).contiguous().numpy()
-    return [hashlib.blake2b(r.tobytes(), digest_size=16).digest() for r in a]
+
+    def part(rows: range) -> list[bytes]:
+        return [hashlib.blake2b(memoryview(a[i]), digest_size=16).digest() for i in rows]
+
+    width = min(len(a), torch.get_num_threads())
+    if width < 2:
+        return part(range(len(a)))
+    if _HASHERS is None or _HASHERS[0] != os.getpid() or _HASHERS[1]._max_workers < width:
+        _HASHERS = (os.getpid(), ThreadPoolExecutor(width, thread_name_prefix="fedprism-hash"))
+    step = -(-len(a) // width)
+    parts = [range(i, min(len(a), i + step)) for i in range(0, len(a), step)]
+    return [h for hs in _HASHERS[1].map(part, parts) for h in hs]
 
 
 def macro_f1(conf: torch.Tensor) -> torch.Tensor:
@@ -102,9 +125,11 @@ class StreamScorer:
         return self.engine.features(params, x) if features else self.engine.logits(params, x)
 
     def _cached_logits(self, name: str, rows: torch.Tensor, clients: np.ndarray, x: torch.Tensor,
-                       features: bool = False, split: str = "global") -> torch.Tensor | None:
+                       features: bool = False, split: str = "global", host_rows: torch.Tensor | None = None
+                       ) -> torch.Tensor | None:
         """[N, N_test, C] logits (or [N, N_test, d] features) of stream `name` on the shared set `split`
-        (x), refreshed for changed rows."""
+        (x), refreshed for changed rows. `host_rows`: the same rows where they came from (the host), to
+        be hashed there rather than copied back from the device."""
         key = (f"{name}#features" if features else name) + ("" if split == "global" else f"@{split}")
         cache = self.caches.get(key)
         if cache is None or cache["n_test"] != len(x):
@@ -114,17 +139,20 @@ class StreamScorer:
         if self.N * len(x) * cache["width"] * 4 > STREAM_CACHE_BYTES:
             return None
         self.caches[key] = cache
-        hashes = row_hashes(rows)
+        hashes = row_hashes(rows if host_rows is None else host_rows)
         stale = [i for i, c in enumerate(clients) if cache["hash"][int(c)] != hashes[i]]
         per = max(1, self.budget // self.chunk)
+        # the row and destination indices go to the device once: an index tensor on the host would be one
+        # copy (and one wait for the device) per chunk
+        src = torch.as_tensor(stale, dtype=torch.long).to(rows.device)
+        dst = torch.as_tensor(clients[stale], dtype=torch.long).to(self.device)
         for g0 in range(0, len(stale), per):
-            grp = stale[g0:g0 + per]
-            params = rows[torch.as_tensor(grp)]
+            params = rows[src[g0:g0 + per]]
             for s0 in range(0, len(x), self.chunk):
                 z = self._run(params, x[s0:s0 + self.chunk], features)
                 if cache["logits"] is None:
                     cache["logits"] = torch.zeros(self.N, len(x), z.shape[-1], device=z.device, dtype=z.dtype)
-                cache["logits"][torch.as_tensor(clients[grp]), s0:s0 + self.chunk] = z
+                cache["logits"][dst[g0:g0 + per], s0:s0 + self.chunk] = z
         for i in stale:
             cache["hash"][int(clients[i])] = hashes[i]
         return cache["logits"]
@@ -166,11 +194,14 @@ class StreamScorer:
             raise ValueError(f"the headline prediction needs logits: stream {names[0]!r} yields features; "
                              "give Inference.combine")
         combine = inf.combine or (lambda z, e: z[names[0]])
-        # extras (label priors, masks) come from client state, which lives on the CPU: meet the logits there
-        extras = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in inf.extras.items()}
+        dev = self.device
+        # the streams' rows and the extras (label priors, masks) come from the server's state and client
+        # state, which live on the CPU: each goes to the device once per call, not once per chunk (on
+        # CUDA every copy from the host also waits for the device)
+        streams = {s: inf.streams[s].to(dev) for s in names}
+        extras = {k: v.to(dev) if torch.is_tensor(v) else v for k, v in inf.extras.items()}
         # sums stay on the device until the end: no host synchronisation per chunk (integer counts and
         # float64 sums, so the totals are those of summing on the host)
-        dev = self.device
         correct = torch.zeros(n, dtype=torch.long, device=dev)
         loss = torch.zeros(n, dtype=torch.float64, device=dev)
         count = torch.zeros(n, dtype=torch.long, device=dev)
@@ -184,7 +215,7 @@ class StreamScorer:
             for is_feat in (False, True):           # one stacked call for the logit streams, one for features
                 todo = [s for s in names if s not in z and (s in feats) == is_feat]
                 if todo:
-                    p = torch.cat([inf.streams[s][rows] for s in todo])
+                    p = torch.cat([streams[s][rows] for s in todo])
                     out = (self._run(p, x, is_feat) if valid is None else
                            self._run_own(p, x.repeat(len(todo), *([1] * (x.dim() - 1))), is_feat))
                     z = {**z, **{s: out[j * m:(j + 1) * m] for j, s in enumerate(todo)}}
@@ -195,27 +226,32 @@ class StreamScorer:
             correct[rows] += (pred == yy).sum(1)
             ce = F.cross_entropy(out.reshape(-1, C), yy.reshape(-1), reduction="none", ignore_index=PAD_LABEL)
             loss[rows] += ce.view(m, -1).double().sum(1)
+            # confusion cells counted with index_add_, not bincount or a boolean mask: both wait for the
+            # device on CUDA (bincount reads the largest cell, a mask its count); padding rows add 0
             own = torch.arange(m, device=out.device)[:, None] * (C * C)
-            cells = (own + yy * C + pred).reshape(-1)
+            cells = (own + yy.clamp(min=0) * C + pred).reshape(-1)
             if valid is None:
                 count[rows] += len(y)
+                ones = torch.ones_like(cells)
             else:
                 valid = valid.to(out.device)
                 count[rows] += valid.sum(1)
-                cells = cells[valid.reshape(-1)]
-            conf[rows] += torch.bincount(cells, minlength=m * C * C).view(m, C, C)
+                ones = valid.reshape(-1).long()
+            conf[rows].view(-1).index_add_(0, cells, ones)
             for name, fn in inf.alternatives.items():
                 hit = (fn(z, ex).argmax(-1) == yy).sum(1)
-                alt.setdefault(name, torch.zeros(n, dtype=torch.long, device=dev))[rows] += hit
+                if name not in alt:
+                    alt[name] = torch.zeros(n, dtype=torch.long, device=dev)
+                alt[name][rows] += hit
 
         if split in SHARED:
             x_all, y_all = self.engine.data(int(clients[0]) if n else 0, split)
-            cached = {s: self._cached_logits(s, inf.streams[s], clients, x_all, s in feats, split)
+            cached = {s: self._cached_logits(s, streams[s], clients, x_all, s in feats, split,
+                                         host_rows=inf.streams[s])
                       for s in names}
             cached = {s: v for s, v in cached.items() if v is not None}
-            streams = max(1, len(names) - len(cached))
-            per = max(1, self.budget // (chunk * streams))
-            ids = torch.as_tensor(clients)
+            per = max(1, self.budget // (chunk * max(1, len(names) - len(cached))))
+            ids = torch.as_tensor(clients, dtype=torch.long).to(dev)
             for g0 in range(0, n, per):
                 rows = slice(g0, min(n, g0 + per))
                 for s0 in range(0, len(y_all), chunk):
