@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -198,6 +199,35 @@ def test_a_damaged_cached_library_is_rebuilt(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "FEDPRISM_CACHE": str(tmp_path)})
     assert out.stdout.split() == ["True", "None", "True"], out.stderr[-2000:]
+
+
+def _has_avx2() -> bool:
+    try:
+        return " avx2 " in Path("/proc/cpuinfo").read_text().split("\nflags", 1)[1].split("\n", 1)[0] + " "
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _has_avx2(), reason="the portable build targets x86-64-v3 (AVX2)")
+def test_the_build_for_cpus_without_avx512_passes_the_exactness_tests(tmp_path):
+    """The kernels' branches for CPUs without AVX-512 (masked stores and loads as scalar loops) are compiled
+    only for such a target. Built for x86-64-v3 (`FEDPRISM_KERNEL_MARCH`) in a fresh cache, in a child
+    process (a process loads one build), this file's other tests pass with it, and that build holds no
+    512-bit register."""
+    import shutil
+    import subprocess
+    import sys
+    env = {**os.environ, "FEDPRISM_KERNEL_MARCH": "x86-64-v3", "FEDPRISM_CACHE": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                        "-m", "not slow", "-k", "not fresh_cache and not damaged", __file__],
+                       capture_output=True, text=True, timeout=1200, env=env, cwd=Path(__file__).parent)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and " skipped" not in r.stdout.splitlines()[-1], r.stdout[-500:]
+    (lib,) = (tmp_path / "kernels").glob("fused_stem_*.so")
+    if shutil.which("objdump"):
+        code = subprocess.run(["objdump", "-d", str(lib)], capture_output=True, text=True, check=True).stdout
+        assert "%ymm" in code and "%zmm" not in code
 
 
 def test_eval_kernels_setting_end_to_end_and_refused_values(tmp_path, capsys):

@@ -26,10 +26,11 @@ models maps onto the kernel's groups: a shared input batch stacks all models' fi
 batch per model gives one group per model (read in place from the previous block's output: no copy).
 
 The kernel is compiled once per machine with the system's C++ compiler (``$CXX``, else g++; the same
-compiler ``torch.compile`` needs) for its instruction set (``-march=native``), and cached under
-``~/.cache/fedprism/kernels`` (``$FEDPRISM_CACHE/kernels`` where that is set) by a hash of the source, the
-torch version and the CPU's flags. If it cannot be built or loaded the engine warns, names the reason,
-and runs the plain layers.
+compiler ``torch.compile`` needs) for its instruction set (``-march=native``; ``$FEDPRISM_KERNEL_MARCH``
+names another target, e.g. ``x86-64-v3`` for AVX2 machines from a build host with AVX-512), and cached
+under ``~/.cache/fedprism/kernels`` (``$FEDPRISM_CACHE/kernels`` where that is set) by a hash of the source,
+the torch version, the CPU's flags, the compiler and the target. If it cannot be built or loaded the
+engine warns, names the reason, and runs the plain layers.
 """
 
 from __future__ import annotations
@@ -75,11 +76,16 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def march() -> str:
+    """The compiler's target (``-march=``): ``$FEDPRISM_KERNEL_MARCH``, else ``native``."""
+    return os.environ.get("FEDPRISM_KERNEL_MARCH", "") or "native"
+
+
 def _compile(cxx: str, out: Path) -> None:
     from torch.utils.cpp_extension import include_paths, library_paths
 
     libs = library_paths()
-    cmd = [cxx, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
+    cmd = [cxx, "-O3", f"-march={march()}", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
            *[f"-I{p}" for p in include_paths()], str(SOURCE), "-o", str(out),
            *[f"-L{p}" for p in libs], "-lc10", "-ltorch_cpu", "-ltorch", *[f"-Wl,-rpath,{p}" for p in libs]]
@@ -97,10 +103,12 @@ def source_hash() -> str:
 
 def library_path(cxx: str | None = None) -> Path:
     """Where this machine's build of the kernel is cached: named by a hash of the source, the torch
-    version, the CPU's flags and the compiler."""
+    version, the CPU's flags, the compiler and the target (`march`; ``native`` keeps the names of the
+    builds made before the target could be chosen)."""
     cxx = cxx or os.environ.get("CXX", "g++")
+    target = "" if march() == "native" else f"-march={march()}"
     key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode()
-                         + cxx.encode()).hexdigest()[:16]
+                         + cxx.encode() + target.encode()).hexdigest()[:16]
     return cache_dir() / f"fused_stem_{key}.so"
 
 
