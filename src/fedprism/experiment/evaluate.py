@@ -76,6 +76,8 @@ def row_hashes(params: torch.Tensor) -> list[bytes]:
     if width < 2:
         return part(range(len(a)))
     if _HASHERS is None or _HASHERS[0] != os.getpid() or _HASHERS[1]._max_workers < width:
+        if _HASHERS is not None and _HASHERS[0] == os.getpid():
+            _HASHERS[1].shutdown(wait=False)              # a wider pool replaces it (more threads now)
         _HASHERS = (os.getpid(), ThreadPoolExecutor(width, thread_name_prefix="fedprism-hash"))
     step = -(-len(a) // width)
     parts = [range(i, min(len(a), i + step)) for i in range(0, len(a), step)]
