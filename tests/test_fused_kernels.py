@@ -170,6 +170,23 @@ def test_a_kernel_that_cannot_be_built_warns_and_keeps_pytorchs_numbers(monkeypa
         fused._state.update(saved)
 
 
+def test_an_unknown_compiler_target_is_named_in_the_reason(monkeypatch, tmp_path):
+    """`$FEDPRISM_KERNEL_MARCH` that the compiler refuses: not built, and the reason names the variable
+    and its value (the engines then warn with it and run PyTorch's kernels, as above)."""
+    saved = dict(fused._state)
+    try:
+        fused._state.clear()
+        monkeypatch.setenv("FEDPRISM_KERNEL_MARCH", "no-such-cpu")
+        monkeypatch.setenv("FEDPRISM_CACHE", str(tmp_path))
+        assert fused.load() is False
+        why = fused.unavailable_reason()
+        assert "-march=no-such-cpu from $FEDPRISM_KERNEL_MARCH" in why, why
+        assert not any((tmp_path / "kernels").glob("*.so"))
+    finally:
+        fused._state.clear()
+        fused._state.update(saved)
+
+
 def test_a_fresh_cache_builds_the_kernel_once(monkeypatch, tmp_path):
     """A cache without the library compiles it (atomically, into the cache) and a second process-state
     reuses the file; the cache key changes with the source."""

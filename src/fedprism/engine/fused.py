@@ -91,7 +91,8 @@ def _compile(cxx: str, out: Path) -> None:
            *[f"-L{p}" for p in libs], "-lc10", "-ltorch_cpu", "-ltorch", *[f"-Wl,-rpath,{p}" for p in libs]]
     r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
-        raise RuntimeError(f"{cxx} failed ({r.returncode}): {r.stderr.strip()[-800:]}")
+        target = "" if march() == "native" else f" (target -march={march()} from $FEDPRISM_KERNEL_MARCH)"
+        raise RuntimeError(f"{cxx} failed ({r.returncode}){target}: {r.stderr.strip()[-800:]}")
 
 
 def source_hash() -> str:
