@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-step set-up for a fresh machine, then the main job or the tests.
-#   bash bootstrap.sh demo     install, then `fedprism demo` (FedPrism, Fed-PRISM vs baselines; ~9 min measured on 2 shared cores)
+#   bash bootstrap.sh demo     install, then `fedprism demo` (FedPrism, Fed-PRISM vs baselines; 1.5-3 min on 2 cores)
 #   bash bootstrap.sh test     install, then the whole test suite (fast tests, then the slow ones)
 #   bash bootstrap.sh fast     install, then only the fast tests (< 10 min on 2 cores)
 #   bash bootstrap.sh install  install only
