@@ -5,7 +5,7 @@
 # seeds of sweeps/fedprism_validation.toml (routing: the runs kept in $OUT/val.db, the tables in
 # $OUT/routing_study_final.md), and the Clust-PSI-PFL FMNIST sweep (sweep: one `--workers 4` sweep).
 # PARTS chooses among "graphs oldgraphs convscale evalprofile bench paper dualcost routing sweep" (graphs:
-# `bench/cuda_graphs.py` and the CUDA-graph tests; oldgraphs: the same bench from the checkout in $OLD;
+# `bench/cuda_graphs.py` and the CUDA tests; oldgraphs: the same bench from the checkout in $OLD;
 # convscale: `bench/conv_scaling.py`; evalprofile: `bench/eval_profile.py` for fedprism_dual and
 # FedAvg). Every part is bounded by `timeout` and writes under $OUT; runs stopped by the deadline are
 # interrupted cleanly (SIGINT) and resume on the next call or on any other machine.
@@ -41,10 +41,11 @@ cat "$OUT/logs/machine.txt"
 PARTS=${PARTS:-graphs evalprofile bench paper dualcost sweep}   # which parts to run (routing: only when named)
 has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
 
-# 0. CUDA graphs: the bit-equality tests, then the same training rounds with and without graphs
+# 0. CUDA graphs: the CUDA tests (graphs: bit equality; the stream scorer's waits), then the same
+#    training rounds with and without graphs
 if has graphs; then
-  timeout -s INT 150 $PY -m pytest -q -p no:cacheprovider tests/test_engine_equivalence.py -k graph \
-    > "$OUT/cuda_graphs_tests.txt" 2>&1
+  timeout -s INT 150 $PY -m pytest -q -p no:cacheprovider tests/test_engine_equivalence.py \
+    tests/test_fedprism_dual.py -k "graph or cuda" > "$OUT/cuda_graphs_tests.txt" 2>&1
   echo "graph tests rc=$? after $(( $(date +%s) - START )) s"; tail -3 "$OUT/cuda_graphs_tests.txt"
   timeout -s INT 150 $PY bench/cuda_graphs.py --device "$DEVICE" --rounds "${GRAPH_ROUNDS:-6}" --fused $Q \
     > "$OUT/cuda_graphs.txt" 2>&1
