@@ -13,6 +13,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+import torch
 
 from fedprism.cli import main
 from fedprism.errors import ConfigError
@@ -310,7 +311,23 @@ def test_verify_reproduces_and_names_the_first_difference(tmp_path, capsys):
     assert main(["verify", "--db", db, res.run_id, "--rounds", "2", "--quiet"]) == 1
     out = capsys.readouterr().out
     assert "DIFFERS: round 2, metric train_loss" in out, out
+    assert "note:" not in out                                  # the same machine and execution: no excuse
     assert _digest(Path(db)) == before
+    # stored elsewhere: the difference comes with the execution facts that changed
+    con = sqlite3.connect(db)
+    prov = json.loads(con.execute("SELECT provenance FROM runs WHERE run_id=?", (res.run_id,)).fetchone()[0])
+    prov["execution"]["cpu"], prov["execution"]["torch"] = "Another CPU", "0.0.1"
+    con.execute("UPDATE runs SET provenance=? WHERE run_id=?", (json.dumps(prov), res.run_id))
+    con.commit()
+    assert main(["verify", "--db", db, res.run_id, "--rounds", "2", "--quiet"]) == 1
+    out = capsys.readouterr().out
+    assert "note: this re-run executed differently (cpu 'Another CPU' -> " in out, out
+    assert f"torch '0.0.1' -> '{torch.__version__}'" in out and "engine" not in out.split("note:")[1]
+    con.execute("UPDATE runs SET provenance=NULL WHERE run_id=?", (res.run_id,))
+    con.commit()
+    con.close()
+    assert main(["verify", "--db", db, res.run_id, "--rounds", "2", "--quiet"]) == 1
+    assert "note: the stored run records no execution" in capsys.readouterr().out
 
 
 def test_verify_sets_a_key_added_since_the_run_was_stored_and_no_other(tmp_path, capsys):

@@ -42,6 +42,24 @@ def _first_diff(stored: dict, new: dict, prefix: str) -> str | None:
     return None
 
 
+#: execution facts that can change the last bits of a result (`provenance.execution`)
+EXECUTION_FACTS = ("cpu", "device", "torch", "numpy", "engine", "compile", "threads", "fuse_jobs",
+                   "cuda_graphs", "fused_kernels")
+
+
+def execution_note(stored: dict | None, now: dict) -> str | None:
+    """Why a small difference need not be a change of code: the re-run executed differently from the
+    stored run (another CPU, library version, engine, ...), or the stored run recorded no execution."""
+    why = ("rounding differs between CPUs, library versions and execution paths (docs/reproducibility.md); "
+           "re-run `verify` where the run was stored, or with the execution-only keys it had, to check the "
+           "code")
+    if not stored:
+        return f"note: the stored run records no execution (CPU, versions, engine); {why}"
+    changed = [f"{k} {stored.get(k)!r} -> {now.get(k)!r}" for k in EXECUTION_FACTS
+               if k in stored and stored.get(k) != now.get(k)]
+    return f"note: this re-run executed differently ({'; '.join(changed)}): {why}" if changed else None
+
+
 def _snapshot(store: Store, run_id: str, n: int) -> tuple[dict, dict, dict]:
     rounds = {h["round"]: h for h in store.round_metrics(run_id) if h["round"] < n}
     clients = {}
@@ -136,6 +154,9 @@ def verify(db: str, run: str, rounds: int = 2, threads: int | None = None, progr
     diff, count = compare(old, new, n)
     if diff:
         say(f"DIFFERS: {diff}")
+        note = execution_note((prov or {}).get("execution"), ex)
+        if note:
+            say(note)
         return False
     say(f"reproduced: all {count} stored values of rounds 1-{n} match exactly (timings excluded)")
     return True
