@@ -11,6 +11,7 @@ bench's evaluation rate. This bench is there to find the rest.
     python bench/eval_profile.py --device cuda --method fedavg   # the same for FedAvg
     python bench/eval_profile.py --quick                         # digits, MLP, 20 clients (smoke test)
     python bench/eval_profile.py --validation                    # with validation splits (CPU)
+    python bench/eval_profile.py --device cuda --threads 8       # the host's share in 8 threads
 
 Training uses one local epoch (the evaluation does not depend on it) and a few rounds; the profiled
 evaluation is the last one. Nothing is kept: the store is a temporary file.

@@ -14,7 +14,8 @@
 #                                                         # the four .gz files in .gpu/data/fmnist/)
 #   gunzip gpu-out/*.gz && fedprism merge gpu-out/sweep.db --db results/fedprism.db   # finished runs home
 #
-# The stores written here never hold final models (keep_final=false) so that they stay small.
+# The stores written here never hold final models (keep_final=false) so that they stay small. THREADS
+# (default 8) is the torch thread count of each single run and of eval_profile.
 set -u
 OUT=${OUT:-gpu-out}
 BUDGET=${BUDGET:-460}
