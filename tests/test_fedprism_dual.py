@@ -478,8 +478,8 @@ def test_stream_scorer_on_cuda_does_not_wait_for_the_device_per_chunk(unequal):
     """On CUDA the scorer's loops over chunks and groups queue work without waiting for the device (no
     host index tensors, no bincount, no boolean masks): the synchronising calls that
     `torch.cuda.set_sync_debug_mode` reports are as many with windows of 7 rows as with one window."""
-    algo, _ = setup(unequal, engine="vectorized", k=2, every=1)
-    sim = drive(algo, _, 2)
+    algo, cpu_engine = setup(unequal, engine="vectorized", k=2, every=1)
+    sim = drive(algo, cpu_engine, 2)
     clients = np.arange(6)
     inf = sim.inference(clients)
     model = build_model("mlp", unequal.input_shape, unequal.num_classes, seed=0)

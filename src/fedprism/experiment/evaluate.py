@@ -64,8 +64,8 @@ def row_hashes(params: torch.Tensor) -> list[bytes]:
     """A 16-byte blake2b digest of each row's float32 bytes: the caches' exact identity of a model.
 
     Rows are hashed in as many threads as torch may use (`torch.get_num_threads()`, the run's `threads`):
-    hashlib releases the GIL on buffers this large, and on a GPU run hashing was most of a FedAvg
-    evaluation (bench/README.md, "Where a GPU evaluation goes")."""
+    hashlib releases the GIL on buffers this large, and on a GPU run with one thread hashing took nearly
+    half of a FedAvg evaluation (bench/README.md, "Where a GPU evaluation goes")."""
     global _HASHERS
     a = params.detach().to("cpu", torch.float32).contiguous().numpy()
 
