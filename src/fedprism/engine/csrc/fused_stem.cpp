@@ -42,6 +42,26 @@ inline void store_first(float* p, v16 v, int n) {
 #endif
 }
 
+// The first `n` (0 <= n <= 16) pooled gradients g[0 .. n) and their winning corners a[0 .. n) as floats;
+// lanes from n on hold gradient 0 and corner 255 (no winner).
+inline void load_pooled(const float* g, const uint8_t* a, int n, v16& gv, v16& av) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  const __mmask16 m = (__mmask16)((1u << n) - 1);
+  gv = (v16)_mm512_maskz_loadu_ps(m, g);
+  av = (v16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_mask_loadu_epi8(_mm_set1_epi8(-1), m, a)));
+#else
+  gv = v16{};
+  av = v16{} + 255.f;
+  for (int l = 0; l < n; ++l) gv[l] = g[l], av[l] = (float)a[l];
+#endif
+}
+
+inline float lane_sum(v16 v) {
+  float s = 0.f;
+  for (int l = 0; l < 16; ++l) s += v[l];
+  return s;
+}
+
 // relu(max over the four corners), and in idx the first corner holding that maximum (255 where it is
 // <= 0: ReLU's gradient is 0 there): max_pool2d's choice after ReLU, in exact arithmetic.
 inline v16 pool4(const v16 (&a)[4], v16* idx) {
@@ -354,7 +374,7 @@ std::tuple<at::Tensor, at::Tensor> stem_backward(const at::Tensor& grad_, const 
   float* dwp = dw.data_ptr<float>();
   float* dbp = db.data_ptr<float>();
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<float> ph(g.phase_floats(), 0.f), row, Gd(O * 4 * Q, 0.f);
+    std::vector<float> ph(g.phase_floats(), 0.f), row, Gd(O * 4 * Q);
     std::vector<v16> acc(O * T);
     for (int64_t gi = g0; gi < g1; ++gi) {
       std::fill(acc.begin(), acc.end(), v16{});
@@ -363,17 +383,22 @@ std::tuple<at::Tensor, at::Tensor> stem_backward(const at::Tensor& grad_, const 
         phases(xp + (gi * xg * N + n) * g.C * g.H * g.W, g.H * g.W, g, ph.data(), row);
         const float* gn = gp + (gi * N + n) * O * QO;
         const uint8_t* an = ap + (gi * N + n) * O * QO;
-        std::fill(Gd.begin(), Gd.end(), 0.f);  // each pooled gradient at its winning corner, 0 elsewhere
-        for (int64_t o = 0; o < O; ++o)
+        // Gd[o][d]: each pooled gradient at its winning corner d, 0 elsewhere (every lane written, 16
+        // at a time), and the biases' gradients: the sum of the winners' pooled gradients
+        for (int64_t o = 0; o < O; ++o) {
+          v16 bs = v16{};
           for (int64_t i = 0; i < g.Hp; ++i)
-            for (int64_t j = 0; j < g.Wp; ++j) {
-              const uint8_t a = an[o * QO + i * g.Wp + j];
-              if (a < 4) {
-                const float v = gn[o * QO + i * g.Wp + j];
-                Gd[(o * 4 + a) * Q + i * g.S + j] = v;
-                bsum[o] += v;
-              }
+            for (int64_t j0 = 0; j0 < g.S; j0 += 16) {
+              v16 gv, av;
+              const int64_t at = o * QO + i * g.Wp + j0;
+              load_pooled(gn + at, an + at, (int)std::clamp<int64_t>(g.Wp - j0, 0, 16), gv, av);
+              bs += av < 4.f ? gv : v16{};
+#pragma GCC unroll 4
+              for (int d = 0; d < 4; ++d)
+                *(v16u*)(Gd.data() + (o * 4 + d) * Q + i * g.S + j0) = av == (float)d ? gv : v16{};
             }
+          bsum[o] += lane_sum(bs);
+        }
         for (int64_t o0 = 0; o0 < O; o0 += 6) {
           switch (std::min<int64_t>(6, O - o0)) {
             case 6: grad_rows<6>(Gd.data(), ph.data(), off.data(), Q, o0, acc.data(), T); break;
@@ -388,10 +413,7 @@ std::tuple<at::Tensor, at::Tensor> stem_backward(const at::Tensor& grad_, const 
       for (int64_t o = 0; o < O; ++o) {
         dbp[gi * O + o] = bsum[o];
         for (int64_t t = 0; t < T; ++t) {
-          const v16 v = acc[o * T + t];
-          float s = 0.f;
-          for (int l = 0; l < 16; ++l) s += v[l];
-          dwp[(gi * O + o) * T + t] = s;
+          dwp[(gi * O + o) * T + t] = lane_sum(acc[o * T + t]);
         }
       }
     }
@@ -420,9 +442,11 @@ inline void grad_channel(const float* xc, const Geo& g, const float* Gq, const i
       const v16 gv = load(Gq + (q * 4 + d) * 16);
       const float* base = xc + rowof[q] * W + colof[q] + (d >> 1) * W + (d & 1);
 #pragma GCC unroll 8
-      for (int64_t ki = 0; ki < k; ++ki)
-#pragma GCC unroll 8
-        for (int64_t kj = 0; kj < k; ++kj) acc[ki * k + kj] += base[ki * W + kj] * gv;
+      for (int64_t ki = 0; ki < k; ++ki) {
+        const float* row = base + ki * W;  // a pointer per row: the taps are displacements from it, where
+#pragma GCC unroll 8                       // an index per tap took a load and an add per multiply-add
+        for (int64_t kj = 0; kj < k; ++kj) acc[ki * k + kj] += row[kj] * gv;
+      }
     }
   if (K > 0)
     for (int t = 0; t < KK; ++t) dw[t] = a[t];
@@ -511,14 +535,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward(const at::Tensor& 
         // won / nwon: the filters each corner won
         std::fill(Gq.begin(), Gq.end(), 0.f);
         std::fill(nwon.begin(), nwon.end(), 0);
-        for (int64_t o = 0; o < O; ++o)
+        for (int64_t o = 0; o < O; ++o) {
+          v16 bs = v16{};                                       // the biases' gradients, 16 windows at a time
+          for (int64_t q0 = 0; q0 < QO; q0 += 16) {
+            v16 gv, av;
+            load_pooled(gn + o * QO + q0, an + o * QO + q0, (int)std::min<int64_t>(16, QO - q0), gv, av);
+            bs += av < 4.f ? gv : v16{};
+          }
+          bsum[o] += lane_sum(bs);
           for (int64_t q = 0; q < QO; ++q) {
             const uint8_t a = an[o * QO + q];
             if (a > 3) continue;
             Gq[(((o / 16) * QO + q) * 4 + a) * 16 + o % 16] = gn[o * QO + q];
             won[(q * 4 + a) * O + nwon[q * 4 + a]++] = (int)o;
-            bsum[o] += gn[o * QO + q];
           }
+        }
         for (int64_t blk = 0; blk < NB; ++blk)                  // 1. dW
           for (int64_t c = 0; c < g.C; ++c) {
             const float* Gb = Gq.data() + blk * QO * 4 * 16;
