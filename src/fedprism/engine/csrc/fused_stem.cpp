@@ -102,6 +102,28 @@ struct Geo {
 // ph[c][a][b][i][j] = x[c][2i + a][2j + b], 0 outside. With them every tap of every corner is a plain
 // (unaligned) vector load at Geo::tap: no im2col.
 void phases(const float* xs, int64_t xc, const Geo& g, float* ph, std::vector<float>& row) {
+#ifdef __AVX512F__
+  if (g.S == 16 && g.W <= 32) {         // a row in two vectors, split into its even and odd columns
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    const __mmask16 lo = (__mmask16)((1u << std::min<int64_t>(g.W, 16)) - 1);
+    const __mmask16 hi = (__mmask16)((1u << std::max<int64_t>(g.W - 16, 0)) - 1);
+    for (int64_t c = 0; c < g.C; ++c)
+      for (int a = 0; a < 2; ++a)
+        for (int64_t i = 0; i < g.R; ++i) {
+          const int64_t y = 2 * i + a;
+          __m512 l = _mm512_setzero_ps(), h = _mm512_setzero_ps();
+          if (y < g.H) {
+            l = _mm512_maskz_loadu_ps(lo, xs + c * xc + y * g.W);
+            h = _mm512_maskz_loadu_ps(hi, xs + c * xc + y * g.W + 16);
+          }
+          float* out = ph + (c * 2 + a) * 2 * g.PH + i * 16;
+          _mm512_storeu_ps(out, _mm512_permutex2var_ps(l, even, h));
+          _mm512_storeu_ps(out + g.PH, _mm512_permutex2var_ps(l, odd, h));
+        }
+    return;
+  }
+#endif
   const int64_t half = g.S + 2;
   row.assign(2 * half, 0.f);
   for (int64_t c = 0; c < g.C; ++c)
