@@ -39,8 +39,11 @@ def build(source: bytes, ns: str, tmp: Path):
 
     src = tmp / f"{ns}.cpp"
     src.write_bytes(source.replace(b"fedprism_kernels", ns.encode()))
-    fused.SOURCE = src
-    fused._compile(os.environ.get("CXX", "g++"), tmp / f"{ns}.so")
+    own, fused.SOURCE = fused.SOURCE, src
+    try:
+        fused._compile(os.environ.get("CXX", "g++"), tmp / f"{ns}.so")
+    finally:
+        fused.SOURCE = own
     torch.ops.load_library(str(tmp / f"{ns}.so"))
     return getattr(torch.ops, ns)
 
@@ -68,7 +71,7 @@ def largest_difference(a, b) -> float:
     return max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", default="HEAD", help="git revision of the base kernels (default HEAD)")
     ap.add_argument("--batches", type=int, default=15)
@@ -77,7 +80,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--models", type=int, default=10)
     ap.add_argument("--batch", type=int, default=32)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     from fedprism._alloc import tune_allocator
 
     tune_allocator()                  # as the engines do: large outputs are not page-faulted in every call
@@ -117,7 +120,8 @@ def main() -> None:
     row = [f"{tot['base', f]:8.3f} {tot['new', f]:8.3f} {tot['base', f] / tot['new', f]:6.2f}x"
            for f in (min, statistics.median)]
     print(f"{'training step':16s} {'   '.join(row)}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

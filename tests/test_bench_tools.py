@@ -4,10 +4,14 @@ stated in), read-only."""
 from __future__ import annotations
 
 import json
+import shutil
 import sqlite3
 
+import pytest
+import torch
 from conftest import load_script
 
+from fedprism.engine import fused
 from fedprism.experiment.config import resolve
 from fedprism.experiment.runner import Experiment
 from fedprism.experiment.store import Store
@@ -176,3 +180,24 @@ def test_eval_profile_bench_profiles_the_last_evaluation(capsys):
     assert "evaluations: 3;" in out and "## by Python function" in out and "## by operator" in out
     assert "validation splits (global 200)" in out
     assert evaluate.Evaluator.__call__ is before
+
+
+@pytest.mark.slow
+def test_kernel_ab_loads_two_builds_side_by_side_and_compares_their_outputs(capsys):
+    """`bench/kernel_ab.py`: HEAD's kernel source and the working tree's, each built with its operator
+    namespace renamed, load into one process and are called in turn; every kernel gets a row with two
+    timings and the two builds' largest output difference, which is at most float32 rounding (a change to
+    the kernels that alters their results beyond that fails `tests/test_fused_kernels.py` too)."""
+    if shutil.which("git") is None or not fused.load():
+        pytest.skip(f"needs git and the fused kernels ({fused.unavailable_reason()})")
+    source = fused.SOURCE
+    mod = load_script("bench/kernel_ab.py")
+    assert mod.main(["--batches", "2", "--reps", "1", "--models", "2", "--batch", "4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {ln[:16].strip(): ln[16:].split() for ln in lines if ln[:16].strip() in mod.KERNELS}
+    assert set(rows) == set(mod.KERNELS)
+    for name, cells in rows.items():
+        assert len(cells) == 7 and all(float(c.rstrip("x")) > 0 for c in cells[:6]), (name, cells)
+        assert float(cells[6]) < 1e-2, (name, cells)
+    assert hasattr(torch.ops, "fedprism_kernels_base") and hasattr(torch.ops, "fedprism_kernels_new")
+    assert fused.SOURCE == source            # the builds leave fedprism's own kernel source as it was

@@ -465,8 +465,10 @@ inline void grad_channel(const float* xc, const Geo& g, const float* Gq, const i
       const float* base = xc + rowof[q] * W + colof[q] + (d >> 1) * W + (d & 1);
 #pragma GCC unroll 8
       for (int64_t ki = 0; ki < k; ++ki) {
-        const float* row = base + ki * W;  // a pointer per row: the taps are displacements from it, where
-#pragma GCC unroll 8                       // an index per tap took a load and an add per multiply-add
+        // a pointer per row, the taps displacements from it (an index per tap cost a load and an add
+        // per multiply-add: GCC kept the 25 indices on the stack)
+        const float* row = base + ki * W;
+#pragma GCC unroll 8
         for (int64_t kj = 0; kj < k; ++kj) acc[ki * k + kj] += row[kj] * gv;
       }
     }
