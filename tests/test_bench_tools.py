@@ -1,5 +1,6 @@
-"""`bench/run_cost.py`: whole-run cost read from a results store (the quantity the FedPrism cost target is
-stated in), read-only."""
+"""The scripts of `bench/`: `bench/run_cost.py` reads whole-run cost from a results store (the quantity the
+FedPrism cost target is stated in), read-only; the others run small versions of their benches and check
+what they report (the same bits where a bench claims them)."""
 
 from __future__ import annotations
 
