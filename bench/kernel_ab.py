@@ -81,12 +81,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", type=int, default=10)
     ap.add_argument("--batch", type=int, default=32)
     a = ap.parse_args(argv)
+    for name in ("batches", "reps", "threads", "models", "batch"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name} must be at least 1, got {getattr(a, name)}")
     from fedprism._alloc import tune_allocator
 
     tune_allocator()                  # as the engines do: large outputs are not page-faulted in every call
     torch.set_num_threads(a.threads)
-    base_src = subprocess.run(["git", "-C", str(ROOT), "show", f"{a.base}:{SOURCE}"], check=True,
-                              capture_output=True).stdout
+    got = subprocess.run(["git", "-C", str(ROOT), "show", f"{a.base}:{SOURCE}"], capture_output=True)
+    if got.returncode != 0:
+        ap.error(f"--base {a.base}: no kernel source there (git show: {got.stderr.decode().strip()})")
+    base_src = got.stdout
     with tempfile.TemporaryDirectory(prefix="fedprism-kernel-ab-") as tmp:
         fns = {"base": calls(build(base_src, "fedprism_kernels_base", Path(tmp)), a.models, a.batch),
                "new": calls(build((ROOT / SOURCE).read_bytes(), "fedprism_kernels_new", Path(tmp)),
@@ -111,10 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     for i, name in enumerate(KERNELS):
         row = []
         for f in (min, statistics.median):
-            b, n = f(times["base"][name]), f(times["new"][name])
+            tb, tn = f(times["base"][name]), f(times["new"][name])
             if name.startswith(("train", "bwd")):
-                tot["base", f], tot["new", f] = tot["base", f] + b, tot["new", f] + n
-            row.append(f"{b:8.3f} {n:8.3f} {b / n:6.2f}x")
+                tot["base", f], tot["new", f] = tot["base", f] + tb, tot["new", f] + tn
+            row.append(f"{tb:8.3f} {tn:8.3f} {tb / tn:6.2f}x")
         diff = largest_difference(fns["base"][i](), fns["new"][i]())
         print(f"{name:16s} {'   '.join(row)}   {diff:.2g}")
     row = [f"{tot['base', f]:8.3f} {tot['new', f]:8.3f} {tot['base', f] / tot['new', f]:6.2f}x"
