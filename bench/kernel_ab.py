@@ -39,11 +39,7 @@ def build(source: bytes, ns: str, tmp: Path):
 
     src = tmp / f"{ns}.cpp"
     src.write_bytes(source.replace(b"fedprism_kernels", ns.encode()))
-    own, fused.SOURCE = fused.SOURCE, src
-    try:
-        fused._compile(os.environ.get("CXX", "g++"), tmp / f"{ns}.so")
-    finally:
-        fused.SOURCE = own
+    fused._compile(os.environ.get("CXX", "g++"), tmp / f"{ns}.so", source=src)
     torch.ops.load_library(str(tmp / f"{ns}.so"))
     return getattr(torch.ops, ns)
 

@@ -77,16 +77,16 @@ def profile(fn) -> tuple[float, dict[str, float]]:
 def report(what: str, wall: float, parts: dict[str, float], threads: int) -> None:
     # every operator runs on the calling thread (intra-op threads work inside it), so the self times add up
     # to at most the wall time at any thread count, and the rest of the wall time is in no operator
-    cpu = wall
     parts = dict(parts)
     top = parts.pop("__top__", [])
     ops = sum(parts.values())
     print(f"\n{what}: {wall:.2f} s wall ({threads} thread(s))")
-    parts["Python/dispatch"] = parts.get("Python/dispatch", 0.0) + max(0.0, cpu - ops)   # + time in no operator
+    parts["Python/dispatch"] = parts.get("Python/dispatch", 0.0) + max(0.0, wall - ops)   # + in no operator
     for cls in [c for c, _ in CLASSES[:-1]] + ["other ops", "Python/dispatch"]:
-        print(f"  {cls:18s} {parts.get(cls, 0.0):7.2f} s  {100 * parts.get(cls, 0.0) / max(cpu, ops):5.1f} %")
+        sec = parts.get(cls, 0.0)
+        print(f"  {cls:18s} {sec:7.2f} s  {100 * sec / max(wall, ops):5.1f} %")
     for sec, name in top[:KERNELS]:             # --kernels N: the N largest single operators / kernels
-        print(f"    {100 * sec / max(cpu, ops):5.1f} %  {sec:7.2f} s  {name[:100]}")
+        print(f"    {100 * sec / max(wall, ops):5.1f} %  {sec:7.2f} s  {name[:100]}")
 
 
 def main() -> int:

@@ -81,13 +81,13 @@ def march() -> str:
     return os.environ.get("FEDPRISM_KERNEL_MARCH", "") or "native"
 
 
-def _compile(cxx: str, out: Path) -> None:
+def _compile(cxx: str, out: Path, source: Path = SOURCE) -> None:
     from torch.utils.cpp_extension import include_paths, library_paths
 
     libs = library_paths()
     cmd = [cxx, "-O3", f"-march={march()}", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-           *[f"-I{p}" for p in include_paths()], str(SOURCE), "-o", str(out),
+           *[f"-I{p}" for p in include_paths()], str(source), "-o", str(out),
            *[f"-L{p}" for p in libs], "-lc10", "-ltorch_cpu", "-ltorch", *[f"-Wl,-rpath,{p}" for p in libs]]
     r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600)
     if r.returncode != 0:

@@ -56,8 +56,9 @@ def sample_eval_clients(seed: int, rnd: int, num_clients: int, k: int) -> np.nda
     return np.sort(rng.choice(num_clients, size=k, replace=False)).astype(np.int64)
 
 
-#: (pid, pool) of `row_hashes`' threads; a forked child makes its own (the parent's threads are not in it)
-_HASHERS: tuple[int, ThreadPoolExecutor] | None = None
+#: (pid, width, pool) of `row_hashes`' threads; a forked child makes its own (the parent's threads are not
+#: in it)
+_HASHERS: tuple[int, int, ThreadPoolExecutor] | None = None
 
 
 def row_hashes(params: torch.Tensor) -> list[bytes]:
@@ -75,13 +76,13 @@ def row_hashes(params: torch.Tensor) -> list[bytes]:
     width = min(len(a), torch.get_num_threads())
     if width < 2:
         return part(range(len(a)))
-    if _HASHERS is None or _HASHERS[0] != os.getpid() or _HASHERS[1]._max_workers < width:
+    if _HASHERS is None or _HASHERS[0] != os.getpid() or _HASHERS[1] < width:
         if _HASHERS is not None and _HASHERS[0] == os.getpid():
-            _HASHERS[1].shutdown(wait=False)              # a wider pool replaces it (more threads now)
-        _HASHERS = (os.getpid(), ThreadPoolExecutor(width, thread_name_prefix="fedprism-hash"))
+            _HASHERS[2].shutdown(wait=False)              # a wider pool replaces it (more threads now)
+        _HASHERS = (os.getpid(), width, ThreadPoolExecutor(width, thread_name_prefix="fedprism-hash"))
     step = -(-len(a) // width)
     parts = [range(i, min(len(a), i + step)) for i in range(0, len(a), step)]
-    return [h for hs in _HASHERS[1].map(part, parts) for h in hs]
+    return [h for hs in _HASHERS[2].map(part, parts) for h in hs]
 
 
 def macro_f1(conf: torch.Tensor) -> torch.Tensor:
