@@ -26,6 +26,7 @@ import copy
 import dataclasses
 import platform
 import resource
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -217,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {args.per_round} clients/round, E={args.epochs}, B={args.batch}, SGD lr 0.01 momentum 0.9, "
           f"LeNet-5; evaluation every round of all {fed.num_clients} personalized models; "
           f"compile={compile_opt}; (b) kernels={args.kernels}")
-    print(f"# fp32 GEMM peak now: {gemm_peak(device):.0f} GFLOP/s")
+    peaks = [gemm_peak(device)]          # measured again after every round: the floor below uses their median
+    print(f"# fp32 GEMM peak now: {peaks[0]:.0f} GFLOP/s")
 
     ref = PFLlibReference(fed, model, cfg, device)
     t0 = time.perf_counter()
@@ -290,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         assert e_a == int(lr_.count[sel].sum() + gr.count[sel].sum()), (e_a, e_b)
         acc = (la.mean(), lr_.accuracy[sel].mean().item(), ga.mean(), gr.accuracy[sel].mean().item())
         rows.append((t, n_a, e_b))
+        peaks.append(gemm_peak(device))
         print(f"{r:>5} {t['atrain']:8.2f} {t['btrain']:8.2f} {t['aeval']:8.2f} {t['beval']:8.2f}"
               f" {t['beval10']:8.2f} {acc[0]:7.3f} {acc[1]:7.3f} {acc[2]:7.3f} {acc[3]:7.3f}", flush=True)
 
@@ -327,6 +330,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"projected {R}-round run: (a) {fmt_s(full_a)}   (b) {fmt_s(full_b)}  ({full_a / full_b:.2f}x incl. "
           f"compile)   (b)+eval caching (Local: {args.per_round} models re-evaluated/round) {fmt_s(full_bc)} "
           f"({full_a / full_bc:.2f}x)")
+    # the arithmetic floor: a round's convolution and linear FLOPs (a training sample costs 3 forward
+    # passes) at the fp32 GEMM rate this machine reached during the run (median of the per-round peaks)
+    peak = statistics.median(peaks) * 1e9
+    f_tr, f_ev = 3 * eng.fwd_flops * n_train / k, eng.fwd_flops * n_eval / k
+    floor_b = setup_b + compile_s + R * (f_tr + f_ev) / peak
+    print(f"arithmetic floor: {f_tr / 1e9:.0f} GFLOP training + {f_ev / 1e9:.0f} GFLOP evaluation a round; at the "
+          f"median fp32 GEMM peak of the run ({peak / 1e9:.0f} GFLOP/s; {min(peaks):.0f}-{max(peaks):.0f}) "
+          f"a round takes {(f_tr + f_ev) / peak:.2f} s, the {R}-round run {fmt_s(floor_b)}; (b) reaches "
+          f"{f_tr / peak / (tot['btrain'] / k):.0%} of it in training, {f_ev / peak / (tot['beval'] / k):.0%} "
+          f"in evaluation")
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     extra = f", peak CUDA memory {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB" if device.type == "cuda" else ""
     print(f"peak RSS {rss:.0f} MiB{extra}; engine: {'compiled' if eng.compiled else 'eager'}, "
