@@ -453,6 +453,17 @@ def test_unknown_key_suggests_the_nearest(key, meant):
         resolve({"method": "fedprism", key: 3})
 
 
+@pytest.mark.parametrize("key,value,says", [
+    ("lr", float("nan"), "is not valid: a finite number > 0$"),
+    ("fedprism.alpha", float("inf"), "is not valid: a finite number; a number in"),
+    ("rounds", float("-inf"), "is not valid: a finite number; an integer >= 1$")])
+def test_a_non_finite_value_is_named_once(key, value, says):
+    """"finite" is said once, also where the parameter's own rule says it ("a finite number > 0")."""
+    with pytest.raises(ConfigError) as e:
+        resolve({"method": "fedprism", key: value})
+    assert e.match(says) and str(e.value).count("finite") == 1, str(e.value)
+
+
 def test_python_config_takes_method_keys_nested_as_in_a_toml_table():
     """`fedprism.config(method="fedprism", fedprism={"k": 3})` reads like a TOML table; it used to fail with
     "config key 'fedprism' = {'k': 3} is not valid: a fedprism parameter, but method=fedprism"."""

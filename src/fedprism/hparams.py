@@ -53,8 +53,8 @@ class Param:
 
     def _precheck(self, key: str, value: Any) -> None:
         extra = f"; {self.allowed}" if self.allowed else ""
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(key, value, f"a finite number{extra}")
+        if isinstance(value, float) and not math.isfinite(value):      # said once: "allowed" may say it too
+            raise ConfigError(key, value, self.allowed if "finite" in extra else f"a finite number{extra}")
         if isinstance(value, int) and not isinstance(value, bool) and not -2**63 < value < 2**63:
             raise ConfigError(key, value, f"an integer of magnitude below 2**63{extra}")
 
