@@ -4,8 +4,8 @@ Same numbers as `SequentialEngine` for the same seed (to float tolerance), compu
 
 * **Training** runs `vmap(grad(objective))` over a `[W, P]` matrix of flat parameter vectors, one row
   per *slot*. Clients of unequal size are packed into the W slots with longest-processing-time-first
-  scheduling: `W = floor(sum steps / max steps)`, and when a slot's client
-  finishes the slot is reloaded with the next client's start vector and a zeroed momentum buffer.
+  scheduling: `W = floor(sum steps / max steps)` up to `max_slots`, above it the count of least estimated
+  time (`slots_for`), and when a slot's client finishes the slot is reloaded with the next client's start vector and a zeroed momentum buffer.
   Only the tail (slots whose queue is empty) is masked. Every client sees exactly the batch sequence
   `batch_order(...)` of the sequential engine; the last partial batch is padded and weighted 0/1.
 * **Evaluation** scores stacked models: on the global test set all models share one input chunk
@@ -222,8 +222,8 @@ class VectorizedEngine(EngineBase):
                    (`fedprism.protocol.train_together`; default: on CUDA only). A row's batch order and
                    dropout masks do not change, its arithmetic only at rounding level (the slot count
                    changes the batched kernels, as `max_slots` does), so the CPU default keeps stored runs
-                   bit for bit; on this project's CPU the fused pass measured slower than the two it
-                   replaces (bench/README.md, `bench/dual_cost.py`).
+                   bit for bit; on this project's CPU the fused pass costs what the two it replaces
+                   cost (bench/README.md, `bench/dual_cost.py`).
       cuda_graphs  replay each training step from a CUDA graph (`fedprism.engine.cuda_graph`; default: on
                    for compiled CUDA runs). The same kernels on the same inputs, so the same bits; one
                    launch per step instead of one per kernel. Needs a CUDA device.
@@ -314,16 +314,21 @@ class VectorizedEngine(EngineBase):
     def slots_for(self, steps: list[int]) -> int:
         """Number of vmap slots for a cohort with these step counts.
 
-        The LPT ideal `floor(sum/max)` (capped by max_slots). When compiling, a slot count that already
-        has a graph is reused if its estimated time, makespan x (slots + step_overhead), is within 15%
-        of the ideal's: a new graph costs ~20 s on CPU."""
-        w = min(ideal_slots(steps), self.max_slots)
+        The LPT ideal `floor(sum/max)` where it is at most max_slots. Above the cap, the count in
+        1..max_slots of least estimated time, makespan x (slots + step_overhead), the larger on a tie:
+        the cap itself can be far from it (20 clients of equal steps in 16 slots run two waves of 16
+        slot-steps each, in 10 slots two waves of 10). When compiling, a slot count that already has a
+        graph is reused if its estimated time is within 15% of the choice's: a new graph costs ~20 s on
+        CPU."""
+        def cost(k: int) -> float:
+            return lpt_makespan(steps, k) * (k + self.step_overhead)
+
+        w = ideal_slots(steps)
+        if w > self.max_slots:
+            w = min(range(self.max_slots, 0, -1), key=cost)       # min keeps the first (largest) of a tie
         if not self.compiled or w in self._slot_graphs:
             self._slot_graphs.add(w)
             return w
-
-        def cost(k: int) -> float:
-            return lpt_makespan(steps, k) * (k + self.step_overhead)
 
         known = sorted(self._slot_graphs)
         if known:
