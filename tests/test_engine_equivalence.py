@@ -115,20 +115,24 @@ def test_lpt_slots_balance_and_cover():
     assert ideal_slots([5]) == 1 and ideal_slots([4, 4, 4]) == 3 and ideal_slots([]) == 1
 
 
-def test_slots_above_the_cap_are_the_count_of_least_work(mlp_setup):
-    """At most max_slots, the LPT ideal; above it, the count in 1..max_slots of least makespan x (slots +
-    step overhead), not the cap: 20 equal clients in 16 slots run two waves of 16, in 10 two waves of 10."""
+def test_slots_above_the_cap_are_the_fewest_with_the_cap_s_steps(mlp_setup):
+    """At most max_slots, the LPT ideal; above it, the fewest slots whose LPT makespan is the cap's, not the
+    cap: 20 equal clients in 16 slots run two waves of 16, in 10 two waves of 10."""
     fed, model = mlp_setup
     eng = VectorizedEngine(fed, model, CFG, 3, "cpu", compile=False)
-    assert eng.max_slots == 16 and eng.step_overhead == 1.0
+    assert eng.max_slots == 16
     assert eng.slots_for([19] * 20) == 10 and eng.slots_for([10] * 17) == 9 and eng.slots_for([10] * 33) == 11
     assert eng.slots_for([10] * 16) == 16 and eng.slots_for([3, 2, 1]) == 2      # the ideal, at most the cap
     assert eng.slots_for([4, 1, 3, 5, 4]) == 3       # the ideal below the cap, though 4 slots would cost less
+    # 100 clients of one step: 7 steps in 16 slots and in 15. Ten slots would do less work in all (10 steps
+    # x 10 slots against 7 x 15) but take more steps, each with its fixed cost
+    assert eng.slots_for([1] * 100) == 15
     small = VectorizedEngine(fed, model, CFG, 3, "cpu", compile=False, max_slots=4)
-    assert small.slots_for([5] * 6) == 3             # 10 steps x (3 + 1) against 10 x 5 (4 slots), 15 x 3 (2)
-    assert small.slots_for([5] * 8) == 4             # 10 x 5 against 15 x 4 (3 slots), 20 x 3 (2)
-    two = VectorizedEngine(fed, model, CFG, 3, "cpu", compile=False, max_slots=2)
-    assert two.slots_for([1, 1, 1]) == 2             # a tie, 2 steps x 3 and 3 x 2: the larger count
+    assert small.slots_for([5] * 6) == 3             # 10 steps in 4 slots and in 3, 15 in 2
+    assert small.slots_for([5] * 8) == 4             # 10 steps in 4 slots, 15 in 3
+    assert small.slots_for([4, 4, 4, 4, 4, 3, 1]) == 3   # 8 steps in 4 slots and in 3 (4 4 | 4 4 | 4 3 1)
+    one = VectorizedEngine(fed, model, CFG, 3, "cpu", compile=False, max_slots=1)
+    assert one.slots_for([5, 5, 5]) == 1
 
 
 def test_parse_compile():

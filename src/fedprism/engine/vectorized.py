@@ -4,10 +4,11 @@ Same numbers as `SequentialEngine` for the same seed (to float tolerance), compu
 
 * **Training** runs `vmap(grad(objective))` over a `[W, P]` matrix of flat parameter vectors, one row
   per *slot*. Clients of unequal size are packed into the W slots with longest-processing-time-first
-  scheduling: `W = floor(sum steps / max steps)` up to `max_slots`, above it the count of least estimated
-  time (`slots_for`), and when a slot's client finishes the slot is reloaded with the next client's start vector and a zeroed momentum buffer.
-  Only the tail (slots whose queue is empty) is masked. Every client sees exactly the batch sequence
-  `batch_order(...)` of the sequential engine; the last partial batch is padded and weighted 0/1.
+  scheduling: `W = floor(sum steps / max steps)` up to `max_slots`, above it the fewest slots that take no
+  more steps than `max_slots` would (`slots_for`), and when a slot's client finishes the slot is reloaded
+  with the next client's start vector and a zeroed momentum buffer. Only the tail (slots whose queue is
+  empty) is masked. Every client sees exactly the batch sequence `batch_order(...)` of the sequential
+  engine; the last partial batch is padded and weighted 0/1.
 * **Evaluation** scores stacked models: on the global test set all models share one input chunk
   (`vmap(f, in_dims=(0, None))`, which turns conv1 of all models into one wide conv); on per-client
   splits each row carries its own padded input chunk. Correct counts, loss sums and confusion
@@ -314,18 +315,19 @@ class VectorizedEngine(EngineBase):
     def slots_for(self, steps: list[int]) -> int:
         """Number of vmap slots for a cohort with these step counts.
 
-        The LPT ideal `floor(sum/max)` where it is at most max_slots. Above the cap, the count in
-        1..max_slots of least estimated time, makespan x (slots + step_overhead), the larger on a tie:
-        the cap itself can be far from it (20 clients of equal steps in 16 slots run two waves of 16
-        slot-steps each, in 10 slots two waves of 10). When compiling, a slot count that already has a
-        graph is reused if its estimated time is within 15% of the choice's: a new graph costs ~20 s on
+        The LPT ideal `floor(sum/max)` where it is at most max_slots. Above the cap, the fewest slots
+        whose LPT makespan is the cap's: the same steps with fewer rows in each, so never slower than
+        the cap whatever a step's fixed cost (20 clients of equal steps run two waves in 16 slots and
+        in 10). When compiling, a slot count that already has a graph is reused if its estimated time,
+        makespan x (slots + step_overhead), is within 15% of the choice's: a new graph costs ~20 s on
         CPU."""
         def cost(k: int) -> float:
             return lpt_makespan(steps, k) * (k + self.step_overhead)
 
         w = ideal_slots(steps)
         if w > self.max_slots:
-            w = min(range(self.max_slots, 0, -1), key=cost)       # min keeps the first (largest) of a tie
+            span = lpt_makespan(steps, self.max_slots)
+            w = next(k for k in range(1, self.max_slots + 1) if lpt_makespan(steps, k) <= span)
         if not self.compiled or w in self._slot_graphs:
             self._slot_graphs.add(w)
             return w
