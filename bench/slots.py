@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-train", type=int, default=0, help="cap each client's training samples (0: none)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
+    if a.max_train and a.dataset != "fmnist":
+        ap.error(f"--max-train works on fmnist only (got --dataset {a.dataset})")
     if not 1 <= a.per_round <= a.clients or a.rounds < 2 or a.epochs < 1:
         ap.error(f"--per-round must be in 1..--clients (got {a.per_round} of {a.clients}), --rounds >= 2 "
                  f"(got {a.rounds}), --epochs >= 1 (got {a.epochs})")

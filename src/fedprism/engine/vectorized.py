@@ -321,9 +321,6 @@ class VectorizedEngine(EngineBase):
         in 10). When compiling, a slot count that already has a graph is reused if its estimated time,
         makespan x (slots + step_overhead), is within 15% of the choice's: a new graph costs ~20 s on
         CPU."""
-        def cost(k: int) -> float:
-            return lpt_makespan(steps, k) * (k + self.step_overhead)
-
         w = ideal_slots(steps)
         if w > self.max_slots:
             span = lpt_makespan(steps, self.max_slots)
@@ -331,6 +328,9 @@ class VectorizedEngine(EngineBase):
         if not self.compiled or w in self._slot_graphs:
             self._slot_graphs.add(w)
             return w
+
+        def cost(k: int) -> float:
+            return lpt_makespan(steps, k) * (k + self.step_overhead)
 
         known = sorted(self._slot_graphs)
         if known:
