@@ -36,6 +36,9 @@ rm -rf results/pfpl_mixed
 .venv/bin/fedprism report --db "$tmp/render.db" --sweep pfpl_mixed --out results/pfpl_mixed > /dev/null
 rm -rf results/clust_psi_pfl_fmnist
 .venv/bin/fedprism report --db "$tmp/render.db" --sweep clust_psi_pfl_fmnist --out results/clust_psi_pfl_fmnist > /dev/null
+rm -rf results/clust_psi_pfl_fmnist_lenet5
+.venv/bin/fedprism report --db "$tmp/render.db" --sweep clust_psi_pfl_fmnist_lenet5 \
+    --out results/clust_psi_pfl_fmnist_lenet5 > /dev/null
 rm -rf results/fedprism_gate
 .venv/bin/fedprism report --db "$tmp/render.db" --sweep fedprism_gate --out results/fedprism_gate > /dev/null
 git update-index --no-skip-worktree results/fedprism.db 2>/dev/null || true
@@ -43,6 +46,6 @@ blob=$(git hash-object -w "$tmp/snap.db")
 git update-index --add --cacheinfo "100644,$blob,results/fedprism.db"
 git update-index --skip-worktree results/fedprism.db
 git add results/paper_fmnist results/fedsub results/pfpl_mixed results/fedprism_ablations results/clust_psi_pfl_fmnist \
-    results/fedprism_gate
+    results/clust_psi_pfl_fmnist_lenet5 results/fedprism_gate
 rm -rf "$tmp"
-echo "staged results/fedprism.db ($blob), results/paper_fmnist/, results/fedsub/, results/pfpl_mixed/, results/fedprism_ablations/, results/clust_psi_pfl_fmnist/ and results/fedprism_gate/"
+echo "staged results/fedprism.db ($blob), results/paper_fmnist/, results/fedsub/, results/pfpl_mixed/, results/fedprism_ablations/, results/clust_psi_pfl_fmnist/, results/clust_psi_pfl_fmnist_lenet5/ and results/fedprism_gate/"

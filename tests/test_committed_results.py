@@ -27,6 +27,7 @@ REPORTS = {
     "fedprism_ablations": dict(sweep=["fedprism_ablation_components", "fedprism_ablation_alpha"],
                                reference="fedprism-paper-fmnist"),
     "clust_psi_pfl_fmnist": dict(sweep=["clust_psi_pfl_fmnist"]),
+    "clust_psi_pfl_fmnist_lenet5": dict(sweep=["clust_psi_pfl_fmnist_lenet5"]),
     "fedprism_gate": dict(sweep=["fedprism_gate"]),
 }
 
@@ -630,3 +631,90 @@ def test_learned_gate_is_chosen_on_validation_and_meets_the_routing_goal(db_copy
         seed = json.loads(runs[rid]["config"])["seed"]
         chosen[seed] = (ch.name, round(100 * c["loc"], 2), round(100 * c["glob"], 2))
     assert chosen == {0: ("gate w=8", 94.63, 81.68), 1: ("gate w=3", 94.10, 85.32)}
+
+
+LENET_SECTION = "## Clust-PSI-PFL, FMNIST with LeNet-5"
+
+
+def _readme_tables(heading: str) -> list[list[list[str]]]:
+    """The markdown tables of the results/README.md section that starts with `heading`, as rows of cells
+    (the header row first, the separator row left out)."""
+    text = (RESULTS / "README.md").read_text()
+    assert heading in text, heading
+    section = text.split(heading, 1)[1].split("\n## ", 1)[0]
+    tables, rows = [], []
+    for line in section.splitlines() + [""]:
+        if line.startswith("|"):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if not set("".join(cells)) <= set("-: "):
+                rows.append(cells)
+        elif rows:
+            tables.append(rows)
+            rows = []
+    return tables
+
+
+def test_clust_psi_pfl_lenet5_tables_are_the_store_s(db_copy):
+    """results/README.md, "Clust-PSI-PFL, FMNIST with LeNet-5": every cell of its two tables (global
+    accuracy = `local_acc_weighted`, and AD +- SDAD; ours before the paper's value in parentheses) is the
+    finished run's final value in the store, every finished run of the sweep has its cell, and a cell of a
+    run that has not finished says so ('-')."""
+    store = Store(db_copy, readonly=True)
+    finals = _finals(store, "clust_psi_pfl_fmnist_lenet5")
+    acc, fair = _readme_tables(LENET_SECTION)[:2]
+    assert acc[0] == fair[0] and acc[0][0] == "method"
+    settings = acc[0][1:]
+    assert len(settings) == 9
+    for (table, value) in ((acc, lambda f: f"{100 * f['local_acc_weighted']:.2f}"),
+                           (fair, lambda f: f"{f['ad']:.3f} ± {f['sdad']:.3f}")):
+        seen = set()
+        for row in table[1:]:
+            method = row[0].replace("**", "")
+            for setting, cell in zip(settings, row[1:]):
+                f = finals.get((f"{method} | {setting}", 0))
+                ours = cell.split(" (")[0].replace("**", "")
+                assert ours == (value(f) if f else "-"), (method, setting, cell)
+                if f:
+                    seen.add(f"{method} | {setting}")
+        assert seen == {label for label, _ in finals}, sorted({label for label, _ in finals} - seen)
+
+
+def test_small_clusters_follow_their_last_cohort_as_results_readme_states(db_copy):
+    """results/README.md, "Clust-PSI-PFL, FMNIST with LeNet-5": at Dirichlet 0.3, 0.2 and 0.09 the
+    silhouette chooses many small clusters, and at the final round the members of a cluster of two or more
+    that were not in the last round's cohort score far below those that were, and below the singletons; at
+    Dirichlet 0.05 most clusters are singletons; at S 0 the ten classes are the ten clusters and every
+    client scores 100 %, and FedAvg predicts one class."""
+    import sqlite3
+    from collections import Counter
+
+    from fedprism.selection import sample_clients
+
+    con = sqlite3.connect(db_copy)
+    stated = {"Dir 0.3": (37, 12, 0.664, 0.840, 0.927), "Dir 0.2": (53, 21, 0.642, 0.868, 0.938),
+              "Dir 0.09": (52, 22, 0.536, 0.808, 0.923), "Dir 0.05": (65, 40, 0.812, 0.860, 0.956),
+              "S 0": (10, 0, 1.0, 1.0, None)}
+    for setting, want in stated.items():
+        (rid, cfg), = con.execute("select r.run_id, r.config from runs r join sweep_runs s using (run_id) "
+                                  "where s.sweep = 'clust_psi_pfl_fmnist_lenet5' and s.label = ?",
+                                  (f"Clust-PSI-PFL | {setting}",)).fetchall()
+        cfg = json.loads(cfg)
+        rec = {k: json.loads(d) for k, d in con.execute(
+            "select kind, data from records where run_id=? and kind in ('psi', 'clusters')", (rid,))}
+        label = dict(zip(rec["clusters"]["clients"], rec["clusters"]["labels"]))
+        size = Counter(label.values())
+        last = cfg["rounds"] - 1
+        acc = dict(con.execute("select client, local_acc from client_metrics where run_id=? and round=?",
+                               (rid, last)).fetchall())
+        cohort = set(sample_clients(cfg["seed"], last, cfg["clients"], cfg["fraction"]).tolist())
+        groups = {"out": [], "in": [], "alone": []}
+        for c, a in acc.items():
+            groups["alone" if size[label[c]] == 1 else "in" if c in cohort else "out"].append(a)
+        mean = {k: round(sum(v) / len(v), 3) if v else None for k, v in groups.items()}
+        got = (rec["psi"]["tau"], len(groups["alone"]), mean["out"], mean["in"], mean["alone"])
+        assert got == want, (setting, got)
+    (rid,), = con.execute("select r.run_id from runs r join sweep_runs s using (run_id) "
+                          "where s.sweep = 'clust_psi_pfl_fmnist_lenet5' and s.label = 'FedAvg | S 0'").fetchall()
+    final = con.execute("select local_acc, count(*) from client_metrics where run_id=? and round=39 "
+                        "group by local_acc", (rid,)).fetchall()
+    assert final == [(0.0, 90), (1.0, 10)]                     # one class predicted for every image
