@@ -718,3 +718,27 @@ def test_small_clusters_follow_their_last_cohort_as_results_readme_states(db_cop
     final = con.execute("select local_acc, count(*) from client_metrics where run_id=? and round=39 "
                         "group by local_acc", (rid,)).fetchall()
     assert final == [(0.0, 90), (1.0, 10)]                     # one class predicted for every image
+
+
+def test_cfl_splits_as_results_readme_states(db_copy):
+    """results/README.md, "Clust-PSI-PFL, FMNIST with LeNet-5", CFL: the splits per setting (14 at Dir 50
+    and S 1, 5 at Dir 0.7, none elsewhere), and at S 0 no round from the warm-up on where both split
+    conditions hold (mean update norm < eps1 = 0.4 and largest update norm > eps2 = 1.6)."""
+    import sqlite3
+
+    con = sqlite3.connect(db_copy)
+    runs = dict(con.execute("select s.label, r.run_id from runs r join sweep_runs s using (run_id) "
+                            "where s.sweep = 'clust_psi_pfl_fmnist_lenet5' and s.label like 'CFL |%'").fetchall())
+    assert len(runs) == 9
+    splits = {}
+    for label, rid in runs.items():
+        done = [s for d, in con.execute("select data from records where run_id=? and kind='cfl_split'", (rid,))
+                for s in json.loads(d)]
+        splits[label.split(" | ")[1]] = len(done)
+    assert splits == {"Dir 50": 14, "Dir 0.7": 5, "S 1": 14, "Dir 0.3": 0, "Dir 0.2": 0, "Dir 0.09": 0,
+                      "Dir 0.05": 0, "S 0.03": 0, "S 0": 0}
+    norms = [json.loads(d) for d, in con.execute("select data from records where run_id=? and kind='cfl' "
+                                                  "and round >= 20", (runs["CFL | S 0"],))]
+    assert len(norms) == 20
+    assert not any(m < 0.4 and x > 1.6 for n in norms for m, x in zip(n["mean_norm"], n["max_norm"]))
+    assert any(m < 0.4 for n in norms for m in n["mean_norm"])
