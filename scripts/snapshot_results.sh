@@ -48,4 +48,5 @@ git update-index --skip-worktree results/fedprism.db
 git add results/paper_fmnist results/fedsub results/pfpl_mixed results/fedprism_ablations results/clust_psi_pfl_fmnist \
     results/clust_psi_pfl_fmnist_lenet5 results/fedprism_gate
 rm -rf "$tmp"
-echo "staged results/fedprism.db ($blob), results/paper_fmnist/, results/fedsub/, results/pfpl_mixed/, results/fedprism_ablations/, results/clust_psi_pfl_fmnist/, results/clust_psi_pfl_fmnist_lenet5/ and results/fedprism_gate/"
+echo "staged results/fedprism.db ($blob), results/paper_fmnist/, results/fedsub/, results/pfpl_mixed/,"
+echo "results/fedprism_ablations/, results/clust_psi_pfl_fmnist/, results/clust_psi_pfl_fmnist_lenet5/ and results/fedprism_gate/"

@@ -713,8 +713,8 @@ def test_small_clusters_follow_their_last_cohort_as_results_readme_states(db_cop
         mean = {k: round(sum(v) / len(v), 3) if v else None for k, v in groups.items()}
         got = (rec["psi"]["tau"], len(groups["alone"]), mean["out"], mean["in"], mean["alone"])
         assert got == want, (setting, got)
-    (rid,), = con.execute("select r.run_id from runs r join sweep_runs s using (run_id) "
-                          "where s.sweep = 'clust_psi_pfl_fmnist_lenet5' and s.label = 'FedAvg | S 0'").fetchall()
+    (rid,), = con.execute("select r.run_id from runs r join sweep_runs s using (run_id) where s.sweep = "
+                          "'clust_psi_pfl_fmnist_lenet5' and s.label = 'FedAvg | S 0'").fetchall()
     final = con.execute("select local_acc, count(*) from client_metrics where run_id=? and round=39 "
                         "group by local_acc", (rid,)).fetchall()
     assert final == [(0.0, 90), (1.0, 10)]                     # one class predicted for every image
@@ -727,13 +727,13 @@ def test_cfl_splits_as_results_readme_states(db_copy):
     import sqlite3
 
     con = sqlite3.connect(db_copy)
-    runs = dict(con.execute("select s.label, r.run_id from runs r join sweep_runs s using (run_id) "
-                            "where s.sweep = 'clust_psi_pfl_fmnist_lenet5' and s.label like 'CFL |%'").fetchall())
+    runs = dict(con.execute("select s.label, r.run_id from runs r join sweep_runs s using (run_id) where "
+                            "s.sweep = 'clust_psi_pfl_fmnist_lenet5' and s.label like 'CFL |%'").fetchall())
     assert len(runs) == 9
     splits = {}
     for label, rid in runs.items():
-        done = [s for d, in con.execute("select data from records where run_id=? and kind='cfl_split'", (rid,))
-                for s in json.loads(d)]
+        done = [s for d, in con.execute("select data from records where run_id=? and kind='cfl_split'",
+                                        (rid,)) for s in json.loads(d)]
         splits[label.split(" | ")[1]] = len(done)
     assert splits == {"Dir 50": 14, "Dir 0.7": 5, "S 1": 14, "Dir 0.3": 0, "Dir 0.2": 0, "Dir 0.09": 0,
                       "Dir 0.05": 0, "S 0.03": 0, "S 0": 0}
