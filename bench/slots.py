@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine import build_federation  # noqa: E402
 from fedprism.algorithms.base import TrainJob  # noqa: E402
 from fedprism.engine.base import LocalConfig  # noqa: E402
-from fedprism.engine.vectorized import VectorizedEngine, ideal_slots, lpt_makespan  # noqa: E402
+from fedprism.engine.vectorized import VectorizedEngine, ideal_slots  # noqa: E402
 from fedprism.experiment.config import resolve  # noqa: E402
 from fedprism.experiment.federation import build_federation as federation_of  # noqa: E402
 from fedprism.models import build_model  # noqa: E402
@@ -49,16 +49,13 @@ class CappedEngine(VectorizedEngine):
 
 
 class LeastTimeEngine(VectorizedEngine):
-    """A rule not taken: above the cap, the count of least makespan x (slots + step_overhead), the larger
-    on a tie; it may take more steps than the cap."""
+    """A rule not taken: above the cap, the count of least estimated time (`slot_time`), the larger on a
+    tie; it may take more steps than the cap."""
 
     def slots_for(self, steps: list[int]) -> int:
         w = ideal_slots(steps)
         if w > self.max_slots:
-            def cost(k: int) -> float:
-                return lpt_makespan(steps, k) * (k + self.step_overhead)
-
-            w = min(range(self.max_slots, 0, -1), key=cost)
+            w = min(range(self.max_slots, 0, -1), key=lambda k: self.slot_time(steps, k))
         self._slot_graphs.add(w)
         return w
 

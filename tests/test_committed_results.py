@@ -679,6 +679,17 @@ def test_clust_psi_pfl_lenet5_tables_are_the_store_s(db_copy):
         assert seen == {label for label, _ in finals}, sorted({label for label, _ in finals} - seen)
 
 
+def _lenet5_runs(con, method: str) -> dict[str, tuple[str, dict]]:
+    """{setting: (run id, config)} of `method`'s rows of sweep clust_psi_pfl_fmnist_lenet5, one run a
+    label."""
+    rows = con.execute("select s.label, r.run_id, r.config from runs r join sweep_runs s using (run_id) "
+                       "where s.sweep = 'clust_psi_pfl_fmnist_lenet5' and s.label like ?",
+                       (f"{method} | %",)).fetchall()
+    runs = {label.split(" | ")[1]: (rid, json.loads(cfg)) for label, rid, cfg in rows}
+    assert len(runs) == len(rows), "two runs under one label"
+    return runs
+
+
 def test_small_clusters_follow_their_last_cohort_as_results_readme_states(db_copy):
     """results/README.md, "Clust-PSI-PFL, FMNIST with LeNet-5": at Dirichlet 0.3, 0.2 and 0.09 the
     silhouette chooses many small clusters, and at the final round the members of a cluster of two or more
@@ -694,11 +705,9 @@ def test_small_clusters_follow_their_last_cohort_as_results_readme_states(db_cop
     stated = {"Dir 0.3": (37, 12, 0.664, 0.840, 0.927), "Dir 0.2": (53, 21, 0.642, 0.868, 0.938),
               "Dir 0.09": (52, 22, 0.536, 0.808, 0.923), "Dir 0.05": (65, 40, 0.812, 0.860, 0.956),
               "S 0": (10, 0, 1.0, 1.0, None)}
+    runs = _lenet5_runs(con, "Clust-PSI-PFL")
     for setting, want in stated.items():
-        (rid, cfg), = con.execute("select r.run_id, r.config from runs r join sweep_runs s using (run_id) "
-                                  "where s.sweep = 'clust_psi_pfl_fmnist_lenet5' and s.label = ?",
-                                  (f"Clust-PSI-PFL | {setting}",)).fetchall()
-        cfg = json.loads(cfg)
+        rid, cfg = runs[setting]
         rec = {k: json.loads(d) for k, d in con.execute(
             "select kind, data from records where run_id=? and kind in ('psi', 'clusters')", (rid,))}
         label = dict(zip(rec["clusters"]["clients"], rec["clusters"]["labels"]))
@@ -713,8 +722,7 @@ def test_small_clusters_follow_their_last_cohort_as_results_readme_states(db_cop
         mean = {k: round(sum(v) / len(v), 3) if v else None for k, v in groups.items()}
         got = (rec["psi"]["tau"], len(groups["alone"]), mean["out"], mean["in"], mean["alone"])
         assert got == want, (setting, got)
-    (rid,), = con.execute("select r.run_id from runs r join sweep_runs s using (run_id) where s.sweep = "
-                          "'clust_psi_pfl_fmnist_lenet5' and s.label = 'FedAvg | S 0'").fetchall()
+    rid = _lenet5_runs(con, "FedAvg")["S 0"][0]
     final = con.execute("select local_acc, count(*) from client_metrics where run_id=? and round=39 "
                         "group by local_acc", (rid,)).fetchall()
     assert final == [(0.0, 90), (1.0, 10)]                     # one class predicted for every image
@@ -727,18 +735,17 @@ def test_cfl_splits_as_results_readme_states(db_copy):
     import sqlite3
 
     con = sqlite3.connect(db_copy)
-    runs = dict(con.execute("select s.label, r.run_id from runs r join sweep_runs s using (run_id) where "
-                            "s.sweep = 'clust_psi_pfl_fmnist_lenet5' and s.label like 'CFL |%'").fetchall())
+    runs = _lenet5_runs(con, "CFL")
     assert len(runs) == 9
     splits = {}
-    for label, rid in runs.items():
+    for setting, (rid, _) in runs.items():
         done = [s for d, in con.execute("select data from records where run_id=? and kind='cfl_split'",
                                         (rid,)) for s in json.loads(d)]
-        splits[label.split(" | ")[1]] = len(done)
+        splits[setting] = len(done)
     assert splits == {"Dir 50": 14, "Dir 0.7": 5, "S 1": 14, "Dir 0.3": 0, "Dir 0.2": 0, "Dir 0.09": 0,
                       "Dir 0.05": 0, "S 0.03": 0, "S 0": 0}
     norms = [json.loads(d) for d, in con.execute("select data from records where run_id=? and kind='cfl' "
-                                                  "and round >= 20", (runs["CFL | S 0"],))]
+                                                  "and round >= 20", (runs["S 0"][0],))]
     assert len(norms) == 20
     assert not any(m < 0.4 and x > 1.6 for n in norms for m, x in zip(n["mean_norm"], n["max_norm"]))
     assert any(m < 0.4 for n in norms for m in n["mean_norm"])

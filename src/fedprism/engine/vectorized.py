@@ -312,6 +312,11 @@ class VectorizedEngine(EngineBase):
             self._steps[key] = _MaybeCompiled(step, self.compiled)
         return self._steps[key]
 
+    def slot_time(self, steps: list[int], k: int) -> float:
+        """Estimated time of training a cohort with these step counts in k slots, in units of one slot's
+        work in one step: LPT makespan x (k + step_overhead)."""
+        return lpt_makespan(steps, k) * (k + self.step_overhead)
+
     def slots_for(self, steps: list[int]) -> int:
         """Number of vmap slots for a cohort with these step counts.
 
@@ -330,7 +335,7 @@ class VectorizedEngine(EngineBase):
             return w
 
         def cost(k: int) -> float:
-            return lpt_makespan(steps, k) * (k + self.step_overhead)
+            return self.slot_time(steps, k)
 
         known = sorted(self._slot_graphs)
         if known:
