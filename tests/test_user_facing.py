@@ -798,6 +798,30 @@ def test_a_sweep_does_not_skip_a_run_stored_from_other_code(tmp_path, capsys):
     assert json.loads(Store(db).run(run_id)["provenance"])["code"]["model"]["sha256"] == "1" * 64
 
 
+def test_a_resumed_sweep_fingerprints_each_data_setting_once(tmp_path, capsys, monkeypatch):
+    """Skipping a finished run checks its data fingerprint; runs that share a data setting share one
+    hash of the arrays (per sweep), and a run whose stored data differs is still caught."""
+    from fedprism.experiment import provenance
+
+    f = tmp_path / "s.toml"
+    f.write_text('name = "s"\n[base]\ndataset = "digits"\nmodel = "mlp"\nclients = 6\nrounds = 1\n'
+                 'fraction = 0.5\nlocal_epochs = 1\nengine = "sequential"\npartition = "dirichlet"\n'
+                 + "".join(f'[[runs]]\nlabel = "{m} {a}"\nmethod = "{m}"\n"partition.alpha" = {a}\n'
+                           for a in (0.5, 5.0) for m in ("fedavg", "local", "fedprox")))
+    db = str(tmp_path / "s.db")
+    assert main(["sweep", str(f), "--db", db, "--quiet"]) == 0
+    hashed = []
+    real = provenance.data_fingerprint
+    monkeypatch.setattr(provenance, "data_fingerprint", lambda fed: hashed.append(1) or real(fed))
+    assert main(["sweep", str(f), "--db", db, "--quiet"]) == 0
+    assert capsys.readouterr().err.count("finished earlier, skipped") == 6 and len(hashed) == 2
+    (run_id,) = [r["run_id"] for r in Store(db).runs() if r["name"] == "local 5.0"]
+    _tamper(db, run_id, ("data",), "0" * 64)
+    assert main(["sweep", str(f), "--db", db, "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("finished earlier, skipped") == 5 and "local 5.0 seed=0: not run" in err
+
+
 def test_scalars_are_written_per_round_and_client_as_csv(tmp_path):
     import csv
 

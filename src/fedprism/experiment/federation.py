@@ -136,13 +136,17 @@ def _federation(dataset: str, root: str, download: bool, pad32: bool, partition:
                       local_pool="train" if local_test == "split" else "test")
 
 
+def federation_key(cfg: Config) -> tuple:
+    """Everything a config's federation depends on: configs with equal keys share one federation."""
+    return (cfg["dataset"], cfg["data.root"], bool(cfg["data.download"]), _pad32(cfg, cfg["dataset"]),
+            cfg["partition"], tuple(sorted(cfg.partition_params.items())), cfg["clients"], cfg["seed"],
+            cfg["data.train_subset"], cfg["data.test_subset"], cfg["data.val_fraction"], cfg["data.global_val"],
+            cfg["data.local_test"], cfg["data.local_test_fraction"], cfg["data.synthetic_devices"])
+
+
 def build_federation(cfg: Config) -> Federation:
     """The federation a config describes; cached, so every method of a sweep shares one partition."""
-    params = tuple(sorted(cfg.partition_params.items()))
-    fed = _federation(cfg["dataset"], cfg["data.root"], bool(cfg["data.download"]), _pad32(cfg, cfg["dataset"]),
-                      cfg["partition"], params, cfg["clients"], cfg["seed"], cfg["data.train_subset"],
-                      cfg["data.test_subset"], cfg["data.val_fraction"], cfg["data.global_val"],
-                      cfg["data.local_test"], cfg["data.local_test_fraction"], cfg["data.synthetic_devices"])
+    fed = _federation(*federation_key(cfg))
     return Federation(fed.x_train, fed.y_train, fed.x_test, fed.y_test, fed.train_idx, fed.test_idx,
                       fed.num_classes, fed.class_names, fed.name, dict(fed.meta), fed.val_idx, fed.x_val, fed.y_val,
                       fed.local_pool)

@@ -269,20 +269,27 @@ def _experiment_model(exp: Any) -> dict[str, str] | None:
     return model_fingerprint(resolve_model_name(cfg["model"], fed.input_shape), model)
 
 
-def fingerprints(cfg: Any) -> dict[str, Any]:
+def fingerprints(cfg: Any, memo: dict | None = None) -> dict[str, Any]:
     """The compared part of the provenance of a configuration, without building its engine: used to
-    check a stored finished run before a sweep skips it (the federation is cached per data setting)."""
+    check a stored finished run before a sweep skips it. `memo` (one dict per sweep) keeps each data
+    setting's fingerprint, input shape and class count, so a sweep that skips many runs hashes and
+    partitions each data setting once (hashing FMNIST's arrays takes seconds)."""
     from fedprism.algorithms import REGISTRY
-    from fedprism.experiment.federation import build_federation, resolve_model_name
+    from fedprism.experiment.federation import build_federation, federation_key, resolve_model_name
     from fedprism.models import build_model
 
-    fed = build_federation(cfg)
-    name = resolve_model_name(cfg["model"], fed.input_shape)
-    model = build_model(name, fed.input_shape, fed.num_classes)
+    memo = {} if memo is None else memo
+    key = federation_key(cfg)
+    if key not in memo:
+        fed = build_federation(cfg)
+        memo[key] = (data_fingerprint(fed), fed.input_shape, fed.num_classes)
+    data, input_shape, num_classes = memo[key]
+    name = resolve_model_name(cfg["model"], input_shape)
+    model = build_model(name, input_shape, num_classes)
     cls = REGISTRY[cfg["method"]]
     return {"code": {"method": source_fingerprint(cls), "method_bases": bases_fingerprint(cls),
                      "model": model_fingerprint(name, model)},
-            "data": data_fingerprint(fed)}
+            "data": data}
 
 
 def _get(d: dict | None, path: tuple[str, ...], key: str = "sha256") -> Any:

@@ -393,6 +393,7 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
     t0 = time.time()
     todo: list[tuple[str, Config]] = []
     other_code: list[str] = []          # finished under other code or data: neither re-used nor re-run
+    data_memo: dict = {}                # each data setting fingerprinted once per sweep
     for i, cfg in enumerate(configs):
         row = store.run(cfg.run_id)
         tag = f"[{i + 1}/{len(configs)}] {cfg['name']} seed={cfg['seed']}"
@@ -400,7 +401,7 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
             stored = row["provenance"] if "provenance" in row.keys() else None
             if stored:                         # other code or data: never skipped as if it were this run's
                 try:
-                    check(cfg.run_id, stored := json.loads(stored), now := fingerprints(cfg))
+                    check(cfg.run_id, stored := json.loads(stored), now := fingerprints(cfg, data_memo))
                 except ProvenanceMismatch as e:  # the others still run; the sweep ends with status 2
                     other_code.append(f"{tag}: {e}")
                     print(f"{tag}: not run, {e}", file=sys.stderr)
