@@ -749,3 +749,86 @@ def test_cfl_splits_as_results_readme_states(db_copy):
     assert len(norms) == 20
     assert not any(m < 0.4 and x > 1.6 for n in norms for m, x in zip(n["mean_norm"], n["max_norm"]))
     assert any(m < 0.4 for n in norms for m in n["mean_norm"])
+
+
+def test_haccs_cohorts_as_results_readme_states(db_copy):
+    """results/README.md, "Clust-PSI-PFL, FMNIST with LeNet-5", HACCS: the cohorts, recomputed from the
+    stored label-histogram groups and latencies, leave the stated number of clients never sampled (and
+    agree with the runs' own `never_sampled`), keep the stated number in every round, leave every class
+    the stated share of its training images on sampled clients, and the never-sampled clients score as
+    stated against the sampled ones at the final round."""
+    import sqlite3
+
+    import numpy as np
+
+    from fedprism.experiment.config import resolve
+    from fedprism.experiment.federation import build_federation
+    from fedprism.selection import cohort_size, haccs_choose
+
+    con = sqlite3.connect(db_copy)
+    # setting: (groups, never sampled, in every round, least class share on sampled clients,
+    #           mean local accuracy of the never-sampled, of the sampled)
+    stated = {"Dir 50": (50, 29, 36, 0.698, 0.882, 0.886), "Dir 0.7": (50, 24, 27, 0.655, 0.886, 0.866),
+              "Dir 0.3": (50, 23, 27, 0.558, 0.856, 0.860), "Dir 0.2": (50, 29, 32, 0.574, 0.859, 0.859),
+              "Dir 0.09": (50, 31, 34, 0.484, 0.859, 0.831), "Dir 0.05": (50, 35, 37, 0.215, 0.785, 0.742),
+              "S 1": (50, 27, 34, 0.718, 0.887, 0.883), "S 0.03": (50, 29, 30, 0.313, 0.756, 0.787),
+              "S 0": (10, 14, 37, 0.700, 0.071, 0.105)}
+    runs = _lenet5_runs(con, "HACCS")
+    assert set(runs) == set(stated)
+    for setting, want in stated.items():
+        rid, cfg = runs[setting]
+        rec = {k: json.loads(d) for k, d in con.execute(
+            "select kind, data from records where run_id=? and kind in ('haccs_groups', 'latency')", (rid,))}
+        groups, latency = np.array(rec["haccs_groups"]["groups"]), np.array(rec["latency"]["latency"])
+        m, last = cohort_size(cfg["clients"], cfg["fraction"]), cfg["rounds"] - 1
+        times = np.zeros(cfg["clients"], dtype=int)
+        for t in range(cfg["rounds"]):
+            times[haccs_choose(cfg["seed"], t, groups, latency, m, cfg["selection.rho"])] += 1
+        stored = json.loads(con.execute("select metrics from rounds where run_id=? and round=?",
+                                        (rid, last)).fetchone()[0])["never_sampled"]
+        assert stored == int((times == 0).sum()), setting
+        fed = build_federation(resolve(cfg))
+        y = fed.y_train.numpy()
+        held = sum(np.bincount(y[fed.train_idx[c]], minlength=fed.num_classes) for c in np.flatnonzero(times))
+        acc = dict(con.execute("select client, local_acc from client_metrics where run_id=? and round=?",
+                               (rid, last)).fetchall())
+        mean = [round(float(np.mean([a for c, a in acc.items() if (times[c] > 0) == s])), 3) for s in (0, 1)]
+        got = (len(set(groups.tolist())), int((times == 0).sum()), int((times == cfg["rounds"]).sum()),
+               round(float((held / np.bincount(y, minlength=fed.num_classes)).min()), 3), *mean)
+        assert got == want, (setting, got)
+    final = con.execute("select local_acc, count(*) from client_metrics where run_id=? and round=39 "
+                        "group by local_acc", (runs["S 0"][0],)).fetchall()
+    assert final == [(0.0, 90), (1.0, 10)]                     # one class predicted, as FedAvg's
+
+
+def test_lenet5_trajectories_as_results_readme_states(db_copy):
+    """results/README.md, "Clust-PSI-PFL, FMNIST with LeNet-5", HACCS and FedAvgM: the evaluations every
+    5 rounds (global accuracy, %) that the text quotes, and the orders it draws from them."""
+    import sqlite3
+
+    con = sqlite3.connect(db_copy)
+    text = " ".join((RESULTS / "README.md").read_text().split())         # line breaks as spaces
+    curve = {}
+    for method in ("FedAvg", "HACCS", "FedAvgM"):
+        for setting, (rid, _) in _lenet5_runs(con, method).items():
+            curve[method, setting] = [round(100 * json.loads(m)["local_acc_weighted"], 2) for m, in con.execute(
+                "select metrics from rounds where run_id=? and round % 5 = 4 order by round", (rid,))]
+    assert all(len(c) == 8 for c in curve.values())
+
+    def quoted(values):                  # "a, b, c and d", as the text writes a run of evaluations
+        return ", ".join(f"{v:.2f}" for v in values[:-1]) + f" and {values[-1]:.2f}"
+
+    haccs, fedavg = curve["HACCS", "Dir 0.09"], curve["FedAvg", "Dir 0.09"]
+    assert haccs == sorted(haccs) and f"rise steadily to {haccs[-1]:.2f}" in text
+    assert f"FedAvg's last four are {quoted(fedavg[4:])}" in text
+    assert (f"FedAvg's are {quoted(curve['FedAvg', 'Dir 0.05'][4:])}, "
+            f"HACCS's {quoted(curve['HACCS', 'Dir 0.05'][4:])}") in text
+    avgm, fedavg = curve["FedAvgM", "Dir 0.05"], curve["FedAvg", "Dir 0.05"]
+    assert (fedavg[6], fedavg[7]) == (75.42, 65.21) and (min(avgm[4:]), max(avgm[4:])) == (60.42, 68.50)
+    gaps = [f - a for f, a in zip(fedavg[4:7], avgm[4:7])]
+    assert (round(min(gaps), 1), round(max(gaps), 1)) == (4.9, 9.6)
+    avgm, fedavg = curve["FedAvgM", "S 0.03"], curve["FedAvg", "S 0.03"]
+    assert all(a > f for a, f in zip(avgm[1:], fedavg[1:])) and avgm[0] < fedavg[0]
+    below = [curve["FedAvg", s][-1] - curve["FedAvgM", s][-1]
+             for s in ("Dir 50", "Dir 0.7", "Dir 0.3", "Dir 0.2", "Dir 0.09", "S 1")]
+    assert (round(min(below), 1), round(max(below), 1)) == (0.3, 3.5)
