@@ -832,3 +832,21 @@ def test_lenet5_trajectories_as_results_readme_states(db_copy):
     below = [curve["FedAvg", s][-1] - curve["FedAvgM", s][-1]
              for s in ("Dir 50", "Dir 0.7", "Dir 0.3", "Dir 0.2", "Dir 0.09", "S 1")]
     assert (round(min(below), 1), round(max(below), 1)) == (0.3, 3.5)
+
+
+def test_fedsoft_personal_models_as_results_readme_states(db_copy):
+    """results/README.md, "Clust-PSI-PFL, FMNIST with LeNet-5", FedSoft: the personal models' accuracy on
+    the clients' own test data rises with skew from Dir 50 to Dir 0.05, while the same models on the shared
+    test set (`global_acc`) fall, with the values the text quotes."""
+    import sqlite3
+
+    con = sqlite3.connect(db_copy)
+    text = " ".join((RESULTS / "README.md").read_text().split())
+    runs = _lenet5_runs(con, "FedSoft")
+    order = ("Dir 50", "Dir 0.7", "Dir 0.3", "Dir 0.2", "Dir 0.09", "Dir 0.05", "S 1")
+    final = {s: json.loads(con.execute("select final from runs where run_id=?", (runs[s][0],)).fetchone()[0])
+             for s in order}
+    own = [final[s]["local_acc_weighted"] for s in order[:6]]
+    assert own == sorted(own)
+    shared = [f"{100 * final[s]['global_acc']:.2f}" for s in order]
+    assert ("(`global_acc`) fall too: " + ", ".join(shared[:-1]) + f" and {shared[-1]} in the first seven") in text
