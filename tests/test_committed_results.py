@@ -811,8 +811,9 @@ def test_lenet5_trajectories_as_results_readme_states(db_copy):
     curve = {}
     for method in ("FedAvg", "HACCS", "FedAvgM"):
         for setting, (rid, _) in _lenet5_runs(con, method).items():
-            curve[method, setting] = [round(100 * json.loads(m)["local_acc_weighted"], 2) for m, in con.execute(
-                "select metrics from rounds where run_id=? and round % 5 = 4 order by round", (rid,))]
+            rows = con.execute("select metrics from rounds where run_id=? and round % 5 = 4 order by round",
+                               (rid,))
+            curve[method, setting] = [round(100 * json.loads(m)["local_acc_weighted"], 2) for m, in rows]
     assert all(len(c) == 8 for c in curve.values())
 
     def quoted(values):                  # "a, b, c and d", as the text writes a run of evaluations
@@ -849,4 +850,5 @@ def test_fedsoft_personal_models_as_results_readme_states(db_copy):
     own = [final[s]["local_acc_weighted"] for s in order[:6]]
     assert own == sorted(own)
     shared = [f"{100 * final[s]['global_acc']:.2f}" for s in order]
-    assert ("(`global_acc`) fall too: " + ", ".join(shared[:-1]) + f" and {shared[-1]} in the first seven") in text
+    quoted = ", ".join(shared[:-1]) + f" and {shared[-1]}"
+    assert f"(`global_acc`) fall too: {quoted} in the first seven" in text

@@ -140,8 +140,9 @@ def federation_key(cfg: Config) -> tuple:
     """Everything a config's federation depends on: configs with equal keys share one federation."""
     return (cfg["dataset"], cfg["data.root"], bool(cfg["data.download"]), _pad32(cfg, cfg["dataset"]),
             cfg["partition"], tuple(sorted(cfg.partition_params.items())), cfg["clients"], cfg["seed"],
-            cfg["data.train_subset"], cfg["data.test_subset"], cfg["data.val_fraction"], cfg["data.global_val"],
-            cfg["data.local_test"], cfg["data.local_test_fraction"], cfg["data.synthetic_devices"])
+            cfg["data.train_subset"], cfg["data.test_subset"], cfg["data.val_fraction"],
+            cfg["data.global_val"], cfg["data.local_test"], cfg["data.local_test_fraction"],
+            cfg["data.synthetic_devices"])
 
 
 def build_federation(cfg: Config) -> Federation:

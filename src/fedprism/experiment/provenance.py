@@ -17,8 +17,9 @@ A run's provenance is a JSON object in the `provenance` column of the store's `r
     data         sha256 over the arrays the run trained and evaluated on: the in-memory train/test
                  tensors after loading, padding and subsetting, and every client's train/test indices
                  (the partition). Hashing the decoded arrays costs about a second for Fashion-MNIST
-                 padded to 32 x 32 (a sweep hashes each data setting once) and covers what no file checksum can: a changed loader, normalisation,
-                 subset or partitioner. `None` when the process holds no data (a Flower server).
+                 padded to 32 x 32 (a sweep hashes each data setting once) and covers what no file
+                 checksum can: a changed loader, normalisation, subset or partitioner. `None` when
+                 the process holds no data (a Flower server).
     execution    threads (`torch.get_num_threads()`), engine and compile decision actually used,
                  device, torch and numpy versions, Python version, CPU model (/proc/cpuinfo)
 
