@@ -852,3 +852,6 @@ def test_fedsoft_personal_models_as_results_readme_states(db_copy):
     shared = [f"{100 * final[s]['global_acc']:.2f}" for s in order]
     quoted = ", ".join(shared[:-1]) + f" and {shared[-1]}"
     assert f"(`global_acc`) fall too: {quoted} in the first seven" in text
+    extreme = [json.loads(con.execute("select final from runs where run_id=?", (runs[s][0],)).fetchone()[0])
+               for s in ("S 0.03", "S 0")]
+    assert f"they score {100 * extreme[0]['global_acc']:.2f} and {100 * extreme[1]['global_acc']:.2f}" in text
