@@ -690,6 +690,12 @@ def _lenet5_runs(con, method: str) -> dict[str, tuple[str, dict]]:
     return runs
 
 
+def _final_acc_counts(con, run_id: str) -> list[tuple[float, int]]:
+    """(local accuracy, number of clients) at round 39 of a LeNet-5 sweep run, by accuracy."""
+    return con.execute("select local_acc, count(*) from client_metrics where run_id=? and round=39 "
+                       "group by local_acc", (run_id,)).fetchall()
+
+
 def test_small_clusters_follow_their_last_cohort_as_results_readme_states(db_copy):
     """results/README.md, "Clust-PSI-PFL, FMNIST with LeNet-5": at Dirichlet 0.3, 0.2 and 0.09 the
     silhouette chooses many small clusters, and at the final round the members of a cluster of two or more
@@ -723,9 +729,7 @@ def test_small_clusters_follow_their_last_cohort_as_results_readme_states(db_cop
         got = (rec["psi"]["tau"], len(groups["alone"]), mean["out"], mean["in"], mean["alone"])
         assert got == want, (setting, got)
     rid = _lenet5_runs(con, "FedAvg")["S 0"][0]
-    final = con.execute("select local_acc, count(*) from client_metrics where run_id=? and round=39 "
-                        "group by local_acc", (rid,)).fetchall()
-    assert final == [(0.0, 90), (1.0, 10)]                     # one class predicted for every image
+    assert _final_acc_counts(con, rid) == [(0.0, 90), (1.0, 10)]      # one class predicted for every image
 
 
 def test_cfl_splits_as_results_readme_states(db_copy):
@@ -796,9 +800,7 @@ def test_haccs_cohorts_as_results_readme_states(db_copy):
         got = (len(set(groups.tolist())), int((times == 0).sum()), int((times == cfg["rounds"]).sum()),
                round(float((held / np.bincount(y, minlength=fed.num_classes)).min()), 3), *mean)
         assert got == want, (setting, got)
-    final = con.execute("select local_acc, count(*) from client_metrics where run_id=? and round=39 "
-                        "group by local_acc", (runs["S 0"][0],)).fetchall()
-    assert final == [(0.0, 90), (1.0, 10)]                     # one class predicted, as FedAvg's
+    assert _final_acc_counts(con, runs["S 0"][0]) == [(0.0, 90), (1.0, 10)]   # one class, as FedAvg's
 
 
 def test_lenet5_trajectories_as_results_readme_states(db_copy):
@@ -845,13 +847,12 @@ def test_fedsoft_personal_models_as_results_readme_states(db_copy):
     text = " ".join((RESULTS / "README.md").read_text().split())
     runs = _lenet5_runs(con, "FedSoft")
     order = ("Dir 50", "Dir 0.7", "Dir 0.3", "Dir 0.2", "Dir 0.09", "Dir 0.05", "S 1")
-    final = {s: json.loads(con.execute("select final from runs where run_id=?", (runs[s][0],)).fetchone()[0])
-             for s in order}
+    final = {s: json.loads(con.execute("select final from runs where run_id=?", (rid,)).fetchone()[0])
+             for s, (rid, _) in runs.items()}
     own = [final[s]["local_acc_weighted"] for s in order[:6]]
     assert own == sorted(own)
     shared = [f"{100 * final[s]['global_acc']:.2f}" for s in order]
     quoted = ", ".join(shared[:-1]) + f" and {shared[-1]}"
     assert f"(`global_acc`) fall too: {quoted} in the first seven" in text
-    extreme = [json.loads(con.execute("select final from runs where run_id=?", (runs[s][0],)).fetchone()[0])
-               for s in ("S 0.03", "S 0")]
-    assert f"they score {100 * extreme[0]['global_acc']:.2f} and {100 * extreme[1]['global_acc']:.2f}" in text
+    extreme = [f"{100 * final[s]['global_acc']:.2f}" for s in ("S 0.03", "S 0")]
+    assert f"they score {extreme[0]} and {extreme[1]}" in text

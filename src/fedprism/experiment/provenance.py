@@ -16,10 +16,10 @@ A run's provenance is a JSON object in the `provenance` column of the store's `r
                  existed, which are therefore compared on their own file alone
     data         sha256 over the arrays the run trained and evaluated on: the in-memory train/test
                  tensors after loading, padding and subsetting, and every client's train/test indices
-                 (the partition). Hashing the decoded arrays costs about a second for Fashion-MNIST
-                 padded to 32 x 32 (a sweep hashes each data setting once) and covers what no file
-                 checksum can: a changed loader, normalisation, subset or partitioner. `None` when
-                 the process holds no data (a Flower server).
+                 (the partition). Hashing the decoded arrays reads the whole dataset (a sweep does
+                 it once per data setting) and covers what no file checksum can: a changed loader,
+                 normalisation, subset or partitioner. `None` when the process holds no data (a
+                 Flower server).
     execution    threads (`torch.get_num_threads()`), engine and compile decision actually used,
                  device, torch and numpy versions, Python version, CPU model (/proc/cpuinfo)
 
@@ -193,7 +193,7 @@ def _hash_tensor(h: "hashlib._Hash", x: Any) -> None:
         x = x.detach().cpu().contiguous().numpy()
     a = np.ascontiguousarray(np.asarray(x))
     h.update(f"{a.dtype.str}{a.shape}".encode())
-    h.update(a.data if a.size else a.tobytes())     # the buffer itself: no copy of the dataset
+    h.update(a.data)                    # the buffer itself (same bytes as tobytes()): no copy of the dataset
 
 
 def data_fingerprint(fed: Any) -> str | None:
@@ -274,7 +274,7 @@ def fingerprints(cfg: Any, memo: dict | None = None) -> dict[str, Any]:
     """The compared part of the provenance of a configuration, without building its engine: used to
     check a stored finished run before a sweep skips it. `memo` (one dict per sweep) keeps each data
     setting's fingerprint, input shape and class count, so a sweep that skips many runs hashes and
-    partitions each data setting once (hashing FMNIST's arrays takes seconds)."""
+    partitions each data setting once."""
     from fedprism.algorithms import REGISTRY
     from fedprism.experiment.federation import build_federation, federation_key, resolve_model_name
     from fedprism.models import build_model
