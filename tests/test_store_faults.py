@@ -290,3 +290,34 @@ def test_a_sweep_skips_runs_held_by_another_process(tmp_path, capsys):
     assert "skipped, run" in err and "1 running in other processes" in err
     s = Store(db)
     assert s.run(a.run_id) is None and s.run(b.run_id)["status"] == "finished"
+
+
+class _SignalAfterBegin(_FullDisk):
+    """A connection on which Ctrl-C lands the moment `BEGIN IMMEDIATE` returns, once two rounds are written:
+    a SIGINT that arrives while SQLite waits for another writer's lock (two sweep workers) is raised there,
+    before the caller's `try`."""
+
+    rounds = 0
+
+    def execute(self, sql, *a):
+        out = self._db.execute(sql, *a)
+        _SignalAfterBegin.rounds += sql.startswith("INSERT OR REPLACE INTO rounds")
+        if sql == "BEGIN IMMEDIATE" and _SignalAfterBegin.rounds == 2:
+            _SignalAfterBegin.rounds += 1                                # once
+            raise KeyboardInterrupt
+        return out
+
+
+def test_ctrl_c_as_a_write_begins_leaves_the_run_interrupted_and_resumable(tmp_path, monkeypatch):
+    db = tmp_path / "sig.db"
+    real = sqlite3.connect
+    monkeypatch.setattr("fedprism.experiment.store.sqlite3.connect",
+                        lambda *a, **kw: _SignalAfterBegin(real(*a, **kw)))
+    with pytest.raises(KeyboardInterrupt):
+        Experiment(cfg(), Store(db)).run()
+    monkeypatch.undo()
+    raw = sqlite3.connect(f"file:{db}?mode=ro", uri=True)      # what the run itself wrote, before any recovery
+    assert raw.execute("SELECT status, rounds_done FROM runs").fetchall() == [("interrupted", 2)]
+    raw.close()
+    res = Experiment(cfg(), Store(db)).run()
+    assert (res.status, res.resumed_from) == ("finished", 1)

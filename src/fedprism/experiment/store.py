@@ -365,9 +365,12 @@ class Store:
 
     @contextmanager
     def transaction(self, doing: str = "writing") -> Iterator[sqlite3.Connection]:
+        # BEGIN inside the `try`: a signal that lands while SQLite waits for another writer's lock is
+        # raised the moment BEGIN returns, and the open transaction must still be rolled back (else the
+        # caller's next write, e.g. marking the run 'interrupted', finds a transaction within a transaction)
         with self._errors(doing):
-            self.db.execute("BEGIN IMMEDIATE")
             try:
+                self.db.execute("BEGIN IMMEDIATE")
                 yield self.db
                 self.db.execute("COMMIT")
             except BaseException:
