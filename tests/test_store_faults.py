@@ -316,7 +316,7 @@ def test_ctrl_c_as_a_write_begins_leaves_the_run_interrupted_and_resumable(tmp_p
     with pytest.raises(KeyboardInterrupt):
         Experiment(cfg(), Store(db)).run()
     monkeypatch.undo()
-    raw = sqlite3.connect(f"file:{db}?mode=ro", uri=True)      # what the run itself wrote, before any recovery
+    raw = sqlite3.connect(f"file:{db}?mode=ro", uri=True)      # what the run wrote, before any recovery
     assert raw.execute("SELECT status, rounds_done FROM runs").fetchall() == [("interrupted", 2)]
     raw.close()
     res = Experiment(cfg(), Store(db)).run()
