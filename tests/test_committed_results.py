@@ -4,6 +4,7 @@ database, byte for byte, and the stored runs support the claims the README and r
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -840,7 +841,8 @@ def test_lenet5_trajectories_as_results_readme_states(db_copy):
 def test_fedsoft_personal_models_as_results_readme_states(db_copy):
     """results/README.md, "Clust-PSI-PFL, FMNIST with LeNet-5", FedSoft: the personal models' accuracy on
     the clients' own test data rises with skew from Dir 50 to Dir 0.05, while the same models on the shared
-    test set (`global_acc`) fall, with the values the text quotes."""
+    test set (`global_acc`) fall, with the values the text quotes; the cluster models' mean accuracy on the
+    shared test set, above the personal models' there, and its distance to the paper's row."""
     import sqlite3
 
     con = sqlite3.connect(db_copy)
@@ -856,3 +858,26 @@ def test_fedsoft_personal_models_as_results_readme_states(db_copy):
     assert f"(`global_acc`) fall too: {quoted} in the first seven" in text
     extreme = [f"{100 * final[s]['global_acc']:.2f}" for s in ("S 0.03", "S 0")]
     assert f"they score {extreme[0]} and {extreme[1]}" in text
+    # the cluster models on the shared test set, against the paper's values in the table's FedSoft row
+    every = order + ("S 0.03", "S 0")
+    row = next(x for x in (RESULTS / "README.md").read_text().splitlines()
+               if x.startswith("| FedSoft | 82.17 ("))
+    paper = {s: float(cell.split("(")[1].split(")")[0]) for s, cell in zip(every, row.split("|")[2:-1])}
+    mean = {}
+    for s in every:
+        (m,) = con.execute("select metrics from rounds where run_id=? order by round desc limit 1",
+                           (runs[s][0],)).fetchone()
+        accs = [v for k, v in json.loads(m).items() if re.fullmatch(r"cluster\d+_model_acc", k)]
+        assert len(accs) == runs[s][1]["fedsoft.k"] == 5
+        mean[s] = sum(accs) / len(accs)
+        assert mean[s] > final[s]["global_acc"], s
+    q = [f"{100 * mean[s]:.2f}" for s in every]
+    assert (f"their mean at the last round is {', '.join(q[:6])} and {q[6]} in the first seven settings, "
+            f"{q[7]} and {q[8]} at S 0.03 and S 0") in text
+    gap = {s: round(100 * mean[s] - paper[s], 1) for s in every}
+    near = max(abs(gap[s]) for s in ("Dir 50", "Dir 0.2", "S 1"))
+    far = [abs(gap[s]) for s in ("Dir 0.7", "Dir 0.3", "Dir 0.09", "Dir 0.05")]
+    assert near < min(far) and gap["S 0.03"] > 0 > gap["S 0"]
+    assert (f"within {near} points of the paper's FedSoft at Dir 50, Dir 0.2 and S 1, {min(far)}-{max(far)} "
+            f"points from it at Dir 0.7, 0.3, 0.09 and 0.05, and {gap['S 0.03']} above and {-gap['S 0']} "
+            "below it at S 0.03 and S 0") in text
