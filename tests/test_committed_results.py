@@ -881,3 +881,45 @@ def test_fedsoft_personal_models_as_results_readme_states(db_copy):
     assert (f"within {near} points of the paper's FedSoft at Dir 50, Dir 0.2 and S 1, {min(far)}-{max(far)} "
             f"points from it at Dir 0.7, 0.3, 0.09 and 0.05, and {gap['S 0.03']} above and {-gap['S 0']} "
             "below it at S 0.03 and S 0") in text
+
+
+def test_fedsoft_scorings_from_kept_states_as_results_readme_states(db_copy):
+    """results/fedsoft_scoring_lenet5.md (scripts/fedsoft_scoring.py on the kept final states, which are not
+    committed) is of the sweep's nine FedSoft runs, its own-model column is the store's accuracy, and the
+    FedSoft bullet of results/README.md quotes it and describes its trends."""
+    import sqlite3
+
+    con = sqlite3.connect(db_copy)
+    text = " ".join((RESULTS / "README.md").read_text().split())
+    lines = (RESULTS / "fedsoft_scoring_lenet5.md").read_text().splitlines()
+    assert lines[0].startswith("`python scripts/fedsoft_scoring.py --db results/fedprism.db --sweep "
+                               "clust_psi_pfl_fmnist_lenet5`")
+    head = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert head == ["run", "label", "own", "top u_k", "top now", "mix", "top shared"]
+    table = {}
+    for line in lines[4:]:
+        rid, label, *vals = [c.strip() for c in line.strip("|").split("|")]
+        table[label.removeprefix("FedSoft, ")] = (rid, dict(zip(head[2:], map(float, vals))))
+    runs = _lenet5_runs(con, "FedSoft")
+    assert {s: rid for s, (rid, _) in table.items()} == {s: rid for s, (rid, _) in runs.items()}
+    for s, (rid, v) in table.items():
+        (final,) = con.execute("select final from runs where run_id=?", (rid,)).fetchone()
+        assert v["own"] == round(100 * json.loads(final)["local_acc_weighted"], 2), s
+    dirs = ("Dir 50", "Dir 0.7", "Dir 0.3", "Dir 0.2", "Dir 0.09", "Dir 0.05")
+    top = {s: table[s][1]["top u_k"] for s in table}
+    shared = {s: table[s][1]["top shared"] for s in table}
+    dips = [(b, round(top[a] - top[b], 2)) for a, b in zip(dirs, dirs[1:]) if top[b] < top[a]]
+    assert dips == [("Dir 0.3", 0.23)] and top["Dir 0.05"] > max(top[s] for s in dirs[:-1])
+    assert top["S 1"] < top["S 0.03"]
+    for series in (dirs, ("S 1", "S 0.03", "S 0")):
+        assert all(shared[b] < shared[a] for a, b in zip(series, series[1:])), series
+    near = max(abs(table[s][1][k] - top[s]) for s in table for k in ("top now", "mix"))
+    assert f"{near:.2f}" == "2.32"
+    f = "{:.2f}".format
+    for quote in (f"scores {f(top['Dir 50'])} at Dir 50 and {f(top['Dir 0.05'])} at Dir 0.05, and "
+                  f"{f(top['S 1'])}, {f(top['S 0.03'])} and {f(top['S 0'])} at S 1, S 0.03 and S 0",
+                  f"stays within {near:.2f} points of it",
+                  f"(one dip, of {dips[0][1]:.2f} points at Dir 0.3)",
+                  f"from {f(shared['Dir 50'])} at Dir 50 to {f(shared['Dir 0.05'])} at Dir 0.05, and "
+                  f"{f(shared['S 1'])}, {f(shared['S 0.03'])} and {f(shared['S 0'])} at S 1, S 0.03 and S 0"):
+        assert quote in text, quote
