@@ -86,10 +86,14 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", required=True, help="score every finished FedSoft run of this sweep")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
+    from fedprism.errors import FedPrismError
     from fedprism.experiment.store import Store
 
-    runs = [r for r in Store(a.db, readonly=True).runs(sweep=a.sweep, method="fedsoft")
-            if r["status"] == "finished"]
+    try:
+        runs = [r for r in Store(a.db, readonly=True).runs(sweep=a.sweep, method="fedsoft")
+                if r["status"] == "finished"]
+    except FedPrismError as e:                  # no store, not a store: one line, as the CLI says it
+        raise SystemExit(f"fedsoft_scoring: error: {e}") from None
     if not runs:
         raise SystemExit(f"no finished FedSoft run in sweep {a.sweep} of {a.db}")
     print("| run | label | " + " | ".join(COLUMNS) + " |")

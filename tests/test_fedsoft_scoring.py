@@ -62,3 +62,9 @@ def test_a_kept_state_that_is_not_the_runs_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(fedsoft_scoring, "score", lambda d, r: {**real(d, r), "own": 0.0})
     with pytest.raises(SystemExit, match="not the stored"):
         fedsoft_scoring.main(["--db", str(db), "--sweep", "fs"])
+
+
+def test_a_missing_store_is_one_line(tmp_path):
+    with pytest.raises(SystemExit, match=r"^fedsoft_scoring: error: no results store at .*nope\.db"):
+        fedsoft_scoring.main(["--db", str(tmp_path / "nope.db"), "--sweep", "fs"])
+    assert not (tmp_path / "nope.db").exists()
