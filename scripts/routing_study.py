@@ -411,9 +411,13 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     if a.checkpoint and len(a.runs) != 1:
         ap.error("--checkpoint scores one run")
-    text = "".join(render(study(a.db, r, a.checkpoint, a.gate_seed, a.routed_gate, a.local_gate,
-                                     a.maha_gate, a.soft_gate, a.frontier, a.mlp_gate)) + "\n"
-                   for r in a.runs)
+    from fedprism.errors import FedPrismError
+    try:
+        text = "".join(render(study(a.db, r, a.checkpoint, a.gate_seed, a.routed_gate, a.local_gate,
+                                         a.maha_gate, a.soft_gate, a.frontier, a.mlp_gate)) + "\n"
+                       for r in a.runs)
+    except FedPrismError as e:                  # no store, not a store: one line, as the CLI says it
+        raise SystemExit(f"routing_study: error: {e}") from None
     if a.out:
         Path(a.out).write_text(text)
     else:

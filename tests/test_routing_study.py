@@ -64,6 +64,9 @@ def test_study_refuses_a_run_without_validation_or_state(tmp_path):
     res = Experiment(resolve({**CFG, "keep_final": False}), Store(db)).run()
     with pytest.raises(SystemExit, match="no kept final state"):
         routing_study.study(str(db), res.run_id)
+    with pytest.raises(SystemExit, match=r"^routing_study: error: no results store at .*nope\.db"):
+        routing_study.main(["--db", str(tmp_path / "nope.db"), res.run_id])
+    assert not (tmp_path / "nope.db").exists()
 
 
 def test_mahalanobis_gate_hand_values():
