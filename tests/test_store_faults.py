@@ -321,3 +321,18 @@ def test_ctrl_c_as_a_write_begins_leaves_the_run_interrupted_and_resumable(tmp_p
     raw.close()
     res = Experiment(cfg(), Store(db)).run()
     assert (res.status, res.resumed_from) == ("finished", 1)
+
+
+def test_a_damaged_kept_final_state_is_dropped_and_a_read_only_store_leaves_it(tmp_path):
+    """A kept final state that fails its checksum is no source for re-scoring: a writable store deletes it,
+    a read-only one (`scripts/routing_study.py`, `scripts/fedsoft_scoring.py`) only declines it."""
+    db = tmp_path / "kf.db"
+    Experiment(cfg(), Store(db)).run()
+    train_id = cfg().train_id
+    kept = Store(db).final_dir / f"{train_id}{checkpoint.SUFFIX}"
+    assert Store(db, readonly=True).load_final(train_id) is not None
+    damaged = kept.read_bytes()[:-10]
+    kept.write_bytes(damaged)
+    assert Store(db, readonly=True).load_final(train_id) is None
+    assert kept.read_bytes() == damaged                             # a read-only store writes nothing
+    assert Store(db).load_final(train_id) is None and not kept.exists()

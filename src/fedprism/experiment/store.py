@@ -695,14 +695,16 @@ class Store:
             checkpoint.save(self.final_dir / f"{train_id}{checkpoint.SUFFIX}", payload)
 
     def load_final(self, train_id: str) -> dict | None:
-        """A kept final state, or None (also when it cannot be trusted: it is then deleted)."""
+        """A kept final state, or None (also when it cannot be trusted: it is then deleted, unless the
+        store is open read-only, which writes nothing)."""
         p = self.final_dir / f"{train_id}{checkpoint.SUFFIX}"
         if not p.exists():
             return None
         try:
             payload = checkpoint.load(p)
         except checkpoint.CheckpointError:
-            p.unlink(missing_ok=True)
+            if not self.readonly:
+                p.unlink(missing_ok=True)
             return None
         if isinstance(payload, dict) and "client_rows" in payload and not self.final_rows_dir(train_id).is_dir():
             return None                       # `state.storage=mmap`: its row files are gone
