@@ -310,6 +310,7 @@ class _SignalAfterBegin(_FullDisk):
 
 def test_ctrl_c_as_a_write_begins_leaves_the_run_interrupted_and_resumable(tmp_path, monkeypatch):
     db = tmp_path / "sig.db"
+    _SignalAfterBegin.rounds = 0                          # counted over every connection the run opens
     real = sqlite3.connect
     monkeypatch.setattr("fedprism.experiment.store.sqlite3.connect",
                         lambda *a, **kw: _SignalAfterBegin(real(*a, **kw)))
