@@ -1,4 +1,5 @@
-"""FedSoft's finished runs scored three ways, from their kept final states (no training, nothing written).
+"""FedSoft's finished runs scored on their cluster models per client, from their kept final states (no
+training, nothing written).
 
     python scripts/fedsoft_scoring.py --db results/fedprism.db --sweep clust_psi_pfl_fmnist_lenet5
 
@@ -14,13 +15,14 @@ every FedSoft run of a sweep whose final state was kept beside the store (`<db>.
                  (u_k as the client last estimated it; a client never sampled estimates it now, with the
                  final cluster models, as FedSoft's Sec. 4 does)
     top now      the same with every u_k re-estimated now, with the final cluster models
-    mix          each client on the u_k-weighted mixture of the cluster models' softmax, own test split
-    top shared   the cluster model of each client's highest u_k on the shared test set, averaged over
-                 the clients
+    mix          each client on the u_k-weighted mixture of the cluster models' softmax, on its own test
+                 split (u_k as in `top now`)
+    top shared   the cluster model of each client's highest u_k (as in `top u_k`) on the shared test set,
+                 averaged over the clients (each counts once)
 
-Accuracies are sample-weighted over the clients' test splits, as `local_acc_weighted` is; ties in u_k
-go to the lower s. The kept states stay on the machine that ran the sweep (they hold weights, never
-committed); `fedprism sweep FILE` re-creates them.
+Accuracies on the clients' own test splits are sample-weighted over the clients, as `local_acc_weighted`
+is; ties in u_k go to the lower s. The kept states stay on the machine that ran the sweep (they hold
+weights, never committed); `fedprism sweep FILE` re-creates them.
 """
 
 from __future__ import annotations
