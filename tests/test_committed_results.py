@@ -923,3 +923,6 @@ def test_fedsoft_scorings_from_kept_states_as_results_readme_states(db_copy):
                   f"from {f(shared['Dir 50'])} at Dir 50 to {f(shared['Dir 0.05'])} at Dir 0.05, and "
                   f"{f(shared['S 1'])}, {f(shared['S 0.03'])} and {f(shared['S 0'])} at S 1, S 0.03 and S 0"):
         assert quote in text, quote
+    psi = next(x for x in (RESULTS / "README.md").read_text().splitlines()
+               if x.startswith("| Clust-PSI-PFL | 88.43 ("))
+    assert psi.endswith("(98) |") and "Its own method cannot have been scored that way: its 98 at S 0" in text
