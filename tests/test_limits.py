@@ -155,6 +155,27 @@ def test_a_run_that_diverges_after_learning_says_from_which_round(tmp_path, caps
     assert "DIVERGED: every update from round 2 on was rejected" in capsys.readouterr().err
 
 
+def test_a_diverged_evaluation_summarizes_without_numpys_empty_slice_warning():
+    """Every client's loss NaN (a diverged model): the round's loss is NaN, and no RuntimeWarning reaches the
+    user's terminal beside the run's own "DIVERGED" line; a partly NaN round keeps `np.nanmean`'s value."""
+    import warnings
+
+    import numpy as np
+
+    from fedprism.experiment.evaluate import ClientScores, summarize
+
+    def scores(loss):
+        n = len(loss)
+        return ClientScores(np.arange(n), np.full(n, 0.1), np.array(loss), np.full(n, np.nan), np.full(n, 10),
+                            np.full(n, 0.1), np.full(n, 0.1), n)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = summarize(scores([np.nan, np.nan]))
+        assert np.isnan(out["local_loss"]) and np.isnan(out["local_f1"])
+        assert summarize(scores([np.nan, 2.0, 4.0]))["local_loss"] == 3.0
+
+
 def test_no_sweep_file_asks_for_more_clusters_than_clients_a_round():
     """Every run of every sweep file in the repository, full size and `--quick`, passes the limits that
     depend on the configuration alone (the cohort check above among them), here with ample memory."""

@@ -461,6 +461,12 @@ def _alternatives(results: dict[str, EvalResult]) -> dict[str, np.ndarray]:
     return out
 
 
+def _nanmean(x: np.ndarray) -> float:
+    """`np.nanmean`, and NaN without numpy's "Mean of empty slice" warning when every entry is NaN (a
+    diverged run's losses): the run already says it diverged."""
+    return float("nan") if np.all(np.isnan(x)) else float(np.nanmean(x))
+
+
 def summarize(s: ClientScores) -> dict:
     """Round-level metrics from per-client scores (README "Evaluation semantics")."""
     ok = s.n_test > 0
@@ -468,8 +474,8 @@ def summarize(s: ClientScores) -> dict:
     out = {
         "local_acc": float(np.mean(la)) if la.size else float("nan"),
         "local_acc_weighted": float(np.sum(la * s.n_test[ok]) / max(1, s.n_test[ok].sum())),
-        "local_loss": float(np.nanmean(s.local_loss)) if ok.any() else float("nan"),
-        "local_f1": float(np.nanmean(s.local_f1)) if ok.any() else float("nan"),
+        "local_loss": _nanmean(s.local_loss) if ok.any() else float("nan"),
+        "local_f1": _nanmean(s.local_f1) if ok.any() else float("nan"),
         "ad": float(1 - np.mean(la)) if la.size else float("nan"),
         "sdad": float(np.std(la)) if la.size else float("nan"),
         "clients_without_test": int((~ok).sum()),
