@@ -187,6 +187,7 @@ def test_an_unknown_compiler_target_is_named_in_the_reason(monkeypatch, tmp_path
         fused._state.update(saved)
 
 
+@pytest.mark.slow
 def test_a_fresh_cache_builds_the_kernel_once(monkeypatch, tmp_path):
     """A cache without the library compiles it (atomically, into the cache) and a second process-state
     reuses the file; the cache key changes with the source."""
