@@ -127,3 +127,23 @@ def test_quick_demo_on_digits_then_report_and_export(tmp_path, capsys):
     assert main(["export", "--db", db, "--out", str(tmp_path / "exp")]) == 0
     header = (tmp_path / "exp" / "rounds.csv").read_text().splitlines()[0]
     assert "local_acc" in header and "bytes_down" in header
+
+
+def test_listing_runs_starts_without_torch(tmp_path):
+    """`fedprism runs` reads the store alone: no torch, scipy or scikit-learn import (each costs seconds at
+    start), in a fresh interpreter on a store with a finished run and its checkpoint folder."""
+    import subprocess
+    import sys
+
+    from fedprism.experiment.config import resolve
+    from fedprism.experiment.runner import Experiment
+    from fedprism.experiment.store import Store
+
+    db = tmp_path / "r.db"
+    Experiment(resolve(dict(dataset="digits", method="fedavg", clients=4, rounds=1, local_epochs=1,
+                            engine="sequential")), Store(db)).run()
+    code = ("import sys; from fedprism.cli import main; rc = main(['runs', '--db', sys.argv[1]]); "
+            "print(rc, sorted(m for m in ('torch', 'scipy', 'sklearn') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code, str(db)], capture_output=True, text=True, timeout=120)
+    assert r.stdout.splitlines()[-1] == "0 []", r.stdout + r.stderr
+    assert "fedavg" in r.stdout

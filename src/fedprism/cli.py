@@ -528,10 +528,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    from fedprism.experiment.sweep import stop_on_sigint
+def stop_on_sigint() -> None:
+    """Make SIGINT raise KeyboardInterrupt even when the process inherited it ignored (a shell starts
+    background jobs, `cmd &`, with SIGINT ignored, and Python then installs no handler): SIGINT is how
+    `timeout -s INT`, schedulers and `stop_workers` end a run cleanly, however it was launched."""
+    import signal
+    import threading
 
-    stop_on_sigint()
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    stop_on_sigint()                 # here, not in the sweep module: `runs`, `show`, ... import no torch
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # key=value items after an option (`fedprism verify RUN --rounds 2 engine=sequential`)

@@ -34,17 +34,15 @@ import math
 import os
 import sqlite3
 import subprocess
+import sys
 import time
 import urllib.parse
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-import torch
-
 from fedprism.errors import FedPrismError
 from fedprism.hparams import plain
-from fedprism.experiment import checkpoint
 from fedprism.experiment.runlock import RunLock
 
 SCHEMA = """
@@ -83,9 +81,17 @@ def code_version() -> str:
     return f"{__version__}+{sha}" if sha else __version__
 
 
+def _checkpoint():
+    """The checkpoint module, imported on first use: it needs torch, and the read-only commands (`fedprism
+    runs`, `show`, `report`) that open a store never touch a checkpoint, so they start without torch."""
+    from fedprism.experiment import checkpoint
+    return checkpoint
+
+
 def _clean(x: Any) -> Any:
     """JSON-safe: tensors/arrays to lists, NaN/Inf to None."""
-    if isinstance(x, torch.Tensor):
+    torch = sys.modules.get("torch")              # a tensor exists only once torch is imported
+    if torch is not None and isinstance(x, torch.Tensor):
         x = x.detach().cpu().tolist()
     if hasattr(x, "tolist") and not isinstance(x, (str, bytes)):
         x = x.tolist()
@@ -649,11 +655,11 @@ class Store:
         return self.path.with_name(self.path.name + ".ckpt")
 
     def checkpoint_path(self, run_id: str) -> Path:
-        return self.ckpt_dir / f"{run_id}{checkpoint.SUFFIX}"
+        return self.ckpt_dir / f"{run_id}{_checkpoint().SUFFIX}"
 
     def save_checkpoint(self, run_id: str, payload: dict) -> None:
         with self._errors(f"writing the checkpoint of run {run_id}"):
-            checkpoint.save(self.checkpoint_path(run_id), payload)
+            _checkpoint().save(self.checkpoint_path(run_id), payload)
 
     def load_checkpoint(self, run_id: str) -> dict | None:
         """The run's checkpoint, or None. A checkpoint that cannot be trusted (unreadable, truncated,
@@ -667,11 +673,11 @@ class Store:
         payload = None
         if p.exists():
             try:
-                payload = checkpoint.load(p)
+                payload = _checkpoint().load(p)
                 if not (isinstance(payload, dict) and payload.get("run_id") == run_id
                         and isinstance(payload.get("round"), int) and isinstance(payload.get("state"), dict)):
-                    raise checkpoint.CheckpointError("not a checkpoint of this run")
-            except checkpoint.CheckpointError as e:
+                    raise _checkpoint().CheckpointError("not a checkpoint of this run")
+            except _checkpoint().CheckpointError as e:
                 reasons.append((p, str(e)))
                 payload = None
         for path, why in reasons:
@@ -692,17 +698,17 @@ class Store:
         format), so that evaluation-only settings can re-score it without training (`keep_final=false`
         opts out)."""
         with self._errors(f"writing the final state {train_id}"):
-            checkpoint.save(self.final_dir / f"{train_id}{checkpoint.SUFFIX}", payload)
+            _checkpoint().save(self.final_dir / f"{train_id}{_checkpoint().SUFFIX}", payload)
 
     def load_final(self, train_id: str) -> dict | None:
         """A kept final state, or None (also when it cannot be trusted: it is then deleted, unless the
         store is open read-only, which writes nothing)."""
-        p = self.final_dir / f"{train_id}{checkpoint.SUFFIX}"
+        p = self.final_dir / f"{train_id}{_checkpoint().SUFFIX}"
         if not p.exists():
             return None
         try:
-            payload = checkpoint.load(p)
-        except checkpoint.CheckpointError:
+            payload = _checkpoint().load(p)
+        except _checkpoint().CheckpointError:
             if not self.readonly:
                 p.unlink(missing_ok=True)
             return None

@@ -172,17 +172,6 @@ _IN_RUN = None          # in a worker: the shared array of the pids of the worke
 _READY = None           # in a worker: the shared array of the pids of the workers done with their set-up
 
 
-def stop_on_sigint() -> None:
-    """Make SIGINT raise KeyboardInterrupt even when the process inherited it ignored (a shell starts
-    background jobs, `cmd &`, with SIGINT ignored, and Python then installs no handler): SIGINT is how
-    `timeout -s INT`, schedulers and `stop_workers` end a run cleanly, however it was launched."""
-    import signal
-
-    if threading.current_thread() is threading.main_thread() and \
-            signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
 def _sweep_worker_init(threads: int, stop=None, in_run=None, ready=None) -> None:
     import torch
 
