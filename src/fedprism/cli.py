@@ -541,7 +541,7 @@ def stop_on_sigint() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    stop_on_sigint()                 # here, not in the sweep module: `runs`, `show`, ... import no torch
+    stop_on_sigint()                 # defined here, not in the sweep module: `fedprism runs` imports no torch
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # key=value items after an option (`fedprism verify RUN --rounds 2 engine=sequential`)

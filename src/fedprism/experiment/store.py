@@ -82,8 +82,8 @@ def code_version() -> str:
 
 
 def _checkpoint():
-    """The checkpoint module, imported on first use: it needs torch, and the read-only commands (`fedprism
-    runs`, `show`, `report`) that open a store never touch a checkpoint, so they start without torch."""
+    """The checkpoint module, imported on first use: it needs torch, and a command that only reads the
+    store (`fedprism runs`) never touches a checkpoint, so it starts without torch."""
     from fedprism.experiment import checkpoint
     return checkpoint
 
