@@ -52,7 +52,7 @@ def score(db: str, run_id: str) -> dict[str, float]:
         raise SystemExit(f"no kept final state {cfg.train_id} beside {db} (it stays on the machine that "
                          "ran it)")
     exp = Experiment(cfg, store)
-    state = exp._restore(kept, store.final_rows_dir(cfg.train_id) if "client_rows" in kept else None)
+    state = exp.restore_final(kept)
     eng, n = exp.engine, exp.ctx.num_clients
     clients = np.arange(n)
     c = state["c"]                                                                 # [S, P]

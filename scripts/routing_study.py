@@ -284,7 +284,7 @@ def study(db: str, run_id: str, state: str | None = None, gate_seed: int = 0,
     if kept is None:
         raise SystemExit(f"no kept final state {cfg.train_id} beside {db} (it stays on the machine that ran it)")
     exp = Experiment(cfg, store)
-    state = exp._restore(kept)
+    state = exp.restore_final(kept) if source == "final" else exp._restore(kept)
     f, eng, algo = exp.engine.f, exp.engine, exp.algo
     rules = _rules()
     hits = {r: {s: [] for s in SPLITS} for r in rules}

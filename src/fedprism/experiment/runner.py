@@ -509,6 +509,12 @@ class Experiment:
             self.clients.restore(snap, folder)
         return snap["state"]
 
+    def restore_final(self, kept: dict) -> dict:
+        """The server state of this configuration's kept final state (`Store.load_final`), the client store
+        brought to it (with `state.storage=mmap`, from the row files kept beside it)."""
+        rows = self.store.final_rows_dir(self.cfg.train_id) if "client_rows" in kept else None
+        return self._restore(kept, rows)
+
     def provenance(self) -> dict:
         """What is stored with the run about how it ran (`fedprism.experiment.provenance.capture`)."""
         return capture(self)
@@ -548,7 +554,7 @@ class Experiment:
         store, run_id = self.store, self.run_id
         store.start_run(run_id, self.cfg.values, self.sweep, provenance=provenance)
         try:
-            state = self._restore(kept, store.final_rows_dir(self.cfg.train_id) if "client_rows" in kept else None)
+            state = self.restore_final(kept)
             metrics, client_rows = self.evaluate_round(self.evaluator(), state)
             metrics.update(self.gate(state, metrics))
             metrics["train_s"] = 0.0

@@ -669,15 +669,15 @@ class Store:
         legacy = self.ckpt_dir / f"{run_id}.pt"
         if legacy.exists():
             reasons.append((legacy, "a pickle checkpoint (older format, or planted): pickle can run code, never loaded"))
-        p = self.checkpoint_path(run_id)
+        p, ck = self.checkpoint_path(run_id), _checkpoint()
         payload = None
         if p.exists():
             try:
-                payload = _checkpoint().load(p)
+                payload = ck.load(p)
                 if not (isinstance(payload, dict) and payload.get("run_id") == run_id
                         and isinstance(payload.get("round"), int) and isinstance(payload.get("state"), dict)):
-                    raise _checkpoint().CheckpointError("not a checkpoint of this run")
-            except _checkpoint().CheckpointError as e:
+                    raise ck.CheckpointError("not a checkpoint of this run")
+            except ck.CheckpointError as e:
                 reasons.append((p, str(e)))
                 payload = None
         for path, why in reasons:
@@ -697,18 +697,20 @@ class Store:
         """Keep a finished run's final server and client state (beside the store, in the checkpoint
         format), so that evaluation-only settings can re-score it without training (`keep_final=false`
         opts out)."""
+        ck = _checkpoint()
         with self._errors(f"writing the final state {train_id}"):
-            _checkpoint().save(self.final_dir / f"{train_id}{_checkpoint().SUFFIX}", payload)
+            ck.save(self.final_dir / f"{train_id}{ck.SUFFIX}", payload)
 
     def load_final(self, train_id: str) -> dict | None:
         """A kept final state, or None (also when it cannot be trusted: it is then deleted, unless the
         store is open read-only, which writes nothing)."""
-        p = self.final_dir / f"{train_id}{_checkpoint().SUFFIX}"
+        ck = _checkpoint()
+        p = self.final_dir / f"{train_id}{ck.SUFFIX}"
         if not p.exists():
             return None
         try:
-            payload = _checkpoint().load(p)
-        except _checkpoint().CheckpointError:
+            payload = ck.load(p)
+        except ck.CheckpointError:
             if not self.readonly:
                 p.unlink(missing_ok=True)
             return None
