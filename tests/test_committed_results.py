@@ -680,6 +680,21 @@ def test_clust_psi_pfl_lenet5_tables_are_the_store_s(db_copy):
         assert seen == {label for label, _ in finals}, sorted({label for label, _ in finals} - seen)
 
 
+#: the nine partition settings of the LeNet-5 Clust-PSI-PFL tables, in their column order
+LENET5_SETTINGS = ("Dir 50", "Dir 0.7", "Dir 0.3", "Dir 0.2", "Dir 0.09", "Dir 0.05", "S 1", "S 0.03", "S 0")
+
+
+def _readme_words() -> str:
+    """results/README.md with its line breaks as spaces, for quotes that wrap."""
+    return " ".join((RESULTS / "README.md").read_text().split())
+
+
+def _quoted(values) -> str:
+    """"a, b, c and d", as results/README.md writes a run of values (to 2 decimals)."""
+    v = [f"{x:.2f}" for x in values]
+    return ", ".join(v[:-1]) + f" and {v[-1]}"
+
+
 def _lenet5_runs(con, method: str) -> dict[str, tuple[str, dict]]:
     """{setting: (run id, config)} of `method`'s rows of sweep clust_psi_pfl_fmnist_lenet5, one run a
     label."""
@@ -810,7 +825,7 @@ def test_lenet5_trajectories_as_results_readme_states(db_copy):
     import sqlite3
 
     con = sqlite3.connect(db_copy)
-    text = " ".join((RESULTS / "README.md").read_text().split())         # line breaks as spaces
+    text = _readme_words()
     curve = {}
     for method in ("FedAvg", "HACCS", "FedAvgM"):
         for setting, (rid, _) in _lenet5_runs(con, method).items():
@@ -819,14 +834,11 @@ def test_lenet5_trajectories_as_results_readme_states(db_copy):
             curve[method, setting] = [round(100 * json.loads(m)["local_acc_weighted"], 2) for m, in rows]
     assert all(len(c) == 8 for c in curve.values())
 
-    def quoted(values):                  # "a, b, c and d", as the text writes a run of evaluations
-        return ", ".join(f"{v:.2f}" for v in values[:-1]) + f" and {values[-1]:.2f}"
-
     haccs, fedavg = curve["HACCS", "Dir 0.09"], curve["FedAvg", "Dir 0.09"]
     assert haccs == sorted(haccs) and f"rise steadily to {haccs[-1]:.2f}" in text
-    assert f"FedAvg's last four are {quoted(fedavg[4:])}" in text
-    assert (f"FedAvg's are {quoted(curve['FedAvg', 'Dir 0.05'][4:])}, "
-            f"HACCS's {quoted(curve['HACCS', 'Dir 0.05'][4:])}") in text
+    assert f"FedAvg's last four are {_quoted(fedavg[4:])}" in text
+    assert (f"FedAvg's are {_quoted(curve['FedAvg', 'Dir 0.05'][4:])}, "
+            f"HACCS's {_quoted(curve['HACCS', 'Dir 0.05'][4:])}") in text
     avgm, fedavg = curve["FedAvgM", "Dir 0.05"], curve["FedAvg", "Dir 0.05"]
     assert (fedavg[6], fedavg[7]) == (75.42, 65.21) and (min(avgm[4:]), max(avgm[4:])) == (60.42, 68.50)
     gaps = [f - a for f, a in zip(fedavg[4:7], avgm[4:7])]
@@ -834,7 +846,7 @@ def test_lenet5_trajectories_as_results_readme_states(db_copy):
     avgm, fedavg = curve["FedAvgM", "S 0.03"], curve["FedAvg", "S 0.03"]
     assert all(a > f for a, f in zip(avgm[1:], fedavg[1:])) and avgm[0] < fedavg[0]
     below = [curve["FedAvg", s][-1] - curve["FedAvgM", s][-1]
-             for s in ("Dir 50", "Dir 0.7", "Dir 0.3", "Dir 0.2", "Dir 0.09", "S 1")]
+             for s in LENET5_SETTINGS[:5] + ("S 1",)]
     assert (round(min(below), 1), round(max(below), 1)) == (0.3, 3.5)
 
 
@@ -846,20 +858,19 @@ def test_fedsoft_personal_models_as_results_readme_states(db_copy):
     import sqlite3
 
     con = sqlite3.connect(db_copy)
-    text = " ".join((RESULTS / "README.md").read_text().split())
+    text = _readme_words()
     runs = _lenet5_runs(con, "FedSoft")
-    order = ("Dir 50", "Dir 0.7", "Dir 0.3", "Dir 0.2", "Dir 0.09", "Dir 0.05", "S 1")
+    order = LENET5_SETTINGS[:7]
     final = {s: json.loads(con.execute("select final from runs where run_id=?", (rid,)).fetchone()[0])
              for s, (rid, _) in runs.items()}
     own = [final[s]["local_acc_weighted"] for s in order[:6]]
     assert own == sorted(own)
-    shared = [f"{100 * final[s]['global_acc']:.2f}" for s in order]
-    quoted = ", ".join(shared[:-1]) + f" and {shared[-1]}"
-    assert f"(`global_acc`) fall too: {quoted} in the first seven" in text
+    shared = [100 * final[s]["global_acc"] for s in order]
+    assert f"(`global_acc`) fall too: {_quoted(shared)} in the first seven" in text
     extreme = [f"{100 * final[s]['global_acc']:.2f}" for s in ("S 0.03", "S 0")]
     assert f"they score {extreme[0]} and {extreme[1]}" in text
     # the cluster models on the shared test set, against the paper's values in the table's FedSoft row
-    every = order + ("S 0.03", "S 0")
+    every = LENET5_SETTINGS
     row = next(x for x in (RESULTS / "README.md").read_text().splitlines()
                if x.startswith("| FedSoft | 82.17 ("))
     paper = {s: float(cell.split("(")[1].split(")")[0]) for s, cell in zip(every, row.split("|")[2:-1])}
@@ -871,9 +882,9 @@ def test_fedsoft_personal_models_as_results_readme_states(db_copy):
         assert len(accs) == runs[s][1]["fedsoft.k"] == 5
         mean[s] = sum(accs) / len(accs)
         assert mean[s] > final[s]["global_acc"], s
-    q = [f"{100 * mean[s]:.2f}" for s in every]
-    assert (f"their mean at the last round is {', '.join(q[:6])} and {q[6]} in the first seven settings, "
-            f"{q[7]} and {q[8]} at S 0.03 and S 0") in text
+    q = [100 * mean[s] for s in every]
+    assert (f"their mean at the last round is {_quoted(q[:7])} in the first seven settings, "
+            f"{_quoted(q[7:])} at S 0.03 and S 0") in text
     gap = {s: round(100 * mean[s] - paper[s], 1) for s in every}
     near = max(abs(gap[s]) for s in ("Dir 50", "Dir 0.2", "S 1"))
     far = [abs(gap[s]) for s in ("Dir 0.7", "Dir 0.3", "Dir 0.09", "Dir 0.05")]
@@ -890,7 +901,7 @@ def test_fedsoft_scorings_from_kept_states_as_results_readme_states(db_copy):
     import sqlite3
 
     con = sqlite3.connect(db_copy)
-    text = " ".join((RESULTS / "README.md").read_text().split())
+    text = _readme_words()
     lines = (RESULTS / "fedsoft_scoring_lenet5.md").read_text().splitlines()
     assert lines[0].startswith("`python scripts/fedsoft_scoring.py --db results/fedprism.db --sweep "
                                "clust_psi_pfl_fmnist_lenet5`")
@@ -905,7 +916,7 @@ def test_fedsoft_scorings_from_kept_states_as_results_readme_states(db_copy):
     for s, (rid, v) in table.items():
         (final,) = con.execute("select final from runs where run_id=?", (rid,)).fetchone()
         assert v["own"] == round(100 * json.loads(final)["local_acc_weighted"], 2), s
-    dirs = ("Dir 50", "Dir 0.7", "Dir 0.3", "Dir 0.2", "Dir 0.09", "Dir 0.05")
+    dirs = LENET5_SETTINGS[:6]
     top = {s: table[s][1]["top u_k"] for s in table}
     shared = {s: table[s][1]["top shared"] for s in table}
     dips = [(b, round(top[a] - top[b], 2)) for a, b in zip(dirs, dirs[1:]) if top[b] < top[a]]
