@@ -32,8 +32,14 @@ def sweep(tmp_path, k: int):
     return db, run, last
 
 
-def test_one_cluster_model_is_every_column_but_the_personal_one(tmp_path):
-    db, run, last = sweep(tmp_path, 1)
+@pytest.fixture(scope="module")
+def one_cluster(tmp_path_factory):
+    """A finished FedSoft run with one cluster model (read, never written, by the tests that take it)."""
+    return sweep(tmp_path_factory.mktemp("one"), 1)
+
+
+def test_one_cluster_model_is_every_column_but_the_personal_one(one_cluster):
+    db, run, last = one_cluster
     res = fedsoft_scoring.score(str(db), run["run_id"])
     assert res["own"] == res["stored own"] == json.loads(run["final"])["local_acc_weighted"]
     assert res["top u_k"] == res["top now"] == res["mix"]
@@ -56,8 +62,8 @@ def test_the_shared_column_is_the_stored_cluster_model_of_each_clients_highest_w
     assert out[2].startswith(f"| {run['run_id']} | FedSoft | {100 * res['own']:.2f} |")
 
 
-def test_a_kept_state_that_is_not_the_runs_is_refused(tmp_path, monkeypatch):
-    db, run, _ = sweep(tmp_path, 1)
+def test_a_kept_state_that_is_not_the_runs_is_refused(one_cluster, monkeypatch):
+    db, run, _ = one_cluster
     real = fedsoft_scoring.score
     monkeypatch.setattr(fedsoft_scoring, "score", lambda d, r: {**real(d, r), "own": 0.0})
     with pytest.raises(SystemExit, match="not the stored"):
