@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import os
 import subprocess
 import sys
@@ -391,7 +392,6 @@ def test_a_kept_state_trained_by_other_code_is_not_rescored(tmp_path):
     """The reuse rule holds for re-scoring too: a kept final state whose run was stored from other code
     (its method file's fingerprint differs) is what that code trained, so a new evaluation setting trains
     under today's code instead of re-scoring it, and the source run is left as it is."""
-    import json
     import sqlite3
 
     c5, c2, store, _ = _trained_at_t5(tmp_path, rounds=2)
@@ -465,9 +465,12 @@ def test_external_plugin_runs_through_cli_and_sweep(tmp_path):
     assert r.returncode == 0, r.stderr
     assert '"local_acc"' in r.stdout.strip().splitlines()[-1]
     sweep = tmp_path / "s.toml"
-    sweep.write_text(dump_sweep("plugin_sweep", dict(dataset="digits", clients=6, rounds=2, local_epochs=1,
-                                                     model="mlp"),
-                                [dict(label="FedAvgM", method="fedavgm"), dict(label="FedAvg", method="fedavg")]))
+    # the plugin's key in [base] applies to its runs only, as a built-in method's would, even to a run
+    # listed before any of its own (which are what would load the plugin otherwise)
+    base = {"dataset": "digits", "clients": 6, "rounds": 2, "local_epochs": 1, "model": "mlp",
+            "fedavgm.server_momentum": 0.5}
+    runs = [dict(label="FedAvg", method="fedavg"), dict(label="FedAvgM", method="fedavgm")]
+    sweep.write_text(dump_sweep("plugin_sweep", base, runs))
     listed = subprocess.run([sys.executable, "-m", "fedprism.cli", "methods"], capture_output=True, text=True,
                             env=env, timeout=120).stdout
     assert "fedavgm.server_momentum" in listed and "arXiv:1909.06335" in listed
@@ -475,8 +478,10 @@ def test_external_plugin_runs_through_cli_and_sweep(tmp_path):
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr + r.stdout
     from fedprism.experiment.store import Store as S
-    methods = sorted(x["method"] for x in S(db).runs(sweep="plugin_sweep"))
-    assert methods == ["fedavg", "fedavgm"]
+    rows = S(db).runs(sweep="plugin_sweep")
+    assert sorted(x["method"] for x in rows) == ["fedavg", "fedavgm"]
+    momentum = {x["method"]: json.loads(x["config"]).get("fedavgm.server_momentum") for x in rows}
+    assert momentum == {"fedavgm": 0.5, "fedavg": None}
     # without the plugin installed the method is an error naming the key
     r = subprocess.run(run, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
@@ -498,7 +503,6 @@ def test_external_plugin_runs_on_the_flower_simulation(tmp_path):
     assert len(rows) == 1 and rows[0]["status"] == "finished"
     ref = subprocess.run([sys.executable, "-m", "fedprism.cli", "run", "--db", str(tmp_path / "ref.db"), "--json",
                           *exp.split()], capture_output=True, text=True, env=env, timeout=300)
-    import json
     final = json.loads(ref.stdout.strip().splitlines()[-1])
     got = json.loads(rows[0]["final"])
     assert got["local_acc"] == pytest.approx(final["final"]["local_acc"] if "final" in final else final["local_acc"],

@@ -367,9 +367,26 @@ def test_same_final_parameters_as_in_process(tmp_path, task_identity):
 
 def _methods() -> list[str]:
     from fedprism.algorithms import REGISTRY
-    # centralised trains on the pooled data of every client: there is no Flower equivalent
-    return sorted(m for m in REGISTRY if m not in ("fedprism", "centralised") and not m.startswith("test_")
-                  or m == "test_protostate")
+    # a simulation-only method (centralised: the pooled data of every client) is refused on Flower, below
+    return sorted(m for m in REGISTRY if m != "fedprism" and not REGISTRY[m].simulation_only
+                  and not m.startswith("test_") or m == "test_protostate")
+
+
+def test_a_simulation_only_method_is_refused_before_anything_starts(tmp_path, task_identity):
+    """`centralised` trains on every client's data in one process: the ServerApp refuses it from the
+    experiment alone, naming the method and why, and `simulate` refuses it before any process starts."""
+    from fedprism.algorithms import REGISTRY
+    from fedprism.flower.simulation import simulate
+
+    assert [m for m in REGISTRY if REGISTRY[m].simulation_only] == ["centralised"]
+    exp = EXP4.replace("method=fedprism ", "method=centralised ")
+    exp = exp.replace(" fedprism.k=2 fedprism.every=1", "")
+    rc = run_config(exp, tmp_path / "s.db")
+    with pytest.raises(ConfigError, match=r"'method' = 'centralised'.*simulator only \(it trains on the"):
+        serve(FakeGrid(nodes_for(4), rc), rc)
+    with pytest.raises(ConfigError, match="simulator only"):
+        simulate(exp, tmp_path / "s.db", workdir=tmp_path / "w")
+    assert not (tmp_path / "s.db").exists() and not (tmp_path / "w").exists()
 
 
 def test_flower_and_in_process_runs_of_one_config_in_one_store_each_train(tmp_path, task_identity):

@@ -409,11 +409,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="runs at once in separate processes (default: 2, or 1 on a one-core machine)")
     d.set_defaults(fn=cmd_demo)
 
-    s = with_db(sub.add_parser("sweep", help="run every run of a sweep file (resumable)",
-                               description="Run the grid of a sweep TOML file; finished runs are skipped, "
-                               "interrupted ones resume. Results go to --db, else $FEDPRISM_DB, else the "
-                               "file's own `db` (ignored with --quick), else fedprism-results.db."))
-    s.set_defaults(db=None)              # resolved in cmd_sweep: the file may name its own database
+    s = sub.add_parser("sweep", help="run every run of a sweep file (resumable)",
+                       description="Run the grid of a sweep TOML file; finished runs are skipped, "
+                       "interrupted ones resume. Results go to --db, else $FEDPRISM_DB, else the "
+                       "file's own `db` (ignored with --quick), else fedprism-results.db.")
+    s.add_argument("--db", default=None,     # resolved in cmd_sweep: the file may name its own database
+                   help="results database (default: $FEDPRISM_DB, else the file's own `db`, else "
+                   f"{DEFAULT_DB})")
     s.add_argument("file", help="sweep TOML file (see sweeps/)")
     s.add_argument("items", nargs="*", default=[], metavar="key=value",
                    help="overrides applied to every run, e.g. dataset=cifar10 partition=pathological")

@@ -63,6 +63,9 @@ class Algorithm:
     #: True when clients upload class prototypes: `privacy.epsilon` then plans one DP release per round
     #: (fedprism.privacy) and the method must release them through `fedproto.local_prototypes(..., ctx, rnd)`
     shares_prototypes: ClassVar[bool] = False
+    #: why the method cannot run on Flower, where each node holds one client's data ("" = it can):
+    #: `fedprism.flower.settings.check_flower_config` refuses it before anything starts
+    simulation_only: ClassVar[str] = ""
 
     @property
     def own_cohort(self) -> bool:

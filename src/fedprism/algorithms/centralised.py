@@ -30,6 +30,7 @@ class Centralised(Algorithm):
     paper = "the centralised reference (CL) of Jimenez-Gutierrez et al. 2025, arXiv:2512.20363"
     personalized = False
     params = {}
+    simulation_only = "it trains on the pooled data of every client; a Flower node holds one client's"
 
     def init_state(self) -> dict:
         return {"w": self.ctx.init.clone()}

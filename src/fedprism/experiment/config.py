@@ -94,7 +94,7 @@ KEYS: dict[str, Param] = {
     "train.kernels": Param("aten", "kernels of local training on a CPU: aten (PyTorch's, the stored runs' "
                            "numbers) or fused (the model's first two conv -> ReLU -> 2x2 max-pooling "
                            "blocks through the fused kernels' forwards and backwards, fedprism.engine.fused; "
-                           "LeNet-5 training rounds 2.4x faster, numbers change at float32 rounding: "
+                           "LeNet-5 training rounds 2.7x faster, numbers change at float32 rounding: "
                            "bench/README.md)",
                            choices=("aten", "fused"), new=True),
     "eval.gate": Param("none", "a learned routing gate between a dual-stream method's specialist and "

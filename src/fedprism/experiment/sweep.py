@@ -14,10 +14,11 @@
     db = "../results/fedprism.db"          # optional: where the sweep's results live (relative to
                                            # this file); `--db` or $FEDPRISM_DB win, `--quick` ignores it
 
-A run's method is its own `method`, else the grid's, else [base]'s, else fedprism. Method keys in
-[base], [grid] or [quick] (`fedprism.k`) apply only to the runs of that method; a grid over one method's
-key (`"fedprism.k" = [2, 3]`) runs each other method once. Runs that would share a table row get the
-keys that tell them apart in their labels (`_distinct_rows`).
+A run's keys are [base]'s, then its [[runs]] table's, then its grid point's, then (with --quick)
+[quick]'s, each overriding the one before; so its method is the last of those that sets `method`, else
+fedprism. Method keys in [base], [grid] or [quick] (`fedprism.k`) apply only to the runs of that
+method; a grid over one method's key (`"fedprism.k" = [2, 3]`) runs each other method once. Runs that
+would share a table row get the keys that tell them apart in their labels (`_distinct_rows`).
 
 Every run of a sweep with the same data keys shares one partition and, through the seeded sampler,
 one cohort sequence.
@@ -53,6 +54,9 @@ def load_sweep(path: str | Path, quick: bool = False, overrides: dict[str, Any] 
                ) -> tuple[str, list[Config]]:
     """(sweep name, resolved configs). `overrides` (flat keys) apply to every run, last; overriding
     `partition` drops the file's partition parameters (e.g. `partition=pathological` after Dirichlet)."""
+    from fedprism import plugins
+
+    plugins.load()       # entry-point methods are in REGISTRY before method keys are assigned to runs below
     p = Path(path)
     doc = _read(p)
     sections = ["name", "description", "db", "base", "grid", "runs", "quick"]

@@ -170,6 +170,12 @@ class RunSettings:
 def check_flower_config(cfg: Config) -> None:
     """Experiment settings a Flower run cannot honour, refused from the experiment alone (before any
     SuperLink, Ray or node starts)."""
+    from fedprism.algorithms import REGISTRY
+
+    why = getattr(REGISTRY.get(cfg["method"]), "simulation_only", "")
+    if why:
+        raise ConfigError("method", cfg["method"], f"a method that runs on Flower: {cfg['method']} runs "
+                          f"in the simulator only ({why})")
     if cfg.get("eval.clients", 0):
         raise ConfigError("eval.clients", cfg["eval.clients"], "0 on Flower: every connected node scores "
                           "its client at each evaluation (sampled evaluation is simulated in process only)")
