@@ -85,6 +85,41 @@ def test_partition_prints_summary_metrics_and_png(tmp_path, capsys):
     assert "domain" not in out.splitlines()[0]           # no domain column where the partition has none
 
 
+def test_partition_refuses_a_figure_name_it_cannot_write_before_any_work(tmp_path, capsys, monkeypatch):
+    """--png needs a .png, .pdf or .svg file name: another suffix, none, or a folder is refused naming the
+    option, before the partition is computed (matplotlib would fail after it, or write another name)."""
+    import fedprism.experiment.federation as federation
+
+    monkeypatch.setattr(federation, "build_federation", lambda cfg: pytest.fail("computed first"))
+    (tmp_path / "d").mkdir()
+    for name in ("p.txt", "noext", "d"):
+        assert main(["partition", "dataset=digits", "clients=10", "--png", str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err
+        assert "option '--png'" in err and ("ending in .png, .pdf or .svg" in err or "not a folder" in err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
+
+
+def test_path_errors_name_the_option_and_an_empty_db_is_refused(tmp_path, capsys, monkeypatch):
+    """An OS error on a path says which option gave it and what is wrong, in words; `--db ""` and an empty
+    $FEDPRISM_DB (which would name the current folder) are refused or ignored."""
+    (tmp_path / "afile").write_text("x")
+    from fedprism.experiment.store import Store
+
+    db = str(tmp_path / "s.db")
+    Store(db).close()
+    for out, why in (("afile", "exists and is not a folder"),
+                     ("afile/x", "a part of the path is a file, not a folder")):
+        assert main(["export", "--db", db, "--out", str(tmp_path / out)]) == 2
+        assert capsys.readouterr().err.strip() == f"fedprism: error: --out {tmp_path / out}: {why}"
+    with pytest.raises(SystemExit) as e:
+        main(["runs", "--db", ""])
+    assert e.value.code == 2 and "--db: an empty path is not a results store" in capsys.readouterr().err
+    monkeypatch.setenv("FEDPRISM_DB", "")
+    monkeypatch.chdir(tmp_path)
+    assert main(["runs"]) == 2
+    assert "no results store at fedprism-results.db" in capsys.readouterr().err
+
+
 def test_partition_writes_no_file_unless_asked(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["partition", "dataset=digits", "clients=10", "seed=0"]) == 0

@@ -127,6 +127,8 @@ def test_read_only_commands_change_no_byte(tmp_path, capsys):
         assert main(["export", "--db", str(db), "--out", str(tmp_path / "exp")]) == 0
         assert main(["runs", "--db", str(db)]) == 0
         assert main(["show", "--db", str(db), run_id]) == 0
+        for wrong in (["show", "zzzz"], ["runs", "--sweep", "no-such"], ["runs", "--method", "no-such"]):
+            assert main([wrong[0], "--db", str(db), *wrong[1:]]) == 2           # their error paths too
         assert _digest(db) == before, db
         assert db.read_bytes()[18:20] == header                      # a rollback-journal file stays one
         assert sorted(p.name for p in db.parent.glob(db.name + "*")) == beside       # no -wal / -shm left
@@ -294,6 +296,38 @@ def test_fresh_drops_the_stored_rounds_and_runs_again(tmp_path, capsys):
     hist = Store(db).round_metrics(res.run_id)
     assert "marker" not in hist[0] and len(hist) == 2
     assert "not run again" not in capsys.readouterr().out
+
+
+def test_fresh_keeps_a_run_that_cannot_start_or_that_another_process_runs(tmp_path, capsys, monkeypatch):
+    """--fresh drops a stored run only once its replacement is built, and not while another process holds
+    the run's lock: data that cannot load (the same run id: data.root is execution-only) and a run in
+    progress elsewhere each leave every stored round in place."""
+    from fedprism.errors import FedPrismError
+    from fedprism.experiment import runner
+    from fedprism.experiment.runlock import RunLock
+
+    db = str(tmp_path / "k.db")
+    res = _run(db)
+    args = [f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in TINY.items()]
+
+    def gone(cfg):
+        raise FedPrismError("data.root /nowhere does not hold dataset 'digits'")
+
+    with monkeypatch.context() as m:
+        m.setattr(runner, "build_federation", gone)
+        assert main(["run", "--db", db, "--quiet", "--fresh", *args]) == 2
+    assert "does not hold" in capsys.readouterr().err
+    assert len(Store(db, readonly=True).round_metrics(res.run_id)) == 2
+    lock = RunLock(Store(db, readonly=True).ckpt_dir / f"{res.run_id}.lock")
+    lock.acquire()                                   # as a process executing the run holds it
+    try:
+        assert main(["run", "--db", db, "--quiet", "--fresh", *args]) == 2
+        assert "another process" in capsys.readouterr().err
+        assert len(Store(db, readonly=True).round_metrics(res.run_id)) == 2
+    finally:
+        lock.release()
+    assert main(["run", "--db", db, "--quiet", "--fresh", *args]) == 0       # free again: it runs again
+    assert "--fresh: dropped" in capsys.readouterr().err
 
 
 def test_verify_reproduces_and_names_the_first_difference(tmp_path, capsys):

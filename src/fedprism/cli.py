@@ -12,7 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from fedprism.errors import DataError, FedPrismError
+from fedprism.errors import ConfigError, DataError, FedPrismError
 from fedprism.textable import fmt as _fmt  # noqa: F401
 from fedprism.textable import table as _table
 
@@ -39,14 +39,13 @@ def cmd_run(args) -> int:
     cfg = _config(args)
     created = not Path(args.db).exists()
     store = Store(args.db)
-    if args.fresh and store.run(cfg.run_id) is not None:
-        store.forget(cfg.run_id)
-        print(f"--fresh: dropped the stored rounds of run {cfg.run_id}; running it again", file=sys.stderr)
     try:
         exp = Experiment(cfg, store, progress=not args.quiet)    # progress goes to stderr, also with --json
     except BaseException:
         drop_if_new_and_empty(store, created)     # data or partition refused: leave no empty store behind
         raise
+    if args.fresh and exp.forget_stored():      # only now: a run that cannot start, or is running, is kept
+        print(f"--fresh: dropped the stored rounds of run {cfg.run_id}; running it again", file=sys.stderr)
     res = exp.run()
     f = res.final
     if f.get("diverged"):
@@ -131,7 +130,11 @@ def _acc(final: dict, key: str) -> str:
 def cmd_runs(args) -> int:
     from fedprism.experiment.store import Store
 
-    store = Store(args.db, readonly=True)
+    with Store(args.db, readonly=True) as store:     # closed on every path: no -wal/-shm left behind
+        return _runs(args, store)
+
+
+def _runs(args, store) -> int:
     if args.sweep:
         store.require_sweeps([args.sweep])
     if args.method:
@@ -179,7 +182,11 @@ def cmd_runs(args) -> int:
 def cmd_show(args) -> int:
     from fedprism.experiment.store import Store
 
-    store = Store(args.db, readonly=True)
+    with Store(args.db, readonly=True) as store:     # closed on every path: no -wal/-shm left behind
+        return _show(args, store)
+
+
+def _show(args, store) -> int:
     row = store.find(args.run)
     run_id = row["run_id"]
     cfg = json.loads(row["config"])
@@ -287,6 +294,7 @@ def cmd_partition(args) -> int:
     from fedprism.experiment.federation import build_federation
 
     cfg = _config(args)
+    png = _figure_path(args.png) if args.png else None          # checked before any work
     fed = build_federation(cfg)
     hist = fed.label_hist()
     domains = fed.meta.get("client_domains")
@@ -302,13 +310,23 @@ def cmd_partition(args) -> int:
     n = fed.n_train
     print(f"\n{fed.num_clients} clients, train samples per client min {n.min()} / median {int(np.median(n))} / "
           f"max {n.max()}; local test per client min {fed.n_test.min()} / max {fed.n_test.max()}")
-    if not args.png:
+    if png is None:
         print("(--png FILE draws the class distribution of the first 20 clients)")
         return 0
-    plot_class_distribution(hist, Path(args.png), first=20,
+    plot_class_distribution(hist, png, first=20,
                             title=f"{cfg['dataset']} {cfg['partition']} {cfg.partition_params}")
-    print(f"class distribution of the first 20 clients: {args.png}")
+    print(f"class distribution of the first 20 clients: {png}")
     return 0
+
+
+def _figure_path(value: str) -> Path:
+    """--png: a file whose suffix names a figure format matplotlib writes here (.png, .pdf or .svg)."""
+    path = Path(value)
+    if path.suffix.lower() not in (".png", ".pdf", ".svg"):
+        raise ConfigError("--png", value, "a file name ending in .png, .pdf or .svg", kind="option")
+    if path.is_dir():
+        raise ConfigError("--png", value, "a file name, not a folder", kind="option")
+    return path
 
 
 def cmd_export(args) -> int:
@@ -376,6 +394,14 @@ def cmd_data(args) -> int:
     return 0
 
 
+def _store_path(value: str) -> str:
+    """--db: a file's path; an empty one would name the current folder."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError(f"an empty path is not a results store; name a file (e.g. "
+                                         f"{DEFAULT_DB})")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fedprism",
@@ -384,7 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     def with_db(sp):
-        sp.add_argument("--db", default=os.environ.get("FEDPRISM_DB", DEFAULT_DB),
+        sp.add_argument("--db", default=os.environ.get("FEDPRISM_DB") or DEFAULT_DB, type=_store_path,
                         help=f"results database (default: $FEDPRISM_DB, else {DEFAULT_DB})")
         return sp
 
@@ -413,7 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run the grid of a sweep TOML file; finished runs are skipped, "
                        "interrupted ones resume. Results go to --db, else $FEDPRISM_DB, else the "
                        "file's own `db` (ignored with --quick), else fedprism-results.db.")
-    s.add_argument("--db", default=None,     # resolved in cmd_sweep: the file may name its own database
+    s.add_argument("--db", default=None, type=_store_path,   # resolved in cmd_sweep: the file may name its own
                    help="results database (default: $FEDPRISM_DB, else the file's own `db`, else "
                    f"{DEFAULT_DB})")
     s.add_argument("file", help="sweep TOML file (see sweeps/)")
@@ -542,6 +568,27 @@ def stop_on_sigint() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+_PATH_ERRORS = {FileExistsError: "exists and is not a folder",
+                NotADirectoryError: "a part of the path is a file, not a folder",
+                IsADirectoryError: "is a folder, not a file", FileNotFoundError: "no such file or folder",
+                PermissionError: "permission denied"}
+
+
+def _path_error(args, e: OSError) -> str:
+    """An OS error on a path as one line naming the option that gave the path (`--out afile: exists and is
+    not a folder`) where one did: the path itself, a folder above it, or a file below it."""
+    what = _PATH_ERRORS.get(type(e), e.strerror or str(e))
+    if not e.filename:
+        return str(e)
+    hit = Path(os.fsdecode(e.filename))
+    for dest, value in vars(args).items():
+        if isinstance(value, str) and value and dest not in ("command", "fn"):
+            given = Path(value)
+            if hit == given or given in hit.parents or hit in given.parents:
+                return f"--{dest.replace('_', '-')} {value}: " + (what if hit == given else f"{hit}: {what}")
+    return f"{hit}: {what}"
+
+
 def main(argv: list[str] | None = None) -> int:
     stop_on_sigint()                 # defined here, not in the sweep module: `fedprism runs` imports no torch
     parser = build_parser()
@@ -576,8 +623,8 @@ def main(argv: list[str] | None = None) -> int:
               f"`sqlite3 {where} .recover | sqlite3 repaired.db`, or use another --db", file=sys.stderr)
         return 2
     except (FileExistsError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as e:
-        print(f"fedprism: error: {e}", file=sys.stderr)   # e.g. a file where --out needs a folder
-        return 2
+        print(f"fedprism: error: {_path_error(args, e)}", file=sys.stderr)   # e.g. a file where --out needs
+        return 2                                                            # a folder
     finally:
         warnings.formatwarning = plain
 

@@ -399,6 +399,18 @@ class Experiment:
         return make_store(self.cfg.get("state.storage", "memory"), self.algo.client_state, self.ctx,
                           self.store.rows_dir(self.run_id))
 
+    def forget_stored(self) -> bool:
+        """`--fresh`: drop what the store holds of this run (rounds, rows, checkpoint) so that `run()`
+        starts it again; False when it holds nothing. Called once the run is built, so a configuration or
+        data that cannot run loses nothing; the run's lock is taken first, so a run that another process
+        is executing is refused (`RunBusyError`) and kept."""
+        if self.store.run(self.run_id) is None:
+            return False
+        self.store.lock(self.run_id)
+        self.store.forget(self.run_id)
+        self.clients = self.client_store()          # its row files (state.storage=mmap) went with the run
+        return True
+
     def eval_sample(self, rnd: int) -> np.ndarray | None:
         """The clients scored at round `rnd` under `eval.clients` (None: every client; always at the final
         round)."""
