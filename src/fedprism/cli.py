@@ -46,7 +46,11 @@ def cmd_run(args) -> int:
         raise
     if args.fresh and exp.forget_stored():      # only now: a run that cannot start, or is running, is kept
         print(f"--fresh: dropped the stored rounds of run {cfg.run_id}; running it again", file=sys.stderr)
-    res = exp.run()
+    try:
+        res = exp.run()
+    except BaseException:
+        drop_if_new_and_empty(store, created)     # refused at its start (scalars=): no empty store either
+        raise
     f = res.final
     if f.get("diverged"):
         print(f"fedprism: warning: {divergence_note(res.run_id, f)}", file=sys.stderr)
@@ -429,7 +433,9 @@ def build_parser() -> argparse.ArgumentParser:
                                description="Compare the FedPrism paper's method, Fed-PRISM (five clustering methods), "
                                "FedClust, FedAvg and Local on Fashion-MNIST if installed, else the bundled digits set; prints a "
                                "table of global and local accuracy. About 3 minutes on 2 cores."))
-    d.add_argument("items", nargs="*", default=[], metavar="key=value", help="overrides applied to every run")
+    d.add_argument("items", nargs="*", default=[], metavar="key=value",
+                   help="overrides (seed=1, rounds=20, dataset=digits): applied to every run; a compared "
+                   "method's own parameters to its runs only; the keys the demo sets per run are refused")
     d.add_argument("--quick", action="store_true", help="a much smaller run (smoke test)")
     d.add_argument("--workers", type=int, default=None,
                    help="runs at once in separate processes (default: 2, or 1 on a one-core machine)")

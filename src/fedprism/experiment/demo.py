@@ -16,6 +16,23 @@ FedAvg (0.582-0.636 / 0.542-0.583), with FedClust's about as low (0.508 / 0.494)
 has nearly equal local and global accuracy (0.637 / 0.636, 0.589 / 0.583: one model, two test sets). The
 order among the five Fed-PRISM clusterings is not stable at this size (they differ by a few points and
 swap between seeds), which the printed guide does not claim.
+
+What `key=value` overrides may change (each checked before anything is loaded or trained):
+
+* `dataset`: fmnist or digits only. An unknown name is refused by the config's own check
+  (`fedprism.experiment.config.resolve`: the same message as `fedprism run`); the other known datasets
+  are refused too, pointing to `fedprism run` / `fedprism sweep`: the demo's sizes (clients, rounds,
+  subsets, batch size, learning rate), its running time and the ranking its guide describes were set and
+  measured on these two only, and a colour (cifar10, svhn), 100-class (cifar100), tabular (synthetic) or
+  time-series (wisdm) set needs sizes of its own rather than a 28x28-greyscale recipe under the demo's
+  name. The header names the dataset the runs are configured with.
+* the keys the demo sets per run (`PER_RUN_KEYS`: `method`, `name` and the method parameters of `RUNS`:
+  `fedprism.k`, `fedprism_dual.private_source`, ...) are refused: the demo compares fixed methods with
+  fixed settings, so an override there would either be dropped silently or turn the comparison into
+  something else; a single method or other settings are `fedprism run` / `fedprism sweep`.
+* other parameters of a method the demo runs (`fedprism_dual.inference_weight=1`) go to that method's
+  runs only; a parameter of a method it does not run (`fedsoft.k`) is refused, naming the methods it runs.
+* every other key (`seed`, `rounds`, `partition.alpha`, ...) applies to every run.
 """
 
 from __future__ import annotations
@@ -38,7 +55,74 @@ def default_dataset() -> str:
         return "digits"
 
 
+#: the datasets the demo has sizes for (`demo_configs`'s two bases)
+DATASETS = ("fmnist", "digits")
+
+#: the compared runs: (label, the keys each sets); `method`, `name` and these keys are the demo's own
+_K = {"fedprism.k": 3, "fedprism.m": 2, "fedprism.every": 5, "fedprism.alpha": 0.5}
+RUNS: list[tuple[str, dict]] = [
+    ("FedPrism (paper, routed)", {"method": "fedprism_dual", "fedprism_dual.k": 3, "fedprism_dual.every": 5,
+                                  "fedprism_dual.private_source": "specialist"}),
+    *[(f"Fed-PRISM {c}", {"method": "fedprism", **_K, "fedprism.clustering": c})
+      for c in ("kmeans", "ward", "average", "single", "covariance")],
+    ("FedClust", {"method": "fedclust", "fedclust.k": 3, "fedclust.every": 5}),
+    ("FedAvg", {"method": "fedavg"}), ("Local", {"method": "local"})]
+PER_RUN_KEYS = frozenset({"method", "name"}.union(*(r for _, r in RUNS)))
+METHODS = tuple(dict.fromkeys(r["method"] for _, r in RUNS))
+
+
+def check_dataset(dataset: object) -> str:
+    """`dataset` if the demo runs on it; else a `ConfigError` naming `dataset` (an unknown name gets the
+    config's own message, a known one the demo has no sizes for the datasets it supports)."""
+    from fedprism.errors import ConfigError
+
+    resolve({"dataset": dataset})              # unknown name or not a string: the message of `fedprism run`
+    if dataset not in DATASETS:
+        raise ConfigError("dataset", dataset, f"{' or '.join(DATASETS)}: the demo's sizes are set and "
+                          f"timed for these only; compare methods on {dataset} with `fedprism run "
+                          f"dataset={dataset} method=...` or `fedprism sweep FILE dataset={dataset}`")
+    return dataset
+
+
+def _method_of(key: str) -> str | None:
+    """The method a method-scoped key belongs to (`fedprism_dual.inference_weight`: fedprism_dual), or
+    None for a key of every run (`rounds`, `partition.alpha`)."""
+    from fedprism import plugins
+    from fedprism.algorithms import REGISTRY
+    from fedprism.experiment.config import KEYS
+
+    plugins.load()                             # a plugin method's keys are method keys too
+    owner = key.split(".", 1)[0]
+    return owner if "." in key and key not in KEYS and owner in REGISTRY else None
+
+
+def check_overrides(overrides: dict) -> None:
+    """Refuse overrides of the keys the demo sets per run and parameters of methods it does not run."""
+    from fedprism.errors import ConfigError
+
+    for k, v in overrides.items():
+        if k in PER_RUN_KEYS:
+            raise ConfigError(k, v, f"set by the demo for each run: it compares fixed methods "
+                              f"({', '.join(METHODS)}) with fixed settings "
+                              f"({', '.join(sorted(PER_RUN_KEYS))}); to run one method or change these, "
+                              "use `fedprism run` or `fedprism sweep`")
+        owner = _method_of(k)
+        if owner is not None and owner not in METHODS:
+            raise ConfigError(k, v, f"a parameter of a method the demo runs ({', '.join(METHODS)}); "
+                              f"run {owner} with `fedprism run method={owner}` or `fedprism sweep`")
+
+
 def demo_configs(dataset: str, quick: bool = False, overrides: dict | None = None) -> list:
+    """The demo's resolved run configs on `dataset` (fmnist or digits), with `overrides` applied: a
+    method's own parameters to that method's runs only, every other key to every run."""
+    from fedprism.errors import ConfigError
+
+    overrides = dict(overrides or {})
+    if "dataset" in overrides and overrides["dataset"] != dataset:
+        raise ConfigError("dataset", overrides["dataset"], f"{dataset!r} (the dataset argument) or left out")
+    overrides.pop("dataset", None)
+    check_overrides(overrides)
+    check_dataset(dataset)
     if dataset == "fmnist":
         base = {"dataset": "fmnist", "data.train_subset": 9000, "data.test_subset": 2000, "clients": 30,
                 "fraction": 0.34, "rounds": 12, "local_epochs": 2, "batch_size": 32, "lr": 0.01, "momentum": 0.9,
@@ -50,16 +134,9 @@ def demo_configs(dataset: str, quick: bool = False, overrides: dict | None = Non
     if quick:
         base.update({"rounds": 3, "eval_every": 1, "data.train_subset": 3000 if dataset == "fmnist" else 0,
                      "clients": 10, "fraction": 0.5})
-    base.update(overrides or {})
-    k = {"fedprism.k": 3, "fedprism.m": 2, "fedprism.every": 5, "fedprism.alpha": 0.5}
-    runs = [(f"Fed-PRISM {c}", {"method": "fedprism", **k, "fedprism.clustering": c})
-            for c in ("kmeans", "ward", "average", "single", "covariance")]
-    runs.insert(0, ("FedPrism (paper, routed)", {"method": "fedprism_dual", "fedprism_dual.k": 3,
-                                                 "fedprism_dual.every": 5,
-                                                 "fedprism_dual.private_source": "specialist"}))
-    runs += [("FedClust", {"method": "fedclust", "fedclust.k": 3, "fedclust.every": 5}),
-             ("FedAvg", {"method": "fedavg"}), ("Local", {"method": "local"})]
-    return [resolve({**base, **r, "name": label}) for label, r in runs]
+    base.update({k: v for k, v in overrides.items() if _method_of(k) is None})
+    own = {m: {k: v for k, v in overrides.items() if _method_of(k) == m} for m in METHODS}
+    return [resolve({**base, **own[r["method"]], **r, "name": label}) for label, r in RUNS]
 
 
 def demo(db: str, quick: bool = False, items: list[str] | None = None, workers: int | None = None) -> int:
@@ -71,14 +148,15 @@ def demo(db: str, quick: bool = False, items: list[str] | None = None, workers: 
     from fedprism.textable import table as _table
 
     over = parse_overrides(items or [])
-    dataset = over.pop("dataset", None) or default_dataset()
+    check_overrides(over)                          # before anything is loaded: the cheap refusals first
+    dataset = check_dataset(over.pop("dataset")) if "dataset" in over else default_dataset()
     configs = demo_configs(dataset, quick, over)
     if workers is not None and (not isinstance(workers, int) or workers < 1):
         from fedprism.errors import ConfigError
         raise ConfigError("--workers", workers, "an integer >= 1", kind="option")
     workers = workers or min(2, os.cpu_count() or 1)
     c0 = configs[0]
-    print(f"fedprism demo: {dataset}, {c0['clients']} clients, {c0['partition']}(alpha="
+    print(f"fedprism demo: {c0['dataset']}, {c0['clients']} clients, {c0['partition']}(alpha="
           f"{c0['partition.alpha']}), {c0['rounds']} rounds, R={c0['fraction']}, E={c0['local_epochs']}; "
           f"{len(configs)} runs on {workers} worker(s), {worker_threads(workers)} thread(s) each; results in {db}",
           file=sys.stderr)

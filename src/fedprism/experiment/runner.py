@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -353,6 +354,20 @@ def make_algorithm(cfg: Config, ctx: Context, input_shape: tuple[int, ...] | Non
                           f"{e.value}: name a model (model=...)") from None
 
 
+def check_runnable(cfg: Config, fed: Federation, n_params: int, store_path: str | Path) -> None:
+    """The checks a run passes before it trains, given its data and its model's size: the limits of
+    `limits.check_limits` (K against the clients and a round's cohort, batch size against the data,
+    memory, and disk beside the store for `state.storage=mmap`) and the learned gate's rows. Called by
+    `Experiment` and, for every run of a sweep before the first starts, by `sweep.check_runs`."""
+    check_limits(cfg, fed.n_train, n_params,
+                 disk=_free_disk(store_path) if cfg.get("state.storage") == "mmap" else None)
+    if cfg.get("eval.gate", "none") != "none":
+        from fedprism.experiment.gate import check_memory
+        from fedprism.experiment.limits import available_memory
+
+        check_memory(fed, available_memory())
+
+
 class Experiment:
     """One configured run. `run()` executes or resumes it and stores everything.
 
@@ -374,13 +389,7 @@ class Experiment:
         self.run_id = cfg.run_id
         self.fed = fed if fed is not None else build_federation(cfg)
         self.model = make_model(cfg, self.fed.input_shape, self.fed.num_classes)
-        check_limits(cfg, self.fed.n_train, sum(p.numel() for p in self.model.parameters()),
-                     disk=_free_disk(store.path) if cfg.get("state.storage") == "mmap" else None)
-        if cfg.get("eval.gate", "none") != "none":
-            from fedprism.experiment.gate import check_memory
-            from fedprism.experiment.limits import available_memory
-
-            check_memory(self.fed, available_memory())
+        check_runnable(cfg, self.fed, sum(p.numel() for p in self.model.parameters()), store.path)
         self.ctx = make_context(cfg, self.model, self.fed.n_train, self.fed.label_hist())
         self.engine = make_engine(cfg["engine"], self.fed, self.model, local_config(cfg), cfg["seed"], cfg["device"],
                                   compile=cfg["compile"], rounds=cfg["rounds"], fuse_jobs=cfg["fuse_jobs"],
@@ -574,14 +583,17 @@ class Experiment:
             store.truncate(run_id, -1)
             store.write_round(run_id, last, metrics, client_rows,
                               [("rescored", None, {"from": source, "train_id": self.cfg.train_id})], 0.0)
+            history = store.round_metrics(run_id)
+            final = final_metrics(history, 0.0)
+            final.update(privacy_metrics(self.cfg, self.ctx.privacy))
+            final["rescored_from"] = source
+            store.finish(run_id, final)
+        except KeyboardInterrupt:
+            store.mark(run_id, "interrupted")
+            raise
         except BaseException:
             store.mark(run_id, "failed")
             raise
-        history = store.round_metrics(run_id)
-        final = final_metrics(history, 0.0)
-        final.update(privacy_metrics(self.cfg, self.ctx.privacy))
-        final["rescored_from"] = source
-        store.finish(run_id, final)
         return RunResult(run_id, "finished", final, history)
 
     def _losses(self, state: dict, clients: np.ndarray) -> np.ndarray:
@@ -614,27 +626,30 @@ class Experiment:
             if src is not None:
                 return self.rescore(*src, provenance=prov)
         store.start_run(run_id, cfg.values, self.sweep, provenance=prov)
-        ckpt = store.load_checkpoint(run_id)
-        if ckpt is not None and ckpt.get("run_id") == run_id:
-            try:
-                state, start, resumed = self._restore(ckpt), ckpt["round"] + 1, ckpt["round"]
-            except StoreMismatch as e:   # client state this code cannot take (other declarations, or
-                store.discard_checkpoint(run_id, f"client state: {e}")   # `mmap` files not the checkpoint's)
-                self.clients = self.client_store()
-                ckpt = None
-        if ckpt is not None and ckpt.get("run_id") == run_id:
-            elapsed = ckpt.get("elapsed", 0.0)
-        else:
-            state, start, resumed, elapsed = self.initial_state(), 0, None, 0.0
-        store.truncate(run_id, start - 1)
-        evaluator = self.evaluator()
-        seen = np.zeros(self.ctx.num_clients, bool)
-        if ckpt is not None and "seen" in ckpt:
-            seen = ckpt["seen"]
-        bar = Progress(cfg["rounds"], self.progress, cfg.get("name") or cfg["method"])
-        metrics: dict[str, Any] | None = None
-        T = cfg["rounds"]
+        # from here on the run is `running` and holds its lock: whatever raises (restoring the checkpoint,
+        # rewriting the `scalars` files, a round, keeping the final state) marks it `interrupted` or `failed`,
+        # which releases the lock; it resumes from its last checkpoint
         try:
+            ckpt = store.load_checkpoint(run_id)
+            if ckpt is not None and ckpt.get("run_id") == run_id:
+                try:
+                    state, start, resumed = self._restore(ckpt), ckpt["round"] + 1, ckpt["round"]
+                except StoreMismatch as e:   # client state this code cannot take (other declarations,
+                    store.discard_checkpoint(run_id, f"client state: {e}")   # or `mmap` files not its own)
+                    self.clients = self.client_store()
+                    ckpt = None
+            if ckpt is not None and ckpt.get("run_id") == run_id:
+                elapsed = ckpt.get("elapsed", 0.0)
+            else:
+                state, start, resumed, elapsed = self.initial_state(), 0, None, 0.0
+            store.truncate(run_id, start - 1)
+            evaluator = self.evaluator()
+            seen = np.zeros(self.ctx.num_clients, bool)
+            if ckpt is not None and "seen" in ckpt:
+                seen = ckpt["seen"]
+            bar = Progress(cfg["rounds"], self.progress, cfg.get("name") or cfg["method"])
+            metrics: dict[str, Any] | None = None
+            T = cfg["rounds"]
             for rnd in range(start, T):
                 if stop_after is not None and rnd - start >= stop_after:
                     store.mark(run_id, "interrupted")
@@ -692,23 +707,23 @@ class Experiment:
                 if self.clients is not None:
                     self.clients.commit()              # `mmap`: the round's rows reach their files now
                 bar.update(rnd + 1, metrics if "local_acc" in metrics else None)
+            self.state = state
+            history = store.round_metrics(run_id)
+            final = final_metrics(history, elapsed)
+            final.update(privacy_metrics(cfg, self.ctx.privacy))
+            kept = False
+            if cfg["keep_final"] and self.shares_final:
+                if self.clients is not None and self.clients.storage == "mmap":
+                    self.clients.move_to(store.final_rows_dir(cfg.train_id))   # the row files go with it
+                store.save_final(cfg.train_id, self._snapshot(T - 1, state, seen, elapsed))
+                kept = True
+            store.finish(run_id, final)
         except KeyboardInterrupt:
             store.mark(run_id, "interrupted")
             raise
         except BaseException:
             store.mark(run_id, "failed")
             raise
-        self.state = state
-        history = store.round_metrics(run_id)
-        final = final_metrics(history, elapsed)
-        final.update(privacy_metrics(cfg, self.ctx.privacy))
-        kept = False
-        if cfg["keep_final"] and self.shares_final:
-            if self.clients is not None and self.clients.storage == "mmap":
-                self.clients.move_to(store.final_rows_dir(cfg.train_id))   # the row files go with the state
-            store.save_final(cfg.train_id, self._snapshot(T - 1, state, seen, elapsed))
-            kept = True
-        store.finish(run_id, final)
         if self.clients is not None:
             self.clients.close(keep=kept)
         store.drop_checkpoint(run_id)

@@ -123,39 +123,112 @@ class Scalars:
 
     `DIR/<run_id>-rounds.csv`: round, tag, value (one row per round metric, TensorBoard's layout);
     `DIR/<run_id>-clients.csv`: round, client, local_acc, local_loss, global_acc, n_test, local_f1.
-    Rounds redone after a resume replace the rows they had.
+    A folder that cannot hold the files (a file of that name, a path under a file, no permission) is a
+    `ConfigError` for `scalars`, raised before the run is started (`Store.start_run`). Rounds redone
+    after a resume replace the rows they had: each file is rewritten (atomically) with its header and the
+    well-formed rows of the rounds kept; a damaged line (torn by a crash, junk appended) is dropped, and a
+    row that appears twice (same round and tag, or round and client) is kept once, its first copy.
     """
 
+    ROUND_COLS = ("round", "tag", "value")
     CLIENT_COLS = ("round", "client", "local_acc", "local_loss", "global_acc", "n_test", "local_f1")
 
     def __init__(self, folder: str | Path, run_id: str):
+        from fedprism.errors import ConfigError
+
         self.dir = Path(folder)
-        self.dir.mkdir(parents=True, exist_ok=True)
         self.rounds = self.dir / f"{run_id}-rounds.csv"
         self.clients = self.dir / f"{run_id}-clients.csv"
-        for p, head in ((self.rounds, ("round", "tag", "value")), (self.clients, self.CLIENT_COLS)):
-            if not p.exists():
-                p.write_text(",".join(head) + "\n")
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            for p, head in self._files():
+                with open(p, "a", newline="") as f:     # may be written (nothing it holds is touched here)
+                    if f.tell() == 0:                   # new, or left empty by a crash: the header first
+                        f.write(",".join(head) + "\n")
+        except (OSError, ValueError) as e:             # ValueError: a NUL character in the path
+            raise ConfigError("scalars", folder, "a folder (created if missing) that the run's CSV files can "
+                              f"be written into, or '' for none; {self._why(e)}") from None
+
+    def _why(self, e: Exception) -> str:
+        try:
+            path = (*reversed(self.dir.parents), self.dir)
+            blocker = next((q for q in path if q.exists() and not q.is_dir()), None)
+        except (OSError, ValueError):
+            blocker = None
+        if blocker is not None:
+            return f"{str(blocker)!r} is a file, not a folder"
+        name = getattr(e, "filename", None)
+        return f"{name}: {e.strerror}" if name and getattr(e, "strerror", None) else str(e)
+
+    def _files(self) -> tuple[tuple[Path, tuple[str, ...]], ...]:
+        return (self.rounds, self.ROUND_COLS), (self.clients, self.CLIENT_COLS)
+
+    @staticmethod
+    def _key(line: str, head: tuple[str, ...]) -> tuple[int, str] | None:
+        """(round, tag or client) of a well-formed data row of a file with columns `head`; None for the
+        header and anything damaged (torn, other columns, a round, client or value that is no number)."""
+        import csv
+
+        try:
+            (cells,) = csv.reader([line], strict=True)
+        except (csv.Error, ValueError):                 # ValueError: an empty line (no row)
+            return None
+        per_client = head[1] == "client"
+        ids = cells[:2] if per_client else cells[:1]
+        if len(cells) != len(head) or not cells[1] or not all(c.isascii() and c.isdigit() for c in ids):
+            return None
+        for c in cells[2:]:
+            if c == "" and per_client:                  # a client's score that was NaN (written empty)
+                continue
+            try:
+                if not math.isfinite(float(c)):         # never written: NaN/Inf are cleaned to None
+                    return None
+            except ValueError:
+                return None
+        return int(cells[0]), cells[1]
 
     def truncate(self, after_round: int) -> None:
-        for p in (self.rounds, self.clients):
-            lines = p.read_text().splitlines()
-            keep = [lines[0]] + [ln for ln in lines[1:] if int(ln.split(",", 1)[0]) <= after_round]
-            p.write_text("\n".join(keep) + "\n")
+        for p, head in self._files():
+            keep: dict[tuple[int, str], str] = {}
+            try:
+                lines = p.read_bytes().split(b"\n") if p.exists() else []
+                for raw in lines:
+                    try:
+                        ln = raw.decode("utf-8").removesuffix("\r")
+                    except UnicodeDecodeError:
+                        continue
+                    key = self._key(ln, head)
+                    if key is not None and key[0] <= after_round:
+                        keep.setdefault(key, ln)        # a kept round is never written twice: a copy is junk
+                rows = [ln for _, ln in sorted(keep.items(), key=lambda kv: kv[0][0])]   # stable: round order
+                tmp = p.with_name(p.name + ".tmp")
+                try:
+                    tmp.write_text("".join(f"{ln}\n" for ln in (",".join(head), *rows)))
+                    os.replace(tmp, p)
+                finally:
+                    tmp.unlink(missing_ok=True)
+            except OSError as e:
+                raise StoreError(f"scalars file {p}: {e.strerror or e} (rewriting it for the resumed run)"
+                                 ) from None
 
     def write(self, rnd: int, metrics: dict | None, clients: list[tuple] | None) -> None:
         import csv
 
-        with open(self.rounds, "a", newline="") as f:
-            w = csv.writer(f, lineterminator="\n")
-            for k, v in sorted((metrics or {}).items()):
-                v = _clean(v)
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    w.writerow([rnd, k, v])
-        if clients:
-            with open(self.clients, "a", newline="") as f:
+        p = self.rounds
+        try:
+            with open(p, "a", newline="") as f:
                 w = csv.writer(f, lineterminator="\n")
-                w.writerows([[rnd, *map(_clean, c)] for c in clients])
+                for k, v in sorted((metrics or {}).items()):
+                    v = _clean(v)
+                    if isinstance(v, (int, float)) and not isinstance(v, bool):
+                        w.writerow([rnd, k, v])
+            if clients:
+                p = self.clients
+                with open(p, "a", newline="") as f:
+                    w = csv.writer(f, lineterminator="\n")
+                    w.writerows([[rnd, *map(_clean, c)] for c in clients])
+        except OSError as e:
+            raise StoreError(f"scalars file {p}: {e.strerror or e} (writing round {rnd})") from None
 
 
 class MissingStoreError(FedPrismError):
@@ -402,36 +475,46 @@ class Store:
         """
         from fedprism.experiment.provenance import check, with_text
 
+        # `scalars=DIR` first: a folder its files cannot be written into is a ConfigError raised before
+        # the run is locked or stored (it used to leave a `running` row and a lock file behind)
+        scalars = Scalars(config["scalars"], run_id) if config.get("scalars") else None
         now = time.time()
         row = self.run(run_id)
+        took = run_id not in self._locks
         if row is None or row["status"] != "finished":
             self.lock(run_id)             # RunBusyError when another process executes this run
-        with self.transaction() as db:
-            row = db.execute("SELECT * FROM runs WHERE run_id=?", (run_id,)).fetchone()
-            if row is None:
-                db.execute(
-                    "INSERT INTO runs (run_id, name, method, dataset, seed, config, code_version, status,"
-                    " created, updated, sweep, provenance) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-                    (run_id, config.get("name", ""), config["method"], config["dataset"], config["seed"],
-                     dumps(config), code_version(), "running", now, now, sweep,
-                     dumps(provenance) if provenance is not None else None))
-            else:
-                if provenance is not None:
-                    check(run_id, _json_or_none(row["provenance"]), provenance)
-                    self._add_text(db, run_id, with_text(_json_or_none(row["provenance"]), provenance))
-                if config.get("name") and config["name"] != row["name"]:
-                    self._rename(db, row, config["name"])
-            if sweep is not None:
-                db.execute("INSERT OR REPLACE INTO sweep_runs VALUES (?,?,?)", (sweep, run_id, config.get("name")))
-            if row is not None and row["status"] != "finished":
-                db.execute("UPDATE runs SET status='running', updated=?, code_version=? WHERE run_id=?",
-                           (now, code_version(), run_id))
-                if provenance is not None and row["provenance"] is None:
-                    db.execute("UPDATE runs SET provenance=? WHERE run_id=?", (dumps(provenance), run_id))
+        try:
+            with self.transaction() as db:
+                row = db.execute("SELECT * FROM runs WHERE run_id=?", (run_id,)).fetchone()
+                if row is None:
+                    db.execute(
+                        "INSERT INTO runs (run_id, name, method, dataset, seed, config, code_version, status,"
+                        " created, updated, sweep, provenance) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                        (run_id, config.get("name", ""), config["method"], config["dataset"], config["seed"],
+                         dumps(config), code_version(), "running", now, now, sweep,
+                         dumps(provenance) if provenance is not None else None))
+                else:
+                    if provenance is not None:
+                        check(run_id, _json_or_none(row["provenance"]), provenance)
+                        self._add_text(db, run_id, with_text(_json_or_none(row["provenance"]), provenance))
+                    if config.get("name") and config["name"] != row["name"]:
+                        self._rename(db, row, config["name"])
+                if sweep is not None:
+                    db.execute("INSERT OR REPLACE INTO sweep_runs VALUES (?,?,?)",
+                               (sweep, run_id, config.get("name")))
+                if row is not None and row["status"] != "finished":
+                    db.execute("UPDATE runs SET status='running', updated=?, code_version=? WHERE run_id=?",
+                               (now, code_version(), run_id))
+                    if provenance is not None and row["provenance"] is None:
+                        db.execute("UPDATE runs SET provenance=? WHERE run_id=?", (dumps(provenance), run_id))
+        except BaseException:             # refused (ProvenanceMismatch) or not written: the transaction is
+            if took:                      # rolled back, nothing was started, the lock this call took goes
+                self.unlock(run_id)
+            raise
         if row is not None and row["status"] == "finished":
             self.unlock(run_id)           # finished meanwhile: nothing to execute
-        if config.get("scalars"):
-            self._scalars[run_id] = Scalars(config["scalars"], run_id)
+        if scalars is not None:
+            self._scalars[run_id] = scalars
         return self.run(run_id)
 
     @staticmethod

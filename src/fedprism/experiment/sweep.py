@@ -70,8 +70,8 @@ def load_sweep(path: str | Path, quick: bool = False, overrides: dict[str, Any] 
         raise ConfigError(f"{p.name}: {k}", doc[k], f"a sweep file's table or key{suggest(k, sections)}: "
                           f"{', '.join(sections)}")
     name = doc.get("name", p.stem)
-    if not isinstance(name, str) or not name:
-        raise ConfigError(f"{p.name}: name", name, "a non-empty string")
+    if not isinstance(name, str) or not name.strip():       # a blank name is no sweep anyone can report
+        raise ConfigError(f"{p.name}: name", name, "a string that is not empty or only whitespace")
     for section in ("base", "grid", "quick"):
         if not isinstance(doc.get(section, {}), dict):
             raise ConfigError(f"{p.name}: {section}", doc[section], f"a table ([{section}])")
@@ -378,36 +378,46 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
         configs = [c for c in configs if c["seed"] in seeds]
     if not isinstance(workers, int) or workers < 1:
         raise ConfigError("--workers", workers, "an integer >= 1", kind="option")
+    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 0):
+        raise ConfigError("--limit", limit, "an integer >= 0 (0 runs nothing and refreshes the stored runs' "
+                          "text hashes)", kind="option")     # a negative one would slice runs off the end
     from fedprism.experiment.provenance import ProvenanceMismatch
 
     print(f"results: {db}", file=sys.stderr)      # once the file and the options are known to be valid
+    new_dirs = _missing_folders(Path(db).parent)
+    created = not Path(db).exists()
     store = Store(db)
     done = skipped = busy = 0
     t0 = time.time()
     todo: list[tuple[str, Config]] = []
     other_code: list[str] = []          # finished under other code or data: neither re-used nor re-run
     data_memo: dict = {}                # each data setting fingerprinted once per sweep
-    for i, cfg in enumerate(configs):
-        row = store.run(cfg.run_id)
-        tag = f"[{i + 1}/{len(configs)}] {cfg['name']} seed={cfg['seed']}"
-        if row is not None and row["status"] == "finished":
-            stored = row["provenance"] if "provenance" in row.keys() else None
-            if stored:                         # other code or data: never skipped as if it were this run's
-                try:
-                    check(cfg.run_id, stored := json.loads(stored), now := fingerprints(cfg, data_memo))
-                except ProvenanceMismatch as e:  # the others still run; the sweep ends with status 2
-                    other_code.append(f"{tag}: {e}")
-                    print(f"{tag}: not run, {e}", file=sys.stderr)
-                    continue
-                store.add_text_fingerprints(cfg.run_id, stored, now)
-            skipped += 1
-            store.add_to_sweep(name, cfg.run_id, cfg["name"])
-            supersede(store, name, cfg)
-            print(f"{tag}: finished earlier, skipped", file=sys.stderr)
-            continue
-        todo.append((tag, cfg))
-    if limit is not None:
-        todo = todo[:limit]
+    try:
+        for i, cfg in enumerate(configs):
+            row = store.run(cfg.run_id)
+            tag = f"[{i + 1}/{len(configs)}] {cfg['name']} seed={cfg['seed']}"
+            if row is not None and row["status"] == "finished":
+                stored = row["provenance"] if "provenance" in row.keys() else None
+                if stored:                     # other code or data: never skipped as if it were this run's
+                    try:
+                        check(cfg.run_id, stored := json.loads(stored), now := fingerprints(cfg, data_memo))
+                    except ProvenanceMismatch as e:  # the others still run; the sweep ends with status 2
+                        other_code.append(f"{tag}: {e}")
+                        print(f"{tag}: not run, {e}", file=sys.stderr)
+                        continue
+                    store.add_text_fingerprints(cfg.run_id, stored, now)
+                skipped += 1
+                store.add_to_sweep(name, cfg.run_id, cfg["name"])
+                supersede(store, name, cfg)
+                print(f"{tag}: finished earlier, skipped", file=sys.stderr)
+                continue
+            todo.append((tag, cfg))
+        if limit is not None:
+            todo = todo[:limit]
+        check_runs(todo, store.path, keep_data=workers == 1 or len(todo) <= 1)
+    except BaseException:
+        _drop_new_store(store, created, new_dirs)    # a refused sweep leaves no empty store (nor folder)
+        raise
 
     def line(tag: str, f: dict) -> str:
         return (f"{tag}: global {f.get('global_acc', float('nan')):.4f} local {f.get('local_acc', float('nan')):.4f}"
@@ -448,6 +458,66 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
                                  "`fedprism verify RUN` checks whether the current code reproduces one, "
                                  "`fedprism run --fresh ...` re-runs it")
     return 0
+
+
+def check_runs(todo: list[tuple[str, Config]], db: str | Path, keep_data: bool = True) -> None:
+    """Before any run of a sweep starts: every (tag, config) of `todo` against the checks that need no
+    training, those of `Experiment.__init__` (`runner.check_runnable`), and its data and model against the
+    configuration (a partition the data cannot give, a model the inputs do not fit). Each data
+    setting is built once (`build_federation` caches it, so the first runs reuse it; `keep_data=False`
+    empties that cache afterwards: worker processes build their own) and each model's parameter count is
+    taken once. A refusal is raised naming the run as the progress lines do (`[2/3] FedAvg seed=0: ...`)."""
+    from fedprism.errors import FedPrismError
+    from fedprism.experiment.federation import _federation, build_federation, federation_key
+    from fedprism.experiment.runner import check_runnable, make_model, resolve_model_name
+
+    groups: dict[tuple, list[tuple[str, Config]]] = {}      # per data setting, in order of first use
+    for tag, cfg in todo:
+        groups.setdefault(federation_key(cfg), []).append((tag, cfg))
+    sizes: dict[tuple, int] = {}                             # parameter count per (model, inputs, classes)
+    try:
+        for runs in groups.values():
+            fed = None
+            for tag, cfg in runs:
+                try:
+                    if fed is None:
+                        fed = build_federation(cfg)
+                    shape = tuple(fed.input_shape)
+                    key = (resolve_model_name(cfg["model"], shape), shape, fed.num_classes)
+                    if key not in sizes:
+                        model = make_model(cfg, shape, fed.num_classes)
+                        sizes[key] = sum(p.numel() for p in model.parameters())
+                    check_runnable(cfg, fed, sizes[key], db)
+                except FedPrismError as e:     # the same error, naming the run; its type and fields kept
+                    e.args = (f"{tag}: {e}; no run of the sweep was started",)
+                    raise
+    finally:
+        if not keep_data:
+            _federation.cache_clear()
+
+
+def _missing_folders(folder: Path) -> list[Path]:
+    """`folder` and those of its parents that do not exist yet, deepest first."""
+    out = []
+    while not folder.exists() and folder != folder.parent:
+        out.append(folder)
+        folder = folder.parent
+    return out
+
+
+def _drop_new_store(store, created: bool, folders: list[Path]) -> None:
+    """Close `store`; if this command `created` it and it holds no run, delete its files and the
+    `folders` made for it (`_missing_folders`) that are still empty."""
+    from fedprism.experiment.store import drop_if_new_and_empty
+
+    try:
+        drop_if_new_and_empty(store, created)
+        store.close()
+        if created and not Path(store.path).exists():
+            for folder in folders:
+                folder.rmdir()
+    except Exception:  # noqa: BLE001 - tidying up must not hide the error that refused the sweep
+        pass
 
 
 def _read(p: Path) -> dict[str, Any]:

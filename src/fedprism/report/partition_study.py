@@ -16,6 +16,12 @@ arguments), so the tau of a Clust-PSI-PFL run equals the tau shown here for its 
 
 `fedprism report --partition-study fmnist --out DIR` writes partition_study.md, partition_study.csv and
 the three PNGs; it reads no store and writes nothing else.
+
+The seeds (`--seed`, repeatable) are checked before anything is loaded or written: each must be a seed a
+run accepts (`seed` of `fedprism.experiment.config.KEYS`: an integer >= 0, below 2**63), at least one must
+be given, and none twice (a repeated seed would count one partition twice in the mean and shrink the std).
+A bad one is a `ConfigError` naming the option `--seed`, not a study of empty tables whose every setting
+"cannot be partitioned".
 """
 
 from __future__ import annotations
@@ -221,11 +227,37 @@ def plot(div: list[dict], sil: list[dict], out: Path) -> list[Path]:
     return paths
 
 
+def check_seeds(seeds) -> tuple[int, ...]:
+    """`seeds` as a tuple of distinct valid run seeds, else a `ConfigError` on the option `--seed`."""
+    from fedprism.errors import ConfigError
+    from fedprism.experiment.config import KEYS
+
+    try:
+        given = tuple(seeds)
+    except TypeError:
+        raise ConfigError("--seed", seeds, "a list of seeds (integers >= 0)", kind="option") from None
+    if not given:
+        raise ConfigError("--seed", given, "at least one seed (an integer >= 0)", kind="option")
+    out: list[int] = []
+    for s in given:
+        try:
+            v = KEYS["seed"].validate("seed", s)
+        except ConfigError as e:
+            raise ConfigError("--seed", s, e.allowed, kind="option") from None
+        if v in out:
+            raise ConfigError("--seed", s, "distinct seeds (this one is given twice: the mean and std "
+                              "would count one partition twice)", kind="option")
+        out.append(v)
+    return tuple(out)
+
+
 def write_partition_study(dataset: str, out: str | Path, seeds=(0, 1, 2), clients: int = 100,
                           client_counts=CLIENT_COUNTS, plots: bool = True, **kw) -> list[Path]:
-    """Compute and write the study (markdown, CSV, plots) for `dataset`'s training labels."""
+    """Compute and write the study (markdown, CSV, plots) for `dataset`'s training labels. The seeds
+    are checked first (`check_seeds`): a bad one raises `ConfigError` before anything is written."""
     from fedprism.data.datasets import load_dataset
 
+    seeds = check_seeds(seeds)
     ds = load_dataset(dataset)
     y_train, y_test = ds.y_train.numpy(), ds.y_test.numpy()
     C = ds.num_classes

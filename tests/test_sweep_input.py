@@ -1,0 +1,69 @@
+"""`fedprism sweep` input checks: a run that cannot start is refused before any run trains, `--limit` is a
+count (>= 0), and a sweep's name is not blank."""
+
+from __future__ import annotations
+
+import pytest
+
+from fedprism.cli import main
+from fedprism.errors import ConfigError, FedPrismError
+from fedprism.experiment.store import Store
+from fedprism.experiment.sweep import dump_sweep, load_sweep, run_sweep
+
+BASE = dict(dataset="digits", clients=4, rounds=1, local_epochs=1, model="mlp", engine="sequential")
+
+
+def write(tmp_path, runs, name="inp", base=BASE):
+    f = tmp_path / "s.toml"
+    f.write_text(dump_sweep(name, base, runs))
+    return f
+
+
+def test_a_run_over_its_limits_is_refused_by_name_before_any_run_trains(tmp_path, capsys):
+    """fedavg then fedprism with clients=4: fedprism.k=5 (its default) exceeds the clients. The sweep
+    stops before the fedavg run trains, naming the refused run as its progress lines do."""
+    f = write(tmp_path, [dict(label="FedAvg", method="fedavg"), dict(label="Fed-PRISM", method="fedprism")])
+    db = tmp_path / "kept.db"
+    Store(db).close()                                   # a store that exists stays, with nothing run into it
+    with pytest.raises(ConfigError, match=r"\[2/2\] Fed-PRISM seed=0: config key 'fedprism.k' = 5 .*"
+                                          r"at most clients=4") as e:
+        run_sweep(str(f), str(db), progress=False)
+    assert e.value.key == "fedprism.k" and e.value.value == 5
+    assert Store(db).runs() == []
+
+    new = tmp_path / "new" / "sub" / "x.db"             # a store (and folders) this command would create
+    assert main(["sweep", str(f), "--db", str(new), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("fedprism: error:")]
+    assert len(lines) == 1 and "Fed-PRISM seed=0" in lines[0] and "'fedprism.k'" in lines[0]
+    assert "FedAvg seed=0: global" not in err
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_data_setting_that_cannot_be_built_is_refused_by_name_before_any_run(tmp_path):
+    """Too many clients for the data (the partitioner's own check) in the second run: refused up front."""
+    f = write(tmp_path, [dict(label="FedAvg", method="fedavg"),
+                         dict(label="Big", method="fedavg", clients=5000)])
+    db = tmp_path / "x.db"
+    with pytest.raises(FedPrismError, match=r"\[2/2\] Big seed=0: "):
+        run_sweep(str(f), str(db), progress=False)
+    assert not db.exists()
+
+
+def test_a_negative_limit_is_refused_and_zero_runs_nothing(tmp_path, capsys):
+    f = write(tmp_path, [dict(label="FedAvg", method="fedavg")])
+    db = tmp_path / "x.db"
+    assert main(["sweep", str(f), "--db", str(db), "--limit", "-1", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "option '--limit' = -1 is not valid: an integer >= 0" in err and not db.exists()
+    with pytest.raises(ConfigError, match="--limit"):
+        run_sweep(str(f), str(db), progress=False, limit=-3)
+    assert run_sweep(str(f), str(db), progress=False, limit=0) == 0    # documented: refreshes hashes only
+    assert Store(db).runs() == []
+
+
+@pytest.mark.parametrize("name", ["", "  ", "\t"])
+def test_a_blank_sweep_name_is_refused(tmp_path, name):
+    f = write(tmp_path, [dict(label="FedAvg", method="fedavg")], name=name)
+    with pytest.raises(ConfigError, match=r"s\.toml: name' = "):
+        load_sweep(f)
