@@ -111,6 +111,14 @@ def test_path_errors_name_the_option_and_an_empty_db_is_refused(tmp_path, capsys
                      ("afile/x", "a part of the path is a file, not a folder")):
         assert main(["export", "--db", db, "--out", str(tmp_path / out)]) == 2
         assert capsys.readouterr().err.strip() == f"fedprism: error: --out {tmp_path / out}: {why}"
+    (tmp_path / "dbdir").mkdir()
+    under = f"{tmp_path / 'afile'} is a file, not a folder"
+    for cmd, db_, why in ((["run", "dataset=digits"], "dbdir", "is a folder, not a file"),
+                          (["runs"], "dbdir", "is a folder, not a file"),
+                          (["run", "dataset=digits"], "afile/x.db", under), (["runs"], "afile/x.db", under)):
+        assert main([cmd[0], "--db", str(tmp_path / db_), *cmd[1:]]) == 2
+        assert f"results store {tmp_path / db_}: {why}" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "dbdir", "s.db"]
     with pytest.raises(SystemExit) as e:
         main(["runs", "--db", ""])
     assert e.value.code == 2 and "--db: an empty path is not a results store" in capsys.readouterr().err
@@ -118,6 +126,21 @@ def test_path_errors_name_the_option_and_an_empty_db_is_refused(tmp_path, capsys
     monkeypatch.chdir(tmp_path)
     assert main(["runs"]) == 2
     assert "no results store at fedprism-results.db" in capsys.readouterr().err
+
+
+def test_a_min_test_beyond_the_test_set_and_running_out_of_memory_are_one_line(capsys, monkeypatch):
+    """partition.min_test above the test set's size would repeat it for every client (1e9 asked for tens of
+    GB); and a size that passes every check but not this machine's RAM ends as one line, exit 2."""
+    assert main(["partition", "dataset=digits", "clients=4", "partition.min_test=1000000000"]) == 2
+    assert "partition.min_test = 1000000000 is not valid: at most the" in capsys.readouterr().err
+    import fedprism.experiment.federation as federation
+
+    def huge(cfg):
+        raise MemoryError("Unable to allocate 29.8 GiB for an array")
+
+    monkeypatch.setattr(federation, "build_federation", huge)
+    assert main(["partition", "dataset=digits", "clients=4"]) == 2
+    assert capsys.readouterr().err.startswith("fedprism: error: out of memory (Unable to allocate 29.8 GiB")
 
 
 def test_partition_writes_no_file_unless_asked(tmp_path, capsys, monkeypatch):

@@ -621,6 +621,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\nfedprism: interrupted; run the same command again to resume", file=sys.stderr)
         return 130
+    except MemoryError as e:                  # a size inside every key's range, beyond this machine's RAM
+        print(f"fedprism: error: out of memory ({str(e).splitlines()[0] if str(e) else 'MemoryError'}); "
+              "lower the sizes (clients, the data's size, batch_size) or use a larger machine",
+              file=sys.stderr)
+        return 2
     except sqlite3.DatabaseError as e:       # the open itself is checked; a page read later may be damaged
         where = getattr(args, "db", None) or "the results store"
         if not any(m in str(e) for m in ("malformed", "not a database", "disk image")):

@@ -709,6 +709,8 @@ def make_partition(name: str, y_train: np.ndarray, y_test: np.ndarray, num_clien
             f"clients = {num_clients} is not valid: with partition.min_train = {min_train} the {n} train "
             f"samples allow at most {n // min_train} clients"
         )
+    if min_test > max(len(y_test), 1):     # each client's test split would repeat the whole test set
+        raise _bad("min_test", min_test, f"at most the {len(y_test)} samples of the test set")
     num_classes = int(max(y_train.max(initial=-1), y_test.max(initial=-1))) + 1
 
     rng_train, rng_test = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(2))

@@ -235,6 +235,14 @@ class MissingStoreError(FedPrismError):
     """A read-only command was pointed at a results database that does not exist."""
 
 
+def _not_a_file(path: Path) -> str:
+    """Why `path` can be no store file (a folder, or under a file), or ""."""
+    if path.is_dir():
+        return f"is a folder, not a file (name a file in it, e.g. {path / 'fedprism-results.db'})"
+    blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    return f"{blocker} is a file, not a folder" if blocker is not None else ""
+
+
 def drop_if_new_and_empty(store: Store, created: bool) -> None:
     """Close `store` and delete its files if this process `created` it and it holds no run: a refused
     configuration leaves no empty store behind (`fedprism run`, the Flower ServerApp)."""
@@ -308,6 +316,9 @@ class Store:
         self._scalars: dict[str, Scalars] = {}
         self._locks: dict[str, RunLock] = {}
         self._notes: dict[str, list[tuple[str, int | None, Any]]] = {}
+        why = _not_a_file(self.path)
+        if why:
+            raise (MissingStoreError if readonly else StoreError)(f"results store {self.path}: {why}")
         if readonly:
             if not self.path.is_file():
                 near = [str(p) for p in sorted(Path(".").glob("*.db")) + sorted(Path("results").glob("*.db"))
