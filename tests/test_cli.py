@@ -143,6 +143,23 @@ def test_a_min_test_beyond_the_test_set_and_running_out_of_memory_are_one_line(c
     assert capsys.readouterr().err.startswith("fedprism: error: out of memory (Unable to allocate 29.8 GiB")
 
 
+def test_small_input_slips_are_named(tmp_path, capsys, monkeypatch):
+    """Every dataset name is checked before the first download starts; an empty run id is named as '';
+    a method's key under another method reads "an ifca parameter", not "a ifca"."""
+    import fedprism.data.download as dl
+
+    monkeypatch.setattr(dl, "fetch", lambda *a, **k: pytest.fail("downloaded before all names were checked"))
+    assert main(["data", "download", "usps", "nosuch", "--dest", str(tmp_path / "d")]) == 2
+    assert "'nosuch' is not valid: downloadable datasets are" in capsys.readouterr().err
+    from fedprism.experiment.store import Store
+
+    Store(tmp_path / "s.db").close()
+    assert main(["export", "--db", str(tmp_path / "s.db"), "--run", "", "--out", str(tmp_path / "e")]) == 2
+    assert "s.db has no '';" in capsys.readouterr().err
+    assert main(["run", "--db", str(tmp_path / "s.db"), "method=fedavg", "ifca.k=2"]) == 2
+    assert "is not valid: an ifca parameter, but method=fedavg" in capsys.readouterr().err
+
+
 def test_partition_writes_no_file_unless_asked(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["partition", "dataset=digits", "clients=10", "seed=0"]) == 0

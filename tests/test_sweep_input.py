@@ -67,3 +67,10 @@ def test_a_blank_sweep_name_is_refused(tmp_path, name):
     f = write(tmp_path, [dict(label="FedAvg", method="fedavg")], name=name)
     with pytest.raises(ConfigError, match=r"s\.toml: name' = "):
         load_sweep(f)
+
+
+@pytest.mark.parametrize("label", ["", "  "])
+def test_a_blank_run_label_is_refused(tmp_path, label):
+    f = write(tmp_path, [dict(label=label, method="fedavg")])
+    with pytest.raises(ConfigError, match=r"runs\[0\]\.label' = .*not empty or only whitespace"):
+        load_sweep(f)

@@ -375,6 +375,11 @@ def cmd_data(args) -> int:
         def stop(*_):
             raise KeyboardInterrupt
 
+        from fedprism.data.download import REMOTE
+
+        for name in args.names:                        # every name before the first (long) download
+            if name not in REMOTE:
+                download(name, args.dest)              # raises, naming the downloadable datasets
         before = signal.signal(signal.SIGTERM, stop)   # as Ctrl-C: the partial file is removed on the way out
         try:
             for name in args.names:

@@ -345,7 +345,8 @@ def resolve(raw: dict[str, Any]) -> Config:
             raise ConfigError(k, raw[k], f"a [{other}] table of {other}.KEY = value parameters (a TOML "
                               f"[[{other}]] is an array of tables)")
         if other in REGISTRY:
-            raise ConfigError(k, raw[k], f"a {other} parameter, but method={method}")
+            article = "an" if other[:1] in "aeiou" else "a"
+            raise ConfigError(k, raw[k], f"{article} {other} parameter, but method={method}")
         raise ConfigError(k, raw[k], f"unknown key{hint}; known keys: {', '.join(KEYS)} and {method}.*, "
                                      "partition.*")
     if out["eval.clients"] > out["clients"]:

@@ -146,7 +146,7 @@ def selection(src: Store, runs: list[str] | None, sweeps: list[str] | None
         if len(rows) > 1:
             src.find(prefix)                     # raises, naming the candidates
         chosen |= {r[0] for r in rows}
-        missing += [prefix] if not rows else []
+        missing += [repr(prefix) if not prefix.strip() else prefix] if not rows else []   # '' named as such
     known = src.sweeps()
     for name in sweeps or []:
         chosen |= {r["run_id"] for r in src.runs(sweep=name)}

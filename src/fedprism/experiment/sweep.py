@@ -85,8 +85,9 @@ def load_sweep(path: str | Path, quick: bool = False, overrides: dict[str, Any] 
         raise ConfigError(f"{p.name}: runs", runs, "an array of tables ([[runs]] sections)")
     runs = runs or [{}]
     for i, r in enumerate(runs):
-        if "label" in r and (not isinstance(r["label"], str) or not r["label"]):
-            raise ConfigError(f"{p.name}: runs[{i}].label", r["label"], "a non-empty string")
+        if "label" in r and (not isinstance(r["label"], str) or not r["label"].strip()):
+            raise ConfigError(f"{p.name}: runs[{i}].label", r["label"], "a string that is not empty or only "
+                              "whitespace (it names the run's table row)")
     if quick and not doc.get("quick"):      # --quick must never fall through to the full-size sweep
         raise ConfigError("--quick", True, f"{p.name} has no [quick] section of smaller settings, so --quick "
                           "would run the full sweep; add one or leave --quick out", kind="option")
