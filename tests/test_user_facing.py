@@ -975,7 +975,12 @@ def test_a_registered_model_is_fingerprinted_by_its_builder(tmp_path, monkeypatc
         res = fedprism.run(cfg, db=db)
         code = Store(str(db), readonly=True).provenance(res.run_id)["code"]["model"]
         assert code["file"].endswith("seq_plugin.py") and code["class"] == "seq_plugin.build"
-        assert code["sha256"] == hashlib.sha256((tmp_path / "seq_plugin.py").read_bytes()).hexdigest()
+        import inspect
+        import sys
+
+        file_sha = hashlib.sha256((tmp_path / "seq_plugin.py").read_bytes()).hexdigest()   # + its own code
+        own = hashlib.sha256(inspect.getsource(sys.modules["seq_plugin"].build).encode()).hexdigest()
+        assert code["sha256"] == hashlib.sha256(f"{file_sha}:{own}".encode()).hexdigest()
         (tmp_path / "seq_plugin.py").write_text(body + "X = 1\n")
         with pytest.raises(ProvenanceMismatch, match="model"):
             fedprism.run(cfg, db=db)

@@ -69,6 +69,8 @@ def results(db: str | Path = "fedprism-results.db", frame: bool = False, **where
 
     store = Store(db, readonly=True)
     try:
+        if "sweep" in where:
+            store.require_sweeps([where["sweep"]])     # a mistyped name is an error, not "no runs"
         rows = [{"run_id": r["run_id"], "method": r["method"], "name": r["label"], "seed": r["seed"],
                  "status": r["status"], "config": json.loads(r["config"]), "final": json.loads(r["final"] or "{}")}
                 for r in store.runs(**where)]

@@ -39,6 +39,17 @@ def _check(kind: str, name: object, fn: object, builtin: tuple[str, ...]) -> Non
         raise ValueError(f"register_{kind}: {name!r} is a built-in {kind}; give yours a name of its own")
     if not callable(fn):
         raise TypeError(f"register_{kind}({name!r}, ...): {fn!r} is not callable")
+    import inspect
+
+    call = {"model": ("build(input_shape, num_classes)", ((1, 28, 28), 10), {}),
+            "dataset": ("load(pad32, root)", (), {"pad32": False, "root": None})}[kind]
+    try:
+        inspect.signature(fn).bind(*call[1], **call[2])
+    except TypeError as e:
+        raise TypeError(f"register_{kind}({name!r}, ...): {fn!r} cannot be called as {call[0]} "
+                        f"({e})") from None
+    except ValueError:                  # no signature to read (some builtins): checked when it is called
+        pass
 
 
 def register_model(name: str, build: Callable[..., Any]) -> Callable[..., Any]:
@@ -57,6 +68,11 @@ def register_dataset(name: str, load: Callable[..., Any]) -> Callable[..., Any]:
 
     _check("dataset", name, load, BUILTIN)
     DATASETS[name] = load
+    import sys
+
+    federation = sys.modules.get("fedprism.experiment.federation")
+    if federation is not None:          # its cached federations of `name` were built by the loader replaced
+        federation._federation.cache_clear()
     return load
 
 

@@ -50,6 +50,9 @@ def _check_plugin_dataset(name: str, ds: object):
         if y.dtype == torch.bool or not whole or int(y.min()) < 0 or int(y.max()) >= k:
             raise bad(f"gives whole-number {split} labels in 0..{k - 1} (one per class name); "
                       f"found {y.dtype} {y.min().item()}..{y.max().item()}")
+    if ds.x_train.dim() < 2 or ds.x_train.shape[1:] != ds.x_test.shape[1:]:
+        raise bad(f"gives inputs of one shape in both splits, [samples, features...]; train "
+                  f"{tuple(ds.x_train.shape)}, test {tuple(ds.x_test.shape)}")
     return ds
 
 

@@ -132,7 +132,25 @@ def source_fingerprint(obj: Any) -> dict[str, str] | None:
     path = _source_file(cls)
     if path is None:
         return None
-    return {**_file_hashes(path), "file": _where(str(path)), "class": f"{cls.__module__}.{cls.__qualname__}"}
+    return {**_own_hashes(cls, path), "file": _where(str(path)),
+            "class": f"{cls.__module__}.{cls.__qualname__}"}
+
+
+def _own_hashes(obj: Any, path: Path) -> dict[str, str | None]:
+    """`_file_hashes(path)`, and for a class or builder that is not fedprism's own (registered in a script
+    or a notebook) its own source folded in: two definitions under one name in one file, a notebook cell
+    run again with other code, are other code. fedprism's own are their files' hashes alone, so stored
+    runs of the built-in methods and models keep their fingerprints."""
+    hashes = _file_hashes(path)
+    if getattr(obj, "__module__", "").split(".")[0] == "fedprism":
+        return hashes
+    try:
+        own = inspect.getsource(obj)
+    except (OSError, TypeError):
+        return hashes
+    digest = hashlib.sha256(own.encode()).hexdigest()
+    return {k: None if v is None else hashlib.sha256(f"{v}:{digest}".encode()).hexdigest()
+            for k, v in hashes.items()}
 
 
 #: the interface every method implements: not a method's own code (changing it would orphan every run)
@@ -179,7 +197,7 @@ def model_fingerprint(name: str, model: Any) -> dict[str, str] | None:
     path = _source_file(build) if build is not None else None
     if path is None:
         return built
-    ours = {**_file_hashes(path), "file": _where(str(path)),
+    ours = {**_own_hashes(build, path), "file": _where(str(path)),
             "class": f"{getattr(build, '__module__', '?')}.{getattr(build, '__qualname__', repr(build))}"}
     cls_path = _source_file(type(model))           # None exactly when `built` is None
     if cls_path is None or cls_path == path or _source_file(torch).parent in cls_path.parents:
@@ -370,7 +388,7 @@ def code_now(stored: dict | None) -> str | None:
         path = _source_file(obj)
         if path is None:
             return None
-        now[part] = {**_file_hashes(path), "file": _where(str(path))}
+        now[part] = {**_own_hashes(obj, path), "file": _where(str(path))}
     if not now:
         return None
     diff = differences({"code": code}, {"code": now})

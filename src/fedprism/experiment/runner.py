@@ -86,6 +86,18 @@ class MethodError(RuntimeError):
     round in process: a bug of the method, reported with what was wrong (and the traceback)."""
 
 
+def aggregate_records(algo: Algorithm, state: dict, rnd: int, update: Update) -> dict:
+    """`algo.aggregate(...)`'s records for the round (None: none), or a `MethodError` naming the hook when
+    it returns something else (a list would fail later, deep in the store)."""
+    recs = algo.aggregate(state, rnd, update)
+    if recs is None:
+        return {}
+    if not isinstance(recs, dict) or not all(isinstance(k, str) for k in recs):
+        raise MethodError(f"{type(algo).__name__}.aggregate returned {type(recs).__name__}: it returns a "
+                          "dict of the round's records (str keys) or None")
+    return recs
+
+
 def check_reply(update: object, plan: Plan, method: str) -> None:
     """The shape of an `Update` before anything reads it: an Update, of clients of the plan (each once),
     with one n_samples value and one row of every payload, metric and client-state tensor per client.
@@ -169,7 +181,7 @@ class Simulator:
         update, failed = _local_work(self.algo, plan, self.engine, rnd, self.clients)
         update, rejected = receive(update, plan, self.clients, self.upload, type(self.algo).__name__)
         update.rejected = {**failed, **rejected}
-        return plan, update, self.algo.aggregate(self.state, rnd, update) or {}
+        return plan, update, aggregate_records(self.algo, self.state, rnd, update)
 
     def inference(self, clients: np.ndarray | None = None):
         c = np.arange(self.algo.ctx.num_clients) if clients is None else np.asarray(clients)
@@ -384,6 +396,14 @@ class Experiment:
 
     def __init__(self, cfg: Config, store: Store, fed: Federation | None = None, progress: bool = False,
                  sweep: str | None = None):
+        if not isinstance(cfg, Config):
+            raise TypeError(f"Experiment: cfg is a {type(cfg).__name__}; pass a resolved configuration, "
+                            "fedprism.config(...) or fedprism.experiment.config.resolve(dict)")
+        if not isinstance(store, Store):
+            raise TypeError(f"Experiment: store is a {type(store).__name__}; pass a "
+                            "fedprism.experiment.store.Store (Store(path) opens or creates one)")
+        if sweep is not None and not isinstance(sweep, str):
+            raise TypeError(f"Experiment: sweep = {sweep!r}; a sweep's name (str) or None")
         self.cfg, self.store, self.sweep = cfg, store, sweep
         self.progress = progress
         self.run_id = cfg.run_id
@@ -664,7 +684,7 @@ class Experiment:
                 update, rejected = receive(update, plan, self.clients, self.upload, type(self.algo).__name__)
                 update.rejected = {**failed, **rejected}
                 seen[update.clients] = True
-                recs = self.algo.aggregate(state, rnd, update) or {}
+                recs = aggregate_records(self.algo, state, rnd, update)
                 records = [("failure", c, {"reason": r}) for c, r in failed.items()]
                 records += [("rejected", c, {"reason": r}) for c, r in rejected.items()]
                 records += [(k, None, v) for k, v in recs.items()]

@@ -311,6 +311,8 @@ class Store:
 
     def __init__(self, path: str | Path = "fedprism-results.db", timeout: float | None = None,
                  readonly: bool = False):
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"Store: path = {path!r}; a file path (str or os.PathLike)")
         self.path = Path(path)
         self.readonly = readonly
         self._scalars: dict[str, Scalars] = {}
