@@ -156,3 +156,27 @@ def test_aggregate_returning_no_dict_is_the_methods_error(tmp_path, registered):
         with pytest.raises(MethodError, match=r"Listy\.aggregate returned list: it returns a dict"):
             exp.run()
         assert st.run(exp.run_id)["status"] == "failed"
+
+
+def test_a_round_whose_every_reply_is_malformed_is_the_methods_error(tmp_path, registered):
+    """In process every reply comes from the method's own client_update: all of a round's replies one
+    entry short is its bug (it was stored as 'finished' and 'diverged'). One client per round cannot tell
+    and is a recorded rejection, as a NaN reply (training that diverged) is."""
+    class Short(FedAvg):
+        name = "nb_short"
+
+        def client_update(self, plan, trainer, rnd, cstate):
+            up = super().client_update(plan, trainer, rnd, cstate)
+            up.payload["params"] = up.payload["params"][:, :-1]
+            return up
+
+    registered["method"].append("nb_short")
+    fedprism.register(Short)
+    with Store(tmp_path / "b.db") as st:
+        exp = Experiment(resolve({**TINY, "method": "nb_short"}), st)
+        with pytest.raises(MethodError, match=r"every client of round 1 sent Short a reply no round can use; "
+                                              r"client 0: params: wrong shape"):
+            exp.run()
+        assert st.run(exp.run_id)["status"] == "failed"
+        one = Experiment(resolve({**TINY, "method": "nb_short", "fraction": 0.25}), st).run()
+    assert one.status == "finished" and [h["accepted"] for h in one.history] == [0, 0]

@@ -86,6 +86,21 @@ class MethodError(RuntimeError):
     round in process: a bug of the method, reported with what was wrong (and the traceback)."""
 
 
+def malformed_round(rejected: dict[int, str], plan: Plan, rnd: int, method: str) -> None:
+    """In process, every client of a round of two or more rejected for the form of its reply (a wrong shape
+    or dtype, a missing tensor, a sample count that is negative or no number), is the method's bug:
+    `MethodError` naming the first reason (it was stored as 'finished' and 'diverged'). A round of one
+    client, non-finite values (training that diverged) and replies of 0 samples (no weight, as a Flower
+    server refuses them) stay per-client rejections."""
+    if len(plan.clients) < 2 or len(rejected) < len(plan.clients):
+        return
+    if any("non-finite" in why or "0 samples" in why for why in rejected.values()):
+        return
+    first = int(plan.clients[0])
+    raise MethodError(f"every client of round {rnd + 1} sent {method} a reply no round can use; client "
+                      f"{first}: {rejected.get(first, next(iter(rejected.values())))}")
+
+
 def aggregate_records(algo: Algorithm, state: dict, rnd: int, update: Update) -> dict:
     """`algo.aggregate(...)`'s records for the round (None: none), or a `MethodError` naming the hook when
     it returns something else (a list would fail later, deep in the store)."""
@@ -393,6 +408,9 @@ class Experiment:
     #: identity (`rescore_source`). A Flower run trains on its nodes, and what they send back is theirs to
     #: say: it neither lends its final state to an in-process run nor takes one from it.
     shares_final = True
+    #: whether the replies come from this process's own `client_update`, so a round whose every reply is
+    #: malformed is the method's bug (`malformed_round`); a Flower node's reply is the node's to answer for
+    trusts_clients = True
 
     def __init__(self, cfg: Config, store: Store, fed: Federation | None = None, progress: bool = False,
                  sweep: str | None = None):
@@ -682,6 +700,8 @@ class Experiment:
                 update, failed = self.local_work(plan, rnd)
                 t_train = time.time() - t_train
                 update, rejected = receive(update, plan, self.clients, self.upload, type(self.algo).__name__)
+                if self.trusts_clients:
+                    malformed_round(rejected, plan, rnd, type(self.algo).__name__)
                 update.rejected = {**failed, **rejected}
                 seen[update.clients] = True
                 recs = aggregate_records(self.algo, state, rnd, update)

@@ -552,6 +552,8 @@ class RemoteTrainer:
 class FlowerExperiment(Experiment):
     """The runner's round loop with the clients on Flower nodes and no data on the server."""
 
+    trusts_clients = False        # a node's malformed reply is rejected, whatever the other nodes sent
+
     def __init__(self, settings: RunSettings, store: Store, link: Link, shared_data=None,
                  sizes: dict | None = None, drift: ServerDrift | None = None):
         if link.input_shape is None:
