@@ -180,3 +180,55 @@ def test_a_round_whose_every_reply_is_malformed_is_the_methods_error(tmp_path, r
         assert st.run(exp.run_id)["status"] == "failed"
         one = Experiment(resolve({**TINY, "method": "nb_short", "fraction": 0.25}), st).run()
     assert one.status == "finished" and [h["accepted"] for h in one.history] == [0, 0]
+
+
+class _TupleInTraining(torch.nn.Module):
+    """Logits in evaluation, (logits, aux) in training: the shape check used to run in eval mode only."""
+
+    def __init__(self, k):
+        super().__init__()
+        self.f = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, k))
+
+    def forward(self, x):
+        y = self.f(x)
+        return (y, y) if self.training else y
+
+
+@pytest.mark.parametrize("build, match", [
+    (lambda shape, k: _TupleInTraining(k), "logits in training mode; it gave tuple"),
+    (lambda shape, k: torch.nn.Flatten(), "has parameters to train; this one has none"),
+    (lambda shape, k: _Ints(k), r"floating-point logits; it gave \[2, 10\] of torch.int64"),
+])
+def test_a_registered_model_is_checked_in_both_modes(tmp_path, registered, build, match):
+    from fedprism.errors import ConfigError
+
+    registered["model"].append("nb_modes")
+    fedprism.register_model("nb_modes", build)
+    with pytest.raises(ConfigError, match="'model' = 'nb_modes' .*" + match):
+        fedprism.run(fedprism.config(**{**TINY, "model": "nb_modes", "method": "fedavg"}),
+                     db=tmp_path / "x.db")
+    assert not (tmp_path / "x.db").exists()
+
+
+class _Ints(torch.nn.Module):
+    def __init__(self, k):
+        super().__init__()
+        self.f = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, k))
+
+    def forward(self, x):
+        return self.f(x).long()
+
+
+def test_small_api_slips_are_named(tmp_path):
+    with pytest.raises(TypeError, match=r"fedprism.run\(cfg\): None"):
+        fedprism.run(None, db=tmp_path / "n.db")
+    assert not (tmp_path / "n.db").exists()
+    with pytest.raises(TypeError, match="Store: timeout = '5'"):
+        Store(tmp_path / "t.db", timeout="5")
+    res = fedprism.run(fedprism.config(**{**TINY, "method": "fedavg", "rounds": 1}), db=tmp_path / "t.db")
+    with Store(tmp_path / "t.db") as st:
+        with pytest.raises(ValueError, match="status 'bogus' is not one of running, finished"):
+            st.mark(res.run_id, "bogus")
+        with pytest.raises(ValueError, match="name None is not a label"):
+            st.rename(res.run_id, None)
+        assert st.run(res.run_id)["status"] == "finished"

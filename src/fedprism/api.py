@@ -43,6 +43,9 @@ def run(cfg: Config | dict | str | Path, db: str | Path = "fedprism-results.db",
     data, partition or model), as `fedprism run` does."""
     from fedprism.experiment.store import drop_if_new_and_empty
 
+    if cfg is None and not keys:          # config() of nothing is the default 100-round run: not by accident
+        raise TypeError("fedprism.run(cfg): None; pass a configuration (fedprism.config(...), a dict, a TOML "
+                        "path) or keys (fedprism.run(method='fedavg', ...))")
     c = config(cfg, **keys)
     if not isinstance(db, (str, os.PathLike)):
         raise TypeError(f"fedprism.run(db=...): {db!r} is not a file path (str or pathlib.Path)")

@@ -259,6 +259,8 @@ def _check_plugin_model(name: str, model: object, input_shape: tuple[int, ...], 
 
     if not isinstance(model, torch.nn.Module):
         raise bad(f"builder returns a torch.nn.Module; it returned {type(model).__name__}")
+    if next(model.parameters(), None) is None:
+        raise bad("has parameters to train; this one has none")
     lazy = torch.nn.parameter.is_lazy
     if not all(lazy(p) or bool(torch.isfinite(p).all()) for p in model.parameters()):
         raise bad("starts from finite weights; this one holds NaN or inf")
@@ -271,10 +273,25 @@ def _check_plugin_model(name: str, model: object, input_shape: tuple[int, ...], 
         raise bad(f"takes inputs of the data's shape {list(input_shape)}: {type(e).__name__}: {e}") from e
     finally:
         model.train(was)
-    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, num_classes):
-        shape = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise bad(f"maps [batch, {', '.join(map(str, input_shape))}] to [batch, {num_classes}] logits; "
-                  f"it gave {shape} for a batch of 2")
+    _check_logits(bad, out, input_shape, num_classes, "")
+    import copy
+
+    twin = copy.deepcopy(model).train()            # training mode on a copy: its BatchNorm statistics move
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            out = twin(torch.zeros((2, *input_shape)))
+    except Exception as e:  # noqa: BLE001 - the plugin's own error, chained
+        raise bad(f"takes inputs of the data's shape {list(input_shape)} in training mode: "
+                  f"{type(e).__name__}: {e}") from e
+    _check_logits(bad, out, input_shape, num_classes, " in training mode")
+
+
+def _check_logits(bad, out: object, input_shape: tuple[int, ...], num_classes: int, mode: str) -> None:
+    ok = isinstance(out, torch.Tensor) and tuple(out.shape) == (2, num_classes) and out.is_floating_point()
+    if not ok:
+        shape = f"{list(out.shape)} of {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise bad(f"maps [batch, {', '.join(map(str, input_shape))}] to [batch, {num_classes}] "
+                  f"floating-point logits{mode}; it gave {shape} for a batch of 2")
 
 
 def make_context(cfg: Config, model: torch.nn.Module, n_train: np.ndarray, label_hist: np.ndarray) -> Context:

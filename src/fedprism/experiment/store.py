@@ -235,6 +235,10 @@ class MissingStoreError(FedPrismError):
     """A read-only command was pointed at a results database that does not exist."""
 
 
+#: a run's status: its row's `status`
+STATUSES = ("running", "finished", "interrupted", "failed")
+
+
 def _not_a_file(path: Path) -> str:
     """Why `path` can be no store file (a folder, or under a file), or ""."""
     if path.is_dir():
@@ -341,6 +345,8 @@ class Store:
                 raise MissingStoreError(f"{self.path} {what} ({e})") from None
             self.timeout = 60.0
             return
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))):
+            raise TypeError(f"Store: timeout = {timeout!r}; seconds (a number) or None")
         if timeout is None:
             try:
                 timeout = float(os.environ.get("FEDPRISM_DB_TIMEOUT", "10"))
@@ -553,6 +559,8 @@ class Store:
 
     def rename(self, run_id: str, name: str) -> None:
         """Store a new label for a run; its id, config values and results are unchanged."""
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"Store.rename: name {name!r} is not a label (a string that is not blank)")
         with self.transaction() as db:
             row = db.execute("SELECT * FROM runs WHERE run_id=?", (run_id,)).fetchone()
             if row is None:
@@ -650,6 +658,8 @@ class Store:
     def mark(self, run_id: str, status: str) -> None:
         """Set a run's status; for any status but 'running' the run's lock is released (even when the
         store cannot be written: the lock, not the row, says whether a process executes the run)."""
+        if status not in STATUSES:
+            raise ValueError(f"Store.mark: status {status!r} is not one of {', '.join(STATUSES)}")
         try:
             with self.transaction() as db:
                 db.execute("UPDATE runs SET status=?, updated=? WHERE run_id=?", (status, time.time(), run_id))
