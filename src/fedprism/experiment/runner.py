@@ -276,7 +276,10 @@ def _check_plugin_model(name: str, model: object, input_shape: tuple[int, ...], 
     _check_logits(bad, out, input_shape, num_classes, "")
     import copy
 
-    twin = copy.deepcopy(model).train()            # training mode on a copy: its BatchNorm statistics move
+    try:
+        twin = copy.deepcopy(model).train()        # training mode on a copy: its BatchNorm statistics move
+    except Exception:  # noqa: BLE001 - a model that cannot be copied is checked by its first round instead
+        return
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             out = twin(torch.zeros((2, *input_shape)))
