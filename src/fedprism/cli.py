@@ -585,6 +585,10 @@ _PATH_ERRORS = {FileExistsError: "exists and is not a folder",
                 PermissionError: "permission denied"}
 
 
+#: the positional arguments' names (a path given as one is named by itself, not as an option)
+_POSITIONAL = ("action", "file", "items", "names", "run", "stores")
+
+
 def _path_error(args, e: OSError) -> str:
     """An OS error on a path as one line naming the option that gave the path (`--out afile: exists and is
     not a folder`) where one did: the path itself, a folder above it, or a file below it."""
@@ -596,7 +600,8 @@ def _path_error(args, e: OSError) -> str:
         if isinstance(value, str) and value and dest not in ("command", "fn"):
             given = Path(value)
             if hit == given or given in hit.parents or hit in given.parents:
-                return f"--{dest.replace('_', '-')} {value}: " + (what if hit == given else f"{hit}: {what}")
+                named = value if dest in _POSITIONAL else f"--{dest.replace('_', '-')} {value}"
+                return f"{named}: " + (what if hit == given else f"{hit}: {what}")
     return f"{hit}: {what}"
 
 
