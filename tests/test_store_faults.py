@@ -337,3 +337,17 @@ def test_a_damaged_kept_final_state_is_dropped_and_a_read_only_store_leaves_it(t
     assert Store(db, readonly=True).load_final(train_id) is None
     assert kept.read_bytes() == damaged                             # a read-only store writes nothing
     assert Store(db).load_final(train_id) is None and not kept.exists()
+
+
+def test_writing_to_a_run_the_store_does_not_hold_is_an_error_that_keeps_nothing(tmp_path):
+    """A round or an end written for a run whose row is gone (never started, or dropped by another
+    process while it ran) used to be stored as rows of no run, silently; now it is refused, rolled back."""
+    from fedprism.experiment.store import StoreError
+
+    s = Store(tmp_path / "g.db")
+    with pytest.raises(StoreError, match="run gone is not in it .*round 1 not written"):
+        s.write_round("gone", 0, {"a": 1}, [(0, 0.5, 1.0, 0.4, 10, 0.3)], [("r", 1, {"v": 1})], 0.1)
+    with pytest.raises(StoreError, match=r"run gone is not in it .*its end \(finished\) not written"):
+        s.finish("gone", {"local_acc": 0.5})
+    for table in ("rounds", "client_metrics", "records", "runs"):
+        assert s.db.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0] == 0, table

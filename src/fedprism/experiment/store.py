@@ -642,18 +642,27 @@ class Store:
             if records:
                 db.executemany("INSERT INTO records (run_id, round, kind, client, data, seq) VALUES (?,?,?,?,?,?)",
                                [(run_id, rnd, k, c, dumps(d), i) for i, (k, c, d) in enumerate(records)])
-            db.execute("UPDATE runs SET rounds_done=?, updated=? WHERE run_id=?", (rnd + 1, time.time(), run_id))
+            cur = db.execute("UPDATE runs SET rounds_done=?, updated=? WHERE run_id=?",
+                             (rnd + 1, time.time(), run_id))
+            if cur.rowcount == 0:                 # raised inside: the round's rows are rolled back with it
+                raise StoreError(self._gone(run_id, f"round {rnd + 1} not written"))
         if run_id in self._scalars:
             self._scalars[run_id].write(rnd, metrics, clients)
 
     def finish(self, run_id: str, final: dict, status: str = "finished") -> None:
         try:
             with self.transaction() as db:
-                db.execute("UPDATE runs SET status=?, final=?, updated=? WHERE run_id=?",
-                           (status, dumps(final), time.time(), run_id))
+                cur = db.execute("UPDATE runs SET status=?, final=?, updated=? WHERE run_id=?",
+                                 (status, dumps(final), time.time(), run_id))
+                if cur.rowcount == 0:
+                    raise StoreError(self._gone(run_id, f"its end ({status}) not written"))
         finally:
             if status != "running":
                 self.unlock(run_id)
+
+    def _gone(self, run_id: str, what: str) -> str:
+        return (f"results store {self.path}: run {run_id} is not in it (never started here, or dropped while "
+                f"it ran); {what}")
 
     def mark(self, run_id: str, status: str) -> None:
         """Set a run's status; for any status but 'running' the run's lock is released (even when the
