@@ -129,8 +129,8 @@ def test_path_errors_name_the_option_and_an_empty_db_is_refused(tmp_path, capsys
 
 
 def test_a_min_test_beyond_the_test_set_and_running_out_of_memory_are_one_line(capsys, monkeypatch):
-    """partition.min_test above the test set's size would repeat it for every client (1e9 asked for tens of
-    GB); and a size that passes every check but not this machine's RAM ends as one line, exit 2."""
+    """partition.min_test above the test set's size would repeat it for every client (1e9 ran out of memory
+    first); and a size that passes every check but not this machine's RAM ends as one line, exit 2."""
     assert main(["partition", "dataset=digits", "clients=4", "partition.min_test=1000000000"]) == 2
     assert "partition.min_test = 1000000000 is not valid: at most the" in capsys.readouterr().err
     import fedprism.experiment.federation as federation

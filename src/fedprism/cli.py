@@ -41,15 +41,12 @@ def cmd_run(args) -> int:
     store = Store(args.db)
     try:
         exp = Experiment(cfg, store, progress=not args.quiet)    # progress goes to stderr, also with --json
-    except BaseException:
-        drop_if_new_and_empty(store, created)     # data or partition refused: leave no empty store behind
-        raise
-    if args.fresh and exp.forget_stored():      # only now: a run that cannot start, or is running, is kept
-        print(f"--fresh: dropped the stored rounds of run {cfg.run_id}; running it again", file=sys.stderr)
-    try:
+        if args.fresh and exp.forget_stored():  # only now: a run that cannot start, or is running, is kept
+            print(f"--fresh: dropped the stored rounds of run {cfg.run_id}; running it again",
+                  file=sys.stderr)
         res = exp.run()
     except BaseException:
-        drop_if_new_and_empty(store, created)     # refused at its start (scalars=): no empty store either
+        drop_if_new_and_empty(store, created)     # refused (data, partition, scalars=): no empty store behind
         raise
     f = res.final
     if f.get("diverged"):

@@ -72,7 +72,7 @@ def register_dataset(name: str, load: Callable[..., Any]) -> Callable[..., Any]:
 
     federation = sys.modules.get("fedprism.experiment.federation")
     if federation is not None:          # its cached federations of `name` were built by the loader replaced
-        federation._federation.cache_clear()
+        federation.clear_federations()
     return load
 
 

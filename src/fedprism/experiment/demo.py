@@ -134,8 +134,9 @@ def demo_configs(dataset: str, quick: bool = False, overrides: dict | None = Non
     if quick:
         base.update({"rounds": 3, "eval_every": 1, "data.train_subset": 3000 if dataset == "fmnist" else 0,
                      "clients": 10, "fraction": 0.5})
-    base.update({k: v for k, v in overrides.items() if _method_of(k) is None})
-    own = {m: {k: v for k, v in overrides.items() if _method_of(k) == m} for m in METHODS}
+    owner = {k: _method_of(k) for k in overrides}
+    base.update({k: v for k, v in overrides.items() if owner[k] is None})
+    own = {m: {k: v for k, v in overrides.items() if owner[k] == m} for m in METHODS}
     return [resolve({**base, **own[r["method"]], **r, "name": label}) for label, r in RUNS]
 
 

@@ -148,6 +148,15 @@ def federation_key(cfg: Config) -> tuple:
             cfg["data.synthetic_devices"])
 
 
+def clear_federations() -> None:
+    """Drop this process's cached federations (`build_federation`): after a dataset's loader is registered
+    again, or where only one client's rows (a Flower node) or none (a sweep's parent process) should stay
+    in memory."""
+    clear = getattr(_federation, "cache_clear", None)      # None where a test replaced the cached builder
+    if clear is not None:
+        clear()
+
+
 def build_federation(cfg: Config) -> Federation:
     """The federation a config describes; cached, so every method of a sweep shares one partition."""
     fed = _federation(*federation_key(cfg))

@@ -29,6 +29,7 @@ beside the store (`<db>.final/`, same format as checkpoints) for re-scoring eval
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
@@ -150,11 +151,7 @@ class Scalars:
                               f"be written into, or '' for none; {self._why(e)}") from None
 
     def _why(self, e: Exception) -> str:
-        try:
-            path = (*reversed(self.dir.parents), self.dir)
-            blocker = next((q for q in path if q.exists() and not q.is_dir()), None)
-        except (OSError, ValueError):
-            blocker = None
+        blocker = _file_in_the_way(self.dir)
         if blocker is not None:
             return f"{str(blocker)!r} is a file, not a folder"
         name = getattr(e, "filename", None)
@@ -167,8 +164,6 @@ class Scalars:
     def _key(line: str, head: tuple[str, ...]) -> tuple[int, str] | None:
         """(round, tag or client) of a well-formed data row of a file with columns `head`; None for the
         header and anything damaged (torn, other columns, a round, client or value that is no number)."""
-        import csv
-
         try:
             (cells,) = csv.reader([line], strict=True)
         except (csv.Error, ValueError):                 # ValueError: an empty line (no row)
@@ -212,8 +207,6 @@ class Scalars:
                                  ) from None
 
     def write(self, rnd: int, metrics: dict | None, clients: list[tuple] | None) -> None:
-        import csv
-
         p = self.rounds
         try:
             with open(p, "a", newline="") as f:
@@ -239,11 +232,19 @@ class MissingStoreError(FedPrismError):
 STATUSES = ("running", "finished", "interrupted", "failed")
 
 
+def _file_in_the_way(folder: Path) -> Path | None:
+    """The existing file that `folder`, or a folder above it, is (so no folder can be made there), or None."""
+    try:
+        return next((q for q in (folder, *folder.parents) if q.exists() and not q.is_dir()), None)
+    except (OSError, ValueError):                   # ValueError: a NUL character in the path
+        return None
+
+
 def _not_a_file(path: Path) -> str:
     """Why `path` can be no store file (a folder, or under a file), or ""."""
     if path.is_dir():
         return f"is a folder, not a file (name a file in it, e.g. {path / 'fedprism-results.db'})"
-    blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    blocker = _file_in_the_way(path.parent)
     return f"{blocker} is a file, not a folder" if blocker is not None else ""
 
 

@@ -469,7 +469,7 @@ def check_runs(todo: list[tuple[str, Config]], db: str | Path, keep_data: bool =
     empties that cache afterwards: worker processes build their own) and each model's parameter count is
     taken once. A refusal is raised naming the run as the progress lines do (`[2/3] FedAvg seed=0: ...`)."""
     from fedprism.errors import FedPrismError
-    from fedprism.experiment.federation import _federation, build_federation, federation_key
+    from fedprism.experiment.federation import build_federation, clear_federations, federation_key
     from fedprism.experiment.runner import check_runnable, make_model, resolve_model_name
 
     groups: dict[tuple, list[tuple[str, Config]]] = {}      # per data setting, in order of first use
@@ -494,7 +494,7 @@ def check_runs(todo: list[tuple[str, Config]], db: str | Path, keep_data: bool =
                     raise
     finally:
         if not keep_data:
-            _federation.cache_clear()
+            clear_federations()
 
 
 def _missing_folders(folder: Path) -> list[Path]:

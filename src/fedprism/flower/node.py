@@ -192,9 +192,7 @@ def build_node(experiment: str, client: int, data_root: str = "", device: str = 
     local = client_slice(fed, client)
     hist = fed.label_hist()[client].copy()
     del fed
-    clear = getattr(_fedmod._federation, "cache_clear", None)   # keep only this client's rows in memory
-    if clear is not None:
-        clear()
+    _fedmod.clear_federations()                                   # keep only this client's rows in memory
     engine = SequentialEngine(local, model, local_config(cfg), cfg["seed"], resolve_device(cfg["device"]))
     ctx.spec = engine.spec
     algo = make_algorithm(cfg, ctx)

@@ -68,9 +68,7 @@ def server_data(s: RunSettings):
                         [empty] * N, fed.num_classes, list(fed.class_names), fed.name, dict(fed.meta),
                         None if fed.val_idx is None else [empty] * N, fed.x_val, fed.y_val)
     del fed
-    clear = getattr(fedmod._federation, "cache_clear", None)
-    if clear is not None:
-        clear()
+    fedmod.clear_federations()
     return (shared if s.global_eval == "server" else None), biggest, sizes, drift
 
 
