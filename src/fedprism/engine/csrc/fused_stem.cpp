@@ -4,9 +4,12 @@
 // with the taps t summed in order (channel, row, column); the k x k conv map is never written.
 // x [G, N, C, H, W], w [G, O, C*k*k], b [G, O] -> [G, N, O, (H-k+1)/2, (W-k+1)/2]: group g's images
 // through group g's filters (G = 1 with the filters of all models stacked: a shared input batch).
-// Two layouts of the same sums: with few input channels (a first layer) a vector holds 16 pooled
+// Two layouts of the same sums: with few input channels (a first layer) a vector holds VL pooled
 // positions of one filter, read from the image's polyphase planes; with more (an inner layer) a vector
-// holds 16 filters at one position, times a broadcast input value.
+// holds VL filters at one position, times a broadcast input value. VL and the register blocking follow
+// the instruction set the file is compiled for (`VL` below): 16 floats and 32 registers with AVX-512,
+// 8 floats and 16 registers otherwise (AVX2). The sums' order within a lane is the same for both; only
+// the final sums over lanes (filter gradients of a first block) group the partial sums by VL.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -15,18 +18,47 @@
 #include <cstdint>
 #include <tuple>
 #include <vector>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
+// Floats per vector and the register blocking of each kernel: accumulators plus operands stay within the
+// vector registers (AVX-512: 32 of 16 floats; AVX2: 16 of 8 floats). Blocked for AVX-512 on a CPU
+// without it, a 16-float vector takes two registers and the accumulators spill to the stack: the kernels
+// then ran 2-4x slower than PyTorch's (bench/README.md, "The fused blocks on AVX2").
+#ifdef __AVX512F__
+constexpr int VL = 16;
+constexpr int TILE_FILTERS = 6;      // first layers: filters x 4 corners accumulators per tile
+constexpr int WINDOWS = 7;           // inner layers: windows x 4 corners accumulators per pass
+constexpr int GRAD_FILTERS = 6, GRAD_TAPS = 4;   // a first block's filter gradients: filters x taps
+constexpr int DW_ROWS = 16;          // an inner block's filter gradients: kernel rows per pass (all)
+constexpr int COL_VECTORS = 10;      // an inner block's patch gradients: vectors of taps per pass
+#else
+constexpr int VL = 8;
+constexpr int TILE_FILTERS = 3;
+constexpr int WINDOWS = 3;
+constexpr int GRAD_FILTERS = 3, GRAD_TAPS = 3;
+constexpr int DW_ROWS = 2;
+constexpr int COL_VECTORS = 10;
+#endif
+
 // Above this many input channels an evaluation block is filter-vectorized (see `windows`).
 constexpr int64_t MAX_POSITION_CHANNELS = 3;
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
-inline v16 load(const float* p) { return *(const v16u*)p; }
+typedef float vf __attribute__((vector_size(4 * VL)));
+typedef float vfu __attribute__((vector_size(4 * VL), aligned(4)));
+inline vf load(const float* p) { return *(const vfu*)p; }
+
+#if !defined(__AVX512F__) && defined(__AVX2__)
+// AVX2's masks: all bits set in lanes [lo, lo + n)
+inline __m256i lanes(int lo, int n) {
+  const __m256i l = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_and_si256(_mm256_cmpgt_epi32(l, _mm256_set1_epi32(lo - 1)),
+                          _mm256_cmpgt_epi32(_mm256_set1_epi32(lo + n), l));
+}
+#endif
 
 // Neighbouring taps read overlapping inputs, and GCC then carries loaded values from tap to tap in
 // registers and re-broadcasts them with shuffles, which compete with the multiply-adds for a port. A
@@ -34,47 +66,57 @@ inline v16 load(const float* p) { return *(const v16u*)p; }
 inline void reload() { asm volatile("" ::: "memory"); }
 
 // The first `n` lanes of v to p[0 .. n).
-inline void store_first(float* p, v16 v, int n) {
+inline void store_first(float* p, vf v, int n) {
 #ifdef __AVX512F__
   _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), (__m512)v);
+#elif defined(__AVX2__)
+  _mm256_maskstore_ps(p, lanes(0, n), (__m256)v);
 #else
   for (int l = 0; l < n; ++l) p[l] = v[l];
 #endif
 }
 
-// The first `n` (0 <= n <= 16) pooled gradients g[0 .. n) and their winning corners a[0 .. n) as floats;
+// The first `n` (0 <= n <= VL) pooled gradients g[0 .. n) and their winning corners a[0 .. n) as floats;
 // lanes from n on hold gradient 0 and corner 255 (no winner).
-inline void load_pooled(const float* g, const uint8_t* a, int n, v16& gv, v16& av) {
+inline void load_pooled(const float* g, const uint8_t* a, int n, vf& gv, vf& av) {
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
   const __mmask16 m = (__mmask16)((1u << n) - 1);
-  gv = (v16)_mm512_maskz_loadu_ps(m, g);
-  av = (v16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_mask_loadu_epi8(_mm_set1_epi8(-1), m, a)));
+  gv = (vf)_mm512_maskz_loadu_ps(m, g);
+  av = (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_mask_loadu_epi8(_mm_set1_epi8(-1), m, a)));
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+  gv = (vf)_mm256_maskload_ps(g, lanes(0, n));
+  if (n == VL) {
+    av = (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)a)));
+  } else {
+    av = vf{} + 255.f;
+    for (int l = 0; l < n; ++l) av[l] = (float)a[l];
+  }
 #else
-  gv = v16{};
-  av = v16{} + 255.f;
+  gv = vf{};
+  av = vf{} + 255.f;
   for (int l = 0; l < n; ++l) gv[l] = g[l], av[l] = (float)a[l];
 #endif
 }
 
-inline float lane_sum(v16 v) {
+inline float lane_sum(vf v) {
   float s = 0.f;
-  for (int l = 0; l < 16; ++l) s += v[l];
+  for (int l = 0; l < VL; ++l) s += v[l];
   return s;
 }
 
 // relu(max over the four corners), and in idx the first corner holding that maximum (255 where it is
 // <= 0: ReLU's gradient is 0 there): max_pool2d's choice after ReLU, in exact arithmetic.
-inline v16 pool4(const v16 (&a)[4], v16* idx) {
-  v16 m = a[0], i = v16{};
+inline vf pool4(const vf (&a)[4], vf* idx) {
+  vf m = a[0], i = vf{};
 #pragma GCC unroll 3
   for (int d = 1; d < 4; ++d) {
     const auto gt = a[d] > m;
     m = gt ? a[d] : m;
-    i = gt ? v16{} + (float)d : i;
+    i = gt ? vf{} + (float)d : i;
   }
-  const auto on = m > v16{};
-  if (idx != nullptr) *idx = on ? i : v16{} + 255.f;
-  return on ? m : v16{};
+  const auto on = m > vf{};
+  if (idx != nullptr) *idx = on ? i : vf{} + 255.f;
+  return on ? m : vf{};
 }
 
 // One image's geometry. The pooled position (i, j) sits at q = i * S + j of a grid S >= Wp + k/2 wide
@@ -123,6 +165,28 @@ void phases(const float* xs, int64_t xc, const Geo& g, float* ph, std::vector<fl
         }
     return;
   }
+#elif defined(__AVX2__)
+  if (g.S == 16 && g.W <= 32) {         // a row in four vectors, split into its even and odd columns
+    for (int64_t c = 0; c < g.C; ++c)
+      for (int a = 0; a < 2; ++a)
+        for (int64_t i = 0; i < g.R; ++i) {
+          const int64_t y = 2 * i + a;
+          __m256 v[4];
+          for (int u = 0; u < 4; ++u) {
+            const int n = (int)std::clamp<int64_t>(g.W - 8 * u, 0, 8);
+            v[u] = y < g.H ? _mm256_maskload_ps(xs + c * xc + y * g.W + 8 * u, lanes(0, n)) : _mm256_setzero_ps();
+          }
+          float* out = ph + (c * 2 + a) * 2 * g.PH + i * 16;
+          for (int h = 0; h < 2; ++h) {      // columns 16 h .. 16 h + 16: (e0 e2 f0 f2 e4 e6 f4 f6) -> in order
+            const __m256 e = _mm256_shuffle_ps(v[2 * h], v[2 * h + 1], _MM_SHUFFLE(2, 0, 2, 0));
+            const __m256 o = _mm256_shuffle_ps(v[2 * h], v[2 * h + 1], _MM_SHUFFLE(3, 1, 3, 1));
+            _mm256_storeu_ps(out + 8 * h, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), 0xD8)));
+            _mm256_storeu_ps(out + g.PH + 8 * h,
+                             _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(o), 0xD8)));
+          }
+        }
+    return;
+  }
 #endif
   const int64_t half = g.S + 2;
   row.assign(2 * half, 0.f);
@@ -139,17 +203,17 @@ void phases(const float* xs, int64_t xc, const Geo& g, float* ph, std::vector<fl
       }
 }
 
-// Position-vectorized (first layers: few input channels): OB <= 6 filters, the 16 grid positions from p0,
-// all four corners in 24 accumulators; w holds the block's filters interleaved, [T][OB].
+// Position-vectorized (first layers: few input channels): OB <= TILE_FILTERS filters, the VL grid positions
+// from p0, all four corners in 4 OB accumulators; w holds the block's filters interleaved, [T][OB].
 template <int OB, int K>
 inline void tile(const float* ph, const Geo& g, const float* w, const float* b, int64_t p0, float* out,
                  uint8_t* arg) {
   const int64_t k = K > 0 ? K : g.k;
-  v16 acc[OB][4];
+  vf acc[OB][4];
 #pragma GCC unroll 8
   for (int q = 0; q < OB; ++q)
 #pragma GCC unroll 4
-    for (int d = 0; d < 4; ++d) acc[q][d] = v16{} + b[q];
+    for (int d = 0; d < 4; ++d) acc[q][d] = vf{} + b[q];
   const int64_t C = g.C, S = g.S, PH = g.PH;               // locals: the barrier below reloads memory
   for (int64_t c = 0; c < C; ++c)
     for (int64_t ki = 0; ki < k; ++ki) {
@@ -163,7 +227,7 @@ inline void tile(const float* ph, const Geo& g, const float* w, const float* b, 
 #pragma GCC unroll 8
       for (int64_t kj = 0; kj < k; ++kj) {
         reload();
-        v16 x[4];
+        vf x[4];
 #pragma GCC unroll 4
         for (int d = 0; d < 4; ++d) {
           const int64_t v = kj + (d & 1);
@@ -178,10 +242,10 @@ inline void tile(const float* ph, const Geo& g, const float* w, const float* b, 
       }
     }
   const int64_t QO = g.Hp * g.Wp, i = p0 / g.S, j0 = p0 % g.S, at = i * g.Wp + j0;
-  const int n = (int)std::min<int64_t>(16, g.Wp - j0);
+  const int n = (int)std::min<int64_t>(VL, g.Wp - j0);
 #pragma GCC unroll 8
   for (int q = 0; q < OB; ++q) {
-    v16 idx;
+    vf idx;
     store_first(out + q * QO + at, pool4(acc[q], arg == nullptr ? nullptr : &idx), n);
     if (arg != nullptr)
       for (int l = 0; l < n; ++l) arg[q * QO + at + l] = (uint8_t)idx[l];
@@ -191,7 +255,7 @@ inline void tile(const float* ph, const Geo& g, const float* w, const float* b, 
 template <int OB>
 void positions(const float* ph, const Geo& g, const float* w, const float* b, float* out, uint8_t* arg) {
   for (int64_t i = 0; i < g.Hp; ++i)
-    for (int64_t j0 = 0; j0 < g.Wp; j0 += 16) {
+    for (int64_t j0 = 0; j0 < g.Wp; j0 += VL) {
       if (g.k == 5) tile<OB, 5>(ph, g, w, b, i * g.S + j0, out, arg);
       else if (g.k == 3) tile<OB, 3>(ph, g, w, b, i * g.S + j0, out, arg);
       else tile<OB, 0>(ph, g, w, b, i * g.S + j0, out, arg);
@@ -199,14 +263,14 @@ void positions(const float* ph, const Geo& g, const float* w, const float* b, fl
 }
 
 // Filter-vectorized (inner layers, e.g. LeNet-5's second: 6 -> 16 channels): NW windows of one pooled
-// row, their four corners, 16 filters (one vector) per accumulator; per tap one load of the 16 filters'
-// weights (w: [T][16]) and 4 NW products with a broadcast input value. With `arg`, also the winning
+// row, their four corners, VL filters (one vector) per accumulator; per tap one load of the VL filters'
+// weights (w: [T][VL]) and 4 NW products with a broadcast input value. With `arg`, also the winning
 // corners (as `tile`).
 template <int NW>
 inline void windows(const float* x, const Geo& g, const float* w, const float* b, float* out, uint8_t* arg,
                     int64_t q0, int nO) {
-  v16 acc[NW][4];
-  const v16 bias = load(b);
+  vf acc[NW][4];
+  const vf bias = load(b);
 #pragma GCC unroll 7
   for (int j = 0; j < NW; ++j)
 #pragma GCC unroll 4
@@ -216,9 +280,9 @@ inline void windows(const float* x, const Geo& g, const float* w, const float* b
     for (int64_t ki = 0; ki < k; ++ki) {
       const float* r0 = x + (c * H + ki) * W;
       const float* r1 = r0 + W;
-      for (int64_t kj = 0; kj < k; ++kj, w += 16) {
+      for (int64_t kj = 0; kj < k; ++kj, w += VL) {
         reload();
-        const v16 wv = load(w);
+        const vf wv = load(w);
 #pragma GCC unroll 7
         for (int j = 0; j < NW; ++j) {
           acc[j][0] += r0[kj + 2 * j] * wv;
@@ -231,8 +295,8 @@ inline void windows(const float* x, const Geo& g, const float* w, const float* b
   const int64_t QO = g.Hp * g.Wp;
 #pragma GCC unroll 7
   for (int j = 0; j < NW; ++j) {
-    v16 idx;
-    const v16 m = pool4(acc[j], arg == nullptr ? nullptr : &idx);
+    vf idx;
+    const vf m = pool4(acc[j], arg == nullptr ? nullptr : &idx);
     for (int l = 0; l < nO; ++l) out[l * QO + q0 + j] = m[l];
     if (arg != nullptr)
       for (int l = 0; l < nO; ++l) arg[l * QO + q0 + j] = (uint8_t)idx[l];
@@ -255,10 +319,10 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x_, const at::Tenso
   const int64_t T = g.C * k * k, QO = g.Hp * g.Wp, sg = x.stride(0), sn = x.stride(1);
   TORCH_CHECK(w.size(0) == G && w.size(2) == T && b.size(0) == G && b.size(1) == O && g.Hp > 0 && g.Wp > 0,
               "fused stem: shapes do not match");
-  // Filters regrouped: position-vectorized blocks of 6 interleaved [T][6]; filter-vectorized blocks of
-  // 16 as [T][16] (zero padded), biases [16].
+  // Filters regrouped: position-vectorized blocks of TILE_FILTERS interleaved [T][TILE_FILTERS];
+  // filter-vectorized blocks of VL as [T][VL] (zero padded), biases [VL].
   const bool by_filter = g.C > MAX_POSITION_CHANNELS;
-  const int64_t OB = by_filter ? 16 : 6, NB = (O + OB - 1) / OB;
+  const int64_t OB = by_filter ? VL : TILE_FILTERS, NB = (O + OB - 1) / OB;
   std::vector<float> wk(G * NB * T * OB, 0.f), bk(G * NB * OB, 0.f);
   const float* wp = w.data_ptr<float>();
   const float* bp = b.data_ptr<float>();
@@ -280,16 +344,16 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x_, const at::Tenso
       const float* xs = xp + gi * sg + (s % N) * sn;
       if (by_filter) {
         for (int64_t blk = 0; blk < NB; ++blk) {
-          const int nO = (int)std::min<int64_t>(16, O - blk * 16);
-          const float* wb = wk.data() + (gi * NB + blk) * T * 16;
-          const float* bb = bk.data() + (gi * NB + blk) * 16;
-          float* od = op + (s * O + blk * 16) * QO;
-          uint8_t* ad = ap == nullptr ? nullptr : ap + (s * O + blk * 16) * QO;
+          const int nO = (int)std::min<int64_t>(VL, O - blk * VL);
+          const float* wb = wk.data() + (gi * NB + blk) * T * VL;
+          const float* bb = bk.data() + (gi * NB + blk) * VL;
+          float* od = op + (s * O + blk * VL) * QO;
+          uint8_t* ad = ap == nullptr ? nullptr : ap + (s * O + blk * VL) * QO;
           for (int64_t i = 0; i < g.Hp; ++i)
-            for (int64_t j0 = 0; j0 < g.Wp; j0 += 7) {
+            for (int64_t j0 = 0; j0 < g.Wp; j0 += WINDOWS) {
               const float* xr = xs + 2 * i * g.W + 2 * j0;
               const int64_t q0 = i * g.Wp + j0;
-              switch (std::min<int64_t>(7, g.Wp - j0)) {
+              switch (std::min<int64_t>(WINDOWS, g.Wp - j0)) {
                 case 7: windows<7>(xr, g, wb, bb, od, ad, q0, nO); break;
                 case 6: windows<6>(xr, g, wb, bb, od, ad, q0, nO); break;
                 case 5: windows<5>(xr, g, wb, bb, od, ad, q0, nO); break;
@@ -304,12 +368,12 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x_, const at::Tenso
       }
       phases(xs, g.H * g.W, g, ph.data(), row);
       for (int64_t blk = 0; blk < NB; ++blk) {
-        const int64_t o0 = blk * 6;
-        const float* wb = wk.data() + (gi * NB + blk) * T * 6;
-        const float* bb = bk.data() + (gi * NB + blk) * 6;
+        const int64_t o0 = blk * TILE_FILTERS;
+        const float* wb = wk.data() + (gi * NB + blk) * T * TILE_FILTERS;
+        const float* bb = bk.data() + (gi * NB + blk) * TILE_FILTERS;
         float* od = op + (s * O + o0) * QO;
         uint8_t* ad = ap == nullptr ? nullptr : ap + (s * O + o0) * QO;
-        switch (std::min<int64_t>(6, O - o0)) {
+        switch (std::min<int64_t>(TILE_FILTERS, O - o0)) {
           case 6: positions<6>(ph.data(), g, wb, bb, od, ad); break;
           case 5: positions<5>(ph.data(), g, wb, bb, od, ad); break;
           case 4: positions<4>(ph.data(), g, wb, bb, od, ad); break;
@@ -339,15 +403,15 @@ std::tuple<at::Tensor, at::Tensor> stem_train_forward(const at::Tensor& x, const
 // acc[o][t] (vector partial sums) += sum over corners d and grid positions of Gd[o][d][.] * x(tap t, d)[.]
 template <int OB, int TB>
 inline void grad_block(const float* Gd, const float* ph, const int64_t* off, int64_t Q, int64_t o0,
-                       int64_t t0, v16* acc, int64_t T) {
-  v16 a[OB][TB];
+                       int64_t t0, vf* acc, int64_t T) {
+  vf a[OB][TB];
 #pragma GCC unroll 8
   for (int q = 0; q < OB; ++q)
 #pragma GCC unroll 4
     for (int r = 0; r < TB; ++r) a[q][r] = acc[(o0 + q) * T + t0 + r];
   for (int64_t d = 0; d < 4; ++d)
-    for (int64_t p0 = 0; p0 < Q; p0 += 16) {
-      v16 g[OB], p[TB];
+    for (int64_t p0 = 0; p0 < Q; p0 += VL) {
+      vf g[OB], p[TB];
 #pragma GCC unroll 8
       for (int q = 0; q < OB; ++q) g[q] = load(Gd + ((o0 + q) * 4 + d) * Q + p0);
 #pragma GCC unroll 4
@@ -364,10 +428,10 @@ inline void grad_block(const float* Gd, const float* ph, const int64_t* off, int
 }
 
 template <int OB>
-inline void grad_rows(const float* Gd, const float* ph, const int64_t* off, int64_t Q, int64_t o0, v16* acc,
+inline void grad_rows(const float* Gd, const float* ph, const int64_t* off, int64_t Q, int64_t o0, vf* acc,
                       int64_t T) {
   int64_t t0 = 0;
-  for (; t0 + 4 <= T; t0 += 4) grad_block<OB, 4>(Gd, ph, off, Q, o0, t0, acc, T);
+  for (; t0 + GRAD_TAPS <= T; t0 += GRAD_TAPS) grad_block<OB, GRAD_TAPS>(Gd, ph, off, Q, o0, t0, acc, T);
   for (; t0 < T; ++t0) grad_block<OB, 1>(Gd, ph, off, Q, o0, t0, acc, T);
 }
 
@@ -397,32 +461,32 @@ std::tuple<at::Tensor, at::Tensor> stem_backward(const at::Tensor& grad_, const 
   float* dbp = db.data_ptr<float>();
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
     std::vector<float> ph(g.phase_floats(), 0.f), row, Gd(O * 4 * Q);
-    std::vector<v16> acc(O * T);
+    std::vector<vf> acc(O * T);
     for (int64_t gi = g0; gi < g1; ++gi) {
-      std::fill(acc.begin(), acc.end(), v16{});
+      std::fill(acc.begin(), acc.end(), vf{});
       std::vector<float> bsum(O, 0.f);
       for (int64_t n = 0; n < N; ++n) {
         phases(xp + (gi * xg * N + n) * g.C * g.H * g.W, g.H * g.W, g, ph.data(), row);
         const float* gn = gp + (gi * N + n) * O * QO;
         const uint8_t* an = ap + (gi * N + n) * O * QO;
-        // Gd[o][d]: each pooled gradient at its winning corner d, 0 elsewhere (every lane written, 16
+        // Gd[o][d]: each pooled gradient at its winning corner d, 0 elsewhere (every lane written, VL
         // at a time), and the biases' gradients: the sum of the winners' pooled gradients
         for (int64_t o = 0; o < O; ++o) {
-          v16 bs = v16{};
+          vf bs = vf{};
           for (int64_t i = 0; i < g.Hp; ++i)
-            for (int64_t j0 = 0; j0 < g.S; j0 += 16) {
-              v16 gv, av;
+            for (int64_t j0 = 0; j0 < g.S; j0 += VL) {
+              vf gv, av;
               const int64_t at = o * QO + i * g.Wp + j0;
-              load_pooled(gn + at, an + at, (int)std::clamp<int64_t>(g.Wp - j0, 0, 16), gv, av);
-              bs += av < 4.f ? gv : v16{};
+              load_pooled(gn + at, an + at, (int)std::clamp<int64_t>(g.Wp - j0, 0, VL), gv, av);
+              bs += av < 4.f ? gv : vf{};
 #pragma GCC unroll 4
               for (int d = 0; d < 4; ++d)
-                *(v16u*)(Gd.data() + (o * 4 + d) * Q + i * g.S + j0) = av == (float)d ? gv : v16{};
+                *(vfu*)(Gd.data() + (o * 4 + d) * Q + i * g.S + j0) = av == (float)d ? gv : vf{};
             }
           bsum[o] += lane_sum(bs);
         }
-        for (int64_t o0 = 0; o0 < O; o0 += 6) {
-          switch (std::min<int64_t>(6, O - o0)) {
+        for (int64_t o0 = 0; o0 < O; o0 += GRAD_FILTERS) {
+          switch (std::min<int64_t>(GRAD_FILTERS, O - o0)) {
             case 6: grad_rows<6>(Gd.data(), ph.data(), off.data(), Q, o0, acc.data(), T); break;
             case 5: grad_rows<5>(Gd.data(), ph.data(), off.data(), Q, o0, acc.data(), T); break;
             case 4: grad_rows<4>(Gd.data(), ph.data(), off.data(), Q, o0, acc.data(), T); break;
@@ -447,24 +511,25 @@ std::tuple<at::Tensor, at::Tensor> stem_backward(const at::Tensor& grad_, const 
 // and the gradient of the block's input, which the previous block's backward takes. Every pass keeps its
 // sums in registers: read-modify-writes of overlapping rows through memory stall on store forwarding. ----
 
-// dW[taps of channel c] (K * K vectors of 16 filters) += sum over windows q and corners d of
-// Gq[q][d] (the filters' pooled gradients where corner d won, else 0) * x[c][2i + dy + ki][2j + dx + kj];
-// rowof / colof: window q's first conv row 2i and column 2j (no division per window).
-template <int K>
-inline void grad_channel(const float* xc, const Geo& g, const float* Gq, const int64_t* rowof,
-                         const int64_t* colof, v16* dw) {
-  const int64_t k = K > 0 ? K : g.k, W = g.W, QO = g.Hp * g.Wp;
-  constexpr int KK = K > 0 ? K * K : 1;
-  v16 a[KK];
-  v16* acc = K > 0 ? a : dw;
+// dW[taps of channel c, kernel rows k0 .. k0 + R) (vectors of VL filters) += sum over windows q and corners
+// d of Gq[q][d] (the filters' pooled gradients where corner d won, else 0) * x[c][2i + dy + ki][2j + dx + kj];
+// rowof / colof: window q's first conv row 2i and column 2j (no division per window). K = 0: any k, all
+// rows (R unused), through memory.
+template <int K, int R>
+inline void grad_taps(const float* xc, const Geo& g, const float* Gq, const int64_t* rowof,
+                      const int64_t* colof, vf* dw, int64_t k0) {
+  const int64_t k = K > 0 ? K : g.k, rows = K > 0 ? R : g.k, W = g.W, QO = g.Hp * g.Wp;
+  constexpr int RK = K > 0 ? R * K : 1;
+  vf a[RK];
+  vf* acc = K > 0 ? a : dw;
   if (K > 0)
-    for (int t = 0; t < KK; ++t) a[t] = dw[t];
+    for (int t = 0; t < RK; ++t) a[t] = dw[k0 * k + t];
   for (int64_t q = 0; q < QO; ++q)
     for (int d = 0; d < 4; ++d) {
-      const v16 gv = load(Gq + (q * 4 + d) * 16);
-      const float* base = xc + rowof[q] * W + colof[q] + (d >> 1) * W + (d & 1);
+      const vf gv = load(Gq + (q * 4 + d) * VL);
+      const float* base = xc + (rowof[q] + k0) * W + colof[q] + (d >> 1) * W + (d & 1);
 #pragma GCC unroll 8
-      for (int64_t ki = 0; ki < k; ++ki) {
+      for (int64_t ki = 0; ki < rows; ++ki) {
         // a pointer per row, the taps displacements from it (an index per tap cost a load and an add
         // per multiply-add: GCC kept the 25 indices on the stack)
         const float* row = base + ki * W;
@@ -473,22 +538,39 @@ inline void grad_channel(const float* xc, const Geo& g, const float* Gq, const i
       }
     }
   if (K > 0)
-    for (int t = 0; t < KK; ++t) dw[t] = a[t];
+    for (int t = 0; t < RK; ++t) dw[k0 * k + t] = a[t];
 }
 
-// acc[lanes px .. px + n) += src[0 .. n) (n + px <= 16; lanes outside are untouched)
-inline v16 add_at(v16 acc, const float* src, int64_t px, int n) {
+// All K x K taps of channel c, DW_ROWS kernel rows per pass (each tap's sum keeps its order).
+template <int K>
+inline void grad_channel(const float* xc, const Geo& g, const float* Gq, const int64_t* rowof,
+                         const int64_t* colof, vf* dw) {
+  if constexpr (K == 0) {
+    grad_taps<0, 1>(xc, g, Gq, rowof, colof, dw, 0);
+  } else {
+    constexpr int R = std::min(DW_ROWS, K);
+    int64_t k0 = 0;
+    for (; k0 + R <= K; k0 += R) grad_taps<K, R>(xc, g, Gq, rowof, colof, dw, k0);
+    if constexpr (K % R != 0) grad_taps<K, K % R>(xc, g, Gq, rowof, colof, dw, k0);
+  }
+}
+
+// acc[lanes px .. px + n) += src[0 .. n) (n + px <= VL; lanes outside are untouched)
+inline vf add_at(vf acc, const float* src, int64_t px, int n) {
 #ifdef __AVX512F__
   // a masked load from src - px: lanes below px are masked off, so nothing is read there
-  return acc + (v16)_mm512_maskz_loadu_ps((__mmask16)(((1u << n) - 1) << px), src - px);
+  return acc + (vf)_mm512_maskz_loadu_ps((__mmask16)(((1u << n) - 1) << px), src - px);
+#elif defined(__AVX2__)
+  return acc + (vf)_mm256_maskload_ps(src - px, lanes((int)px, n));   // as above: no read outside the lanes
 #else
   for (int l = 0; l < n; ++l) acc[px + l] += src[l];
   return acc;
 #endif
 }
 
-// col = sum over the filters o in lst[0 .. n) of v[o] * w[o][0 .. Tp), TV = Tp / 16 vectors in registers
-// (LeNet-5's second block: 150 taps in 10); TV = 0: any Tp, through memory.
+// col[0 .. TV VL) = sum over the filters o in lst[0 .. n) of v[o] * w[o][0 .. TV VL), in registers
+// (w: rows of stride Tp); TV = 0: the whole row of any Tp, through memory. LeNet-5's second block has
+// 150 taps, padded to 160: one pass of 10 vectors with AVX-512, two with AVX2.
 template <int TV>
 inline void weighted_rows(const int* lst, int n, const float* v, const float* wpad, int64_t Tp, float* col) {
   if (TV == 0) {
@@ -498,17 +580,17 @@ inline void weighted_rows(const int* lst, int n, const float* v, const float* wp
     return;
   }
   constexpr int NV = TV > 0 ? TV : 1;
-  v16 a[NV];
+  vf a[NV];
 #pragma GCC unroll 16
-  for (int u = 0; u < NV; ++u) a[u] = v16{};
+  for (int u = 0; u < NV; ++u) a[u] = vf{};
   for (int i = 0; i < n; ++i) {
     const float cv = v[lst[i]];
     const float* wr = wpad + lst[i] * Tp;
 #pragma GCC unroll 16
-    for (int u = 0; u < NV; ++u) a[u] += cv * load(wr + 16 * u);
+    for (int u = 0; u < NV; ++u) a[u] += cv * load(wr + VL * u);
   }
 #pragma GCC unroll 16
-  for (int u = 0; u < NV; ++u) *(v16u*)(col + 16 * u) = a[u];
+  for (int u = 0; u < NV; ++u) *(vfu*)(col + VL * u) = a[u];
 }
 
 // grad, arg [G, N, O, Hp, Wp], x [G, N, C, H, W] (the block's input), w [G, O, T]
@@ -537,17 +619,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward(const at::Tensor& 
   float* dwp = dw.data_ptr<float>();
   float* dbp = db.data_ptr<float>();
   float* dxp = dx.data_ptr<float>();
-  const int64_t NB = (O + 15) / 16, CH_ = 2 * g.Hp, CW_ = 2 * g.Wp;    // the conv positions that pool
+  const int64_t NB = (O + VL - 1) / VL, CH_ = 2 * g.Hp, CW_ = 2 * g.Wp;    // the conv positions that pool
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<float> Gq(NB * QO * 4 * 16), wpad(NB * 16 * Tp_), col(CH_ * CW_ * Tp_), gv(NB * 16);
+    std::vector<float> Gq(NB * QO * 4 * VL), wpad(NB * VL * Tp_), col(CH_ * CW_ * Tp_), gv(NB * VL);
     std::vector<int> won(QO * 4 * O), nwon(QO * 4);
-    std::vector<v16> acc(NB * T);
+    std::vector<vf> acc(NB * T);
     const int64_t C = g.C, H = g.H, W = g.W, k = k_, Tp = Tp_, CH = CH_, CW = CW_;   // locals, not captures
     std::vector<int64_t> rowof(QO), colof(QO);
     for (int64_t q = 0; q < QO; ++q) rowof[q] = 2 * (q / g.Wp), colof[q] = 2 * (q % g.Wp);
     for (int64_t gi = g0; gi < g1; ++gi) {
-      std::fill(acc.begin(), acc.end(), v16{});
-      std::fill(wpad.begin(), wpad.end(), 0.f);                 // [filter (padded to NB * 16)][Tp]
+      std::fill(acc.begin(), acc.end(), vf{});
+      std::fill(wpad.begin(), wpad.end(), 0.f);                 // [filter (padded to NB * VL)][Tp]
       for (int64_t o = 0; o < O; ++o) std::copy_n(wp + (gi * O + o) * T, T, wpad.data() + o * Tp);
       std::vector<float> bsum(O, 0.f);
       for (int64_t n = 0; n < N; ++n) {
@@ -555,29 +637,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward(const at::Tensor& 
         float* dxs = dxp + (gi * N + n) * g.C * g.H * g.W;
         const float* gn = gp + (gi * N + n) * O * QO;
         const uint8_t* an = ap + (gi * N + n) * O * QO;
-        // Gq[blk][q][d][l]: filter blk * 16 + l's pooled gradient at window q if corner d won it, else 0;
+        // Gq[blk][q][d][l]: filter blk * VL + l's pooled gradient at window q if corner d won it, else 0;
         // won / nwon: the filters each corner won
         std::fill(Gq.begin(), Gq.end(), 0.f);
         std::fill(nwon.begin(), nwon.end(), 0);
         for (int64_t o = 0; o < O; ++o) {
-          v16 bs = v16{};                                       // the biases' gradients, 16 windows at a time
-          for (int64_t q0 = 0; q0 < QO; q0 += 16) {
-            v16 gv, av;
-            load_pooled(gn + o * QO + q0, an + o * QO + q0, (int)std::min<int64_t>(16, QO - q0), gv, av);
-            bs += av < 4.f ? gv : v16{};
+          vf bs = vf{};                                       // the biases' gradients, VL windows at a time
+          for (int64_t q0 = 0; q0 < QO; q0 += VL) {
+            vf gv, av;
+            load_pooled(gn + o * QO + q0, an + o * QO + q0, (int)std::min<int64_t>(VL, QO - q0), gv, av);
+            bs += av < 4.f ? gv : vf{};
           }
           bsum[o] += lane_sum(bs);
           for (int64_t q = 0; q < QO; ++q) {
             const uint8_t a = an[o * QO + q];
             if (a > 3) continue;
-            Gq[(((o / 16) * QO + q) * 4 + a) * 16 + o % 16] = gn[o * QO + q];
+            Gq[(((o / VL) * QO + q) * 4 + a) * VL + o % VL] = gn[o * QO + q];
             won[(q * 4 + a) * O + nwon[q * 4 + a]++] = (int)o;
           }
         }
         for (int64_t blk = 0; blk < NB; ++blk)                  // 1. dW
           for (int64_t c = 0; c < g.C; ++c) {
-            const float* Gb = Gq.data() + blk * QO * 4 * 16;
-            v16* dwc = acc.data() + blk * T + c * k * k;
+            const float* Gb = Gq.data() + blk * QO * 4 * VL;
+            vf* dwc = acc.data() + blk * T + c * k * k;
             if (k == 5) grad_channel<5>(xs + c * H * W, g, Gb, rowof.data(), colof.data(), dwc);
             else if (k == 3) grad_channel<3>(xs + c * H * W, g, Gb, rowof.data(), colof.data(), dwc);
             else grad_channel<0>(xs + c * H * W, g, Gb, rowof.data(), colof.data(), dwc);
@@ -588,38 +670,40 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward(const at::Tensor& 
             const int64_t py = rowof[q] + (d >> 1), px = colof[q] + (d & 1);
             const int* lst = won.data() + (q * 4 + d) * O;
             float* cl = col.data() + (py * CW + px) * Tp;
-            if (Tp == 160) weighted_rows<10>(lst, nwon[q * 4 + d], gv.data(), wpad.data(), Tp, cl);
+            if (Tp % (COL_VECTORS * VL) == 0)
+              for (int64_t c0 = 0; c0 < Tp; c0 += COL_VECTORS * VL)
+                weighted_rows<COL_VECTORS>(lst, nwon[q * 4 + d], gv.data(), wpad.data() + c0, Tp, cl + c0);
             else weighted_rows<0>(lst, nwon[q * 4 + d], gv.data(), wpad.data(), Tp, cl);
           }
         }
         // 3. dx[c][y][x] = sum over ki and conv positions (y - ki, px) of their patch gradient's row (c, ki)
-        // at lanes px .. px + k: a vector per input row (16 columns at a time), no read-modify-writes
+        // at lanes px .. px + k: a vector per input row (VL columns at a time), no read-modify-writes
         for (int64_t c = 0; c < C; ++c)
           for (int64_t y = 0; y < H; ++y)
-            for (int64_t x0 = 0; x0 < W; x0 += 16) {
-              v16 row = v16{}, odd = v16{};                    // two chains of additions, not one
+            for (int64_t x0 = 0; x0 < W; x0 += VL) {
+              vf row = vf{}, odd = vf{};                    // two chains of additions, not one
               for (int64_t ki = 0; ki < k; ++ki) {
                 const int64_t py = y - ki;
                 if (py < 0 || py >= CH) continue;
                 const float* src = col.data() + py * CW * Tp + (c * k + ki) * k;
-                if (W <= 16) {                       // one vector per row: lanes px .. px + k (CW is even)
+                if (W <= VL) {                       // one vector per row: lanes px .. px + k (CW is even)
                   for (int64_t px = 0; px + 1 < CW; px += 2) {
                     row = add_at(row, src + px * Tp, px, (int)k);
                     odd = add_at(odd, src + (px + 1) * Tp, px + 1, (int)k);
                   }
                   continue;
                 }
-                for (int64_t px = std::max<int64_t>(0, x0 - k + 1); px < std::min(CW, x0 + 16); ++px) {
-                  const int64_t lo = std::max(px, x0), hi = std::min(px + k, x0 + 16);   // lanes [lo, hi)
+                for (int64_t px = std::max<int64_t>(0, x0 - k + 1); px < std::min(CW, x0 + VL); ++px) {
+                  const int64_t lo = std::max(px, x0), hi = std::min(px + k, x0 + VL);   // lanes [lo, hi)
                   row = add_at(row, src + px * Tp + (lo - px), lo - x0, (int)(hi - lo));
                 }
               }
-              store_first(dxs + (c * H + y) * W + x0, row + odd, (int)std::min<int64_t>(16, W - x0));
+              store_first(dxs + (c * H + y) * W + x0, row + odd, (int)std::min<int64_t>(VL, W - x0));
             }
       }
       for (int64_t o = 0; o < O; ++o) {
         dbp[gi * O + o] = bsum[o];
-        for (int64_t t = 0; t < T; ++t) dwp[(gi * O + o) * T + t] = acc[(o / 16) * T + t][o % 16];
+        for (int64_t t = 0; t < T; ++t) dwp[(gi * O + o) * T + t] = acc[(o / VL) * T + t][o % VL];
       }
     }
   });
