@@ -312,6 +312,26 @@ def test_an_inner_blocks_training_kernels_give_pytorchs_gradients_exactly(G, N, 
         assert torch.equal(dx[g], xg.grad)
 
 
+@pytest.mark.parametrize("C,H,W,k", [(1, 12, 11, 3), (1, 32, 30, 5), (2, 9, 20, 3), (1, 7, 33, 3)])
+def test_the_kernels_read_nothing_past_their_input(C, H, W, k):
+    """The first block's polyphase split reads whole vectors of input rows. Lanes past a row's end are the
+    next row's (computed and dropped), but past the last image's last row they would be memory beyond the
+    tensor: masked off, so NaN there changes nothing. Otherwise the first block's filter gradients sum
+    0 x NaN over the dropped lanes."""
+    ops = torch.ops.fedprism_kernels
+    G, N, O = 1, 2, 4
+    x = _ints(G, N, C, H, W, lo=0, hi=3)
+    buf = torch.full((x.numel() + 256,), float("nan"))
+    buf[:x.numel()] = x.flatten()
+    xv = buf[:x.numel()].view(x.shape)                      # contiguous: the kernels use it in place
+    w, b = _ints(G, O, C * k * k, seed=1), _ints(G, O, seed=2)
+    out, arg = ops.stem_train_forward(x, w, b, k)
+    outv, argv = ops.stem_train_forward(xv, w, b, k)
+    assert torch.equal(out, outv) and torch.equal(arg, argv)
+    go = _ints(*out.shape, seed=3)
+    for a, bb in zip(ops.stem_backward(go, arg, x, k), ops.stem_backward(go, arg, xv, k)):
+        assert torch.equal(a, bb)
+
 def _split(channels=1):
     model = build_model("lenet5", (channels, 32, 32), 10, seed=0)
     return model, fused.StemSplit(Functional(model))

@@ -6,10 +6,12 @@ Why: on the FedPrism paper workload LeNet-5's two convolutions (1 -> 6 and 6 -> 
 passes over their outputs are most of a CPU round (bench/README.md: `bench/round_profile.py`,
 `bench/fused_stem.py`). `csrc/fused_stem.cpp` computes each pooled output in registers: the conv outputs
 at the four corners of each 2 x 2 window, their maximum, then ReLU; the conv map is never written. It has
-two layouts of the same sums. With at most three input channels (a first layer) a vector holds 16 pooled
+two layouts of the same sums. With at most three input channels (a first layer) a vector holds VL pooled
 positions of one filter, read straight from the image's four polyphase planes (x[2i + a, 2j + b]), six
-filters at a time. With more (an inner layer) a vector holds 16 filters at one position, multiplied by a
-broadcast input value, seven windows at a time. The training forward also keeps each window's winning
+filters at a time. With more (an inner layer) a vector holds VL filters at one position, multiplied by a
+broadcast input value, seven windows at a time. VL and those blockings are AVX-512's (16 floats, 32
+registers); a build for a CPU without AVX-512 uses 8 floats and blocks of three, which fit AVX2's 16
+registers (the AVX-512 blocking spilled there and ran 2-4x slower than PyTorch's layers). The training forward also keeps each window's winning
 corner, from which the backward forms the filters' and biases' gradients and, for an inner block, its
 input's gradient; only winning corners have a gradient, so that backward runs over them alone.
 

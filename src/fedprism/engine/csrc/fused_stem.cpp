@@ -174,10 +174,11 @@ void phases(const float* xs, int64_t xc, const Geo& g, float* ph, std::vector<fl
           __m256 v[4];
           for (int u = 0; u < 4; ++u) {
             const int n = (int)std::clamp<int64_t>(g.W - 8 * u, 0, 8);
-            v[u] = y < g.H ? _mm256_maskload_ps(xs + c * xc + y * g.W + 8 * u, lanes(0, n)) : _mm256_setzero_ps();
+            v[u] = y < g.H ? _mm256_maskload_ps(xs + c * xc + y * g.W + 8 * u, lanes(0, n))
+                           : _mm256_setzero_ps();
           }
           float* out = ph + (c * 2 + a) * 2 * g.PH + i * 16;
-          for (int h = 0; h < 2; ++h) {      // columns 16 h .. 16 h + 16: (e0 e2 f0 f2 e4 e6 f4 f6) -> in order
+          for (int h = 0; h < 2; ++h) {      // columns 16 h ..: (e0 e2 f0 f2 e4 e6 f4 f6) -> in order
             const __m256 e = _mm256_shuffle_ps(v[2 * h], v[2 * h + 1], _MM_SHUFFLE(2, 0, 2, 0));
             const __m256 o = _mm256_shuffle_ps(v[2 * h], v[2 * h + 1], _MM_SHUFFLE(3, 1, 3, 1));
             _mm256_storeu_ps(out + 8 * h, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), 0xD8)));
@@ -511,8 +512,9 @@ std::tuple<at::Tensor, at::Tensor> stem_backward(const at::Tensor& grad_, const 
 // and the gradient of the block's input, which the previous block's backward takes. Every pass keeps its
 // sums in registers: read-modify-writes of overlapping rows through memory stall on store forwarding. ----
 
-// dW[taps of channel c, kernel rows k0 .. k0 + R) (vectors of VL filters) += sum over windows q and corners
-// d of Gq[q][d] (the filters' pooled gradients where corner d won, else 0) * x[c][2i + dy + ki][2j + dx + kj];
+// dW[taps of channel c, kernel rows k0 .. k0 + R) (vectors of VL filters) += sum over windows q and
+// corners d of Gq[q][d] (the filters' pooled gradients where corner d won, else 0)
+// * x[c][2i + dy + ki][2j + dx + kj];
 // rowof / colof: window q's first conv row 2i and column 2j (no division per window). K = 0: any k, all
 // rows (R unused), through memory.
 template <int K, int R>
