@@ -12,6 +12,7 @@ from fedprism.errors import ConfigError
 from fedprism.experiment.config import parse_overrides, resolve
 from fedprism.experiment.runner import Experiment, sample_clients
 from fedprism.experiment.store import Store
+from fedprism.protocol import Plan
 
 SMALL = dict(dataset="digits", clients=8, rounds=4, fraction=0.5, local_epochs=1, batch_size=16, lr=0.05,
              partition="dirichlet", **{"partition.alpha": 0.5}, engine="sequential")
@@ -191,6 +192,30 @@ def test_a_malformed_reply_is_a_method_error_naming_what_is_wrong(tmp_path, repl
         exp.run()
     assert exp.store.run(c.run_id)["status"] == "failed"
 
+
+
+@pytest.mark.parametrize("plan, what", [
+    (lambda p, n: {"params": p.start}, r"a dict, not a fedprism\.protocol\.Plan"),
+    (lambda p, n: Plan(np.r_[p.clients[1:], -1], p.payload), r"clients \[-1\]: .* are 0\.\.7"),
+    (lambda p, n: Plan(np.r_[p.clients[1:], n], p.payload), r"clients \[8\]: .* are 0\.\.7"),
+    (lambda p, n: Plan(np.repeat(p.clients[:1], 4), p.payload), r"clients \[\d+, .* with repeats"),
+    (lambda p, n: Plan(p.clients.tolist(), p.payload), r"clients \[.*\]: expected a 1-D integer numpy"),
+    (lambda p, n: Plan(p.clients.astype(float), p.payload), r"clients array\(.*\): expected a 1-D integer"),
+    (lambda p, n: Plan(p.clients, {"params": p.start[:-1]}), r"payload\['params'\] of \(3, "),
+])
+def test_a_malformed_plan_is_a_method_error_naming_what_is_wrong(tmp_path, plan, what):
+    """A plan's clients must be distinct indices of the federation, with one payload row each. A negative
+    index used to train the data of the client it counts back to, without a word, and an index past the
+    last client was recorded as that client's failure (an IndexError)."""
+    from fedprism.experiment.runner import MethodError
+
+    c = cfg(method="fedavg", rounds=1)
+    exp = Experiment(c, Store(tmp_path / "m.db"))
+    real, n = exp.algo.plan, exp.algo.ctx.num_clients
+    exp.algo.plan = lambda state, rnd, clients: plan(real(state, rnd, clients), n)
+    with pytest.raises(MethodError, match="FedAvg.plan returned " + what):
+        exp.run()
+    assert exp.store.run(c.run_id)["status"] == "failed"
 
 @pytest.mark.parametrize("stop", ["1", 0, -1, 1.5, True])
 def test_a_bad_stop_after_is_refused_before_the_stored_run_is_touched(tmp_path, stop):

@@ -113,6 +113,34 @@ def aggregate_records(algo: Algorithm, state: dict, rnd: int, update: Update) ->
     return recs
 
 
+def check_plan(plan: object, num_clients: int, method: str) -> Plan:
+    """The shape of a `Plan` before any client works on it: a Plan of distinct client indices in
+    0 .. num_clients - 1 (a 1-D integer numpy array) with one row of every payload tensor per client. A
+    plan may hold clients the selector did not sample (FedClust's one-shot first round plans every client),
+    but a negative index would silently train another client's data."""
+    def bad(what: str) -> None:
+        raise MethodError(f"{method}.plan returned {what}")
+
+    if not isinstance(plan, Plan):
+        bad(f"a {type(plan).__name__}, not a fedprism.protocol.Plan")
+    c = plan.clients
+    if not isinstance(c, np.ndarray) or c.ndim != 1 or (c.size and not np.issubdtype(c.dtype, np.integer)):
+        bad(f"clients {c!r}: expected a 1-D integer numpy array of client indices")
+    ids = c.tolist()
+    outside = [i for i in ids if not 0 <= i < num_clients]
+    if outside:
+        bad(f"clients {outside[:5]}: the federation's clients are 0..{num_clients - 1}")
+    if len(set(ids)) != len(ids):
+        bad(f"clients {ids[:10]} with repeats: each client is planned once")
+    if not isinstance(plan.payload, dict):
+        bad(f"a payload of type {type(plan.payload).__name__}: expected a dict of tensors")
+    for k, v in plan.payload.items():
+        if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.shape[0] != len(ids):
+            shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+            bad(f"payload[{k!r}] of {shape} for {len(ids)} client(s): expected a tensor with one row per client")
+    return plan
+
+
 def check_reply(update: object, plan: Plan, method: str) -> None:
     """The shape of an `Update` before anything reads it: an Update, of clients of the plan (each once),
     with one n_samples value and one row of every payload, metric and client-state tensor per client.
@@ -192,7 +220,7 @@ class Simulator:
                                        or len(np.unique(c)) != len(c))):
             raise ValueError(f"Simulator.round: clients {clients!r} are not distinct client indices in "
                              f"0..{n - 1}")
-        plan = self.algo.plan(self.state, rnd, c)
+        plan = check_plan(self.algo.plan(self.state, rnd, c), n, type(self.algo).__name__)
         update, failed = _local_work(self.algo, plan, self.engine, rnd, self.clients)
         update, rejected = receive(update, plan, self.clients, self.upload, type(self.algo).__name__)
         update.rejected = {**failed, **rejected}
@@ -715,7 +743,8 @@ class Experiment:
                 t0 = time.time()
                 drift_removed = self.apply_drift(rnd, evaluator)
                 sampled, chosen_by = selector.select(rnd, lambda cand: self._losses(state, cand))
-                plan = self.algo.plan(state, rnd, sampled)
+                plan = check_plan(self.algo.plan(state, rnd, sampled), self.algo.ctx.num_clients,
+                                  type(self.algo).__name__)
                 t_train = time.time()
                 update, failed = self.local_work(plan, rnd)
                 t_train = time.time() - t_train
