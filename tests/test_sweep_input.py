@@ -36,8 +36,11 @@ def test_a_run_over_its_limits_is_refused_by_name_before_any_run_trains(tmp_path
     err = capsys.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.startswith("fedprism: error:")]
     assert len(lines) == 1 and "Fed-PRISM seed=0" in lines[0] and "'fedprism.k'" in lines[0]
-    assert "FedAvg seed=0: global" not in err
+    assert "FedAvg seed=0: global" not in err and "results:" not in err    # it names no store it removed
     assert not (tmp_path / "new").exists()
+    assert main(["sweep", str(write(tmp_path, [dict(label="FedAvg", method="fedavg")])), "--db", str(new),
+                 "--quiet"]) == 0
+    assert f"results: {new}" in capsys.readouterr().err
 
 
 def test_a_data_setting_that_cannot_be_built_is_refused_by_name_before_any_run(tmp_path):

@@ -915,12 +915,14 @@ def test_a_run_refused_for_its_data_leaves_no_store_behind(tmp_path, capsys, mon
 
 def test_a_missing_store_names_the_stores_that_are_there(tmp_path, monkeypatch, capsys):
     """`fedprism runs` in the checkout reads ./fedprism-results.db by default, while the shipped sweeps write
-    results/fedprism.db: the error names the stores it sees, and creates nothing."""
+    results/fedprism.db: the error names the stores it sees (not every `.db` file), and creates nothing."""
     monkeypatch.chdir(tmp_path)
     assert main(["runs"]) == 2
     assert capsys.readouterr().err.strip().endswith("(check --db or $FEDPRISM_DB)")
     (tmp_path / "results").mkdir()
     Store(tmp_path / "results" / "fedprism.db").close()
+    (tmp_path / "notes.db").write_text("not a database")      # .db files that are no SQLite file are not named
+    (tmp_path / "results" / "empty.db").touch()
     before = sorted(p.name for p in tmp_path.rglob("*"))
     assert main(["runs", "--sweep", "x"]) == 2
     assert "stores here: results/fedprism.db)" in capsys.readouterr().err

@@ -310,6 +310,15 @@ def _until_free(step, timeout: float) -> None:
             time.sleep(0.05)
 
 
+def _sqlite_file(path: Path) -> bool:
+    """Whether `path` begins with SQLite's header (read, never opened as a database: nothing is written)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(16) == b"SQLite format 3\x00"
+    except OSError:
+        return False
+
+
 class Store:
     """`timeout`: seconds to wait for another writer's transaction (default `$FEDPRISM_DB_TIMEOUT` or
     10) before `StoreError`."""
@@ -329,7 +338,7 @@ class Store:
         if readonly:
             if not self.path.is_file():
                 near = [str(p) for p in sorted(Path(".").glob("*.db")) + sorted(Path("results").glob("*.db"))
-                        if p.resolve() != self.path.resolve()]
+                        if p.resolve() != self.path.resolve() and _sqlite_file(p)]
                 shown = ", ".join(near[:3]) + (", ..." if len(near) > 3 else "")
                 raise MissingStoreError(f"no results store at {self.path} (check --db or $FEDPRISM_DB"
                                         + (f"; stores here: {shown}" if near else "") + ")")

@@ -384,7 +384,6 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
                           "text hashes)", kind="option")     # a negative one would slice runs off the end
     from fedprism.experiment.provenance import ProvenanceMismatch
 
-    print(f"results: {db}", file=sys.stderr)      # once the file and the options are known to be valid
     new_dirs = _missing_folders(Path(db).parent)
     created = not Path(db).exists()
     store = Store(db)
@@ -419,6 +418,7 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
     except BaseException:
         _drop_new_store(store, created, new_dirs)    # a refused sweep leaves no empty store (nor folder)
         raise
+    print(f"results: {db}", file=sys.stderr)      # once every run to do is known to be able to start
 
     def line(tag: str, f: dict) -> str:
         return (f"{tag}: global {f.get('global_acc', float('nan')):.4f} local {f.get('local_acc', float('nan')):.4f}"
