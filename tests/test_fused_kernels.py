@@ -253,6 +253,17 @@ def test_the_build_for_cpus_without_avx512_passes_the_exactness_tests(tmp_path):
         assert "%ymm" in code and "%zmm" not in code
 
 
+def test_the_builds_vector_width_follows_its_target():
+    """16 floats with AVX-512, 8 otherwise (the slow test below builds for x86-64-v3 on any CPU): the
+    blocking for one width spills the other's registers (2-4x slower than PyTorch's layers on an AVX2 CPU,
+    bench/README.md)."""
+    avx512 = "avx512f" in fused._cpu_flags().split()
+    expected = {"native": 16 if avx512 else 8, "x86-64-v3": 8}.get(fused.march())
+    if expected is None:
+        pytest.skip(f"no expected width for -march={fused.march()}")
+    assert fused.vector_floats() == expected
+
+
 def test_eval_kernels_setting_end_to_end_and_refused_values(tmp_path, capsys):
     common = ["run", "--db", str(tmp_path / "s.db"), "dataset=digits", "method=fedavg", "clients=6",
               "rounds=2", "fraction=0.5", "local_epochs=1", "model=mlp", "engine=sequential", "--quiet"]
@@ -436,7 +447,8 @@ def test_a_fused_lenet_run_end_to_end_records_what_ran(monkeypatch, tmp_path):
     assert set(runs) == {"aten", "fused"} and all(r["status"] == "finished" for r in runs.values())
     prov = {k: json.loads(r["provenance"]) for k, r in runs.items()}
     assert prov["fused"]["execution"]["fused_kernels"] == {"train": True, "eval": True,
-                                                           "source": fused.source_hash()}
+                                                           "source": fused.source_hash(),
+                                                           "vector_floats": fused.vector_floats()}
     assert len(fused.source_hash()) == 16
     assert "fused_kernels" not in prov["aten"]["execution"]
     fa, ff = (json.loads(runs[k]["final"]) for k in ("aten", "fused"))

@@ -11,7 +11,8 @@ positions of one filter, read straight from the image's four polyphase planes (x
 filters at a time. With more (an inner layer) a vector holds VL filters at one position, multiplied by a
 broadcast input value, seven windows at a time. VL and those blockings are AVX-512's (16 floats, 32
 registers); a build for a CPU without AVX-512 uses 8 floats and blocks of three, which fit AVX2's 16
-registers (the AVX-512 blocking spilled there and ran 2-4x slower than PyTorch's layers). The training forward also keeps each window's winning
+registers (the AVX-512 blocking spilled there and ran 2-4x slower than PyTorch's layers;
+`vector_floats()` says which build is loaded). The training forward also keeps each window's winning
 corner, from which the backward forms the filters' and biases' gradients and, for an inner block, its
 input's gradient; only winning corners have a gradient, so that backward runs over them alone.
 
@@ -102,6 +103,12 @@ def source_hash() -> str:
     engine's code is not part of a run's fingerprint and a change of the kernels' summation order changes
     a fused run's numbers at float32 rounding."""
     return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+
+
+def vector_floats() -> int | None:
+    """Floats per vector of the loaded build: 16 for AVX-512, 8 otherwise (None: no build could be loaded).
+    Builds of the two widths give a fused run's numbers that differ at float32 rounding."""
+    return int(torch.ops.fedprism_kernels.vector_floats()) if load() else None
 
 
 def library_path(cxx: str | None = None) -> Path:

@@ -262,9 +262,10 @@ def capture(exp: Any) -> dict[str, Any]:
                "device": str(getattr(eng, "device", "") or "") or None})
     fused = {"train": getattr(eng, "stem", None) is not None, "eval": bool(getattr(eng, "eval_fused", False))}
     if any(fused.values()):                      # train.kernels / eval.kernels = fused, where it applied
-        from fedprism.engine.fused import source_hash
+        from fedprism.engine.fused import source_hash, vector_floats
 
-        ex["fused_kernels"] = {**fused, "source": source_hash()}    # which version of the kernels' C++
+        # which version of the kernels' C++, and the vector width it was built for
+        ex["fused_kernels"] = {**fused, "source": source_hash(), "vector_floats": vector_floats()}
     if str(ex["device"]).startswith("cuda"):     # CUDA engines turn it on (engine.base.deterministic_cudnn)
         ex["cudnn_deterministic"] = bool(torch.backends.cudnn.deterministic)
     algo = type(exp.algo) if getattr(exp, "algo", None) is not None else None

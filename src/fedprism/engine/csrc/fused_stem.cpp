@@ -712,9 +712,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward(const at::Tensor& 
   return {dw, db, dx};
 }
 
+// The floats per vector this build was compiled for (a run's provenance records it: the first block's filter
+// gradients group their partial sums by it).
+int64_t vector_floats() { return VL; }
+
 }  // namespace
 
 TORCH_LIBRARY(fedprism_kernels, m) {
+  m.def("vector_floats() -> int", &vector_floats);
   m.def("stem_forward(Tensor x, Tensor w, Tensor b, int k) -> Tensor");
   m.def("stem_train_forward(Tensor x, Tensor w, Tensor b, int k) -> (Tensor, Tensor)");
   m.def("stem_backward(Tensor grad, Tensor arg, Tensor x, int k) -> (Tensor, Tensor)");
