@@ -157,6 +157,17 @@ def fmt_s(sec: float) -> str:
     return f"{sec / 60:.1f} min" if sec >= 120 else f"{sec:.1f} s"
 
 
+def _width(args) -> str:
+    """The fused kernels' vector width, where (b) or (bf) uses them (16 floats: AVX-512; 8: AVX2)."""
+    if args.kernels != "fused" and not args.fused_eval:
+        return ""
+    from fedprism.engine import fused
+
+    n = fused.vector_floats()
+    return (f" (fused kernels: {n}-float vectors)" if n
+            else f" (fused kernels not loaded: {fused.unavailable_reason()})")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3, help="measured rounds (round 0 includes compilation)")
@@ -217,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
           f"local test total {fed.n_test.sum()}")
     print(f"# {args.per_round} clients/round, E={args.epochs}, B={args.batch}, SGD lr 0.01 momentum 0.9, "
           f"LeNet-5; evaluation every round of all {fed.num_clients} personalized models; "
-          f"compile={compile_opt}; (b) kernels={args.kernels}")
+          f"compile={compile_opt}; (b) kernels={args.kernels}" + _width(args))
     peaks = [gemm_peak(device)]          # measured again after every round: the floor below uses their median
     print(f"# fp32 GEMM peak now: {peaks[0]:.0f} GFLOP/s")
 

@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     if not fused.load():
         print(f"fused kernel unavailable: {fused.unavailable_reason()}")
         return 2
-    print(f"# fused blocks bench  torch {torch.__version__}  threads {torch.get_num_threads()}")
+    print(f"# fused blocks bench  torch {torch.__version__}  threads {torch.get_num_threads()}  "
+          f"kernels: {fused.vector_floats()}-float vectors")
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1000, 1, 32, 32, generator=g)
     w1, b1 = 0.2 * torch.randn(60, 1, 5, 5, generator=g), 0.1 * torch.randn(60, generator=g)
