@@ -5,8 +5,10 @@ used), stays close to float32, and both engines give the same scores at either p
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import numpy as np
+import pytest
 import torch
 
 from fedprism.cli import main
@@ -68,3 +70,20 @@ def test_unknown_precision_is_refused_naming_the_key(capsys):
     assert main(["run", "--db", "/nonexistent/x.db", "eval.precision=fp8"]) == 2
     err = capsys.readouterr().err
     assert "eval.precision" in err and "bfloat16" in err
+
+
+def test_bf16_on_a_cpu_without_native_bf16_warns_that_it_is_slower(monkeypatch):
+    """Emulated bf16 scored 4x slower than float32 on an AVX2 CPU (bench/bf16.py), while the option is
+    documented as a speed option: an engine built for it there says so, once, and keeps the setting."""
+    from fedprism.engine import base
+
+    monkeypatch.setattr(base, "native_bf16", lambda: False)
+    with pytest.warns(UserWarning, match=r"eval.precision=bfloat16 on a CPU without native bf16.*float32 is "
+                                         r"the faster one here"):
+        _, _, seq, vec = _engines("bfloat16")
+    assert seq.cfg.eval_precision == vec.cfg.eval_precision == "bfloat16"
+    for native, precision in ((True, "bfloat16"), (None, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(base, "native_bf16", lambda: native)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="eval.precision")
+            _engines(precision)

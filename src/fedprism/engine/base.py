@@ -32,6 +32,21 @@ SPLITS = ("local", "global", "train", "val", "global_val")
 SHARED_SPLITS = ("global", "global_val")
 
 
+@functools.cache
+def native_bf16() -> bool | None:
+    """Whether this x86 CPU computes bf16 natively (the avx512_bf16 or amx_bf16 flag); None where that is
+    not known (another architecture, no /proc/cpuinfo)."""
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    try:
+        flags = next((ln.split() for ln in open("/proc/cpuinfo") if ln.startswith("flags")), None)
+    except OSError:
+        return None
+    return None if flags is None else bool({"avx512_bf16", "amx_bf16"} & set(flags))
+
+
 @dataclass(frozen=True)
 class LocalConfig:
     """Client-side training settings: SGD with momentum and weight decay (as torch.optim.SGD, dampening 0,
@@ -260,6 +275,12 @@ class EngineBase:
                 raise ValueError(f"{name} must be one of {KERNELS}, got {getattr(cfg, name)!r}")
         if cfg.eval_kernels == "fused" and self._fused_kernels_usable("eval.kernels"):
             self._fuse_eval_kernels()
+        if cfg.eval_precision == "bfloat16" and self.device.type == "cpu" and native_bf16() is False:
+            warnings.warn("eval.precision=bfloat16 on a CPU without native bf16 (no avx512_bf16 or "
+                          "amx_bf16 flag in /proc/cpuinfo): bf16 arithmetic is emulated here and scores "
+                          "several times slower than float32 (bench/bf16.py: 0.25x on an AVX2 CPU). The "
+                          "setting is kept (it is part of the run's identity); eval.precision=float32 is the "
+                          "faster one here", stacklevel=3)
         #: the fused blocks' training gradient (`fedprism.engine.fused.StemSplit`), or None
         self.stem = None
         if cfg.train_kernels == "fused" and self._fused_kernels_usable("train.kernels"):
