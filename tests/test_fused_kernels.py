@@ -188,19 +188,23 @@ def test_an_unknown_compiler_target_is_named_in_the_reason(monkeypatch, tmp_path
 
 
 @pytest.mark.slow
-def test_a_fresh_cache_builds_the_kernel_once(monkeypatch, tmp_path):
-    """A cache without the library compiles it (atomically, into the cache) and a second process-state
-    reuses the file; the cache key changes with the source."""
+def test_a_fresh_cache_builds_the_kernel_once(monkeypatch, tmp_path, capsys):
+    """A cache without the library compiles it (atomically, into the cache), saying so on stderr (it takes
+    about half a minute), and a second process-state reuses the file silently; the cache key changes with
+    the source."""
     saved = dict(fused._state)
     try:
         fused._state.clear()
         monkeypatch.setenv("FEDPRISM_CACHE", str(tmp_path))
         assert fused.load() is True
+        assert f"compiling the fused CPU kernels for this machine into {tmp_path / 'kernels'}" in \
+            capsys.readouterr().err
         built = sorted(p.name for p in (tmp_path / "kernels").iterdir())
         assert len(built) == 1 and built[0].startswith("fused_stem_") and built[0].endswith(".so")
         mtime = os.path.getmtime(tmp_path / "kernels" / built[0])
         fused._state.clear()
         assert fused.load() is True and os.path.getmtime(tmp_path / "kernels" / built[0]) == mtime
+        assert "compiling" not in capsys.readouterr().err
     finally:
         fused._state.clear()
         fused._state.update(saved)

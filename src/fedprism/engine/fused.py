@@ -44,6 +44,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -123,6 +124,9 @@ def library_path(cxx: str | None = None) -> Path:
 
 
 def _build(cxx: str, lib: Path) -> None:
+    # a pause of half a minute on a 2-core VM, once per machine: said, so that it is not taken for a hang
+    print(f"fedprism: compiling the fused CPU kernels for this machine into {lib.parent} (once)",
+          file=sys.stderr, flush=True)
     lib.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
     os.close(fd)
