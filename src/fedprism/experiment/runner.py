@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,12 +26,12 @@ from fedprism.experiment.clientstore import ClientStore, StoreMismatch, make_sto
 from fedprism.experiment.config import Config
 from fedprism.experiment.evaluate import Evaluator, sample_eval_clients, summarize
 from fedprism.experiment.federation import build_federation, resolve_model_name
+from fedprism.experiment.limits import check_limits
 from fedprism.experiment.progress import Progress
 from fedprism.experiment.provenance import capture, set_threads
-from fedprism.experiment.limits import check_limits
 from fedprism.experiment.store import Store, StoreError
-from fedprism.hparams import plain
 from fedprism.federation import Federation
+from fedprism.hparams import plain
 from fedprism.models import build_model
 from fedprism.params import flatten
 from fedprism.privacy import LABEL_RELEASES, Privacy
@@ -113,31 +114,42 @@ def aggregate_records(algo: Algorithm, state: dict, rnd: int, update: Update) ->
     return recs
 
 
+def _shape_checks(hook: str, kind: type, obj: object) -> tuple[Callable[[str], None], list[int]]:
+    """What `check_plan` and `check_reply` share: `bad(what)` raises the `MethodError` naming the hook;
+    obj must be a `kind` whose `clients` are a 1-D integer numpy array, each client once."""
+    def bad(what: str) -> None:
+        raise MethodError(f"{hook} returned {what}")
+
+    if not isinstance(obj, kind):
+        bad(f"a {type(obj).__name__}, not a fedprism.protocol.{kind.__name__}")
+    c = obj.clients
+    if not isinstance(c, np.ndarray) or c.ndim != 1 or (c.size and not np.issubdtype(c.dtype, np.integer)):
+        bad(f"clients {c!r}: expected a 1-D integer numpy array of client indices")
+    ids = c.tolist()
+    if len(set(ids)) != len(ids):
+        bad(f"clients {ids[:10]} with repeats: each client appears once")
+    return bad, ids
+
+
+def _one_row_each(bad: Callable[[str], None], part: str, rows: object, n: int) -> None:
+    if not isinstance(rows, dict):
+        bad(f"{part} of type {type(rows).__name__}: expected a dict of tensors")
+    for k, v in rows.items():
+        if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.shape[0] != n:
+            shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+            bad(f"{part}[{k!r}] of {shape} for {n} client(s): expected a tensor with one row per client")
+
+
 def check_plan(plan: object, num_clients: int, method: str) -> Plan:
     """The shape of a `Plan` before any client works on it: a Plan of distinct client indices in
     0 .. num_clients - 1 (a 1-D integer numpy array) with one row of every payload tensor per client. A
     plan may hold clients the selector did not sample (FedClust's one-shot first round plans every client),
     but a negative index would silently train another client's data."""
-    def bad(what: str) -> None:
-        raise MethodError(f"{method}.plan returned {what}")
-
-    if not isinstance(plan, Plan):
-        bad(f"a {type(plan).__name__}, not a fedprism.protocol.Plan")
-    c = plan.clients
-    if not isinstance(c, np.ndarray) or c.ndim != 1 or (c.size and not np.issubdtype(c.dtype, np.integer)):
-        bad(f"clients {c!r}: expected a 1-D integer numpy array of client indices")
-    ids = c.tolist()
+    bad, ids = _shape_checks(f"{method}.plan", Plan, plan)
     outside = [i for i in ids if not 0 <= i < num_clients]
     if outside:
         bad(f"clients {outside[:5]}: the federation's clients are 0..{num_clients - 1}")
-    if len(set(ids)) != len(ids):
-        bad(f"clients {ids[:10]} with repeats: each client is planned once")
-    if not isinstance(plan.payload, dict):
-        bad(f"a payload of type {type(plan.payload).__name__}: expected a dict of tensors")
-    for k, v in plan.payload.items():
-        if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.shape[0] != len(ids):
-            shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
-            bad(f"payload[{k!r}] of {shape} for {len(ids)} client(s): expected a tensor with one row per client")
+    _one_row_each(bad, "payload", plan.payload, len(ids))
     return plan
 
 
@@ -145,17 +157,7 @@ def check_reply(update: object, plan: Plan, method: str) -> None:
     """The shape of an `Update` before anything reads it: an Update, of clients of the plan (each once),
     with one n_samples value and one row of every payload, metric and client-state tensor per client.
     Rows that fail their declared upload spec are rejected per client later (`validate_update`)."""
-    def bad(what: str) -> None:
-        raise MethodError(f"{method}.client_update returned {what}")
-
-    if not isinstance(update, Update):
-        bad(f"a {type(update).__name__}, not a fedprism.protocol.Update")
-    c = update.clients
-    if not isinstance(c, np.ndarray) or c.ndim != 1 or (c.size and not np.issubdtype(c.dtype, np.integer)):
-        bad(f"clients {c!r}: expected a 1-D integer numpy array of the plan's clients")
-    ids = c.tolist()
-    if len(set(ids)) != len(ids):
-        bad(f"clients {ids[:10]} with repeats: each client replies once")
+    bad, ids = _shape_checks(f"{method}.client_update", Update, update)
     stray = sorted(set(ids) - set(plan.clients.tolist()))
     if stray:
         bad(f"clients {stray[:5]} that the round's plan does not hold")
@@ -163,13 +165,7 @@ def check_reply(update: object, plan: Plan, method: str) -> None:
     if not isinstance(update.n_samples, torch.Tensor) or tuple(update.n_samples.shape) != (n,):
         bad(f"n_samples {update.n_samples!r}: expected a tensor of one value per client ({n})")
     for part in ("payload", "metrics", "client_state"):
-        rows = getattr(update, part)
-        if not isinstance(rows, dict):
-            bad(f"{part} of type {type(rows).__name__}: expected a dict of tensors")
-        for k, v in rows.items():
-            if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.shape[0] != n:
-                shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
-                bad(f"{part}[{k!r}] of {shape} for {n} client(s): expected a tensor with one row per client")
+        _one_row_each(bad, part, getattr(update, part), n)
 
 
 def receive(update: Update | None, plan: Plan, clients: ClientStore | None, upload: dict[str, TensorSpec],
