@@ -923,6 +923,8 @@ def test_a_missing_store_names_the_stores_that_are_there(tmp_path, monkeypatch, 
     Store(tmp_path / "results" / "fedprism.db").close()
     (tmp_path / "notes.db").write_text("not a database")      # .db files that are no SQLite file are not named
     (tmp_path / "results" / "empty.db").touch()
+    (tmp_path / "folder.db").mkdir()
+    os.mkfifo(tmp_path / "pipe.db")                           # never opened: reading it would wait forever
     before = sorted(p.name for p in tmp_path.rglob("*"))
     assert main(["runs", "--sweep", "x"]) == 2
     assert "stores here: results/fedprism.db)" in capsys.readouterr().err

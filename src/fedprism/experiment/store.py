@@ -311,8 +311,11 @@ def _until_free(step, timeout: float) -> None:
 
 
 def _sqlite_file(path: Path) -> bool:
-    """Whether `path` begins with SQLite's header (read, never opened as a database: nothing is written)."""
+    """Whether `path` is a file that begins with SQLite's header (read, never opened as a database: nothing
+    is written; a FIFO or a folder is not opened at all)."""
     try:
+        if not path.is_file():
+            return False
         with open(path, "rb") as f:
             return f.read(16) == b"SQLite format 3\x00"
     except OSError:

@@ -8,8 +8,9 @@
 // positions of one filter, read from the image's polyphase planes; with more (an inner layer) a vector
 // holds VL filters at one position, times a broadcast input value. VL and the register blocking follow
 // the instruction set the file is compiled for (`VL` below): 16 floats and 32 registers with AVX-512,
-// 8 floats and 16 registers otherwise (AVX2). The sums' order within a lane is the same for both; only
-// the final sums over lanes (filter gradients of a first block) group the partial sums by VL.
+// 8 floats and 16 registers otherwise (AVX2). The outputs are the same sums in the same order for both;
+// the bias gradients and a first block's filter gradients (partial sums per lane, added at the end) and
+// an inner block's input gradient (rows cut into vectors of VL) are summed in another order.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
