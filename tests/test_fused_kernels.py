@@ -190,8 +190,8 @@ def test_an_unknown_compiler_target_is_named_in_the_reason(monkeypatch, tmp_path
 @pytest.mark.slow
 def test_a_fresh_cache_builds_the_kernel_once(monkeypatch, tmp_path, capsys):
     """A cache without the library compiles it (atomically, into the cache), saying so on stderr (it takes
-    about half a minute), and a second process-state reuses the file silently; the cache key changes with
-    the source."""
+    tens of seconds), and a second process-state reuses the file silently; the cache key changes with the
+    source."""
     saved = dict(fused._state)
     try:
         fused._state.clear()

@@ -33,18 +33,25 @@ SHARED_SPLITS = ("global", "global_val")
 
 
 @functools.cache
+def cpu_flags() -> tuple[str, ...] | None:
+    """The CPU's feature flags (the `flags` line of /proc/cpuinfo), None where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((ln for ln in f if ln.startswith("flags")), None)
+    except OSError:
+        return None
+    return None if line is None else tuple(line.split(":", 1)[-1].split())
+
+
 def native_bf16() -> bool | None:
     """Whether this x86 CPU computes bf16 natively (the avx512_bf16 or amx_bf16 flag); None where that is
     not known (another architecture, no /proc/cpuinfo)."""
     import platform
 
-    if platform.machine().lower() not in ("x86_64", "amd64"):
+    flags = cpu_flags()
+    if platform.machine().lower() not in ("x86_64", "amd64") or flags is None:
         return None
-    try:
-        flags = next((ln.split() for ln in open("/proc/cpuinfo") if ln.startswith("flags")), None)
-    except OSError:
-        return None
-    return None if flags is None else bool({"avx512_bf16", "amx_bf16"} & set(flags))
+    return bool({"avx512_bf16", "amx_bf16"} & set(flags))
 
 
 @dataclass(frozen=True)

@@ -71,13 +71,11 @@ def cache_dir() -> Path:
 
 
 def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+    """The CPU's flags as one string (part of the build's cache key), else the processor's name."""
+    from fedprism.engine.base import cpu_flags
+
+    flags = cpu_flags()
+    return " ".join(flags) if flags is not None else platform.processor()
 
 
 def march() -> str:
@@ -124,7 +122,7 @@ def library_path(cxx: str | None = None) -> Path:
 
 
 def _build(cxx: str, lib: Path) -> None:
-    # a pause of half a minute on a 2-core VM, once per machine: said, so that it is not taken for a hang
+    # a pause of tens of seconds on a 2-core VM, once per machine: said, so that it is not taken for a hang
     print(f"fedprism: compiling the fused CPU kernels for this machine into {lib.parent} (once)",
           file=sys.stderr, flush=True)
     lib.parent.mkdir(parents=True, exist_ok=True)
