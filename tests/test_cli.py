@@ -128,6 +128,22 @@ def test_path_errors_name_the_option_and_an_empty_db_is_refused(tmp_path, capsys
     assert "no results store at fedprism-results.db" in capsys.readouterr().err
 
 
+def test_a_path_error_names_a_positional_path_by_itself_and_an_option_by_its_flag(tmp_path):
+    """The positional arguments are read from the parser (no list kept by hand): a path given as one is
+    named as given (`x.toml: ...`), one given by an option with its flag (`--db x.db: ...`)."""
+    import argparse
+
+    from fedprism.cli import _path_error, _positional, build_parser
+
+    positional = _positional(build_parser())
+    assert {"file", "run", "stores", "items"} <= positional and not positional & {"db", "out", "png"}
+    f, db = str(tmp_path / "x.toml"), str(tmp_path / "x.db")
+    args = argparse.Namespace(command="sweep", file=f, db=db)
+    assert _path_error(args, PermissionError(13, "Permission denied", f), positional) == \
+        f"{f}: permission denied"
+    assert _path_error(args, IsADirectoryError(21, "Is a directory", db), positional).startswith(f"--db {db}: ")
+
+
 def test_a_min_test_beyond_the_test_set_and_running_out_of_memory_are_one_line(capsys, monkeypatch):
     """partition.min_test above the test set's size would repeat it for every client (1e9 ran out of memory
     first); and a size that passes every check but not this machine's RAM ends as one line, exit 2."""

@@ -582,13 +582,22 @@ _PATH_ERRORS = {FileExistsError: "exists and is not a folder",
                 PermissionError: "permission denied"}
 
 
-#: the positional arguments' names (a path given as one is named by itself, not as an option)
-_POSITIONAL = ("action", "file", "items", "names", "run", "stores")
+def _positional(parser: argparse.ArgumentParser) -> set[str]:
+    """The names (`dest`) of every positional argument of the parser and its sub-commands."""
+    names: set[str] = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                names |= _positional(sub)
+        elif not action.option_strings:
+            names.add(action.dest)
+    return names
 
 
-def _path_error(args, e: OSError) -> str:
+def _path_error(args, e: OSError, positional: set[str]) -> str:
     """An OS error on a path as one line naming the option that gave the path (`--out afile: exists and is
-    not a folder`) where one did: the path itself, a folder above it, or a file below it."""
+    not a folder`) where one did: the path itself, a folder above it, or a file below it. A path given as a
+    positional argument is named by itself."""
     what = _PATH_ERRORS.get(type(e), e.strerror or str(e))
     if not e.filename:
         return str(e)
@@ -597,7 +606,7 @@ def _path_error(args, e: OSError) -> str:
         if isinstance(value, str) and value and dest not in ("command", "fn"):
             given = Path(value)
             if hit == given or given in hit.parents or hit in given.parents:
-                named = value if dest in _POSITIONAL else f"--{dest.replace('_', '-')} {value}"
+                named = value if dest in positional else f"--{dest.replace('_', '-')} {value}"
                 return f"{named}: " + (what if hit == given else f"{hit}: {what}")
     return f"{hit}: {what}"
 
@@ -641,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
               f"`sqlite3 {where} .recover | sqlite3 repaired.db`, or use another --db", file=sys.stderr)
         return 2
     except (FileExistsError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as e:
-        print(f"fedprism: error: {_path_error(args, e)}", file=sys.stderr)   # e.g. a file where --out needs
+        print(f"fedprism: error: {_path_error(args, e, _positional(parser))}", file=sys.stderr)   # e.g. a file where --out needs
         return 2                                                            # a folder
     finally:
         warnings.formatwarning = plain
