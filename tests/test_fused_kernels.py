@@ -259,6 +259,35 @@ def test_the_build_for_cpus_without_avx512_passes_the_exactness_tests(tmp_path, 
         assert widest in code and not any(w in code for w in wider)
 
 
+@pytest.mark.slow
+def test_the_other_forward_layout_gives_the_same_bits(tmp_path):
+    """A block's forward has two layouts of the same sums: by position (a first block, on AVX-512) and by
+    filter (an inner block, and every block on AVX2). A build takes one of them for a first block, so the
+    other is compiled here with the threshold swapped, under its own operator namespace beside the default
+    build: on float inputs (where any other order of the sums would show) both give the same outputs and
+    winning corners, bit for bit, for first and inner blocks, one group and several."""
+    ops = torch.ops.fedprism_kernels
+    src = fused.SOURCE.read_text()
+    by_pos, by_filter = ("constexpr int64_t MAX_POSITION_CHANNELS = 3;",
+                         "constexpr int64_t MAX_POSITION_CHANNELS = 0;")
+    assert src.count(by_pos) == 1 and src.count(by_filter) == 1
+    swapped = src.replace(by_pos, "@").replace(by_filter, by_pos).replace("@", by_filter)
+    (tmp_path / "swapped.cpp").write_text(swapped.replace("fedprism_kernels", "fedprism_kernels_swapped"))
+    fused._compile(os.environ.get("CXX", "g++"), tmp_path / "swapped.so", source=tmp_path / "swapped.cpp")
+    torch.ops.load_library(str(tmp_path / "swapped.so"))
+    other = torch.ops.fedprism_kernels_swapped
+    g = torch.Generator().manual_seed(0)
+    for G, N, C, H, W, O, k in [(1, 20, 1, 32, 32, 60, 5), (3, 4, 1, 32, 32, 6, 5), (2, 3, 3, 13, 11, 7, 3),
+                                (2, 2, 2, 9, 30, 13, 4), (2, 3, 6, 14, 14, 16, 5), (1, 2, 1, 11, 45, 5, 3)]:
+        x = torch.randn(G, N, C, H, W, generator=g)
+        w, b = torch.randn(G, O, C * k * k, generator=g) * .3, torch.randn(G, O, generator=g) * .1
+        shape = (G, N, C, H, W, O, k)
+        assert torch.equal(ops.stem_forward(x, w, b, k), other.stem_forward(x, w, b, k)), shape
+        (out, arg), (out2, arg2) = ops.stem_train_forward(x, w, b, k), other.stem_train_forward(x, w, b, k)
+        assert torch.equal(out, out2) and torch.equal(arg, arg2), shape
+        assert (arg < 4).any() and (arg == 255).any()
+
+
 def test_the_builds_vector_width_follows_its_target():
     """16 floats with AVX-512, 8 otherwise (the slow test below builds for x86-64-v3 on any CPU): the
     blocking for one width spills the other's registers (2-4x slower than PyTorch's layers on an AVX2 CPU,

@@ -4,13 +4,14 @@
 // with the taps t summed in order (channel, row, column); the k x k conv map is never written.
 // x [G, N, C, H, W], w [G, O, C*k*k], b [G, O] -> [G, N, O, (H-k+1)/2, (W-k+1)/2]: group g's images
 // through group g's filters (G = 1 with the filters of all models stacked: a shared input batch).
-// Two layouts of the same sums: with few input channels (a first layer) a vector holds VL pooled
-// positions of one filter, read from the image's polyphase planes; with more (an inner layer) a vector
-// holds VL filters at one position, times a broadcast input value. VL and the register blocking follow
-// the instruction set the file is compiled for (`VL` below): 16 floats and 32 registers with AVX-512,
-// 8 floats and 16 registers otherwise (AVX2). The outputs are the same sums in the same order for both;
-// the bias gradients and a first block's filter gradients (partial sums per lane, added at the end) and
-// an inner block's input gradient (rows cut into vectors of VL) are summed in another order.
+// Two layouts of the same sums: with few input channels (a first layer, on AVX-512) a vector holds VL
+// pooled positions of one filter, read from the image's polyphase planes; with more (an inner layer, and
+// every layer on AVX2) a vector holds VL filters at one position, times a broadcast input value. VL and
+// the register blocking follow the instruction set the file is compiled for (`VL` below): 16 floats and
+// 32 registers with AVX-512, 8 floats and 16 registers otherwise (AVX2). The outputs are the same sums in
+// the same order for both; the bias gradients and a first block's filter gradients (partial sums per lane,
+// added at the end) and an inner block's input gradient (rows cut into vectors of VL) are summed in
+// another order.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -45,8 +46,15 @@ constexpr int DW_ROWS = 2;
 constexpr int COL_VECTORS = 10;
 #endif
 
-// Above this many input channels an evaluation block is filter-vectorized (see `windows`).
+// Above this many input channels a block's forward is filter-vectorized (see `windows`). AVX2 takes that
+// layout for every block: LeNet-5's first block (one input channel) then evaluates about 1.5x and runs its
+// training forward 1.2-1.3x as fast as by position, with the same sums (bench/README.md, "The first block
+// by filter on AVX2").
+#ifdef __AVX512F__
 constexpr int64_t MAX_POSITION_CHANNELS = 3;
+#else
+constexpr int64_t MAX_POSITION_CHANNELS = 0;
+#endif
 
 typedef float vf __attribute__((vector_size(4 * VL)));
 typedef float vfu __attribute__((vector_size(4 * VL), aligned(4)));
