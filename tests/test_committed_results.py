@@ -695,13 +695,14 @@ def _quoted(values) -> str:
     return ", ".join(v[:-1]) + f" and {v[-1]}"
 
 
-def _lenet5_runs(con, method: str) -> dict[str, tuple[str, dict]]:
-    """{setting: (run id, config)} of `method`'s rows of sweep clust_psi_pfl_fmnist_lenet5, one run a
-    label."""
+def _lenet5_runs(con, method: str, seed: int = 0) -> dict[str, tuple[str, dict]]:
+    """{setting: (run id, config)} of `method`'s rows of sweep clust_psi_pfl_fmnist_lenet5 with this seed,
+    one run a label."""
     rows = con.execute("select s.label, r.run_id, r.config from runs r join sweep_runs s using (run_id) "
                        "where s.sweep = 'clust_psi_pfl_fmnist_lenet5' and s.label like ?",
                        (f"{method} | %",)).fetchall()
-    runs = {label.split(" | ")[1]: (rid, json.loads(cfg)) for label, rid, cfg in rows}
+    rows = [(label, rid, json.loads(cfg)) for label, rid, cfg in rows if json.loads(cfg)["seed"] == seed]
+    runs = {label.split(" | ")[1]: (rid, cfg) for label, rid, cfg in rows}
     assert len(runs) == len(rows), "two runs under one label"
     return runs
 
