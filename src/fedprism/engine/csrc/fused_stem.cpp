@@ -10,8 +10,8 @@
 // the register blocking follow the instruction set the file is compiled for (`VL` below): 16 floats and
 // 32 registers with AVX-512, 8 floats and 16 registers otherwise (AVX2). The outputs are the same sums in
 // the same order for both; the bias gradients and a first block's filter gradients (partial sums per lane,
-// added at the end) and an inner block's input gradient (rows cut into vectors of VL) are summed in
-// another order.
+// added at the end) and an inner block's input gradient for rows wider than 16 (cut into vectors of VL)
+// are summed in another order.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -49,7 +49,7 @@ constexpr int COL_VECTORS = 10;
 // Above this many input channels a block's forward is filter-vectorized (see `windows`). AVX2 takes that
 // layout for every block: LeNet-5's first block (one input channel) then evaluates about 1.5x and runs its
 // training forward 1.2-1.3x as fast as by position, with the same sums (bench/README.md, "The first block
-// by filter on AVX2").
+// by filter, and the input gradient's rows, on AVX2").
 #ifdef __AVX512F__
 constexpr int64_t MAX_POSITION_CHANNELS = 3;
 #else
@@ -690,7 +690,35 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward(const at::Tensor& 
         // 3. dx[c][y][x] = sum over ki and conv positions (y - ki, px) of their patch gradient's row (c, ki)
         // at lanes px .. px + k: a vector per input row (VL columns at a time), no read-modify-writes
         for (int64_t c = 0; c < C; ++c)
-          for (int64_t y = 0; y < H; ++y)
+          for (int64_t y = 0; y < H; ++y) {
+#ifndef __AVX512F__
+            if (VL < W && W <= 16) {       // AVX2, two vectors per row (LeNet-5's 14 columns): each lane's
+              vf lo = vf{}, hi = vf{}, lo_odd = vf{}, hi_odd = vf{};   // sums as AVX-512's one-vector path
+              for (int64_t ki = 0; ki < k; ++ki) {
+                const int64_t py = y - ki;
+                if (py < 0 || py >= CH) continue;
+                const float* src = col.data() + py * CW * Tp + (c * k + ki) * k;
+                // column px's k taps go to lanes px .. px + k: the low vector takes px < VL, the high one
+                // px + k > VL; even and odd px in two chains each
+                const auto low = [&](vf a, int64_t px) {
+                  return add_at(a, src + px * Tp, px, (int)std::min<int64_t>(k, VL - px));
+                };
+                const auto high = [&](vf a, int64_t px) {
+                  const int64_t first = std::max<int64_t>(px, VL);
+                  return add_at(a, src + px * Tp + (first - px), first - VL, (int)(px + k - first));
+                };
+                int64_t px = 0;                                           // CW and VL are even
+                for (; px < std::min<int64_t>(VL, CW); px += 2)
+                  lo = low(lo, px), lo_odd = low(lo_odd, px + 1);
+                px = std::max<int64_t>(0, VL - k + 1);
+                if (px & 1) hi_odd = high(hi_odd, px++);
+                for (; px < CW; px += 2) hi = high(hi, px), hi_odd = high(hi_odd, px + 1);
+              }
+              store_first(dxs + (c * H + y) * W, lo + lo_odd, VL);
+              store_first(dxs + (c * H + y) * W + VL, hi + hi_odd, (int)(W - VL));
+              continue;
+            }
+#endif
             for (int64_t x0 = 0; x0 < W; x0 += VL) {
               vf row = vf{}, odd = vf{};                    // two chains of additions, not one
               for (int64_t ki = 0; ki < k; ++ki) {
@@ -711,6 +739,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward(const at::Tensor& 
               }
               store_first(dxs + (c * H + y) * W + x0, row + odd, (int)std::min<int64_t>(VL, W - x0));
             }
+          }
       }
       for (int64_t o = 0; o < O; ++o) {
         dbp[gi * O + o] = bsum[o];
