@@ -48,8 +48,8 @@ constexpr int COL_VECTORS = 10;
 
 // Above this many input channels a block's forward is filter-vectorized (see `windows`). AVX2 takes that
 // layout for every block: LeNet-5's first block (one input channel) then evaluates about 1.5x and runs its
-// training forward 1.2-1.3x as fast as by position, with the same sums (bench/README.md, "The first block
-// by filter, and the input gradient's rows, on AVX2").
+// training forward 1.2-1.3x as fast as by position, with the same sums (bench/README.md, "Three AVX2
+// changes").
 #ifdef __AVX512F__
 constexpr int64_t MAX_POSITION_CHANNELS = 3;
 #else
@@ -535,6 +535,29 @@ inline void grad_taps(const float* xc, const Geo& g, const float* Gq, const int6
   vf* acc = K > 0 ? a : dw;
   if (K > 0)
     for (int t = 0; t < RK; ++t) a[t] = dw[k0 * k + t];
+#ifndef __AVX512F__
+  if constexpr (K > 0) {
+    // AVX2: corners d = 2 dy and 2 dy + 1 in one pass over a row's K + 1 inputs, each broadcast once for
+    // both (a tap still adds corner 2 dy's term, then 2 dy + 1's: the same sums in the same order)
+    for (int64_t q = 0; q < QO; ++q)
+      for (int dy = 0; dy < 2; ++dy) {
+        const vf g0 = load(Gq + (q * 4 + 2 * dy) * VL), g1 = load(Gq + (q * 4 + 2 * dy + 1) * VL);
+        const float* base = xc + (rowof[q] + k0 + dy) * W + colof[q];
+#pragma GCC unroll 8
+        for (int ki = 0; ki < R; ++ki) {
+          const float* row = base + ki * W;
+#pragma GCC unroll 8
+          for (int c = 0; c <= K; ++c) {
+            const float x = row[c];
+            if (c < K) a[ki * K + c] += x * g0;
+            if (c > 0) a[ki * K + c - 1] += x * g1;
+          }
+        }
+      }
+    for (int t = 0; t < RK; ++t) dw[k0 * k + t] = a[t];
+    return;
+  }
+#endif
   for (int64_t q = 0; q < QO; ++q)
     for (int d = 0; d < 4; ++d) {
       const vf gv = load(Gq + (q * 4 + d) * VL);
