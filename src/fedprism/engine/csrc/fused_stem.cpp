@@ -48,7 +48,7 @@ constexpr int COL_VECTORS = 10;
 
 // Above this many input channels a block's forward is filter-vectorized (see `windows`). AVX2 takes that
 // layout for every block: LeNet-5's first block (one input channel) then evaluates about 1.5x and runs its
-// training forward 1.2-1.3x as fast as by position, with the same sums (bench/README.md, "Three AVX2
+// training forward 1.2-1.3x as fast as by position, with the same sums (bench/README.md, "Four AVX2
 // changes").
 #ifdef __AVX512F__
 constexpr int64_t MAX_POSITION_CHANNELS = 3;
@@ -290,7 +290,27 @@ inline void windows(const float* x, const Geo& g, const float* w, const float* b
     for (int64_t ki = 0; ki < k; ++ki) {
       const float* r0 = x + (c * H + ki) * W;
       const float* r1 = r0 + W;
-      for (int64_t kj = 0; kj < k; ++kj, w += VL) {
+      int64_t kj = 0;
+#ifndef __AVX512F__
+      // AVX2: taps kj and kj + 1 together, so a window's two corners of a row read three inputs, not four
+      // (each accumulator still adds tap kj's term, then kj + 1's)
+      for (; kj + 1 < k; kj += 2, w += 2 * VL) {
+        reload();
+        const vf w0 = load(w), w1 = load(w + VL);
+#pragma GCC unroll 7
+        for (int j = 0; j < NW; ++j)
+#pragma GCC unroll 2
+          for (int dy = 0; dy < 2; ++dy) {
+            const float* r = (dy ? r1 : r0) + kj + 2 * j;
+            const float xa = r[0], xb = r[1], xc = r[2];
+            acc[j][2 * dy] += xa * w0;
+            acc[j][2 * dy + 1] += xb * w0;
+            acc[j][2 * dy] += xb * w1;
+            acc[j][2 * dy + 1] += xc * w1;
+          }
+      }
+#endif
+      for (; kj < k; ++kj, w += VL) {
         reload();
         const vf wv = load(w);
 #pragma GCC unroll 7
