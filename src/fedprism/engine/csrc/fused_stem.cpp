@@ -292,8 +292,8 @@ inline void windows(const float* x, const Geo& g, const float* w, const float* b
       const float* r1 = r0 + W;
       int64_t kj = 0;
 #ifndef __AVX512F__
-      // AVX2: taps kj and kj + 1 together, so a window's two corners of a row read three inputs, not four
-      // (each accumulator still adds tap kj's term, then kj + 1's)
+      // 8-float builds (AVX2): taps kj and kj + 1 together, so a window's two corners of a row read three
+      // inputs, not four (each accumulator still adds tap kj's term, then kj + 1's)
       for (; kj + 1 < k; kj += 2, w += 2 * VL) {
         reload();
         const vf w0 = load(w), w1 = load(w + VL);
@@ -557,8 +557,9 @@ inline void grad_taps(const float* xc, const Geo& g, const float* Gq, const int6
     for (int t = 0; t < RK; ++t) a[t] = dw[k0 * k + t];
 #ifndef __AVX512F__
   if constexpr (K > 0) {
-    // AVX2: corners d = 2 dy and 2 dy + 1 in one pass over a row's K + 1 inputs, each broadcast once for
-    // both (a tap still adds corner 2 dy's term, then 2 dy + 1's: the same sums in the same order)
+    // 8-float builds (AVX2): corners d = 2 dy and 2 dy + 1 in one pass over a row's K + 1 inputs, each
+    // broadcast once for both (a tap still adds corner 2 dy's term, then 2 dy + 1's: the same sums in the
+    // same order)
     for (int64_t q = 0; q < QO; ++q)
       for (int dy = 0; dy < 2; ++dy) {
         const vf g0 = load(Gq + (q * 4 + 2 * dy) * VL), g1 = load(Gq + (q * 4 + 2 * dy + 1) * VL);
@@ -735,8 +736,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward(const at::Tensor& 
         for (int64_t c = 0; c < C; ++c)
           for (int64_t y = 0; y < H; ++y) {
 #ifndef __AVX512F__
-            if (VL < W && W <= 16) {       // AVX2, two vectors per row (LeNet-5's 14 columns): each lane's
-              vf lo = vf{}, hi = vf{}, lo_odd = vf{}, hi_odd = vf{};   // sums as AVX-512's one-vector path
+            if (VL < W && W <= 16) {       // 8-float builds, two vectors per row (LeNet-5's 14 columns):
+              vf lo = vf{}, hi = vf{}, lo_odd = vf{}, hi_odd = vf{};   // each lane summed as AVX-512 sums it
               for (int64_t ki = 0; ki < k; ++ki) {
                 const int64_t py = y - ki;
                 if (py < 0 || py >= CH) continue;
