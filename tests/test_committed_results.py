@@ -713,6 +713,41 @@ def _final_acc_counts(con, run_id: str) -> list[tuple[float, int]]:
                        "group by local_acc", (run_id,)).fetchall()
 
 
+def _final_cell(con, method: str, seed: int, setting: str) -> tuple[str, str | None]:
+    """(`local_acc_weighted` in % to 2 decimals, run id) of a LeNet-5 sweep run, ('-', None) if the store
+    has no such run."""
+    run = _lenet5_runs(con, method, seed).get(setting)
+    if run is None:
+        return "-", None
+    (final,) = con.execute("select final from runs where run_id=?", (run[0],)).fetchone()
+    return f"{100 * json.loads(final)['local_acc_weighted']:.2f}", run[0]
+
+
+def test_clust_psi_pfl_lenet5_second_seed_table_is_the_store_s(db_copy):
+    """results/README.md, "Clust-PSI-PFL, FMNIST with LeNet-5", its third table: per setting, Clust-PSI-PFL's
+    and FedAvg's final global accuracy (`local_acc_weighted`, %) with seeds 0 and 1, and the tau each
+    Clust-PSI-PFL run chose, as the store has them ('-' for a run it does not have); every seed-1 run of
+    the sweep has its row."""
+    import sqlite3
+
+    con = sqlite3.connect(db_copy)
+    table = _readme_tables(LENET_SECTION)[2]
+    assert table[0] == ["setting", "Clust-PSI-PFL, seed 0 / 1", "FedAvg, seed 0 / 1", "tau, seed 0 / 1"]
+    rows = set()
+    for setting, psi, avg, tau in table[1:]:
+        taus = []
+        for seed in (0, 1):
+            rid = _final_cell(con, "Clust-PSI-PFL", seed, setting)[1]
+            taus.append("-" if rid is None else str(json.loads(con.execute(
+                "select data from records where run_id=? and kind='psi'", (rid,)).fetchone()[0])["tau"]))
+        assert psi == " / ".join(_final_cell(con, "Clust-PSI-PFL", s, setting)[0] for s in (0, 1)), setting
+        assert avg == " / ".join(_final_cell(con, "FedAvg", s, setting)[0] for s in (0, 1)), setting
+        assert tau == " / ".join(taus), setting
+        rows.add(setting)
+    seed1 = set(_lenet5_runs(con, "Clust-PSI-PFL", 1)) | set(_lenet5_runs(con, "FedAvg", 1))
+    assert seed1 <= rows, sorted(seed1 - rows)
+
+
 def test_small_clusters_follow_their_last_cohort_as_results_readme_states(db_copy):
     """results/README.md, "Clust-PSI-PFL, FMNIST with LeNet-5": at Dirichlet 0.3, 0.2 and 0.09 the
     silhouette chooses many small clusters, and at the final round the members of a cluster of two or more
@@ -747,6 +782,49 @@ def test_small_clusters_follow_their_last_cohort_as_results_readme_states(db_cop
         assert got == want, (setting, got)
     rid = _lenet5_runs(con, "FedAvg")["S 0"][0]
     assert _final_acc_counts(con, rid) == [(0.0, 90), (1.0, 10)]      # one class predicted for every image
+
+
+def test_local_against_clust_psi_pfl_as_results_readme_states(db_copy):
+    """results/README.md, "Clust-PSI-PFL, FMNIST with LeNet-5", Local: its distance to Clust-PSI-PFL in each
+    setting (from the tables' cells), and at Dirichlet 0.3, 0.2 and 0.09 the final mean local accuracy of
+    Clust-PSI-PFL's singletons and of the members of its larger clusters in and outside the last cohort,
+    Clust-PSI-PFL's against Local's for the same clients."""
+    import sqlite3
+    from collections import Counter
+
+    from fedprism.selection import sample_clients
+
+    con = sqlite3.connect(db_copy)
+    text = _readme_words()
+    acc = {row[0]: row[1:] for row in _readme_tables(LENET_SECTION)[0][1:]}
+    gap = [float(a) - float(p.split(" (")[0]) for a, p in zip(acc["Local"], acc["Clust-PSI-PFL"])]
+    assert [f"{g:.1f}" for g in gap[:6]] == ["-10.3", "-0.8", "15.9", "11.3", "17.4", "4.8"]
+    assert f"{gap[6]:.1f}" == "-10.0" and f"{gap[7]:.2f}" == "1.65" and gap[8] == 0
+    assert ("ends 10.3 and 10.0 points below Clust-PSI-PFL at Dir 50 and S 1 and 0.8 below at Dir 0.7" in text
+            and "by 15.9, 11.3, 17.4 and 4.8 points at Dir 0.3, 0.2, 0.09 and 0.05, and by 1.65 at S 0.03"
+            in text)
+    psi, local = _lenet5_runs(con, "Clust-PSI-PFL"), _lenet5_runs(con, "Local")
+    means = {"alone": [], "in": [], "out": []}
+    for setting in ("Dir 0.3", "Dir 0.2", "Dir 0.09"):
+        rid, cfg = psi[setting]
+        (data,) = con.execute("select data from records where run_id=? and kind='clusters'",
+                              (rid,)).fetchone()
+        label = dict(zip(json.loads(data)["clients"], json.loads(data)["labels"]))
+        size = Counter(label.values())
+        last = cfg["rounds"] - 1
+        cohort = set(sample_clients(cfg["seed"], last, cfg["clients"], cfg["fraction"]).tolist())
+        ours, alone = ({c: a for c, a in con.execute("select client, local_acc from client_metrics where "
+                                                       "run_id=? and round=?", (r, last))}
+                       for r in (rid, local[setting][0]))
+        groups = {"alone": [], "in": [], "out": []}
+        for c in ours:
+            groups["alone" if size[label[c]] == 1 else "in" if c in cohort else "out"].append(c)
+        for g, cs in groups.items():
+            means[g].append(" / ".join(f"{sum(d[c] for c in cs) / len(cs):.3f}" for d in (ours, alone)))
+    assert (f"its singletons score what Local's clients do ({means['alone'][0]}, {means['alone'][1]} and "
+            f"{means['alone'][2]})") in text, means["alone"]
+    assert (f"{means['in'][0]}, {means['in'][1]} and {means['in'][2]} for those in round 39's cohort, "
+            f"{means['out'][0]}, {means['out'][1]} and {means['out'][2]} for those outside it") in text, means
 
 
 def test_cfl_splits_as_results_readme_states(db_copy):
