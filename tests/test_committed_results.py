@@ -689,6 +689,12 @@ def _readme_words() -> str:
     return " ".join((RESULTS / "README.md").read_text().split())
 
 
+def _quoted1(values) -> str:
+    """"a, b and c" to 1 decimal."""
+    v = [f"{x:.1f}" for x in values]
+    return ", ".join(v[:-1]) + f" and {v[-1]}"
+
+
 def _quoted(values) -> str:
     """"a, b, c and d", as results/README.md writes a run of values (to 2 decimals)."""
     v = [f"{x:.2f}" for x in values]
@@ -746,6 +752,20 @@ def test_clust_psi_pfl_lenet5_second_seed_table_is_the_store_s(db_copy):
         rows.add(setting)
     seed1 = set(_lenet5_runs(con, "Clust-PSI-PFL", 1)) | set(_lenet5_runs(con, "FedAvg", 1))
     assert seed1 <= rows, sorted(seed1 - rows)
+    # the paragraph under the table: gaps to FedAvg per seed, two-seed means, the seed-to-seed difference
+    acc = {(m, s, st): 100 * json.loads(con.execute("select final from runs where run_id=?",
+                                                     (_lenet5_runs(con, m, s)[st][0],)).fetchone()[0])
+           ["local_acc_weighted"] for m in ("Clust-PSI-PFL", "FedAvg") for s in (0, 1) for st in rows}
+    order = ("Dir 0.3", "Dir 0.2", "Dir 0.09")
+    gap = [[acc["FedAvg", s, st] - acc["Clust-PSI-PFL", s, st] for st in order] for s in (0, 1)]
+    mean = [[(acc[m, 0, st] + acc[m, 1, st]) / 2 for st in order] for m in ("Clust-PSI-PFL", "FedAvg")]
+    spread = [abs(acc["Clust-PSI-PFL", 0, st] - acc["Clust-PSI-PFL", 1, st]) for st in order]
+    text = _readme_words()
+    assert (f"Clust-PSI-PFL ends {_quoted1(gap[1])} points below FedAvg (seed 0: {_quoted1(gap[0])})" in text
+            and f"Clust-PSI-PFL averages {_quoted(mean[0])} against" in text
+            and f"and FedAvg {_quoted(mean[1])} against" in text
+            and f"seed-to-seed difference ({_quoted(spread)} points)" in text), (gap, mean, spread)
+    assert all(g > 0 for g in gap[1])                   # "keeps the gap": FedAvg ahead in every setting
 
 
 def test_small_clusters_follow_their_last_cohort_as_results_readme_states(db_copy):
