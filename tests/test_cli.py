@@ -141,7 +141,8 @@ def test_a_path_error_names_a_positional_path_by_itself_and_an_option_by_its_fla
     args = argparse.Namespace(command="sweep", file=f, db=db)
     assert _path_error(args, PermissionError(13, "Permission denied", f), positional) == \
         f"{f}: permission denied"
-    assert _path_error(args, IsADirectoryError(21, "Is a directory", db), positional).startswith(f"--db {db}: ")
+    error = _path_error(args, IsADirectoryError(21, "Is a directory", db), positional)
+    assert error.startswith(f"--db {db}: ")
 
 
 def test_a_min_test_beyond_the_test_set_and_running_out_of_memory_are_one_line(capsys, monkeypatch):

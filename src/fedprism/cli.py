@@ -650,8 +650,9 @@ def main(argv: list[str] | None = None) -> int:
               f"`sqlite3 {where} .recover | sqlite3 repaired.db`, or use another --db", file=sys.stderr)
         return 2
     except (FileExistsError, FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as e:
-        print(f"fedprism: error: {_path_error(args, e, _positional(parser))}", file=sys.stderr)   # e.g. a file where --out needs
-        return 2                                                            # a folder
+        # e.g. a file where --out needs a folder
+        print(f"fedprism: error: {_path_error(args, e, _positional(parser))}", file=sys.stderr)
+        return 2
     finally:
         warnings.formatwarning = plain
 
