@@ -689,15 +689,9 @@ def _readme_words() -> str:
     return " ".join((RESULTS / "README.md").read_text().split())
 
 
-def _quoted1(values) -> str:
-    """"a, b and c" to 1 decimal."""
-    v = [f"{x:.1f}" for x in values]
-    return ", ".join(v[:-1]) + f" and {v[-1]}"
-
-
-def _quoted(values) -> str:
-    """"a, b, c and d", as results/README.md writes a run of values (to 2 decimals)."""
-    v = [f"{x:.2f}" for x in values]
+def _quoted(values, digits: int = 2) -> str:
+    """"a, b, c and d", as results/README.md writes a run of values (to 2 decimals, or `digits`)."""
+    v = [f"{x:.{digits}f}" for x in values]
     return ", ".join(v[:-1]) + f" and {v[-1]}"
 
 
@@ -719,14 +713,14 @@ def _final_acc_counts(con, run_id: str) -> list[tuple[float, int]]:
                        "group by local_acc", (run_id,)).fetchall()
 
 
-def _final_cell(con, method: str, seed: int, setting: str) -> tuple[str, str | None]:
-    """(`local_acc_weighted` in % to 2 decimals, run id) of a LeNet-5 sweep run, ('-', None) if the store
-    has no such run."""
+def _final_acc(con, method: str, seed: int, setting: str) -> tuple[float | None, str | None]:
+    """(final `local_acc_weighted` in %, run id) of a LeNet-5 sweep run; (None, None) if the store has no
+    such run."""
     run = _lenet5_runs(con, method, seed).get(setting)
     if run is None:
-        return "-", None
+        return None, None
     (final,) = con.execute("select final from runs where run_id=?", (run[0],)).fetchone()
-    return f"{100 * json.loads(final)['local_acc_weighted']:.2f}", run[0]
+    return 100 * json.loads(final)["local_acc_weighted"], run[0]
 
 
 def test_clust_psi_pfl_lenet5_second_seed_table_is_the_store_s(db_copy):
@@ -739,33 +733,59 @@ def test_clust_psi_pfl_lenet5_second_seed_table_is_the_store_s(db_copy):
     con = sqlite3.connect(db_copy)
     table = _readme_tables(LENET_SECTION)[2]
     assert table[0] == ["setting", "Clust-PSI-PFL, seed 0 / 1", "FedAvg, seed 0 / 1", "tau, seed 0 / 1"]
-    rows = set()
+    settings = [row[0] for row in table[1:]]
+    final = {(m, s, st): _final_acc(con, m, s, st) for m in ("Clust-PSI-PFL", "FedAvg") for s in (0, 1)
+             for st in settings}
+    acc = {key: a for key, (a, _) in final.items()}
+    cell = {key: "-" if a is None else f"{a:.2f}" for key, a in acc.items()}
     for setting, psi, avg, tau in table[1:]:
         taus = []
         for seed in (0, 1):
-            rid = _final_cell(con, "Clust-PSI-PFL", seed, setting)[1]
+            rid = final["Clust-PSI-PFL", seed, setting][1]
             taus.append("-" if rid is None else str(json.loads(con.execute(
                 "select data from records where run_id=? and kind='psi'", (rid,)).fetchone()[0])["tau"]))
-        assert psi == " / ".join(_final_cell(con, "Clust-PSI-PFL", s, setting)[0] for s in (0, 1)), setting
-        assert avg == " / ".join(_final_cell(con, "FedAvg", s, setting)[0] for s in (0, 1)), setting
+        assert psi == " / ".join(cell["Clust-PSI-PFL", s, setting] for s in (0, 1)), setting
+        assert avg == " / ".join(cell["FedAvg", s, setting] for s in (0, 1)), setting
         assert tau == " / ".join(taus), setting
-        rows.add(setting)
     seed1 = set(_lenet5_runs(con, "Clust-PSI-PFL", 1)) | set(_lenet5_runs(con, "FedAvg", 1))
-    assert seed1 <= rows, sorted(seed1 - rows)
+    assert seed1 <= set(settings), sorted(seed1 - set(settings))
     # the paragraph under the table: gaps to FedAvg per seed, two-seed means, the seed-to-seed difference
-    acc = {(m, s, st): 100 * json.loads(con.execute("select final from runs where run_id=?",
-                                                     (_lenet5_runs(con, m, s)[st][0],)).fetchone()[0])
-           ["local_acc_weighted"] for m in ("Clust-PSI-PFL", "FedAvg") for s in (0, 1) for st in rows}
     order = ("Dir 0.3", "Dir 0.2", "Dir 0.09")
     gap = [[acc["FedAvg", s, st] - acc["Clust-PSI-PFL", s, st] for st in order] for s in (0, 1)]
     mean = [[(acc[m, 0, st] + acc[m, 1, st]) / 2 for st in order] for m in ("Clust-PSI-PFL", "FedAvg")]
     spread = [abs(acc["Clust-PSI-PFL", 0, st] - acc["Clust-PSI-PFL", 1, st]) for st in order]
     text = _readme_words()
-    assert (f"Clust-PSI-PFL ends {_quoted1(gap[1])} points below FedAvg (seed 0: {_quoted1(gap[0])})" in text
+    assert (f"Clust-PSI-PFL ends {_quoted(gap[1], 1)} points below FedAvg (seed 0: {_quoted(gap[0], 1)})"
+            in text
             and f"Clust-PSI-PFL averages {_quoted(mean[0])} against" in text
             and f"and FedAvg {_quoted(mean[1])} against" in text
             and f"seed-to-seed difference ({_quoted(spread)} points)" in text), (gap, mean, spread)
     assert all(g > 0 for g in gap[1])                   # "keeps the gap": FedAvg ahead in every setting
+
+
+def _psi_groups(con, rid: str, cfg: dict) -> tuple[dict, dict[str, list[int]]]:
+    """A LeNet-5 Clust-PSI-PFL run's records by kind ('psi', 'clusters') and its clients in three groups:
+    'alone' (a cluster of one), 'in' / 'out' (a larger cluster, in / outside the last round's cohort)."""
+    from collections import Counter
+
+    from fedprism.selection import sample_clients
+
+    rec = {k: json.loads(d) for k, d in con.execute(
+        "select kind, data from records where run_id=? and kind in ('psi', 'clusters')", (rid,))}
+    label = dict(zip(rec["clusters"]["clients"], rec["clusters"]["labels"]))
+    size = Counter(label.values())
+    last = cfg["rounds"] - 1
+    cohort = set(sample_clients(cfg["seed"], last, cfg["clients"], cfg["fraction"]).tolist())
+    groups = {"out": [], "in": [], "alone": []}
+    for c in sorted(label):
+        groups["alone" if size[label[c]] == 1 else "in" if c in cohort else "out"].append(c)
+    return rec, groups
+
+
+def _final_local_acc(con, rid: str, cfg: dict) -> dict[int, float]:
+    """{client: local accuracy} at a run's last round."""
+    return dict(con.execute("select client, local_acc from client_metrics where run_id=? and round=?",
+                            (rid, cfg["rounds"] - 1)).fetchall())
 
 
 def test_small_clusters_follow_their_last_cohort_as_results_readme_states(db_copy):
@@ -775,9 +795,6 @@ def test_small_clusters_follow_their_last_cohort_as_results_readme_states(db_cop
     Dirichlet 0.05 most clusters are singletons; at S 0 the ten classes are the ten clusters and every
     client scores 100 %, and FedAvg predicts one class."""
     import sqlite3
-    from collections import Counter
-
-    from fedprism.selection import sample_clients
 
     con = sqlite3.connect(db_copy)
     stated = {"Dir 0.3": (37, 12, 0.664, 0.840, 0.927), "Dir 0.2": (53, 21, 0.642, 0.868, 0.938),
@@ -786,18 +803,9 @@ def test_small_clusters_follow_their_last_cohort_as_results_readme_states(db_cop
     runs = _lenet5_runs(con, "Clust-PSI-PFL")
     for setting, want in stated.items():
         rid, cfg = runs[setting]
-        rec = {k: json.loads(d) for k, d in con.execute(
-            "select kind, data from records where run_id=? and kind in ('psi', 'clusters')", (rid,))}
-        label = dict(zip(rec["clusters"]["clients"], rec["clusters"]["labels"]))
-        size = Counter(label.values())
-        last = cfg["rounds"] - 1
-        acc = dict(con.execute("select client, local_acc from client_metrics where run_id=? and round=?",
-                               (rid, last)).fetchall())
-        cohort = set(sample_clients(cfg["seed"], last, cfg["clients"], cfg["fraction"]).tolist())
-        groups = {"out": [], "in": [], "alone": []}
-        for c, a in acc.items():
-            groups["alone" if size[label[c]] == 1 else "in" if c in cohort else "out"].append(a)
-        mean = {k: round(sum(v) / len(v), 3) if v else None for k, v in groups.items()}
+        rec, groups = _psi_groups(con, rid, cfg)
+        acc = _final_local_acc(con, rid, cfg)
+        mean = {k: round(sum(acc[c] for c in v) / len(v), 3) if v else None for k, v in groups.items()}
         got = (rec["psi"]["tau"], len(groups["alone"]), mean["out"], mean["in"], mean["alone"])
         assert got == want, (setting, got)
     rid = _lenet5_runs(con, "FedAvg")["S 0"][0]
@@ -810,9 +818,6 @@ def test_local_against_clust_psi_pfl_as_results_readme_states(db_copy):
     Clust-PSI-PFL's singletons and of the members of its larger clusters in and outside the last cohort,
     Clust-PSI-PFL's against Local's for the same clients."""
     import sqlite3
-    from collections import Counter
-
-    from fedprism.selection import sample_clients
 
     con = sqlite3.connect(db_copy)
     text = _readme_words()
@@ -827,18 +832,8 @@ def test_local_against_clust_psi_pfl_as_results_readme_states(db_copy):
     means = {"alone": [], "in": [], "out": []}
     for setting in ("Dir 0.3", "Dir 0.2", "Dir 0.09"):
         rid, cfg = psi[setting]
-        (data,) = con.execute("select data from records where run_id=? and kind='clusters'",
-                              (rid,)).fetchone()
-        label = dict(zip(json.loads(data)["clients"], json.loads(data)["labels"]))
-        size = Counter(label.values())
-        last = cfg["rounds"] - 1
-        cohort = set(sample_clients(cfg["seed"], last, cfg["clients"], cfg["fraction"]).tolist())
-        ours, alone = ({c: a for c, a in con.execute("select client, local_acc from client_metrics where "
-                                                       "run_id=? and round=?", (r, last))}
-                       for r in (rid, local[setting][0]))
-        groups = {"alone": [], "in": [], "out": []}
-        for c in ours:
-            groups["alone" if size[label[c]] == 1 else "in" if c in cohort else "out"].append(c)
+        groups = _psi_groups(con, rid, cfg)[1]
+        ours, alone = _final_local_acc(con, rid, cfg), _final_local_acc(con, *local[setting])
         for g, cs in groups.items():
             means[g].append(" / ".join(f"{sum(d[c] for c in cs) / len(cs):.3f}" for d in (ours, alone)))
     assert (f"its singletons score what Local's clients do ({means['alone'][0]}, {means['alone'][1]} and "
