@@ -159,7 +159,7 @@ def fmt_s(sec: float) -> str:
 
 def _width(args) -> str:
     """The fused kernels' vector width, where (b) or (bf) uses them (16 floats: AVX-512; 8: AVX2)."""
-    if args.kernels != "fused" and not args.fused_eval:
+    if args.kernels == "aten" and not args.fused_eval:
         return ""
     from fedprism.engine import fused
 
@@ -193,9 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bf16-eval", action="store_true",
                     help="also score every model with a second engine at eval.precision=bfloat16 (b16), timed "
                          "right after (b)'s evaluation: its ratio to (a) and (b) and the largest accuracy change")
-    ap.add_argument("--kernels", default="aten", choices=("aten", "fused"),
-                    help="(b)'s train.kernels and eval.kernels (fused: the fused first conv block, "
-                         "fedprism.engine.fused)")
+    ap.add_argument("--kernels", default="aten", choices=("aten", "fused", "winograd"),
+                    help="(b)'s train.kernels and eval.kernels (fused: the fused conv blocks, "
+                         "fedprism.engine.fused; winograd: train.kernels=fused, eval.kernels=winograd)")
     ap.add_argument("--fused-eval", action="store_true",
                     help="also score every model with a second engine at eval.kernels=fused (bf: the fused "
                          "first conv block, fedprism.engine.fused), timed right after (b)'s evaluation: its "
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     fed, src = build_federation(args)
     cfg = LocalConfig(epochs=args.epochs, batch_size=args.batch, lr=0.01, momentum=0.9,
-                      train_kernels=args.kernels, eval_kernels=args.kernels)
+                      train_kernels="aten" if args.kernels == "aten" else "fused", eval_kernels=args.kernels)
     model = build_model("lenet5", (1, 32, 32), 10, seed=args.seed)
     n_tr = fed.n_train
     print(f"# fedprism engine bench  torch {torch.__version__}  python {platform.python_version()}  "

@@ -69,9 +69,10 @@ class LocalConfig:
     #: precision of evaluation forward passes: float32, or bfloat16 (weights and inputs cast, logits
     #: returned as float32; faster where the CPU has native bf16, e.g. AVX512-BF16). Training is float32.
     eval_precision: str = "float32"
-    #: kernels of evaluation forward passes: "aten" (PyTorch's), or "fused" (each conv -> ReLU -> 2x2
+    #: kernels of evaluation forward passes: "aten" (PyTorch's), "fused" (each conv -> ReLU -> 2x2
     #: max-pooling block of the model in one CPU kernel, `fedprism.engine.fused`; logits change at float32
-    #: rounding). Training: `train_kernels`.
+    #: rounding), or "winograd" (as "fused", with the blocks where `fedprism.engine.fused.winograd_applies`
+    #: by minimal filtering). Training: `train_kernels`.
     eval_kernels: str = "aten"
     #: kernels of local training: "aten", or "fused" (the model's first two such blocks through the fused
     #: kernels' training forwards and backwards, `fedprism.engine.fused.StemSplit`; the numbers change at
@@ -275,13 +276,14 @@ class EngineBase:
         self.f = Functional(self.model)
         self.spec = self.f.spec
         self.cfg = cfg
-        self.eval_fused = False      # eval.kernels=fused applied (the inference copy holds fused blocks)
-        from fedprism.engine.fused import KERNELS
-        for name in ("eval_kernels", "train_kernels"):
-            if getattr(cfg, name) not in KERNELS:
-                raise ValueError(f"{name} must be one of {KERNELS}, got {getattr(cfg, name)!r}")
-        if cfg.eval_kernels == "fused" and self._fused_kernels_usable("eval.kernels"):
-            self._fuse_eval_kernels()
+        self.eval_fused = False      # eval.kernels=fused/winograd applied (inference copy with fused blocks)
+        self.eval_winograd = False   # ... and some block of it evaluates by minimal filtering
+        from fedprism.engine.fused import EVAL_KERNELS, KERNELS
+        for name, allowed in (("eval_kernels", EVAL_KERNELS), ("train_kernels", KERNELS)):
+            if getattr(cfg, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
+        if cfg.eval_kernels != "aten" and self._fused_kernels_usable(f"eval.kernels={cfg.eval_kernels}"):
+            self._fuse_eval_kernels(winograd=cfg.eval_kernels == "winograd")
         if cfg.eval_precision == "bfloat16" and self.device.type == "cpu" and native_bf16() is False:
             warnings.warn("eval.precision=bfloat16 on a CPU without native bf16 (no avx512_bf16 or "
                           "amx_bf16 flag in /proc/cpuinfo): bf16 arithmetic is emulated here and scores "
@@ -290,7 +292,7 @@ class EngineBase:
                           "faster one here", stacklevel=3)
         #: the fused blocks' training gradient (`fedprism.engine.fused.StemSplit`), or None
         self.stem = None
-        if cfg.train_kernels == "fused" and self._fused_kernels_usable("train.kernels"):
+        if cfg.train_kernels == "fused" and self._fused_kernels_usable("train.kernels=fused"):
             from fedprism.engine.fused import StemSplit
             self.stem = StemSplit(self.f) if StemSplit.qualifies(self.f) else None
         self.seed = seed
@@ -306,25 +308,27 @@ class EngineBase:
         from fedprism.engine import fused
 
         if self.device.type != "cpu":
-            warnings.warn(f"{key}=fused has a CPU kernel only; this engine on {self.device} runs PyTorch's "
+            warnings.warn(f"{key} has a CPU kernel only; this engine on {self.device} runs PyTorch's "
                           "kernels", stacklevel=4)
             return False
         if not fused.load():
-            warnings.warn(f"{key}=fused: the fused kernel is unavailable ({fused.unavailable_reason()}); "
+            warnings.warn(f"{key}: the fused kernel is unavailable ({fused.unavailable_reason()}); "
                           "running PyTorch's kernels", stacklevel=4)
             return False
         return True
 
-    def _fuse_eval_kernels(self) -> None:
-        """`eval_kernels = fused`: the inference copy of the model gets fused blocks
+    def _fuse_eval_kernels(self, winograd: bool = False) -> None:
+        """`eval_kernels = fused` (or `winograd`): the inference copy of the model gets fused blocks
         (`fedprism.engine.fused.fuse_stems`) where any qualify."""
         from fedprism.engine import fused
 
         base = self.f.inference_module if self.f.inference_module is not None else self.model
-        done = fused.fuse_stems(base)
+        done = fused.fuse_stems(base, winograd)
         if done is not None:
             self.f.inference_module = done
             self.eval_fused = True
+            self.eval_winograd = any(isinstance(m, fused.FusedConvReLUPool) and m.winograd
+                                     and fused.winograd_applies(m.weight) for m in done.modules())
 
     def set_rows(self, train_idx: list, test_idx: list, val_idx: list | None = None) -> None:
         """Replace every client's train / local test / validation rows (indices into the same pools): a

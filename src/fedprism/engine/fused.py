@@ -56,7 +56,15 @@ from torch import Tensor, nn
 from fedprism.models.pooling import MaxPool2x2, _plain_2x2
 
 SOURCE = Path(__file__).with_name("csrc") / "fused_stem.cpp"
+#: the evaluation kernel by minimal filtering (``eval.kernels = winograd``), built as its own library so that
+#: the direct kernels' object code does not depend on it
+WINOGRAD_SOURCE = SOURCE.with_name("winograd.cpp")
 KERNELS = ("aten", "fused")
+EVAL_KERNELS = ("aten", "fused", "winograd")
+#: fewest input channels for which a 5 x 5 block evaluates by minimal filtering: with fewer the transforms
+#: outweigh the products saved, and the direct kernel is faster (`bench/winograd_eval.py`; bench/README.md,
+#: "Evaluation by minimal filtering")
+WINOGRAD_MIN_CHANNELS = 4
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}      # this process's verdict: "ok", and "why" when not
@@ -97,11 +105,11 @@ def _compile(cxx: str, out: Path, source: Path = SOURCE) -> None:
         raise RuntimeError(f"{cxx} failed ({r.returncode}){target}: {r.stderr.strip()[-800:]}")
 
 
-def source_hash() -> str:
-    """The first 16 hex digits of the kernels' C++ source's sha256: a run's provenance records it, since the
+def source_hash(source: Path = SOURCE) -> str:
+    """The first 16 hex digits of a kernel's C++ source's sha256: a run's provenance records it, since the
     engine's code is not part of a run's fingerprint and a change of the kernels' summation order changes
     a fused run's numbers at float32 rounding."""
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    return hashlib.sha256(source.read_bytes()).hexdigest()[:16]
 
 
 def vector_floats() -> int | None:
@@ -110,18 +118,18 @@ def vector_floats() -> int | None:
     return int(torch.ops.fedprism_kernels.vector_floats()) if load() else None
 
 
-def library_path(cxx: str | None = None) -> Path:
-    """Where this machine's build of the kernel is cached: named by a hash of the source, the torch
-    version, the CPU's flags, the compiler and the target (`march`; ``native`` keeps the names of the
-    builds made before the target could be chosen)."""
+def library_path(cxx: str | None = None, source: Path = SOURCE) -> Path:
+    """Where this machine's build of a kernel source is cached: named by the source's name and a hash of
+    the source, the torch version, the CPU's flags, the compiler and the target (`march`; ``native`` keeps
+    the names of the builds made before the target could be chosen)."""
     cxx = cxx or os.environ.get("CXX", "g++")
     target = "" if march() == "native" else f"-march={march()}"
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode()
+    key = hashlib.sha256(source.read_bytes() + torch.__version__.encode() + _cpu_flags().encode()
                          + cxx.encode() + target.encode()).hexdigest()[:16]
-    return cache_dir() / f"fused_stem_{key}.so"
+    return cache_dir() / f"{source.stem}_{key}.so"
 
 
-def _build(cxx: str, lib: Path) -> None:
+def _build(cxx: str, lib: Path, source: Path) -> None:
     # a pause of tens of seconds on a 2-core VM, once per machine: said, so that it is not taken for a hang
     print(f"fedprism: compiling the fused CPU kernels for this machine into {lib.parent} (once)",
           file=sys.stderr, flush=True)
@@ -129,7 +137,7 @@ def _build(cxx: str, lib: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
     os.close(fd)
     try:
-        _compile(cxx, Path(tmp))
+        _compile(cxx, Path(tmp), source)
         os.replace(tmp, lib)                   # atomic: a concurrent build wins or loses whole
     finally:
         if os.path.exists(tmp):
@@ -137,7 +145,8 @@ def _build(cxx: str, lib: Path) -> None:
 
 
 def load() -> bool:
-    """Build (once per machine) and load the kernel; False, with `unavailable_reason()`, if that fails."""
+    """Build (once per machine) and load the kernels (the direct ones, then the evaluation by minimal
+    filtering); False, with `unavailable_reason()`, if that fails."""
     with _lock:
         if "ok" in _state:
             return bool(_state["ok"])
@@ -145,20 +154,24 @@ def load() -> bool:
             cxx = os.environ.get("CXX", "g++")
             if shutil.which(cxx) is None:
                 raise RuntimeError(f"no C++ compiler {cxx!r} on PATH (set CXX)")
-            lib = library_path(cxx)
-            built = not lib.exists()
-            if built:
-                _build(cxx, lib)
-            if "lib" not in _loaded:           # a namespace can be registered once per process
+            for source in (SOURCE, WINOGRAD_SOURCE):
+                lib = library_path(cxx, source)
+                built = not lib.exists()
+                if built:
+                    _build(cxx, lib, source)
+                if source.stem in _loaded:     # a namespace can be registered once per process
+                    continue
                 try:
                     torch.ops.load_library(str(lib))
                 except OSError:
                     if built:
                         raise
-                    _build(cxx, lib)           # a damaged cached copy (truncated, another ABI): once more
+                    _build(cxx, lib, source)   # a damaged cached copy (truncated, another ABI): once more
                     torch.ops.load_library(str(lib))
+                _loaded[source.stem] = lib
+            if "registered" not in _loaded:
                 _register()
-                _loaded["lib"] = lib
+                _loaded["registered"] = SOURCE
             _state["ok"] = True
         except Exception as e:  # noqa: BLE001 - any failure means: evaluate with the plain layers
             _state["ok"], _state["why"] = False, f"{type(e).__name__}: {e}"
@@ -240,35 +253,46 @@ def _block_backward_vmap(info, in_dims, grad, arg, x, w, k):
 def _register() -> None:
     lib = "fedprism_kernels::"
     torch.library.register_fake(lib + "stem_forward")(_stem_fake)
+    torch.library.register_fake(lib + "winograd_forward")(_stem_fake)
     torch.library.register_fake(lib + "stem_train_forward")(_train_fake)
     torch.library.register_fake(lib + "stem_backward")(_backward_fake)
     torch.library.register_fake(lib + "block_backward")(_block_backward_fake)
-    for name in ("stem_forward", "stem_train_forward"):
+    for name in ("stem_forward", "stem_train_forward", "winograd_forward"):
         torch.library.register_vmap(lib + name)(_forward_vmap(getattr(torch.ops.fedprism_kernels, name)))
     torch.library.register_vmap(lib + "stem_backward")(_backward_vmap)
     torch.library.register_vmap(lib + "block_backward")(_block_backward_vmap)
 
 
-def conv_relu_pool(x: Tensor, w: Tensor, b: Tensor) -> Tensor:
-    """``max_pool2d(relu(conv2d(x, w, b)), 2)`` for x [N, C, H, W], w [O, C, k, k] (the fused kernel; under
-    ``torch.vmap`` over models through the kernel's vmap rule). Needs `load()`."""
+def winograd_applies(w: Tensor) -> bool:
+    """True when a block with filters `w` [O, C, k, k] evaluates by minimal filtering under
+    ``eval.kernels = winograd``: 5 x 5 filters and at least `WINOGRAD_MIN_CHANNELS` input channels."""
+    return w.shape[-1] == 5 and w.shape[1] >= WINOGRAD_MIN_CHANNELS
+
+
+def conv_relu_pool(x: Tensor, w: Tensor, b: Tensor, winograd: bool = False) -> Tensor:
+    """``max_pool2d(relu(conv2d(x, w, b)), 2)`` for x [N, C, H, W], w [O, C, k, k] (the fused kernel, or with
+    `winograd` the kernel by minimal filtering where `winograd_applies`; under ``torch.vmap`` over models
+    through the kernels' vmap rule). Needs `load()`."""
     O, _, k, _ = w.shape
-    return torch.ops.fedprism_kernels.stem_forward(x[None], w.reshape(1, O, -1), b[None], k)[0]
+    ops = torch.ops.fedprism_kernels
+    op = ops.winograd_forward if winograd and winograd_applies(w) else ops.stem_forward
+    return op(x[None], w.reshape(1, O, -1), b[None], k)[0]
 
 
 class FusedConvReLUPool(nn.Module):
-    """``conv -> ReLU -> MaxPool2d(2)`` through the fused kernel on a CPU in float32, the plain layers
-    otherwise. Holds the convolution's `weight` and `bias` under the convolution's names, so a flat
-    parameter vector maps onto it as onto the model it replaces."""
+    """``conv -> ReLU -> MaxPool2d(2)`` through the fused kernel (with `winograd`, by minimal filtering where
+    it applies) on a CPU in float32, the plain layers otherwise. Holds the convolution's `weight` and `bias`
+    under the convolution's names, so a flat parameter vector maps onto it as onto the model it replaces."""
 
-    def __init__(self, conv: nn.Conv2d):
+    def __init__(self, conv: nn.Conv2d, winograd: bool = False):
         super().__init__()
         self.weight, self.bias = conv.weight, conv.bias
+        self.winograd = winograd
 
     def forward(self, x: Tensor) -> Tensor:
         w, b = self.weight, self.bias
         if x.device.type == "cpu" and x.dtype == w.dtype == b.dtype == torch.float32:
-            return conv_relu_pool(x, w, b)
+            return conv_relu_pool(x, w, b, self.winograd)
         return MaxPool2x2()(F.relu(F.conv2d(x, w, b)))
 
 
@@ -292,15 +316,16 @@ def _fusable_triples(module: nn.Module) -> list[tuple[nn.Sequential, int]]:
     return found
 
 
-def fuse_stems(module: nn.Module) -> nn.Module | None:
+def fuse_stems(module: nn.Module, winograd: bool = False) -> nn.Module | None:
     """A copy of `module` (an inference copy: see `fedprism.models.pooling.for_inference`) with every
-    qualifying ``Conv2d -> ReLU -> MaxPool2d(2)`` replaced by :class:`FusedConvReLUPool` and two
-    ``nn.Identity`` (parameter names unchanged), or None when nothing qualifies."""
+    qualifying ``Conv2d -> ReLU -> MaxPool2d(2)`` replaced by :class:`FusedConvReLUPool` (evaluating by
+    minimal filtering where it applies, with `winograd`) and two ``nn.Identity`` (parameter names
+    unchanged), or None when nothing qualifies."""
     if not _fusable_triples(module):
         return None
     out = copy.deepcopy(module)
     for seq, i in _fusable_triples(out):
-        seq[i], seq[i + 1], seq[i + 2] = FusedConvReLUPool(seq[i]), nn.Identity(), nn.Identity()
+        seq[i], seq[i + 1], seq[i + 2] = FusedConvReLUPool(seq[i], winograd), nn.Identity(), nn.Identity()
     return out
 
 

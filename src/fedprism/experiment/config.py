@@ -86,11 +86,13 @@ KEYS: dict[str, Param] = {
                             "numbers change slightly: bench/README.md). Training is always float32",
                             choices=("float32", "bfloat16"), new=True),
     "eval.kernels": Param("aten", "kernels of every evaluation forward pass on a CPU: aten (PyTorch's, "
-                          "the stored runs' numbers) or fused (each conv -> ReLU -> 2x2 max-pooling block "
+                          "the stored runs' numbers), fused (each conv -> ReLU -> 2x2 max-pooling block "
                           "of the model in one C++ kernel built with the system compiler on first use, "
-                          "fedprism.engine.fused; logits change at float32 rounding: bench/README.md). "
-                          "Training: train.kernels",
-                          choices=("aten", "fused"), new=True),
+                          "fedprism.engine.fused; logits change at float32 rounding: bench/README.md) or "
+                          "winograd (as fused, and blocks of 5x5 filters on 4 or more input channels by "
+                          "minimal filtering, F(2x2, 5x5): LeNet-5's second block 1.3x as fast, logits "
+                          "change at float32 rounding of the transforms). Training: train.kernels",
+                          choices=("aten", "fused", "winograd"), new=True),
     "train.kernels": Param("aten", "kernels of local training on a CPU: aten (PyTorch's, the stored runs' "
                            "numbers) or fused (the model's first two conv -> ReLU -> 2x2 max-pooling "
                            "blocks through the fused kernels' forwards and backwards, fedprism.engine.fused; "

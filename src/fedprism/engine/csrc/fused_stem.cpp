@@ -45,7 +45,6 @@ constexpr int GRAD_FILTERS = 3, GRAD_TAPS = 3;
 constexpr int DW_ROWS = 2;
 constexpr int COL_VECTORS = 10;
 #endif
-constexpr int WINO_TILES = 10;        // minimal filtering: tiles per pass (their products stay in L1), in fives
 
 // Above this many input channels a block's forward is filter-vectorized (see `windows`). AVX2 takes that
 // layout for every block: LeNet-5's first block (one input channel) then evaluates about 1.5x and runs its
@@ -795,208 +794,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward(const at::Tensor& 
   return {dw, db, dx};
 }
 
-// ---- evaluation by minimal filtering (eval.kernels = winograd): the block's forward as F(2 x 2, 5 x 5) of
-// Lavin & Gray, "Fast Algorithms for Convolutional Neural Networks" (CVPR 2016, arXiv:1509.09308). A 2 x 2
-// tile of conv outputs is Y = A^T [(G g G^T) * (B^T d B)] A from its 6 x 6 tile d of inputs (interpolation
-// points 0, 1, -1, 2, -2 and infinity): 36 products per tile and input channel instead of 100. The tile is
-// exactly one pooling window, so the pooled output is relu(max(Y) + bias) of one tile. The sums are not the
-// convolution's: the outputs differ from the direct kernels' at float32 rounding of the transformed values
-// (bench/README.md, "Evaluation by minimal filtering", measures it). 5 x 5 filters only. ----
-
-// r = B^T d for one column of six inputs (in place)
-inline void input_1d(vf& d0, vf& d1, vf& d2, vf& d3, vf& d4, vf& d5) {
-  const vf s12 = d1 + d2, d21 = d2 - d1, s34 = d3 + d4, d34 = d3 - d4, d42 = d4 - d2, d31 = d3 - d1;
-  const vf r0 = 4.f * d0 - 5.f * d2 + d4, r5 = 4.f * d1 - 5.f * d3 + d5;
-  d0 = r0;
-  d1 = 4.f * s12 - s34;
-  d2 = 4.f * d21 + d34;
-  d3 = d42 + 2.f * d31;
-  d4 = d42 - 2.f * d31;
-  d5 = r5;
-}
-
-// (y0, y1) = A^T m for one column of six products
-inline void output_1d(const vf& m0, const vf& m1, const vf& m2, const vf& m3, const vf& m4, const vf& m5,
-                      vf& y0, vf& y1) {
-  y0 = (m0 + m1) + (m2 + m3) + m4;
-  y1 = (m1 - m2) + 2.f * (m3 - m4) + m5;
-}
-
-// The transformed filters: U[(blk * 36 + p) * C + c][0 .. VL) = (G g G^T)[p] of filters blk VL .. for
-// channel c (in double, then rounded), zero for padding filters. w [O][C * 25] of one group.
-void filter_tiles(const float* w, int64_t O, int64_t C, float* U) {
-  static const double Gm[6][5] = {{1. / 4, 0, 0, 0, 0},
-                                  {1. / 6, 1. / 6, 1. / 6, 1. / 6, 1. / 6},
-                                  {1. / 6, -1. / 6, 1. / 6, -1. / 6, 1. / 6},
-                                  {1. / 24, 1. / 12, 1. / 6, 1. / 3, 2. / 3},
-                                  {1. / 24, -1. / 12, 1. / 6, -1. / 3, 2. / 3},
-                                  {0, 0, 0, 0, 1}};
-  for (int64_t o = 0; o < O; ++o)
-    for (int64_t c = 0; c < C; ++c) {
-      const float* g = w + (o * C + c) * 25;
-      double t[6][5];                              // G g
-      for (int a = 0; a < 6; ++a)
-        for (int v = 0; v < 5; ++v) {
-          double s = 0;
-          for (int u = 0; u < 5; ++u) s += Gm[a][u] * g[u * 5 + v];
-          t[a][v] = s;
-        }
-      for (int a = 0; a < 6; ++a)
-        for (int b = 0; b < 6; ++b) {
-          double s = 0;
-          for (int v = 0; v < 5; ++v) s += t[a][v] * Gm[b][v];
-          U[(((o / VL) * 36 + a * 6 + b) * C + c) * VL + o % VL] = (float)s;
-        }
-    }
-}
-
-// V[p][c][t] = (B^T d B)[p] for channel c's tile t = i Wp + j, from the image's polyphase planes, VL tiles
-// of a row at a time (lanes past the row's end land on the next row's tiles, written after them, or in
-// V's padding: a channel's tiles take TP >= Hp Wp + VL floats). First B^T along each input row, once per
-// row (a row serves up to three rows of tiles), into Hr[r][b][j]; then along the columns.
-__attribute__((noinline)) void input_tiles(const float* ph, const Geo& g, int64_t TP, float* V, float* Hr) {
-  const int64_t C = g.C, rows = 2 * g.Hp + 4, JW = (g.Wp + VL - 1) / VL * VL;
-  for (int64_t c = 0; c < C; ++c) {
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t j0 = 0; j0 < g.Wp; j0 += VL) {
-        const float* base = ph + (c * 2 + (r & 1)) * 2 * g.PH + (r >> 1) * g.S + j0;
-        vf d[6];
-#pragma GCC unroll 6
-        for (int v = 0; v < 6; ++v) d[v] = load(base + (v & 1) * g.PH + (v >> 1));
-        input_1d(d[0], d[1], d[2], d[3], d[4], d[5]);
-#pragma GCC unroll 6
-        for (int b = 0; b < 6; ++b) *(vfu*)(Hr + (r * 6 + b) * JW + j0) = d[b];
-      }
-    for (int64_t i = 0; i < g.Hp; ++i)
-      for (int64_t j0 = 0; j0 < g.Wp; j0 += VL) {
-        const int64_t P = C * TP;                  // from one position's tiles to the next
-        float* dst = V + c * TP + i * g.Wp + j0;
-#pragma GCC unroll 1
-        for (int b = 0; b < 6; ++b, dst += P) {
-          const float* h = Hr + (2 * i * 6 + b) * JW + j0;
-          vf d[6];
-#pragma GCC unroll 6
-          for (int u = 0; u < 6; ++u) d[u] = load(h + u * 6 * JW);
-          input_1d(d[0], d[1], d[2], d[3], d[4], d[5]);
-#pragma GCC unroll 6
-          for (int a = 0; a < 6; ++a) *(vfu*)(dst + a * 6 * P) = d[a];
-        }
-      }
-  }
-}
-
-// M[p][tt][f] (vectors of VL filters) = sum over the channels c, in order, of V[p][c][t0 + tt] * U_f[p][c]
-// for the FB filter blocks U_f = Ub[f], tiles tt < nt rounded up to TB (those past nt read and write the
-// buffers' padding): FB x TB independent sums in registers, as a GEMM's micro-kernel.
-template <int FB, int TB>
-__attribute__((noinline)) void tile_products(const float* V, int64_t TP, const float* const* Ub, int64_t C,
-                                             int64_t t0, int nt, float* M) {
-  for (int p = 0; p < 36; ++p) {
-    const float* v = V + p * C * TP + t0;
-    float* m = M + p * WINO_TILES * FB * VL;
-    for (int tt = 0; tt < nt; tt += TB) {
-      vf acc[TB][FB] = {};
-      for (int64_t c = 0; c < C; ++c) {
-        vf u[FB];
-#pragma GCC unroll 2
-        for (int f = 0; f < FB; ++f) {
-          u[f] = load(Ub[f] + (p * C + c) * VL);
-          asm("" : "+x"(u[f]));          // in a register: GCC would fold a load into each multiply-add
-        }
-#pragma GCC unroll 8
-        for (int i = 0; i < TB; ++i) {
-          const float xv = v[c * TP + tt + i];
-#pragma GCC unroll 2
-          for (int f = 0; f < FB; ++f) acc[i][f] += xv * u[f];
-        }
-      }
-#pragma GCC unroll 8
-      for (int i = 0; i < TB; ++i)
-#pragma GCC unroll 2
-        for (int f = 0; f < FB; ++f) *(vfu*)(m + ((tt + i) * FB + f) * VL) = acc[i][f];
-    }
-  }
-}
-
-// The pooled outputs of tiles tt < nt: relu(max over the tile of A^T M A + bias), from the products
-// M[p][tt] (vectors of VL filters, FB filter blocks side by side), to out[l QO + tt] for filters l < nO.
-__attribute__((noinline)) void output_tiles(const float* M, int FB, int nt, const float* b, int nO,
-                                            int64_t QO, float* out) {
-  const vf bias = load(b);
-  const int64_t P = WINO_TILES * FB * VL;           // from one position's products to the next
-  for (int tt = 0; tt < nt; ++tt) {
-    const float* m = M + tt * FB * VL;
-    vf h0[6], h1[6];                                // A^T over each row a of the 6 x 6 products
-#pragma GCC unroll 6
-    for (int a = 0; a < 6; ++a)
-      output_1d(load(m + (a * 6) * P), load(m + (a * 6 + 1) * P), load(m + (a * 6 + 2) * P),
-                load(m + (a * 6 + 3) * P), load(m + (a * 6 + 4) * P), load(m + (a * 6 + 5) * P), h0[a], h1[a]);
-    vf y[4];                                        // corners (0, 0), (0, 1), (1, 0), (1, 1)
-    output_1d(h0[0], h0[1], h0[2], h0[3], h0[4], h0[5], y[0], y[2]);
-    output_1d(h1[0], h1[1], h1[2], h1[3], h1[4], h1[5], y[1], y[3]);
-    vf mx = y[0];
-#pragma GCC unroll 3
-    for (int d = 1; d < 4; ++d) mx = y[d] > mx ? y[d] : mx;
-    mx += bias;
-    mx = mx > vf{} ? mx : vf{};
-    for (int l = 0; l < nO; ++l) out[l * QO + tt] = mx[l];
-  }
-}
-
-// x [G, N, C, H, W], w [G, O, C * 25], b [G, O] -> [G, N, O, (H - 4) / 2, (W - 4) / 2], as stem_forward.
-at::Tensor winograd_forward(const at::Tensor& x_, const at::Tensor& w_, const at::Tensor& b_, int64_t k) {
-  TORCH_CHECK(x_.dim() == 5 && w_.dim() == 3 && b_.dim() == 2,
-              "winograd forward: x [G,N,C,H,W], w [G,O,T], b [G,O]");
-  TORCH_CHECK(x_.scalar_type() == at::kFloat && w_.scalar_type() == at::kFloat &&
-              b_.scalar_type() == at::kFloat, "winograd forward: float32 only");
-  TORCH_CHECK(k == 5, "winograd forward: 5 x 5 filters only, got k = ", k);
-  const bool rows =
-      x_.stride(4) == 1 && x_.stride(3) == x_.size(4) && x_.stride(2) == x_.size(3) * x_.size(4);
-  const at::Tensor x = rows ? x_ : x_.contiguous(), w = w_.contiguous(), b = b_.contiguous();
-  const int64_t G = x.size(0), N = x.size(1), O = w.size(1);
-  const Geo g(x.size(2), x.size(3), x.size(4), k);
-  const int64_t C = g.C, QO = g.Hp * g.Wp, TP = QO + VL, NB = (O + VL - 1) / VL, sg = x.stride(0),
-                sn = x.stride(1);
-  TORCH_CHECK(w.size(0) == G && w.size(2) == C * 25 && b.size(0) == G && b.size(1) == O && g.Hp > 0 &&
-              g.Wp > 0, "winograd forward: shapes do not match");
-  std::vector<float> U(G * NB * 36 * C * VL, 0.f), bk(G * NB * VL, 0.f);
-  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t gi = g0; gi < g1; ++gi)
-      filter_tiles(w.data_ptr<float>() + gi * O * C * 25, O, C, U.data() + gi * NB * 36 * C * VL);
-  });
-  for (int64_t gi = 0; gi < G; ++gi)
-    for (int64_t o = 0; o < O; ++o) bk[(gi * NB + o / VL) * VL + o % VL] = b.data_ptr<float>()[gi * O + o];
-  at::Tensor out = at::empty({G, N, O, g.Hp, g.Wp}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, G * N, 1, [&](int64_t s0, int64_t s1) {
-    std::vector<float> ph(g.phase_floats(), 0.f), row, V(36 * C * TP), M(36 * WINO_TILES * 2 * VL),
-        Hr((2 * g.Hp + 4) * 6 * ((g.Wp + VL - 1) / VL * VL));
-    for (int64_t s = s0; s < s1; ++s) {
-      const int64_t gi = s / N;
-      phases(xp + gi * sg + (s % N) * sn, g.H * g.W, g, ph.data(), row);
-      input_tiles(ph.data(), g, TP, V.data(), Hr.data());
-      for (int64_t blk = 0; blk < NB; blk += 2) {          // filter blocks in pairs
-        const int FB = (int)std::min<int64_t>(2, NB - blk);
-        const float* Ub[2] = {U.data() + (gi * NB + blk) * 36 * C * VL,
-                              U.data() + (gi * NB + blk + FB - 1) * 36 * C * VL};
-        for (int64_t t0 = 0; t0 < QO; t0 += WINO_TILES) {
-          const int nt = (int)std::min<int64_t>(WINO_TILES, QO - t0);
-          if (FB == 2)
-            tile_products<2, 5>(V.data(), TP, Ub, C, t0, nt, M.data());
-          else
-            tile_products<1, 5>(V.data(), TP, Ub, C, t0, nt, M.data());
-          for (int f = 0; f < FB; ++f)
-            output_tiles(M.data() + f * VL, FB, nt, bk.data() + (gi * NB + blk + f) * VL,
-                         (int)std::min<int64_t>(VL, O - (blk + f) * VL), QO,
-                         op + (s * O + (blk + f) * VL) * QO + t0);
-        }
-      }
-    }
-  });
-  return out;
-}
-
 // The floats per vector this build was compiled for (a run's provenance records it: the first block's filter
 // gradients group their partial sums by it).
 int64_t vector_floats() { return VL; }
@@ -1009,12 +806,10 @@ TORCH_LIBRARY(fedprism_kernels, m) {
   m.def("stem_train_forward(Tensor x, Tensor w, Tensor b, int k) -> (Tensor, Tensor)");
   m.def("stem_backward(Tensor grad, Tensor arg, Tensor x, int k) -> (Tensor, Tensor)");
   m.def("block_backward(Tensor grad, Tensor arg, Tensor x, Tensor w, int k) -> (Tensor, Tensor, Tensor)");
-  m.def("winograd_forward(Tensor x, Tensor w, Tensor b, int k) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(fedprism_kernels, CPU, m) {
   m.impl("stem_forward", &stem_forward);
   m.impl("stem_train_forward", &stem_train_forward);
   m.impl("stem_backward", &stem_backward);
   m.impl("block_backward", &block_backward);
-  m.impl("winograd_forward", &winograd_forward);
 }
