@@ -154,6 +154,23 @@ def test_truncating_drops_every_later_row_and_the_round_count(tmp_path):
     assert s.run("x")["rounds_done"] == 3
 
 
+def test_truncating_or_forgetting_an_unknown_run_is_an_error_and_changes_nothing(tmp_path):
+    """A mistyped run id (the library API: `Store.truncate`, `Store.forget`) says which id and which store,
+    instead of silently doing nothing; the runs the store holds keep every row."""
+    from fedprism.errors import FedPrismError
+    s = Store(tmp_path / "k.db")
+    s.start_run("x", {"method": "fedavg", "dataset": "digits", "seed": 0})
+    for rnd in range(3):
+        s.write_round("x", rnd, {"a": rnd}, [(0, 0.5, 1.0, 0.4, 10, 0.3)], [("r", 1, {"v": rnd})], 0.1)
+    for call in (lambda: s.truncate("y", 0), lambda: s.forget("y"), lambda: s.forget("")):
+        with pytest.raises(FedPrismError, match=r"no run '.*' in .*k\.db"):
+            call()
+    assert [h["round"] for h in s.round_metrics("x")] == [0, 1, 2] and s.run("x")["rounds_done"] == 3
+    s.forget("x")
+    assert s.run("x") is None
+    assert s.db.execute("SELECT COUNT(*) FROM rounds WHERE run_id='x'").fetchone()[0] == 0
+
+
 OLD_SCHEMA = """
 CREATE TABLE runs (run_id TEXT PRIMARY KEY, name TEXT, method TEXT, dataset TEXT, seed INTEGER,
     config TEXT NOT NULL, code_version TEXT, status TEXT NOT NULL, rounds_done INTEGER NOT NULL DEFAULT 0,

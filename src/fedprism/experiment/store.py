@@ -580,10 +580,16 @@ class Store:
                 raise FedPrismError(f"no run {run_id} in {self.path}")
             self._rename(db, row, name)
 
+    def _held(self, db: sqlite3.Connection, run_id: str, what: str) -> None:
+        if db.execute("SELECT 1 FROM runs WHERE run_id=?", (run_id,)).fetchone() is None:
+            raise FedPrismError(f"Store.{what}: no run {run_id!r} in {self.path} (`fedprism runs` lists them)")
+
     def forget(self, run_id: str) -> None:
         """Drop a run completely (its row, rounds, client rows, records and checkpoint): `--fresh`.
-        Sweep memberships are kept, so the run that replaces it under the same id stays in its sweeps."""
+        Sweep memberships are kept, so the run that replaces it under the same id stays in its sweeps. An
+        id the store does not hold is an error (nothing is changed)."""
         with self.transaction() as db:
+            self._held(db, run_id, "forget")
             for t in ("rounds", "client_metrics", "records", "runs"):
                 db.execute(f"DELETE FROM {t} WHERE run_id=?", (run_id,))
         self.drop_checkpoint(run_id)
@@ -628,8 +634,10 @@ class Store:
                 pass
 
     def truncate(self, run_id: str, after_round: int) -> None:
-        """Drop rows of rounds > after_round (rounds redone after resuming from a checkpoint)."""
+        """Drop rows of rounds > after_round (rounds redone after resuming from a checkpoint). An id the
+        store does not hold is an error (nothing is changed)."""
         with self.transaction() as db:
+            self._held(db, run_id, "truncate")
             for t in ("rounds", "client_metrics", "records"):
                 db.execute(f"DELETE FROM {t} WHERE run_id=? AND round>?", (run_id, after_round))
             db.execute("UPDATE runs SET rounds_done=? WHERE run_id=?", (after_round + 1, run_id))
