@@ -28,6 +28,12 @@ first block (whose input needs no gradient) and the next block where it qualifie
 models maps onto the kernel's groups: a shared input batch stacks all models' filters into one group, a
 batch per model gives one group per model (read in place from the previous block's output: no copy).
 
+``eval.kernels = winograd`` evaluates as ``fused`` does, except that blocks of 5 x 5 filters on at least
+`WINOGRAD_MIN_CHANNELS` input channels (LeNet-5's second) take minimal filtering, F(2 x 2, 5 x 5) (Lavin &
+Gray, CVPR 2016, arXiv:1509.09308; ``csrc/winograd.cpp``, its own library built beside the direct one):
+LeNet-5's second block 1.3x as fast on AVX2, numbers within float32 rounding of the transforms; first
+blocks stay direct, where the transforms cost more than they save (`bench/winograd_eval.py`).
+
 The kernel is compiled once per machine with the system's C++ compiler (``$CXX``, else g++; the same
 compiler ``torch.compile`` needs) for its instruction set (``-march=native``; ``$FEDPRISM_KERNEL_MARCH``
 names another target, e.g. ``x86-64-v3`` for AVX2 machines from a build host with AVX-512), and cached

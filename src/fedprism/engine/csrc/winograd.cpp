@@ -95,7 +95,9 @@ void filter_tiles(const float* w, int64_t O, int64_t C, float* U) {
 
 // d[v][j] = x[2 (j0 + j) + v] of one image row x (W floats), v < 6, j < VL, for the row's nj tiles from
 // j0; the other lanes hold values from past the row's end (inputs of tiles that are not written) or 0.
-// `end`: the end of the tensor's storage, past which nothing is read.
+// `end`: the end of the tensor's storage, past which nothing is read. Only AVX2 has a vector path (two
+// loads, split into even and odd columns by shuffles); AVX-512 builds read lane by lane, since no machine
+// with AVX-512 was at hand to measure one.
 inline void row_taps(const float* x, int64_t W, int64_t j0, int64_t nj, const float* end, vf (&d)[6]) {
   const float* r = x + 2 * j0;
 #if !defined(__AVX512F__) && defined(__AVX2__)
@@ -120,6 +122,9 @@ inline void row_taps(const float* x, int64_t W, int64_t j0, int64_t nj, const fl
     }
 }
 
+// The stages are kept out of line (noinline) so that a profile (perf) names each one; bench/README.md's
+// figures are of this layout.
+//
 // V[p][c][t] = (B^T d B)[p] for channel c's tile t = i Wp + j of one image xs [C, H, W] (channel stride xc).
 // First B^T along each input row r, once per row (a row serves up to three rows of tiles), VL tiles at a
 // time, into Hr[c][b][r & 1][(r >> 1) Wp + j]: rows of one parity side by side, so that the inputs of the
