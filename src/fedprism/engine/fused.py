@@ -175,7 +175,7 @@ def load() -> bool:
                     _build(cxx, lib, source)   # a damaged cached copy (truncated, another ABI): once more
                     torch.ops.load_library(str(lib))
                 _loaded[source.stem] = lib
-            if "registered" not in _loaded:
+            if "registered" not in _loaded:   # the ops' fake and vmap rules: once per process, too
                 _register()
                 _loaded["registered"] = SOURCE
             _state["ok"] = True
