@@ -297,6 +297,33 @@ def test_the_other_forward_layout_gives_the_same_bits(tmp_path):
         assert (arg < 4).any() and (arg == 255).any()
 
 
+@pytest.mark.slow
+def test_minimal_filtering_at_sixteen_lanes_is_the_block_within_rounding(tmp_path):
+    """AVX-512 builds run minimal filtering with 16 filters (and tiles) a vector, a layout no machine here
+    executes natively: built with VL = 16 emulated on this CPU (the AVX2-only paths and the register hint
+    off), under its own operator namespace, it must match the direct kernel within rounding on shapes with
+    rows of more than 16 tiles, filter counts off the blocks and one tile."""
+    ops = torch.ops.fedprism_kernels
+    src = fused.WINOGRAD_SOURCE.read_text()
+    width = "#ifdef __AVX512F__\nconstexpr int VL = 16;\n#else\nconstexpr int VL = 8;\n#endif"
+    avx2 = "#if !defined(__AVX512F__) && defined(__AVX2__)"
+    hint = ('#ifdef __AVX512F__                   // in a register: GCC would fold a load into each '
+            'multiply-add\n          asm("" : "+v"(u[f]));\n#elif defined(__AVX2__)\n          '
+            'asm("" : "+x"(u[f]));\n#endif')
+    assert src.count(width) == 1 and src.count(avx2) == 2 and src.count(hint) == 1
+    wide = src.replace(width, "constexpr int VL = 16;").replace(avx2, "#if 0").replace(hint, "")
+    (tmp_path / "w16.cpp").write_text(wide.replace("fedprism_kernels", "fedprism_kernels_w16"))
+    fused._compile(os.environ.get("CXX", "g++"), tmp_path / "w16.so", source=tmp_path / "w16.cpp")
+    torch.ops.load_library(str(tmp_path / "w16.so"))
+    for G, N, C, H, W, O in [(3, 5, 6, 14, 14, 16), (2, 2, 4, 32, 30, 9), (1, 3, 7, 20, 21, 20),
+                             (2, 2, 13, 9, 9, 17), (1, 1, 5, 6, 6, 3), (2, 3, 6, 40, 44, 33)]:
+        x = torch.relu(_floats(G, N, C, H, W))
+        w, b = _floats(G, O, C * 25, seed=1) * .2, _floats(G, O, seed=2)
+        ref = ops.stem_forward(x, w, b, 5)
+        got = torch.ops.fedprism_kernels_w16.winograd_forward(x, w, b, 5)
+        assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item(), (G, N, C, H, W, O)
+
+
 def test_the_builds_vector_width_follows_its_target():
     """16 floats with AVX-512, 8 otherwise (the slow test below builds for x86-64-v3 on any CPU): the
     blocking for one width spills the other's registers (2-4x slower than PyTorch's layers on an AVX2 CPU,
