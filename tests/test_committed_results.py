@@ -1031,3 +1031,34 @@ def test_fedsoft_scorings_from_kept_states_as_results_readme_states(db_copy):
     psi = next(x for x in (RESULTS / "README.md").read_text().splitlines()
                if x.startswith("| Clust-PSI-PFL | 88.43 ("))
     assert psi.endswith("(98) |") and "Its own method cannot have been scored that way: its 98 at S 0" in text
+
+
+def _evaluated(con, run_id: str) -> list[float]:
+    """`local_acc_weighted` in % of a run's evaluated rounds, in round order."""
+    rows = con.execute("select metrics from rounds where run_id=? order by round", (run_id,)).fetchall()
+    return [100 * m["local_acc_weighted"] for m in map(json.loads, (r[0] for r in rows))
+            if "local_acc_weighted" in m]
+
+
+def test_fedprox_against_fedavg_as_results_readme_states(db_copy):
+    """results/README.md, "Clust-PSI-PFL, FMNIST with LeNet-5", FedProx: its final distance to FedAvg in
+    each setting, and the evaluated rounds quoted at Dir 0.05 and S 0, from the store."""
+    import sqlite3
+
+    con = sqlite3.connect(db_copy)
+    text = _readme_words()
+    gap = {s: _final_acc(con, "FedProx", 0, s)[0] - _final_acc(con, "FedAvg", 0, s)[0]
+           for s in LENET5_SETTINGS}
+    near = [gap[s] for s in ("Dir 50", "Dir 0.7", "Dir 0.3", "Dir 0.2", "S 1", "S 0.03")]
+    assert f"({min(near):.2f} to +{max(near):.2f})" in text and max(abs(g) for g in near) < 1
+    assert (f"by {gap['Dir 0.09']:.2f} points at Dir 0.09, {gap['Dir 0.05']:.2f} at Dir 0.05 and "
+            f"{gap['S 0']:.2f} at S 0") in text
+    fedavg, fedprox = (_evaluated(con, _final_acc(con, m, 0, "Dir 0.05")[1]) for m in ("FedAvg", "FedProx"))
+    assert f"FedAvg swings ({_quoted(fedavg[2:])} from round 14 on)" in text
+    drop = max(a - b for a, b in zip(fedprox, fedprox[1:]))
+    assert f"FedProx's largest drop is {drop:.2f} points ({_quoted(fedprox[2:])})" in text
+    fedavg, fedprox = (_evaluated(con, _final_acc(con, m, 0, "S 0")[1]) for m in ("FedAvg", "FedProx"))
+    assert sum(f"{a:.2f}" == "10.00" for a in fedavg) == 5 and len(fedavg) == 8
+    assert f"{fedavg[-1]:.2f}" == "10.00"
+    assert (f"FedProx climbs from {fedprox[0]:.2f} to {fedprox[-1]:.2f}, still rising at round 39 "
+            f"({fedprox[-2]:.2f} at round 34)") in text and fedprox[-1] > fedprox[-2]
