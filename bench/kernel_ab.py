@@ -62,6 +62,23 @@ def calls(ops, models: int, batch: int) -> list:
             lambda: ops.stem_forward(xs, ws, bs, 5), lambda: ops.stem_forward(e1, w2, b2, 5)]
 
 
+def alternate(calls: dict, batches: int, reps: int) -> dict[str, list[float]]:
+    """Milliseconds per call of each of two `calls` (name -> function), after one warm-up call each:
+    `batches` batches of `reps` calls, the two in turn, the order flipping every batch (both see the same
+    moments of the VM)."""
+    first, second = calls
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    for f in calls.values():
+        f()
+    for r in range(batches):
+        for k in ((first, second) if r % 2 == 0 else (second, first)):
+            s = time.perf_counter()
+            for _ in range(reps):
+                calls[k]()
+            times[k].append((time.perf_counter() - s) / reps * 1e3)
+    return times
+
+
 def largest_difference(a, b) -> float:
     a, b = (t if isinstance(t, (tuple, list)) else (t,) for t in (a, b))
     return max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b))
@@ -95,14 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     times: dict[str, dict[str, list[float]]] = {w: {k: [] for k in KERNELS} for w in fns}
     for i, name in enumerate(KERNELS):
         n = a.reps if name.startswith(("train", "bwd")) else max(1, a.reps // 20)
+        got = alternate({w: fns[w][i] for w in ("base", "new")}, a.batches, n)
         for w in fns:
-            fns[w][i]()
-        for r in range(a.batches):
-            for w in (("base", "new") if r % 2 == 0 else ("new", "base")):
-                s = time.perf_counter()
-                for _ in range(n):
-                    fns[w][i]()
-                times[w][name].append((time.perf_counter() - s) / n * 1e3)
+            times[w][name] = got[w]
     print(f"# fused kernels: {a.base} (base) against the working tree (new); torch {torch.__version__}, "
           f"{a.threads} thread(s), {a.models} models, training batch {a.batch}, evaluation chunk 1000 images")
     print(f"# milliseconds per call over {a.batches} alternating batches: fastest and median\n")

@@ -17,12 +17,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).parent))
+from kernel_ab import alternate  # noqa: E402  (bench/ is not a package; kernel_ab puts src/ on the path)
 
 SHAPES = {        # name: (groups, images, channels, height = width, filters)
     "LeNet-5 block 2: 6 -> 16, 14 x 14, 10 models": (10, 1000, 6, 14, 16),
@@ -65,15 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         b = torch.randn(G, O, generator=g) * .1
         f = {"direct": lambda: ops.stem_forward(x, w, b, 5),
              "winograd": lambda: ops.winograd_forward(x, w, b, 5)}
-        times: dict[str, list[float]] = {k: [] for k in f}
-        for k in f:
-            f[k]()
-        for i in range(a.batches):
-            for k in (("direct", "winograd") if i % 2 == 0 else ("winograd", "direct")):
-                t0 = time.perf_counter()
-                for _ in range(a.reps):
-                    f[k]()
-                times[k].append((time.perf_counter() - t0) / a.reps * 1e3)
+        times = alternate(f, a.batches, a.reps)
         d, wi = f["direct"](), f["winograd"]()
         diff = (d - wi).abs().max().item() / d.abs().max().item()
         cols = []

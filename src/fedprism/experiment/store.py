@@ -580,16 +580,18 @@ class Store:
                 raise FedPrismError(f"no run {run_id} in {self.path}")
             self._rename(db, row, name)
 
-    def _held(self, db: sqlite3.Connection, run_id: str, what: str) -> None:
+    def _held(self, db: sqlite3.Connection, run_id: str) -> None:
+        """An error naming the id and the store unless the store holds run `run_id`."""
         if db.execute("SELECT 1 FROM runs WHERE run_id=?", (run_id,)).fetchone() is None:
-            raise FedPrismError(f"Store.{what}: no run {run_id!r} in {self.path} (`fedprism runs` lists them)")
+            raise FedPrismError(f"no run {run_id!r} in {self.path} (`fedprism runs` lists them; "
+                                "`Store.find(prefix)` resolves a prefix)")
 
     def forget(self, run_id: str) -> None:
         """Drop a run completely (its row, rounds, client rows, records and checkpoint): `--fresh`.
         Sweep memberships are kept, so the run that replaces it under the same id stays in its sweeps. An
         id the store does not hold is an error (nothing is changed)."""
         with self.transaction() as db:
-            self._held(db, run_id, "forget")
+            self._held(db, run_id)
             for t in ("rounds", "client_metrics", "records", "runs"):
                 db.execute(f"DELETE FROM {t} WHERE run_id=?", (run_id,))
         self.drop_checkpoint(run_id)
@@ -637,7 +639,7 @@ class Store:
         """Drop rows of rounds > after_round (rounds redone after resuming from a checkpoint). An id the
         store does not hold is an error (nothing is changed)."""
         with self.transaction() as db:
-            self._held(db, run_id, "truncate")
+            self._held(db, run_id)
             for t in ("rounds", "client_metrics", "records"):
                 db.execute(f"DELETE FROM {t} WHERE run_id=? AND round>?", (run_id, after_round))
             db.execute("UPDATE runs SET rounds_done=? WHERE run_id=?", (after_round + 1, run_id))
@@ -754,9 +756,8 @@ class Store:
     def _known(self, run_id: str, rows: list) -> list:
         """`rows`, unless they are none because `run_id` names no run: that is an error, not an empty
         answer (it would read as 'no rows yet')."""
-        if not rows and self.db.execute("SELECT 1 FROM runs WHERE run_id=?", (run_id,)).fetchone() is None:
-            raise FedPrismError(f"no run {run_id!r} in {self.path} (`fedprism runs` lists them; "
-                                "`Store.find(prefix)` resolves a prefix)")
+        if not rows:
+            self._held(self.db, run_id)
         return rows
 
     def round_metrics(self, run_id: str) -> list[dict]:

@@ -197,9 +197,10 @@ __attribute__((noinline)) void tile_products(const float* V, int64_t TP, const f
 }
 
 // The pooled outputs of tiles tt < nt: relu(max over the tile of A^T M A + bias), from the products
-// M[p][tt] (vectors of VL filters, FB filter blocks side by side), to Y[tt] (a vector of VL filters).
+// M[p][tt] (vectors of VL filters, FB filter blocks side by side), to out[l QO + tt] for filters l < nO.
 template <int FB>
-__attribute__((noinline)) void output_tiles(const float* M, int nt, const float* b, float* Y) {
+__attribute__((noinline)) void output_tiles(const float* M, int nt, const float* b, int nO, int64_t QO,
+                                            float* out) {
   const vf bias = load(b);
   const int64_t P = TILES * FB * VL;           // from one position's products to the next
   for (int tt = 0; tt < nt; ++tt) {
@@ -217,46 +218,9 @@ __attribute__((noinline)) void output_tiles(const float* M, int nt, const float*
 #pragma GCC unroll 3
     for (int d = 1; d < 4; ++d) mx = y[d] > mx ? y[d] : mx;
     mx += bias;
-    *(vfu*)(Y + tt * VL) = mx > vf{} ? mx : vf{};
+    mx = mx > vf{} ? mx : vf{};
+    for (int l = 0; l < nO; ++l) out[l * QO + tt] = mx[l];
   }
-}
-
-// out[l QO + t] = Y[t][l] for tiles t < QO and filters l < nO (Y: rows of VL, at least QO + VL of them):
-// with AVX2, 8 x 8 blocks transposed in registers and stored as rows of 8 tiles.
-__attribute__((noinline)) void store_transposed(const float* Y, int64_t QO, int nO, float* out) {
-#if !defined(__AVX512F__) && defined(__AVX2__)
-  for (int64_t t0 = 0; t0 < QO; t0 += 8) {
-    __m256 r[8], u[8];
-    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(Y + (t0 + i) * 8);
-    for (int i = 0; i < 8; i += 2) {
-      u[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-      u[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) {
-      r[i] = _mm256_shuffle_ps(u[i], u[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-      r[i + 1] = _mm256_shuffle_ps(u[i], u[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-      r[i + 2] = _mm256_shuffle_ps(u[i + 1], u[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-      r[i + 3] = _mm256_shuffle_ps(u[i + 1], u[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-    }
-    for (int i = 0; i < 4; ++i) {               // filter i, then filter i + 4
-      u[i] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x20);
-      u[i + 4] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x31);
-    }
-    const int n = (int)std::min<int64_t>(8, QO - t0);
-    for (int l = 0; l < nO; ++l) {
-      if (n == 8) {
-        _mm256_storeu_ps(out + l * QO + t0, u[l]);
-      } else {                                  // (a masked store is slow on AMD's cores)
-        alignas(32) float row[8];
-        _mm256_store_ps(row, u[l]);
-        for (int i = 0; i < n; ++i) out[l * QO + t0 + i] = row[i];
-      }
-    }
-  }
-  return;
-#endif
-  for (int l = 0; l < nO; ++l)
-    for (int64_t t = 0; t < QO; ++t) out[l * QO + t] = Y[t * VL + l];
 }
 
 // x [G, N, C, H, W], w [G, O, C * 25], b [G, O] -> [G, N, O, (H - 4) / 2, (W - 4) / 2], as stem_forward.
@@ -287,7 +251,7 @@ at::Tensor winograd_forward(const at::Tensor& x_, const at::Tensor& w_, const at
   const float* end = (const float*)((const char*)x.storage().data() + x.storage().nbytes());
   float* op = out.data_ptr<float>();
   at::parallel_for(0, G * N, 1, [&](int64_t s0, int64_t s1) {
-    std::vector<float> V(36 * C * TP), M(36 * TILES * 2 * VL), Y(2 * TP * VL),
+    std::vector<float> V(36 * C * TP), M(36 * TILES * 2 * VL),
         Hr(C * 12 * ((g.Hp + 2) * g.Wp + VL));
     for (int64_t s = s0; s < s1; ++s) {
       const int64_t gi = s / N;
@@ -305,11 +269,9 @@ at::Tensor winograd_forward(const at::Tensor& x_, const at::Tensor& w_, const at
           for (int f = 0; f < FB; ++f)
             (FB == 2 ? output_tiles<2> : output_tiles<1>)(M.data() + f * VL, nt,
                                                            bk.data() + (gi * NB + blk + f) * VL,
-                                                           Y.data() + (f * TP + t0) * VL);
+                                                           (int)std::min<int64_t>(VL, O - (blk + f) * VL), QO,
+                                                           op + (s * O + (blk + f) * VL) * QO + t0);
         }
-        for (int f = 0; f < FB; ++f)
-          store_transposed(Y.data() + f * TP * VL, QO, (int)std::min<int64_t>(VL, O - (blk + f) * VL),
-                           op + (s * O + (blk + f) * VL) * QO);
       }
     }
   });
