@@ -1,0 +1,168 @@
+"""One registry for every kind of component: methods, datasets, models and partitions.
+
+A component is one module. Built-in components are *discovered* without being imported: a registry
+knows the package that holds them, and each module of that package named like the component (module
+`fedavg.py` holds the method `fedavg`) registers itself when it is imported. `get(name)` imports
+exactly the module it needs, so a run imports the method, dataset, model and partition it uses and
+nothing else.
+
+Components from other packages come through the entry-point groups `fedprism.methods`,
+`fedprism.datasets`, `fedprism.models` and `fedprism.partitions` (read the first time a name is not
+found among the built-ins), or are registered in-process with `Registry.register`. Built-ins and
+plugins take the same path after that: the same `get`, `names`, listing and did-you-mean errors.
+
+This module imports nothing of fedprism but `errors`: every layer may use it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import pkgutil
+import threading
+import warnings
+from importlib.metadata import entry_points
+from typing import Any, Callable, Generic, Iterator, TypeVar
+
+from fedprism.errors import ConfigError
+
+T = TypeVar("T")
+
+KINDS = ("method", "dataset", "model", "partition")
+
+
+def suggest(key: str, valid: list[str] | tuple[str, ...], quote: bool = False) -> str:
+    """' (did you mean X?)' for the entry of `valid` closest to `key` (difflib ratio >= 0.6), else ''.
+
+    `quote` writes X as a Python string literal (labels with spaces). A dotted key (`fedprsim.k`) whose
+    whole does not match is matched part by part."""
+    valid = list(valid)
+    best = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    if not best and "." in key:
+        head, tail = key.split(".", 1)
+        heads = difflib.get_close_matches(head, sorted({v.split(".", 1)[0] for v in valid if "." in v}), n=1)
+        if heads:
+            best = difflib.get_close_matches(f"{heads[0]}.{tail}", valid, n=1, cutoff=0.6)
+    if not best:
+        return ""
+    return f" (did you mean {best[0]!r}?)" if quote else f" (did you mean {best[0]}?)"
+
+
+class Registry(Generic[T]):
+    """Name -> component for one kind.
+
+    kind:      "method", "dataset", "model" or "partition" (used in messages and the config key).
+    package:   the package whose modules are the built-in components (module name == component name);
+               `skip` names modules of it that hold shared code, not a component.
+    check:     called as `check(name, obj)` on every registration; raises TypeError/ValueError.
+    """
+
+    def __init__(self, kind: str, package: str | None = None, *, skip: tuple[str, ...] = (),
+                 check: Callable[[str, Any], None] | None = None):
+        self.kind, self.package, self.skip, self.check = kind, package, tuple(skip), check
+        self.group = f"fedprism.{kind}s"
+        self._items: dict[str, T] = {}
+        self._builtin_modules: dict[str, str] | None = None     # name -> module, discovered lazily
+        self._plugins_loaded = False
+        self._lock = threading.RLock()
+
+    # -- discovery -------------------------------------------------------------------------------
+    def _builtins(self) -> dict[str, str]:
+        if self._builtin_modules is None:
+            found: dict[str, str] = {}
+            if self.package is not None:
+                pkg = importlib.import_module(self.package)
+                for m in pkgutil.iter_modules(pkg.__path__):
+                    if m.name.startswith("_") or m.name in self.skip:
+                        continue
+                    found[m.name] = f"{self.package}.{m.name}"
+            self._builtin_modules = found
+        return self._builtin_modules
+
+    def is_builtin(self, name: str) -> bool:
+        return name in self._builtins()
+
+    def load_plugins(self, force: bool = False) -> None:
+        """Import the entry points of this kind's group (once per process unless `force`). A plugin that
+        fails to import or to register is skipped with a warning naming it: one broken package cannot
+        stop fedprism."""
+        with self._lock:
+            if self._plugins_loaded and not force:
+                return
+            self._plugins_loaded = True
+            for ep in entry_points(group=self.group):
+                try:
+                    obj = ep.load()
+                    if self._items.get(ep.name) is not obj:
+                        self.register(obj, name=ep.name, _plugin=True)
+                except Exception as e:  # noqa: BLE001 - a broken plugin must not break the built-ins
+                    warnings.warn(f"fedprism plugin {ep.name!r} ({ep.value}) of {self.group} failed to load: "
+                                  f"{type(e).__name__}: {e}", stacklevel=2)
+
+    # -- registration ----------------------------------------------------------------------------
+    def register(self, obj: Any = None, *, name: str | None = None, _plugin: bool = False) -> Any:
+        """Register `obj` under `name` (default: `obj.name`). Usable as `@reg.register` or
+        `@reg.register(name="x")`. Registering a name again replaces the earlier entry (a notebook cell
+        run twice), except a built-in's name: a plugin cannot silently stand in for a built-in."""
+        if obj is None:
+            return lambda o: self.register(o, name=name, _plugin=_plugin)
+        key = name if name is not None else getattr(obj, "name", None)
+        if not isinstance(key, str) or not key or "." in key or any(c.isspace() for c in key):
+            raise ValueError(f"a {self.kind} name is a non-empty string without dots or spaces, not {key!r}")
+        if self.check is not None:
+            self.check(key, obj)
+        with self._lock:
+            module = getattr(obj, "__module__", "") or ""
+            home = self._builtins().get(key)
+            if home is not None and not (module == home or module.startswith(home + ".")):
+                raise ValueError(f"{key!r} is the built-in {self.kind} of {home}; give yours a name of its own")
+            self._items[key] = obj
+        return obj
+
+    def unregister(self, name: str) -> None:
+        """Forget an in-process registration (tests, notebooks). Built-ins come back on the next `get`."""
+        with self._lock:
+            self._items.pop(name, None)
+
+    # -- lookup ----------------------------------------------------------------------------------
+    def get(self, name: str, key: str | None = None) -> T:
+        """The component `name`, importing its module if it is a built-in not yet imported. Unknown names
+        raise ConfigError naming the config key (`key`, default the kind), the value and the choices."""
+        with self._lock:
+            if name in self._items:
+                return self._items[name]
+            module = self._builtins().get(name) if isinstance(name, str) else None
+            if module is not None:
+                importlib.import_module(module)
+                if name in self._items:
+                    return self._items[name]
+                raise RuntimeError(f"module {module} did not register the {self.kind} {name!r}")
+            self.load_plugins()
+            if name in self._items:
+                return self._items[name]
+        names = self.names()
+        raise ConfigError(key or self.kind, name, f"known {self.kind}s: {', '.join(names)}"
+                          + (suggest(name, names) if isinstance(name, str) else ""))
+
+    def __contains__(self, name: object) -> bool:
+        if not isinstance(name, str):
+            return False
+        if name in self._items or name in self._builtins():
+            return True
+        self.load_plugins()
+        return name in self._items
+
+    def names(self) -> list[str]:
+        """Every known name, built-in or plugin, sorted; imports no built-in module."""
+        self.load_plugins()
+        return sorted(set(self._builtins()) | set(self._items))
+
+    def all(self) -> dict[str, T]:
+        """Every component, imported (for listings such as `fedprism methods`)."""
+        return {n: self.get(n) for n in self.names()}
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names())
+
+    def __repr__(self) -> str:
+        return f"Registry({self.kind!r}, {len(self.names())} entries)"
