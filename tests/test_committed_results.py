@@ -15,6 +15,14 @@ from fedprism.report import domain_accuracy, write_report
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 DB = RESULTS / "fedprism.db"
+#: results/README.md (the summary) and the evidence files it links, one per paper
+EVIDENCE = ("README.md", "fedprism_paper.md", "clust_psi_pfl_paper.md", "pfpl_paper.md", "fedsub_paper.md",
+            "reproducibility.md")
+
+
+def _evidence() -> str:
+    """The summary and every paper's evidence file, as one text (a section is found wherever it lives)."""
+    return "\n".join((RESULTS / name).read_text() for name in EVIDENCE)
 PAPER_SWEEPS = ["paper_fmnist_dir01", "paper_fmnist_dir03", "paper_fmnist_dir05"]    # Tables 1, 6, 7
 #: out dir -> the `fedprism report` arguments that made it (results/README.md lists the same commands)
 REPORTS = {
@@ -640,7 +648,7 @@ LENET_SECTION = "## Clust-PSI-PFL, FMNIST with LeNet-5"
 def _readme_tables(heading: str) -> list[list[list[str]]]:
     """The markdown tables of the results/README.md section that starts with `heading`, as rows of cells
     (the header row first, the separator row left out)."""
-    text = (RESULTS / "README.md").read_text()
+    text = _evidence()
     assert heading in text, heading
     section = text.split(heading, 1)[1].split("\n## ", 1)[0]
     tables, rows = [], []
@@ -686,7 +694,7 @@ LENET5_SETTINGS = ("Dir 50", "Dir 0.7", "Dir 0.3", "Dir 0.2", "Dir 0.09", "Dir 0
 
 def _readme_words() -> str:
     """results/README.md with its line breaks as spaces, for quotes that wrap."""
-    return " ".join((RESULTS / "README.md").read_text().split())
+    return " ".join(_evidence().split())
 
 
 def _quoted(values, digits: int = 2) -> str:
@@ -965,7 +973,7 @@ def test_fedsoft_personal_models_as_results_readme_states(db_copy):
     assert f"they score {extreme[0]} and {extreme[1]}" in text
     # the cluster models on the shared test set, against the paper's values in the table's FedSoft row
     every = LENET5_SETTINGS
-    row = next(x for x in (RESULTS / "README.md").read_text().splitlines()
+    row = next(x for x in _evidence().splitlines()
                if x.startswith("| FedSoft | 82.17 ("))
     paper = {s: float(cell.split("(")[1].split(")")[0]) for s, cell in zip(every, row.split("|")[2:-1])}
     mean = {}
@@ -1028,7 +1036,7 @@ def test_fedsoft_scorings_from_kept_states_as_results_readme_states(db_copy):
                   f"from {f(shared['Dir 50'])} at Dir 50 to {f(shared['Dir 0.05'])} at Dir 0.05, and "
                   f"{f(shared['S 1'])}, {f(shared['S 0.03'])} and {f(shared['S 0'])} at S 1, S 0.03 and S 0"):
         assert quote in text, quote
-    psi = next(x for x in (RESULTS / "README.md").read_text().splitlines()
+    psi = next(x for x in _evidence().splitlines()
                if x.startswith("| Clust-PSI-PFL | 88.43 ("))
     assert psi.endswith("(98) |") and "Its own method cannot have been scored that way: its 98 at S 0" in text
 

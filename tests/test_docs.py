@@ -15,12 +15,12 @@ from fedprism.algorithms.base import REGISTRY
 from fedprism.plugins import GROUPS
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", ROOT / "bench" / "README.md", ROOT / "results" / "README.md",
+DOCS = [ROOT / "README.md", ROOT / "bench" / "README.md", *sorted((ROOT / "results").glob("*.md")),
         *sorted((ROOT / "docs").glob("*.md"))]
 TOP = ("src", "tests", "bench", "docs", "scripts", "sweeps", "results", "examples")
 PATH = re.compile(r"\b(?:" + "|".join(TOP) + r")/[A-Za-z0-9_./*<>-]+")
 #: paths the documents name as made by a run, not held by the checkout
-NOT_IN_CHECKOUT = {"results/x.db", "results/mine.db", "results/fedprism.db.ckpt/",
+NOT_IN_CHECKOUT = {"results/x.db", "results/mine.db", "results/fedprism.db.ckpt/", "results/fedprism.db.final/",
                    "src/FILE"}                                 # the placeholder of scripts/mutate.py's usage
 #: wrong on purpose: the README's example of a mistyped configuration key
 MISTYPED = {"fedprism.kk"}

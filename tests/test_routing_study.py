@@ -675,7 +675,7 @@ def test_committed_final_state_study_as_results_readme_states():
         assert len(front) == len(routing_study.FRONTIER_WEIGHTS)
         best = max(front, key=lambda k: min(routing_study.goal_slack(acc, k)))
         assert best == f"{routing_study.FRONTIER} {bound}"
-        readme = (ROOT / "results" / "README.md").read_text()
+        readme = (ROOT / "results" / "fedprism_paper.md").read_text()
         assert (f"| {seed} | {r['specialist'][2]:.2f} / {r['backbone'][3] - 2:.2f} | {chosen} | "
                 f"**{test[0]:.2f} / {test[1]:.2f}** | +{margins[0]:.2f} / +{margins[1]:.2f} | "
                 f"{bound}: {r[best][2]:.2f} / {r[best][3]:.2f} | +{slack[0]:.2f} / +{slack[1]:.2f} |"
@@ -693,7 +693,7 @@ def test_mlp_gate_study_as_results_readme_states():
     goal by the margins results/README.md quotes."""
     mlp = _tables(ROOT / "results" / "routing_study_mlp_gate.md")
     committed = _tables(ROOT / "results" / "routing_study_committed.md")
-    readme = (ROOT / "results" / "README.md").read_text()
+    readme = (ROOT / "results" / "fedprism_paper.md").read_text()
     quoted = {0: ("w=3", -0.05, -0.13), 1: ("w=1", -0.76, +0.91)}
     for seed, (w, loc, glob) in quoted.items():
         r = mlp[seed]
