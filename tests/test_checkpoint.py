@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fedprism.experiment import checkpoint
-from fedprism.experiment.checkpoint import CheckpointError
+from fedprism.experiment.checkpoint import CheckpointError, CheckpointRefused
 from fedprism.experiment.config import resolve
 from fedprism.experiment.runner import Experiment
 from fedprism.experiment.store import Store
@@ -132,15 +132,15 @@ def test_tampered_truncated_and_foreign_files_raise(tmp_path):
     import hashlib
     import json
     import struct
-    hdr = json.dumps({"format": checkpoint.FORMAT, "version": 1, "skeleton": {"t": "tensor", "i": 0},
+    hdr = json.dumps({"format": checkpoint.FORMAT, "version": 2, "mac": "sha256", "skeleton": {"t": "tensor", "i": 0},
                       "tensors": [{"kind": "torch", "dtype": "float32", "shape": [1000], "offset": 0,
                                    "nbytes": 4000}]}).encode()
     body = checkpoint.MAGIC + struct.pack("<Q", len(hdr)) + hdr + b"\0" * 8
     with pytest.raises(CheckpointError, match="outside"):
         checkpoint.loads(body + hashlib.sha256(body).digest())
-    hdr2 = hdr.replace(b'"version": 1', b'"version": 99')
+    hdr2 = hdr.replace(b'"version": 2', b'"version": 99')
     body2 = checkpoint.MAGIC + struct.pack("<Q", len(hdr2)) + hdr2
-    with pytest.raises(CheckpointError, match="version"):
+    with pytest.raises(CheckpointRefused, match="version: unsupported checkpoint version 99"):
         checkpoint.loads(body2 + hashlib.sha256(body2).digest())
     with pytest.raises(CheckpointError, match="cannot read"):
         checkpoint.load(tmp_path / "absent.ckpt")
@@ -151,8 +151,8 @@ def _signed(skeleton: dict, tensors: list, data: bytes) -> bytes:
     import hashlib
     import json
     import struct
-    hdr = json.dumps({"format": checkpoint.FORMAT, "version": checkpoint.VERSION, "skeleton": skeleton,
-                      "tensors": tensors}).encode()
+    hdr = json.dumps({"format": checkpoint.FORMAT, "version": checkpoint.VERSION, "mac": "sha256",
+                      "skeleton": skeleton, "tensors": tensors}).encode()
     body = checkpoint.MAGIC + struct.pack("<Q", len(hdr)) + hdr + data
     return body + hashlib.sha256(body).digest()
 
@@ -246,7 +246,7 @@ _NP = {"kind": "numpy", "dtype": "<f8", "shape": [1], "offset": 0, "nbytes": 8}
     (lambda: _raw(b"{not json"), r"unreadable header \(JSONDecodeError\)"),
     (lambda: _raw(b'["fedprism"]'), "not a fedprism checkpoint header"),
     (lambda: _raw(b'{"format": "other"}'), "not a fedprism checkpoint header"),
-    (lambda: _raw(json.dumps({"format": checkpoint.FORMAT, "version": checkpoint.VERSION,
+    (lambda: _raw(json.dumps({"format": checkpoint.FORMAT, "version": checkpoint.VERSION, "mac": "sha256",
                               "skeleton": None}).encode()), "header has no tensor table"),
     (lambda: _signed({"t": "tensor", "i": 3}, [_F32], b"\0" * 8), "tensor index 3 out of range"),
     (lambda: _signed({"t": "tensor", "i": True}, [_F32, _F32], b"\0" * 8), "tensor index True out of range"),
