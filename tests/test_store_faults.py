@@ -23,6 +23,7 @@ from fedprism.experiment.store import Store, StoreError
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 SMALL = dict(dataset="digits", clients=6, rounds=3, fraction=0.5, local_epochs=1, batch_size=16, lr=0.05,
              engine="sequential", method="fedavg")
+X = "0123456789abcdef"                         # a run id's form (16 hex digits) for runs made by hand
 RUN = ["dataset=digits", "method=fedavg", "clients=6", "rounds=3", "fraction=0.5", "local_epochs=1",
        "engine=sequential", "batch_size=16", "lr=0.05"]
 
@@ -131,27 +132,27 @@ def test_two_processes_start_the_same_run_at_once(tmp_path):
 # -- keys and migration -------------------------------------------------------------------------------
 def test_writing_a_round_twice_replaces_it(tmp_path):
     s = Store(tmp_path / "k.db")
-    s.start_run("x", {"method": "fedavg", "dataset": "digits", "seed": 0})
+    s.start_run(X, {"method": "fedavg", "dataset": "digits", "seed": 0})
     for _ in range(2):
-        s.write_round("x", 0, {"a": 1}, [(0, 0.5, 1.0, 0.4, 10, 0.3)], [("r", 1, {"v": 1}), ("r", 2, {"v": 2})], 0.1)
-    assert [(r["client"], r["data"]) for r in s.records("x")] == [(1, {"v": 1}), (2, {"v": 2})]
+        s.write_round(X, 0, {"a": 1}, [(0, 0.5, 1.0, 0.4, 10, 0.3)], [("r", 1, {"v": 1}), ("r", 2, {"v": 2})], 0.1)
+    assert [(r["client"], r["data"]) for r in s.records(X)] == [(1, {"v": 1}), (2, {"v": 2})]
     with pytest.raises(sqlite3.IntegrityError):
-        s.db.execute("INSERT INTO records (run_id, round, kind, client, data, seq) VALUES ('x', 0, 'r', 1, '{}', 0)")
+        s.db.execute("INSERT INTO records (run_id, round, kind, client, data, seq) VALUES ('0123456789abcdef', 0, 'r', 1, '{}', 0)")
 
 
 def test_truncating_drops_every_later_row_and_the_round_count(tmp_path):
     # what a resume from round 2's checkpoint does to rounds 3-4 written after it: gone from every table, and
     # the run counts 3 rounds (0-2) until it writes round 3 again
     s = Store(tmp_path / "k.db")
-    s.start_run("x", {"method": "fedavg", "dataset": "digits", "seed": 0})
+    s.start_run(X, {"method": "fedavg", "dataset": "digits", "seed": 0})
     for rnd in range(5):
-        s.write_round("x", rnd, {"a": rnd}, [(0, 0.5, 1.0, 0.4, 10, 0.3)], [("r", 1, {"v": rnd})], 0.1)
-    s.truncate("x", 2)
-    assert [h["round"] for h in s.round_metrics("x")] == [0, 1, 2]
+        s.write_round(X, rnd, {"a": rnd}, [(0, 0.5, 1.0, 0.4, 10, 0.3)], [("r", 1, {"v": rnd})], 0.1)
+    s.truncate(X, 2)
+    assert [h["round"] for h in s.round_metrics(X)] == [0, 1, 2]
     client_rounds = s.db.execute("SELECT DISTINCT round FROM client_metrics ORDER BY round").fetchall()
     assert [r[0] for r in client_rounds] == [0, 1, 2]
-    assert [r["round"] for r in s.records("x")] == [0, 1, 2]
-    assert s.run("x")["rounds_done"] == 3
+    assert [r["round"] for r in s.records(X)] == [0, 1, 2]
+    assert s.run(X)["rounds_done"] == 3
 
 
 def test_truncating_or_forgetting_an_unknown_run_is_an_error_and_changes_nothing(tmp_path):
@@ -159,16 +160,16 @@ def test_truncating_or_forgetting_an_unknown_run_is_an_error_and_changes_nothing
     instead of silently doing nothing; the runs the store holds keep every row."""
     from fedprism.errors import FedPrismError
     s = Store(tmp_path / "k.db")
-    s.start_run("x", {"method": "fedavg", "dataset": "digits", "seed": 0})
+    s.start_run(X, {"method": "fedavg", "dataset": "digits", "seed": 0})
     for rnd in range(3):
-        s.write_round("x", rnd, {"a": rnd}, [(0, 0.5, 1.0, 0.4, 10, 0.3)], [("r", 1, {"v": rnd})], 0.1)
+        s.write_round(X, rnd, {"a": rnd}, [(0, 0.5, 1.0, 0.4, 10, 0.3)], [("r", 1, {"v": rnd})], 0.1)
     for call in (lambda: s.truncate("y", 0), lambda: s.forget("y"), lambda: s.forget("")):
         with pytest.raises(FedPrismError, match=r"no run '.*' in .*k\.db"):
             call()
-    assert [h["round"] for h in s.round_metrics("x")] == [0, 1, 2] and s.run("x")["rounds_done"] == 3
-    s.forget("x")
-    assert s.run("x") is None
-    assert s.db.execute("SELECT COUNT(*) FROM rounds WHERE run_id='x'").fetchone()[0] == 0
+    assert [h["round"] for h in s.round_metrics(X)] == [0, 1, 2] and s.run(X)["rounds_done"] == 3
+    s.forget(X)
+    assert s.run(X) is None
+    assert s.db.execute("SELECT COUNT(*) FROM rounds WHERE run_id='0123456789abcdef'").fetchone()[0] == 0
 
 
 OLD_SCHEMA = """

@@ -22,6 +22,9 @@ client returns (`write`). Three stores, chosen by `state.storage`:
   checkpoint's pending rows are applied again (idempotent). A sequence number and a random token in
   `meta.json` tie the files to their checkpoint: files of another run, or older or newer than the
   checkpoint, make the runner discard the checkpoint and start the run again (`checkpoint_discarded`).
+  The folder is created owner-only and its files are opened without following links
+  (`fedprism.experiment.safefs`): a row folder, row file or `meta.json` that is a link planted beside
+  a store is never written through (new files replace it; files to resume from are refused).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fedprism.experiment.safefs import is_real_dir, is_regular, open_file, private_dir, write_atomic
 from fedprism.protocol import ClientState, Context, Rows, _dims
 
 STORAGES = ("memory", "float16", "mmap")
@@ -189,15 +193,21 @@ class MmapStore(ClientStore):
     def _map(self, name: str, mode: str) -> np.memmap | None:
         if self.N == 0 or self._row_items(name) == 0:
             return None
-        return np.memmap(self._path(name), dtype=self.np_dtypes[name], mode=mode,
-                         shape=(self.N, self._row_items(name)))
+        with open_file(self._path(name), "rb" if mode == "r" else "r+b") as f:   # a link is never mapped
+            return np.memmap(f, dtype=self.np_dtypes[name], mode=mode, shape=(self.N, self._row_items(name)))
 
     def _create(self) -> None:
-        """Fresh, sparse row files (every row unwritten) and their meta.json."""
+        """Fresh, sparse row files (every row unwritten) and their meta.json, in an owner-only folder; a
+        link found at the folder's place is removed (never written through), as are links in it."""
         self._ready = True
-        self.folder.mkdir(parents=True, exist_ok=True)
+        if os.path.islink(self.folder):
+            os.unlink(self.folder)
+        private_dir(self.folder)
         for k in self.decls:
-            with open(self._path(k), "wb") as f:
+            p = self._path(k)
+            if os.path.lexists(p) and not is_regular(p):
+                p.unlink()                   # a link or a special file: replaced by a new file, never opened
+            with open_file(p, "wb") as f:
                 f.truncate(self.N * self._row_items(k) * self.np_dtypes[k].itemsize)
         self._write_meta()
 
@@ -206,14 +216,15 @@ class MmapStore(ClientStore):
                 "state": {k: {"shape": list(self.shapes[k]), "dtype": str(self.np_dtypes[k])} for k in self.decls}}
 
     def _write_meta(self) -> None:
-        tmp = self.folder / "meta.json.tmp"
-        tmp.write_text(json.dumps(self._meta(), sort_keys=True))
-        os.replace(tmp, self.folder / "meta.json")
+        write_atomic(self.folder / "meta.json", json.dumps(self._meta(), sort_keys=True).encode())
 
     def _read_meta(self) -> dict:
+        if not is_real_dir(self.folder):
+            raise StoreMismatch(f"{self.folder} is not a folder (missing, or a link: never read through)")
         try:
-            return json.loads((self.folder / "meta.json").read_text())
-        except (OSError, ValueError) as e:
+            with open_file(self.folder / "meta.json", "rb") as f:
+                return json.loads(f.read(1 << 20))
+        except (OSError, ValueError) as e:             # UnsafePath is an OSError
             raise StoreMismatch(f"no readable {self.folder / 'meta.json'} ({type(e).__name__})") from None
 
     # -- rows -------------------------------------------------------------------------------------
@@ -316,8 +327,9 @@ class MmapStore(ClientStore):
         for k in self.decls:
             p = self._path(k)
             need = self.N * self._row_items(k) * self.np_dtypes[k].itemsize
-            if not p.is_file() or p.stat().st_size != need:
-                raise StoreMismatch(f"{p} is missing or not {need} bytes")
+            if not is_regular(p) or p.stat().st_size != need:
+                raise StoreMismatch(f"{p} is missing, not a regular file (a link is never written through), "
+                                    f"or not {need} bytes")
         written, pend = cr.get("written", {}), cr.get("pending", {})
         if set(written) != set(self.decls) or set(pend) != set(self.decls):
             raise StoreMismatch(f"the checkpoint's client rows name {sorted(written)}, the method declares "
@@ -336,9 +348,11 @@ class MmapStore(ClientStore):
         if not self._ready:
             self._create()
         dest = Path(dest)
-        if dest.exists():
+        if os.path.islink(dest) or (os.path.lexists(dest) and not is_real_dir(dest)):
+            os.unlink(dest)                  # a link (or a file) in the way goes, never what it names
+        elif dest.exists():
             shutil.rmtree(dest)
-        dest.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(dest.parent)
         os.replace(self.folder, dest)
         self.folder = dest
 

@@ -22,18 +22,33 @@ holds it when the one recorded there is not named. Only the selected runs' final
 
 The other store is opened read-only and checked (`PRAGMA quick_check`) before anything is written;
 everything of one run is written in one transaction, so an interrupted merge leaves whole runs only.
+
+A part store is data from elsewhere, so a finished run is copied only when it can be trusted as far as
+a store can say (otherwise it is `refused`, named with the reason, and nothing of it is written):
+* its id is a run id (16 hex digits; a row without one, or with a path for an id, is refused);
+* its id is the hash of its stored configuration under this code (`Config.run_id`, or `flower_run_id`
+  with the Flower settings its provenance records): a fabricated result filed under the id of a real
+  configuration would otherwise become that configuration's "stored, not run again" result. A run of a
+  method whose keys changed since (its stored configuration now resolves to another id) is refused too:
+  no configuration of this code would ever find it;
+* every row of it is well formed (`store.ROW_OK`: each JSON column parses to what readers expect,
+  numbers and statuses of the right type), so no read command fails on it afterwards.
+Stores of every earlier schema version are read (`store.SCHEMA_VERSION`). Of the part's `.final/`
+folder only plain files and folders of plain files named after a train id are copied, into owner-only
+folders, opened without following links (`fedprism.experiment.safefs`).
 """
 
 from __future__ import annotations
 
 import json
-import shutil
+import os
 import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fedprism.errors import FedPrismError
-from fedprism.experiment.store import MissingStoreError, Store, table_columns
+from fedprism.experiment.safefs import is_real_dir, is_regular, open_file, private_dir
+from fedprism.experiment.store import MissingStoreError, Store, table_columns, valid_run_id
 
 ROW_TABLES = ("rounds", "client_metrics", "records")
 
@@ -46,6 +61,7 @@ class MergeReport:
     present: list[str] = field(default_factory=list)      # finished on both sides: ours kept
     busy: list[str] = field(default_factory=list)         # being run here right now: left alone
     unfinished: list[str] = field(default_factory=list)   # not finished there: not copied
+    refused: list[tuple[str, str]] = field(default_factory=list)   # (id as stored, why): not copied
     finals: int = 0
 
     def summary(self, dry_run: bool = False) -> str:
@@ -58,6 +74,9 @@ class MergeReport:
             parts.append(f"{len(self.busy)} running here now, left alone ({', '.join(self.busy)})")
         if self.unfinished:
             parts.append(f"{len(self.unfinished)} unfinished there, not merged")
+        if self.refused:
+            shown = "; ".join(f"{rid}: {why}" for rid, why in self.refused[:5])
+            parts.append(f"{len(self.refused)} refused, not merged ({shown}{'; ...' if len(self.refused) > 5 else ''})")
         if self.finals:
             parts.append(f"{self.finals} final state file(s)")
         return "; ".join(parts)
@@ -100,15 +119,27 @@ def merge(dst: Store, source: str | Path, dry_run: bool = False, runs: list[str]
         if missing and not missing_ok:
             raise FedPrismError(f"merge: {source} has no {', '.join(missing)} (`fedprism runs --db {source}` "
                                 "lists its runs and sweeps); nothing was merged")
-        for row in src.db.execute("SELECT * FROM runs ORDER BY created, run_id").fetchall():
+        # the file's own rows, not the read-only store's views: a row left out as damaged is named, not lost
+        for row in src.db.execute("SELECT rowid, run_id, status, config FROM main.runs "
+                                  "ORDER BY created, run_id").fetchall():
             rid = row["run_id"]
+            if not valid_run_id(rid):
+                if chosen is None:
+                    rep.refused.append((f"row {row['rowid']} ({str(rid)[:40]!r})" if rid is not None
+                                        else f"row {row['rowid']} (no run id)", "not a run id"))
+                continue
             if chosen is not None and rid not in chosen:
                 continue
             if row["status"] != "finished":
                 rep.unfinished.append(rid)
                 continue
-            here = dst.run(rid)
-            if here is not None and here["status"] == "finished":
+            why = src.damage(rid) or _not_its_config(src, rid)
+            if why:
+                rep.refused.append((rid, why))
+                continue
+            # this store's row as it is (a damaged copy here is replaced by the sound one, not kept)
+            here = dst.db.execute("SELECT status FROM main.runs WHERE run_id=?", (rid,)).fetchone()
+            if here is not None and here["status"] == "finished" and not dst.damage(rid):
                 rep.present.append(rid)
                 continue
             if here is not None and not dry_run:
@@ -127,7 +158,9 @@ def merge(dst: Store, source: str | Path, dry_run: bool = False, runs: list[str]
                 if here is not None and not dry_run:
                     dst.unlock(rid)
         if not dry_run:
-            keep = None if chosen is None else _train_ids(src, chosen)
+            # only the final states of runs that passed the checks above (a refused run's state could
+            # otherwise be re-scored as a configuration of the same training)
+            keep = _train_ids(src, {*rep.copied, *rep.replaced, *rep.present})
             rep.finals = _copy_finals(src.final_dir, dst.final_dir, keep)
     finally:
         src.close()
@@ -171,6 +204,31 @@ def _copy_run(src: Store, dst: Store, rid: str, cols: dict[str, list[str]], swee
                                rows)
 
 
+def _not_its_config(src: Store, rid: str) -> str:
+    """Why `rid` is not the run id of its stored configuration under this code, or ""."""
+    from fedprism.experiment.config import resolve
+
+    row = src.run(rid)
+    try:
+        cfg = resolve(json.loads(row["config"]))
+    except (FedPrismError, ValueError, TypeError, KeyError) as e:
+        return f"its configuration does not resolve here ({str(e).splitlines()[0][:160] if str(e) else type(e).__name__})"
+    if cfg.run_id == rid:
+        return ""
+    prov = json.loads(row["provenance"]) if row["provenance"] else {}
+    knobs = prov.get("flower") if isinstance(prov, dict) else None
+    if isinstance(knobs, dict):                # a Flower run: its id also hashes the recorded settings
+        from fedprism.flower.settings import flower_run_id
+
+        try:
+            if flower_run_id(cfg, knobs) == rid:
+                return ""
+        except (FedPrismError, ValueError, TypeError, KeyError):
+            pass
+    return (f"its id is not the hash of its configuration (that is {cfg.run_id}): a run of older code whose "
+            "keys changed since, or a forged row")
+
+
 def _named_sweep(row: tuple, i: int, src: Store, rid: str, sweeps: list[str]) -> tuple:
     """`row` of `runs` with its `sweep` column kept if named, else the first named sweep holding the run
     (None when only `runs` selected it)."""
@@ -196,17 +254,36 @@ def _train_ids(src: Store, chosen: set[str]) -> set[str]:
 
 def _copy_finals(src_dir: Path, dst_dir: Path, train_ids: set[str] | None = None) -> int:
     """Final state files (`keep_final`) the other store has and this one lacks (named by train id), only
-    those of `train_ids` when given."""
-    if not src_dir.is_dir():
+    those of `train_ids` when given. Only `<train id>.ckpt` plain files and `<train id>.rows` folders of
+    plain files are copied (a link, a FIFO or any other name there is passed over, never read through),
+    into owner-only folders, each new file created exclusively (a link at its place is never written)."""
+    if not is_real_dir(src_dir):
         return 0
     n = 0
     for f in sorted(src_dir.iterdir()):
-        if train_ids is not None and f.name.split(".")[0] not in train_ids:
+        tid, dot, kind = f.name.partition(".")
+        if not dot or kind not in ("ckpt", "rows") or not valid_run_id(tid):
+            continue
+        if train_ids is not None and tid not in train_ids:
             continue
         target = dst_dir / f.name
-        if target.exists():
+        if os.path.lexists(target):
             continue
-        dst_dir.mkdir(parents=True, exist_ok=True)
-        (shutil.copytree if f.is_dir() else shutil.copy2)(f, target)
+        if kind == "ckpt" and is_regular(f):
+            private_dir(dst_dir)
+            _copy_file(f, target)
+        elif kind == "rows" and is_real_dir(f) and all(is_regular(x) for x in f.iterdir()):
+            private_dir(dst_dir)
+            private_dir(target)
+            for x in sorted(f.iterdir()):
+                _copy_file(x, target / x.name)
+        else:
+            continue
         n += 1
     return n
+
+
+def _copy_file(src: Path, dst: Path, chunk: int = 1 << 20) -> None:
+    with open_file(src, "rb") as fi, open_file(dst, "xb") as fo:
+        while block := fi.read(chunk):
+            fo.write(block)

@@ -5,6 +5,11 @@ fails. The kernel drops an `flock` when its process dies (even by `kill -9`), so
 process is simply taken over; the pid written into the file is only for the message. The file is
 removed on release; a taker that finds its locked file already unlinked (it lost a race with a
 release) tries again, so two processes can never hold locks on two different files of one run.
+
+The lock file is opened without following links and without blocking (`safefs.open_regular`) inside
+an owner-only folder (`safefs.private_dir`): a link or a FIFO planted at `<run_id>.lock` is refused,
+never truncated, written or waited on, and a lock that fails after its `flock` was taken closes its
+descriptor (so the process keeps no lock it does not know of).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import socket
 from pathlib import Path
 
 from fedprism.errors import FedPrismError
+from fedprism.experiment.safefs import is_regular, open_regular, private_dir
 
 
 class RunBusyError(FedPrismError):
@@ -28,30 +34,33 @@ class RunLock:
         self.fd: int | None = None
 
     def acquire(self) -> None:
-        """Take the lock or raise RunBusyError naming the holder."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        """Take the lock or raise RunBusyError naming the holder (`safefs.UnsafePath` when the lock file is
+        a link or not a regular file)."""
+        private_dir(self.path.parent)
         for _ in range(50):
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = open_regular(self.path, os.O_RDWR | os.O_CREAT, 0o600)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
-                holder = _read(fd)
-                os.close(fd)
-                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise RunBusyError(f"run {self.path.stem} is running in another process"
-                                       f"{' (' + holder + ')' if holder else ''}; lock {self.path}") from None
-                raise
-            try:
-                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
-            except FileNotFoundError:
-                same = False
-            if not same:                      # released and unlinked between our open and our flock
-                os.close(fd)
-                continue
-            os.ftruncate(fd, 0)
-            os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
-            self.fd = fd
-            return
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError as e:
+                    if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                        holder = _read(fd)
+                        raise RunBusyError(f"run {self.path.stem} is running in another process"
+                                           f"{' (' + holder + ')' if holder else ''}; lock {self.path}") from None
+                    raise
+                try:
+                    now = os.lstat(self.path)
+                    same = os.fstat(fd).st_ino == now.st_ino and is_regular(self.path)
+                except FileNotFoundError:
+                    same = False
+                if same:
+                    os.ftruncate(fd, 0)
+                    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
+                    self.fd, fd = fd, None
+                    return
+            finally:
+                if fd is not None:            # refused, failed, or released and unlinked meanwhile: retry
+                    os.close(fd)
         raise RunBusyError(f"run {self.path.stem}: could not take {self.path} (it keeps changing)")
 
     @property
@@ -62,7 +71,11 @@ class RunLock:
         if self.fd is None:
             return
         try:
-            self.path.unlink(missing_ok=True)         # while still holding it: see the module docstring
+            try:                                      # while still holding it: see the module docstring
+                if os.lstat(self.path).st_ino == os.fstat(self.fd).st_ino:
+                    self.path.unlink()                # only the file this lock holds, never another put there
+            except FileNotFoundError:
+                pass
         finally:
             os.close(self.fd)                         # closing drops the flock
             self.fd = None
@@ -73,11 +86,15 @@ def holder_gone(path: str | Path) -> bool:
     it ends), or the file names a process of this host that no longer exists (`kill -9`). Takes no lock
     and writes nothing, so a read-only command may ask; a holder on another host counts as alive."""
     try:
-        text = Path(path).read_text().strip()
+        fd = open_regular(path, os.O_RDONLY)
     except FileNotFoundError:
         return True
-    except OSError:
+    except OSError:                               # a link, a FIFO, unreadable: nothing to tell from it
         return False
+    try:
+        text = _read(fd)
+    finally:
+        os.close(fd)
     pid, _, host = text.removeprefix("pid ").partition(" on ")
     if not pid.isdigit() or host != socket.gethostname():
         return False                              # being written right now, or another machine's

@@ -33,6 +33,7 @@ import csv
 import json
 import math
 import os
+import re
 import sqlite3
 import subprocess
 import sys
@@ -45,6 +46,7 @@ from typing import Any, Iterator
 from fedprism.errors import FedPrismError
 from fedprism.hparams import plain
 from fedprism.experiment.runlock import RunLock
+from fedprism.experiment.safefs import is_real_dir, is_regular, private_dir
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -115,6 +117,77 @@ def _json_or_none(s: str | None) -> dict | None:
 
 #: columns added after the first release of the schema: (name, SQL type), added on write-open
 MIGRATIONS = (("provenance", "TEXT"),)
+
+#: the store's schema version, kept in SQLite's `PRAGMA user_version` from version 4 on (stores written
+#: before it hold 0 and are recognised by their tables, `schema_version`):
+#: 1 runs, rounds, client_metrics, records without a key (the first release);
+#: 2 + sweep_runs (which sweeps hold which runs);
+#: 3 + runs.provenance;
+#: 4 records keyed (run_id, round, seq), and the version written into the file.
+#: Opening for writing migrates 1-3 to 4 in one transaction; a higher version (a newer fedprism) is refused
+#: before anything is written; reading (`readonly=True`) serves every version through temporary views.
+SCHEMA_VERSION = 4
+
+#: a run id: the first 16 hex digits of a SHA-256 (`Config.run_id`, `Config.train_id`, `flower_run_id`)
+RUN_ID = re.compile(r"[0-9a-f]{16}")
+
+
+def valid_run_id(run_id: Any) -> bool:
+    """Whether `run_id` has the form of a run id (16 lowercase hex digits). Every path beside a store
+    that is built from an id read from a store (its lock, checkpoint, row folder, kept final state) is
+    built only from such an id: one that is a path (`/etc/x`, `../../y`) names no file of this store."""
+    return isinstance(run_id, str) and RUN_ID.fullmatch(run_id) is not None
+
+
+def check_run_id(run_id: Any, what: str = "run id") -> str:
+    """`run_id` if it has the form of a run id, else `StoreError` naming it (a crafted or damaged store)."""
+    if not valid_run_id(run_id):
+        raise StoreError(f"{what} {str(run_id)[:80]!r} is not a run id (16 hex digits, the hash of a "
+                         "configuration): the store is damaged or was crafted; no file is named after it")
+    return run_id
+
+
+def _obj(col: str) -> str:
+    """SQL: `col` holds the text of a JSON object (json_type is asked only of valid JSON: it raises)."""
+    return f"(typeof({col}) = 'text' AND CASE WHEN json_valid({col}) THEN json_type({col}) END = 'object')"
+
+
+def _types(**cols: str) -> str:
+    return " AND ".join(f"typeof({c}) IN ({', '.join(repr(t) for t in ts.split())})" for c, ts in cols.items())
+
+
+_NUM = "real integer null"
+#: SQL conditions a well-formed row of each table meets (what fedprism writes; what the readers assume)
+ROW_OK = {
+    "runs": (f"typeof(run_id) = 'text' AND length(run_id) = 16 AND run_id NOT GLOB '*[^0-9a-f]*' AND {_obj('config')}"
+             f" AND (final IS NULL OR {_obj('final')}) AND (provenance IS NULL OR {_obj('provenance')})"
+             f" AND status IN ({', '.join(repr(x) for x in ('running', 'finished', 'interrupted', 'failed'))})"
+             " AND typeof(rounds_done) = 'integer' AND "
+             + _types(seed="integer null", name="text null", method="text null", dataset="text null",
+                      sweep="text null", code_version="text null", created=_NUM, updated=_NUM)),
+    "rounds": f"typeof(run_id) = 'text' AND typeof(round) = 'integer' AND {_obj('metrics')} AND "
+              + _types(wall_s=_NUM),
+    "client_metrics": _types(run_id="text", round="integer", client="integer", local_acc=_NUM, local_loss=_NUM,
+                             global_acc=_NUM, n_test="integer null", local_f1=_NUM),
+    "records": "typeof(data) = 'text' AND json_valid(data) AND "
+               + _types(run_id="text", round="integer", kind="text", client="integer null"),
+    "sweep_runs": _types(sweep="text", run_id="text", label="text null"),
+}
+
+
+def schema_version(db: sqlite3.Connection, schema: str = "main") -> int:
+    """The schema version of the store open in `db` (`SCHEMA_VERSION`'s list); 0 for an empty file."""
+    v = db.execute(f"PRAGMA {schema}.user_version").fetchone()[0]
+    if v:
+        return v
+    tables = {r[0] for r in db.execute(f"SELECT name FROM {schema}.sqlite_master WHERE type='table'")}
+    if "runs" not in tables:
+        return 0
+    if "sweep_runs" not in tables:
+        return 1
+    if "provenance" not in table_columns(db, "runs", schema):
+        return 2
+    return 3 if "seq" not in table_columns(db, "records", schema) else 4
 
 
 class Scalars:
@@ -276,9 +349,96 @@ def _create(db: sqlite3.Connection) -> None:
             db.execute(stmt)
 
 
-def table_columns(db: sqlite3.Connection, table: str) -> list[str]:
-    """The column names of `table` in `db`, in order (none when it has no such table)."""
-    return [r[1] for r in db.execute(f"PRAGMA table_info({table})")]
+def table_columns(db: sqlite3.Connection, table: str, schema: str | None = None) -> list[str]:
+    """The column names of `table` in `db`, in order (none when it has no such table); `schema` 'main'
+    reads the file's own table, not the view a read-only store shows in its place."""
+    return [r[1] for r in db.execute(f"PRAGMA {schema + '.' if schema else ''}table_info({table})")]
+
+
+def _read_views(db: sqlite3.Connection) -> None:
+    """A read-only connection sees each table through a temporary view of the same name (temporary
+    objects come first in SQLite's name lookup): rows that are not well formed (`ROW_OK`: an id that is no
+    run id, JSON that is not JSON, a status or a number of the wrong type) are left out, and a store of an
+    earlier schema looks like the current one (no `sweep_runs`: an empty table; no `provenance`: NULL;
+    records without `seq`: numbered in their stored order). Nothing is written to the file."""
+    main = {t: table_columns(db, t, "main") for t in ROW_OK}
+    for stmt in SCHEMA.split(";"):               # a table the file lacks reads as empty
+        t = stmt.split("EXISTS", 1)[-1].split("(", 1)[0].strip()
+        if "CREATE TABLE" in stmt and not main.get(t):
+            db.execute(stmt.replace("CREATE TABLE IF NOT EXISTS", "CREATE TEMP TABLE"))
+    if main["sweep_runs"]:
+        db.execute(f"CREATE TEMP VIEW sweep_runs AS SELECT * FROM main.sweep_runs WHERE {ROW_OK['sweep_runs']}")
+    extra = ", NULL AS provenance" if "provenance" not in main["runs"] else ""
+    db.execute(f"CREATE TEMP VIEW runs AS SELECT * FROM (SELECT *{extra} FROM main.runs) WHERE {ROW_OK['runs']}")
+    for t in ("rounds", "client_metrics"):
+        if main[t]:
+            db.execute(f"CREATE TEMP VIEW {t} AS SELECT * FROM main.{t} WHERE {ROW_OK[t]}")
+    if main["records"]:
+        seq = "" if "seq" in main["records"] else \
+            ", ROW_NUMBER() OVER (PARTITION BY run_id, round ORDER BY rowid) - 1 AS seq"
+        db.execute(f"CREATE TEMP VIEW records AS SELECT rowid AS rowid, *{seq} FROM main.records "
+                   f"WHERE {ROW_OK['records']}")
+
+
+#: the columns every version's tables have (the first schema's); a store without them is no results store
+REQUIRED = {
+    "runs": ("run_id", "name", "method", "dataset", "seed", "config", "code_version", "status", "rounds_done",
+             "final", "created", "updated", "sweep"),
+    "rounds": ("run_id", "round", "metrics", "wall_s"),
+    "client_metrics": ("run_id", "round", "client", "local_acc", "local_loss", "global_acc", "n_test", "local_f1"),
+    "records": ("run_id", "round", "kind", "client", "data"),
+}
+
+
+def _missing_columns(db: sqlite3.Connection) -> str:
+    """What the store's tables lack of `REQUIRED` (and of `sweep_runs`), or "". A table other than `runs`
+    that is not there at all is no fault: it is created (write) or read as empty (read-only)."""
+    need = {**REQUIRED, "sweep_runs": ("sweep", "run_id", "label")}
+    for t, want in need.items():
+        have = table_columns(db, t, "main")
+        if not have and t != "runs":
+            continue
+        if not have:
+            return f"no table {t}"
+        if lack := [c for c in want if c not in have]:
+            return f"its {t} table lacks {', '.join(lack)}"
+    return ""
+
+
+def _not_writable_here(db: sqlite3.Connection) -> str:
+    """Why this version must not write the store open in `db` (a newer schema: a higher version number,
+    or columns it cannot fill), or ""."""
+    v = schema_version(db)
+    if v > SCHEMA_VERSION:
+        return (f"it was written by a newer fedprism (schema version {v}; this version writes version "
+                f"{SCHEMA_VERSION} and older); write it with that version, or use another --db")
+    missing = _missing_columns(db)
+    if missing:
+        return f"it is not a fedprism results store of any version ({missing})"
+    known = {**REQUIRED, "sweep_runs": ("sweep", "run_id", "label")}
+    known = {**known, "runs": (*known["runs"], "provenance"), "records": (*known["records"], "seq")}
+    for t in ROW_OK:
+        for _, name, _, notnull, default, pk in db.execute(f"PRAGMA main.table_info({t})"):
+            if name not in known[t] and notnull and default is None:
+                return (f"its {t} table has a column {name!r} this version cannot fill (NOT NULL, no default): "
+                        "a newer fedprism's schema; write it with that version, or use another --db")
+    return ""
+
+
+def migrate(db: sqlite3.Connection) -> int:
+    """Bring the store open in `db` to `SCHEMA_VERSION` (inside the caller's transaction) from any earlier
+    version; returns the version it had. 1 -> 2 creates `sweep_runs`, 2 -> 3 adds `runs.provenance`,
+    3 -> 4 keys `records` (rows numbered in their stored order) and writes the version number."""
+    was = schema_version(db)
+    _migrate_records(db)
+    _create(db)
+    have = table_columns(db, "runs")
+    for col, typ in MIGRATIONS:
+        if col not in have:
+            db.execute(f"ALTER TABLE runs ADD COLUMN {col} {typ}")
+    if db.execute("PRAGMA user_version").fetchone()[0] != SCHEMA_VERSION:    # unchanged: no byte written
+        db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+    return was
 
 
 def _migrate_records(db: sqlite3.Connection) -> None:
@@ -345,14 +505,16 @@ class Store:
                 shown = ", ".join(near[:3]) + (", ..." if len(near) > 3 else "")
                 raise MissingStoreError(f"no results store at {self.path} (check --db or $FEDPRISM_DB"
                                         + (f"; stores here: {shown}" if near else "") + ")")
-            # percent-encoded: a '#', '?' or '%' in the path would otherwise end or change the file name
-            uri = f"file:{urllib.parse.quote(self.path.resolve().as_posix())}?mode=ro"
             self._real = self.path.resolve()        # SQLite keeps -wal / -shm beside the file a link names
             self._had = {x for x in ("-wal", "-shm") if Path(f"{self._real}{x}").exists()}
+            self._immutable = False
             try:
-                self.db = sqlite3.connect(uri, uri=True, timeout=60, isolation_level=None)
-                self.db.row_factory = sqlite3.Row
-                self.db.execute("SELECT 1 FROM runs LIMIT 1").fetchall()
+                self.db = self._open_readonly()
+                missing = _missing_columns(self.db)
+                if missing:
+                    self.db.close()
+                    raise MissingStoreError(f"{self.path} is not a fedprism results store ({missing})")
+                _read_views(self.db)
             except sqlite3.DatabaseError as e:
                 what = "is corrupt" if "malformed" in str(e) else "is not a fedprism results store"
                 raise MissingStoreError(f"{self.path} {what} ({e})") from None
@@ -380,16 +542,43 @@ class Store:
                 shown = ", ".join(tables[:5]) + (", ..." if len(tables) > 5 else "")
                 raise StoreError(f"{self.path} is an SQLite database of something else (tables: {shown}), "
                                  "not a fedprism results store; choose another --db")
+            why = _not_writable_here(self.db) if tables else ""
+            if why:                                   # before the journal mode or anything else is written
+                self.db.close()
+                raise StoreError(f"results store {self.path}: {why}; nothing was written to it (this version "
+                                 "can read it: `fedprism runs`, `show`, `report`, `export`)")
             _until_free(self._set_wal, self.timeout)
             self.db.execute("PRAGMA synchronous=NORMAL")
             with self.transaction():
-                _migrate_records(self.db)
-                _create(self.db)
-                have = table_columns(self.db, "runs")
-                for col, typ in MIGRATIONS:
-                    if col not in have:
-                        self.db.execute(f"ALTER TABLE runs ADD COLUMN {col} {typ}")
+                migrate(self.db)
             self._recover_stale()
+
+    def _open_readonly(self) -> sqlite3.Connection:
+        """A `mode=ro` connection. A store in WAL mode needs its `-shm` file, which SQLite cannot create in a
+        folder this user may not write ('attempt to write a readonly database'): such a store is opened
+        `immutable` instead (no locks, no `-shm`), which is exact when its write-ahead log is empty (as
+        `close` leaves it); with a non-empty log that cannot be read without writing, it is an error."""
+        # percent-encoded: a '#', '?' or '%' in the path would otherwise end or change the file name
+        base = f"file:{urllib.parse.quote(self._real.as_posix())}?mode=ro"
+        for uri in (base, base + "&immutable=1"):
+            db = sqlite3.connect(uri, uri=True, timeout=60, isolation_level=None)
+            db.row_factory = sqlite3.Row
+            try:
+                db.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()
+                return db
+            except sqlite3.OperationalError as e:
+                db.close()
+                if uri != base or not ("readonly" in str(e) or "unable to open" in str(e)) \
+                        or os.access(self._real.parent, os.W_OK):
+                    raise
+                wal = Path(f"{self._real}-wal")
+                if wal.exists() and wal.stat().st_size > 0:
+                    raise MissingStoreError(
+                        f"{self.path} cannot be read by this user: it is in WAL mode, its folder is not writable "
+                        f"here, and {wal.name} holds writes not yet folded into it (ask its owner to run any "
+                        "fedprism command that writes it, or copy the store and its -wal file)") from None
+                self._immutable = True
+        raise AssertionError("unreachable")
 
     def _set_wal(self) -> None:
         if self.db.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
@@ -399,6 +588,8 @@ class Store:
         """A run marked 'running' whose lock nobody holds was stopped without being able to say so
         (killed, or its store could not be written at the end): mark it 'interrupted'."""
         for (run_id,) in self.db.execute("SELECT run_id FROM runs WHERE status='running'").fetchall():
+            if not valid_run_id(run_id):  # a crafted id ('/etc/x', '../y'): no path is made of it, row left
+                continue
             lock = RunLock(self.ckpt_dir / f"{run_id}.lock")
             try:
                 lock.acquire()
@@ -494,7 +685,49 @@ class Store:
 
     # -- runs ---------------------------------------------------------------------------------------
     def run(self, run_id: str) -> sqlite3.Row | None:
-        return self.db.execute("SELECT * FROM runs WHERE run_id=?", (run_id,)).fetchone()
+        """The run's row, or None. A row of this id that is not well formed (`ROW_OK`: JSON that is not
+        JSON, a status or number of the wrong type; a store opened for writing sees its rows as they are)
+        is a `StoreError` naming it: it is neither resumed nor taken as this run's result."""
+        row = self.db.execute("SELECT * FROM runs WHERE run_id=?", (run_id,)).fetchone()
+        if row is not None and not self.readonly:
+            why = self.damage(run_id)
+            if why:
+                raise StoreError(f"results store {self.path}: run {run_id} is stored damaged ({why}); it is "
+                                 "neither resumed nor re-used: `fedprism merge` copies the store's sound runs "
+                                 "into a new one, or use another --db")
+        return row
+
+    def damage(self, run_id: str) -> str:
+        """What is not well formed (`ROW_OK`) in the stored rows of run `run_id`, or "" (also for an id the
+        store does not hold). Reads the file's own tables, not a read-only store's views."""
+        if not valid_run_id(run_id):
+            return f"its id {str(run_id)[:80]!r} is not a run id"
+        cols = table_columns(self.db, "runs", "main")
+        runs = "main.runs" if "provenance" in cols else "(SELECT *, NULL AS provenance FROM main.runs)"
+        bad = self.db.execute(f"SELECT 1 FROM {runs} WHERE run_id=? AND NOT COALESCE(({ROW_OK['runs']}), 0)",
+                              (run_id,)).fetchone()
+        if bad is not None:
+            return "its row in runs: a config, final or provenance that is no JSON object, or a value of the wrong type"
+        for t in ("rounds", "client_metrics", "records"):
+            if not table_columns(self.db, t, "main"):
+                continue
+            n = self.db.execute(f"SELECT COUNT(*) FROM main.{t} WHERE run_id=? AND NOT COALESCE(({ROW_OK[t]}), 0)",
+                                (run_id,)).fetchone()[0]
+            if n:
+                return f"{n} row(s) of {t} that are not well formed (JSON that is not JSON, values of the wrong type)"
+        return ""
+
+    def hidden(self) -> int:
+        """How many rows of the file a read-only store leaves out as not well formed (`ROW_OK`); 0 for a
+        store open for writing (which shows no views)."""
+        if not self.readonly:
+            return 0
+        n = 0
+        for t in ROW_OK:
+            if table_columns(self.db, t, "main"):
+                n += (self.db.execute(f"SELECT COUNT(*) FROM main.{t}").fetchone()[0]
+                      - self.db.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0])
+        return n
 
     def start_run(self, run_id: str, config: dict, sweep: str | None = None,
                   provenance: dict | None = None) -> sqlite3.Row:
@@ -509,6 +742,7 @@ class Store:
 
         # `scalars=DIR` first: a folder its files cannot be written into is a ConfigError raised before
         # the run is locked or stored (it used to leave a `running` row and a lock file behind)
+        check_run_id(run_id)
         scalars = Scalars(config["scalars"], run_id) if config.get("scalars") else None
         now = time.time()
         row = self.run(run_id)
@@ -621,10 +855,26 @@ class Store:
     def lock(self, run_id: str) -> None:
         """Hold the run's lock (`runlock`) until `finish`, `mark` or `close`."""
         if run_id not in self._locks:
-            lock = RunLock(self.ckpt_dir / f"{run_id}.lock")
+            lock = RunLock(self.ckpt_dir / f"{check_run_id(run_id)}.lock")
             with self._errors("locking the run"):
                 lock.acquire()
             self._locks[run_id] = lock
+            self._drop_orphans(run_id)
+
+    def _drop_orphans(self, run_id: str) -> None:
+        """Temporary files of the run's checkpoint that a killed process left (`<run_id>.ckpt.*.tmp`, the
+        checkpoint writer's `mkstemp` names): only the run's lock holder writes them, and it holds the lock
+        now, so none is being written. Unlinking removes a planted link itself, never what it names."""
+        for f in self.ckpt_dir.glob(f"{run_id}.ckpt.*.tmp"):
+            if is_regular(f) or f.is_symlink():
+                try:
+                    f.unlink()
+                except OSError:
+                    pass
+
+    def lock_path(self, run_id: str) -> Path | None:
+        """The run's lock file, or None for an id that is no run id (no path is made of it)."""
+        return self.ckpt_dir / f"{run_id}.lock" if valid_run_id(run_id) else None
 
     def unlock(self, run_id: str) -> None:
         lock = self._locks.pop(run_id, None)
@@ -746,12 +996,19 @@ class Store:
             q = ("SELECT runs.*, COALESCE(m.label, runs.name) AS label FROM runs LEFT JOIN sweep_runs m"
                  " ON m.run_id = runs.run_id AND m.sweep = ? WHERE (m.sweep IS NOT NULL OR runs.sweep = ?)")
             args = (sweep, sweep, *where.values())
-            q += "".join(f" AND runs.{k}=?" for k in where)
+            q += "".join(f" AND runs.{k}=?" for k in where) + self._sound("runs.run_id", " AND ")
             return self.db.execute(q + " ORDER BY runs.created", args).fetchall()
         q = "SELECT *, name AS label FROM runs"
         if where:
             q += " WHERE " + " AND ".join(f"{k}=?" for k in where)
+        q += self._sound("run_id", " AND " if where else " WHERE ")
         return self.db.execute(q + " ORDER BY created", tuple(where.values())).fetchall()
+
+    def _sound(self, col: str, joint: str) -> str:
+        """SQL keeping only well-formed runs (`ROW_OK`) in a store open for writing: its searches (a sweep's
+        earlier runs, a kept final state to re-score) pass over damaged rows. A read-only store's views
+        already leave them out."""
+        return "" if self.readonly else f"{joint}{col} IN (SELECT run_id FROM main.runs WHERE {ROW_OK['runs']})"
 
     def _known(self, run_id: str, rows: list) -> list:
         """`rows`, unless they are none because `run_id` names no run: that is an error, not an empty
@@ -763,7 +1020,20 @@ class Store:
     def round_metrics(self, run_id: str) -> list[dict]:
         rows = self._known(run_id, self.db.execute(
             "SELECT round, metrics, wall_s FROM rounds WHERE run_id=? ORDER BY round", (run_id,)).fetchall())
-        return [{"round": r["round"], "wall_s": r["wall_s"], **json.loads(r["metrics"])} for r in rows]
+        return [{"round": r["round"], "wall_s": r["wall_s"], **self._json(r["metrics"], run_id, "round metrics")}
+                for r in rows]
+
+    def _json(self, text: Any, run_id: str, what: str, kind: type = dict) -> Any:
+        """A stored JSON column, parsed; a `StoreError` naming the run when it is not JSON of `kind` (a store
+        open for writing shows its rows as they are: a crafted or damaged one)."""
+        try:
+            value = json.loads(text)
+        except (TypeError, ValueError, RecursionError):
+            value = None
+        if not isinstance(value, kind):
+            raise StoreError(f"results store {self.path}: run {run_id}'s {what} is not a JSON "
+                             f"{'object' if kind is dict else 'value'} (the store is damaged or was crafted)")
+        return value
 
     def client_rows(self, run_id: str, rnd: int | None = None) -> list[sqlite3.Row]:
         """One row per client of round `rnd` (0-based; default: the last round with client rows)."""
@@ -783,7 +1053,8 @@ class Store:
         # a store of an older schema opened read-only has no `seq` (never migrated): its rowid order is the same
         keyed = "seq" in table_columns(self.db, "records")
         q += " ORDER BY round, seq" if keyed else " ORDER BY rowid"
-        return self._known(run_id, [{"round": r[0], "kind": r[1], "client": r[2], "data": json.loads(r[3])}
+        return self._known(run_id, [{"round": r[0], "kind": r[1], "client": r[2],
+                                     "data": self._json(r[3], run_id, f"{r[1]} record", object)}
                                     for r in self.db.execute(q, args)])
 
     # -- checkpoints (beside the db, never inside) -------------------------------------------------
@@ -792,25 +1063,33 @@ class Store:
         return self.path.with_name(self.path.name + ".ckpt")
 
     def checkpoint_path(self, run_id: str) -> Path:
-        return self.ckpt_dir / f"{run_id}{_checkpoint().SUFFIX}"
+        return self.ckpt_dir / f"{check_run_id(run_id)}{_checkpoint().SUFFIX}"
 
-    def save_checkpoint(self, run_id: str, payload: dict) -> None:
+    def save_checkpoint(self, run_id: str, payload: dict, binding: dict | None = None,
+                        key: bytes | None = None) -> None:
+        """Write the run's checkpoint, bound to `binding` and signed with `key` (`checkpoint.save`)."""
         with self._errors(f"writing the checkpoint of run {run_id}"):
-            _checkpoint().save(self.checkpoint_path(run_id), payload)
+            private_dir(self.ckpt_dir)          # owner only, never a link; the file is written by mkstemp
+            _checkpoint().save(self.checkpoint_path(run_id), payload, binding, key)
 
-    def load_checkpoint(self, run_id: str) -> dict | None:
+    def load_checkpoint(self, run_id: str, binding: dict | None = None, key: bytes | None = None,
+                        max_bytes: int | None = None) -> dict | None:
         """The run's checkpoint, or None. A checkpoint that cannot be trusted (unreadable, truncated,
-        modified, of another run, or a pickle of an older version: pickle can run code) is deleted,
-        never loaded; the run starts from round 0 and a `checkpoint_discarded` record says why."""
+        modified, not signed with `key`, bound to another run than `binding`, or a pickle of an older
+        version: pickle can run code) is deleted, never loaded; the run starts from round 0 and a
+        `checkpoint_discarded` record says why. One that cannot be used as it is (`CheckpointRefused`:
+        another format version, more than `max_bytes`, ...) is raised, naming the file, and kept."""
         reasons = []
-        legacy = self.ckpt_dir / f"{run_id}.pt"
-        if legacy.exists():
+        legacy = self.ckpt_dir / f"{check_run_id(run_id)}.pt"
+        if os.path.lexists(legacy):
             reasons.append((legacy, "a pickle checkpoint (older format, or planted): pickle can run code, never loaded"))
         p, ck = self.checkpoint_path(run_id), _checkpoint()
         payload = None
-        if p.exists():
+        if os.path.lexists(p) and not is_regular(p):
+            reasons.append((p, "not a regular file (a link or a special file, planted): never read"))
+        elif p.exists():
             try:
-                payload = ck.load(p)
+                payload = ck.load(p, binding, key, max_bytes)
                 if not (isinstance(payload, dict) and payload.get("run_id") == run_id
                         and isinstance(payload.get("round"), int) and isinstance(payload.get("state"), dict)):
                     raise ck.CheckpointError("not a checkpoint of this run")
@@ -830,38 +1109,59 @@ class Store:
     def final_dir(self) -> Path:
         return self.path.with_name(self.path.name + ".final")
 
-    def save_final(self, train_id: str, payload: dict) -> None:
+    def save_final(self, train_id: str, payload: dict, binding: dict | None = None,
+                   key: bytes | None = None) -> None:
         """Keep a finished run's final server and client state (beside the store, in the checkpoint
-        format), so that evaluation-only settings can re-score it without training (`keep_final=false`
-        opts out)."""
+        format, bound to `binding` and signed with `key`), so that evaluation-only settings can re-score
+        it without training (`keep_final=false` opts out)."""
         ck = _checkpoint()
         with self._errors(f"writing the final state {train_id}"):
-            ck.save(self.final_dir / f"{train_id}{ck.SUFFIX}", payload)
+            private_dir(self.final_dir)
+            ck.save(self.final_dir / f"{check_run_id(train_id, 'train id')}{ck.SUFFIX}", payload, binding, key)
 
-    def load_final(self, train_id: str) -> dict | None:
+    def final_path(self, train_id: str) -> Path:
+        """The file of the final state kept for training identity `train_id`."""
+        return self.final_dir / f"{check_run_id(train_id, 'train id')}{_checkpoint().SUFFIX}"
+
+    def drop_final(self, train_id: str) -> bool:
+        """Delete the final state kept for `train_id` and its row files (`--fresh`); False if there is none."""
+        import shutil
+
+        p = self.final_path(train_id)
+        rows = self.final_rows_dir(train_id)
+        had = os.path.lexists(p) or os.path.lexists(rows)
+        p.unlink(missing_ok=True)
+        if os.path.islink(rows):
+            rows.unlink()
+        shutil.rmtree(rows, ignore_errors=True)
+        return had
+
+    def load_final(self, train_id: str, binding: dict | None = None, key: bytes | None = None,
+                   max_bytes: int | None = None) -> dict | None:
         """A kept final state, or None (also when it cannot be trusted: it is then deleted, unless the
-        store is open read-only, which writes nothing)."""
+        store is open read-only, which writes nothing). One that cannot be used as it is
+        (`CheckpointRefused`) is raised, naming the file, and kept."""
         ck = _checkpoint()
-        p = self.final_dir / f"{train_id}{ck.SUFFIX}"
-        if not p.exists():
+        p = self.final_dir / f"{check_run_id(train_id, 'train id')}{ck.SUFFIX}"
+        if not is_regular(p) or not is_real_dir(self.final_dir):   # a link is never read through
             return None
         try:
-            payload = ck.load(p)
+            payload = ck.load(p, binding, key, max_bytes, what="kept final state")
         except ck.CheckpointError:
             if not self.readonly:
                 p.unlink(missing_ok=True)
             return None
-        if isinstance(payload, dict) and "client_rows" in payload and not self.final_rows_dir(train_id).is_dir():
+        if isinstance(payload, dict) and "client_rows" in payload and not is_real_dir(self.final_rows_dir(train_id)):
             return None                       # `state.storage=mmap`: its row files are gone
         return payload if isinstance(payload, dict) and isinstance(payload.get("state"), dict) else None
 
     def rows_dir(self, run_id: str) -> Path:
         """Where a run with `state.storage=mmap` keeps its clients' row files (beside its checkpoint)."""
-        return self.ckpt_dir / f"{run_id}.rows"
+        return self.ckpt_dir / f"{check_run_id(run_id)}.rows"
 
     def final_rows_dir(self, train_id: str) -> Path:
         """The row files of a kept final state (`state.storage=mmap`), beside it."""
-        return self.final_dir / f"{train_id}.rows"
+        return self.final_dir / f"{check_run_id(train_id, 'train id')}.rows"
 
     def discard_checkpoint(self, run_id: str, why: str) -> None:
         """Delete a checkpoint that cannot be resumed from; the run's next round-0 write records why."""
