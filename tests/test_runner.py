@@ -249,12 +249,12 @@ def test_a_run_on_a_read_only_store_is_refused_and_leaves_no_file(tmp_path):
 
 def test_store_is_transactional(tmp_path):
     s = Store(tmp_path / "t.db")
-    s.start_run("x", {"method": "fedavg", "dataset": "digits", "seed": 0})
+    s.start_run("0123456789abcdef", {"method": "fedavg", "dataset": "digits", "seed": 0})
     with pytest.raises(TypeError):     # the record cannot be serialised: fails after the metrics insert
-        s.write_round("x", 0, {"a": 1}, [(0, 0.5, 1.0, 0.4, 10, 0.3)], [("bad", None, object())], 0.1)
-    assert s.round_metrics("x") == []          # nothing of the failed round was kept
-    assert s.client_rows("x", 0) == []
-    assert s.run("x")["rounds_done"] == 0
+        s.write_round("0123456789abcdef", 0, {"a": 1}, [(0, 0.5, 1.0, 0.4, 10, 0.3)], [("bad", None, object())], 0.1)
+    assert s.round_metrics("0123456789abcdef") == []          # nothing of the failed round was kept
+    assert s.client_rows("0123456789abcdef", 0) == []
+    assert s.run("0123456789abcdef")["rounds_done"] == 0
 
 
 @pytest.mark.parametrize("raw,key", [
