@@ -250,35 +250,75 @@ def _shown(p) -> str:
     return repr(p.default)
 
 
-def cmd_methods(args) -> int:
+def _list_components(registry, names, describe, head=("key", "default", "meaning"), before=None) -> int:
+    """The listing behind `fedprism methods`, `models`, `partitions` and `datasets`: for each name in
+    `names` (default: every registered one, built-in or plugin, sorted) a title line and a table.
+
+    `describe(name, component) -> (title, rows)` says what to show; rows are lists of cells under `head`
+    (no table when empty). `before(width)` prints what comes before the components when no name is given
+    (the experiment keys in `fedprism methods`). An unknown name is refused with the registry's
+    did-you-mean before anything is printed or imported."""
     from fedprism import plugins
-    from fedprism.algorithms import REGISTRY
-    from fedprism.experiment.config import KEYS, PARTITION_COMMON
 
     plugins.load()
-    unknown = [n for n in args.names if n not in REGISTRY]
+    unknown = [n for n in names if n not in registry]
     if unknown:
-        from fedprism.experiment.config import suggest
-
-        raise FedPrismError(f"no method {unknown[0]!r}{suggest(unknown[0], sorted(REGISTRY))}; the methods: "
-                            f"{', '.join(sorted(REGISTRY))}")
+        raise FedPrismError(registry.unknown(unknown[0]))
     width = shutil.get_terminal_size((110, 24)).columns
-    head = ["key", "default", "meaning"]
-    if not args.names:
+    if not names and before is not None:
+        before(width)
+    for name in (list(dict.fromkeys(names)) or registry.names()):
+        title, rows = describe(name, registry[name])
+        print(f"\n{title}")
+        if rows:
+            print(_table(rows, list(head), width))
+    return 0
+
+
+def _param_row(key: str, p) -> list:
+    return [key, _shown(p), p.help + (f" [{', '.join(map(str, p.choices))}]" if p.choices else "")]
+
+
+def _describe_method(name: str, cls) -> tuple[str, list[list]]:
+    """A method's own parameters; one that averages models (`averages`) ends with a row naming the shared
+    server-step options, which `fedprism methods` lists once (`_server_steps`)."""
+    own = getattr(cls, "own_params", cls.params)
+    rows = [_param_row(f"{name}.{k}", p) for k, p in own.items()]
+    if getattr(cls, "averages", ()):
+        rows.append([f"{name}.aggregation*, {name}.server_*", "", "the shared server step on "
+                     f"{', '.join(cls.averages)} (robust rule, server optimiser): see 'Server steps' below"])
+    return f"{name}  ({cls.paper})", rows
+
+
+def _server_steps(registry, names, width: int) -> None:
+    """The shared server-step options, once, for the averaging methods among those listed."""
+    from fedprism.algorithms.aggregation import SERVER_STEP_PARAMS
+
+    averaging = [n for n in (list(dict.fromkeys(names)) or registry.names()) if getattr(registry[n], "averages", ())]
+    if not averaging:
+        return
+    print(f"\nServer steps (keys of every method that averages models, <method>.KEY: {', '.join(averaging)}):")
+    print(_table([_param_row(f"<method>.{k}", p) for k, p in SERVER_STEP_PARAMS.items()],
+                 ["key", "default", "meaning"], width))
+
+
+def cmd_methods(args) -> int:
+    from fedprism.algorithms import REGISTRY
+    from fedprism.experiment.config import KEYS
+
+    def keys(width: int) -> None:
         print("Experiment keys:")
-        print(_table([[k, repr(p.default), p.help] for k, p in KEYS.items()], head, width))
-    for name, cls in sorted(REGISTRY.items()):
-        if args.names and name not in args.names:
-            continue
-        print(f"\n{name}  ({cls.paper})")
-        if cls.params:
-            print(_table([[f"{name}.{k}", _shown(p), p.help + (f" [{', '.join(map(str, p.choices))}]"
-                                                                        if p.choices else "")]
-                          for k, p in cls.params.items()], head, width))
+        print(_table([[k, repr(p.default), p.help] for k, p in KEYS.items()], ["key", "default", "meaning"], width))
+
+    _list_components(REGISTRY, args.names, _describe_method, before=keys)
+    width = shutil.get_terminal_size((110, 24)).columns
+    _server_steps(REGISTRY, args.names, width)
     if args.names:
         return 0
     from fedprism.data.partition import PARTITIONS
-    print("\nPartitions (partition=NAME):")
+    from fedprism.experiment.config import PARTITION_COMMON
+
+    print("\nPartitions (partition=NAME; `fedprism partitions` says what each key means):")
     for name, ps in PARTITIONS.items():
         allp = {**PARTITION_COMMON, **ps}
         print(textwrap.fill(f"  {name}: " + ", ".join(f"partition.{k}={p.default!r}" for k, p in allp.items()),

@@ -83,9 +83,13 @@ def load(force: bool = False) -> None:
     if _loaded and not force:
         return
     _loaded = True
-    from fedprism.algorithms.base import REGISTRY, Algorithm, register
+    from fedprism.algorithms.base import REGISTRY
 
+    REGISTRY.load_plugins(force)           # `fedprism.methods`: warns about (and skips) a broken plugin
+    DATASETS.load_plugins(force)           # `fedprism.datasets`, the same way
     for group in GROUPS:
+        if group in ("fedprism.methods", "fedprism.datasets"):     # their registries read their groups
+            continue
         for ep in entry_points(group=group):
             try:
                 obj = ep.load()
@@ -93,16 +97,5 @@ def load(force: bool = False) -> None:
                 warnings.warn(f"fedprism plugin {ep.name!r} ({ep.value}) of {group} failed to load: "
                               f"{type(e).__name__}: {e}", stacklevel=2)
                 continue
-            if group == "fedprism.methods":
-                if not (isinstance(obj, type) and issubclass(obj, Algorithm)):
-                    warnings.warn(f"fedprism plugin {ep.name!r} is not an Algorithm subclass; skipped", stacklevel=2)
-                    continue
-                if REGISTRY.get(obj.name) is not obj:
-                    try:
-                        register(obj)
-                    except (TypeError, ValueError) as e:
-                        warnings.warn(f"fedprism plugin {ep.name!r}: {e}; skipped", stacklevel=2)
-            elif group == "fedprism.models":
+            if group == "fedprism.models":
                 MODELS.setdefault(ep.name, obj)
-            else:
-                DATASETS.setdefault(ep.name, obj)

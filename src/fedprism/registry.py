@@ -55,13 +55,20 @@ class Registry(Generic[T]):
     package:   the package whose modules are the built-in components (module name == component name);
                `skip` names modules of it that hold shared code, not a component.
     check:     called as `check(name, obj)` on every registration; raises TypeError/ValueError.
+    make:      called as `make(name, obj)` before `check`: turns what is registered into the component
+               (a model registry wraps a bare `build` function into its spec); default: `obj` as is.
+
+    Besides `get`/`names`, a registry reads like the dict it replaces: `reg[name]`, `name in reg`,
+    `reg.items()`, `len(reg)`, `reg[name] = obj` (registers), `reg.pop(name)`, and `find(name)` where a
+    dict's `get(name)` gave None for an unknown name.
     """
 
     def __init__(self, kind: str, package: str | None = None, *, skip: tuple[str, ...] = (),
-                 check: Callable[[str, Any], None] | None = None):
-        self.kind, self.package, self.skip, self.check = kind, package, tuple(skip), check
+                 check: Callable[[str, Any], None] | None = None, make: Callable[[str, Any], T] | None = None):
+        self.kind, self.package, self.skip, self.check, self.make = kind, package, tuple(skip), check, make
         self.group = f"fedprism.{kind}s"
         self._items: dict[str, T] = {}
+        self._own: dict[str, T] = {}          # each built-in as its module last registered it (survives `pop`)
         self._builtin_modules: dict[str, str] | None = None     # name -> module, discovered lazily
         self._plugins_loaded = False
         self._lock = threading.RLock()
@@ -109,6 +116,8 @@ class Registry(Generic[T]):
         key = name if name is not None else getattr(obj, "name", None)
         if not isinstance(key, str) or not key or "." in key or any(c.isspace() for c in key):
             raise ValueError(f"a {self.kind} name is a non-empty string without dots or spaces, not {key!r}")
+        if self.make is not None:
+            obj = self.make(key, obj)
         if self.check is not None:
             self.check(key, obj)
         with self._lock:
@@ -117,12 +126,19 @@ class Registry(Generic[T]):
             if home is not None and not (module == home or module.startswith(home + ".")):
                 raise ValueError(f"{key!r} is the built-in {self.kind} of {home}; give yours a name of its own")
             self._items[key] = obj
+            if home is not None:
+                self._own[key] = obj
         return obj
 
     def unregister(self, name: str) -> None:
         """Forget an in-process registration (tests, notebooks). Built-ins come back on the next `get`."""
+        self.pop(name)
+
+    def pop(self, name: str, default: Any = None) -> Any:
+        """Forget `name` and return what it was (`default` if nothing was registered under it). A built-in
+        comes back, as its module last registered it, on the next `get`."""
         with self._lock:
-            self._items.pop(name, None)
+            return self._items.pop(name, default)
 
     # -- lookup ----------------------------------------------------------------------------------
     def get(self, name: str, key: str | None = None) -> T:
@@ -130,6 +146,9 @@ class Registry(Generic[T]):
         raise ConfigError naming the config key (`key`, default the kind), the value and the choices."""
         with self._lock:
             if name in self._items:
+                return self._items[name]
+            if isinstance(name, str) and name in self._own:       # popped built-in: its module ran already
+                self._items[name] = self._own[name]
                 return self._items[name]
             module = self._builtins().get(name) if isinstance(name, str) else None
             if module is not None:
@@ -160,6 +179,35 @@ class Registry(Generic[T]):
     def all(self) -> dict[str, T]:
         """Every component, imported (for listings such as `fedprism methods`)."""
         return {n: self.get(n) for n in self.names()}
+
+    def find(self, name: str) -> T | None:
+        """The component `name`, or None when no such name is known (a dict's `get`)."""
+        return self.get(name) if name in self else None
+
+    def unknown(self, name: object, what: str | None = None) -> str:
+        """'no method 'x' (did you mean y?); the methods: a, b': the message for a name not registered
+        (commands that list components say it this way; `get` raises a ConfigError naming the key)."""
+        names = self.names()
+        hint = suggest(name, names) if isinstance(name, str) else ""
+        return f"no {what or self.kind} {name!r}{hint}; the {what or self.kind}s: {', '.join(names)}"
+
+    def __getitem__(self, name: str) -> T:
+        return self.get(name)
+
+    def __setitem__(self, name: str, obj: T) -> None:
+        self.register(obj, name=name)
+
+    def keys(self) -> list[str]:
+        return self.names()
+
+    def values(self) -> list[T]:
+        return list(self.all().values())
+
+    def items(self) -> list[tuple[str, T]]:
+        return list(self.all().items())
+
+    def __len__(self) -> int:
+        return len(self.names())
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())

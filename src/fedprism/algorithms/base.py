@@ -36,6 +36,7 @@ import torch
 
 from fedprism.errors import ConfigError
 from fedprism.hparams import Param
+from fedprism.registry import Registry
 from fedprism.protocol import (ClientState, Context, EvalResult, Inference, Plan, Rows, TensorSpec, Trainer,
                                TrainJob, Update, payload_bytes, train_together)
 
@@ -176,14 +177,9 @@ class Algorithm:
         return {}
 
 
-REGISTRY: dict[str, type[Algorithm]] = {}
-
-
-def register(cls: type[Algorithm]) -> type[Algorithm]:
-    """Add a method to the registry under `cls.name` (usable by `fedprism run`, sweeps, reports, Flower).
-
-    Registering a name again replaces the earlier class (a notebook cell run twice), except a built-in
-    method's name: a plugin cannot silently stand in for `fedavg`."""
+def _check_method(name: str, cls: Any) -> None:
+    """What `register` refuses: anything but an Algorithm subclass, a class registered under a name other
+    than its own, a params entry that is not a Param (each would fail only once a run starts)."""
     if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
         raise TypeError(f"register() takes a subclass of fedprism.Algorithm, not {cls!r}")
     if not cls.name:
@@ -191,14 +187,32 @@ def register(cls: type[Algorithm]) -> type[Algorithm]:
     if not isinstance(cls.name, str) or "." in cls.name or any(c.isspace() for c in cls.name):
         raise ValueError(f"{cls.__name__}.name = {cls.name!r}: a method name is a string without dots or "
                          "spaces (its keys are `name.key`)")
+    if cls.name != name:
+        raise ValueError(f"{cls.__name__}.name = {cls.name!r} registered as {name!r}: a method is registered "
+                         "under its own name (configurations and stored runs name it)")
     for key, p in cls.params.items():
         if not isinstance(p, Param):
             raise TypeError(f"{cls.__name__}.params[{key!r}] is {p!r}: each parameter is a "
                             "fedprism.hparams.Param")
-    old = REGISTRY.get(cls.name)
-    same = old is not None and (old.__module__, old.__qualname__) == (cls.__module__, cls.__qualname__)
-    if old is not None and not same and old.__module__.startswith("fedprism.algorithms."):  # reload: same
-        raise ValueError(f"{cls.__name__}.name = {cls.name!r} is the built-in method {old.__module__}."
-                         f"{old.__qualname__}; give the new method a name of its own")
-    REGISTRY[cls.name] = cls
-    return cls
+
+
+#: modules of `fedprism.algorithms` that hold shared code, not a method (every other module `x.py` holds
+#: the method `x` and registers it when imported; `fedprism methods` lists them without importing them)
+SHARED_MODULES = ("base", "aggregation", "partial")
+
+#: name -> method class. Built-in methods are imported when first named (`REGISTRY["fedavg"]`), plugins
+#: come through the `fedprism.methods` entry-point group or `register`.
+REGISTRY: Registry[type[Algorithm]] = Registry("method", "fedprism.algorithms", skip=SHARED_MODULES,
+                                               check=_check_method)
+
+
+def register(cls: type[Algorithm]) -> type[Algorithm]:
+    """Add a method to the registry under `cls.name` (usable by `fedprism run`, sweeps, reports, Flower).
+
+    Registering a name again replaces the earlier class (a notebook cell run twice), except a built-in
+    method's name: a plugin cannot silently stand in for `fedavg`. A reload of the built-in's own module
+    (IPython's autoreload) replaces it."""
+    if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
+        raise TypeError(f"register() takes a subclass of fedprism.Algorithm, not {cls!r}")
+    _check_method(cls.name, cls)
+    return REGISTRY.register(cls, name=cls.name)

@@ -252,7 +252,7 @@ class Config:
     def _params(self) -> dict[str, Param]:
         from fedprism.algorithms import REGISTRY
 
-        method = REGISTRY.get(self["method"])
+        method = REGISTRY.find(self["method"])
         mp = {f"{self['method']}.{k}": p for k, p in (method.params if method else {}).items()}
         return {**KEYS, **mp}
 

@@ -172,7 +172,7 @@ def check_flower_config(cfg: Config) -> None:
     SuperLink, Ray or node starts)."""
     from fedprism.algorithms import REGISTRY
 
-    why = getattr(REGISTRY.get(cfg["method"]), "simulation_only", "")
+    why = getattr(REGISTRY.find(cfg["method"]), "simulation_only", "")
     if why:
         raise ConfigError("method", cfg["method"], f"a method that runs on Flower: {cfg['method']} runs "
                           f"in the simulator only ({why})")

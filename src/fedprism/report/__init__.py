@@ -246,7 +246,7 @@ def alternatives_table(groups) -> list[str]:
         for label in sorted(groups[setting]):
             for r in sorted(groups[setting][label], key=lambda x: x["config"]["seed"]):
                 f = r["final"]
-                method = REGISTRY.get(r["config"]["method"])
+                method = REGISTRY.find(r["config"]["method"])
                 order = list(method.predictions) if method else []
                 have = {k.split("@", 1)[1] for k in f if "@" in k}
                 names = [n for n in order if n in have] + sorted(have - set(order))

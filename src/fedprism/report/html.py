@@ -111,7 +111,7 @@ def method_notes(methods: list[str]) -> str:
 
     items = []
     for name in methods:
-        cls = REGISTRY.get(name)
+        cls = REGISTRY.find(name)
         if cls is None:
             continue
         doc = (cls.__doc__ or "").strip().split("\n\n")[0]
