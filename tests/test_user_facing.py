@@ -691,7 +691,7 @@ def test_a_damaged_store_page_and_a_file_in_a_folder_s_place_are_one_line_errors
     for key in ("data.train_subset", "data.test_subset"):         # more rows than the split holds: refused
         with pytest.raises(ConfigError, match=key.replace(".", r"\.") + r".*<= the \d+ samples of digits"):
             build_federation(resolve({**TINY, key: 100000}))
-    with pytest.raises(ConfigError, match=r"'threads' = 100000 .*\[0, 1024\]"):
+    with pytest.raises(ConfigError, match=r"'threads' = 100000 .*\[0, 256\]"):
         resolve({**TINY, "threads": 100000})
 
 

@@ -11,6 +11,7 @@ naming the key, the value and what is allowed; an unknown key names the closest 
 
 from __future__ import annotations
 
+import codecs
 import difflib
 import hashlib
 import json
@@ -27,8 +28,11 @@ _pos = lambda v: v > 0  # noqa: E731
 _nonneg = lambda v: v >= 0  # noqa: E731
 
 #: experiment keys (not method- or partition-specific)
-#: upper bound of `threads=` (torch crashed with 100000 intra-op threads; no machine needs more than this)
-MAX_THREADS = 1024
+#: upper bound of `threads=`: a fixed number, so that a configuration valid on one machine is valid on
+#: every machine (a sweep file travels); 256 is four times the cores of a 64-core machine, and more
+#: intra-op threads than that only oversubscribe (torch crashed with 100000)
+MAX_THREADS = 256
+
 
 KEYS: dict[str, Param] = {
     "method": Param("fedprism", "algorithm (see `fedprism methods`)"),
@@ -123,7 +127,8 @@ KEYS: dict[str, Param] = {
                          "not part of the run id", choices=("auto", "true", "false", True, False), new=True),
     "threads": Param(0, "torch intra-op threads for the run (0: leave torch's default); recorded with the "
                      "run, not part of its id", lambda v: 0 <= v <= MAX_THREADS,
-                     f"an integer in [0, {MAX_THREADS}]"),
+                     f"an integer in [0, {MAX_THREADS}] (0: torch's default; a fixed bound, the same on every "
+                     "machine: more threads than cores only oversubscribe them)"),
     "scalars": Param("", "directory for per-round and per-client scalars as CSV, written as each round is "
                      "stored ('' = none; not part of the run id)"),
     "optimizer": Param("sgd", "client optimiser: sgd (lr, momentum, weight_decay) or adam (lr, weight_decay; "
@@ -157,6 +162,11 @@ KEYS: dict[str, Param] = {
                          _pos, "an integer >= 1", new=True),
     "keep_final": Param(True, "keep the final server and client state beside the store (re-scoring of "
                         "evaluation-only settings without training)"),
+    "checkpoint.key": Param("", "path of a key file (at least 32 bytes): checkpoints and kept final states are "
+                            "signed with HMAC-SHA256 under it instead of a plain SHA-256, so a file edited by "
+                            "someone without the key is discarded (for stores that others can write to; "
+                            "docs/robustness.md); '' = no key; not part of the run id",
+                            lambda v: "\0" not in v, "a path to a key file, or '' (no NUL character)"),
 }
 
 #: parameters every partition takes (minimum samples per client)
@@ -167,7 +177,7 @@ PARTITION_COMMON: dict[str, Param] = {
 
 #: keys that change how a run executes but not its numbers (excluded from the run id)
 EXECUTION_KEYS = frozenset({"name", "device", "engine", "compile", "fuse_jobs", "cuda_graphs", "data.root",
-                            "data.download", "keep_final", "threads", "scalars"})
+                            "data.download", "keep_final", "threads", "scalars", "checkpoint.key"})
 
 
 def parse_value(text: str) -> Any:
@@ -199,16 +209,20 @@ def load_toml(path: str | Path) -> dict[str, Any]:
 
 def read_toml(path: str | Path, what: str) -> dict[str, Any]:
     """A TOML file as a dict; every way it can fail (missing, unreadable, not UTF-8, not TOML) is a
-    one-line ConfigError naming the file."""
+    one-line ConfigError naming the file. A UTF-8 byte-order mark at its start (Windows editors write
+    one) is skipped; TOML itself does not allow it."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(what, str(p), "an existing TOML file", kind="")
+    bom = 0
     try:
-        text = p.read_bytes().decode("utf-8")
+        data = p.read_bytes()
+        bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+        text = data[bom:].decode("utf-8")
     except OSError as e:
         raise ConfigError(what, str(p), f"a readable TOML file ({e.strerror or e})", kind="") from None
     except UnicodeDecodeError as e:
-        raise ConfigError(what, str(p), f"UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start} "
+        raise ConfigError(what, str(p), f"UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {bom + e.start} "
                           "is not UTF-8)", kind="") from None
     try:
         return tomllib.loads(text)
@@ -271,12 +285,17 @@ class Config:
         return hashlib.sha256(blob).hexdigest()[:16]
 
     @property
-    def train_id(self) -> str:
-        """Hash of what training depends on: the identity without evaluation-only method parameters
-        (`Param.eval_only`). Runs that differ only there train the same models."""
+    def train_identity(self) -> dict[str, Any]:
+        """What training depends on: the identity without evaluation-only method parameters (`Param.eval_only`)."""
         params = self._params()
-        ident = {k: v for k, v in self.identity.items() if not (k in params and params[k].eval_only)}
-        return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        return {k: v for k, v in self.identity.items() if not (k in params and params[k].eval_only)}
+
+    @property
+    def train_id(self) -> str:
+        """Hash of what training depends on (`train_identity`). Runs that differ only in evaluation-only
+        parameters train the same models."""
+        return hashlib.sha256(json.dumps(self.train_identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
 
     def with_(self, **kw: Any) -> "Config":
         return resolve({**self.values, **{k.replace("__", "."): v for k, v in kw.items()}})

@@ -22,6 +22,7 @@ from fedprism.algorithms.base import Algorithm
 from fedprism.engine import make_engine
 from fedprism.engine.base import LocalConfig
 from fedprism.errors import ConfigError
+from fedprism.experiment.checkpoint import CheckpointRefused
 from fedprism.experiment.clientstore import ClientStore, StoreMismatch, make_store
 from fedprism.experiment.config import Config
 from fedprism.experiment.evaluate import Evaluator, sample_eval_clients, summarize
@@ -495,12 +496,16 @@ class Experiment:
         starts it again; False when it holds nothing. Called once the run is built, so a configuration or
         data that cannot run loses nothing; the run's lock is taken first, so a run that another process
         is executing is refused (`RunBusyError`) and kept."""
-        if self.store.run(self.run_id) is None:
-            return False
-        self.store.lock(self.run_id)
-        self.store.forget(self.run_id)
-        self.clients = self.client_store()          # its row files (state.storage=mmap) went with the run
-        return True
+        held = self.store.run(self.run_id) is not None
+        if held:
+            self.store.lock(self.run_id)
+            self.store.forget(self.run_id)
+            self.clients = self.client_store()      # its row files (state.storage=mmap) went with the run
+        # the final state kept for this training identity goes too: `--fresh` trains again (a kept state
+        # that cannot be used, `CheckpointRefused`, is cleared this way, as a checkpoint is)
+        dropped = self.shares_final and self.store.drop_final(self.cfg.train_id)
+        return held or dropped
+
 
     def eval_sample(self, rnd: int) -> np.ndarray | None:
         """The clients scored at round `rnd` under `eval.clients` (None: every client; always at the final
@@ -614,9 +619,75 @@ class Experiment:
 
     def restore_final(self, kept: dict) -> dict:
         """The server state of this configuration's kept final state (`Store.load_final`), the client store
-        brought to it (with `state.storage=mmap`, from the row files kept beside it)."""
+        brought to it (with `state.storage=mmap`, from the row files kept beside it). Client state that is
+        not what the method declares is `CheckpointRefused`, naming the file."""
         rows = self.store.final_rows_dir(self.cfg.train_id) if "client_rows" in kept else None
-        return self._restore(kept, rows)
+        try:
+            return self._restore(kept, rows)
+        except StoreMismatch as e:
+            raise CheckpointRefused(str(e), self.store.final_path(self.cfg.train_id), "client_state",
+                                    "kept final state") from None
+
+    # -- what a checkpoint must be (fedprism.experiment.checkpoint) ---------------------------------------
+    def binding(self, final: bool = False) -> dict:
+        """What this run's checkpoints (`final`: its kept final state) are bound to, inside their signed
+        header: the run id (the training identity) and the SHA-256 of the configuration it hashes."""
+        from fedprism.experiment.checkpoint import config_sha256
+
+        if final:
+            return {"kind": "final", "train_id": self.cfg.train_id,
+                    "config_sha256": config_sha256(self.cfg.train_identity)}
+        return {"kind": "checkpoint", "run_id": self.run_id, "config_sha256": config_sha256(self.cfg.identity)}
+
+    def checkpoint_key(self) -> bytes | None:
+        """The HMAC key of `checkpoint.key` (None: checkpoints are signed with a plain SHA-256), read once;
+        a key file that cannot be read is a ConfigError naming the key."""
+        from fedprism.experiment.checkpoint import read_key
+
+        if not hasattr(self, "_key"):
+            self._key = read_key(self.cfg.get("checkpoint.key", ""))
+        return self._key
+
+    def initial_layout(self) -> dict:
+        """The method's server state at round 0 (what a checkpoint's state is checked against), computed
+        once, with the global random generators left as they were."""
+        if getattr(self, "_layout", None) is None:
+            import random
+
+            py, npy = random.getstate(), np.random.get_state()
+            with torch.random.fork_rng(devices=[]):
+                self._layout = self.algo.init_state()
+            random.setstate(py)
+            np.random.set_state(npy)
+        return self._layout
+
+    def _client_rows(self) -> dict:
+        """name -> (row shape, dtype) of the method's declared client state."""
+        from fedprism.protocol import _dims
+
+        return {k: (_dims(d.shape, self.ctx), d.dtype) for k, d in self.algo.client_state.items()}
+
+    def checkpoint_bytes(self) -> int:
+        """The largest checkpoint (or kept final state) this run can write (`checkpoint.max_bytes`: from its
+        initial server state, its declared client state and the model's size); larger files are not read."""
+        from fedprism.experiment.checkpoint import max_bytes, nbytes
+
+        N = self.ctx.num_clients
+        rows = sum(N * int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dt).element_size()
+                   for shape, dt in self._client_rows().values())
+        return max_bytes(nbytes(self.initial_layout()) + rows + N, N, self.ctx.spec.size)
+
+    def check_snapshot(self, snap: dict, file, final: bool = False, stored_rounds: int | None = None) -> None:
+        """A loaded checkpoint (`final`: kept final state) against this run before any of it is used
+        (`checkpoint.check_snapshot`); `CheckpointRefused` names `file` and the field."""
+        from fedprism.experiment.checkpoint import check_snapshot
+
+        try:
+            check_snapshot(snap, rounds=self.cfg["rounds"], stored_rounds=stored_rounds,
+                           initial=self.initial_layout(), clients=self.ctx.num_clients,
+                           client_rows=self._client_rows(), final=final)
+        except CheckpointRefused as e:
+            raise e.at(file, "kept final state" if final else "checkpoint") from None
 
     def provenance(self) -> dict:
         """What is stored with the run about how it ran (`fedprism.experiment.provenance.capture`)."""
@@ -643,9 +714,11 @@ class Experiment:
                 continue
             if other.train_id != want:
                 continue
-            kept = self.store.load_final(want)
+            kept = self.store.load_final(want, self.binding(final=True), self.checkpoint_key(),
+                                         self.checkpoint_bytes())
             if kept is None:
                 return None
+            self.check_snapshot(kept, self.store.final_path(want), final=True)
             source = str(kept.get("run_id") or row["run_id"])          # the run that trained this state
             if provenance is not None and differences(self.store.provenance(source), provenance):
                 return None
@@ -696,6 +769,7 @@ class Experiment:
             raise StoreError(f"{store.path} is open read-only (Store(path, readonly=True)): a run writes its "
                              "rounds; open the store with Store(path)")
         run_id = self.run_id
+        key = self.checkpoint_key()              # `checkpoint.key`: a key file that cannot be read stops here
         set_threads(cfg)                                   # `threads=`: execution-only, recorded below
         selector = make_selector(cfg, self.ctx, self.algo)
         prov = self.provenance()                 # compared with a stored run's (docs/reproducibility.md)
@@ -712,9 +786,13 @@ class Experiment:
         # rewriting the `scalars` files, a round, keeping the final state) marks it `interrupted` or `failed`,
         # which releases the lock; it resumes from its last checkpoint
         try:
-            ckpt = store.load_checkpoint(run_id)
+            path = store.checkpoint_path(run_id)    # bound to this run, signed with its key, checked before use
+            ckpt = store.load_checkpoint(run_id, self.binding(), key,
+                                         self.checkpoint_bytes() if path.exists() else None)
             if ckpt is not None and ckpt.get("run_id") == run_id:
+                self.check_snapshot(ckpt, path, stored_rounds=store.run(run_id)["rounds_done"])
                 try:
+
                     state, start, resumed = self._restore(ckpt), ckpt["round"] + 1, ckpt["round"]
                 except StoreMismatch as e:   # client state this code cannot take (other declarations,
                     store.discard_checkpoint(run_id, f"client state: {e}")   # or `mmap` files not its own)
@@ -788,7 +866,7 @@ class Experiment:
                 wall = time.time() - t0
                 elapsed += wall
                 store.write_round(run_id, rnd, metrics, client_rows, records, wall)
-                store.save_checkpoint(run_id, self._snapshot(rnd, state, seen, elapsed))
+                store.save_checkpoint(run_id, self._snapshot(rnd, state, seen, elapsed), self.binding(), key)
                 if self.clients is not None:
                     self.clients.commit()              # `mmap`: the round's rows reach their files now
                 bar.update(rnd + 1, metrics if "local_acc" in metrics else None)
@@ -800,7 +878,8 @@ class Experiment:
             if cfg["keep_final"] and self.shares_final:
                 if self.clients is not None and self.clients.storage == "mmap":
                     self.clients.move_to(store.final_rows_dir(cfg.train_id))   # the row files go with it
-                store.save_final(cfg.train_id, self._snapshot(T - 1, state, seen, elapsed))
+                store.save_final(cfg.train_id, self._snapshot(T - 1, state, seen, elapsed), self.binding(final=True),
+                                 key)
                 kept = True
             store.finish(run_id, final)
         except KeyboardInterrupt:
