@@ -2,7 +2,7 @@
 
 `learned_gates` (the `eval.gate=learned` option) fits histogram gradient boosting with sample weights; on
 fewer than 200,000 rows scikit-learn bins each feature at weighted quantiles, one sort per threshold.
-`fedprism.experiment.fast_binning` sorts each column once. This bench times one gate weight both ways on
+`fedprism.algorithms.fedprism_dual.fast_binning` sorts each column once. This bench times one gate weight both ways on
 synthetic rows of the paper run's shape (100 clients; 55 validation, 100 local test rows each; each client's
 view of a 5,000-image global validation and a 10,000-image global test set; 63 features), alternating
 which goes first, and checks that both give the same accuracies on every split.
@@ -44,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     import numpy as np
     from threadpoolctl import threadpool_limits
 
-    import fedprism.experiment.gate as gate
-    from fedprism.experiment.fast_binning import sorted_once
+    import fedprism.algorithms.fedprism_dual.gate as gate
+    from fedprism.algorithms.fedprism_dual.fast_binning import sorted_once
 
     clients = 20 if a.quick else a.clients
     sizes = ({"val": 55, "global_val": 1000, "local": 100, "global": 2000} if a.quick else

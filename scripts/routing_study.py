@@ -49,7 +49,7 @@ counts); per-client thresholds are calibrated on the client's own training rows.
                    Jacobs et al. 1991, "Adaptive Mixtures of Local Experts"): where the gate hedges, the
                    two streams are averaged, as the fixed ensembles do
     learned-mlp w  (`--mlp-gate` only) the same with a small network as the gate (`MLPGate` of
-                   `fedprism.experiment.gate`: two hidden layers of 64, Adam, three passes): the kind of gate
+                   `fedprism.algorithms.fedprism_dual.gate`: two hidden layers of 64, Adam, three passes): the kind of gate
                    the clients could train together with FedAvg without uploading their rows
     learned-routed w  (`--routed-gate` only) the boosted gate between the run's routed prediction (the
                    paper's Eq. 2 at the run's `inference_temperature`, T = 5 in the validation runs) and the
@@ -90,7 +90,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedprism.experiment.gate import (SCALARS, SHARES, _Constant, gate_features, label_share,  # noqa: F401
+from fedprism.algorithms.fedprism_dual.gate import (SCALARS, SHARES, _Constant, gate_features, label_share,  # noqa: F401
                                      learned_gates)
 
 SPLITS = ("val", "global_val", "local", "global")
@@ -353,7 +353,7 @@ def study(db: str, run_id: str, state: str | None = None, gate_seed: int = 0,
 
 
 def render(res: dict) -> str:
-    from fedprism.report.routing import MARGIN
+    from fedprism.algorithms.fedprism_dual.routing import MARGIN
 
     acc = res["acc"]
     spec = acc["specialist"]["val"]

@@ -417,7 +417,7 @@ def test_seen_class_shares_as_results_readme_states(db_copy):
 def test_private_share_is_inert_as_results_readme_states(db_copy):
     """results/README.md, "The adaptive alpha and the private part": at Dirichlet 0.1 the mean gamma_i at
     round 100 is 0.0037 (seed 0) and 0.0019 (seed 1), never above 0.0179 for any client."""
-    from fedprism.report import alpha_trajectory
+    from fedprism.algorithms.fedprism_dual.report import alpha_trajectory
 
     store = Store(db_copy)
     runs = [r for r in store.runs(sweep="paper_fmnist_dir01") if r["label"] == "FedPrism"]

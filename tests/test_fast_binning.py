@@ -1,11 +1,11 @@
-"""`fedprism.experiment.fast_binning`: scikit-learn's weighted binning, the same bits, sorted once."""
+"""`fedprism.algorithms.fedprism_dual.fast_binning`: scikit-learn's weighted binning, the same bits, sorted once."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from fedprism.experiment.fast_binning import _SortedOnce, sorted_once
+from fedprism.algorithms.fedprism_dual.fast_binning import _SortedOnce, sorted_once
 
 binning = pytest.importorskip("sklearn.ensemble._hist_gradient_boosting.binning")
 if not hasattr(binning, "_weighted_percentile"):

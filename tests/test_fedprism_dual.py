@@ -369,7 +369,7 @@ def test_compiled_engine_evaluation_equals_eager(unequal):
 def test_alpha_trajectory_by_hand(rule, gamma1, tmp_path):
     """The report's alpha / gamma trajectory: latest alpha of every client updated so far, gamma =
     1 - alpha - beta clamped at 0 (unclamped when the lines are read as printed)."""
-    from fedprism.report import alpha_table, alpha_trajectory, plot_alpha
+    from fedprism.algorithms.fedprism_dual.report import alpha_table, alpha_trajectory, plot_alpha
 
     class Recs:
         def records(self, run_id, kind):

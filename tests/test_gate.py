@@ -1,4 +1,4 @@
-"""`eval.gate=learned`: the learned routing gate of `fedprism.experiment.gate`, fitted at a run's final
+"""`eval.gate=learned`: the learned routing gate of `fedprism.algorithms.fedprism_dual.gate`, fitted at a run's final
 evaluation or when a kept final state is re-scored, stored beside the method's routings and chosen among
 them by the report's validation rule."""
 
@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from fedprism.errors import ConfigError
-from fedprism.experiment import gate
+from fedprism.algorithms.fedprism_dual import gate
 from fedprism.experiment.config import resolve
 from fedprism.experiment.runner import Experiment
 from fedprism.experiment.store import Store
-from fedprism.report.routing import choose_routing
+from fedprism.algorithms.fedprism_dual.routing import choose_routing
 
 CFG = dict(dataset="digits", model="mlp", clients=6, rounds=2, fraction=1.0, local_epochs=1,
            engine="sequential", seed=2, method="fedprism_dual", **{"fedprism_dual.k": 2, "data.val_fraction": 0.25,

@@ -12,7 +12,10 @@ from fedprism.algorithms.ifca import choose
 from fedprism.cli import main
 from fedprism.errors import ConfigError
 from fedprism.experiment.config import resolve
-from fedprism.experiment.limits import available_memory, check_limits
+from fedprism.algorithms import REGISTRY
+from fedprism.experiment.limits import (available_memory, check_limits, check_memory, client_state_bytes,
+                                         memory_terms)
+from fedprism.textable import size_text as _gb
 from fedprism.experiment.runner import Experiment
 from fedprism.experiment.store import Store
 
@@ -68,10 +71,12 @@ def test_memory_bounds_use_the_parameter_count(tmp_path):
     cfg = resolve({**BASE, "method": "ifca", "ifca.k": 5, "clients": 50})
     n = np.full(50, 100)
     check_limits(cfg, n, num_params=1000, memory=8 << 30)                       # fits
-    with pytest.raises(ConfigError, match=r"ifca.k.*at most 1 here.*cluster models of 10000000 parameters"):
+    # IFCA: K x (cohort + 1) = 5 x 26 copies of 10^7 float32 parameters = 5.2 GB > 1 GB
+    with pytest.raises(ConfigError, match=r"ifca.k.*at most 1 here.*130 server model\(s\) of 10000000 float32 "
+                       r"parameters \(ifca.k\)"):
         check_limits(cfg, n, num_params=10_000_000, memory=2 << 30)
     local = resolve({**BASE, "method": "local", "clients": 50})
-    with pytest.raises(ConfigError, match=r"'clients' = 50.*at most 26 here for local"):
+    with pytest.raises(ConfigError, match=r"'clients' = 50.*at most 26 here for local.*40000000 bytes per client"):
         check_limits(local, n, num_params=10_000_000, memory=2 << 30)
     # epochs cost work, not memory (lazy batch orders): 10^9 steps per client and round at most
     big = resolve({**BASE, "method": "fedavg", "local_epochs": 10**6, "clients": 50})
@@ -84,22 +89,106 @@ def test_memory_bounds_use_the_parameter_count(tmp_path):
     assert available_memory() > 0
 
 
-def test_client_limit_follows_state_storage():
+#: LeNet-5's parameter count
+LENET = 61_706
+
+
+def _big(method: str, **kw):
+    return resolve({**BASE, "method": method, "clients": 10_000, "fraction": 0.01, "partition.min_train": 1, **kw})
+
+
+def test_ditto_with_ten_thousand_clients_is_refused_with_its_numbers():
+    """Ditto keeps v_k, one model per client (`client_state = {"v": ("P",)}`): 61,706 float32 parameters
+    = 246,824 bytes per client; 10,000 clients = 2,468,240,000 bytes, over half of 4 GiB (2,147,483,648);
+    the most that fit: 2,147,483,648 // 246,824 = 8,700."""
     n = np.full(10_000, 6)
-    P = 61_706                                   # LeNet-5
-    dual = lambda st: resolve({**BASE, "method": "fedprism_dual", "clients": 10_000, "fraction": 0.01,  # noqa: E731
-                               "partition.min_train": 1, "state.storage": st})
-    with pytest.raises(ConfigError, match=r"'clients' = 10000.*at most 4350 here.*4 bytes per parameter"):
+    with pytest.raises(ConfigError) as e:
+        check_limits(_big("ditto"), n, LENET, memory=4 << 30)
+    msg = str(e.value)
+    assert (e.value.key, e.value.value) == ("clients", 10_000)
+    for text in ("at most 8700 here for ditto", "v 61706 x 4 B", "246824 bytes per client x 10000 clients",
+                 "2468240000 bytes (2.3 GB) in all", "(2.0 GB of 4.0 GB)"):
+        assert text in msg, (text, msg)
+    check_limits(_big("ditto"), n, LENET, memory=2 * 2_468_240_000)         # exactly half: admitted
+    with pytest.raises(ConfigError):
+        check_limits(_big("ditto"), n, LENET, memory=2 * 2_468_240_000 - 2)
+    check_limits(_big("ditto").with_(clients=8700), np.full(8700, 6), LENET, memory=4 << 30)
+
+
+def _declared_bytes(cls, P: int) -> int:
+    """One client's row of every declared client state, by hand: elements x element size."""
+    out = 0
+    for decl in cls.client_state.values():
+        elements = 1
+        for s in decl.shape:
+            elements *= P if s == "P" else int(s)
+        out += elements * decl.dtype.itemsize
+    return out
+
+
+STATEFUL = [m for m in REGISTRY.names() if REGISTRY[m].client_state]
+
+
+def test_every_method_with_a_per_client_model_declares_it():
+    """The rule reads the declarations: every method known to keep a model per client is among them."""
+    assert {"apfl", "ditto", "fedbn", "fedper", "fedproto", "fedrep", "fedsoft", "fedsub", "lg_fedavg", "local",
+            "pfedme", "pfpl", "protohar", "fedprism_dual"} <= set(STATEFUL)
+
+
+@pytest.mark.parametrize("method", STATEFUL)
+def test_client_state_memory_is_one_rule_for_every_method(method):
+    """The same rule admits or refuses every method with client state: the declared bytes per client x
+    clients plus its server models, against half the memory; refused with those numbers."""
+    cls, N, P = REGISTRY[method], 10_000, LENET
+    cfg = _big(method)
+    per = _declared_bytes(cls, P)
+    assert per >= 4 * P and client_state_bytes(cls, P, N) == per
+    need = sum(b for _, _, b in memory_terms(cfg, N, P))
+    assert need >= N * per
+    check_memory(cfg, N, P, mem=2 * need)                                      # fits exactly
+    with pytest.raises(ConfigError) as e:
+        check_memory(cfg, N, P, mem=2 * need - 2)
+    msg = str(e.value)
+    assert f"{per} bytes per client x {N} clients" in msg and f"{need} bytes" in msg, msg
+    assert f"of {_gb(2 * need - 2)})" in msg and "at most" in msg
+    if e.value.key == "clients":
+        most = int(msg.split("at most ")[1].split(" ")[0])
+        assert most < N
+        check_memory(cfg.with_(clients=most), most, P, mem=2 * need - 2)      # the bound it names fits
+
+
+@pytest.mark.parametrize("method", REGISTRY.names())
+def test_every_method_passes_the_same_rule_with_room(method):
+    cfg = resolve({**BASE, "method": method})
+    check_memory(cfg, 6, 1000, mem=1 << 30)
+    need = sum(b for _, _, b in memory_terms(cfg, 6, 1000))
+    if need:
+        with pytest.raises(ConfigError, match="more than half the available memory"):
+            check_memory(cfg, 6, 1000, mem=2 * need - 2)
+
+
+def test_client_limit_follows_state_storage():
+    """fedprism_dual declares two models per client (private, expert): 2 x 61,706 x 4 = 493,648 bytes in
+    memory, 246,824 at float16, none for mmap beyond a round's 100 rows; its server holds 3 x K = 15 models
+    (3,702,360 bytes). Half of 4 GiB: (2,147,483,648 - 3,702,360) // 493,648 = 4,342 clients (8,685 at float16)."""
+    n = np.full(10_000, 6)
+    P = LENET
+    dual = lambda st: _big("fedprism_dual", **{"state.storage": st})  # noqa: E731
+    with pytest.raises(ConfigError, match=r"'clients' = 10000.*at most 4342 here.*private 61706 x 4 B, expert "
+                       r"61706 x 4 B; state.storage=memory\): 493648 bytes per client"):
         check_limits(dual("memory"), n, P, memory=4 << 30)
-    with pytest.raises(ConfigError, match=r"at most 8700 here.*2 bytes per parameter.*state.storage=float16"):
+    with pytest.raises(ConfigError, match=r"at most 8685 here.*x 2 B.*state.storage=float16\): 246824 bytes"):
         check_limits(dual("float16"), n, P, memory=4 << 30)
     check_limits(dual("mmap"), n, P, memory=4 << 30, disk=8 << 30)      # rows on disk, not in memory
-    with pytest.raises(ConfigError, match=r"at most 4350 here.*state.storage=mmap.*on disk beside the store"):
+    with pytest.raises(ConfigError, match=r"at most 4350 here.*state.storage=mmap.*493648 bytes per client.*on disk "
+                       "beside the store"):
         check_limits(dual("mmap"), n, P, memory=4 << 30, disk=2 << 30)
     check_limits(dual("memory"), n, P, memory=16 << 30)
-    seen = resolve({**BASE, "method": "fedprism_dual", "clients": 10_000, "fraction": 0.01, "state.storage": "mmap",
-                    "fedprism_dual.cluster_on": "seen", "fedprism_dual.features": "full"})
-    with pytest.raises(ConfigError, match=r"'fedprism_dual.cluster_on' = 'seen'.*features=last_layer.*9.2 GB"):
+    seen = _big("fedprism_dual", **{"state.storage": "mmap", "fedprism_dual.cluster_on": "seen",
+                                    "fedprism_dual.features": "full"})
+    # every client's feature (d = P) kept and clustered in float64: 4 float32 models per client, 9.2 GB
+    with pytest.raises(ConfigError, match=r"'fedprism_dual.cluster_on' = 'seen'.*another value.*40000 server "
+                       r"model\(s\).*\(fedprism_dual.cluster_on\).*= 9.2 GB"):
         check_limits(seen, n, P, memory=16 << 30, disk=8 << 30)
     check_limits(seen.with_(fedprism_dual__features="last_layer"), n, P, memory=16 << 30, disk=8 << 30)
 

@@ -29,7 +29,12 @@ Flower alike, and the Flower codec sends the encoded rows (FedSub's sparse subne
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, ClassVar
 
 import numpy as np
 import torch
@@ -208,6 +213,92 @@ REGISTRY: Registry[type[Algorithm]] = Registry("method", "fedprism.algorithms", 
 
 def register(cls: type[Algorithm]) -> type[Algorithm]:
     """Add a method to the registry under `cls.name` (usable by `fedprism run`, sweeps, reports, Flower).
+    # -- sizes the run layer bounds before anything is allocated (`fedprism.experiment.limits`) ----
+    #    Each takes the method's resolved hyper-parameters `hp` (keys without the `<method>.` prefix).
+    @classmethod
+    def clusters(cls, hp: dict[str, Any]) -> int | None:
+        """K of a configuration that trains K cluster models (its key is `<method>.k`), None when it trains
+        none: K must not exceed the clients, and a round's cohort when `clusters_cohort`."""
+        return None
+
+    @classmethod
+    def clusters_cohort(cls, hp: dict[str, Any]) -> bool:
+        """True when the clustering runs on the clients of one round only, so that a cohort smaller than K
+        can never be clustered (a clustering of fewer points than clusters is skipped, every round)."""
+        return False
+
+    @classmethod
+    def cohort(cls, hp: dict[str, Any], clients: int, fraction: float) -> int:
+        """Clients a round trains: floor(fraction x clients), at least 1 (`selection.cohort_size`); a method
+        whose `plan` trains others (Local's `participation=all`) says how many."""
+        from fedprism.selection import cohort_size
+
+        return min(clients, cohort_size(clients, fraction))
+
+    @classmethod
+    def check_cohort(cls, hp: dict[str, Any], clients: int, cohort: int, fraction: float) -> None:
+        """ConfigError for hyper-parameters that cannot work with `cohort` of `clients` clients a round (CFL's
+        split test with one client a round); known before any data is read."""
+
+    @classmethod
+    def server_models(cls, hp: dict[str, Any], clients: int, cohort: int) -> dict[str, int]:
+        """The models of P float32 parameters the server holds at once beyond the global one, working copies
+        included, by the key that sets their number: `{"k": 3 * K}` for K cluster models, `{"clients": N}`
+        for one model per client kept at the server. The client state (`client_state`) is counted from its
+        declaration and not here. Default: none."""
+        return {}
+
+    # -- the method's own parts beyond the round: a method package's companion modules --------------
+    @classmethod
+    def companion(cls, part: str) -> ModuleType | None:
+        """The module `part` beside the method: `<package>.<part>` of the first class of the method's
+        resolution order that is a package named like its method (`fedprism/algorithms/fedprism_dual/`
+        holds `gate.py` and `report.py`), None when there is none. A method grows a run-time extra (a
+        learned gate, a report section) as a file of its package without a line of its class changing,
+        so the code fingerprint of its stored runs (`fedprism.experiment.provenance`) stays; a method of
+        one file overrides the hooks below instead."""
+        for klass in cls.__mro__:
+            module = sys.modules.get(getattr(klass, "__module__", ""))
+            name = getattr(klass, "name", "")
+            if (module is None or not hasattr(module, "__path__") or not name
+                    or module.__name__.rsplit(".", 1)[-1] != name):
+                continue
+            if importlib.util.find_spec(f"{module.__name__}.{part}") is None:
+                return None
+            return importlib.import_module(f"{module.__name__}.{part}")
+        return None
+
+    @classmethod
+    def learned_gate(cls) -> Any:
+        """The learned routing gate over this method's inference streams (`eval.gate=learned`), or None
+        when its inference has no two streams to route between. An object (a module) with
+        `check_config(config)` (ConfigError for keys the gate cannot work with), `check_memory(fed,
+        memory)` (ConfigError before training when its rows would not fit) and `metrics(experiment,
+        state)` (its candidate routings' metrics at the final evaluation). Default: the method package's
+        `gate` companion."""
+        return cls.companion("gate")
+
+    @classmethod
+    def report_sections(cls, store: Any, groups: dict[str, dict[str, list[dict]]]) -> list[str]:
+        """Markdown lines of the report sections that only this method's runs have (after the tables every
+        run has). `store`: the results store, read-only; `groups`: setting -> row label -> runs (dicts
+        with `run_id`, `config`, `final`), this method's runs only. Default: `sections(store, groups)` of
+        the method package's `report` companion, else none."""
+        part = cls.companion("report")
+        return part.sections(store, groups) if part is not None and hasattr(part, "sections") else []
+
+    @classmethod
+    def report_figures(cls, store: Any, run: dict, label: str, setting: str,
+                       stem: str) -> list[tuple[str, str, Callable[[Path], list[Path]]]]:
+        """Figures of one run of this method beyond the report's own: (file name, caption, draw) where
+        `draw(path)` writes the figure to `path` and returns the paths written. `stem` ends every name the
+        report gives a run's figure (`_<method>_<label>_<setting>_seed<seed>.png`). Default: `figures(...)`
+        of the method package's `report` companion, else none."""
+        part = cls.companion("report")
+        if part is None or not hasattr(part, "figures"):
+            return []
+        return part.figures(store, run, label, setting, stem)
+
 
     Registering a name again replaces the earlier class (a notebook cell run twice), except a built-in
     method's name: a plugin cannot silently stand in for `fedavg`. A reload of the built-in's own module

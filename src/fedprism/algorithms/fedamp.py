@@ -94,6 +94,10 @@ class FedAMP(Algorithm):
     }
 
     @classmethod
+    def server_models(cls, hp: dict, clients: int, cohort: int) -> dict:
+        return {"clients": 2 * clients}         # every client's w_i, and the cloud models u_i of a round
+
+    @classmethod
     def check_params(cls, hp: dict) -> None:
         if hp["attention"] == "distance" and hp["sigma"] != "auto" and not hp["sigma"] > 0:
             raise ConfigError("fedamp.sigma", hp["sigma"], "a number > 0 or 'auto' for attention=distance")

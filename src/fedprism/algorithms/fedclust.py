@@ -62,6 +62,19 @@ class FedClust(Algorithm):
                         choices=("euclidean", "cosine")),
         "threshold": Param(0.0, "original variant: distance threshold (0 = largest merge gap)",
                            lambda v: v >= 0, "a number >= 0"),
+    averages = ("w_c", "w_g")        # a server step on every cluster model and on w_g
+
+    @classmethod
+    def clusters(cls, hp: dict) -> int | None:
+        return hp["k"] if hp["variant"] == "periodic" else None    # original: a threshold finds them
+
+    @classmethod
+    def clusters_cohort(cls, hp: dict) -> bool:
+        return hp["variant"] == "periodic"
+
+    @classmethod
+    def server_models(cls, hp: dict, clients: int, cohort: int) -> dict:
+        return {"k": 3 * hp["k"]} if hp["variant"] == "periodic" else {}
         **ROBUST_PARAMS,
         **SERVER_OPT_PARAMS,         # a step on every cluster model and on w_g
     }

@@ -95,6 +95,10 @@ class FedSoft(Algorithm):
         return "own model w_k"
 
     def upload(self) -> dict:
+    @classmethod
+    def server_models(cls, hp: dict, clients: int, cohort: int) -> dict:
+        return {"k": hp["k"] * (cohort + 1)}    # the S cluster models, and a copy of them for each of a cohort
+
         return {"params": TensorSpec(("P",)), "u": TensorSpec((self.hp["k"],))}
 
     def init_state(self) -> dict:

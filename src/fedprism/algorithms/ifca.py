@@ -76,6 +76,15 @@ class IFCA(Algorithm):
                                "an integer >= 1"),
         "weighting": Param("samples", "per-cluster average: n_i (samples) or 1 (uniform, as the paper)",
                            choices=WEIGHTINGS),
+    averages = ("w",)                # the K cluster models
+
+    @classmethod
+    def clusters(cls, hp: dict) -> int:
+        return hp["k"]
+
+    @classmethod
+    def server_models(cls, hp: dict, clients: int, cohort: int) -> dict:
+        return {"k": hp["k"] * (cohort + 1)}    # every client of a cohort scores all K models: a copy each
         **ROBUST_PARAMS,
         **SERVER_OPT_PARAMS,
     }

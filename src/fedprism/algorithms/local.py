@@ -25,6 +25,10 @@ class Local(Algorithm):
     }
     client_state = {"w": ClientState(("P",), init="model")}
 
+    @classmethod
+    def cohort(cls, hp: dict, clients: int, fraction: float) -> int:
+        return clients if hp["participation"] == "all" else super().cohort(hp, clients, fraction)
+
     def upload(self) -> dict:
         return {}
 

@@ -105,7 +105,7 @@ KEYS: dict[str, Param] = {
                            choices=("aten", "fused"), new=True),
     "eval.gate": Param("none", "a learned routing gate between a dual-stream method's specialist and "
                        "backbone (learned: fitted on the validation splits at the final evaluation, one "
-                       "candidate routing per weight, `gate w=..`; fedprism.experiment.gate); "
+                       "candidate routing per weight, `gate w=..`; the method's learned_gate); "
                        "evaluation-only: a finished run with a kept final state is re-scored without "
                        "training",
                        choices=("none", "learned"), new=True, eval_only=True),
@@ -382,16 +382,16 @@ def resolve(raw: dict[str, Any]) -> Config:
 
 
 def _check_gate(out: dict) -> None:
-    """`eval.gate` needs two streams to choose between and validation data to fit on."""
-    from fedprism.experiment.gate import GATED_METHODS
+    """`eval.gate` needs a method with a learned gate over its streams (`Algorithm.learned_gate`), a
+    configuration the gate can route (its `check_config`) and validation data to fit on."""
+    from fedprism.algorithms import REGISTRY
 
-    if out["method"] not in GATED_METHODS:
+    gate = REGISTRY[out["method"]].learned_gate()
+    if gate is None:
+        gated = [m for m in REGISTRY.names() if REGISTRY[m].learned_gate() is not None]
         raise ConfigError("eval.gate", out["eval.gate"], f"none for method={out['method']}: the gate chooses "
-                          f"between a specialist and a backbone stream ({', '.join(GATED_METHODS)})")
-    weight = out.get(f"{out['method']}.inference_weight")
-    if weight in (0, 1):
-        raise ConfigError("eval.gate", out["eval.gate"], f"none with {out['method']}.inference_weight="
-                          f"{weight} (one stream only); leave inference_weight unset to route")
+                          f"between a specialist and a backbone stream ({', '.join(gated)})")
+    gate.check_config(out)
     for k in ("data.val_fraction", "data.global_val"):
         if not out[k] > 0:
             raise ConfigError("eval.gate", out["eval.gate"], f"none unless {k} > 0 (the gate is fitted on "

@@ -1,4 +1,5 @@
-"""Upper bounds for the size keys of a run, derived from its data and from this machine's memory.
+"""Upper bounds for the size keys of a run, derived from its data, its method's declarations and this
+machine's memory.
 
 `check_limits(cfg, n_train, num_params)` runs once the federation and the model exist (so the client
 sizes and the parameter count P are known) and before anything large is allocated. Each bound raises
@@ -10,23 +11,22 @@ sizes and the parameter count P are known) and before anything large is allocate
                    largest client in one round (more than a day of a tiny model's steps: a typo);
                    and one epoch's batch order of the largest cohort must fit in a quarter of
                    the available memory
-    <method>.k     at most `clients` (a cluster model nobody can join is never trained); for methods that
-                   cluster only the round's clients (fedprism; fedprism_dual with cluster_on = reporting;
-                   fedclust's periodic variant) at most the cohort floor(fraction x clients), since a
-                   clustering of fewer points than K is skipped and would be skipped every round; and
-                   the K cluster models (IFCA: scored by every client of a cohort, cohort x K copies)
-                   fit in half of the available memory
-    fraction       cfl: at least two clients a round (its split test compares the mean and the largest
-                   update of a round's clients, equal for one client)
-    clients        N <= train samples / partition.min_train is the partitioner's own check
-                   (PartitionError); methods that keep a model per client (local, fedamp, cfl,
-                   fedprism_dual) also need N x P x 4 bytes to fit in half of the available memory.
-                   Models that are the clients' own state (local, fedprism_dual) follow
-                   `state.storage`: float16 halves them; mmap needs them on disk beside the store
-                   (`disk`: the free bytes there) and only a cohort's rows in memory
-    fedprism_dual.cluster_on = seen keeps every client's last clustering feature (N x d float64) and
-                   clusters up to N of them: with features = full (d = P), N x P x 16 bytes in half
-                   of the memory
+    <method>.k     for a method that trains K cluster models (`Algorithm.clusters`): at most `clients`
+                   (a cluster model nobody can join is never trained), and at most a round's cohort when
+                   the method clusters only the round's clients (`Algorithm.clusters_cohort`), since a
+                   clustering of fewer points than K is skipped and would be skipped every round
+    method checks  `Algorithm.check_cohort` (CFL: at least two clients a round)
+    memory         one rule for every method, from its declarations: the clients' own state
+                   (`Algorithm.client_state`, e.g. ('P',) per entry: N x P x element size, at the bytes
+                   `state.storage` keeps: float16 halves floating-point state, mmap keeps it on disk beside
+                   the store and only a cohort's rows in memory) plus the server's models beyond the
+                   global one (`Algorithm.server_models`: K cluster models and their working copies, a
+                   model per client kept at the server, ... as float32) must fit in half of the available
+                   memory. The key blamed is the one behind the largest share (`clients` for the client
+                   state), with the largest value that would fit; the message gives bytes per client,
+                   clients, the total and the memory
+    disk           state.storage = mmap: the client state's row files (N x bytes per client at their
+                   declared element sizes) must fit on the disk beside the store (`disk`: its free bytes)
 
 Available memory is MemAvailable of /proc/meminfo, capped by the cgroup limit where there is one.
 """
@@ -39,6 +39,8 @@ from pathlib import Path
 import numpy as np
 
 from fedprism.errors import ConfigError
+from fedprism.protocol import ClientState
+from fedprism.textable import size_text as _gb
 
 #: bytes per sample and per batch of one epoch's batch order: int64 index + the vectorized engine's
 #: [T, W, B] index (int64) and weight (float32) schedule; a torch view object per batch
@@ -46,71 +48,62 @@ _PER_SAMPLE = 8 + 8 + 4
 _PER_BATCH = 256
 #: optimiser steps one client may take in one round (local_epochs x batches per epoch)
 MAX_STEPS = 10**9
-#: methods whose state holds per-client models ([N, P] rows), and how many
-_PER_CLIENT_MODELS = {"local": 1, "fedamp": 2, "cfl": 1, "fedprism_dual": 2}
-#: of those, the ones held as the clients' own state (`Algorithm.client_state`, `state.storage`)
-_CLIENT_STATE_MODELS = {"local": 1, "fedprism_dual": 2}
-#: bytes per parameter of a client-state model in memory, per `state.storage`
-_STORAGE_BYTES = {"memory": 4, "float16": 2, "mmap": 0}
-_K_METHODS = ("fedprism", "fedprism_dual", "ifca", "fedclust")
+#: `state.storage` values whose rows are not held in memory (only the rows of a round)
+_ON_DISK = ("mmap",)
 
 
-def _clusters_the_cohort(cfg) -> bool:
-    """Whether the method's re-clustering runs on the clients of one round only (Fed-PRISM's UpdateClusters
-    on S_t; `fedprism_dual.cluster_on=reporting`; FedClust's periodic variant), so that a cohort smaller
-    than K can never be clustered."""
-    if cfg["method"] == "fedprism":
-        return True
-    if cfg["method"] == "fedclust":
-        return cfg["fedclust.variant"] == "periodic"
-    return cfg["method"] == "fedprism_dual" and cfg["fedprism_dual.cluster_on"] == "reporting"
+def _method(cfg):
+    from fedprism.algorithms import REGISTRY
+
+    return REGISTRY[cfg["method"]]
 
 
-def _cluster_k(cfg) -> int | None:
-    """K of a configuration that trains K cluster models, None otherwise (FedClust's original variant
-    finds its clusters by a threshold and does not use `fedclust.k`)."""
-    method = cfg["method"]
-    if method not in _K_METHODS or f"{method}.k" not in cfg.values:
-        return None
-    if method == "fedclust" and cfg.get("fedclust.variant") == "original":
-        return None
-    return cfg[f"{method}.k"]
+def _hp(cfg) -> dict:
+    """The method's resolved hyper-parameters, keys without the `<method>.` prefix (`cfg`: a Config or a
+    dict of its values)."""
+    p = cfg["method"] + "."
+    values = cfg if isinstance(cfg, dict) else cfg.values
+    return {k[len(p):]: v for k, v in values.items() if k.startswith(p)}
 
 
 def _cohort(cfg, N: int) -> int:
-    """Clients a round of `cfg` trains: all with Local's `participation=all`, else floor(fraction x N), at
-    least 1 (`fedprism.selection.cohort_size`)."""
-    if cfg["method"] == "local" and cfg.get("local.participation") == "all":
-        return N
-    from fedprism.selection import cohort_size
-
-    return min(N, cohort_size(N, cfg["fraction"]))
+    """Clients a round of `cfg` trains (`Algorithm.cohort`: floor(fraction x N), at least 1, unless the
+    method trains others)."""
+    return min(N, _method(cfg).cohort(_hp(cfg), N, cfg["fraction"]))
 
 
 def check_cohort(cfg, N: int | None = None) -> None:
     """The limits that need only the configuration (`check_limits` runs them too; a Flower simulation runs
     them before it starts anything): K above the clients, K above a round's cohort for the methods that
-    cluster a round's clients, CFL with one client a round. `N`: the federation's clients (default
-    `cfg["clients"]`)."""
+    cluster a round's clients, and the method's own (`Algorithm.check_cohort`). `N`: the federation's
+    clients (default `cfg["clients"]`)."""
     N = cfg["clients"] if N is None else int(N)
-    method = cfg["method"]
+    method, cls, hp = cfg["method"], _method(cfg), _hp(cfg)
     cohort = _cohort(cfg, N)
-    K = _cluster_k(cfg)
+    K = cls.clusters(hp)
     if K is not None:
         if K > N:
             raise ConfigError(f"{method}.k", K, f"at most clients={N} (a cluster model no client can join "
                               "is never trained)")
-        if cohort < K and _clusters_the_cohort(cfg):
-            alt = ", or fedprism_dual.cluster_on=seen" if method == "fedprism_dual" else ""
+        if cohort < K and cls.clusters_cohort(hp):
+            alt = "".join(f", or {method}.{k}={v}" for k, v in _cohort_free(cls, hp))
             raise ConfigError(f"{method}.k", K, f"at most {cohort} here: clients={N} x fraction="
                               f"{cfg['fraction']:g} gives {cohort} client(s) a round, and a "
                               "re-clustering of fewer clients than clusters is skipped, every time, so "
                               "the cluster models would never separate (the run would be FedAvg-like); "
                               f"raise fraction, lower {method}.k{alt}")
-    if method == "cfl" and cohort < 2 <= N and cfg["cfl.eps1"] <= cfg["cfl.eps2"]:
-        raise ConfigError("fraction", cfg["fraction"], f"at least {2 / N:g} for cfl with clients={N}: with "
-                          "one client a round the mean update is that client's update, so the split test "
-                          "(mean norm < cfl.eps1 <= cfl.eps2 < max norm) can never pass and CFL stays FedAvg")
+    cls.check_cohort(hp, N, cohort, cfg["fraction"])
+
+
+def _cohort_free(cls, hp: dict) -> list[tuple[str, object]]:
+    """Values of one choice parameter of the method under which it no longer clusters a round's clients
+    only (Fed-PRISM dual's `cluster_on=seen`), to name in the message."""
+    out = []
+    for key, p in cls.params.items():
+        for v in getattr(p, "choices", None) or ():
+            if v != hp.get(key) and not cls.clusters_cohort({**hp, key: v}):
+                out.append((key, v))
+    return out
 
 
 def available_memory() -> int:
@@ -143,8 +136,37 @@ def available_memory() -> int:
     return int(avail)
 
 
-def _gb(b: float) -> str:
-    return f"{b / 2**30:.1f} GB" if b >= 2**30 else f"{b / 2**20:.1f} MB"
+def _element_bytes(decl: ClientState, storage: str) -> int:
+    """Bytes one element of a declared client state takes in memory under `storage`."""
+    if storage in _ON_DISK:
+        return 0
+    if storage == "float16" and decl.dtype.is_floating_point:
+        return 2
+    return decl.dtype.itemsize
+
+
+def _elements(decl: ClientState, dims: dict[str, int]) -> int:
+    """Elements of one client's row of a declaration: the product of its shape, symbols ('P', 'C', 'd', 'N')
+    resolved from `dims`. A symbol not given is bounded by P (a model's classes and feature width never
+    exceed its parameters), so the bound errs on the side of refusing."""
+    n = 1
+    for s in decl.shape:
+        n *= int(dims.get(s, dims["P"])) if isinstance(s, str) else int(s)
+    return n
+
+
+def client_state_bytes(cls, P: int, N: int, storage: str = "memory",
+                       dims: dict[str, int] | None = None) -> int:
+    """Bytes per client of the method's declared client state (`Algorithm.client_state`) in memory under
+    `state.storage` = `storage` (0 for mmap: the rows live on disk)."""
+    dims = {"N": N, **(dims or {}), "P": P}
+    return sum(_elements(d, dims) * _element_bytes(d, storage) for d in cls.client_state.values())
+
+
+def client_state_disk_bytes(cls, P: int, N: int, dims: dict[str, int] | None = None) -> int:
+    """Bytes per client of the declared client state's row files (`state.storage=mmap`)."""
+    dims = {"N": N, **(dims or {}), "P": P}
+    return sum(_elements(d, dims) * d.dtype.itemsize for d in cls.client_state.values())
 
 
 def check_limits(cfg, n_train: np.ndarray, num_params: int, memory: int | None = None,
@@ -157,7 +179,6 @@ def check_limits(cfg, n_train: np.ndarray, num_params: int, memory: int | None =
     mem = available_memory() if memory is None else memory
     n_train = np.asarray(n_train, dtype=np.int64)
     N, P, total = len(n_train), int(num_params), int(n_train.sum())
-    method = cfg["method"]
 
     B = cfg["batch_size"]
     if sizes_complete and B > max(total, 1):
@@ -179,35 +200,82 @@ def check_limits(cfg, n_train: np.ndarray, num_params: int, memory: int | None =
                           "steps per client (batch orders are drawn lazily; the bound is on work, not memory)")
 
     check_cohort(cfg, N)
-    K = _cluster_k(cfg)
-    if K is not None:
-        copies = cohort + 1 if method == "ifca" else 3
-        need = K * P * 4 * copies
-        if need > mem // 2:
-            most = max((mem // 2) // (P * 4 * copies), 0)
-            raise ConfigError(f"{method}.k", K, f"at most {most} here: {K} cluster models of {P} parameters "
-                              f"(x{copies} copies) need {_gb(need)}, more than half the available memory "
-                              f"({_gb(mem)})")
+    check_memory(cfg, N, P, mem, disk=disk)
 
+
+def memory_terms(cfg, N: int, P: int, dims: dict[str, int] | None = None) -> list[tuple[str, str, int]]:
+    """What a run of `cfg` with N clients and P parameters holds beyond one model and its data, from its
+    method's declarations: [(key that sets it, what it is, bytes)]. The client state of every client at
+    `state.storage`'s element size (and, for mmap, the rows of one round in memory); each group of
+    `Algorithm.server_models` as float32 models."""
+    cls, hp = _method(cfg), _hp(cfg)
     storage = cfg.get("state.storage", "memory")
-    own = _CLIENT_STATE_MODELS.get(method, 0)
-    per_client = _PER_CLIENT_MODELS.get(method, 0)
-    need = N * P * (4 * (per_client - own) + _STORAGE_BYTES[storage] * own)
-    if need > mem // 2:
-        per = P * (4 * (per_client - own) + _STORAGE_BYTES[storage] * own)
-        most = (mem // 2) // per
-        how = f" at {_STORAGE_BYTES[storage]} bytes per parameter (state.storage={storage}; mmap keeps them on disk)" \
-            if own else ""
-        raise ConfigError("clients", N, f"at most {most} here for {method}: {per_client} model(s) of {P} parameters "
-                          f"per client{how} need {_gb(need)}, more than half the available memory ({_gb(mem)})")
-    if own and storage == "mmap" and disk is not None and N * P * 4 * own > disk:
-        raise ConfigError("clients", N, f"at most {disk // (P * 4 * own)} here for {method} with state.storage=mmap: "
-                          f"its row files need {_gb(N * P * 4 * own)} on disk beside the store, "
-                          f"{_gb(disk)} are free there")
-    if method == "fedprism_dual" and cfg.get("fedprism_dual.cluster_on") == "seen":
-        d = P if cfg.get("fedprism_dual.features") == "full" else 0
-        if d and N * d * 16 > mem // 2:
-            raise ConfigError("fedprism_dual.cluster_on", "seen", f"reporting here, or fedprism_dual.features="
-                              f"last_layer: the features of all {N} clients ({d} parameters each, kept and "
-                              f"clustered in float64) need {_gb(N * d * 16)}, more than half the available "
-                              f"memory ({_gb(mem)})")
+    cohort = min(N, cls.cohort(hp, N, cfg["fraction"]))
+    out = []
+    if cls.client_state:
+        per = client_state_bytes(cls, P, N, storage, dims)
+        entries = ", ".join(f"{name} {_elements(d, {'N': N, **(dims or {}), 'P': P})} x "
+                            f"{_element_bytes(d, storage) or d.dtype.itemsize} B"
+                            for name, d in cls.client_state.items())
+        if storage in _ON_DISK:
+            per_row = client_state_disk_bytes(cls, P, N, dims)
+            out.append(("clients", f"the client state of a round's {cohort} clients in memory ({entries}; "
+                        f"state.storage={storage} keeps the rest on disk): {per_row} bytes per client", cohort * per_row))
+        else:
+            out.append(("clients", f"the client state ({entries}; state.storage={storage}): {per} bytes per "
+                        f"client x {N} clients", N * per))
+    for key, models in cls.server_models(hp, N, cohort).items():
+        if models:
+            out.append((key, f"{models} server model(s) of {P} float32 parameters ({key if key == 'clients' else cfg['method'] + '.' + key}), {4 * P} bytes each",
+                        4 * P * int(models)))
+    return out
+
+
+def _largest(fits, hi: int) -> int:
+    """The largest n in [0, hi] with fits(n) (fits is monotone: true up to some n), 0 if none."""
+    lo = 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def check_memory(cfg, N: int, P: int, mem: int, disk: int | None = None,
+                 dims: dict[str, int] | None = None) -> None:
+    """The memory rule (module docstring), the same for every method: the terms of `memory_terms` must fit in
+    half of `mem`. Refused with the key behind the largest term, the largest value of it that fits, and
+    the numbers; for `state.storage=mmap`, the row files must fit in `disk` (None: not checked)."""
+    method, cls, hp = cfg["method"], _method(cfg), _hp(cfg)
+    limit = mem // 2
+    terms = memory_terms(cfg, N, P, dims)
+    need = sum(b for _, _, b in terms)
+    if need > limit:
+        by_key: dict[str, int] = {}
+        for key, _, b in terms:
+            by_key[key] = by_key.get(key, 0) + b
+        key = max(by_key, key=lambda k: (by_key[k], k == "clients"))
+        if key == "clients":
+            most = _largest(lambda n: sum(b for *_, b in memory_terms(cfg, n, P, dims)) <= limit, N)
+            name, value, bound = "clients", N, f"at most {most} here for {method}"
+        else:
+            name, value = f"{method}.{key}", hp.get(key)
+            if isinstance(value, int) and not isinstance(value, bool):
+                hp_of = lambda v: {**{f"{method}.{k}": x for k, x in hp.items()}, **{  # noqa: E731
+                    k: cfg[k] for k in ("method", "fraction", "state.storage")}, name: v}
+                most = _largest(lambda v: sum(b for *_, b in memory_terms(hp_of(v), N, P, dims)) <= limit, value)
+                bound = f"at most {most} here"
+            else:
+                bound = f"another value here for {method}"
+        parts = "; ".join(f"{what} = {_gb(b)}" for _, what, b in terms)
+        raise ConfigError(name, value, f"{bound}: {parts}; {need} bytes ({_gb(need)}) in all, more than half "
+                          f"the available memory ({_gb(limit)} of {_gb(mem)})")
+    storage = cfg.get("state.storage", "memory")
+    if storage in _ON_DISK and disk is not None and cls.client_state:
+        per = client_state_disk_bytes(cls, P, N, dims)
+        if N * per > disk:
+            raise ConfigError("clients", N, f"at most {disk // per} here for {method} with state.storage={storage}: "
+                              f"its row files take {per} bytes per client x {N} clients = {_gb(N * per)} on disk "
+                              f"beside the store, {_gb(disk)} are free there")

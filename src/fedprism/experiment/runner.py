@@ -434,10 +434,9 @@ def check_runnable(cfg: Config, fed: Federation, n_params: int, store_path: str 
     check_limits(cfg, fed.n_train, n_params,
                  disk=_free_disk(store_path) if cfg.get("state.storage") == "mmap" else None)
     if cfg.get("eval.gate", "none") != "none":
-        from fedprism.experiment.gate import check_memory
         from fedprism.experiment.limits import available_memory
 
-        check_memory(fed, available_memory())
+        REGISTRY[cfg["method"]].learned_gate().check_memory(fed, available_memory())
 
 
 class Experiment:
@@ -580,13 +579,11 @@ class Experiment:
 
     def gate(self, state: dict, metrics: dict) -> dict:
         """`eval.gate=learned`: the learned gate's candidate routings at the final evaluation
-        (`fedprism.experiment.gate`); its time goes into the round's `eval_s` and `gate_s`."""
+        (the method's `learned_gate`); its time goes into the round's `eval_s` and `gate_s`."""
         if self.cfg["eval.gate"] == "none":
             return {}
-        from fedprism.experiment.gate import gate_metrics
-
         t = time.time()
-        out = gate_metrics(self, state)
+        out = dict(type(self.algo).learned_gate().metrics(self, state))
         out["gate_s"] = time.time() - t
         out["eval_s"] = metrics.get("eval_s", 0.0) + out["gate_s"]
         return out

@@ -28,7 +28,8 @@ from fedprism.algorithms import REGISTRY
 from fedprism.errors import FedPrismError
 from fedprism.experiment.config import EXECUTION_KEYS
 from fedprism.experiment.store import Store
-from fedprism.report.routing import routing_choice_table
+from fedprism.plotting import FONT_PT, pyplot as _plt, save_png as _save  # noqa: F401 (the report's names)
+from fedprism.textable import md_cell as _cell, mean_pm as _pm
 
 
 class UnknownReference(FedPrismError, ValueError):
@@ -45,20 +46,6 @@ def _column(run: dict, key: str) -> object:
     if key.startswith("best_") and run["final"].get("rescored_from"):
         return None
     return run["final"].get(key)
-
-
-def _pm(vals: list[float], scale: float = 100.0, fmt: str = ".2f") -> str:
-    v = [x for x in vals if x is not None]
-    if not v:
-        return "-"
-    a = np.asarray(v, dtype=float) * scale             # ± is the sample std over seeds (ddof=1)
-    return f"{a.mean():{fmt}} ± {a.std(ddof=1):{fmt}}" if len(a) > 1 else f"{a.mean():{fmt}}"
-
-
-def _cell(text: object) -> str:
-    """Text for a markdown table cell: a `|` in a run label (e.g. "FedAvg | S 0.03") escaped, so that it
-    does not split the cell (the HTML page reads it back as a `|`)."""
-    return str(text).replace("|", "\\|")
 
 
 def _mb(vals: list[float]) -> str:
@@ -336,80 +323,6 @@ def sampled_evaluation_table(groups) -> list[str]:
     return md + [""] if md else md
 
 
-def alpha_trajectory(store: Store, run: dict) -> dict[str, np.ndarray] | None:
-    """FedPrism's adaptive alpha_i and the private share gamma_i over the rounds (Algorithm 2 lines
-    27-31, from the run's `alpha` records): per recorded round, the mean / min / max of alpha over every
-    client updated so far (its latest value; never-sampled clients keep alpha_0 and are left out) and the
-    mean gamma = 1 - alpha - beta (clamped at 0 unless `alpha_rule=as_printed`). None: no such records."""
-    recs = store.records(run["run_id"], "alpha")
-    if not recs:
-        return None
-    cfg, m = run["config"], run["config"]["method"]
-    beta = float(cfg.get(f"{m}.beta", 0.0))
-    full = cfg.get(f"{m}.components", "full") == "full"
-    printed = cfg.get(f"{m}.alpha_rule", "reading") == "as_printed"
-    latest = np.full(int(cfg["clients"]), np.nan)
-    out: dict[str, list] = defaultdict(list)
-    for x in recs:
-        latest[np.asarray(x["data"]["clients"], dtype=int)] = x["data"]["alpha"]
-        a = latest[np.isfinite(latest)]
-        g = (1 - a - beta) if full else np.zeros_like(a)
-        g = g if printed else np.clip(g, 0, None)
-        for k, v in (("round", x["round"] + 1), ("mean", a.mean()), ("min", a.min()), ("max", a.max()),
-                     ("p10", np.percentile(a, 10)), ("p90", np.percentile(a, 90)), ("gamma", g.mean()),
-                     ("gamma_max", g.max()), ("seen", a.size)):
-            out[k].append(v)
-    return {k: np.asarray(v) for k, v in out.items()}
-
-
-def alpha_table(store: Store, groups) -> list[str]:
-    """The alpha / gamma trajectory of every run with an adaptive alpha, at six rounds of the run."""
-    md: list[str] = []
-    for setting in sorted(groups):
-        for label in sorted(groups[setting]):
-            for r in sorted(groups[setting][label], key=lambda x: x["config"]["seed"]):
-                t = alpha_trajectory(store, r)
-                if t is None:
-                    continue
-                if not md:
-                    md = ["## Adaptive alpha and the private share (FedPrism, Algorithm 2 lines 27-31)", "",
-                          "alpha_i: weight of the global model in W_i; gamma_i = 1 - alpha_i - beta: weight of "
-                          "the private model P_i. Over the clients updated so far (latest value each): mean "
-                          "[min, max] of alpha, mean gamma, and how many clients have been updated.", "",
-                          "| method | setting | seed | round | alpha mean [min, max] | gamma mean (max) | clients |",
-                          "|---|---|---|---|---|---|---|"]
-                n = len(t["round"])
-                for i in sorted({0, n // 10, n // 4, n // 2, (3 * n) // 4, n - 1}):
-                    md.append(f"| {_cell(label)} | {setting} | {r['config']['seed']} | "
-                              f"{int(t['round'][i])} | "
-                              f"{t['mean'][i]:.4f} [{t['min'][i]:.4f}, {t['max'][i]:.4f}] | "
-                              f"{t['gamma'][i]:.4f} ({t['gamma_max'][i]:.4f}) | {int(t['seen'][i])} |")
-    return md + [""] if md else md
-
-
-def plot_alpha(store: Store, run: dict, out: Path, label: str, name: str) -> list[Path]:
-    """alpha_i (mean and 10-90 % band over the clients updated so far) and mean gamma_i per round."""
-    t = alpha_trajectory(store, run)
-    if t is None:
-        return []
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.fill_between(t["round"], t["p10"], t["p90"], alpha=0.25, color="C0", label="alpha, 10-90 % of clients")
-    ax.plot(t["round"], t["mean"], color="C0", label="alpha, mean")
-    ax.plot(t["round"], t["gamma"], color="C3", linestyle="--", label="gamma = 1 - alpha - beta, mean")
-    ax.set_xlabel("round")
-    ax.set_ylabel("mixing weight")
-    ax.set_ylim(-0.02, 1.02)
-    ax.grid(alpha=0.3)
-    ax.set_title(f"adaptive alpha: {label} (seed {run['config']['seed']})")
-    ax.legend(loc="center right", frameon=False)
-    fig.tight_layout()
-    p = out / name
-    _save(fig, p)
-    plt.close(fig)
-    return [p]
-
-
 def domain_accuracy(store: Store, run_id: str) -> dict[int, float]:
     """Local accuracy per domain at the last evaluated round: mean over the clients of each domain that
     have a local test split. Domains come from the run's `client_domain` records (stored with round 0
@@ -452,6 +365,30 @@ def domain_table(store: Store, groups) -> list[str]:
     return md
 
 
+def of_method(groups, method: str) -> dict[str, dict[str, list[dict]]]:
+    """`groups` (setting -> row label -> runs) restricted to the runs of `method`; empty rows and settings
+    left out."""
+    out: dict[str, dict[str, list[dict]]] = {}
+    for setting, labels in groups.items():
+        rows = {lab: [r for r in runs if r["config"]["method"] == method] for lab, runs in labels.items()}
+        rows = {lab: runs for lab, runs in rows.items() if runs}
+        if rows:
+            out[setting] = rows
+    return out
+
+
+def method_sections(store: Store, groups) -> list[str]:
+    """The sections only some methods' runs have, each method's own (`Algorithm.report_sections`, given its
+    runs alone), by method name."""
+    md: list[str] = []
+    for name in sorted({r["config"]["method"] for labels in groups.values() for runs in labels.values()
+                        for r in runs}):
+        method = REGISTRY.find(name)
+        if method is not None:
+            md += method.report_sections(store, of_method(groups, name))
+    return md
+
+
 def tables(groups, reference: str | None = None,
            figures: dict[str, list[tuple[str, str]]] | None = None,
            store: Store | None = None) -> tuple[str, list[list]]:
@@ -467,8 +404,7 @@ def tables(groups, reference: str | None = None,
     md += sampled_evaluation_table(groups)
     if store is not None:
         md += domain_table(store, groups)
-        md += alpha_table(store, groups)
-        md += routing_choice_table(store, groups)
+        md += method_sections(store, groups)
     for setting in sorted(groups):
         md += [f"## {setting}", "", "| method | seeds | " + " | ".join(h for _, h in COLUMNS) + " |",
                "|---|---|" + "---|" * len(COLUMNS)]
@@ -502,24 +438,6 @@ def tables(groups, reference: str | None = None,
 
 def slug(setting: str) -> str:
     return "".join(ch if ch.isalnum() or ch in ".-" else "-" for ch in setting.replace("=", "")).strip("-")
-
-
-def _save(fig, path: Path) -> None:
-    # tight: the legend beside the axes may be taller than the figure; the saved image holds all of it
-    fig.savefig(path, dpi=90, metadata={"Software": None}, bbox_inches="tight", pad_inches=0.1)
-
-
-#: smallest font on any plot (points)
-FONT_PT = 9
-
-
-def _plt():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    plt.rcParams.update({"font.size": FONT_PT, "axes.titlesize": FONT_PT + 1, "axes.labelsize": FONT_PT,
-                         "xtick.labelsize": FONT_PT, "ytick.labelsize": FONT_PT, "legend.fontsize": FONT_PT})
-    return plt
 
 
 #: line styles cycled with the colours, so methods stay apart in grey-scale print and for colour-blind readers
@@ -687,11 +605,12 @@ def plan_figures(store: Store, groups) -> dict[str, list[tuple[str, str, object]
                     figs.append((f"plots/{name}", f"Cluster assignment of every client over the rounds: "
                                  f"{label}, seed {run['config']['seed']}, {setting} (run {run['run_id']}).",
                                  ("clusters", setting, label, run, name)))
-                if store.records(run["run_id"], "alpha")[:1]:
-                    name = unique("alpha" + cluster_name(setting, label, run)[len("clusters"):], run)
-                    figs.append((f"plots/{name}", f"Adaptive alpha_i and private share gamma_i over the rounds: "
-                                 f"{label}, seed {run['config']['seed']}, {setting} (run {run['run_id']}).",
-                                 ("alpha", setting, label, run, name)))
+                method = REGISTRY.find(run["config"]["method"])      # the method's own figures
+                stem = cluster_name(setting, label, run)[len("clusters"):]
+                for fname, caption, draw in (method.report_figures(store, run, label, setting, stem)
+                                             if method is not None else []):
+                    name = unique(fname, run)
+                    figs.append((f"plots/{name}", caption, ("method", draw, name)))
         plan[setting] = figs
     return plan
 
@@ -732,9 +651,9 @@ def write_report(db: str, out: str, sweep: str | list[str] | None = None, plots:
                     if how[0] == "clusters":
                         _, _, label, run, name = how
                         paths += plot_clusters(store, run, pdir, label=label, name=name)
-                    elif how[0] == "alpha":
-                        _, _, label, run, name = how
-                        paths += plot_alpha(store, run, pdir, label, name)
+                    elif how[0] == "method":
+                        _, draw, name = how
+                        paths += draw(pdir / name)
         if html:
             from fedprism.report.html import render_html
 

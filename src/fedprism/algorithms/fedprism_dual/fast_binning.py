@@ -3,7 +3,7 @@
 Since scikit-learn 1.7, `HistGradientBoostingClassifier.fit(X, y, sample_weight=w)` on fewer than 200,000
 rows bins every feature at weighted quantiles: `_find_binning_thresholds` calls
 `sklearn.utils.stats._weighted_percentile` once per threshold (254 per feature), and every call sorts
-the column, gathers the weights and sums them again. On the learned gate's rows (`fedprism.experiment.gate`:
+the column, gathers the weights and sums them again. On the learned gate's rows (`fedprism.algorithms.fedprism_dual.gate`:
 about 144,000 rows of 63 features per out-of-fold fit) that was 68 % of a fit (scikit-learn 1.9.1). It is a
 known upstream problem (scikit-learn issue #34304, fixed by pull request #34248 for a later release).
 

@@ -1,5 +1,9 @@
 """A learned routing gate for a dual-stream prediction (`eval.gate=learned`), fitted once a run has ended.
 
+The method's `learned_gate` (`Algorithm.learned_gate`: this companion module of its package) is what the
+run layer asks for: `check_config` when a configuration is resolved, `check_memory` before training and
+`metrics` at the final evaluation (`fedprism.experiment.runner.Experiment.gate`).
+
 FedPrism's `fedprism_dual` predicts with two streams per client: the backbone W_i (shared knowledge) and
 the specialist L_i (trained on the client's own classes only). Its routings (`fedprism_dual.ROUTINGS`,
 confidence at each T) read the specialist's own scores, and a specialist trained on one to three classes
@@ -23,7 +27,7 @@ the decision instead, from data that is not the test split:
 
 Each weight w in `GATE_WEIGHTS` is one candidate routing, `gate w=..`, stored beside the method's own
 routings under the same metric names (`val_acc@gate w=3`, `global_val_acc@...`, `local_acc@...`,
-`global_acc@...`), so `fedprism.report.routing.choose_routing` chooses among all of them with one rule.
+`global_acc@...`), so `fedprism.algorithms.fedprism_dual.routing.choose_routing` chooses among all of them with one rule.
 Validation numbers are out of fold (two folds by row parity within each client's split, each scored by
 the gate fitted on the other), so the rule sees no row a gate was fitted on; test numbers come from the
 gate refitted on every validation row.
@@ -51,7 +55,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedprism.experiment.fast_binning import sorted_once
+from fedprism.algorithms.fedprism_dual.fast_binning import sorted_once
+from fedprism.errors import ConfigError
+from fedprism.textable import size_text
 
 #: the candidate weights of the clients' validation rows against the global validation set's 1
 GATE_WEIGHTS = (1, 2, 3, 5, 8)
@@ -59,10 +65,6 @@ GATE_WEIGHTS = (1, 2, 3, 5, 8)
 SPLITS = ("val", "global_val", "local", "global")
 #: metric name of each split (`<name>@gate w=..`)
 METRIC = {"val": "val_acc", "global_val": "global_val_acc", "local": "local_acc", "global": "global_acc"}
-#: methods whose inference has the two streams the gate chooses between
-GATED_METHODS = ("fedprism_dual",)
-
-
 #: class-share thresholds: the backbone's mass on the client's well-represented classes (share
 #: n_ic / n_i >= r) is a feature of the gate, one column per r
 SHARES = (0.02, 0.05, 0.1)
@@ -266,6 +268,20 @@ def gate_metrics(exp, state: dict, weights=None) -> dict:
     return {f"{METRIC[s]}@{name}": v for name, by_split in acc.items() for s, v in by_split.items()}
 
 
+def check_config(config) -> None:
+    """ConfigError when the resolved configuration leaves one stream only (a fixed specialist weight of 0
+    or 1): there is nothing to route."""
+    weight = config.get(f"{config['method']}.inference_weight")
+    if weight in (0, 1):
+        raise ConfigError("eval.gate", config["eval.gate"], f"none with {config['method']}.inference_weight="
+                          f"{weight} (one stream only); leave inference_weight unset to route")
+
+
+def metrics(exp, state: dict) -> dict:
+    """The run layer's call at the final evaluation: `gate_metrics` with every weight of `GATE_WEIGHTS`."""
+    return gate_metrics(exp, state)
+
+
 def row_bytes(fed) -> int:
     """Bytes of the rows `stream_rows` builds for a federation: every client's validation and local test
     rows, and the global test and validation sets once per client, each row `gate_features`' 13 + 5 C float32
@@ -279,11 +295,8 @@ def row_bytes(fed) -> int:
 def check_memory(fed, memory: int) -> None:
     """ConfigError on `eval.gate` when its rows would take more than half of `memory` bytes: refused before
     training, not at the final evaluation."""
-    from fedprism.errors import ConfigError
-    from fedprism.experiment.limits import _gb
-
     need = row_bytes(fed)
     if need > memory // 2:
         raise ConfigError("eval.gate", "learned", f"none here: the gate's rows of {fed.num_clients} clients "
-                          f"take {_gb(need)}, more than half the available memory ({_gb(memory)}); lower "
+                          f"take {size_text(need)}, more than half the available memory ({size_text(memory)}); lower "
                           "data.global_val or clients")

@@ -102,7 +102,7 @@ def routing_choice_table(store, groups) -> list[str]:
                           "The rule (`fedprism.report.routing`): among the routed predictions whose local "
                           f"validation accuracy is at least the specialist's minus {100 * MARGIN:g} points, the "
                           "highest global validation accuracy. Test columns are read after the choice.", ""]
-                method = REGISTRY.get(r["config"]["method"])
+                method = REGISTRY.find(r["config"]["method"])
                 head = method.headline(r["config"]) if method else "headline"
                 md += [f"**{label}**, {setting}, seed {r['config']['seed']} (`{r['run_id']}`)", "",
                        "| prediction | val Loc | val Glob | test Loc | test Glob | |", "|---|---|---|---|---|---|"]
