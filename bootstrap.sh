@@ -20,6 +20,15 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
 fi
 "$VPY" -m pip install -q -e ".[dev,flower]"
 
+# The optional CPU kernels (fedprism.kernels; train.kernels / eval.kernels = auto use them where built):
+# compiled once for this CPU, about a minute per library on 2 cores, cached; FEDPRISM_NO_KERNELS=1 skips it.
+# A failed build is not fatal: runs then use PyTorch's kernels.
+if [ -z "${FEDPRISM_NO_KERNELS:-}" ]; then
+  .venv/bin/fedprism kernels build >/dev/null 2>&1 \
+    || echo "bootstrap: the optional CPU kernels were not built ('.venv/bin/fedprism kernels status' says why);" \
+            "runs use PyTorch's kernels" >&2
+fi
+
 # Real Fashion-MNIST from Debian when we can; otherwise the demo uses the bundled digits set.
 if [ ! -e /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ] && [ -z "${FEDPRISM_NO_APT:-}" ]; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then

@@ -14,7 +14,7 @@ its own model) are evaluated on their clients' local test splits and on the 10k 
 minutes), alternating which goes first. Round 0 includes (b)'s compilation; throughput figures use
 rounds >= 1 and the compile overhead is reported separately. Usage:
 
-    .venv/bin/python bench/engine.py                 # 3 rounds, CPU (about 4-5 minutes here)
+    .venv/bin/python bench/engine.py                 # 3 rounds, CPU, the default kernels (`auto`)
     .venv/bin/python bench/engine.py --quick         # smoke test, < 60 s, no compile
     .venv/bin/python bench/engine.py --device cuda   # when CUDA exists
 """
@@ -157,15 +157,15 @@ def fmt_s(sec: float) -> str:
     return f"{sec / 60:.1f} min" if sec >= 120 else f"{sec:.1f} s"
 
 
-def _width(args) -> str:
+def _width(train: str, fused_eval: bool) -> str:
     """The fused kernels' vector width, where (b) or (bf) uses them (16 floats: AVX-512; 8: AVX2)."""
-    if args.kernels == "aten" and not args.fused_eval:
+    if train == "aten" and not fused_eval:
         return ""
-    from fedprism.engine import fused
+    from fedprism.kernels import build, fused
 
     n = fused.vector_floats()
     return (f" (fused kernels: {n}-float vectors)" if n
-            else f" (fused kernels not loaded: {fused.unavailable_reason()})")
+            else f" (fused kernels not loaded: {build.unavailable_reason()})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,12 +193,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bf16-eval", action="store_true",
                     help="also score every model with a second engine at eval.precision=bfloat16 (b16), timed "
                          "right after (b)'s evaluation: its ratio to (a) and (b) and the largest accuracy change")
-    ap.add_argument("--kernels", default="aten", choices=("aten", "fused", "winograd"),
-                    help="(b)'s train.kernels and eval.kernels (fused: the fused conv blocks, "
-                         "fedprism.engine.fused; winograd: train.kernels=fused, eval.kernels=winograd)")
+    ap.add_argument("--kernels", default="auto", choices=("auto", "aten", "fused", "winograd"),
+                    help="(b)'s train.kernels and eval.kernels, resolved as a run's are (fedprism.kernels."
+                         "resolve; auto, the default path: fused where they are built for this CPU, else aten; "
+                         "fused: the fused conv blocks, fedprism.kernels.fused; winograd: train.kernels=fused, "
+                         "eval.kernels=winograd)")
     ap.add_argument("--fused-eval", action="store_true",
                     help="also score every model with a second engine at eval.kernels=fused (bf: the fused "
-                         "first conv block, fedprism.engine.fused), timed right after (b)'s evaluation: its "
+                         "conv blocks, fedprism.kernels.fused), timed right after (b)'s evaluation: its "
                          "ratio to (a) and (b) and the largest accuracy change")
     args = ap.parse_args(argv)
     if args.quick:
@@ -217,18 +219,27 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(args.seed)
     fed, src = build_federation(args)
+    from fedprism.kernels import resolve as resolve_kernels
+
+    train_k = resolve_kernels("train.kernels", "fused" if args.kernels == "winograd" else args.kernels, str(device))
+    eval_k = resolve_kernels("eval.kernels", args.kernels, str(device))
     cfg = LocalConfig(epochs=args.epochs, batch_size=args.batch, lr=0.01, momentum=0.9,
-                      train_kernels="aten" if args.kernels == "aten" else "fused", eval_kernels=args.kernels)
+                      train_kernels=train_k, eval_kernels=eval_k)
     model = build_model("lenet5", (1, 32, 32), 10, seed=args.seed)
     n_tr = fed.n_train
+    from fedprism.experiment.provenance import cpu_model
+    from fedprism.machine import cpu_flags
+
+    isa = [f for f in ("avx512f", "avx2") if f in (cpu_flags() or ())]
     print(f"# fedprism engine bench  torch {torch.__version__}  python {platform.python_version()}  "
-          f"device {device}  threads {torch.get_num_threads()}")
+          f"device {device}  threads {torch.get_num_threads()}  cpu {cpu_model()} ({', '.join(isa) or 'no AVX'})")
     print(f"# data {src}; {fed.num_clients} clients, {args.partition} alpha={args.alpha}: train sizes "
           f"min/median/max {n_tr.min()}/{int(np.median(n_tr))}/{n_tr.max()}, global test {len(fed.y_test)}, "
           f"local test total {fed.n_test.sum()}")
     print(f"# {args.per_round} clients/round, E={args.epochs}, B={args.batch}, SGD lr 0.01 momentum 0.9, "
           f"LeNet-5; evaluation every round of all {fed.num_clients} personalized models; "
-          f"compile={compile_opt}; (b) kernels={args.kernels}" + _width(args))
+          f"compile={compile_opt}; (b) kernels={args.kernels}: train {train_k}, eval {eval_k}"
+          + _width(train_k, args.fused_eval))
     peaks = [gemm_peak(device)]          # measured again after every round: the floor below uses their median
     print(f"# fp32 GEMM peak now: {peaks[0]:.0f} GFLOP/s")
 

@@ -1,5 +1,5 @@
 """The fused conv -> ReLU -> 2x2 max-pooling blocks (`eval.kernels=fused`, `train.kernels=fused`,
-`fedprism.engine.fused`) against PyTorch's layers, on the FedPrism paper workload's shapes (LeNet-5, 32 x 32
+`fedprism.kernels.fused`) against PyTorch's layers, on the FedPrism paper workload's shapes (LeNet-5, 32 x 32
 Fashion-MNIST-sized inputs).
 
 1. The block alone, interleaved, median of `--reps`: LeNet-5's first block for 10 models on a shared
@@ -39,7 +39,7 @@ from engine import build_federation
 
 from fedprism._alloc import tune_allocator
 from fedprism.algorithms.base import TrainJob
-from fedprism.engine import fused
+from fedprism.kernels import build, fused
 from fedprism.engine.base import LocalConfig
 from fedprism.engine.vectorized import VectorizedEngine
 from fedprism.models import build_model
@@ -68,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     tune_allocator()                                    # as every engine does
-    if not fused.load():
-        print(f"fused kernel unavailable: {fused.unavailable_reason()}")
+    if not build.load("fused"):
+        print(f"fused kernel unavailable: {build.unavailable_reason()}")
         return 2
     print(f"# fused blocks bench  torch {torch.__version__}  threads {torch.get_num_threads()}  "
           f"kernels: {fused.vector_floats()}-float vectors")

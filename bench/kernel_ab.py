@@ -1,4 +1,4 @@
-"""Two builds of the fused CPU kernels (`src/fedprism/engine/csrc/fused_stem.cpp`), kernel by kernel: the
+"""Two builds of the fused CPU kernels (`src/fedprism/kernels/csrc/fused_stem.cpp`), kernel by kernel: the
 source at a git revision (`--base`, default HEAD) against the working tree's.
 
 Both builds are loaded into one process (each copy's operator namespace renamed, so they register side by
@@ -30,16 +30,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 KERNELS = ("train fwd 1", "train fwd 2", "bwd 2 (dW, dx)", "bwd 1 (dW)", "eval 1 (shared)", "eval 2")
-SOURCE = "src/fedprism/engine/csrc/fused_stem.cpp"
+SOURCE = "src/fedprism/kernels/csrc/fused_stem.cpp"
 
 
 def build(source: bytes, ns: str, tmp: Path):
-    """`source` compiled as fused.py compiles it, namespace renamed to `ns`, loaded: torch.ops.<ns>."""
-    from fedprism.engine import fused
+    """`source` compiled as fedprism.kernels.build compiles it, namespace renamed to `ns`, loaded:
+    torch.ops.<ns>."""
+    from fedprism.kernels import build as kernels
 
     src = tmp / f"{ns}.cpp"
     src.write_bytes(source.replace(b"fedprism_kernels", ns.encode()))
-    fused._compile(os.environ.get("CXX", "g++"), tmp / f"{ns}.so", source=src)
+    kernels._compile(kernels.compiler(), tmp / f"{ns}.so", src)
     torch.ops.load_library(str(tmp / f"{ns}.so"))
     return getattr(torch.ops, ns)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -10,6 +11,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+# `train.kernels` / `eval.kernels` = auto resolves to aten here (fedprism.kernels.PIN), in this process and in
+# the CLI processes tests start: the suite's run ids and numbers must not depend on whether this machine has
+# the fused kernels built. Tests of `auto` itself clear it (tests/test_fused_kernels.py).
+os.environ.setdefault("FEDPRISM_KERNELS", "aten")
 
 from fedprism.data.datasets import load_dataset  # noqa: E402
 from fedprism.federation import Federation  # noqa: E402

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import load_script
 
-from fedprism.engine import fused
+from fedprism.kernels import build
 from fedprism.experiment.config import resolve
 from fedprism.experiment.runner import Experiment
 from fedprism.experiment.store import Store
@@ -189,9 +189,9 @@ def test_kernel_ab_loads_two_builds_side_by_side_and_compares_their_outputs(caps
     namespace renamed, load into one process and are called in turn; every kernel gets a row with two
     timings and the two builds' largest output difference, which is at most float32 rounding (a change to
     the kernels that alters their results beyond that fails `tests/test_fused_kernels.py` too)."""
-    if shutil.which("git") is None or not fused.load():
-        pytest.skip(f"needs git and the fused kernels ({fused.unavailable_reason()})")
-    source = fused.SOURCE
+    if shutil.which("git") is None or not build.load("fused"):
+        pytest.skip(f"needs git and the fused kernels ({build.unavailable_reason()})")
+    source = build.LIBRARIES["fused"].source.read_bytes()
     mod = load_script("bench/kernel_ab.py")
     assert mod.main(["--batches", "2", "--reps", "1", "--models", "2", "--batch", "4"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -201,7 +201,7 @@ def test_kernel_ab_loads_two_builds_side_by_side_and_compares_their_outputs(caps
         assert len(cells) == 7 and all(float(c.rstrip("x")) > 0 for c in cells[:6]), (name, cells)
         assert float(cells[6]) < 1e-2, (name, cells)
     assert hasattr(torch.ops, "fedprism_kernels_base") and hasattr(torch.ops, "fedprism_kernels_new")
-    assert fused.SOURCE == source            # the builds leave fedprism's own kernel source as it was
+    assert build.LIBRARIES["fused"].source.read_bytes() == source   # fedprism's own kernel source as it was
 
 
 def test_slots_bench_trains_both_rules_to_the_same_bits(capsys):

@@ -1,8 +1,9 @@
 """`eval.kernels = fused` / `train.kernels = fused`: a model's first conv -> ReLU -> 2x2 max-pooling as C++
-kernels (`fedprism.engine.fused`). Exact where the arithmetic is exact (integer-valued inputs: outputs,
+kernels (`fedprism.kernels.fused`). Exact where the arithmetic is exact (integer-valued inputs: outputs,
 pooling ties and gradients), within float32 rounding of PyTorch's layers otherwise, under every way the
 engines call them (one model, vmap over models with a shared or an own input batch, compiled); only
-qualifying layers are fused; a kernel that cannot be built leaves PyTorch's numbers and says why."""
+qualifying layers are fused; each library builds on its own (tests/test_kernels.py: the build, its
+remembered failures, and which kernels a run uses)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from torch import nn
 from torch.func import vmap
 
 from fedprism.cli import main
-from fedprism.engine import fused
+from fedprism.kernels import build, fused
 from fedprism.engine.sequential import SequentialEngine
 from fedprism.engine.vectorized import VectorizedEngine
 from fedprism.models import build_model
@@ -27,8 +28,8 @@ from fedprism.params import Functional, ParamSpec, flatten
 
 from test_engine_equivalence import CFG, make_fed
 
-pytestmark = pytest.mark.skipif(not fused.load(),
-                                reason=f"fused kernel unavailable: {fused.unavailable_reason()}")
+pytestmark = pytest.mark.skipif(not build.load("fused"),
+                                reason=f"fused kernel unavailable: {build.unavailable_reason()}")
 
 
 def plain(x, w, b):
@@ -150,66 +151,38 @@ def test_compiled_evaluation_uses_the_kernel_and_training_does_not():
     assert torch.equal(aten.train(job, 0).params, fast.train(job, 0).params)   # training: PyTorch's kernels
 
 
-def test_a_kernel_that_cannot_be_built_warns_and_keeps_pytorchs_numbers(monkeypatch, tmp_path):
-    saved = dict(fused._state)
-    try:
-        fused._state.clear()
-        monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-        monkeypatch.setenv("FEDPRISM_CACHE", str(tmp_path))
-        assert fused.load() is False and "no-such-compiler" in fused.unavailable_reason()
-        fed = make_fed((1, 32, 32))
-        model = build_model("lenet5", (1, 32, 32), 10, seed=0)
-        with pytest.warns(UserWarning, match="no-such-compiler"):
-            eng = SequentialEngine(fed, model, dataclasses.replace(CFG, eval_kernels="fused"), 3)
-        W = _models(model, 3)
-        plain_engine = SequentialEngine(fed, model, CFG, 3)
-        assert torch.equal(eng.logits(W, fed.x_test[:20]), plain_engine.logits(W, fed.x_test[:20]))
-        assert not (tmp_path / "kernels").exists() or not any((tmp_path / "kernels").iterdir())
-    finally:
-        fused._state.clear()
-        fused._state.update(saved)
-
-
 def test_an_unknown_compiler_target_is_named_in_the_reason(monkeypatch, tmp_path):
-    """`$FEDPRISM_KERNEL_MARCH` that the compiler refuses: not built, and the reason names the variable
-    and its value (the engines then warn with it and run PyTorch's kernels, as above)."""
-    saved = dict(fused._state)
-    try:
-        fused._state.clear()
-        monkeypatch.setenv("FEDPRISM_KERNEL_MARCH", "no-such-cpu")
-        monkeypatch.setenv("FEDPRISM_CACHE", str(tmp_path))
-        assert fused.load() is False
-        why = fused.unavailable_reason()
-        assert "-march=no-such-cpu from $FEDPRISM_KERNEL_MARCH" in why, why
-        assert not any((tmp_path / "kernels").glob("*.so"))
-    finally:
-        fused._state.clear()
-        fused._state.update(saved)
+    """`$FEDPRISM_KERNEL_MARCH` that the compiler refuses: not built, the reason names the variable and its
+    value, and the failure is remembered under that target's key (a configuration's `fused` then resolves
+    to aten with that reason: tests/test_kernels.py)."""
+    monkeypatch.setenv("FEDPRISM_KERNEL_MARCH", "no-such-cpu")
+    monkeypatch.setenv("FEDPRISM_CACHE", str(tmp_path))
+    monkeypatch.setattr(build, "_state", {})
+    monkeypatch.setattr(build, "_loaded", {})
+    assert build.load("fused") is False
+    why = build.unavailable_reason("fused")
+    assert "-march=no-such-cpu from $FEDPRISM_KERNEL_MARCH" in why, why
+    assert not any((tmp_path / "kernels").glob("*.so"))
+    assert "no-such-cpu" in build.failure_path(build.LIBRARIES["fused"]).read_text()
 
 
 @pytest.mark.slow
 def test_a_fresh_cache_builds_the_kernel_once(monkeypatch, tmp_path, capsys):
-    """A cache without the library compiles it (atomically, into the cache), saying so on stderr (it takes
-    tens of seconds), and a second process-state reuses the file silently; the cache key changes with the
-    source."""
-    saved = dict(fused._state)
-    try:
-        fused._state.clear()
-        monkeypatch.setenv("FEDPRISM_CACHE", str(tmp_path))
-        assert fused.load() is True
-        assert f"compiling the fused CPU kernels for this machine into {tmp_path / 'kernels'}" in \
-            capsys.readouterr().err
-        built = sorted(p.name for p in (tmp_path / "kernels").iterdir())
-        assert [n.split("_")[0] for n in built] == ["fused", "winograd"]
-        assert all(n.endswith(".so") for n in built)
-        mtime = [os.path.getmtime(tmp_path / "kernels" / n) for n in built]
-        fused._state.clear()
-        assert fused.load() is True
-        assert [os.path.getmtime(tmp_path / "kernels" / n) for n in built] == mtime
-        assert "compiling" not in capsys.readouterr().err
-    finally:
-        fused._state.clear()
-        fused._state.update(saved)
+    """A cache without the libraries compiles each (atomically, into the cache), saying so on stderr (it
+    takes tens of seconds), and a second process-state reuses the files silently."""
+    monkeypatch.setenv("FEDPRISM_CACHE", str(tmp_path))
+    monkeypatch.setattr(build, "_state", {})
+    assert all(build.load(name) for name in build.LIBRARIES)
+    err = capsys.readouterr().err
+    for name in build.LIBRARIES:
+        assert f"compiling the {name} CPU kernels for this machine into {tmp_path / 'kernels'}" in err
+    built = sorted(p.name for p in (tmp_path / "kernels").glob("*.so"))
+    assert sorted(lib.source.stem for lib in build.LIBRARIES.values()) == [n.rsplit("_", 1)[0] for n in built]
+    mtime = [os.path.getmtime(tmp_path / "kernels" / n) for n in built]
+    monkeypatch.setattr(build, "_state", {})
+    assert all(build.load(name) for name in build.LIBRARIES)
+    assert [os.path.getmtime(tmp_path / "kernels" / n) for n in built] == mtime
+    assert "compiling" not in capsys.readouterr().err
 
 
 def test_a_damaged_cached_library_is_rebuilt(tmp_path):
@@ -218,16 +191,14 @@ def test_a_damaged_cached_library_is_rebuilt(tmp_path):
     compiler itself is exercised by the fresh-cache test above), so the test costs no compilation."""
     import subprocess
     import sys
-    assert fused.load(), fused.unavailable_reason()
-    good = {stem: str(fused._loaded[stem]) for stem in ("fused_stem", "winograd")}
-    code = ("import shutil; from fedprism.engine import fused; p = fused.library_path(); "
-            "p.parent.mkdir(parents=True); p.write_bytes(b'not a shared library'); calls = []; "
-            f"good = {good!r}; "
-            "shutil.copyfile(good['winograd'], fused.library_path(None, fused.WINOGRAD_SOURCE)); "
-            "fused._compile = lambda cxx, out, source: (calls.append(out), "
-            "shutil.copyfile(good[source.stem], out)); "
-            f"ok = fused.load(); same = p.read_bytes() == open(good['fused_stem'], 'rb').read(); "
-            "print(ok, fused.unavailable_reason(), len(calls), same)")
+    assert build.load("fused"), build.unavailable_reason()
+    good = str(build._loaded["fused"])
+    code = ("import shutil; from fedprism.kernels import build; lib = build.LIBRARIES['fused']; "
+            "p = build.library_path(lib); p.parent.mkdir(parents=True); p.write_bytes(b'not a shared library'); "
+            f"calls = []; good = {good!r}; "
+            "build._compile = lambda cxx, out, source: (calls.append(out), shutil.copyfile(good, out)); "
+            "ok = build.load('fused'); same = p.read_bytes() == open(good, 'rb').read(); "
+            "print(ok, build.unavailable_reason('fused'), len(calls), same)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "FEDPRISM_CACHE": str(tmp_path)})
     assert out.stdout.split() == ["True", "None", "1", "True"], out.stderr[-2000:]
@@ -276,13 +247,13 @@ def test_the_other_forward_layout_gives_the_same_bits(tmp_path):
     build: on float inputs (where any other order of the sums would show) both give the same outputs and
     winning corners, bit for bit, for first and inner blocks, one group and several."""
     ops = torch.ops.fedprism_kernels
-    src = fused.SOURCE.read_text()
+    src = build.LIBRARIES["fused"].source.read_text()
     by_pos, by_filter = ("constexpr int64_t MAX_POSITION_CHANNELS = 3;",
                          "constexpr int64_t MAX_POSITION_CHANNELS = 0;")
     assert src.count(by_pos) == 1 and src.count(by_filter) == 1
     swapped = src.replace(by_pos, "@").replace(by_filter, by_pos).replace("@", by_filter)
     (tmp_path / "swapped.cpp").write_text(swapped.replace("fedprism_kernels", "fedprism_kernels_swapped"))
-    fused._compile(os.environ.get("CXX", "g++"), tmp_path / "swapped.so", source=tmp_path / "swapped.cpp")
+    build._compile(build.compiler(), tmp_path / "swapped.so", tmp_path / "swapped.cpp")
     torch.ops.load_library(str(tmp_path / "swapped.so"))
     other = torch.ops.fedprism_kernels_swapped
     g = torch.Generator().manual_seed(0)
@@ -304,7 +275,7 @@ def test_minimal_filtering_at_sixteen_lanes_is_the_block_within_rounding(tmp_pat
     off), under its own operator namespace, it must match the direct kernel within rounding on shapes with
     rows of more than 16 tiles, filter counts off the blocks and one tile."""
     ops = torch.ops.fedprism_kernels
-    src = fused.WINOGRAD_SOURCE.read_text()
+    src = build.LIBRARIES["winograd"].source.read_text()
     width = "#ifdef __AVX512F__\nconstexpr int VL = 16;\n#else\nconstexpr int VL = 8;\n#endif"
     avx2 = "#if !defined(__AVX512F__) && defined(__AVX2__)"
     hint = ('#ifdef __AVX512F__                   // in a register: GCC would fold a load into each '
@@ -313,7 +284,7 @@ def test_minimal_filtering_at_sixteen_lanes_is_the_block_within_rounding(tmp_pat
     assert src.count(width) == 1 and src.count(avx2) == 1 and src.count(hint) == 1
     wide = src.replace(width, "constexpr int VL = 16;").replace(avx2, "#if 0").replace(hint, "")
     (tmp_path / "w16.cpp").write_text(wide.replace("fedprism_kernels", "fedprism_kernels_w16"))
-    fused._compile(os.environ.get("CXX", "g++"), tmp_path / "w16.so", source=tmp_path / "w16.cpp")
+    build._compile(build.compiler(), tmp_path / "w16.so", tmp_path / "w16.cpp")
     torch.ops.load_library(str(tmp_path / "w16.so"))
     for G, N, C, H, W, O in [(3, 5, 6, 14, 14, 16), (2, 2, 4, 32, 30, 9), (1, 3, 7, 20, 21, 20),
                              (2, 2, 13, 9, 9, 17), (1, 1, 5, 6, 6, 3), (2, 3, 6, 40, 44, 33)]:
@@ -328,10 +299,10 @@ def test_the_builds_vector_width_follows_its_target():
     """16 floats with AVX-512, 8 otherwise (the slow test below builds for x86-64-v3 on any CPU): the
     blocking for one width spills the other's registers (2-4x slower than PyTorch's layers on an AVX2 CPU,
     bench/README.md)."""
-    avx512 = "avx512f" in fused._cpu_flags().split()
-    expected = {"native": 16 if avx512 else 8, "x86-64-v3": 8, "x86-64": 8}.get(fused.march())
+    avx512 = "avx512f" in build._cpu_flags().split()
+    expected = {"native": 16 if avx512 else 8, "x86-64-v3": 8, "x86-64": 8}.get(build.march())
     if expected is None:
-        pytest.skip(f"no expected width for -march={fused.march()}")
+        pytest.skip(f"no expected width for -march={build.march()}")
     assert fused.vector_floats() == expected
 
 
@@ -397,8 +368,8 @@ def test_no_kernel_reads_past_the_end_of_its_storage():
     import sys
     code = """if True:
         import ctypes, mmap, sys, torch
-        from fedprism.engine import fused
-        assert fused.load()
+        from fedprism.kernels import build
+        assert build.load("fused") and build.load("winograd")
         ops, page = torch.ops.fedprism_kernels, mmap.PAGESIZE
         shape, k = (1, 2, 6, 14, 14), 5
         n = 2 * 6 * 14 * 14
@@ -652,12 +623,12 @@ def test_a_fused_lenet_run_end_to_end_records_what_ran(monkeypatch, tmp_path):
     assert set(runs) == {"aten", "fused", "winograd"}
     assert all(r["status"] == "finished" for r in runs.values())
     prov = {k: json.loads(r["provenance"]) for k, r in runs.items()}
-    built = {"train": True, "eval": True, "source": fused.source_hash(),
-             "vector_floats": fused.vector_floats()}
+    source = build.source_hash(build.LIBRARIES["fused"].source)
+    built = {"train": True, "eval": True, "source": source, "vector_floats": fused.vector_floats()}
     assert prov["fused"]["execution"]["fused_kernels"] == built
     assert prov["winograd"]["execution"]["fused_kernels"] == {
-        **built, "winograd_source": fused.source_hash(fused.WINOGRAD_SOURCE)}
-    assert len(fused.source_hash()) == 16 and fused.source_hash(fused.WINOGRAD_SOURCE) != fused.source_hash()
+        **built, "winograd_source": build.source_hash(build.LIBRARIES["winograd"].source)}
+    assert len(source) == 16 and build.source_hash(build.LIBRARIES["winograd"].source) != source
     assert "fused_kernels" not in prov["aten"]["execution"]
     fa, ff, fw = (json.loads(runs[k]["final"]) for k in ("aten", "fused", "winograd"))
     assert abs(fa["global_acc"] - ff["global_acc"]) <= 0.05

@@ -42,7 +42,7 @@ def cmd_run(args) -> int:
     try:
         exp = Experiment(cfg, store, progress=not args.quiet)    # progress goes to stderr, also with --json
         if args.fresh and exp.forget_stored():  # only now: a run that cannot start, or is running, is kept
-            print(f"--fresh: dropped the stored rounds of run {cfg.run_id}; running it again",
+            print(f"--fresh: dropped the stored rounds of run {exp.run_id}; running it again",
                   file=sys.stderr)
         res = exp.run()
     except BaseException:
@@ -440,6 +440,34 @@ def cmd_data(args) -> int:
     return 0
 
 
+def cmd_kernels(args) -> int:
+    """`fedprism kernels build`: build this machine's kernel libraries, each on its own (a failure is
+    remembered for its key; `build` forgets it and tries again); `status`: what is built, and why not."""
+    from fedprism.kernels import build
+
+    names = args.libraries or list(build.LIBRARIES)
+    unknown = [n for n in names if n not in build.LIBRARIES]
+    if unknown:
+        raise ConfigError("library", unknown[0], f"one of {', '.join(build.LIBRARIES)}", kind="argument")
+    rc = 0
+    if args.action == "build":
+        for name in names:
+            try:
+                path = build.build(build.LIBRARIES[name], force=args.force, retry=True)
+            except build.KernelBuildError as e:
+                rc = 1
+                print(f"{name}: not built: {e}", file=sys.stderr)
+            else:
+                print(f"{name}: built {path}")
+        return rc
+    for row in build.status():
+        if row["library"] in names:
+            why = f" ({row['why']})" if row["why"] else ""
+            print(f"{row['library']}: {row['state']}{why}; {row['source']} sha256 {row['source_sha256']}, "
+                  f"compiler {row['compiler']}, -march={row['target']}, {row['path']}")
+    return rc
+
+
 def _store_path(value: str) -> str:
     """--db: a file's path; an empty one would name the current folder."""
     if not value.strip():
@@ -601,6 +629,23 @@ def build_parser() -> argparse.ArgumentParser:
     da.add_argument("names", nargs="+", help="fmnist mnist cifar10 cifar100 svhn usps wisdm")
     da.add_argument("--dest", default=None, help="target directory (default: the cache directory)")
     da.set_defaults(fn=cmd_data)
+    ds = sub.add_parser("datasets", help="list the registered datasets and what each declares",
+                        description="Every registered dataset, built-in or plugin (or only the named ones): its "
+                        "classes, input shape, normalisation, natural partition, options, whether its files "
+                        "are found (no file is read) and whether they can be downloaded.")
+    ds.add_argument("names", nargs="*", default=[], metavar="DATASET", help="only these datasets")
+    ds.set_defaults(fn=cmd_datasets)
+
+    k = sub.add_parser("kernels", help="build the optional CPU kernels for this machine, or show their state",
+                       description="The hand-written CPU kernels (fedprism.kernels; train.kernels / eval.kernels "
+                       "= auto uses them where they are built). build: compile every library for this CPU "
+                       "(about a minute each on 2 cores) where none is cached, each on its own, trying again where "
+                       "a failure is remembered; "
+                       "exit status 1 when one fails. status: built, failed (and why) or not built.")
+    k.add_argument("action", choices=("build", "status"))
+    k.add_argument("libraries", nargs="*", help="which libraries (default: all)")
+    k.add_argument("--force", action="store_true", help="build: compile again even where a build is cached")
+    k.set_defaults(fn=cmd_kernels)
     return p
 
 

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import IO
 
 from fedprism.errors import ConfigError, DataError
+from fedprism.machine import cache_root
 
 __all__ = ["RemoteFile", "REMOTE", "cache_root", "download_dir", "download", "fetch", "file_digests",
            "tofu_record_path", "read_tofu_record"]
@@ -161,12 +162,6 @@ REMOTE: dict[str, tuple[RemoteFile, ...]] = {
     ),
 }
 """Official files of every downloadable dataset (``digits`` and ``synthetic`` need no download)."""
-
-
-def cache_root() -> Path:
-    """Root of fedprism's caches: ``$FEDPRISM_CACHE`` if set, else ``~/.cache/fedprism``."""
-    env = os.environ.get("FEDPRISM_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "fedprism"
 
 
 def download_dir(name: str) -> Path:

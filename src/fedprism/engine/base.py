@@ -21,6 +21,7 @@ from torch.optim.adam import adam as _torch_adam
 
 from fedprism._alloc import tune_allocator
 from fedprism.federation import Federation
+from fedprism.machine import cpu_flags
 from fedprism.objectives import OBJECTIVES
 from fedprism.params import Functional
 from fedprism.protocol import EvalResult, Loss, Trained, TrainJob
@@ -30,17 +31,6 @@ OPTIMIZERS = ("sgd", "adam")
 #: 'global_val' validation)
 SPLITS = ("local", "global", "train", "val", "global_val")
 SHARED_SPLITS = ("global", "global_val")
-
-
-@functools.cache
-def cpu_flags() -> tuple[str, ...] | None:
-    """The CPU's feature flags (the `flags` line of /proc/cpuinfo), None where there is none."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            line = next((ln for ln in f if ln.startswith("flags")), None)
-    except OSError:
-        return None
-    return None if line is None else tuple(line.split(":", 1)[-1].split())
 
 
 def native_bf16() -> bool | None:
@@ -70,12 +60,12 @@ class LocalConfig:
     #: returned as float32; faster where the CPU has native bf16, e.g. AVX512-BF16). Training is float32.
     eval_precision: str = "float32"
     #: kernels of evaluation forward passes: "aten" (PyTorch's), "fused" (each conv -> ReLU -> 2x2
-    #: max-pooling block of the model in one CPU kernel, `fedprism.engine.fused`; logits change at float32
-    #: rounding), or "winograd" (as "fused", with the blocks where `fedprism.engine.fused.winograd_applies`
+    #: max-pooling block of the model in one CPU kernel, `fedprism.kernels.fused`; logits change at float32
+    #: rounding), or "winograd" (as "fused", with the blocks where `fedprism.kernels.fused.winograd_applies`
     #: by minimal filtering). Training: `train_kernels`.
     eval_kernels: str = "aten"
     #: kernels of local training: "aten", or "fused" (the model's first two such blocks through the fused
-    #: kernels' training forwards and backwards, `fedprism.engine.fused.StemSplit`; the numbers change at
+    #: kernels' training forwards and backwards, `fedprism.kernels.fused.StemSplit`; the numbers change at
     #: float32 rounding, so the key is part of a run's identity)
     train_kernels: str = "aten"
     betas: tuple[float, float] = (0.9, 0.999)
@@ -278,11 +268,13 @@ class EngineBase:
         self.cfg = cfg
         self.eval_fused = False      # eval.kernels=fused/winograd applied (inference copy with fused blocks)
         self.eval_winograd = False   # ... and some block of it evaluates by minimal filtering
-        from fedprism.engine.fused import EVAL_KERNELS, KERNELS
+        from fedprism.kernels import EVAL_KERNELS, KERNELS
         for name, allowed in (("eval_kernels", EVAL_KERNELS), ("train_kernels", KERNELS)):
             if getattr(cfg, name) not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
-        if cfg.eval_kernels != "aten" and self._fused_kernels_usable(f"eval.kernels={cfg.eval_kernels}"):
+                raise ValueError(f"{name} must be one of {allowed} (a configuration's `auto` is resolved by "
+                                 f"fedprism.kernels.resolve), got {getattr(cfg, name)!r}")
+        if cfg.eval_kernels != "aten":
+            self._require_kernels(f"eval.kernels={cfg.eval_kernels}", cfg.eval_kernels)
             self._fuse_eval_kernels(winograd=cfg.eval_kernels == "winograd")
         if cfg.eval_precision == "bfloat16" and self.device.type == "cpu" and native_bf16() is False:
             warnings.warn("eval.precision=bfloat16 on a CPU without native bf16 (no avx512_bf16 or "
@@ -290,10 +282,11 @@ class EngineBase:
                           "several times slower than float32 (bench/bf16.py: 0.25x on an AVX2 CPU). The "
                           "setting is kept (it is part of the run's identity); eval.precision=float32 is the "
                           "faster one here", stacklevel=3)
-        #: the fused blocks' training gradient (`fedprism.engine.fused.StemSplit`), or None
+        #: the fused blocks' training gradient (`fedprism.kernels.fused.StemSplit`), or None
         self.stem = None
-        if cfg.train_kernels == "fused" and self._fused_kernels_usable("train.kernels=fused"):
-            from fedprism.engine.fused import StemSplit
+        if cfg.train_kernels == "fused":
+            self._require_kernels("train.kernels=fused", "fused")
+            from fedprism.kernels.fused import StemSplit
             self.stem = StemSplit(self.f) if StemSplit.qualifies(self.f) else None
         self.seed = seed
         self._train_idx = [torch.as_tensor(i, dtype=torch.long, device=self.device) for i in fed.train_idx]
@@ -302,25 +295,25 @@ class EngineBase:
             [torch.as_tensor(i, dtype=torch.long, device=self.device) for i in fed.val_idx]
         self.samples_trained = 0
 
-    def _fused_kernels_usable(self, key: str) -> bool:
-        """True when the fused kernel can run here; else a warning that says why and that PyTorch's
-        kernels run instead (a CUDA device; no C++ compiler or a failed build)."""
-        from fedprism.engine import fused
+    def _require_kernels(self, key: str, kernels: str) -> None:
+        """The kernels `kernels` loaded, or a `RuntimeError` that says why they cannot run here. An engine
+        never falls back on its own: the kernels a run uses are part of its identity, so a configuration's
+        are resolved to what can run before its run id is computed (`fedprism.kernels.resolve`)."""
+        from fedprism.kernels import build
 
         if self.device.type != "cpu":
-            warnings.warn(f"{key} has a CPU kernel only; this engine on {self.device} runs PyTorch's "
-                          "kernels", stacklevel=4)
-            return False
-        if not fused.load():
-            warnings.warn(f"{key}: the fused kernel is unavailable ({fused.unavailable_reason()}); "
-                          "running PyTorch's kernels", stacklevel=4)
-            return False
-        return True
+            raise RuntimeError(f"{key}: a CPU kernel, and this engine is on {self.device}; use aten (a "
+                               "configuration's `auto` resolves to it there)")
+        for lib in ("fused", "winograd") if kernels == "winograd" else ("fused",):
+            if not build.load(lib):
+                raise RuntimeError(f"{key}: the {lib} kernels are unavailable ({build.unavailable_reason(lib)}); "
+                                   "use aten (`fedprism kernels status` says why; a configuration's `auto` and "
+                                   "`fused` resolve to aten where they cannot run)")
 
     def _fuse_eval_kernels(self, winograd: bool = False) -> None:
         """`eval_kernels = fused` (or `winograd`): the inference copy of the model gets fused blocks
-        (`fedprism.engine.fused.fuse_stems`) where any qualify."""
-        from fedprism.engine import fused
+        (`fedprism.kernels.fused.fuse_stems`) where any qualify."""
+        from fedprism.kernels import fused
 
         base = self.f.inference_module if self.f.inference_module is not None else self.model
         done = fused.fuse_stems(base, winograd)

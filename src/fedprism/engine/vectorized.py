@@ -301,7 +301,7 @@ class VectorizedEngine(EngineBase):
                 def loss_of(flat, x, y, wt, extras):
                     return obj(f, flat, x, y, wt, extras)
 
-                # train.kernels=fused: the fused blocks' gradients by the kernels (`fedprism.engine.fused`)
+                # train.kernels=fused: the fused blocks' gradients by the kernels (`fedprism.kernels.fused`)
                 vg = vmap(self.stem.grad_and_value(obj) if self.stem is not None else grad_and_value(loss_of))
 
                 def step(w, st, x, y, wt, extras, active, mask):

@@ -17,7 +17,7 @@ import hashlib
 import json
 import math
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -89,20 +89,20 @@ KEYS: dict[str, Param] = {
                             "(weights and inputs cast; faster on CPUs with native bf16 such as AVX512-BF16, "
                             "numbers change slightly: bench/README.md). Training is always float32",
                             choices=("float32", "bfloat16"), new=True),
-    "eval.kernels": Param("aten", "kernels of every evaluation forward pass on a CPU: aten (PyTorch's, "
-                          "the stored runs' numbers), fused (each conv -> ReLU -> 2x2 max-pooling block "
-                          "of the model in one C++ kernel built with the system compiler on first use, "
-                          "fedprism.engine.fused; logits change at float32 rounding: bench/README.md) or "
-                          "winograd (as fused, and blocks of 5x5 filters on 4 or more input channels by "
-                          "minimal filtering, F(2x2, 5x5): LeNet-5's second block 1.3x as fast, logits "
-                          "change at float32 rounding of the transforms). Training: train.kernels",
-                          choices=("aten", "fused", "winograd"), new=True),
-    "train.kernels": Param("aten", "kernels of local training on a CPU: aten (PyTorch's, the stored runs' "
-                           "numbers) or fused (the model's first two conv -> ReLU -> 2x2 max-pooling "
-                           "blocks through the fused kernels' forwards and backwards, fedprism.engine.fused; "
-                           "LeNet-5 training rounds 2.7x faster, numbers change at float32 rounding: "
-                           "bench/README.md)",
-                           choices=("aten", "fused"), new=True),
+    "eval.kernels": Param("auto", "kernels of every evaluation forward pass on a CPU: auto (fused where the "
+                          "kernels are built for this machine and the run is on a CPU, else aten; "
+                          "fedprism.kernels), aten (PyTorch's, the stored runs' numbers), fused (each conv -> "
+                          "ReLU -> 2x2 max-pooling block of the model in one C++ kernel, `fedprism kernels "
+                          "build`; logits change at float32 rounding: bench/README.md) or winograd (as fused, "
+                          "and blocks of 5x5 filters on 4 or more input channels by minimal filtering, "
+                          "F(2x2, 5x5)). Resolved to the kernels that run before the run id is computed. "
+                          "Training: train.kernels", choices=("auto", "aten", "fused", "winograd"), new=True),
+    "train.kernels": Param("auto", "kernels of local training on a CPU: auto (fused where the kernels are built "
+                           "for this machine and the run is on a CPU, else aten; fedprism.kernels), aten "
+                           "(PyTorch's, the stored runs' numbers) or fused (the model's first two conv -> ReLU "
+                           "-> 2x2 max-pooling blocks through the fused kernels' forwards and backwards; "
+                           "numbers change at float32 rounding: bench/README.md). Resolved to the kernels that "
+                           "run before the run id is computed", choices=("auto", "aten", "fused"), new=True),
     "eval.gate": Param("none", "a learned routing gate between a dual-stream method's specialist and "
                        "backbone (learned: fitted on the validation splits at the final evaluation, one "
                        "candidate routing per weight, `gate w=..`; the method's learned_gate); "
@@ -175,6 +175,13 @@ PARTITION_COMMON: dict[str, Param] = {
     "min_test": Param(1, "minimum local test samples per client", _nonneg, "an integer >= 0"),
 }
 
+#: the kernel keys: resolved to the kernels that run on this machine before the run id is computed
+#: (`fedprism.kernels.resolve`; `auto` never reaches the identity)
+KERNEL_KEYS = ("train.kernels", "eval.kernels")
+#: keys whose default changed after runs were stored: left out of the run id while they hold the value those
+#: runs had by default (every run before the kernels was `aten`, and hashes as it did)
+LEGACY_DEFAULTS = {"train.kernels": "aten", "eval.kernels": "aten"}
+
 #: keys that change how a run executes but not its numbers (excluded from the run id)
 EXECUTION_KEYS = frozenset({"name", "device", "engine", "compile", "fuse_jobs", "cuda_graphs", "data.root",
                             "data.download", "keep_final", "threads", "scalars", "checkpoint.key"})
@@ -244,9 +251,11 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Config:
-    """A resolved, validated configuration. `values` holds every key with its final value."""
+    """A resolved, validated configuration. `values` holds every key with its final value; `auto` names the
+    kernel keys that were `auto` before resolution (`prefer_stored` may choose another value for them)."""
 
     values: dict[str, Any]
+    auto: frozenset = field(default=frozenset(), compare=False)
 
     def __getitem__(self, key: str) -> Any:
         return self.values[key]
@@ -276,7 +285,8 @@ class Config:
         runs were first stored (`Param.new`) while they hold their default, so stored run ids stay valid."""
         params = self._params()
         return {k: v for k, v in sorted(self.values.items())
-                if k not in EXECUTION_KEYS and not (k in params and params[k].new and v == params[k].default)}
+                if k not in EXECUTION_KEYS and not (k in params and params[k].new
+                                                    and v == LEGACY_DEFAULTS.get(k, params[k].default))}
 
     @property
     def run_id(self) -> str:
@@ -298,7 +308,20 @@ class Config:
 
 
     def with_(self, **kw: Any) -> "Config":
-        return resolve({**self.values, **{k.replace("__", "."): v for k, v in kw.items()}})
+        kw = {k.replace("__", "."): v for k, v in kw.items()}
+        return resolve({**self.values, **{k: "auto" for k in self.auto if k not in kw}, **kw})
+
+
+def prefer_stored(cfg: Config, store: Any) -> Config:
+    """`cfg`, or the same run with PyTorch's kernels where its kernels were `auto`, resolved to the fused ones,
+    and `store` holds that run but not this one: asking with `auto` for a run that is stored with the
+    kernels every run had before them (e.g. a committed run) finds that run instead of starting a fused one
+    (docs/reproducibility.md). An explicit `fused` or `aten` is never changed."""
+    fast = sorted(k for k in cfg.auto if cfg.values.get(k) != "aten")
+    if not fast or store.run(cfg.run_id) is not None:
+        return cfg
+    alt = Config({**cfg.values, **{k: "aten" for k in fast}}, cfg.auto)
+    return alt if store.run(alt.run_id) is not None else cfg
 
 
 def resolve(raw: dict[str, Any]) -> Config:
@@ -378,7 +401,11 @@ def resolve(raw: dict[str, Any]) -> Config:
     if out["data.synthetic_devices"] != KEYS["data.synthetic_devices"].default and out["dataset"] != "synthetic":
         raise ConfigError("data.synthetic_devices", out["data.synthetic_devices"],
                           f"only with dataset=synthetic (dataset={out['dataset']}); leave it out")
-    return Config(out)
+    from fedprism import kernels         # last: a configuration refused above builds nothing
+    auto = frozenset(k for k in KERNEL_KEYS if out[k] == "auto")
+    for k in KERNEL_KEYS:                  # what runs, not what was asked: it is part of the run id
+        out[k] = kernels.resolve(k, out[k], out["device"])
+    return Config(out, auto)
 
 
 def _check_gate(out: dict) -> None:

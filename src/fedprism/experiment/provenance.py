@@ -262,12 +262,14 @@ def capture(exp: Any) -> dict[str, Any]:
                "device": str(getattr(eng, "device", "") or "") or None})
     fused = {"train": getattr(eng, "stem", None) is not None, "eval": bool(getattr(eng, "eval_fused", False))}
     if any(fused.values()):                      # train.kernels / eval.kernels = fused, where it applied
-        from fedprism.engine.fused import WINOGRAD_SOURCE, source_hash, vector_floats
+        from fedprism.kernels.build import LIBRARIES, source_hash
+        from fedprism.kernels.fused import vector_floats
 
         # which version of the kernels' C++, and the vector width it was built for
-        ex["fused_kernels"] = {**fused, "source": source_hash(), "vector_floats": vector_floats()}
+        ex["fused_kernels"] = {**fused, "source": source_hash(LIBRARIES["fused"].source),
+                               "vector_floats": vector_floats()}
         if getattr(eng, "eval_winograd", False):     # eval.kernels = winograd, where a block takes it
-            ex["fused_kernels"]["winograd_source"] = source_hash(WINOGRAD_SOURCE)
+            ex["fused_kernels"]["winograd_source"] = source_hash(LIBRARIES["winograd"].source)
     if str(ex["device"]).startswith("cuda"):     # CUDA engines turn it on (engine.base.deterministic_cudnn)
         ex["cudnn_deterministic"] = bool(torch.backends.cudnn.deterministic)
     algo = type(exp.algo) if getattr(exp, "algo", None) is not None else None

@@ -24,7 +24,7 @@ from fedprism.engine.base import LocalConfig
 from fedprism.errors import ConfigError
 from fedprism.experiment.checkpoint import CheckpointRefused
 from fedprism.experiment.clientstore import ClientStore, StoreMismatch, make_store
-from fedprism.experiment.config import Config
+from fedprism.experiment.config import Config, prefer_stored
 from fedprism.experiment.evaluate import Evaluator, sample_eval_clients, summarize
 from fedprism.experiment.federation import build_federation, resolve_model_name
 from fedprism.experiment.limits import check_limits
@@ -466,6 +466,7 @@ class Experiment:
                             "fedprism.experiment.store.Store (Store(path) opens or creates one)")
         if sweep is not None and not isinstance(sweep, str):
             raise TypeError(f"Experiment: sweep = {sweep!r}; a sweep's name (str) or None")
+        cfg = prefer_stored(cfg, store)       # `auto` kernels: a stored run with PyTorch's is this run
         self.cfg, self.store, self.sweep = cfg, store, sweep
         self.progress = progress
         self.run_id = cfg.run_id

@@ -47,7 +47,7 @@ from typing import Any
 
 from fedprism.algorithms import REGISTRY
 from fedprism.errors import ConfigError
-from fedprism.experiment.config import Config, flatten, read_toml, resolve, suggest
+from fedprism.experiment.config import Config, flatten, prefer_stored, read_toml, resolve, suggest
 
 
 def load_sweep(path: str | Path, quick: bool = False, overrides: dict[str, Any] | None = None
@@ -387,6 +387,7 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
     new_dirs = _missing_folders(Path(db).parent)
     created = not Path(db).exists()
     store = Store(db)
+    configs = [prefer_stored(c, store) for c in configs]   # `auto` kernels: stored runs with PyTorch's count
     done = skipped = busy = 0
     t0 = time.time()
     todo: list[tuple[str, Config]] = []

@@ -34,158 +34,33 @@ Gray, CVPR 2016, arXiv:1509.09308; ``csrc/winograd.cpp``, its own library built 
 LeNet-5's second block 1.3x as fast on AVX2, numbers within float32 rounding of the transforms; first
 blocks stay direct, where the transforms cost more than they save (`bench/winograd_eval.py`).
 
-The kernel is compiled once per machine with the system's C++ compiler (``$CXX``, else g++; the same
-compiler ``torch.compile`` needs) for its instruction set (``-march=native``; ``$FEDPRISM_KERNEL_MARCH``
-names another target, e.g. ``x86-64-v3`` for AVX2 machines from a build host with AVX-512), and cached
-under ``~/.cache/fedprism/kernels`` (``$FEDPRISM_CACHE/kernels`` where that is set) by a hash of the source,
-the torch version, the CPU's flags, the compiler and the target. If it cannot be built or loaded the
-engine warns, names the reason, and runs the plain layers.
+The libraries are built, cached and loaded by `fedprism.kernels.build` (each on its own: a library that
+cannot be built leaves the other usable); which kernels a run uses is resolved before its run id is computed
+(`fedprism.kernels.resolve`), so a run that asked for them where they cannot run is stored as what ran.
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
-import threading
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fedprism.models.pooling import MaxPool2x2, _plain_2x2
+from fedprism.layers import MaxPool2x2, is_plain_2x2
 
-SOURCE = Path(__file__).with_name("csrc") / "fused_stem.cpp"
-#: the evaluation kernel by minimal filtering (``eval.kernels = winograd``), built as its own library so that
-#: the direct kernels' object code does not depend on it
-WINOGRAD_SOURCE = SOURCE.with_name("winograd.cpp")
-KERNELS = ("aten", "fused")
-EVAL_KERNELS = ("aten", "fused", "winograd")
 #: fewest input channels for which a 5 x 5 block evaluates by minimal filtering: with fewer the transforms
 #: outweigh the products saved, and the direct kernel is faster (`bench/winograd_eval.py`; bench/README.md,
 #: "Evaluation by minimal filtering")
 WINOGRAD_MIN_CHANNELS = 4
 
-_lock = threading.Lock()
-_state: dict[str, object] = {}      # this process's verdict: "ok", and "why" when not
-_loaded: dict[str, Path] = {}      # the library loaded into this process, if any
-
-
-def cache_dir() -> Path:
-    """``$FEDPRISM_CACHE/kernels``, else ``~/.cache/fedprism/kernels`` (beside the data cache)."""
-    from fedprism.data.download import cache_root
-
-    return cache_root() / "kernels"
-
-
-def _cpu_flags() -> str:
-    """The CPU's flags as one string (part of the build's cache key), else the processor's name."""
-    from fedprism.engine.base import cpu_flags
-
-    flags = cpu_flags()
-    return " ".join(flags) if flags is not None else platform.processor()
-
-
-def march() -> str:
-    """The compiler's target (``-march=``): ``$FEDPRISM_KERNEL_MARCH``, else ``native``."""
-    return os.environ.get("FEDPRISM_KERNEL_MARCH", "") or "native"
-
-
-def _compile(cxx: str, out: Path, source: Path = SOURCE) -> None:
-    from torch.utils.cpp_extension import include_paths, library_paths
-
-    libs = library_paths()
-    cmd = [cxx, "-O3", f"-march={march()}", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
-           f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-           *[f"-I{p}" for p in include_paths()], str(source), "-o", str(out),
-           *[f"-L{p}" for p in libs], "-lc10", "-ltorch_cpu", "-ltorch", *[f"-Wl,-rpath,{p}" for p in libs]]
-    r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600)
-    if r.returncode != 0:
-        target = "" if march() == "native" else f" (target -march={march()} from $FEDPRISM_KERNEL_MARCH)"
-        raise RuntimeError(f"{cxx} failed ({r.returncode}){target}: {r.stderr.strip()[-800:]}")
-
-
-def source_hash(source: Path = SOURCE) -> str:
-    """The first 16 hex digits of a kernel's C++ source's sha256: a run's provenance records it, since the
-    engine's code is not part of a run's fingerprint and a change of the kernels' summation order changes
-    a fused run's numbers at float32 rounding."""
-    return hashlib.sha256(source.read_bytes()).hexdigest()[:16]
-
 
 def vector_floats() -> int | None:
     """Floats per vector of the loaded build: 16 for AVX-512, 8 otherwise (None: no build could be loaded).
     Builds of the two widths give a fused run's numbers that differ at float32 rounding."""
-    return int(torch.ops.fedprism_kernels.vector_floats()) if load() else None
+    from fedprism.kernels.build import load
 
-
-def library_path(cxx: str | None = None, source: Path = SOURCE) -> Path:
-    """Where this machine's build of a kernel source is cached: named by the source's name and a hash of
-    the source, the torch version, the CPU's flags, the compiler and the target (`march`; ``native`` keeps
-    the names of the builds made before the target could be chosen)."""
-    cxx = cxx or os.environ.get("CXX", "g++")
-    target = "" if march() == "native" else f"-march={march()}"
-    key = hashlib.sha256(source.read_bytes() + torch.__version__.encode() + _cpu_flags().encode()
-                         + cxx.encode() + target.encode()).hexdigest()[:16]
-    return cache_dir() / f"{source.stem}_{key}.so"
-
-
-def _build(cxx: str, lib: Path, source: Path) -> None:
-    # a pause of tens of seconds on a 2-core VM, once per machine: said, so that it is not taken for a hang
-    print(f"fedprism: compiling the fused CPU kernels for this machine into {lib.parent} (once)",
-          file=sys.stderr, flush=True)
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=lib.parent)
-    os.close(fd)
-    try:
-        _compile(cxx, Path(tmp), source)
-        os.replace(tmp, lib)                   # atomic: a concurrent build wins or loses whole
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def load() -> bool:
-    """Build (once per machine) and load the kernels (the direct ones, then the evaluation by minimal
-    filtering); False, with `unavailable_reason()`, if that fails."""
-    with _lock:
-        if "ok" in _state:
-            return bool(_state["ok"])
-        try:
-            cxx = os.environ.get("CXX", "g++")
-            if shutil.which(cxx) is None:
-                raise RuntimeError(f"no C++ compiler {cxx!r} on PATH (set CXX)")
-            for source in (SOURCE, WINOGRAD_SOURCE):
-                lib = library_path(cxx, source)
-                built = not lib.exists()
-                if built:
-                    _build(cxx, lib, source)
-                if source.stem in _loaded:     # a namespace can be registered once per process
-                    continue
-                try:
-                    torch.ops.load_library(str(lib))
-                except OSError:
-                    if built:
-                        raise
-                    _build(cxx, lib, source)   # a damaged cached copy (truncated, another ABI): once more
-                    torch.ops.load_library(str(lib))
-                _loaded[source.stem] = lib
-            if "registered" not in _loaded:   # the ops' fake and vmap rules: once per process, too
-                _register()
-                _loaded["registered"] = SOURCE
-            _state["ok"] = True
-        except Exception as e:  # noqa: BLE001 - any failure means: evaluate with the plain layers
-            _state["ok"], _state["why"] = False, f"{type(e).__name__}: {e}"
-        return bool(_state["ok"])
-
-
-def unavailable_reason() -> str | None:
-    return None if _state.get("ok", True) else str(_state.get("why"))
+    return int(torch.ops.fedprism_kernels.vector_floats()) if load("fused") else None
 
 
 def _pooled(n: int, k: int) -> int:
@@ -256,17 +131,20 @@ def _block_backward_vmap(info, in_dims, grad, arg, x, w, k):
     return tuple(t.unflatten(0, (M, -1)) for t in (dw, db, dx)), (0, 0, 0)
 
 
-def _register() -> None:
-    lib = "fedprism_kernels::"
-    torch.library.register_fake(lib + "stem_forward")(_stem_fake)
-    torch.library.register_fake(lib + "winograd_forward")(_stem_fake)
-    torch.library.register_fake(lib + "stem_train_forward")(_train_fake)
-    torch.library.register_fake(lib + "stem_backward")(_backward_fake)
-    torch.library.register_fake(lib + "block_backward")(_block_backward_fake)
-    for name in ("stem_forward", "stem_train_forward", "winograd_forward"):
-        torch.library.register_vmap(lib + name)(_forward_vmap(getattr(torch.ops.fedprism_kernels, name)))
-    torch.library.register_vmap(lib + "stem_backward")(_backward_vmap)
-    torch.library.register_vmap(lib + "block_backward")(_block_backward_vmap)
+def register_ops(names: tuple[str, ...]) -> None:
+    """The fake (shape) and vmap rules of the ops `names` of a library just loaded (`fedprism.kernels.build`;
+    once per process and library)."""
+    lib, ops = "fedprism_kernels::", torch.ops.fedprism_kernels
+    fakes = {"stem_forward": _stem_fake, "winograd_forward": _stem_fake, "stem_train_forward": _train_fake,
+             "stem_backward": _backward_fake, "block_backward": _block_backward_fake}
+    vmaps = {"stem_backward": _backward_vmap, "block_backward": _block_backward_vmap}
+    for name in names:
+        if name in fakes:
+            torch.library.register_fake(lib + name)(fakes[name])
+        if name in ("stem_forward", "stem_train_forward", "winograd_forward"):
+            torch.library.register_vmap(lib + name)(_forward_vmap(getattr(ops, name)))
+        elif name in vmaps:
+            torch.library.register_vmap(lib + name)(vmaps[name])
 
 
 def winograd_applies(w: Tensor) -> bool:
@@ -278,7 +156,8 @@ def winograd_applies(w: Tensor) -> bool:
 def conv_relu_pool(x: Tensor, w: Tensor, b: Tensor, winograd: bool = False) -> Tensor:
     """``max_pool2d(relu(conv2d(x, w, b)), 2)`` for x [N, C, H, W], w [O, C, k, k] (the fused kernel, or with
     `winograd` the kernel by minimal filtering where `winograd_applies`; under ``torch.vmap`` over models
-    through the kernels' vmap rule). Needs `load()`."""
+    through the kernels' vmap rule). Needs `fedprism.kernels.build.load("fused")` (and
+    ``load("winograd")`` for `winograd`)."""
     O, _, k, _ = w.shape
     ops = torch.ops.fedprism_kernels
     op = ops.winograd_forward if winograd and winograd_applies(w) else ops.stem_forward
@@ -317,7 +196,7 @@ def _fusable_triples(module: nn.Module) -> list[tuple[nn.Sequential, int]]:
             kids = list(seq)
             for i in range(len(kids) - 2):
                 if (_fusable(kids[i]) and type(kids[i + 1]) is nn.ReLU
-                        and (_plain_2x2(kids[i + 2]) or type(kids[i + 2]) is MaxPool2x2)):
+                        and (is_plain_2x2(kids[i + 2]) or type(kids[i + 2]) is MaxPool2x2)):
                     found.append((seq, i))
     return found
 
@@ -443,5 +322,5 @@ class WithStem:
         return self.split.f.head(flat, z)
 
 
-__all__ = ["KERNELS", "FusedConvReLUPool", "StemSplit", "WithStem", "cache_dir",
-           "conv_relu_pool", "fuse_stems", "library_path", "load", "source_hash", "unavailable_reason"]
+__all__ = ["FusedConvReLUPool", "StemSplit", "WithStem", "conv_relu_pool", "fuse_stems", "register_ops",
+           "vector_floats", "winograd_applies"]

@@ -14,27 +14,13 @@ from __future__ import annotations
 
 import copy
 
-import torch
 from torch import nn
 
-
-class MaxPool2x2(nn.Module):
-    """``max_pool2d(x, 2, 2)`` (floor mode, no padding) as the maximum of four strided views."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h, w = x.shape[-2] // 2 * 2, x.shape[-1] // 2 * 2
-        x = x[..., :h, :w]
-        return torch.maximum(torch.maximum(x[..., 0::2, 0::2], x[..., 0::2, 1::2]),
-                             torch.maximum(x[..., 1::2, 0::2], x[..., 1::2, 1::2]))
+from fedprism.layers import MaxPool2x2, is_plain_2x2
 
 
-def _plain_2x2(m: nn.Module) -> bool:
-    if type(m) is not nn.MaxPool2d:
-        return False
-    pair = lambda v: v if isinstance(v, tuple) else (v, v)
-    stride = m.stride if m.stride is not None else m.kernel_size
-    return (pair(m.kernel_size) == (2, 2) and pair(stride) == (2, 2) and pair(m.padding) == (0, 0)
-            and pair(m.dilation) == (1, 1) and not m.ceil_mode and not m.return_indices)
+# the pooling and its test live in the bottom layer `fedprism.layers`, which the CPU kernels use too
+_plain_2x2 = is_plain_2x2
 
 
 def replace_modules(module: nn.Module, match, make) -> nn.Module:
