@@ -22,7 +22,7 @@ def test_maxpool2x2_is_max_pool2d_bit_for_bit():
 
 def test_functional_uses_it_only_without_gradients():
     model = build_model("lenet5", (1, 32, 32), 10)
-    f = Functional(model)
+    f = Functional(model, for_inference(model))           # what the engine builds
     inf = f.inference_module
     assert inf is not None and sum(isinstance(m, MaxPool2x2) for m in inf.modules()) == 2
     assert not any(isinstance(m, MaxPool2x2) for m in model.modules())          # the model is untouched

@@ -134,26 +134,31 @@ def load_flat(module: nn.Module, flat: torch.Tensor) -> nn.Module:
     return module
 
 
+def dropout_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, layer) of every seeded dropout layer (`seeded_dropout = True`), in module order."""
+    return [(n, m) for n, m in module.named_modules() if getattr(m, "seeded_dropout", False)]
+
+
 class Functional:
     """A model as a pure function `logits = f(flat_params, x)` (meta-device skeleton + functional_call).
 
-    Dropout (`fedprism.models.dropout.SeededDropout`): `f(flat, x)` runs without dropout (evaluation);
-    `f.keyed(key)` is the same function with the step's dropout key (int64 [3], one per vmap slot) in
-    every dropout layer, for local training. Layers are numbered (`salt`) in module order here, so their
-    masks differ."""
+    Dropout (`fedprism.models.dropout.SeededDropout`, any layer that says `seeded_dropout = True` and
+    holds a `key` buffer: `dropout_layers`): `f(flat, x)` runs without dropout (evaluation); `f.keyed(key)`
+    is the same function with the step's dropout key (int64 [3], one per vmap slot) in every dropout
+    layer, for local training. Layers are numbered (`salt`) in module order here, so their masks differ.
 
-    def __init__(self, module: nn.Module):
-        from fedprism.models.dropout import dropout_layers
+    `inference_module`: a copy of `module` that computes the same numbers faster without gradients (the
+    engine passes `fedprism.models.pooling.for_inference(module)`), used whenever gradients are off;
+    None: `module` itself."""
 
+    def __init__(self, module: nn.Module, inference_module: nn.Module | None = None):
         self.spec = ParamSpec.of(module)
         self.module = module
         self.buffers = {k: v for k, v in module.named_buffers()}
         self.dropout = tuple(f"{n}.key" for n, _ in dropout_layers(module))
         for i, (_, m) in enumerate(dropout_layers(module)):
             m.salt = i
-        from fedprism.models.pooling import for_inference
-
-        self.inference_module = for_inference(module)   # faster poolings, same numbers; gradients off only
+        self.inference_module = inference_module      # faster poolings, same numbers; gradients off only
 
     def _module(self) -> nn.Module:
         if self.inference_module is None or torch.is_grad_enabled():

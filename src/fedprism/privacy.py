@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fedprism.seeds import stream_seed
+
 #: the planned releases per client of the label counts
 LABEL_RELEASES = 1
 NOISE_SOURCES = ("seeded", "system")
@@ -95,8 +97,6 @@ class Privacy:
         """The noise stream of one release: named stream of the run seed, or OS entropy (`system`)."""
         if self.noise == "system":
             return torch.Generator().manual_seed(secrets.randbits(63))
-        from fedprism.engine.base import stream_seed
-
         return torch.Generator().manual_seed(stream_seed(seed, rnd, client, f"privacy:{what}"))
 
     # -- the two mechanisms ------------------------------------------------------------------------------

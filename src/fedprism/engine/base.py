@@ -9,7 +9,6 @@ at once). The engines implement the `fedprism.protocol.Trainer` protocol and imp
 from __future__ import annotations
 
 import functools
-import hashlib
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,9 +21,11 @@ from torch.optim.adam import adam as _torch_adam
 from fedprism._alloc import tune_allocator
 from fedprism.federation import Federation
 from fedprism.machine import cpu_flags
+from fedprism.models.pooling import for_inference
 from fedprism.objectives import OBJECTIVES
 from fedprism.params import Functional
 from fedprism.protocol import EvalResult, Loss, Trained, TrainJob
+from fedprism.seeds import LEGACY_STREAMS, client_seed, dropout_seed, stream_seed  # noqa: F401 (engine API)
 
 OPTIMIZERS = ("sgd", "adam")
 #: evaluation splits: a client's own rows ('local' test, 'train', 'val') or a shared set ('global' test,
@@ -70,34 +71,6 @@ class LocalConfig:
     train_kernels: str = "aten"
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
-
-
-def client_seed(seed: int, rnd: int, client: int) -> int:
-    """Seed of client `client`'s shuffling stream in round `rnd` (independent of cohort and engine)."""
-    return int((seed * 1_000_003 + rnd * 7_919 + client * 104_729 + 17) % (2**62))
-
-
-#: streams whose seeds predate named streams: their batch orders are those of the committed runs
-#: (`fedprism_dual` trains its private components and specialists on 'private' and 'expert')
-LEGACY_STREAMS = {"train": 0, "private": 1_000_000, "expert": 2_000_000}
-
-
-def stream_seed(seed: int, rnd: int, client: int, stream: str = "train") -> int:
-    """Seed of the batch order of `client` in round `rnd` on the named stream.
-
-    Independent of the cohort and the engine. A new name gets its own stream from a hash of the name
-    (SeedSequence of (seed, round, client, name hash)); the legacy names keep their historic formula."""
-    if stream in LEGACY_STREAMS:
-        return client_seed(seed, rnd + LEGACY_STREAMS[stream], client)
-    h = int.from_bytes(hashlib.blake2b(stream.encode(), digest_size=8).digest(), "little")
-    return int(np.random.SeedSequence([seed, rnd, client, h]).generate_state(1, np.uint64)[0] % (2**62))
-
-
-def dropout_seed(seed: int, rnd: int, client: int, stream: str = "train") -> int:
-    """Seed of the dropout masks of `client` in round `rnd` for the training job on the named stream: the
-    stream `"dropout:" + stream` (`stream_seed`), independent of the batch order's stream, the cohort and
-    the engine (`fedprism.models.dropout`)."""
-    return stream_seed(seed, rnd, client, "dropout:" + stream)
 
 
 def _seed_words(seed: int) -> tuple[int, int]:
@@ -263,7 +236,7 @@ class EngineBase:
         if self.device.type == "cuda":
             deterministic_cudnn()
         self.model = model.to(self.device)
-        self.f = Functional(self.model)
+        self.f = Functional(self.model, for_inference(self.model))
         self.spec = self.f.spec
         self.cfg = cfg
         self.eval_fused = False      # eval.kernels=fused/winograd applied (inference copy with fused blocks)

@@ -111,9 +111,7 @@ class SeededDropout(nn.Module):
         return torch.where(keep, x * (1.0 / (1.0 - self.p)), torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-def dropout_layers(module: nn.Module) -> list[tuple[str, SeededDropout]]:
-    """(name, layer) of every seeded dropout layer, in module order."""
-    return [(n, m) for n, m in module.named_modules() if getattr(m, "seeded_dropout", False)]
+from fedprism.params import dropout_layers  # noqa: E402 (the layers `Functional` keys; re-exported here)
 
 
 __all__ = ["SeededDropout", "dropout_layers", "hash32", "keep_mask"]
