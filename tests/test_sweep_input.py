@@ -77,3 +77,55 @@ def test_a_blank_run_label_is_refused(tmp_path, label):
     f = write(tmp_path, [dict(label=label, method="fedavg")])
     with pytest.raises(ConfigError, match=r"runs\[0\]\.label' = .*not empty or only whitespace"):
         load_sweep(f)
+
+
+def test_a_grid_over_the_limit_is_refused_from_its_axes_before_anything_is_expanded(tmp_path, monkeypatch):
+    """Eight axes of ten values: 10^8 runs from a file of a few hundred bytes (it grew to 4 GB before any
+    output). Refused from the axes' lengths, naming the file, each axis and its length; nothing resolved."""
+    import fedprism.experiment.sweep as sweep
+
+    axes = ["seed", "lr", "momentum", "local_epochs", "batch_size", "clients", "rounds", "eval_every"]
+    text = 'name = "big"\n[base]\ndataset = "digits"\n[grid]\n' + "".join(
+        f"{a} = {[i + 1 for i in range(10)] if a != 'momentum' and a != 'lr' else [i / 20 for i in range(10)]}\n"
+        for a in axes) + '[[runs]]\nmethod = "fedavg"\n[[runs]]\nmethod = "fedprox"\n'
+    f = tmp_path / "big.toml"
+    f.write_text(text)
+    assert len(text) < 700
+    monkeypatch.setattr(sweep, "resolve", lambda raw: pytest.fail("a run was resolved"))
+    with pytest.raises(ConfigError) as e:
+        load_sweep(f)
+    msg = str(e.value)
+    assert str(f) in msg and "at most 100,000 runs; it expands to 200,000,000: 2 [[runs]] table(s)" in msg
+    assert all(f"{a} (10)" in msg for a in axes)
+    db = tmp_path / "x.db"
+    assert main(["sweep", str(f), "--db", str(db), "--quiet"]) == 2 and not db.exists()
+
+
+def test_the_grid_limit_is_on_the_number_of_runs():
+    from pathlib import Path
+
+    from fedprism.experiment.sweep import MAX_SWEEP_RUNS, check_grid_size
+
+    assert check_grid_size(Path("s.toml"), 4, {"seed": 5, "lr": 5000}) == MAX_SWEEP_RUNS == 100_000
+    with pytest.raises(ConfigError, match=r"it expands to 100,001: 1 \[\[runs\]\] table\(s\) x the \[grid\] "
+                                          r"axes seed \(100001\)"):
+        check_grid_size(Path("s.toml"), 1, {"seed": 100_001})
+    with pytest.raises(ConfigError, match=r"expands to 100,002: .* axes \(none\)"):
+        check_grid_size(Path("s.toml"), 100_002, {})
+
+
+def test_a_byte_order_mark_is_accepted_in_sweep_and_config_files(tmp_path):
+    """Windows editors save UTF-8 with a byte-order mark, which TOML (and tomllib) refuse."""
+    from fedprism.experiment.config import load_toml
+
+    f = write(tmp_path, [dict(label="FedAvg", method="fedavg")])
+    plain = load_sweep(f)
+    f.write_bytes(b"\xef\xbb\xbf" + f.read_bytes())
+    name, configs = load_sweep(f)
+    assert (name, [c.run_id for c in configs]) == (plain[0], [c.run_id for c in plain[1]])
+    c = tmp_path / "run.toml"
+    c.write_bytes(b"\xef\xbb\xbfmethod = \"fedavg\"\nrounds = 3\n")
+    assert load_toml(c) == {"method": "fedavg", "rounds": 3}
+    c.write_bytes(b"\xef\xbb\xbfrounds = 3\n\xff")         # an offset counts the mark's three bytes
+    with pytest.raises(ConfigError, match="byte 0xff at offset 14 is not UTF-8"):
+        load_toml(c)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import sqlite3
@@ -12,13 +13,30 @@ import sys
 import textwrap
 from pathlib import Path
 
-from fedprism.errors import ConfigError, DataError, FedPrismError
+from fedprism.errors import ConfigError, DataError, FedPrismError, printable
 from fedprism.textable import fmt as _fmt  # noqa: F401
 from fedprism.textable import table as _table
 
 DEFAULT_DB = "fedprism-results.db"
 
 KV_HELP = "key=value overrides, e.g. dataset=fmnist method=fedprism fedprism.k=5 rounds=50 (see `fedprism methods`)"
+
+
+def _finite(x):
+    """`x` with every NaN and infinity replaced by None (JSON has neither), as the store keeps them."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def json_text(x) -> str:
+    """What `--json` prints: valid JSON (RFC 8259 has no NaN or Infinity, which `json.dumps` would write and
+    strict parsers refuse), non-finite numbers as null."""
+    return json.dumps(_finite(x), allow_nan=False)
 
 
 def _config(args) -> "Config":  # noqa: F821
@@ -42,7 +60,8 @@ def cmd_run(args) -> int:
     try:
         exp = Experiment(cfg, store, progress=not args.quiet)    # progress goes to stderr, also with --json
         if args.fresh and exp.forget_stored():  # only now: a run that cannot start, or is running, is kept
-            print(f"--fresh: dropped the stored rounds of run {exp.run_id}; running it again",
+            print(f"--fresh: dropped what the store held of run {exp.run_id} (rounds, checkpoint, kept final "
+                  "state); running it again",
                   file=sys.stderr)
         res = exp.run()
     except BaseException:
@@ -75,7 +94,7 @@ def cmd_run(args) -> int:
     if f.get("rescored_from"):                     # evaluated from another run's final state, not trained
         out["rescored_from"] = f["rescored_from"]
     if args.json:
-        print(json.dumps(out))
+        print(json_text(out))
     return 0
 
 
@@ -117,7 +136,7 @@ def cmd_report(args) -> int:
                        if r["status"] != "finished"})
     if left:
         print(f"fedprism: note: {len(left)} unfinished run(s) left out of the report: "
-              + ", ".join(f"{rid[:8]} ({status})" for rid, status in left[:10])
+              + ", ".join(f"{printable(rid[:8])} ({printable(status)})" for rid, status in left[:10])
               + (", ..." if len(left) > 10 else "") + "; resume them with the same sweep or run command",
               file=sys.stderr)
     return 0
@@ -165,7 +184,7 @@ def _runs(args, store) -> int:
     store.close()
     gone = any(d.get("process_gone") for d in records)
     if args.json:
-        print(json.dumps(records))
+        print(json_text(records))
     elif records:
         head = ["id", "method", "label", "seed", "status", "rounds", "local %", "global %"]
         print(_table([[d["run_id"], d["method"], d["label"], d["seed"],
@@ -194,9 +213,9 @@ def _show(args, store) -> int:
     prov = store.provenance(run_id)
     sweeps = [r[0] for r in store.db.execute("SELECT sweep FROM sweep_runs WHERE run_id=? ORDER BY sweep", (run_id,))]
     source = json.loads(row["final"] or "{}").get("rescored_from")
-    print(f"run {run_id}: {row['method']} '{row['name'] or ''}' seed {row['seed']}, {row['status']}, "
-          f"{row['rounds_done']}/{cfg.get('rounds')} rounds; code {row['code_version']}"
-          + (f"; sweeps: {', '.join(sweeps)}" if sweeps else ""))
+    print(printable(f"run {run_id}: {row['method']} '{row['name'] or ''}' seed {row['seed']}, {row['status']}, "
+                    f"{row['rounds_done']}/{cfg.get('rounds')} rounds; code {row['code_version']}"
+                    + (f"; sweeps: {', '.join(sweeps)}" if sweeps else "")))
     if source:
         print(f"re-scored from run {source}'s kept final state: no training; its rounds are in that run")
     print("\nConfiguration:")
@@ -709,12 +728,13 @@ def main(argv: list[str] | None = None) -> int:
     import warnings
 
     plain = warnings.formatwarning            # fedprism's own warnings as one line, like its errors
-    warnings.formatwarning = lambda m, c, f, n, line=None: (f"fedprism: warning: {m}\n" if "/fedprism/" in
-                                                            f.replace("\\", "/") else plain(m, c, f, n, line))
+    warnings.formatwarning = lambda m, c, f, n, line=None: (f"fedprism: warning: {printable(m, newlines=True)}\n"
+                                                            if "/fedprism/" in f.replace("\\", "/")
+                                                            else plain(m, c, f, n, line))
     try:
         return args.fn(args)
-    except FedPrismError as e:
-        print(f"fedprism: error: {e}", file=sys.stderr)
+    except FedPrismError as e:                # its text holds user input (labels, paths): no escape sequence
+        print(f"fedprism: error: {printable(e, newlines=True)}", file=sys.stderr)
         return 2
     except BrokenPipeError:                 # `fedprism show RUN | head`: the reader left, not an error
         sys.stdout = open(os.devnull, "w")

@@ -14,6 +14,8 @@ import sys
 import time
 from typing import IO
 
+from fedprism.errors import printable
+
 
 def _is_tty(stream: IO) -> bool:
     try:
@@ -29,7 +31,7 @@ class Progress:
 
     def __init__(self, total: int, enabled: bool, label: str = "", stream: IO | None = None,
                  tty: bool | None = None, every_s: float = 10.0, clock=time.monotonic):
-        self.total, self.enabled, self.label = total, enabled, label
+        self.total, self.enabled, self.label = total, enabled, printable(label)   # a run's name: user text
         self.stream = stream if stream is not None else sys.stderr
         self.tty = _is_tty(self.stream) if tty is None else tty
         self.every_s, self.clock = every_s, clock

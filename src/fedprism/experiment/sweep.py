@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from fedprism.algorithms import REGISTRY
-from fedprism.errors import ConfigError
+from fedprism.errors import ConfigError, printable
 from fedprism.experiment.config import Config, flatten, prefer_stored, read_toml, resolve, suggest
 
 
@@ -84,6 +84,7 @@ def load_sweep(path: str | Path, quick: bool = False, overrides: dict[str, Any] 
     if not isinstance(runs, list) or not all(isinstance(r, dict) for r in runs):
         raise ConfigError(f"{p.name}: runs", runs, "an array of tables ([[runs]] sections)")
     runs = runs or [{}]
+    check_grid_size(p, len(runs), {k: len(v) for k, v in grid.items()})
     for i, r in enumerate(runs):
         if "label" in r and (not isinstance(r["label"], str) or not r["label"].strip()):
             raise ConfigError(f"{p.name}: runs[{i}].label", r["label"], "a string that is not empty or only "
@@ -115,6 +116,26 @@ def load_sweep(path: str | Path, quick: bool = False, overrides: dict[str, Any] 
             configs.append(cfg)
             made.append((i, {k: v for k, v in {**variant, **point}.items() if k in raw}))
     return name, _distinct_rows(configs, made, p.name)
+
+
+#: the most runs one sweep file may expand to ([[runs]] tables x the product of the [grid] axes' lengths):
+#: each is resolved and checked before the first trains, and the largest sweep in sweeps/ has a few hundred
+MAX_SWEEP_RUNS = 100_000
+
+
+def check_grid_size(path: Path, variants: int, axes: dict[str, int]) -> int:
+    """The number of runs a sweep file expands to, computed from the lengths alone (nothing is expanded:
+    a 677-byte file with eight axes of ten values is 10^8 runs); more than `MAX_SWEEP_RUNS` is a
+    ConfigError naming the file, the number of [[runs]] tables and every axis with its length."""
+    total = variants
+    for n in axes.values():
+        total *= n
+    if total > MAX_SWEEP_RUNS:
+        sizes = ", ".join(f"{printable(k)} ({n})" for k, n in axes.items())
+        raise ConfigError("sweep file", str(path), f"at most {MAX_SWEEP_RUNS:,} runs; it expands to {total:,}: "
+                          f"{variants} [[runs]] table(s) x the [grid] axes {sizes or '(none)'}; split it into "
+                          "several files or shorten the axes", kind="")
+    return total
 
 
 def _distinct_rows(configs: list[Config], made: list[tuple[int, dict]], file: str) -> list[Config]:
@@ -396,7 +417,7 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
     try:
         for i, cfg in enumerate(configs):
             row = store.run(cfg.run_id)
-            tag = f"[{i + 1}/{len(configs)}] {cfg['name']} seed={cfg['seed']}"
+            tag = f"[{i + 1}/{len(configs)}] {printable(cfg['name'])} seed={cfg['seed']}"
             if row is not None and row["status"] == "finished":
                 stored = row["provenance"] if "provenance" in row.keys() else None
                 if stored:                     # other code or data: never skipped as if it were this run's
@@ -419,7 +440,7 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
     except BaseException:
         _drop_new_store(store, created, new_dirs)    # a refused sweep leaves no empty store (nor folder)
         raise
-    print(f"results: {db}", file=sys.stderr)      # once every run to do is known to be able to start
+    print(f"results: {printable(db)}", file=sys.stderr)      # once every run to do is known to be able to start
 
     def line(tag: str, f: dict) -> str:
         return (f"{tag}: global {f.get('global_acc', float('nan')):.4f} local {f.get('local_acc', float('nan')):.4f}"
@@ -440,7 +461,7 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
             print(line(tag, res.final), file=sys.stderr)
     else:
         store.close()
-        print(f"sweep {name}: {len(todo)} runs on {workers} workers, {worker_threads(workers)} thread(s) each",
+        print(f"sweep {printable(name)}: {len(todo)} runs on {workers} workers, {worker_threads(workers)} thread(s) each",
               file=sys.stderr)
         for tag, f in run_in_workers(db, name, todo, workers):
             if isinstance(f, RunBusyError):
@@ -450,7 +471,7 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
             done += 1
             print(f"{line(tag, f)}  [{done}/{len(todo)} done, {time.time() - t0:.0f}s]", file=sys.stderr)
         store = Store(db)
-    print(f"sweep {name}: {done} ran, {skipped} already finished"
+    print(f"sweep {printable(name)}: {done} ran, {skipped} already finished"
           + (f", {busy} running in other processes" if busy else "")
           + (f", {len(other_code)} stored from other code or data (listed above; neither re-used nor re-run)"
              if other_code else "") + f", {time.time() - t0:.0f}s", file=sys.stderr)
@@ -552,7 +573,8 @@ def supersede(store, sweep: str, cfg: Config) -> list[str]:
            if r["run_id"] != cfg.run_id and _row_key(json.loads(r["config"]), r["label"]) == key]
     for run_id in old:
         store.leave_sweep(sweep, run_id)
-        print(f"sweep {sweep}: run {run_id} superseded by {cfg.run_id} as '{cfg['name']}' seed={cfg['seed']}",
+        print(f"sweep {printable(sweep)}: run {run_id} superseded by {cfg.run_id} as '{printable(cfg['name'])}' "
+              f"seed={cfg['seed']}",
               file=sys.stderr)
     return old
 
