@@ -45,15 +45,30 @@ class FakeData:
 def isolate(monkeypatch, tmp_path: Path) -> Path:
     """Send FEDPRISM_CACHE to ``tmp_path/cache``, unset FEDPRISM_DATA, hide Debian's FMNIST copy, and
     forget the known dataset digests (fake files are reported unverified, never mismatched)."""
-    from fedprism.data import datasets, integrity
+    from fedprism.data import integrity
 
     # fake files carry official names but not the official bytes: no known digests for them
     monkeypatch.setattr(integrity, "KNOWN", {})
     monkeypatch.setattr(integrity, "KNOWN_MD5", {})
     monkeypatch.setenv("FEDPRISM_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("FEDPRISM_DATA", raising=False)
-    monkeypatch.setattr(datasets, "DEBIAN_FMNIST", tmp_path / "no-debian-fmnist")
+    search_folders(monkeypatch, "fmnist", tmp_path / "no-debian-fmnist")
     return tmp_path / "cache"
+
+
+def search_folders(monkeypatch, name: str, *folders: Path) -> None:
+    """Make dataset `name` search `folders` instead of the extra folders its spec names (Debian's
+    /usr/share/datasets/fashion-mnist), for the rest of the test."""
+    from dataclasses import replace
+
+    from fedprism.data.base import DATASETS
+
+    import sys
+
+    spec = DATASETS.get(name)                 # registered now, so the original comes back afterwards
+    patched = replace(spec, files=replace(spec.files, folders=tuple(folders)))
+    monkeypatch.setitem(DATASETS._items, name, patched)            # what load_dataset looks up
+    monkeypatch.setattr(sys.modules[spec.module], "SPEC", patched)  # what the dataset's loader reads
 
 
 def _images(rng: np.random.Generator, n: int, shape: tuple[int, ...]) -> np.ndarray:

@@ -17,6 +17,7 @@ from _fakedata import (
     FMNIST_CLASSES,
     idx_bytes,
     isolate,
+    search_folders,
     write_cifar,
     write_fake,
     write_idx,
@@ -25,7 +26,7 @@ from _fakedata import (
     write_usps,
 )
 
-from fedprism.data import datasets
+from fedprism.data import datasets, formats
 from fedprism.data import download as dl
 from fedprism.data.datasets import DATASETS, NORMALIZATION, load_dataset, read_idx, search_paths
 from fedprism.errors import ConfigError, DataError
@@ -404,8 +405,11 @@ def test_search_paths_order(tmp_path, monkeypatch):
     monkeypatch.setenv("FEDPRISM_DATA", str(tmp_path / "data"))
     paths = search_paths("fmnist", root=tmp_path / "r")
     assert paths == [tmp_path / "r", tmp_path / "data" / "fmnist", tmp_path / "data",
-                     datasets.DEBIAN_FMNIST, tmp_path / "cache" / "data" / "fmnist"]
-    assert datasets.DEBIAN_FMNIST not in search_paths("mnist")
+                     tmp_path / "no-debian-fmnist", tmp_path / "cache" / "data" / "fmnist"]
+    assert tmp_path / "no-debian-fmnist" not in search_paths("mnist")
+    assert DATASETS.get("fmnist").files.folders == (tmp_path / "no-debian-fmnist",)        # isolated here
+    from fedprism.data.sets.fmnist import DEBIAN_FMNIST
+    assert datasets.DEBIAN_FMNIST == DEBIAN_FMNIST == Path("/usr/share/datasets/fashion-mnist")
 
 
 def test_missing_lists_every_place_and_the_command(tmp_path, monkeypatch):
@@ -461,7 +465,7 @@ def test_second_load_reads_the_cache(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("the parser must not run on a cache hit")
 
-    monkeypatch.setattr(datasets, "read_idx", boom)
+    monkeypatch.setattr(formats, "read_idx", boom)
     second = load_dataset("fmnist", root=tmp_path / "d")
     assert torch.equal(second.x_train, first.x_train)
     assert torch.equal(second.y_test, first.y_test)
@@ -733,7 +737,7 @@ def test_synthetic_deterministic_shapes_and_devices():
                     reason="Debian's dataset-fashion-mnist is not installed")
 def test_real_fashion_mnist(tmp_path, monkeypatch):
     from fedprism.data import integrity
-    monkeypatch.setattr(datasets, "DEBIAN_FMNIST", Path("/usr/share/datasets/fashion-mnist"))
+    search_folders(monkeypatch, "fmnist", Path("/usr/share/datasets/fashion-mnist"))
     monkeypatch.setattr(integrity, "KNOWN", integrity._known())          # the real digests
     ds = load_dataset("fmnist", pad32=True, cache_dir=False)
     assert ds.source == "/usr/share/datasets/fashion-mnist" and ds.classes[0] == "T-shirt/top"

@@ -223,7 +223,7 @@ def test_inputs_that_are_not_config_keys_are_named_as_what_they_are(tmp_path, ca
               f"sweep file '{tmp_path / 'no.toml'}' is not valid"),
              (["run", "--db", db, "roundz"], "config file 'roundz' is not valid: an existing TOML file"),
              (["data", "download", "fmnis", "--dest", str(tmp_path)],
-              "dataset 'fmnis' is not valid: downloadable datasets are fmnist, mnist, cifar10, cifar100, "
+              "dataset 'fmnis' is not valid: downloadable datasets are cifar10, cifar100, fmnist, mnist, "
               "svhn, usps, wisdm (did you mean fmnist?)"),
              (["demo", "--workers", "0", "--db", db], "option '--workers' = 0 is not valid: an integer >= 1")]
     for argv, want in cases:

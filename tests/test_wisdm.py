@@ -17,9 +17,9 @@ from _fakedata import isolate, wisdm_archive_bytes, wisdm_text, write_fake, writ
 from fedprism.data import datasets
 from fedprism.data import download as dl
 from fedprism.data import integrity
-from fedprism.data import wisdm
+from fedprism.data.sets import wisdm
 from fedprism.data.datasets import load_dataset
-from fedprism.data.wisdm import ACTIVITIES, load_raw, parse_raw, split_by_user, windows
+from fedprism.data.sets.wisdm import ACTIVITIES, load_raw, parse_raw, split_by_user, windows
 from fedprism.errors import ConfigError, DataError, PartitionError
 
 #: generated files have no published digest nor a first-use record unless a test downloads them

@@ -421,6 +421,77 @@ def cmd_merge(args) -> int:
     return 0
 
 
+def _dataset_files(spec) -> str:
+    """Whether a copy of the dataset's files is found (no file is read or hashed), and where."""
+    from fedprism.data.files import locate
+
+    if spec.files is None:
+        return "none needed (bundled or generated)"
+    found = locate(spec, None)
+    if isinstance(found, tuple):
+        return f"found in {found[1]}"
+    return f"not found (needed: {spec.files.needed}; searched {', '.join(str(p) for p, _ in found)})"
+
+
+def _dataset_download(spec) -> str:
+    if spec.files is None:
+        return "-"
+    if not spec.files.remote:
+        return "no (copy the files in)"
+    if spec.files.trust_on_first_use:
+        return f"yes, `fedprism data download {spec.name}` (no published checksum: trusted on first use)"
+    pinned = "SHA-256 and MD5" if all(f.sha256 and f.md5 for f in spec.files.remote) else \
+        "SHA-256" if all(f.sha256 for f in spec.files.remote) else "MD5 only"
+    return f"yes, `fedprism data download {spec.name}` ({pinned} verified)"
+
+
+def _describe_dataset(name: str, spec) -> tuple[str, list[list]]:
+    """A dataset's spec as rows: classes, input, normalisation, natural clients, padding, options, files."""
+    def unknown(v):
+        return "(known once loaded)" if v is None else v
+
+    names = f": {', '.join(spec.class_names)}" if spec.class_names else ""
+    shape = "x".join(map(str, spec.input_shape)) if spec.input_shape else unknown(None)
+    norm = f"per channel, mean {spec.mean}, std {spec.std}" if spec.mean else spec.normalisation or "-"
+    from_config = {option: key for key, option in spec.config_keys}
+    rows = [["classes", f"{unknown(spec.num_classes)}{names}"],
+            ["input", shape + (" (data.pad32=auto pads to 32x32 for models that take 32x32)" if spec.pad32_auto
+                               else "")],
+            ["normalisation", norm],
+            ["natural partition", f"by {spec.natural} (partition=natural: one client per {spec.natural})"
+             if spec.natural else "none"],
+            ["options", ", ".join(o + (f" (from {from_config[o]})" if o in from_config else "")
+                                  for o in spec.options) or "-"],
+            ["files", _dataset_files(spec)],
+            ["download", _dataset_download(spec)]]
+    kind = "built in" if _datasets().is_builtin(name) else f"plugin, {spec.module}"
+    return f"{name}  ({spec.summary or kind}; {kind})", rows
+
+
+def _datasets():
+    from fedprism.data.base import DATASETS
+
+    return DATASETS
+
+
+def cmd_datasets(args) -> int:
+    """`fedprism datasets [NAME...]`: every registered dataset (or the named ones) with its spec."""
+    registry = _datasets()
+
+    def overview(width: int) -> None:
+        rows = []
+        for n, spec in registry.all().items():
+            files = _dataset_files(spec)
+            rows.append([n, spec.num_classes if spec.num_classes is not None else "?",
+                         "x".join(map(str, spec.input_shape)) if spec.input_shape else "?",
+                         spec.natural or "-", files.split(" (")[0].split(" in ")[0],
+                         "yes" if spec.downloadable else "no"])
+        print("Datasets (dataset=NAME; details below):")
+        print(_table(rows, ["dataset", "classes", "input", "natural", "files", "download"], width))
+
+    return _list_components(registry, args.names, _describe_dataset, head=("field", "value"), before=overview)
+
+
 def cmd_data(args) -> int:
     from fedprism.data.datasets import load_dataset
     from fedprism.data.download import download
@@ -431,10 +502,11 @@ def cmd_data(args) -> int:
         def stop(*_):
             raise KeyboardInterrupt
 
-        from fedprism.data.download import REMOTE
+        from fedprism.data.download import remote_files
 
+        remote = remote_files()
         for name in args.names:                        # every name before the first (long) download
-            if name not in REMOTE:
+            if name not in remote:
                 download(name, args.dest)              # raises, naming the downloadable datasets
         before = signal.signal(signal.SIGTERM, stop)   # as Ctrl-C: the partial file is removed on the way out
         try:
@@ -645,9 +717,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     da = sub.add_parser("data", help="download or inspect datasets")
     da.add_argument("action", choices=("download", "info"))
-    da.add_argument("names", nargs="+", help="fmnist mnist cifar10 cifar100 svhn usps wisdm")
+    da.add_argument("names", nargs="+", help="dataset names (`fedprism datasets` says which can be downloaded)")
     da.add_argument("--dest", default=None, help="target directory (default: the cache directory)")
     da.set_defaults(fn=cmd_data)
+    ds = sub.add_parser("datasets", help="list the registered datasets and what each declares",
+                        description="Every registered dataset, built-in or plugin (or only the named ones): its "
+                        "classes, input shape, normalisation, natural partition, options, whether its files "
+                        "are found (no file is read) and whether they can be downloaded.")
+    ds.add_argument("names", nargs="*", default=[], metavar="DATASET", help="only these datasets")
+    ds.set_defaults(fn=cmd_datasets)
     ds = sub.add_parser("datasets", help="list the registered datasets and what each declares",
                         description="Every registered dataset, built-in or plugin (or only the named ones): its "
                         "classes, input shape, normalisation, natural partition, options, whether its files "

@@ -26,8 +26,9 @@ GROUPS = ("fedprism.methods", "fedprism.models", "fedprism.datasets")
 
 #: name -> build(input_shape, num_classes) -> torch.nn.Module
 MODELS: dict[str, Callable[..., Any]] = {}
-#: name -> load(pad32: bool, root: str | None) -> fedprism.data.datasets.Dataset
-DATASETS: dict[str, Callable[..., Any]] = {}
+#: name -> DatasetSpec: the one dataset registry (`fedprism.data.base.DATASETS`); a bare loader
+#: load(pad32: bool, root: str | None) -> fedprism.data.datasets.Dataset registered here is wrapped into a spec
+from fedprism.data.base import DATASETS  # noqa: E402
 
 _loaded = False
 
@@ -63,11 +64,13 @@ def register_model(name: str, build: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def register_dataset(name: str, load: Callable[..., Any]) -> Callable[..., Any]:
-    """`load(pad32, root) -> fedprism.data.datasets.Dataset` under `name` (not a built-in dataset's)."""
-    from fedprism.data.datasets import DATASETS as BUILTIN
+    """`load(pad32, root) -> fedprism.data.datasets.Dataset`, or a whole `fedprism.data.base.DatasetSpec`,
+    under `name` (not a built-in dataset's) in the dataset registry."""
+    from fedprism.data.base import DatasetSpec
 
-    _check("dataset", name, load, BUILTIN)
-    DATASETS[name] = load
+    builtin = tuple(n for n in DATASETS.names() if DATASETS.is_builtin(n))
+    _check("dataset", name, load.load if isinstance(load, DatasetSpec) else load, builtin)
+    DATASETS.register(load, name=name)
     import sys
 
     federation = sys.modules.get("fedprism.experiment.federation")

@@ -11,19 +11,18 @@ file left by a killed process (SIGKILL) and untouched for ``STALE_PART_S`` is re
 of that file; ``fedprism data download`` turns SIGTERM into the clean exit of Ctrl-C.
 
 Checksum policy, one of three per file (a :class:`RemoteFile` must declare one; a file with no checksum
-and no trust-on-first-use declaration is refused when it is defined):
+and no trust-on-first-use declaration is refused when it is defined). Which files a dataset has, with
+their checksums and mirrors, is declared by the dataset itself (``DatasetSpec.files.remote`` in its
+module of :mod:`fedprism.data.sets`); this module holds no per-dataset table.
 
-* **pinned SHA-256 and MD5** (fmnist, mnist, cifar10, cifar100, svhn): the MD5 values are the ones the
-  dataset authors and torchvision publish; the SHA-256 values are the ones published by Keras (CIFAR),
-  the torchvision prototype datasets (CIFAR-100, SVHN) and several independent checksum lists (MNIST,
-  Fashion-MNIST), cross-checked against each other. Both are verified.
-* **pinned MD5 only** (usps): only an MD5 is published (torchvision's ``USPS`` dataset class and other
-  independent loaders list the same values). It is verified at download and at every load; MD5 catches
-  corrupt and truncated files but is no defence against a deliberately crafted substitute.
-* **trust on first use** (wisdm): no checksum of ``WISDM_ar_latest.tar.gz`` is published. The first
-  download records the file's size, SHA-256 and MD5 in ``<file>.tofu.json`` next to it; every later
-  download and every load is checked against that record (``fedprism.data.integrity``). The first copy
-  itself is trusted unverified; delete both files to start over.
+* **pinned SHA-256 and MD5**: the MD5 values are the ones the dataset authors and torchvision publish;
+  the SHA-256 values are published ones, cross-checked against each other. Both are verified.
+* **pinned MD5 only**, where only an MD5 is published: it is verified at download and at every load;
+  MD5 catches corrupt and truncated files but is no defence against a deliberately crafted substitute.
+* **trust on first use**, where no checksum is published: the first download records the file's size,
+  SHA-256 and MD5 in ``<file>.tofu.json`` next to it; every later download and every load is checked
+  against that record (``fedprism.data.integrity``). The first copy itself is trusted unverified; delete
+  both files to start over.
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ from typing import IO
 from fedprism.errors import ConfigError, DataError
 from fedprism.machine import cache_root
 
-__all__ = ["RemoteFile", "REMOTE", "cache_root", "download_dir", "download", "fetch", "file_digests",
+__all__ = ["RemoteFile", "REMOTE", "mirrored", "remote_files", "cache_root", "download_dir", "download", "fetch", "file_digests",
            "tofu_record_path", "read_tofu_record"]
 
 Opener = Callable[..., IO[bytes]]
@@ -88,80 +87,23 @@ class RemoteFile:
                              "or tofu=True when none is published, not both and not neither")
 
 
-def _mirrored(filename: str, bases: Sequence[str], sha256: str | None, md5: str) -> RemoteFile:
+def mirrored(filename: str, bases: Sequence[str], sha256: str | None, md5: str | None) -> RemoteFile:
+    """The file `filename` at each mirror of `bases` (folder URLs ending in '/'), with its checksums."""
     return RemoteFile(filename, tuple(b + filename for b in bases), sha256=sha256, md5=md5)
 
 
-_FMNIST_MIRRORS = (
-    "https://raw.githubusercontent.com/zalandoresearch/fashion-mnist/master/data/fashion/",
-    "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",
-)
-_MNIST_MIRRORS = (
-    "https://ossci-datasets.s3.amazonaws.com/mnist/",
-    "https://storage.googleapis.com/cvdf-datasets/mnist/",
-)
-_LIBSVM_MULTICLASS = ("https://www.csie.ntu.edu.tw/~cjlin/libsvmtools/datasets/multiclass/",)
+def remote_files() -> dict[str, tuple[RemoteFile, ...]]:
+    """Dataset name -> its official files, for every registered dataset that can be downloaded (read from
+    the datasets' specs, so a dataset module or plugin that declares files is downloadable)."""
+    from fedprism.data.base import DATASETS
 
-REMOTE: dict[str, tuple[RemoteFile, ...]] = {
-    "fmnist": (
-        _mirrored("train-images-idx3-ubyte.gz", _FMNIST_MIRRORS,
-                  "08dc20ab1689590a0bcd66e874647b6ee8464e2d501b5a3f1f78831db19a3fdc",
-                  "8d4fb7e6c68d591d4c3dfef9ec88bf0d"),
-        _mirrored("train-labels-idx1-ubyte.gz", _FMNIST_MIRRORS,
-                  "b0197879cbda89f3dc7b894f9fd52b858e68ea4182b6947c9d8c2b67e5f18dcc",
-                  "25c81989df183df01b3e8a0aad5dffbe"),
-        _mirrored("t10k-images-idx3-ubyte.gz", _FMNIST_MIRRORS,
-                  "78dcbbfb5a27efaf1b6c1d616caca68560be8766c5bffcb2791df9273a534229",
-                  "bef4ecab320f06d8554ea6380940ec79"),
-        _mirrored("t10k-labels-idx1-ubyte.gz", _FMNIST_MIRRORS,
-                  "42bd18137a62d5998cdeae52bf3a0676ac6b706f5cf8439b47bb5b151ae3dccf",
-                  "bb300cfdad3c16e7a12a480ee83cd310"),
-    ),
-    "mnist": (
-        _mirrored("train-images-idx3-ubyte.gz", _MNIST_MIRRORS,
-                  "440fcabf73cc546fa21475e81ea370265605f56be210a4024d2ca8f203523609",
-                  "f68b3c2dcbeaaa9fbdd348bbdeb94873"),
-        _mirrored("train-labels-idx1-ubyte.gz", _MNIST_MIRRORS,
-                  "3552534a0a558bbed6aed32b30c495cca23d567ec52cac8be1a0730e8010255c",
-                  "d53e105ee54ea40749a09fcbcd1e9432"),
-        _mirrored("t10k-images-idx3-ubyte.gz", _MNIST_MIRRORS,
-                  "8d422c7b0a1c1c79245a5bcf07fe86e33eeafee792b84584aec276f5a2dbc4e6",
-                  "9fb629c4189551a2d022fa330f9573f3"),
-        _mirrored("t10k-labels-idx1-ubyte.gz", _MNIST_MIRRORS,
-                  "f7ae60f92e00ec6debd23a6088c31dbd2371eca3ffa0defaefb259924204aec6",
-                  "ec29112dd5afa0611ce80d1b7f02629c"),
-    ),
-    "cifar10": (
-        _mirrored("cifar-10-python.tar.gz", ("https://www.cs.toronto.edu/~kriz/",),
-                  "6d958be074577803d12ecdefd02955f39262c83c16fe9348329d7fe0b5c001ce",
-                  "c58f30108f718f92721af3b95e74349a"),
-    ),
-    "cifar100": (
-        _mirrored("cifar-100-python.tar.gz", ("https://www.cs.toronto.edu/~kriz/",),
-                  "85cd44d02ba6437773c5bbd22e183051d648de2e7d6b014e1ef29b855ba677a7",
-                  "eb9058c3a382ffc7106e4002c42a8d85"),
-    ),
-    "svhn": (
-        _mirrored("train_32x32.mat", ("http://ufldl.stanford.edu/housenumbers/",),
-                  "435e94d69a87fde4fd4d7f3dd208dfc32cb6ae8af2240d066de1df7508d083b8",
-                  "e26dedcc434d2e4c54c9b2d4a06d8373"),
-        _mirrored("test_32x32.mat", ("http://ufldl.stanford.edu/housenumbers/",),
-                  "cdce80dfb2a2c4c6160906d0bd7c68ec5a99d7ca4831afa54f09182025b6a75b",
-                  "eb5a983be6a315427106f1b164d9cef3"),
-    ),
-    # MD5 only: no SHA-256 is published (torchvision's USPS class lists these MD5 values)
-    "usps": (
-        _mirrored("usps.bz2", _LIBSVM_MULTICLASS, None, "ec16c51db3855ca6c91edd34d0e9b197"),
-        _mirrored("usps.t.bz2", _LIBSVM_MULTICLASS, None, "8ea070ee2aca1ac39742fdd1ef5ed118"),
-    ),
-    # no checksum is published: trust on first use (see the module docstring)
-    "wisdm": (
-        RemoteFile("WISDM_ar_latest.tar.gz",
-                   ("https://www.cis.fordham.edu/wisdm/includes/datasets/latest/WISDM_ar_latest.tar.gz",),
-                   tofu=True),
-    ),
-}
-"""Official files of every downloadable dataset (``digits`` and ``synthetic`` need no download)."""
+    return {name: spec.files.remote for name, spec in DATASETS.all().items() if spec.downloadable}
+
+
+def __getattr__(name: str):
+    if name == "REMOTE":                # the table this module held before datasets declared their files
+        return remote_files()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def download_dir(name: str) -> Path:
@@ -252,7 +194,7 @@ def _write_tofu_record(final: Path, size: int, digests: dict[str, str], url: str
 
 def _default_opener(url: str, timeout: float) -> IO[bytes]:
     req = urllib.request.Request(url, headers={"User-Agent": _USER_AGENT})
-    return urllib.request.urlopen(req, timeout=timeout)  # noqa: S310 (URLs come from REMOTE or the caller)
+    return urllib.request.urlopen(req, timeout=timeout)  # noqa: S310 (URLs come from a spec or the caller)
 
 
 def fetch(remote: RemoteFile, dest_dir: str | Path, *, opener: Opener | None = None,
@@ -341,12 +283,13 @@ def download(name: str, dest: str | Path | None = None, *, files: Iterable[Remot
     tests and private mirrors). Returns the destination folder, which ``load_dataset`` searches.
     """
     if files is None:
-        if name not in REMOTE:
-            from fedprism.experiment.config import suggest
+        remote = remote_files()
+        if name not in remote:
+            from fedprism.registry import suggest
 
-            raise ConfigError("dataset", name, f"downloadable datasets are {', '.join(REMOTE)}"
-                              + suggest(name, list(REMOTE)), kind="")
-        files = REMOTE[name]
+            raise ConfigError("dataset", name, f"downloadable datasets are {', '.join(remote)}"
+                              + suggest(name, list(remote)), kind="")
+        files = remote[name]
     target = Path(dest).expanduser() if dest is not None else download_dir(name)
     for remote in files:
         fetch(remote, target, opener=opener, timeout=timeout)

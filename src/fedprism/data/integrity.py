@@ -1,27 +1,28 @@
 """Every dataset file read from disk is checked against its known digest first.
 
-Known digests: the official files of `fedprism.data.download.REMOTE` (what `fedprism data download`
-fetches) and the files of Debian's `dataset-fashion-mnist` package (`/usr/share/datasets/fashion-mnist`:
-Debian recompressed the upstream gzip files, so their bytes differ from Zalando's; the digests below
-are of the package's files, whose MD5 values are the ones the package's own `md5sums` lists).
+Known digests are what each dataset declares in its spec (``DatasetSpec.files``): the official files it
+downloads (``files.remote``, what `fedprism data download` fetches) and other published copies
+(``files.known``, such as the files of Debian's `dataset-fashion-mnist` package, whose bytes differ from
+the upstream ones because Debian recompressed them).
 
 For each file, the strongest available check is made, in this order:
 
 1. a known SHA-256 (`KNOWN`): the published digest of every official file that has one;
-2. a known MD5 (`KNOWN_MD5`) for official files with no published SHA-256 (USPS): verified, and the
-   result says `md5 verified` (MD5 catches corruption, not a crafted substitute);
+2. a known MD5 (`KNOWN_MD5`) for official files with no published SHA-256: verified, and the result says
+   `md5 verified` (MD5 catches corruption, not a crafted substitute);
 3. a trust-on-first-use record beside the file (`<file>.tofu.json`, written by the first download of a
-   file with no published checksum, WISDM): its size and SHA-256 must match the record.
+   file with no published checksum): its size and SHA-256 must match the record.
 
 * A file whose check fails: `DataError` naming the file, the expected and the actual digest (a corrupt,
   truncated or substituted file is never decoded).
-* A file with none of the three (raw, un-gzipped IDX files; CIFAR batches outside their tarball; a
-  WISDM file not obtained through `fedprism data download wisdm`; any file of a name we do not know):
-  a loud `UnverifiedDataWarning` per file, and the file is listed as unverified in the result
+* A file with none of the three (raw, un-gzipped IDX files; CIFAR batches outside their tarball; a file
+  with no published checksum not obtained through `fedprism data download`; any file of a name we do not
+  know): a loud `UnverifiedDataWarning` per file, and the file is listed as unverified in the result
   (`Dataset.integrity`).
 
-Each file is hashed once per process: digests are cached by (path, size, mtime), so loading the same
-dataset again (every run of a sweep) costs a `stat`, not a read.
+`KNOWN` and `KNOWN_MD5` cover the built-in datasets (built on first use); a registered dataset's files are
+checked against its own spec. Each file is hashed once per process: digests are cached by (path, size,
+mtime), so loading the same dataset again (every run of a sweep) costs a `stat`, not a read.
 """
 
 from __future__ import annotations
@@ -38,46 +39,62 @@ from fedprism.errors import DataError
 _CHUNK = 1 << 20
 _md5 = partial(_hashlib_md5, usedforsecurity=False)
 
-#: Debian `dataset-fashion-mnist` (the files of /usr/share/datasets/fashion-mnist): SHA-256 (computed
-#: from the installed package) with the MD5 the package's md5sums file lists for it
-DEBIAN_FMNIST = {
-    "train-images-idx3-ubyte.gz": ("b0564c3eedabfbf835052cff8503ea422014ce006caf5b757f851416ee8300c7",
-                                   "cf8536b0aa1a6ac5fa3f23001093305c"),
-    "train-labels-idx1-ubyte.gz": ("0ae29f65d86684f32d1b9c85147786c547b9c6aebcaf235f0400a0cce308b056",
-                                   "10bea18fdb374794d4bb42e356e600c9"),
-    "t10k-images-idx3-ubyte.gz": ("cc1d090a38ace84dfa1aa66e3ada7c336ef481a96936906477e6dd344da56eaa",
-                                  "f78720b4224f21cce2f2ccf2d7a94c9a"),
-    "t10k-labels-idx1-ubyte.gz": ("8d3605d196f4be44669e46906da9733c8131fef761fdbfec72c424d5222f1a05",
-                                  "0d30e22e447f3c33dab9ed536400ac01"),
-}
-
 
 class UnverifiedDataWarning(UserWarning):
     """A dataset file was used that no known checksum covers."""
 
 
-def _known() -> dict[tuple[str, str], tuple[str, ...]]:
+def _specs(specs=None) -> list:
+    if specs is not None:
+        return list(specs)
+    from fedprism.data.base import builtin_specs
+
+    return builtin_specs()
+
+
+def _known(specs=None) -> dict[tuple[str, str], tuple[str, ...]]:
+    """(dataset, file name) -> acceptable SHA-256 digests: the official files and other known copies of
+    `specs` (default: the built-in datasets)."""
     out: dict[tuple[str, str], tuple[str, ...]] = {}
-    for name, files in _download.REMOTE.items():
-        for f in files:
-            if f.sha256:
-                out[(name, f.filename)] = out.get((name, f.filename), ()) + (f.sha256.lower(),)
-    for fname, (sha, _md5) in DEBIAN_FMNIST.items():
-        out[("fmnist", fname)] = out.get(("fmnist", fname), ()) + (sha,)
+    for spec in _specs(specs):
+        if spec.files is None:
+            continue
+        for fname, sha in [(f.filename, f.sha256) for f in spec.files.remote] + \
+                          [(k.filename, k.sha256) for k in spec.files.known]:
+            if sha:
+                out[(spec.name, fname)] = out.get((spec.name, fname), ()) + (sha.lower(),)
     return out
 
 
-def _known_md5() -> dict[tuple[str, str], tuple[str, ...]]:
+def _known_md5(specs=None) -> dict[tuple[str, str], tuple[str, ...]]:
     """Official files whose only published checksum is an MD5."""
-    return {(name, f.filename): (f.md5.lower(),) for name, files in _download.REMOTE.items() for f in files
-            if f.md5 and not f.sha256}
+    return {(spec.name, f.filename): (f.md5.lower(),) for spec in _specs(specs) if spec.files is not None
+            for f in spec.files.remote if f.md5 and not f.sha256}
 
 
-#: (dataset, file name) -> acceptable SHA-256 digests
-KNOWN: dict[tuple[str, str], tuple[str, ...]] = _known()
+def __getattr__(name: str):
+    """`KNOWN` and `KNOWN_MD5`, built from the built-in datasets' specs the first time they are read (a
+    test may replace them: `verify` reads whatever the module holds)."""
+    if name in ("KNOWN", "KNOWN_MD5"):
+        value = _known() if name == "KNOWN" else _known_md5()
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-#: (dataset, file name) -> acceptable MD5 digests, for official files with no published SHA-256
-KNOWN_MD5: dict[tuple[str, str], tuple[str, ...]] = _known_md5()
+
+def _tables(dataset: str) -> tuple[dict, dict, tuple]:
+    """(SHA-256 table, MD5 table, remote files) for `dataset`: the module's tables for a built-in, its
+    own spec's for a registered one."""
+    from fedprism.data.base import DATASETS
+
+    spec = DATASETS.get(dataset)
+    remote = spec.files.remote if spec.files is not None else ()
+    if DATASETS.is_builtin(dataset):
+        g = globals()
+        return (g["KNOWN"] if "KNOWN" in g else __getattr__("KNOWN"),
+                g["KNOWN_MD5"] if "KNOWN_MD5" in g else __getattr__("KNOWN_MD5"), remote)
+    return _known([spec]), _known_md5([spec]), remote
+
 
 _digests: dict[tuple[str, int, int] | tuple[str, int, int, str], str] = {}
 
@@ -120,23 +137,24 @@ def _mismatch_error(dataset: str, path: Path, algo: str, expected: tuple[str, ..
 def verify(dataset: str, files: dict[str, Path]) -> dict[str, str]:
     """Check every file; {path: 'sha256 verified' | 'md5 verified ...' | 'sha256 verified against the
     trust-on-first-use record ...' | 'unverified: ...'}, DataError on a mismatch."""
+    known, known_md5, remote = _tables(dataset)
     status: dict[str, str] = {}
     for path in sorted(set(files.values()), key=str):
-        expected = KNOWN.get((dataset, path.name))
+        expected = known.get((dataset, path.name))
         if expected:
             actual = sha256_of(path)
             if actual not in expected:
                 raise _mismatch_error(dataset, path, "SHA-256", expected, actual)
             status[str(path)] = "sha256 verified"
             continue
-        expected = KNOWN_MD5.get((dataset, path.name))
+        expected = known_md5.get((dataset, path.name))
         if expected:
             actual = md5_of(path)
             if actual not in expected:
                 raise _mismatch_error(dataset, path, "MD5", expected, actual, " (only an MD5 is published)")
             status[str(path)] = "md5 verified (only an MD5 is published)"
             continue
-        tofu = any(f.tofu and f.filename == path.name for f in _download.REMOTE.get(dataset, ()))
+        tofu = any(f.tofu and f.filename == path.name for f in remote)
         record = _download.read_tofu_record(path) if tofu else None     # only files declared tofu have one
         if record is not None:
             when = f" of {record.get('recorded', 'an unknown date')}"

@@ -27,6 +27,10 @@ from fedprism.hparams import Param
 _pos = lambda v: v > 0  # noqa: E731
 _nonneg = lambda v: v >= 0  # noqa: E731
 
+#: keys that feed a dataset's loader (a `DatasetSpec.config_keys` entry): refused for a dataset that
+#: does not read them
+DATASET_KEYS = ("data.synthetic_devices",)
+
 #: experiment keys (not method- or partition-specific)
 #: upper bound of `threads=`: a fixed number, so that a configuration valid on one machine is valid on
 #: every machine (a sweep file travels); 256 is four times the cores of a 64-core machine, and more
@@ -37,8 +41,7 @@ MAX_THREADS = 256
 KEYS: dict[str, Param] = {
     "method": Param("fedprism", "algorithm (see `fedprism methods`)"),
     "name": Param("", "free-form label stored with the run (not part of its id)"),
-    "dataset": Param("digits", "fmnist, mnist, cifar10, cifar100, svhn, usps, digits, synthetic, wisdm "
-                     "(docs/datasets.md)"),
+    "dataset": Param("digits", "a registered dataset (`fedprism datasets` lists them; docs/datasets.md)"),
     "data.root": Param("", "directory to look for dataset files first", lambda v: "\0" not in v,
                        "a folder path (no NUL character)"),
     "data.download": Param(False, "download missing dataset files (network)"),
@@ -345,12 +348,12 @@ def resolve(raw: dict[str, Any]) -> Config:
     if part not in PARTITIONS:
         raise ConfigError("partition", part, f"one of {', '.join(sorted(PARTITIONS))}"
                           f"{suggest(str(part).lower(), sorted(PARTITIONS))}")
-    from fedprism.data.datasets import DATASETS
+    from fedprism.data.base import DATASETS
     from fedprism.models import MODELS
     ds = raw.get("dataset", KEYS["dataset"].default)
-    if ds not in DATASETS and ds not in plugins.DATASETS:
-        raise ConfigError("dataset", ds, f"one of {', '.join((*DATASETS, *plugins.DATASETS))}"
-                          f"{suggest(str(ds).lower(), [*DATASETS, *plugins.DATASETS])}")
+    if ds not in DATASETS:
+        raise ConfigError("dataset", ds, f"one of {', '.join(DATASETS.names())}"
+                          f"{suggest(str(ds).lower(), DATASETS.names())}")
     model = raw.get("model", KEYS["model"].default)
     if not isinstance(model, str):
         raise ConfigError("model", model, f"one of auto, {', '.join((*MODELS, *plugins.MODELS))}")
@@ -398,9 +401,11 @@ def resolve(raw: dict[str, Any]) -> Config:
                           "(0: every client)")
     if out["eval.gate"] != "none":
         _check_gate(out)
-    if out["data.synthetic_devices"] != KEYS["data.synthetic_devices"].default and out["dataset"] != "synthetic":
-        raise ConfigError("data.synthetic_devices", out["data.synthetic_devices"],
-                          f"only with dataset=synthetic (dataset={out['dataset']}); leave it out")
+    for key in DATASET_KEYS:            # a dataset's own key, given for a dataset that does not read it
+        if out[key] != KEYS[key].default and key not in dict(DATASETS.get(out["dataset"]).config_keys):
+            takers = [n for n, spec in DATASETS.all().items() if key in dict(spec.config_keys)]
+            raise ConfigError(key, out[key], f"only with dataset={' or '.join(takers)} "
+                              f"(dataset={out['dataset']}); leave it out")
     from fedprism import kernels         # last: a configuration refused above builds nothing
     auto = frozenset(k for k in KERNEL_KEYS if out[k] == "auto")
     for k in KERNEL_KEYS:                  # what runs, not what was asked: it is part of the run id

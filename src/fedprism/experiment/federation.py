@@ -24,36 +24,9 @@ def _pad32(cfg: Config, dataset: str) -> bool:
         return True
     if v in (False, "false"):
         return False
-    return dataset in ("fmnist", "mnist") and cfg["model"] in ("auto", "lenet5", "lenet5_bn", "cnn", "clustpsi_cifar_cnn")
+    from fedprism.data.base import DATASETS
 
-
-def _check_plugin_dataset(name: str, ds: object):
-    """What a registered loader returned, if it is a Dataset a run can use: float inputs, finite, one
-    integer label in 0..classes-1 per input, both splits non-empty."""
-    from fedprism.data.datasets import Dataset
-    from fedprism.errors import ConfigError
-
-    def bad(what: str) -> ConfigError:
-        return ConfigError("dataset", name, f"a registered loader {what}")
-
-    if not isinstance(ds, Dataset):
-        raise bad(f"returns a fedprism.data.datasets.Dataset; it returned {type(ds).__name__}")
-    k = len(ds.classes)
-    for split in ("train", "test"):
-        x, y = getattr(ds, f"x_{split}"), getattr(ds, f"y_{split}")
-        tensors = isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
-        if not tensors or len(x) != len(y) or not len(y):
-            raise bad(f"gives a non-empty {split} split of tensors, one label per input")
-        if x.dtype == torch.bool or (x.is_floating_point() and not bool(torch.isfinite(x).all())):
-            raise bad(f"gives finite numeric {split} inputs")
-        whole = not y.is_floating_point() or bool((y == y.round()).all())      # Federation casts with .long()
-        if y.dtype == torch.bool or not whole or int(y.min()) < 0 or int(y.max()) >= k:
-            raise bad(f"gives whole-number {split} labels in 0..{k - 1} (one per class name); "
-                      f"found {y.dtype} {y.min().item()}..{y.max().item()}")
-    if ds.x_train.dim() < 2 or ds.x_train.shape[1:] != ds.x_test.shape[1:]:
-        raise bad(f"gives inputs of one shape in both splits, [samples, features...]; train "
-                  f"{tuple(ds.x_train.shape)}, test {tuple(ds.x_test.shape)}")
-    return ds
+    return DATASETS.get(dataset).pad32_auto and cfg["model"] in ("auto", "lenet5", "lenet5_bn", "cnn", "clustpsi_cifar_cnn")
 
 
 @lru_cache(maxsize=4)
@@ -61,24 +34,20 @@ def _federation(dataset: str, root: str, download: bool, pad32: bool, partition:
                 part_items: tuple, clients: int, seed: int, train_subset: int = 0, test_subset: int = 0,
                 val_fraction: float = 0.0, global_val: int = 0, local_test: str = "official",
                 local_test_fraction: float = 0.2, synthetic_devices: int = 30) -> Federation:
-    from fedprism.data.datasets import DATASETS, NATURAL_CLIENTS, load_dataset
+    from fedprism.data.base import DATASETS, natural_datasets
+    from fedprism.data.datasets import load_dataset
     from fedprism.data.partition import make_partition
     from fedprism.errors import ConfigError
 
-    from fedprism import plugins
-
-    if dataset in plugins.DATASETS and dataset not in DATASETS:
-        ds = _check_plugin_dataset(dataset, plugins.DATASETS[dataset](pad32=pad32, root=root or None))
-    elif dataset == "synthetic":
-        ds = load_dataset(dataset, root=root or None, download=download, pad32=pad32, num_devices=synthetic_devices)
-    else:
-        ds = load_dataset(dataset, root=root or None, download=download, pad32=pad32)
+    spec = DATASETS.get(dataset)
+    options = spec.loader_kwargs({"data.synthetic_devices": synthetic_devices})   # the keys federation_key holds
+    ds = load_dataset(dataset, root=root or None, download=download, pad32=pad32, **options)
     x_tr, y_tr, x_te, y_te = ds.x_train, ds.y_train, ds.x_test, ds.y_test
     g_tr, g_te = getattr(ds, "groups", None), getattr(ds, "test_groups", None)   # natural clients, if any
     if partition == "natural" and (g_tr is None or g_te is None):
         raise ConfigError("partition", partition, "a partition this dataset supports: 'natural' gives each "
                           "client the samples of one user or device and needs a dataset that records them "
-                          f"(built in: {', '.join(NATURAL_CLIENTS)}); dataset '{dataset}' does not")
+                          f"({', '.join(natural_datasets())}); dataset '{dataset}' does not")
     rng = np.random.default_rng([seed, 0xDA7A])
     for key, want, have in (("data.train_subset", train_subset, len(y_tr)), ("data.test_subset", test_subset,
                                                                             len(y_te))):
