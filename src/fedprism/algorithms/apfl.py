@@ -103,11 +103,11 @@ class APFL(FedAvg):
         "alpha_mode": Param("adaptive", "alpha_k learnt by Eq. 10 (adaptive) or kept at `alpha` (fixed)",
                             choices=("adaptive", "fixed")),
         "weighting": FedAvg.params["weighting"],
-    #: the declaration (`__init__` starts alpha at the configured value)
-    client_state = {"v": ClientState(("P",), init="model"), "alpha": ClientState((), init=0.5)}
         **ROBUST_PARAMS,
         **SERVER_OPT_PARAMS,         # the global model's server step (FedAvg's aggregate)
     }
+    #: the declaration (`__init__` starts alpha at the configured value)
+    client_state = {"v": ClientState(("P",), init="model"), "alpha": ClientState((), init=0.5)}
 
     def __init__(self, ctx, **hp):
         super().__init__(ctx, **hp)

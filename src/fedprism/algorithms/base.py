@@ -181,38 +181,6 @@ class Algorithm:
         """Extra shared models to score on the global test set (e.g. {'global': w_g})."""
         return {}
 
-
-def _check_method(name: str, cls: Any) -> None:
-    """What `register` refuses: anything but an Algorithm subclass, a class registered under a name other
-    than its own, a params entry that is not a Param (each would fail only once a run starts)."""
-    if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
-        raise TypeError(f"register() takes a subclass of fedprism.Algorithm, not {cls!r}")
-    if not cls.name:
-        raise ValueError(f"{cls.__name__} has no `name`")
-    if not isinstance(cls.name, str) or "." in cls.name or any(c.isspace() for c in cls.name):
-        raise ValueError(f"{cls.__name__}.name = {cls.name!r}: a method name is a string without dots or "
-                         "spaces (its keys are `name.key`)")
-    if cls.name != name:
-        raise ValueError(f"{cls.__name__}.name = {cls.name!r} registered as {name!r}: a method is registered "
-                         "under its own name (configurations and stored runs name it)")
-    for key, p in cls.params.items():
-        if not isinstance(p, Param):
-            raise TypeError(f"{cls.__name__}.params[{key!r}] is {p!r}: each parameter is a "
-                            "fedprism.hparams.Param")
-
-
-#: modules of `fedprism.algorithms` that hold shared code, not a method (every other module `x.py` holds
-#: the method `x` and registers it when imported; `fedprism methods` lists them without importing them)
-SHARED_MODULES = ("base", "aggregation", "partial")
-
-#: name -> method class. Built-in methods are imported when first named (`REGISTRY["fedavg"]`), plugins
-#: come through the `fedprism.methods` entry-point group or `register`.
-REGISTRY: Registry[type[Algorithm]] = Registry("method", "fedprism.algorithms", skip=SHARED_MODULES,
-                                               check=_check_method)
-
-
-def register(cls: type[Algorithm]) -> type[Algorithm]:
-    """Add a method to the registry under `cls.name` (usable by `fedprism run`, sweeps, reports, Flower).
     # -- sizes the run layer bounds before anything is allocated (`fedprism.experiment.limits`) ----
     #    Each takes the method's resolved hyper-parameters `hp` (keys without the `<method>.` prefix).
     @classmethod
@@ -299,6 +267,38 @@ def register(cls: type[Algorithm]) -> type[Algorithm]:
             return []
         return part.figures(store, run, label, setting, stem)
 
+
+def _check_method(name: str, cls: Any) -> None:
+    """What `register` refuses: anything but an Algorithm subclass, a class registered under a name other
+    than its own, a params entry that is not a Param (each would fail only once a run starts)."""
+    if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
+        raise TypeError(f"register() takes a subclass of fedprism.Algorithm, not {cls!r}")
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no `name`")
+    if not isinstance(cls.name, str) or "." in cls.name or any(c.isspace() for c in cls.name):
+        raise ValueError(f"{cls.__name__}.name = {cls.name!r}: a method name is a string without dots or "
+                         "spaces (its keys are `name.key`)")
+    if cls.name != name:
+        raise ValueError(f"{cls.__name__}.name = {cls.name!r} registered as {name!r}: a method is registered "
+                         "under its own name (configurations and stored runs name it)")
+    for key, p in cls.params.items():
+        if not isinstance(p, Param):
+            raise TypeError(f"{cls.__name__}.params[{key!r}] is {p!r}: each parameter is a "
+                            "fedprism.hparams.Param")
+
+
+#: modules of `fedprism.algorithms` that hold shared code, not a method (every other module `x.py` holds
+#: the method `x` and registers it when imported; `fedprism methods` lists them without importing them)
+SHARED_MODULES = ("base", "aggregation", "partial")
+
+#: name -> method class. Built-in methods are imported when first named (`REGISTRY["fedavg"]`), plugins
+#: come through the `fedprism.methods` entry-point group or `register`.
+REGISTRY: Registry[type[Algorithm]] = Registry("method", "fedprism.algorithms", skip=SHARED_MODULES,
+                                               check=_check_method)
+
+
+def register(cls: type[Algorithm]) -> type[Algorithm]:
+    """Add a method to the registry under `cls.name` (usable by `fedprism run`, sweeps, reports, Flower).
 
     Registering a name again replaces the earlier class (a notebook cell run twice), except a built-in
     method's name: a plugin cannot silently stand in for `fedavg`. A reload of the built-in's own module

@@ -36,8 +36,8 @@ from fedprism.algorithms.aggregation import (ROBUST_PARAMS, SERVER_OPT_PARAMS, W
                                              robust_args, server_update,
                                              weighted_mean)
 from fedprism.algorithms.base import Algorithm, Plan, Update, register
-from fedprism.errors import ConfigError
 from fedprism.clustering import max_cross_similarity, optimal_bipartition, pairwise_cosine
+from fedprism.errors import ConfigError
 from fedprism.hparams import Param
 
 
@@ -71,7 +71,9 @@ class CFL(Algorithm):
                            choices=WEIGHTINGS),
         "bipartition": Param("optimal", "optimal min-max cut (paper) or complete linkage (notebook)",
                              choices=("optimal", "complete")),
-    averages = ("w",)                # a server step on each cluster model (a split's child starts with fresh state)
+        **ROBUST_PARAMS,
+        **SERVER_OPT_PARAMS,         # a step on each cluster model (a split's child starts with fresh state)
+    }
 
     @classmethod
     def server_models(cls, hp: dict, clients: int, cohort: int) -> dict:
@@ -84,9 +86,6 @@ class CFL(Algorithm):
                               "with one client a round the mean update is that client's update, so the split "
                               "test (mean norm < cfl.eps1 <= cfl.eps2 < max norm) can never pass and CFL stays "
                               "FedAvg")
-        **ROBUST_PARAMS,
-        **SERVER_OPT_PARAMS,         # a step on each cluster model (a split's child starts with fresh state)
-    }
 
     def init_state(self) -> dict:
         N = self.ctx.num_clients

@@ -62,7 +62,9 @@ class FedClust(Algorithm):
                         choices=("euclidean", "cosine")),
         "threshold": Param(0.0, "original variant: distance threshold (0 = largest merge gap)",
                            lambda v: v >= 0, "a number >= 0"),
-    averages = ("w_c", "w_g")        # a server step on every cluster model and on w_g
+        **ROBUST_PARAMS,
+        **SERVER_OPT_PARAMS,         # a step on every cluster model and on w_g
+    }
 
     @classmethod
     def clusters(cls, hp: dict) -> int | None:
@@ -75,9 +77,6 @@ class FedClust(Algorithm):
     @classmethod
     def server_models(cls, hp: dict, clients: int, cohort: int) -> dict:
         return {"k": 3 * hp["k"]} if hp["variant"] == "periodic" else {}
-        **ROBUST_PARAMS,
-        **SERVER_OPT_PARAMS,         # a step on every cluster model and on w_g
-    }
 
     def init_state(self) -> dict:
         w = self.ctx.init.clone()

@@ -99,7 +99,9 @@ class FedPrism(Algorithm):
         "features": Param("full", "clustering features: full vector (Fed-PRISM report) or last layer (FedPrism paper)",
                           choices=("full", "last_layer")),
         "affinity": Param("shifted", "covariance affinity: (1+R)/2 or max(R,0)", choices=("shifted", "clip")),
-    averages = ("w_g", "w_c")        # a server step on w_g and on each cluster model that moved (`_server_step`)
+        **ROBUST_PARAMS,
+        **SERVER_OPT_PARAMS,         # a step on w_g and on each cluster model that moved (`_server_step`)
+    }
 
     @classmethod
     def clusters(cls, hp: dict) -> int:
@@ -112,9 +114,6 @@ class FedPrism(Algorithm):
     @classmethod
     def server_models(cls, hp: dict, clients: int, cohort: int) -> dict:
         return {"k": 3 * hp["k"]}    # w_c, and a working copy of each and of its update in `aggregate`
-        **ROBUST_PARAMS,
-        **SERVER_OPT_PARAMS,         # a step on w_g and on each cluster model that moved (`_server_step`)
-    }
 
     @classmethod
     def check_params(cls, hp: dict) -> None:

@@ -95,11 +95,11 @@ class FedSoft(Algorithm):
         return "own model w_k"
 
     def upload(self) -> dict:
+        return {"params": TensorSpec(("P",)), "u": TensorSpec((self.hp["k"],))}
+
     @classmethod
     def server_models(cls, hp: dict, clients: int, cohort: int) -> dict:
         return {"k": hp["k"] * (cohort + 1)}    # the S cluster models, and a copy of them for each of a cohort
-
-        return {"params": TensorSpec(("P",)), "u": TensorSpec((self.hp["k"],))}
 
     def init_state(self) -> dict:
         return {"c": permuted_inits(self.ctx.init, self.ctx.spec, self.hp["k"], self.ctx.seed)}

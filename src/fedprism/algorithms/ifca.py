@@ -76,7 +76,9 @@ class IFCA(Algorithm):
                                "an integer >= 1"),
         "weighting": Param("samples", "per-cluster average: n_i (samples) or 1 (uniform, as the paper)",
                            choices=WEIGHTINGS),
-    averages = ("w",)                # the K cluster models
+        **ROBUST_PARAMS,
+        **SERVER_OPT_PARAMS,
+    }
 
     @classmethod
     def clusters(cls, hp: dict) -> int:
@@ -85,9 +87,6 @@ class IFCA(Algorithm):
     @classmethod
     def server_models(cls, hp: dict, clients: int, cohort: int) -> dict:
         return {"k": hp["k"] * (cohort + 1)}    # every client of a cohort scores all K models: a copy each
-        **ROBUST_PARAMS,
-        **SERVER_OPT_PARAMS,
-    }
 
     def init_state(self) -> dict:
         K = self.hp["k"]

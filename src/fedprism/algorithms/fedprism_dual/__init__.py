@@ -269,6 +269,8 @@ class FedPrismDual(FedPrism):
                               f"a number in [0, 1 - beta] = [0, {1 - hp['beta']:g}] "
                               "(gamma = 1 - alpha - beta >= 0)")
         w = hp["inference_weight"]
+        hp["inference_weight"] = None if w in (None, "auto") else float(w)
+
     @classmethod
     def clusters_cohort(cls, hp: dict) -> bool:
         return hp["cluster_on"] == "reporting"          # `seen` clusters every client seen so far
@@ -279,8 +281,6 @@ class FedPrismDual(FedPrism):
         if hp["cluster_on"] == "seen" and hp["features"] == "full":
             out["cluster_on"] = 4 * clients   # every client's last feature (d = P) in float64, and a copy
         return out
-
-        hp["inference_weight"] = None if w in (None, "auto") else float(w)
 
     # -- structure ---------------------------------------------------------------------------------
     @property
