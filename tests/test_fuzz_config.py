@@ -29,7 +29,7 @@ FUZZ = settings(max_examples=int(os.environ.get("FEDPRISM_FUZZ_EXAMPLES", "400")
                 suppress_health_check=[HealthCheck.too_slow])
 
 #: every known key with its Param: experiment, partition (all partitions), method parameters
-ALL_PARAMS = {**KEYS, **{f"partition.{k}": p for part in PARTITIONS.values() for k, p in part.items()},
+ALL_PARAMS = {**KEYS, **{f"partition.{k}": p for part in PARTITIONS.values() for k, p in part.params.items()},
               **{f"partition.{k}": p for k, p in PARTITION_COMMON.items()},
               **{f"{m}.{k}": p for m, cls in REGISTRY.items() for k, p in cls.params.items()}}
 NUMERIC = sorted(k for k, p in ALL_PARAMS.items()
@@ -61,7 +61,7 @@ def test_any_value_for_any_key_is_config_or_config_error(key, value):
     method = key.split(".")[0] if key.split(".")[0] in REGISTRY else "fedavg"
     raw = {"method": method, key: value}
     if key.startswith("partition."):
-        part = next((n for n, ps in PARTITIONS.items() if key[10:] in ps), "dirichlet")
+        part = next((n for n, spec in PARTITIONS.items() if key[10:] in spec.params), "dirichlet")
         raw["partition"] = part
     got = resolves_or_config_error(raw)
     if isinstance(value, float) and not math.isfinite(value):
@@ -77,7 +77,7 @@ def test_non_finite_and_huge_numbers_are_refused_for_every_numeric_key(key, valu
     method = key.split(".")[0] if key.split(".")[0] in REGISTRY else "fedavg"
     raw = {"method": method, key: value}
     if key.startswith("partition."):
-        raw["partition"] = next((n for n, ps in PARTITIONS.items() if key[10:] in ps), "dirichlet")
+        raw["partition"] = next((n for n, spec in PARTITIONS.items() if key[10:] in spec.params), "dirichlet")
     if value == 1e300 and type(ALL_PARAMS[key].default) is float:
         assume(False)                     # a finite float: range checks decide
     assert resolves_or_config_error(raw) is None, f"{key}={value!r} accepted"
@@ -122,7 +122,7 @@ def _valid_value(p):
 def test_every_valid_configuration_resolves(data, method, partition):
     raw: dict = {"method": method, "partition": partition}
     names = [k for k in KEYS if k not in ("method", "partition", "dataset")]
-    names += [f"partition.{k}" for k in {**PARTITION_COMMON, **PARTITIONS[partition]}]
+    names += [f"partition.{k}" for k in {**PARTITION_COMMON, **PARTITIONS[partition].params}]
     names += [f"{method}.{k}" for k in REGISTRY[method].params]
     for key in data.draw(st.lists(st.sampled_from(names), unique=True, max_size=8)):
         p = ALL_PARAMS[key] if not key.startswith(method + ".") else REGISTRY[method].params[key[len(method) + 1:]]

@@ -256,12 +256,12 @@ def test_summarize_and_histograms():
 def test_partitions_registry_lists_parameters():
     assert set(PARTITIONS) == {"iid", "dirichlet", "dirichlet_per_class", "pathological", "similarity",
                                "domain_mix", "natural"}
-    assert PARTITIONS["natural"] == {}
-    assert PARTITIONS["dirichlet"]["alpha"].default == 0.1
-    assert PARTITIONS["dirichlet_per_class"]["alpha"].default == 0.5
-    assert PARTITIONS["pathological"]["shards_per_client"].default == 2
-    assert PARTITIONS["similarity"]["s"].default == 0.5
-    assert PARTITIONS["domain_mix"]["num_domains"].default == 4
+    assert PARTITIONS["natural"].params == {} and PARTITIONS["natural"].natural
+    assert PARTITIONS["dirichlet"].params["alpha"].default == 0.1
+    assert PARTITIONS["dirichlet_per_class"].params["alpha"].default == 0.5
+    assert PARTITIONS["pathological"].params["shards_per_client"].default == 2
+    assert PARTITIONS["similarity"].params["s"].default == 0.5
+    assert PARTITIONS["domain_mix"].params["num_domains"].default == 4
 
 
 @pytest.mark.parametrize(

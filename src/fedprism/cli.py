@@ -1,4 +1,5 @@
-"""The `fedprism` command: run | demo | sweep | report | runs | show | verify | partition | methods |
+"""The `fedprism` command: run | demo | sweep | report | runs | show | verify | partition | methods | models |
+partitions |
 merge | export | data."""
 
 from __future__ import annotations
@@ -334,15 +335,94 @@ def cmd_methods(args) -> int:
     _server_steps(REGISTRY, args.names, width)
     if args.names:
         return 0
-    from fedprism.data.partition import PARTITIONS
+    from fedprism.data.partitions import PARTITIONS
     from fedprism.experiment.config import PARTITION_COMMON
 
     print("\nPartitions (partition=NAME; `fedprism partitions` says what each key means):")
-    for name, ps in PARTITIONS.items():
-        allp = {**PARTITION_COMMON, **ps}
+    for name, spec in PARTITIONS.items():
+        allp = {**PARTITION_COMMON, **spec.params}
         print(textwrap.fill(f"  {name}: " + ", ".join(f"partition.{k}={p.default!r}" for k, p in allp.items()),
                             width, subsequent_indent="    ", break_on_hyphens=False))
     return 0
+
+
+def _kind(registry, name: str, obj) -> str:
+    """'built in', or 'plugin, <module>' for a registered component."""
+    return "built in" if registry.is_builtin(name) else f"plugin, {getattr(obj, '__module__', '?')}"
+
+
+#: the class count `fedprism models` builds each model with (its parameter counts)
+_LIST_CLASSES = 10
+
+
+def _describe_model(name: str, spec) -> tuple[str, list[list]]:
+    """`fedprism models`: what the spec declares, and the parameter counts of the model built on its
+    example input shape (body and head apart when it has them)."""
+    import torch
+
+    from fedprism.models import MODELS, build_model
+
+    rows: list[list] = [["inputs", spec.inputs],
+                        ["data.pad32=auto", "pads 28x28 images to 32x32" if spec.pad32 else "leaves images as they are"]]
+    shape = "x".join(map(str, spec.shape))
+    try:
+        model = build_model(name, spec.shape, _LIST_CLASSES)
+    except Exception as e:  # noqa: BLE001 - a plugin builder that fails here is shown, not fatal to the listing
+        rows.append(["parameters", f"not built on [{shape}]: {type(e).__name__}: {e}"])
+        return f"{name}  ({spec.title or _kind(MODELS, name, spec)})", rows
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    rows.append(["parameters", f"{count(model):,} on [{shape}] inputs, {_LIST_CLASSES} classes"])
+    body, head = getattr(model, "body", None), getattr(model, "head", None)
+    if isinstance(body, torch.nn.Module) and isinstance(head, torch.nn.Module):
+        rows += [["body", f"{spec.body or type(body).__name__} ({count(body):,} parameters)"],
+                 ["head", f"{spec.head or type(head).__name__} ({count(head):,} parameters)"]]
+    else:
+        rows.append(["body / head", "no `body` and `head` submodules: methods that share or keep the head "
+                                    "apart (FedPer, FedRep, prototypes) cannot use it"])
+    title = spec.title + ("" if MODELS.is_builtin(name) else f"; {_kind(MODELS, name, spec)}") if spec.title \
+        else _kind(MODELS, name, spec)
+    return f"{name}  ({title})", rows
+
+
+def cmd_models(args) -> int:
+    """`fedprism models [NAME...]`: every registered model (or the named ones) with what it declares."""
+    from fedprism.models import MODELS
+
+    def auto(width: int) -> None:
+        from fedprism.models import AUTO_IMAGES, AUTO_OTHER
+
+        print(textwrap.fill(f"Models (model=NAME; model=auto: {AUTO_IMAGES} for images of at least 28 pixels, "
+                            f"{AUTO_OTHER} for everything else). Parameter counts are for the input shape shown "
+                            f"and {_LIST_CLASSES} classes.", width))
+
+    return _list_components(MODELS, args.names, _describe_model, head=("field", "value"), before=auto)
+
+
+def _describe_partition(name: str, spec) -> tuple[str, list[list]]:
+    from fedprism.data.partitions import PARTITIONS
+
+    title = spec.title or _kind(PARTITIONS, name, spec)
+    if not PARTITIONS.is_builtin(name) and spec.title:
+        title += f"; {_kind(PARTITIONS, name, spec)}"
+    rows = [[f"partition.{k}", _shown(p), p.help + (f" [{', '.join(map(str, p.choices))}]" if p.choices else "")]
+            for k, p in spec.params.items()]
+    if spec.natural:
+        rows.append(["(data)", "-", "needs a dataset that records each sample's user or device; clients = "
+                                    "their number"])
+    return f"{name}  ({title})", rows
+
+
+def cmd_partitions(args) -> int:
+    """`fedprism partitions [NAME...]`: every registered partition (or the named ones) with its keys."""
+    from fedprism.data.partitions import PARTITIONS
+    from fedprism.experiment.config import PARTITION_COMMON
+
+    def common(width: int) -> None:
+        print("Keys of every partition:")
+        print(_table([[f"partition.{k}", _shown(p), p.help] for k, p in PARTITION_COMMON.items()],
+                     ["key", "default", "meaning"], width))
+
+    return _list_components(PARTITIONS, args.names, _describe_partition, before=common)
 
 
 def cmd_partition(args) -> int:
@@ -688,6 +768,18 @@ def build_parser() -> argparse.ArgumentParser:
                                    "the named methods' (`fedprism methods fedprism ifca`).")
     m.add_argument("names", nargs="*", default=[], metavar="METHOD", help="only these methods")
     m.set_defaults(fn=cmd_methods)
+    mo = sub.add_parser("models", help="list the registered models and what each declares",
+                        description="Every registered model (built in or plugin), or the named ones: the inputs "
+                                    "it takes, whether data.pad32=auto pads 28x28 images for it, its parameter "
+                                    "count and its body/head split.")
+    mo.add_argument("names", nargs="*", default=[], metavar="MODEL", help="only these models")
+    mo.set_defaults(fn=cmd_models)
+    pt = sub.add_parser("partitions", help="list the registered partitions and their partition.* keys",
+                        description="Every registered partition (built in or plugin), or the named ones, with "
+                                    "its partition.* keys, their defaults and meaning (`fedprism partition` "
+                                    "splits a dataset and shows the result).")
+    pt.add_argument("names", nargs="*", default=[], metavar="PARTITION", help="only these partitions")
+    pt.set_defaults(fn=cmd_partitions)
 
     mg = with_db(sub.add_parser(
         "merge", help="copy the finished runs of other results stores into --db",

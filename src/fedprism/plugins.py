@@ -18,14 +18,13 @@ everywhere a built-in one is. In the same process, `register` / `register_model`
 
 from __future__ import annotations
 
-import warnings
-from importlib.metadata import entry_points
 from typing import Any, Callable
 
-GROUPS = ("fedprism.methods", "fedprism.models", "fedprism.datasets")
+GROUPS = ("fedprism.methods", "fedprism.models", "fedprism.datasets", "fedprism.partitions")
 
-#: name -> build(input_shape, num_classes) -> torch.nn.Module
-MODELS: dict[str, Callable[..., Any]] = {}
+#: name -> ModelSpec: the one model registry (`fedprism.models.base.MODELS`); a bare builder
+#: build(input_shape, num_classes) -> torch.nn.Module registered here is wrapped into a spec
+from fedprism.models.base import MODELS  # noqa: E402
 #: name -> DatasetSpec: the one dataset registry (`fedprism.data.base.DATASETS`); a bare loader
 #: load(pad32: bool, root: str | None) -> fedprism.data.datasets.Dataset registered here is wrapped into a spec
 from fedprism.data.base import DATASETS  # noqa: E402
@@ -54,12 +53,15 @@ def _check(kind: str, name: object, fn: object, builtin: tuple[str, ...]) -> Non
 
 
 def register_model(name: str, build: Callable[..., Any]) -> Callable[..., Any]:
-    """`build(input_shape, num_classes) -> torch.nn.Module` under `name` (not a built-in model's name: it
-    would never be used). What it returns is checked when a run builds it (`runner.make_model`)."""
-    from fedprism.models import MODELS as BUILTIN
+    """`build(input_shape, num_classes) -> torch.nn.Module`, or a whole `fedprism.models.ModelSpec` (which
+    also declares input constraints, 32x32 padding and its body/head), under `name` (not a built-in
+    model's name) in the model registry. What a builder returns is checked when a run builds it
+    (`runner.make_model`)."""
+    from fedprism.models.base import ModelSpec
 
-    _check("model", name, build, BUILTIN)
-    MODELS[name] = build
+    builtin = tuple(n for n in MODELS.names() if MODELS.is_builtin(n))
+    _check("model", name, build.build if isinstance(build, ModelSpec) else build, builtin)
+    MODELS.register(build, name=name)
     return build
 
 
@@ -80,25 +82,15 @@ def register_dataset(name: str, load: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def load(force: bool = False) -> None:
-    """Import every entry point of the three groups (once per process unless `force`). A plugin that
-    fails to import is skipped with a warning naming it, so one broken package cannot stop fedprism."""
+    """Import every entry point of the four groups (once per process unless `force`), each into its
+    registry. A plugin that fails to import or to register is skipped with a warning naming it, so one
+    broken package cannot stop fedprism."""
     global _loaded
     if _loaded and not force:
         return
     _loaded = True
     from fedprism.algorithms.base import REGISTRY
+    from fedprism.data.partitions import PARTITIONS
 
-    REGISTRY.load_plugins(force)           # `fedprism.methods`: warns about (and skips) a broken plugin
-    DATASETS.load_plugins(force)           # `fedprism.datasets`, the same way
-    for group in GROUPS:
-        if group in ("fedprism.methods", "fedprism.datasets"):     # their registries read their groups
-            continue
-        for ep in entry_points(group=group):
-            try:
-                obj = ep.load()
-            except Exception as e:  # noqa: BLE001 - a broken plugin must not break the built-in methods
-                warnings.warn(f"fedprism plugin {ep.name!r} ({ep.value}) of {group} failed to load: "
-                              f"{type(e).__name__}: {e}", stacklevel=2)
-                continue
-            if group == "fedprism.models":
-                MODELS.setdefault(ep.name, obj)
+    for registry in (REGISTRY, MODELS, DATASETS, PARTITIONS):
+        registry.load_plugins(force)

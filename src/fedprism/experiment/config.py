@@ -37,7 +37,6 @@ DATASET_KEYS = ("data.synthetic_devices",)
 #: intra-op threads than that only oversubscribe (torch crashed with 100000)
 MAX_THREADS = 256
 
-
 KEYS: dict[str, Param] = {
     "method": Param("fedprism", "algorithm (see `fedprism methods`)"),
     "name": Param("", "free-form label stored with the run (not part of its id)"),
@@ -68,11 +67,10 @@ KEYS: dict[str, Param] = {
     "data.local_test_fraction": Param(0.2, "data.local_test=split: share of each client's rows held out as its "
                                       "local test split (Clust-PSI-PFL: 0.2, an 80/20 split)",
                                       lambda v: 0 < v < 1, "a number in (0, 1)", new=True),
-    "model": Param("auto", "lenet5, lenet5_bn, mlp, mlp_bn, cnn, clustpsi_fmnist_cnn, clustpsi_cifar_cnn, mlp_fedsub, "
-                   "a registered "
-                   "model, or auto (lenet5 for images >= 28px, else mlp)"),
-    "partition": Param("dirichlet", "how the data is split across clients (the partitions and their keys: "
-                       "end of `fedprism methods`)"),
+    "model": Param("auto", "a registered model (`fedprism models` lists them, with the inputs each takes), or "
+                   "auto (lenet5 for images >= 28px, else mlp)"),
+    "partition": Param("dirichlet", "how the data is split across clients: a registered partition (`fedprism "
+                       "partitions` lists them with their partition.* keys)"),
     "clients": Param(100, "number of clients N", _pos, "an integer >= 1"),
     "rounds": Param(100, "communication rounds T", _pos, "an integer >= 1"),
     "fraction": Param(0.1, "client sampling rate R per round", lambda v: 0 < v <= 1, "a number in (0, 1]"),
@@ -96,10 +94,9 @@ KEYS: dict[str, Param] = {
                           "kernels are built for this machine and the run is on a CPU, else aten; "
                           "fedprism.kernels), aten (PyTorch's, the stored runs' numbers), fused (each conv -> "
                           "ReLU -> 2x2 max-pooling block of the model in one C++ kernel, `fedprism kernels "
-                          "build`; logits change at float32 rounding: bench/README.md) or winograd (as fused, "
-                          "and blocks of 5x5 filters on 4 or more input channels by minimal filtering, "
-                          "F(2x2, 5x5)). Resolved to the kernels that run before the run id is computed. "
-                          "Training: train.kernels", choices=("auto", "aten", "fused", "winograd"), new=True),
+                          "build`; logits change at float32 rounding: bench/README.md). Resolved to the "
+                          "kernels that run before the run id is computed. Training: train.kernels",
+                          choices=("auto", "aten", "fused"), new=True),
     "train.kernels": Param("auto", "kernels of local training on a CPU: auto (fused where the kernels are built "
                            "for this machine and the run is on a CPU, else aten; fedprism.kernels), aten "
                            "(PyTorch's, the stored runs' numbers) or fused (the model's first two conv -> ReLU "
@@ -309,7 +306,6 @@ class Config:
         parameters train the same models."""
         return hashlib.sha256(json.dumps(self.train_identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
-
     def with_(self, **kw: Any) -> "Config":
         kw = {k.replace("__", "."): v for k, v in kw.items()}
         return resolve({**self.values, **{k: "auto" for k in self.auto if k not in kw}, **kw})
@@ -331,7 +327,7 @@ def resolve(raw: dict[str, Any]) -> Config:
     """Validate `raw` (flat keys) and fill defaults for the experiment, the method and the partition."""
     from fedprism import plugins
     from fedprism.algorithms import REGISTRY
-    from fedprism.data.partition import PARTITIONS
+    from fedprism.data.partitions import PARTITIONS
 
     plugins.load()
     raw = dict(raw)
@@ -346,8 +342,8 @@ def resolve(raw: dict[str, Any]) -> Config:
                           f"{suggest(str(method).lower(), sorted(REGISTRY))}")
     part = raw.get("partition", KEYS["partition"].default)
     if part not in PARTITIONS:
-        raise ConfigError("partition", part, f"one of {', '.join(sorted(PARTITIONS))}"
-                          f"{suggest(str(part).lower(), sorted(PARTITIONS))}")
+        raise ConfigError("partition", part, f"one of {', '.join(PARTITIONS.names())}"
+                          f"{suggest(str(part).lower(), PARTITIONS.names())}")
     from fedprism.data.base import DATASETS
     from fedprism.models import MODELS
     ds = raw.get("dataset", KEYS["dataset"].default)
@@ -356,15 +352,15 @@ def resolve(raw: dict[str, Any]) -> Config:
                           f"{suggest(str(ds).lower(), DATASETS.names())}")
     model = raw.get("model", KEYS["model"].default)
     if not isinstance(model, str):
-        raise ConfigError("model", model, f"one of auto, {', '.join((*MODELS, *plugins.MODELS))}")
-    if model != "auto" and model not in MODELS and model not in plugins.MODELS:
-        raise ConfigError("model", model, f"one of auto, {', '.join((*MODELS, *plugins.MODELS))}"
-                          f"{suggest(model.lower(), ['auto', *MODELS, *plugins.MODELS])}")
+        raise ConfigError("model", model, f"one of auto, {', '.join(MODELS.names())}")
+    if model != "auto" and model not in MODELS:
+        raise ConfigError("model", model, f"one of auto, {', '.join(MODELS.names())}"
+                          f"{suggest(model.lower(), ['auto', *MODELS.names()])}")
 
     out: dict[str, Any] = {}
     for k, p in KEYS.items():
         out[k] = p.validate(k, raw.pop(k)) if k in raw else p.default
-    part_params = {**PARTITION_COMMON, **PARTITIONS[part]}
+    part_params = {**PARTITION_COMMON, **PARTITIONS[part].params}
     for k, p in part_params.items():
         key = f"partition.{k}"
         out[key] = p.validate(key, raw.pop(key)) if key in raw else p.default
@@ -382,7 +378,7 @@ def resolve(raw: dict[str, Any]) -> Config:
                  *(f"{m}.{p}" for m, cls in REGISTRY.items() for p in cls.params)]
         hint = suggest(k, valid)
         if k.startswith("partition."):
-            owners = [n for n, ps in PARTITIONS.items() if k.split(".", 1)[1] in ps]
+            owners = [n for n, spec in PARTITIONS.items() if k.split(".", 1)[1] in spec.params]
             hint = f" (a key of partition={' / '.join(owners)})" if owners else \
                 suggest(k, [f"partition.{p}" for p in part_params])
             allowed = ", ".join(f"partition.{p}" for p in part_params)

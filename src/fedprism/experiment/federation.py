@@ -13,9 +13,11 @@ from fedprism.federation import Federation
 
 def resolve_model_name(model: str, input_shape: tuple[int, ...]) -> str:
     """`auto`: LeNet-5 for images of at least 28 pixels, an MLP for everything else."""
+    from fedprism.models import AUTO_IMAGES, AUTO_OTHER
+
     if model != "auto":
         return model
-    return "lenet5" if len(input_shape) == 3 and input_shape[-1] >= 28 else "mlp"
+    return AUTO_IMAGES if len(input_shape) == 3 and input_shape[-1] >= 28 else AUTO_OTHER
 
 
 def _pad32(cfg: Config, dataset: str) -> bool:
@@ -26,7 +28,11 @@ def _pad32(cfg: Config, dataset: str) -> bool:
         return False
     from fedprism.data.base import DATASETS
 
-    return DATASETS.get(dataset).pad32_auto and cfg["model"] in ("auto", "lenet5", "lenet5_bn", "cnn", "clustpsi_cifar_cnn")
+    if not DATASETS.get(dataset).pad32_auto:
+        return False
+    from fedprism.models import AUTO_IMAGES, MODELS        # the model declares it (`ModelSpec.pad32`)
+
+    return MODELS.get(AUTO_IMAGES if cfg["model"] == "auto" else cfg["model"], "model").pad32
 
 
 @lru_cache(maxsize=4)
@@ -44,8 +50,11 @@ def _federation(dataset: str, root: str, download: bool, pad32: bool, partition:
     ds = load_dataset(dataset, root=root or None, download=download, pad32=pad32, **options)
     x_tr, y_tr, x_te, y_te = ds.x_train, ds.y_train, ds.x_test, ds.y_test
     g_tr, g_te = getattr(ds, "groups", None), getattr(ds, "test_groups", None)   # natural clients, if any
-    if partition == "natural" and (g_tr is None or g_te is None):
-        raise ConfigError("partition", partition, "a partition this dataset supports: 'natural' gives each "
+    from fedprism.data.partitions import PARTITIONS
+
+    by_groups = PARTITIONS.get(partition, "partition").natural      # the partition declares it
+    if by_groups and (g_tr is None or g_te is None):
+        raise ConfigError("partition", partition, f"a partition this dataset supports: '{partition}' gives each "
                           "client the samples of one user or device and needs a dataset that records them "
                           f"({', '.join(natural_datasets())}); dataset '{dataset}' does not")
     rng = np.random.default_rng([seed, 0xDA7A])
@@ -72,7 +81,7 @@ def _federation(dataset: str, root: str, download: bool, pad32: bool, partition:
         x_tr, y_tr = x_tr[rest], y_tr[rest]
         g_tr = None if g_tr is None else np.asarray(g_tr)[rest.numpy()]
     params = dict(part_items)
-    natural = {"groups": g_tr, "test_groups": g_te} if partition == "natural" else {}
+    natural = {"groups": g_tr, "test_groups": g_te} if by_groups else {}
     part = make_partition(partition, y_tr.numpy(), y_te.numpy(), clients, seed, **params, **natural)
     train_idx, test_idx = list(part.train), list(part.test)
     if part.domains is not None:

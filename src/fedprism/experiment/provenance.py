@@ -189,11 +189,10 @@ def model_fingerprint(name: str, model: Any) -> dict[str, str] | None:
     registered model is its builder's file, and its class's too when that is another file outside torch:
     the class alone would be torch's own file for a builder that returns `nn.Sequential`, and a changed
     builder would not count as changed code."""
-    from fedprism import plugins
     from fedprism.models import MODELS
 
     built = source_fingerprint(type(model))
-    build = plugins.MODELS.get(name) if name not in MODELS else None
+    build = None if MODELS.is_builtin(name) else MODELS.get(name, "model").build
     path = _source_file(build) if build is not None else None
     if path is None:
         return built
@@ -268,8 +267,6 @@ def capture(exp: Any) -> dict[str, Any]:
         # which version of the kernels' C++, and the vector width it was built for
         ex["fused_kernels"] = {**fused, "source": source_hash(LIBRARIES["fused"].source),
                                "vector_floats": vector_floats()}
-        if getattr(eng, "eval_winograd", False):     # eval.kernels = winograd, where a block takes it
-            ex["fused_kernels"]["winograd_source"] = source_hash(LIBRARIES["winograd"].source)
     if str(ex["device"]).startswith("cuda"):     # CUDA engines turn it on (engine.base.deterministic_cudnn)
         ex["cudnn_deterministic"] = bool(torch.backends.cudnn.deterministic)
     algo = type(exp.algo) if getattr(exp, "algo", None) is not None else None

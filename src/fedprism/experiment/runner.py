@@ -268,12 +268,11 @@ def make_model(cfg: Config, input_shape: tuple[int, ...], num_classes: int) -> t
     """The config's model, initialised from the run seed (same seed -> same initial vector). A
     registered (plugin) model is checked first: a torch module with finite weights whose output on a
     batch of the data's input shape is [batch, num_classes]."""
-    from fedprism import plugins
     from fedprism.models import MODELS
 
     name = resolve_model_name(cfg["model"], input_shape)
     model = build_model(name, input_shape, num_classes, seed=cfg["seed"])
-    if name in plugins.MODELS and name not in MODELS:
+    if not MODELS.is_builtin(name):
         _check_plugin_model(name, model, tuple(input_shape), num_classes)
     return model
 

@@ -1,0 +1,55 @@
+"""One client per natural user or device of the data (`natural`; ``groups=``, e.g. the WISDM users); each
+client's test rows are its own user's held-out samples."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from fedprism.data.partitions.base import PARTITIONS, PartitionSpec, _assemble, _check_min_train
+from fedprism.errors import PartitionError
+
+
+def _group_ids(groups: Any, n: int, name: str) -> np.ndarray:
+    g = np.asarray(groups)
+    if g.ndim != 1 or len(g) != n:
+        raise PartitionError(f"{name} must give one user/device id per sample: {n} ids expected, "
+                             f"got shape {g.shape}")
+    if g.size and not np.issubdtype(g.dtype, np.integer):
+        raise PartitionError(f"{name} must hold integer user/device ids, got dtype {g.dtype}")
+    return g.astype(np.int64)
+
+
+def split(y_train: np.ndarray, y_test: np.ndarray, num_clients: int, min_train: int, min_test: int,
+             groups: Any, test_groups: Any) -> tuple[list[np.ndarray], list[np.ndarray], dict]:
+    """Client i holds every train and test sample of the i-th smallest group id (user or device)."""
+    if groups is None or test_groups is None:
+        raise PartitionError("partition = 'natural' is not valid for this data: it gives each client the "
+                             "samples of one user or device, and the data records none (datasets with "
+                             "natural clients: synthetic, wisdm)")
+    g_tr = _group_ids(groups, len(y_train), "groups")
+    g_te = _group_ids(test_groups, len(y_test), "test_groups")
+    users = np.unique(g_tr)
+    if num_clients != len(users):
+        raise PartitionError(f"clients = {num_clients} is not valid for partition 'natural': the data "
+                             f"has {len(users)} users/devices with train samples, one client each, so set "
+                             f"clients = {len(users)}")
+    train = _assemble(np.arange(len(g_tr)), np.searchsorted(users, g_tr), num_clients)
+    _check_min_train(np.array([len(t) for t in train]), min_train, "partition 'natural'")
+    known = np.isin(g_te, users)
+    test = _assemble(np.flatnonzero(known), np.searchsorted(users, g_te[known]), num_clients)
+    n_test = np.array([len(t) for t in test])
+    if len(n_test) and n_test.min() < min_test:
+        i = int(np.argmin(n_test))
+        raise PartitionError(f"partition.min_test = {min_test} is not reachable: user {int(users[i])} "
+                             f"(client {i}) has {int(n_test[i])} test samples; use a lower "
+                             "partition.min_test")
+    meta = {"client_groups": users.tolist(), "test_with_replacement": False, "test_reused_classes": [],
+            "test_reused_samples": 0, "clients_without_test": int((n_test == 0).sum()),
+            "n_test_unused": int((~known).sum())}
+    return train, test, meta
+
+
+SPEC = PARTITIONS.register(PartitionSpec("natural", split, {}, natural=True,
+                                          title="one client per natural user or device of the data"))

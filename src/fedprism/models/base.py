@@ -1,0 +1,151 @@
+"""What a model is to the rest of fedprism: a `ModelSpec` registered on `MODELS`.
+
+Every model is `head(body(x))` (`Split`): `body` ends with the penultimate features, `head` holds the
+classifier. Prototype and head-only methods use `ParamSpec.head` / `.body` slices, never layer names;
+methods that keep normalisation layers apart use `ParamSpec.batchnorm`. `forward(x, features_only=True)`
+returns the body output. Dropout is `fedprism.models.dropout.SeededDropout` (masks from a key the engines
+derive per run seed, round, client and step; identity at evaluation), never `torch.nn.Dropout`.
+
+A model is one module: the built-in ones are the modules of `fedprism.models` (module `lenet5.py` holds
+the model `lenet5`), each declaring one `ModelSpec` and registering it. The spec says everything the run,
+CLI and Flower layers need: how to build it, which input shapes it takes (checked before it is built, with
+the reason in the error), whether `data.pad32=auto` pads 28x28 images to 32x32 for it, and what its body
+and head hold (for `fedprism models`). Nothing outside a model's own module names it. Models of other
+packages come through the `fedprism.models` entry-point group or `fedprism.register_model`; a bare
+`build(input_shape, num_classes)` registered there becomes a spec that declares nothing else.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fedprism.errors import ConfigError
+from fedprism.registry import Registry
+
+__all__ = ["MODELS", "ModelSpec", "Split", "BatchNorm1d", "BATCH_STATS", "build_model", "features"]
+
+
+class Split(nn.Module):
+    """`head(body(x))`; `features_only=True` returns `body(x)` (the penultimate features)."""
+
+    body: nn.Module
+    head: nn.Module
+
+    def forward(self, x: torch.Tensor, features_only: bool = False) -> torch.Tensor:
+        z = self.body(x)
+        return z if features_only else self.head(z)
+
+
+#: BatchNorm on batch statistics only (`track_running_stats=False`): no buffers, so the flat vector holds
+#: everything that is averaged (see `fedprism.params`)
+BATCH_STATS = {"track_running_stats": False}
+
+
+class BatchNorm1d(nn.BatchNorm1d):
+    """BatchNorm1d on batch statistics (no running statistics, as every BatchNorm here) that also takes a
+    batch of one sample. Training keeps the last, partial batch (`engine.base.batch_order`), which holds
+    a single sample whenever n_k = 1 mod B; torch's `F.batch_norm` refuses such a batch, while the
+    formula is defined: the sample is its own batch mean, x_hat = 0, and the layer outputs its bias beta
+    (exactly: computing x - mean in floating point would leave a rounding residue that 1/sqrt(eps)
+    amplifies into noise, different from engine to engine)."""
+
+    def __init__(self, num_features: int):
+        super().__init__(num_features, track_running_stats=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1:
+            return x * 0 + self.bias
+        return F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
+
+
+def features(input_shape: tuple[int, ...]) -> int:
+    """Inputs per sample once flattened (MLPs)."""
+    n = 1
+    for d in input_shape:
+        n *= d
+    return n
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model, declared.
+
+    name:     the config value (`model=NAME`)
+    build:    build(input_shape, num_classes) -> torch.nn.Module, called under the run seed; a built-in
+              returns a `Split` (body and head)
+    title:    one line: what it is and where it comes from (paper, year, arXiv id)
+    inputs:   the input shapes it takes, in words (listings and errors)
+    refuse:   refuse(input_shape) -> None, or why the shape cannot be used (the error says it, naming the
+              model, before anything is built)
+    pad32:    True when `data.pad32=auto` pads 28x28 images to 32x32 for it (a model built for 32x32)
+    body, head: what the body and the head hold, in words (`fedprism models`)
+    shape:    an input shape it takes, for listings (parameter counts)
+    """
+
+    name: str
+    build: Callable[[tuple[int, ...], int], nn.Module]
+    title: str = ""
+    inputs: str = "any input shape"
+    refuse: Callable[[tuple[int, ...]], str | None] | None = None
+    pad32: bool = False
+    body: str = ""
+    head: str = ""
+    shape: tuple[int, ...] = (1, 28, 28)
+
+    def __post_init__(self) -> None:
+        # the module that declared it is its builder's: a plugin cannot take a built-in's name (`Registry`)
+        object.__setattr__(self, "__module__", getattr(self.build, "__module__", None) or type(self).__module__)
+
+    def why_not(self, input_shape: tuple[int, ...]) -> str | None:
+        """None when the model takes `input_shape`, else why not."""
+        return None if self.refuse is None else self.refuse(tuple(input_shape))
+
+
+def _make(name: str, obj: Any) -> ModelSpec:
+    """What a registration holds: a `ModelSpec` under `name`; a bare builder becomes one."""
+    if isinstance(obj, ModelSpec):
+        return obj if obj.name == name else replace(obj, name=name)
+    if not callable(obj):
+        raise TypeError(f"model {name!r}: {obj!r} is not callable (a ModelSpec or build(input_shape, "
+                        "num_classes) -> torch.nn.Module)")
+    return ModelSpec(name, obj)
+
+
+def _check(name: str, spec: ModelSpec) -> None:
+    if not callable(spec.build):
+        raise TypeError(f"model {name!r}: build {spec.build!r} is not callable")
+    try:
+        inspect.signature(spec.build).bind((1, 28, 28), 10)
+    except TypeError as e:
+        raise TypeError(f"model {name!r}: {spec.build!r} cannot be called as build(input_shape, num_classes) "
+                        f"({e})") from None
+    except ValueError:                  # no signature to read (some builtins): checked when it is called
+        pass
+
+
+#: name -> ModelSpec: the built-in models (modules of `fedprism.models`) and registered ones
+MODELS: Registry[ModelSpec] = Registry("model", "fedprism.models", skip=("base", "dropout", "pooling"),
+                                       check=_check, make=_make)
+
+
+def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, seed: int = 0) -> nn.Module:
+    """Instantiate model `name` (built-in or registered) with deterministic initial weights for `seed`.
+    An input shape the model declares it cannot take is a ConfigError naming the model and the reason."""
+    spec = MODELS.get(name, "model")
+    why = spec.why_not(tuple(input_shape))
+    if why:
+        raise ConfigError("model", name, why)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return spec.build(tuple(input_shape), num_classes)
+
+
+def images(input_shape: tuple[int, ...]) -> bool:
+    """[C, H, W] inputs."""
+    return len(input_shape) == 3
