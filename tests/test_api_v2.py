@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import subprocess
@@ -409,28 +408,7 @@ def test_a_kept_state_trained_by_other_code_is_not_rescored(tmp_path):
 
 
 # -- layering ----------------------------------------------------------------------------------------
-def _imports(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
-    out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            out.add(node.module)
-        elif isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
-    return out
-
-
-def test_no_module_imports_upward():
-    src = ROOT / "src" / "fedprism"
-    for f in (src / "engine").glob("*.py"):
-        assert not {m for m in _imports(f) if m.startswith(("fedprism.algorithms", "fedprism.experiment",
-                                                            "fedprism.flower"))}, f
-    ground = _imports(src / "protocol.py")
-    assert {m for m in ground if m.startswith("fedprism")} <= {"fedprism.params"}
-    for f in (src / "algorithms").glob("*.py"):
-        assert not {m for m in _imports(f) if m.startswith(("fedprism.engine", "fedprism.experiment",
-                                                            "fedprism.flower"))}, f
-    assert "fedprism.cli" not in _imports(src / "experiment" / "demo.py")
+# (the layer order of every module is checked by tests/test_layering.py)
 
 
 def test_importing_fedprism_changes_no_process_setting():
