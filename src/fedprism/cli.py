@@ -145,7 +145,7 @@ def cmd_report(args) -> int:
 
 def _acc(final: dict, key: str) -> str:
     v = final.get(key)
-    return "" if v is None else f"{100 * v:.2f}"
+    return f"{100 * v:.2f}" if isinstance(v, (int, float)) and not isinstance(v, bool) else ""
 
 
 def cmd_runs(args) -> int:
@@ -180,9 +180,13 @@ def _runs(args, store) -> int:
                         "seed": cfg.get("seed"), "status": r["status"], "rounds_done": r["rounds_done"],
                         "rounds": cfg.get("rounds"), "local_acc": f.get("local_acc"),
                         "global_acc": f.get("global_acc")})
-        if r["status"] == "running" and holder_gone(store.ckpt_dir / f"{r['run_id']}.lock"):
+        if r["status"] == "running" and holder_gone(store.lock_path(r["run_id"])):
             records[-1]["process_gone"] = True        # killed: the store says so at its next write-open
+    hidden = store.hidden()
     store.close()
+    if hidden:
+        print(f"fedprism: warning: {args.db}: {hidden} stored row(s) are not well formed (damaged or crafted) "
+              "and are left out; `fedprism merge` copies the sound runs into a new store", file=sys.stderr)
     gone = any(d.get("process_gone") for d in records)
     if args.json:
         print(json_text(records))

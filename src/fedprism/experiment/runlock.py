@@ -81,10 +81,12 @@ class RunLock:
             self.fd = None
 
 
-def holder_gone(path: str | Path) -> bool:
+def holder_gone(path: str | Path | None) -> bool:
     """True when no process runs the run of lock file `path`: there is no lock file (a run unlinks it when
     it ends), or the file names a process of this host that no longer exists (`kill -9`). Takes no lock
     and writes nothing, so a read-only command may ask; a holder on another host counts as alive."""
+    if path is None:                              # `Store.lock_path` of an id that is no run id: no file
+        return False
     try:
         fd = open_regular(path, os.O_RDONLY)
     except FileNotFoundError:

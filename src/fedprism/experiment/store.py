@@ -160,6 +160,11 @@ _NUM = "real integer null"
 #: SQL conditions a well-formed row of each table meets (what fedprism writes; what the readers assume)
 ROW_OK = {
     "runs": (f"typeof(run_id) = 'text' AND length(run_id) = 16 AND run_id NOT GLOB '*[^0-9a-f]*' AND {_obj('config')}"
+             # the keys every resolved configuration has and the readers (reports, tables) index
+             " AND CASE WHEN json_valid(config) THEN "
+             + " AND ".join(f"json_type(config, '$.{k}') = '{t}'" for k, t in (
+                 ("method", "text"), ("dataset", "text"), ("partition", "text"), ("seed", "integer"),
+                 ("clients", "integer"), ("rounds", "integer"))) + " END"
              f" AND (final IS NULL OR {_obj('final')}) AND (provenance IS NULL OR {_obj('provenance')})"
              f" AND status IN ({', '.join(repr(x) for x in ('running', 'finished', 'interrupted', 'failed'))})"
              " AND typeof(rounds_done) = 'integer' AND "
@@ -568,8 +573,7 @@ class Store:
                 return db
             except sqlite3.OperationalError as e:
                 db.close()
-                if uri != base or not ("readonly" in str(e) or "unable to open" in str(e)) \
-                        or os.access(self._real.parent, os.W_OK):
+                if uri != base or not ("readonly" in str(e) or "unable to open" in str(e)):
                     raise
                 wal = Path(f"{self._real}-wal")
                 if wal.exists() and wal.stat().st_size > 0:
