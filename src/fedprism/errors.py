@@ -27,15 +27,18 @@ def _repr(value: object, limit: int = 200) -> str:
     return r if len(r) <= limit else r[:limit] + f"... ({len(r)} characters)"
 
 
-def printable(text: object) -> str:
+def printable(text: object, newlines: bool = False) -> str:
     """`text` as one printable line, safe to write to a terminal: every character that is not printable
     (control characters such as ESC, so no terminal escape sequence gets through; newlines, carriage
     returns, tabs; Unicode format characters such as the bidirectional overrides) is written as its Python
-    escape (`\\x1b`, `\\n`, `\\u202e`). Every user-controlled string fedprism prints (run labels, sweep
-    and method names, file names, metric keys, values in errors) goes through it."""
+    escape (`\\x1b`, `\\n`, `\\u202e`). `newlines=True` keeps line breaks (a message of several lines).
+    Every user-controlled string fedprism prints (run labels, sweep and method names, file names, values in
+    errors and warnings, table cells) goes through it."""
     text = str(text)
-    return text if text.isprintable() else "".join(c if c.isprintable() else c.encode("unicode_escape").decode()
-                                                    for c in text)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or (newlines and c == "\n") else c.encode("unicode_escape").decode()
+                   for c in text)
 
 
 _line = printable
