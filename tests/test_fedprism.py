@@ -161,13 +161,17 @@ def test_too_few_clients_skips_reclustering(planted):
 
 
 def test_empty_update_is_a_noop(planted):
+    """The runner's server step (`aggregate_records`) leaves the state as it is for an empty update
+    without calling `aggregate`."""
+    from fedprism.experiment.runner import aggregate_records
+
     fed, _ = planted
     algo, _ = setup(fed, "fedprism", k=2, m=1)
     state = algo.init_state()
     before = {k: v.clone() for k, v in state.items()}
     empty = Update(np.zeros(0, int), {"params": torch.zeros(0, algo.ctx.spec.size)},
                    torch.zeros(0, dtype=torch.float64), sent={"params": torch.zeros(0, algo.ctx.spec.size)})
-    algo.aggregate(state, 0, empty)
+    assert aggregate_records(algo, state, 0, empty) == {}
     assert all(torch.equal(before[k], state[k]) for k in state)
 
 

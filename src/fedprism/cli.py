@@ -304,14 +304,16 @@ def _param_row(key: str, p) -> list:
 
 
 def _describe_method(name: str, cls) -> tuple[str, list[list]]:
-    """A method's own parameters; one that averages models (`averages`) ends with a row naming the shared
+    """A method's own parameters; the title of one that averages models (`averages`) names the shared
     server-step options, which `fedprism methods` lists once (`_server_steps`)."""
     own = getattr(cls, "own_params", cls.params)
-    rows = [_param_row(f"{name}.{k}", p) for k, p in own.items()]
+    title = f"{name}  ({cls.paper})"
     if getattr(cls, "averages", ()):
-        rows.append([f"{name}.aggregation*, {name}.server_*", "", "the shared server step on "
-                     f"{', '.join(cls.averages)} (robust rule, server optimiser): see 'Server steps' below"])
-    return f"{name}  ({cls.paper})", rows
+        width = shutil.get_terminal_size((110, 24)).columns
+        title += "\n" + textwrap.fill(f"+ {name}.aggregation*, {name}.server_*: the server step on "
+                                      f"{', '.join(cls.averages)} (Server steps, below)", width,
+                                      initial_indent="  ", subsequent_indent="    ", break_on_hyphens=False)
+    return title, [_param_row(f"{name}.{k}", p) for k, p in own.items()]
 
 
 def _server_steps(registry, names, width: int) -> None:
@@ -321,7 +323,8 @@ def _server_steps(registry, names, width: int) -> None:
     averaging = [n for n in (list(dict.fromkeys(names)) or registry.names()) if getattr(registry[n], "averages", ())]
     if not averaging:
         return
-    print(f"\nServer steps (keys of every method that averages models, <method>.KEY: {', '.join(averaging)}):")
+    print("\n" + textwrap.fill(f"Server steps (<method>.KEY of every method that averages models: "
+                              f"{', '.join(averaging)}):", width, subsequent_indent="  ", break_on_hyphens=False))
     print(_table([_param_row(f"<method>.{k}", p) for k, p in SERVER_STEP_PARAMS.items()],
                  ["key", "default", "meaning"], width))
 

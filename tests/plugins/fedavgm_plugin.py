@@ -25,10 +25,9 @@ class FedAvgM(Algorithm):
         return Plan(clients, {"params": state["w"].expand(len(clients), -1).clone()})
 
     def aggregate(self, state: dict, rnd: int, update: Update) -> dict:
-        if len(update.clients):
-            pseudo_grad = state["w"] - weighted_mean(update.params, client_weights(update))
-            state["v"] = self.hp["server_momentum"] * state["v"] + pseudo_grad
-            state["w"] = state["w"] - state["v"]
+        pseudo_grad = state["w"] - weighted_mean(update.params, client_weights(update))
+        state["v"] = self.hp["server_momentum"] * state["v"] + pseudo_grad
+        state["w"] = state["w"] - state["v"]
         return {}
 
     def model_for(self, state: dict, clients: np.ndarray):

@@ -1,14 +1,28 @@
 """Server math written once: client weights, weighted means, the soft cluster step, personalisation,
-class prototypes.
+class prototypes, and the composable server step (robust rule + server optimiser) of every method that
+averages models.
 
 Every method that averages uses these, so the same quantity is computed the same way (float64
 accumulation, then one rounding to the parameters' dtype) everywhere.
+
+The server step. A method that averages client models declares which state it averages
+(`Algorithm.averages`, e.g. `("w",)`); the shared options `<method>.aggregation*` (the robust rule,
+ROBUST_PARAMS) and `<method>.server_*` (the server optimiser, SERVER_OPT_PARAMS) then come with it
+(`compose_params`, run when the class is defined), and the method averages through the `ServerStep`
+composed from them (`Algorithm.server`): `server.average(x, w, sent)` is the rule, `server.update(state,
+key, avg, rows)` the optimiser. This is the pattern of Flower's strategy wrappers (FedAvgM post-processes
+FedAvg's average) and of fedjax's server optimiser passed to an algorithm: the method says what it
+averages; how rows are averaged and what the server does with the average are options of the run, the
+same for every such method.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -412,3 +426,81 @@ def server_update(state: dict, key: str, avg: torch.Tensor, hp: dict, rows=None)
         target[idx] = server_step(target[idx], avg, sub, hp)
         for k in ("m", "v"):
             slot[k][idx] = sub[k]
+
+
+# -- the composed server step ----------------------------------------------------------------------
+#: the shared options of every method that averages models (`Algorithm.averages`): the robust rule, then
+#: the server optimiser. Declared once here; `compose_params` adds them to such a method's `params`.
+SERVER_STEP_PARAMS: dict[str, Param] = {**ROBUST_PARAMS, **SERVER_OPT_PARAMS}
+
+
+def compose_params(cls: type) -> None:
+    """Give an algorithm class the shared server-step options when it averages models (`cls.averages`
+    non-empty): `cls.params` becomes the method's own parameters followed by SERVER_STEP_PARAMS, and
+    `cls.own_params` holds its own ones. A class that does not average keeps its own parameters only
+    (inherited server-step options are dropped). Called by `Algorithm.__init_subclass__` for every class.
+
+    The keys, defaults, checks and the `new=True` flags are those the methods declared one by one before,
+    so a configuration resolves to the same values and the same run id. A method may not declare a
+    server-step key of its own (TypeError): its meaning is the shared one."""
+    averages = getattr(cls, "averages", ())
+    if isinstance(averages, str) or not all(isinstance(k, str) and k for k in averages):
+        raise TypeError(f"{cls.__name__}.averages = {averages!r}: a tuple of the server-state keys the method "
+                        "averages, e.g. ('w',)")
+    own = {k: p for k, p in cls.params.items() if not (k in SERVER_STEP_PARAMS and p is SERVER_STEP_PARAMS[k])}
+    if not averages:
+        if len(own) < len(cls.params) and "params" not in cls.__dict__:      # inherited from an averaging base
+            cls.params = own
+        cls.own_params = {k: p for k, p in cls.params.items()}
+        return
+    clash = sorted(set(own) & set(SERVER_STEP_PARAMS))
+    if clash:
+        raise TypeError(f"{cls.__name__}.params declares {', '.join(clash)}: a method that averages models "
+                        "(`averages`) takes the shared server-step options (aggregation.SERVER_STEP_PARAMS); "
+                        "leave them out of its own params")
+    cls.own_params = own
+    cls.params = {**own, **SERVER_STEP_PARAMS}
+
+
+@dataclass(frozen=True)
+class ServerStep:
+    """The server step of one method that averages models, composed from the shared options in its
+    resolved parameters `hp`: the robust rule (`average`) and the server optimiser (`update`), for the
+    server-state keys the method declared (`keys`, its `averages`).
+
+        avg = server.average(x, w, sent)             # float64 [P]: `average` with <method>.aggregation*
+        server.update(state, "w", avg)               # the new model: `server_update` with <method>.server_*
+        server.update(state, "w", avg_c, rows=c)     # one row of a matrix of models (a cluster model)
+
+    With the defaults (`mean`, `none`) this is the weighted mean and the plain assignment, bit for bit
+    the code path of a method without the options."""
+
+    hp: Mapping[str, Any]
+    keys: tuple[str, ...] = ()
+
+    @property
+    def rule(self) -> str:
+        return self.hp.get("aggregation", "mean")
+
+    @property
+    def robust(self) -> dict:
+        """The rule's keywords of `average` (and of `soft_cluster_step(..., robust=...)`)."""
+        return robust_args(self.hp)
+
+    @property
+    def optimizer(self) -> str:
+        return self.hp.get("server_opt", "none")
+
+    def average(self, x: torch.Tensor, w: torch.Tensor, sent: torch.Tensor | None = None) -> torch.Tensor:
+        """The clients' aggregate of rows x [n, P] with weights w [n] under the run's rule, float64 [P]
+        (`sent`: the rows the clients were sent, for `clipped_mean`; None when x are updates)."""
+        return average(x, w, sent, **self.robust)
+
+    def update(self, state: dict, key: str, avg: torch.Tensor, rows=None) -> None:
+        """Write the new model `state[key]` (or its `rows`) from the aggregate `avg` with the run's server
+        optimiser (`server_update`); `key` must be one the method declares in `averages`, so the
+        optimiser's state is kept, checkpointed and resumed for exactly the models it averages."""
+        if self.keys and key not in self.keys:
+            raise ValueError(f"server step on state[{key!r}], which the method does not declare in `averages` "
+                           f"{self.keys}")
+        server_update(state, key, avg, self.hp, rows)

@@ -65,7 +65,6 @@ from __future__ import annotations
 import torch
 
 from fedprism.algorithms.base import ClientState, Inference, Plan, TrainJob, Update, register
-from fedprism.algorithms.aggregation import ROBUST_PARAMS, SERVER_OPT_PARAMS
 from fedprism.algorithms.fedavg import FedAvg
 from fedprism.hparams import Param
 from fedprism.objectives import ce
@@ -103,8 +102,6 @@ class APFL(FedAvg):
         "alpha_mode": Param("adaptive", "alpha_k learnt by Eq. 10 (adaptive) or kept at `alpha` (fixed)",
                             choices=("adaptive", "fixed")),
         "weighting": FedAvg.params["weighting"],
-        **ROBUST_PARAMS,
-        **SERVER_OPT_PARAMS,         # the global model's server step (FedAvg's aggregate)
     }
     #: the declaration (`__init__` starts alpha at the configured value)
     client_state = {"v": ClientState(("P",), init="model"), "alpha": ClientState((), init=0.5)}

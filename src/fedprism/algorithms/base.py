@@ -72,6 +72,30 @@ class Algorithm:
     #: why the method cannot run on Flower, where each node holds one client's data ("" = it can):
     #: `fedprism.flower.settings.check_flower_config` refuses it before anything starts
     simulation_only: ClassVar[str] = ""
+    #: the server-state keys of the models the method averages from client rows (e.g. ("w",)). Declaring
+    #: them gives the method the shared server-step options (`<name>.aggregation*`, the robust rule, and
+    #: `<name>.server_*`, the server optimiser: `aggregation.SERVER_STEP_PARAMS`, added to `params`) and
+    #: `self.server`, the `aggregation.ServerStep` composed from them, through which it averages
+    averages: ClassVar[tuple[str, ...]] = ()
+    #: the method's own parameters (`params` without the shared server-step options); set per class
+    own_params: ClassVar[dict[str, Param]] = {}
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        from fedprism.algorithms.aggregation import compose_params
+        compose_params(cls)
+
+    @property
+    def server(self):
+        """The run's server step (`aggregation.ServerStep`): `server.average(x, w, sent)` with the robust
+        rule of `<name>.aggregation`, `server.update(state, key, avg, rows)` with the server optimiser of
+        `<name>.server_opt`, for the keys in `averages`. Composed from `self.hp` when asked for, so it
+        always follows the method's parameters."""
+        from fedprism.algorithms.aggregation import ServerStep
+        if not self.averages:
+            raise AttributeError(f"{type(self).__name__} declares no averaged models (`averages`), so it has no "
+                                 "server step")
+        return ServerStep(self.hp, tuple(self.averages))
 
     @property
     def own_cohort(self) -> bool:
@@ -123,6 +147,11 @@ class Algorithm:
         counts every client reports once); the runner adds them to round 0's `bytes_down` / `bytes_up`."""
         return 0, 0
 
+    def setup_records(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Records of a one-off setup before round 0 (e.g. a clustering of the clients made in
+        `init_state`), stored with round 0 before `aggregate`'s records, whether or not round 0 has updates."""
+        return {}
+
     # -- the wire --------------------------------------------------------------------------------
     #: the kinds of message a row belongs to: server -> client `plan`, client -> server `client_update`'s
     #: payload, server -> client `eval_payload`
@@ -158,6 +187,9 @@ class Algorithm:
         return train_update(trainer, TrainJob(plan.clients, plan.start), rnd)
 
     def aggregate(self, state: dict[str, Any], rnd: int, update: Update) -> dict[str, Any]:
+        """The server step of round `rnd`: mutates `state`, returns the round's records. The runner calls it
+        only with at least one accepted client (`runner.aggregate_records`): a round without updates leaves
+        the server state as it is, so a method needs no guard for an empty update."""
         raise NotImplementedError
 
     def model_for(self, state: dict[str, Any], clients: np.ndarray) -> torch.Tensor:

@@ -46,8 +46,7 @@ class Centralised(Algorithm):
         return Update(plan.clients, {"params": t.params}, t.n_samples, {"train_loss": t.loss})
 
     def aggregate(self, state: dict, rnd: int, update: Update) -> dict:
-        if len(update.clients):
-            state["w"] = update.params[0].clone()
+        state["w"] = update.params[0].clone()
         return {}
 
     def model_for(self, state: dict, clients: np.ndarray) -> torch.Tensor:

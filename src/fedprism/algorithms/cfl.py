@@ -11,7 +11,7 @@ Every client belongs to one cluster c with model theta_c (at first one cluster: 
         both children start from theta_c
     theta_c  += sum_{i in c, S_t} a_i Delta_i     per (new) cluster, a_i renormalised in the cluster;
                                                    a cluster without participants stays bit-identical
-    (`cfl.server_opt`, `aggregation.server_update`: a server optimiser step towards that value instead,
+    (`cfl.server_opt`, the shared server step `aggregation.ServerStep`: a server optimiser step towards that value instead,
     one state per cluster model, a split's child with fresh state; default `none`)
 
 Splits are tested on every cluster every round, so clustering is recursive (a tree). Defaults:
@@ -32,8 +32,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedprism.algorithms.aggregation import (ROBUST_PARAMS, SERVER_OPT_PARAMS, WEIGHTINGS, average, client_weights,
-                                             robust_args, server_update,
+from fedprism.algorithms.aggregation import (WEIGHTINGS, client_weights,
                                              weighted_mean)
 from fedprism.algorithms.base import Algorithm, Plan, Update, register
 from fedprism.clustering import max_cross_similarity, optimal_bipartition, pairwise_cosine
@@ -71,9 +70,8 @@ class CFL(Algorithm):
                            choices=WEIGHTINGS),
         "bipartition": Param("optimal", "optimal min-max cut (paper) or complete linkage (notebook)",
                              choices=("optimal", "complete")),
-        **ROBUST_PARAMS,
-        **SERVER_OPT_PARAMS,         # a step on each cluster model (a split's child starts with fresh state)
     }
+    averages = ("w",)                # a server step on each cluster model (a split's child starts with fresh state)
 
     @classmethod
     def server_models(cls, hp: dict, clients: int, cohort: int) -> dict:
@@ -96,8 +94,6 @@ class CFL(Algorithm):
         return Plan(clients, {"params": self.model_for(state, clients).clone()})
 
     def aggregate(self, state: dict, rnd: int, update: Update) -> dict:
-        if len(update.clients) == 0:
-            return {}
         hp, S, D = self.hp, torch.as_tensor(update.clients), update.delta
         a = client_weights(update, hp["weighting"])
         state["delta"][S], state["has_delta"][S] = D, True
@@ -119,8 +115,7 @@ class CFL(Algorithm):
                     splits.append({"round": rnd, "mean_norm": mean_norm, "max_norm": max_norm, **split})
         for c in torch.unique(state["assign"][S]).tolist():                      # per-cluster FedAvg of Delta
             sel = state["assign"][S] == c
-            server_update(state, "w", state["w"][c] + average(D[sel], a[sel], **robust_args(hp)).to(D.dtype), hp,
-                          rows=c)
+            self.server.update(state, "w", state["w"][c] + self.server.average(D[sel], a[sel]).to(D.dtype), rows=c)
         records: dict = {"cfl": norms}
         if splits:
             records["cfl_split"] = splits

@@ -57,8 +57,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fedprism.algorithms.aggregation import (ROBUST_PARAMS, SERVER_OPT_PARAMS, WEIGHTINGS, average, client_weights,
-                                             robust_args, server_update)
+from fedprism.algorithms.aggregation import WEIGHTINGS, client_weights
 from fedprism.algorithms.base import Algorithm, Plan, Update, register
 from fedprism.clustering import TooFewPoints, choose_k_silhouette, hard_cluster
 from fedprism.data.heterogeneity import PSI_EPS, psi, wpsi
@@ -159,9 +158,8 @@ class ClustPsiPfl(Algorithm):
                           choices=("global", "per_cluster")),
         "weighting": Param("samples", "per-cluster average: n_k (samples, FedAvg) or 1 (uniform)",
                            choices=WEIGHTINGS),
-        **ROBUST_PARAMS,
-        **SERVER_OPT_PARAMS,
     }
+    averages = ("w",)                # the tau cluster models
 
     @classmethod
     def check_params(cls, hp: dict) -> None:
@@ -231,14 +229,13 @@ class ClustPsiPfl(Algorithm):
         a = self.clusters_of(state, clients)
         return Plan(clients, {"params": state["w"][torch.as_tensor(a)].clone()})
 
+    def setup_records(self, state: dict) -> dict:
+        """The clustering made before round 0 (`init_state`): its PSI summary and every client's cluster."""
+        return {"psi": dict(state["psi"]),
+                "clusters": {"clients": np.arange(self.ctx.num_clients), "labels": state["assign"].numpy().copy()}}
+
     def aggregate(self, state: dict, rnd: int, update: Update) -> dict:
         records: dict = {}
-        if rnd == 0:
-            records["psi"] = dict(state["psi"])
-            records["clusters"] = {"clients": np.arange(self.ctx.num_clients),
-                                   "labels": state["assign"].numpy().copy()}
-        if len(update.clients) == 0:
-            return records
         S = torch.as_tensor(update.clients)
         late = state["assign"][S] < 0
         if late.any():
@@ -246,12 +243,11 @@ class ClustPsiPfl(Algorithm):
             state["assign"][S[late]] = torch.as_tensor(j)
             records["joined"] = {"clients": update.clients[late.numpy()], "labels": j}
         a = state["assign"][S]
-        x, w, rb = update.params, client_weights(update, self.hp["weighting"]), robust_args(self.hp)
+        x, w, server = update.params, client_weights(update, self.hp["weighting"]), self.server
         sent = update.sent.get("params")
         for c in torch.unique(a).tolist():
             sel = a == c
-            avg = average(x[sel], w[sel], None if sent is None else sent[sel], **rb)
-            server_update(state, "w", avg, self.hp, rows=c)
+            server.update(state, "w", server.average(x[sel], w[sel], None if sent is None else sent[sel]), rows=c)
         return records
 
     def model_for(self, state: dict, clients: np.ndarray) -> torch.Tensor:

@@ -51,7 +51,6 @@ from __future__ import annotations
 import numpy as np
 
 from fedprism.algorithms.base import ClientState, Inference, Plan, TrainJob, Update, register
-from fedprism.algorithms.aggregation import ROBUST_PARAMS, SERVER_OPT_PARAMS
 from fedprism.algorithms.fedavg import FedAvg
 from fedprism.algorithms.fedprox import prox_job
 from fedprism.hparams import Param
@@ -73,8 +72,6 @@ class Ditto(FedAvg):
         "personal_epochs": Param(None, "epochs of the personal phase (unset: the experiment's local_epochs)",
                                  _epochs_ok, "an integer >= 0 (unset: local_epochs)"),
         "weighting": FedAvg.params["weighting"],
-        **ROBUST_PARAMS,
-        **SERVER_OPT_PARAMS,         # the global model's server step (FedAvg's aggregate)
     }
 
     def client_update(self, plan: Plan, trainer, rnd: int, cstate: dict) -> Update:

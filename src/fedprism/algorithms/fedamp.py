@@ -178,7 +178,7 @@ class FedAMP(Algorithm):
 
     def aggregate(self, state: dict, rnd: int, update: Update) -> dict:
         records: dict = {}
-        if len(update.clients) and state["sigma"] is not None:      # diagnostic: how much attention stays home
+        if state["sigma"] is not None:                              # diagnostic: how much attention stays home
             xi, peers = self.attention(state, update.clients)
             own = peers[None, :] == np.asarray(update.clients)[:, None]
             records["fedamp_attention"] = {"sigma": state["sigma"], "self_weight_mean": float(xi[own].mean()),

@@ -9,8 +9,10 @@ Participant-normalised weights, float64 accumulation (`fedprism.algorithms.aggre
 `fedavg.server_opt` turns the server step into FedAvgM (`avgm`; Hsu, Qi, Brown 2019, "Measuring the
 Effects of Non-Identical Data Distribution for Federated Visual Classification", arXiv:1909.06335) or
 FedAdagrad / FedYogi / FedAdam (Reddi et al. 2021, "Adaptive Federated Optimization",
-arXiv:2003.00295), applied to Delta_t = (the average above) - w^t (`aggregation.server_update`); the
-default `none` keeps w^{t+1} = the average. Ditto's and APFL's global model w inherit this step.
+arXiv:2003.00295), applied to Delta_t = (the average above) - w^t, and `fedavg.aggregation` replaces
+the weighted mean by a robust rule: both are the shared server step of every method that averages
+models (`averages = ("w",)`, `aggregation.ServerStep`). The default `none` keeps w^{t+1} = the average.
+Ditto's, APFL's, FedProx's, Per-FedAvg's and pFedMe's global model w inherit this step.
 """
 
 from __future__ import annotations
@@ -18,8 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedprism.algorithms.aggregation import (ROBUST_PARAMS, SERVER_OPT_PARAMS, WEIGHTINGS, average, client_weights,
-                                             robust_args, server_update)
+from fedprism.algorithms.aggregation import WEIGHTINGS, client_weights
 from fedprism.algorithms.base import Algorithm, Plan, Update, register
 from fedprism.hparams import Param
 
@@ -29,10 +30,9 @@ class FedAvg(Algorithm):
     name = "fedavg"
     paper = "McMahan et al. 2017, arXiv:1602.05629"
     personalized = False
+    averages = ("w",)             # the robust rule and the server optimiser act on w (`self.server`)
     params = {
         "weighting": Param("samples", "aggregation weights: n_k (samples) or 1/|S_t| (uniform)", choices=WEIGHTINGS),
-        **ROBUST_PARAMS,
-        **SERVER_OPT_PARAMS,
     }
 
     def init_state(self) -> dict:
@@ -42,11 +42,9 @@ class FedAvg(Algorithm):
         return Plan(clients, {"params": state["w"].expand(len(clients), -1).clone()})
 
     def aggregate(self, state: dict, rnd: int, update: Update) -> dict:
-        if len(update.clients):
-            x = update.params
-            avg = average(x, client_weights(update, self.hp["weighting"]), update.sent.get("params"),
-                          **robust_args(self.hp))
-            server_update(state, "w", avg, self.hp)
+        avg = self.server.average(update.params, client_weights(update, self.hp["weighting"]),
+                                  update.sent.get("params"))
+        self.server.update(state, "w", avg)
         return {}
 
     def model_for(self, state: dict, clients: np.ndarray) -> torch.Tensor:

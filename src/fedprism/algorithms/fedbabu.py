@@ -53,7 +53,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedprism.algorithms.aggregation import ROBUST_PARAMS, SERVER_OPT_PARAMS
 from fedprism.algorithms.base import Inference, TrainJob, Update, register
 from fedprism.algorithms.partial import WEIGHTING, PartialSharing
 from fedprism.hparams import Param
@@ -78,8 +77,6 @@ class FedBABU(PartialSharing):
         "finetune": Param("full", "what fine-tuning trains: full (body and head) or head (body frozen)",
                           choices=("full", "head"), eval_only=True),
         "weighting": WEIGHTING,
-        **ROBUST_PARAMS,
-        **SERVER_OPT_PARAMS,
     }
 
     @classmethod

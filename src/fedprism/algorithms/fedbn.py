@@ -50,7 +50,6 @@ from __future__ import annotations
 import torch
 
 from fedprism.algorithms.base import register
-from fedprism.algorithms.aggregation import ROBUST_PARAMS, SERVER_OPT_PARAMS
 from fedprism.algorithms.partial import WEIGHTING, PartialSharing
 
 
@@ -58,7 +57,7 @@ from fedprism.algorithms.partial import WEIGHTING, PartialSharing
 class FedBN(PartialSharing):
     name = "fedbn"
     paper = "Li, Jiang, Zhang, Kamp, Dou 2021, arXiv:2102.07623, Algorithm 1"
-    params = {"weighting": WEIGHTING, **ROBUST_PARAMS, **SERVER_OPT_PARAMS}
+    params = {"weighting": WEIGHTING}
 
     def shared_mask(self) -> torch.Tensor:
         keep = torch.ones(self.ctx.spec.size, dtype=torch.bool)

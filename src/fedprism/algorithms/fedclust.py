@@ -14,7 +14,7 @@ variant=original (Islam et al. 2024):
     (`threshold`, 0 = the largest gap in the merge distances) fixes the clusters for the whole run.
     All clients take part in the setup, so there are no newcomers in simulation; on Flower a
     newcomer joins the cluster with the smallest average-linkage distance to its p_j.
-`fedclust.server_opt` (`aggregation.server_update`): a server optimiser step on every cluster model that
+`fedclust.server_opt` (the shared server step, `aggregation.ServerStep`): a server optimiser step on every cluster model that
 has members in the round and on w_g, one state per model; default `none`: the averages themselves.
 """
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedprism.algorithms.aggregation import ROBUST_PARAMS, SERVER_OPT_PARAMS, average, robust_args, server_update
 from fedprism.algorithms.base import Algorithm, Plan, Update, register
 from fedprism.clustering import TooFewPoints, hard_cluster
 from fedprism.clustering.matching import match_clusters
@@ -62,9 +61,8 @@ class FedClust(Algorithm):
                         choices=("euclidean", "cosine")),
         "threshold": Param(0.0, "original variant: distance threshold (0 = largest merge gap)",
                            lambda v: v >= 0, "a number >= 0"),
-        **ROBUST_PARAMS,
-        **SERVER_OPT_PARAMS,         # a step on every cluster model and on w_g
     }
+    averages = ("w_c", "w_g")        # a server step on every cluster model and on w_g
 
     @classmethod
     def clusters(cls, hp: dict) -> int | None:
@@ -97,8 +95,6 @@ class FedClust(Algorithm):
         return f
 
     def aggregate(self, state: dict, rnd: int, update: Update) -> dict:
-        if len(update.clients) == 0:
-            return {}
         S = torch.as_tensor(update.clients)
         records: dict = {}
         if self.hp["variant"] == "original" and rnd == 0:
@@ -136,12 +132,11 @@ class FedClust(Algorithm):
             state["assign"][S[torch.as_tensor(new)]] = torch.as_tensor(d.argmin(1))
             records["joined"] = {"clients": update.clients[new], "labels": d.argmin(1)}
         a = state["assign"][S]
-        x, n, rb, sent = update.params, update.n_samples, robust_args(self.hp), update.sent.get("params")
+        x, n, server, sent = update.params, update.n_samples, self.server, update.sent.get("params")
         for c in torch.unique(a[a >= 0]).tolist():
             sel = a == c
-            server_update(state, "w_c", average(x[sel], n[sel], None if sent is None else sent[sel], **rb), self.hp,
-                          rows=c)
-        server_update(state, "w_g", average(x, n, sent, **rb), self.hp)
+            server.update(state, "w_c", server.average(x[sel], n[sel], None if sent is None else sent[sel]), rows=c)
+        server.update(state, "w_g", server.average(x, n, sent))
         return records
 
     def model_for(self, state: dict, clients: np.ndarray) -> torch.Tensor:

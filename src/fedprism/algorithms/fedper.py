@@ -38,7 +38,6 @@ from dataclasses import dataclass
 import torch
 
 from fedprism.algorithms.base import register
-from fedprism.algorithms.aggregation import ROBUST_PARAMS, SERVER_OPT_PARAMS
 from fedprism.algorithms.partial import WEIGHTING, PartialSharing
 from fedprism.errors import ConfigError
 from fedprism.hparams import Param
@@ -84,7 +83,7 @@ def personal_slice(spec: ParamSpec, personal: str | int, key: str = "personal") 
 class FedPer(PartialSharing):
     name = "fedper"
     paper = "Arivazhagan, Aggarwal, Singh, Choudhary 2019, arXiv:1912.00818"
-    params = {"personal": PERSONAL, "weighting": WEIGHTING, **ROBUST_PARAMS, **SERVER_OPT_PARAMS}
+    params = {"personal": PERSONAL, "weighting": WEIGHTING}
 
     def shared_mask(self) -> torch.Tensor:
         keep = torch.ones(self.ctx.spec.size, dtype=torch.bool)

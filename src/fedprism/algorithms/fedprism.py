@@ -30,7 +30,7 @@ Decisions where the report is silent (README "Design decisions"):
 Options for the FedPrism paper's variant of the same server (the FedPrism paper's Algorithm 2), defaults = the report's:
 `global_weighting=samples`, `temperature` (softmax of Sim/T), `m=K` (all clusters),
 `cluster_lr` (w_c moves by cluster_lr times its soft-weighted mean update), `features=last_layer`.
-`server_opt` (`aggregation.server_update`, default `none`): a server optimiser step towards the value of
+`server_opt` (the shared server step `aggregation.ServerStep`, default `none`): a server optimiser step towards the value of
 step 3a for w_g and of step 3b for each cluster model with sum_i W[i,c] > 0 (one state per model).
 """
 
@@ -39,8 +39,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedprism.algorithms.aggregation import (ROBUST_PARAMS, SERVER_OPT_PARAMS, average, client_weights, personalize,
-                                             robust_args, server_update, soft_cluster_step)
+from fedprism.algorithms.aggregation import client_weights, personalize, soft_cluster_step
 from fedprism.algorithms.base import Algorithm, Plan, Update, register
 from fedprism.clustering import TooFewPoints, hard_cluster, soft_assign
 from fedprism.clustering.matching import match_clusters, overlap_cost
@@ -99,9 +98,8 @@ class FedPrism(Algorithm):
         "features": Param("full", "clustering features: full vector (Fed-PRISM report) or last layer (FedPrism paper)",
                           choices=("full", "last_layer")),
         "affinity": Param("shifted", "covariance affinity: (1+R)/2 or max(R,0)", choices=("shifted", "clip")),
-        **ROBUST_PARAMS,
-        **SERVER_OPT_PARAMS,         # a step on w_g and on each cluster model that moved (`_server_step`)
     }
+    averages = ("w_g", "w_c")        # a server step on w_g and on each cluster model that moved (`_server_step`)
 
     @classmethod
     def clusters(cls, hp: dict) -> int:
@@ -140,8 +138,6 @@ class FedPrism(Algorithm):
 
     def aggregate(self, state: dict, rnd: int, update: Update) -> dict:
         records: dict = {}
-        if len(update.clients) == 0:
-            return records
         self._server_step(state, update)
         if self._recluster_due(rnd):
             records.update(self._update_clusters(state, rnd, update))
@@ -150,26 +146,27 @@ class FedPrism(Algorithm):
     def _server_step(self, state: dict, update: Update) -> None:
         """Global step (3a) and soft-weighted cluster step (3b) with the rows of W used this round.
 
-        `server_opt` (`aggregation.server_update`): the value each step gives is the server optimiser's
-        average, for w_g and for every cluster model with Z_c > 0 (the others keep model and state)."""
-        hp = self.hp
+        The shared server step (`self.server`): the robust rule averages (`fedprism.aggregation`), and the
+        value each step gives is the server optimiser's average (`fedprism.server_opt`), for w_g and for
+        every cluster model with Z_c > 0 (the others keep model and state)."""
+        hp, server = self.hp, self.server
         S = torch.as_tensor(update.clients)
         w = client_weights(update, hp["global_weighting"])
-        rb = robust_args(hp)
+        rb = server.robust
         W_S = state["W"][S]
         if hp["update"] == "delta":                  # the rows are updates already (clipped around 0)
             delta = update.delta
-            g = state["w_g"].double() + average(delta, w, **rb)
+            g = state["w_g"].double() + server.average(delta, w)
             c = soft_cluster_step(state["w_c"], W_S, delta, hp["cluster_lr"], robust=rb)
         else:
             sent = update.sent.get("params")
-            g = average(update.params, w, sent, **rb)
+            g = server.average(update.params, w, sent)
             c = soft_cluster_step(state["w_c"], W_S, update.params, hp["cluster_lr"], toward=True, robust=rb,
                                   sent=sent)
-        server_update(state, "w_g", g, hp)
+        server.update(state, "w_g", g)
         live = torch.nonzero(W_S.to(torch.float64).sum(0) > 0).flatten().tolist()
         if live:
-            server_update(state, "w_c", c[live], hp, rows=live)
+            server.update(state, "w_c", c[live], rows=live)
 
     def _recluster_due(self, rnd: int) -> bool:
         """The report's step 4: UpdateClusters when t mod C == 0 (rounds count from 0)."""

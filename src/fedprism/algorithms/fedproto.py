@@ -228,8 +228,7 @@ class FedProto(PrototypeClients):
                       client_state={"w": t.params})
 
     def aggregate(self, state: dict, rnd: int, update: Update) -> dict:
-        if len(update.clients):
-            update_prototypes(state, update, self.hp["weighting"], self.hp["aggregate_over"])
+        update_prototypes(state, update, self.hp["weighting"], self.hp["aggregate_over"])
         return {}
 
     def eval_payload(self, state: dict, clients: np.ndarray) -> dict:

@@ -30,8 +30,9 @@ Decisions where the paper is silent or differs from this protocol:
   with a CNN, 100 clients and Dirichlet label splits (grid {0.001, 0.01, 0.1}, Adam clients) by
   Jimenez-Gutierrez et al., "Clust-PSI-PFL: A Population Stability Index Approach for Clustered
   Non-IID Personalized Federated Learning", Table II. Set `fedprox.mu` for another of the paper's values.
-* `fedprox.server_opt` (avgm, adagrad, yogi, adam) applies a server optimiser to the averaged update as
-  for FedAvg (`aggregation.server_step`); default `none`.
+* `fedprox.server_opt` (avgm, adagrad, yogi, adam) applies a server optimiser to the averaged update and
+  `fedprox.aggregation` a robust rule, as for FedAvg (the shared server step, `aggregation.ServerStep`);
+  defaults `none` and `mean`.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ from __future__ import annotations
 import torch
 
 from fedprism.algorithms.base import Plan, TrainJob, Update, register, train_update
-from fedprism.algorithms.aggregation import ROBUST_PARAMS, SERVER_OPT_PARAMS
 from fedprism.algorithms.fedavg import FedAvg
 from fedprism.hparams import Param
 
@@ -60,8 +60,6 @@ class FedProx(FedAvg):
         "mu": Param(0.01, "proximal weight: local loss F_k(w) + (mu/2)||w - w^t||^2", lambda v: v >= 0,
                     "a number >= 0"),
         "weighting": FedAvg.params["weighting"],
-        **ROBUST_PARAMS,
-        **SERVER_OPT_PARAMS,
     }
 
     def client_update(self, plan: Plan, trainer, rnd: int, cstate: dict) -> Update:

@@ -48,7 +48,6 @@ import torch
 
 from fedprism.algorithms.base import TrainJob, register
 from fedprism.algorithms.fedper import PERSONAL, FedPer
-from fedprism.algorithms.aggregation import ROBUST_PARAMS, SERVER_OPT_PARAMS
 from fedprism.algorithms.partial import WEIGHTING
 from fedprism.errors import ConfigError
 from fedprism.hparams import Param
@@ -66,8 +65,6 @@ class FedRep(FedPer):
                              "an integer >= 0"),
         "personal": PERSONAL,
         "weighting": WEIGHTING,
-        **ROBUST_PARAMS,
-        **SERVER_OPT_PARAMS,
     }
 
     @classmethod

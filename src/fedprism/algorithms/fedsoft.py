@@ -31,7 +31,7 @@ Decisions where the paper is silent or our interface differs from its code (gith
 * The smoother sigma keeps every u_ks > 0 (no renormalisation after smoothing, as the authors' code).
 
 Defaults: S = 2 (`k`), lambda = 0.1 and sigma = 1e-4 (the authors' MNIST values), tau = 2.
-`fedsoft.server_opt` (`aggregation.server_update`) takes a server optimiser step on each cluster model
+`fedsoft.server_opt` (the shared server step, `aggregation.ServerStep`) takes a server optimiser step on each cluster model
 from its Eq. 5 average (one optimiser state per cluster; default `none`: Eq. 5 itself).
 `fedsoft.aggregation` replaces Eq. 5's weighted mean of cluster s by a robust rule with the same weights
 v_s. (`aggregation.average`; default `mean`: Eq. 5 bit for bit). Clients train from their own w_k, which
@@ -47,8 +47,6 @@ import torch.nn.functional as F
 
 from fedprism.algorithms.base import (Algorithm, ClientState, Inference, Plan, TensorSpec, TrainJob, Update,
                                       register)
-from fedprism.algorithms.aggregation import (ROBUST_PARAMS, SERVER_OPT_PARAMS, average, robust_args,
-                                             server_update)
 from fedprism.algorithms.ifca import permuted_inits
 from fedprism.hparams import Param
 
@@ -81,9 +79,9 @@ class FedSoft(Algorithm):
         "sigma": Param(1e-4, "smoother of zero importance shares", lambda v: 0 < v < 1, "a number in (0, 1)"),
         "tau": Param(2, "importance re-estimation period in rounds", lambda v: isinstance(v, int) and v >= 1,
                      "an integer >= 1"),
-        **SERVER_OPT_PARAMS,         # a server step on each cluster model after Eq. 5
-        **ROBUST_PARAMS,             # Eq. 5's weighted mean, or a robust rule with the same weights
     }
+    #: a server step on each cluster model after Eq. 5; Eq. 5's weighted mean, or a robust rule with the same weights
+    averages = ("c",)
     client_state = {"w": ClientState(("P",), init="model")}      # + u [S], sized in __init__
 
     def __init__(self, ctx, **hp):
@@ -125,16 +123,14 @@ class FedSoft(Algorithm):
 
     def aggregate(self, state: dict, rnd: int, update: Update) -> dict:
         """Eq. 5 over the cohort: c_s = sum_k v_sk w_k, v_sk = u_ks n_k / sum_k' u_k's n_k'."""
-        if not len(update.clients):
-            return {}
         a = update.payload["u"].to(torch.float64) * update.n_samples.to(torch.float64)[:, None]   # [n, S]
         total = a.sum(0)
-        x, rb = update.params.to(torch.float64), robust_args(self.hp)
+        x, server = update.params.to(torch.float64), self.server
         for s in range(state["c"].shape[0]):
             if total[s] > 0:
-                avg = ((a[:, s] / total[s]) @ x if rb["rule"] == "mean"
-                       else average(x, a[:, s], state["c"][s].expand(len(x), -1), **rb))
-                server_update(state, "c", avg, self.hp, rows=s)
+                avg = ((a[:, s] / total[s]) @ x if server.rule == "mean"
+                       else server.average(x, a[:, s], state["c"][s].expand(len(x), -1)))
+                server.update(state, "c", avg, rows=s)
         return {"fedsoft_importance": {"clients": update.clients.tolist(),
                                        "u": [[round(float(v), 6) for v in row] for row in update.payload["u"]]}}
 

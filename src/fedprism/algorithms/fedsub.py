@@ -516,8 +516,6 @@ class FedSub(Algorithm):
 
     # -- server ---------------------------------------------------------------------------------------------
     def aggregate(self, state: dict, rnd: int, update: Update) -> dict:
-        if not len(update.clients):
-            return {}
         S = torch.as_tensor(update.clients)
         for k in ("params", "masks", "protos", "scores"):
             state[k][S] = update.payload[k].to(state[k].dtype)

@@ -25,7 +25,7 @@ Decisions where the paper is silent:
     only during warm-up) does at evaluation what an IFCA client does at inference: it picks the
     lowest-loss model on its own train data (the `evaluate` hook; `model_for` alone returns model 0).
 
-`ifca.server_opt` (`aggregation.server_update`): a server optimiser step on each chosen cluster model
+`ifca.server_opt` (the shared server step, `aggregation.ServerStep`): a server optimiser step on each chosen cluster model
 from its average, one optimiser state per cluster model (during warm-up the K equal copies take the same
 step); default `none`: the average itself.
 """
@@ -35,8 +35,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedprism.algorithms.aggregation import (ROBUST_PARAMS, SERVER_OPT_PARAMS, WEIGHTINGS, average, client_weights,
-                                             robust_args, server_update)
+from fedprism.algorithms.aggregation import WEIGHTINGS, client_weights
 from fedprism.algorithms.base import Algorithm, Inference, Plan, TensorSpec, TrainJob, Update, register, train_update
 from fedprism.hparams import Param
 
@@ -76,9 +75,8 @@ class IFCA(Algorithm):
                                "an integer >= 1"),
         "weighting": Param("samples", "per-cluster average: n_i (samples) or 1 (uniform, as the paper)",
                            choices=WEIGHTINGS),
-        **ROBUST_PARAMS,
-        **SERVER_OPT_PARAMS,
     }
+    averages = ("w",)                # the K cluster models
 
     @classmethod
     def clusters(cls, hp: dict) -> int:
@@ -125,22 +123,19 @@ class IFCA(Algorithm):
         return up
 
     def aggregate(self, state: dict, rnd: int, update: Update) -> dict:
-        if len(update.clients) == 0:
-            return {}
         a = client_weights(update, self.hp["weighting"])
         j = update.payload["cluster"].long()
-        x, rb = update.params, robust_args(self.hp)
+        x, server = update.params, self.server
         models = update.sent.get("models")                                      # what each client started from
         if self._warming(rnd):                                                  # FedAvg on K copies
             start = None if models is None else models[:, 0]
             K = len(state["w"])             # the K equal copies take the same step (and keep equal states)
-            server_update(state, "w", average(x, a, start, **rb).expand(K, -1), self.hp, rows=list(range(K)))
+            server.update(state, "w", server.average(x, a, start).expand(K, -1), rows=list(range(K)))
             return {}
         start = None if models is None else models[torch.arange(len(j)), j]
         for c in torch.unique(j).tolist():
             sel = j == c
-            server_update(state, "w", average(x[sel], a[sel], None if start is None else start[sel], **rb), self.hp,
-                          rows=c)
+            server.update(state, "w", server.average(x[sel], a[sel], None if start is None else start[sel]), rows=c)
         state["assign"][torch.as_tensor(update.clients)] = j
         return {"clusters": {"clients": update.clients, "labels": j.numpy()}}
 

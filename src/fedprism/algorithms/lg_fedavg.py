@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import torch
 
-from fedprism.algorithms.aggregation import ROBUST_PARAMS, SERVER_OPT_PARAMS
 from fedprism.algorithms.base import register
 from fedprism.algorithms.fedper import LayersOrHead, personal_slice
 from fedprism.algorithms.partial import WEIGHTING, PartialSharing
@@ -64,7 +63,7 @@ SHARED = LayersOrHead("head", "layers the server averages: head (the model's cla
 class LGFedAvg(PartialSharing):
     name = "lg_fedavg"
     paper = "Liang, Liu, Ziyin, Allen, Auerbach, Brent, Salakhutdinov, Morency 2020, arXiv:2001.01523"
-    params = {"shared": SHARED, "weighting": WEIGHTING, **ROBUST_PARAMS, **SERVER_OPT_PARAMS}
+    params = {"shared": SHARED, "weighting": WEIGHTING}
 
     @classmethod
     def check_params(cls, hp: dict) -> None:

@@ -12,7 +12,8 @@ sets the split and its local training:
                    keeps w_k (client state 'local', never sent), uploads w_k's shared coordinates
     aggregate      s <- sum_k n_k s_k / sum_k n_k over the accepted uploads (`weighting=uniform`: the
                    1/|S_t| mean; `aggregation`: a robust rule), then the `server_opt` step on s
-                   (`aggregation.server_update`); a round without uploads leaves s bit-identical
+                   (the shared server step, `aggregation.ServerStep`); a round without uploads leaves s
+                   bit-identical (the runner does not call `aggregate` then)
     inference      client k predicts with its own model, shared coordinates replaced by the current s
 
 Decisions:
@@ -30,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedprism.algorithms.aggregation import WEIGHTINGS, average, client_weights, robust_args, server_update
+from fedprism.algorithms.aggregation import WEIGHTINGS, client_weights
 from fedprism.algorithms.base import Algorithm, ClientState, Inference, Plan, TensorSpec, TrainJob, Update
 from fedprism.hparams import Param
 from fedprism.protocol import Trained
@@ -44,6 +45,7 @@ class PartialSharing(Algorithm):
     `shared_mask()`."""
 
     client_state = {"local": ClientState(("P",), init="model")}
+    averages = ("shared",)        # the robust rule and the server optimiser act on s (`self.server`)
 
     def __init__(self, ctx, **hp):
         super().__init__(ctx, **hp)
@@ -86,10 +88,9 @@ class PartialSharing(Algorithm):
                       client_state={"local": t.params})
 
     def aggregate(self, state: dict, rnd: int, update: Update) -> dict:
-        if len(update.clients):
-            w = client_weights(update, self.hp["weighting"])
-            x = update.payload["shared"]
-            server_update(state, "shared", average(x, w, update.sent.get("shared"), **robust_args(self.hp)), self.hp)
+        w = client_weights(update, self.hp["weighting"])
+        avg = self.server.average(update.payload["shared"], w, update.sent.get("shared"))
+        self.server.update(state, "shared", avg)
         return {}
 
     def eval_payload(self, state: dict, clients: np.ndarray) -> dict:

@@ -53,7 +53,6 @@ import torch
 import torch.nn.functional as F
 from torch.func import grad, grad_and_value
 
-from fedprism.algorithms.aggregation import ROBUST_PARAMS, SERVER_OPT_PARAMS
 from fedprism.algorithms.base import Inference, Plan, TrainJob, Update, register, train_update
 from fedprism.algorithms.fedavg import FedAvg
 from fedprism.hparams import Param
@@ -123,8 +122,6 @@ class PerFedAvg(FedAvg):
                             lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
                             "an integer >= 0", eval_only=True),
         "weighting": FedAvg.params["weighting"],
-        **ROBUST_PARAMS,
-        **SERVER_OPT_PARAMS,
     }
 
     @classmethod

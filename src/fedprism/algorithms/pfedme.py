@@ -62,8 +62,7 @@ import functools
 import numpy as np
 import torch
 
-from fedprism.algorithms.aggregation import (ROBUST_PARAMS, SERVER_OPT_PARAMS, average, client_weights,
-                                             robust_args, server_update)
+from fedprism.algorithms.aggregation import client_weights
 from fedprism.algorithms.base import ClientState, Inference, Plan, TrainJob, Update, register
 from fedprism.algorithms.fedavg import FedAvg
 from fedprism.algorithms.fedprox import prox_job
@@ -108,8 +107,6 @@ class PFedMe(FedAvg):
         "personal_epochs": Param(1, "epochs of the final solve for theta_i at the local model (0: keep it)",
                                  lambda v: v >= 0, "an integer >= 0"),
         "weighting": FedAvg.params["weighting"],
-        **ROBUST_PARAMS,
-        **SERVER_OPT_PARAMS,
     }
 
     def client_update(self, plan: Plan, trainer, rnd: int, cstate: dict) -> Update:
@@ -126,12 +123,11 @@ class PFedMe(FedAvg):
 
     def aggregate(self, state: dict, rnd: int, update: Update) -> dict:
         """w^{t+1} = (1 - beta) w^t + beta * mean of the w_{i,R} (then the server optimiser, if any)."""
-        if len(update.clients):
-            avg = average(update.params, client_weights(update, self.hp["weighting"]),
-                          update.sent.get("params"), **robust_args(self.hp))
-            beta = self.hp["beta"]
-            mixed = avg if beta == 1 else (1 - beta) * state["w"].to(torch.float64) + beta * avg
-            server_update(state, "w", mixed, self.hp)
+        avg = self.server.average(update.params, client_weights(update, self.hp["weighting"]),
+                                  update.sent.get("params"))
+        beta = self.hp["beta"]
+        mixed = avg if beta == 1 else (1 - beta) * state["w"].to(torch.float64) + beta * avg
+        self.server.update(state, "w", mixed)
         return {}
 
     # -- evaluation: each client predicts with its own theta_i -------------------------------------

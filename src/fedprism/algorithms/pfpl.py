@@ -270,8 +270,6 @@ class PFPL(PrototypeClients):
 
     def aggregate(self, state: dict, rnd: int, update: Update) -> dict:
         """Keep the latest uploads, cluster each class's prototypes, recompute every client's P_i (Eq. 4)."""
-        if not len(update.clients):
-            return {}
         S = torch.as_tensor(update.clients)
         state["client_protos"][S] = update.payload["protos"].to(state["client_protos"].dtype)
         state["client_counts"][S] = update.payload["counts"].to(state["client_counts"].dtype)

@@ -63,8 +63,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fedprism.algorithms.aggregation import (ROBUST_PARAMS, SERVER_OPT_PARAMS, WEIGHTINGS, average, client_weights,
-                                             robust_args, server_update)
+from fedprism.algorithms.aggregation import WEIGHTINGS, client_weights
 from fedprism.algorithms.base import (Algorithm, ClientState, Inference, Plan, TensorSpec, TrainJob, Update,
                                       register)
 from fedprism.algorithms.fedproto import (AGGREGATE_OVER, check_feature_dim, local_prototypes, prototype_loss,
@@ -89,9 +88,9 @@ class ProtoHAR(Algorithm):
                                  "over clients, the authors' code)", choices=WEIGHTINGS),
         "aggregate_over": Param("round", "global prototype over this round's reporters (round) or every "
                                 "client's latest upload (seen)", choices=AGGREGATE_OVER),
-        **ROBUST_PARAMS,             # the body's average (prototypes: a per-class weighted mean)
-        **SERVER_OPT_PARAMS,         # a server optimiser step on the body (aggregation.server_update)
     }
+    #: the shared server step (robust rule, server optimiser) acts on the body; prototypes: a per-class weighted mean
+    averages = ("body",)
     client_state = {"w": ClientState(("P",), init="model")}
     shares_prototypes = True             # `privacy.epsilon` releases them with DP (fedprism.privacy)
 
@@ -150,11 +149,9 @@ class ProtoHAR(Algorithm):
                       {"train_loss": t.loss}, client_state={"w": w})
 
     def aggregate(self, state: dict, rnd: int, update: Update) -> dict:
-        if len(update.clients):
-            x = update.payload["body"]
-            server_update(state, "body", average(x, client_weights(update), update.sent.get("body"),
-                                                 **robust_args(self.hp)), self.hp)
-            update_prototypes(state, update, self.hp["proto_weighting"], self.hp["aggregate_over"])
+        avg = self.server.average(update.payload["body"], client_weights(update), update.sent.get("body"))
+        self.server.update(state, "body", avg)
+        update_prototypes(state, update, self.hp["proto_weighting"], self.hp["aggregate_over"])
         return {}
 
     def eval_payload(self, state: dict, clients: np.ndarray) -> dict:

@@ -104,13 +104,24 @@ def malformed_round(rejected: dict[int, str], plan: Plan, rnd: int, method: str)
 
 
 def aggregate_records(algo: Algorithm, state: dict, rnd: int, update: Update) -> dict:
-    """`algo.aggregate(...)`'s records for the round (None: none), or a `MethodError` naming the hook when
-    it returns something else (a list would fail later, deep in the store)."""
-    recs = algo.aggregate(state, rnd, update)
+    """The server step of round `rnd` and its records: at round 0 `algo.setup_records(state)` first, then
+    `algo.aggregate(...)`'s records (None: none). A `MethodError` names the hook when either returns
+    something else (a list would fail later, deep in the store).
+
+    The runner's promise to every method: `aggregate` is never called with an empty update. A round in
+    which no client's reply was accepted (all failed, were rejected, or nobody was sampled) leaves the
+    server state as it is, so no method needs a guard of its own."""
+    recs = _records(algo, "setup_records", algo.setup_records(state)) if rnd == 0 else {}
+    if len(update.clients) == 0:
+        return recs
+    return {**recs, **_records(algo, "aggregate", algo.aggregate(state, rnd, update))}
+
+
+def _records(algo: Algorithm, hook: str, recs: object) -> dict:
     if recs is None:
         return {}
     if not isinstance(recs, dict) or not all(isinstance(k, str) for k in recs):
-        raise MethodError(f"{type(algo).__name__}.aggregate returned {type(recs).__name__}: it returns a "
+        raise MethodError(f"{type(algo).__name__}.{hook} returned {type(recs).__name__}: it returns a "
                           "dict of the round's records (str keys) or None")
     return recs
 

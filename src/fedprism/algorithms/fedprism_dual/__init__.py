@@ -112,7 +112,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedprism.algorithms.aggregation import ROBUST_PARAMS, SERVER_OPT_PARAMS, personalize
+from fedprism.algorithms.aggregation import personalize
 from fedprism.algorithms.base import ClientState, Inference, Plan, TrainJob, Update, register
 from fedprism.algorithms.fedprism import FedPrism
 from fedprism.errors import ConfigError
@@ -240,9 +240,7 @@ class FedPrismDual(FedPrism):
                                        "a number > 0", eval_only=True),
         "routing": Param("confidence", "how the specialist and the backbone combine (confidence: Eq. 2; margin; "
                          "seen_mass; prior: see fedprism_dual.ROUTINGS)", choices=ROUTINGS, eval_only=True, new=True),
-        **ROBUST_PARAMS,
-        **SERVER_OPT_PARAMS,         # the step on G and the C_k (FedPrism._server_step)
-    }
+    }                                # + the shared server step on G and the C_k (FedPrism.averages, _server_step)
 
     def __init__(self, ctx, **hp: Any):
         super().__init__(ctx, **hp)
@@ -372,8 +370,6 @@ class FedPrismDual(FedPrism):
         return Update(S, {"params": t.params}, t.n_samples, {"train_loss": t.loss}, client_state=new)
 
     def aggregate(self, state: dict, rnd: int, update: Update) -> dict:
-        if len(update.clients) == 0:
-            return {}
         S = torch.as_tensor(update.clients)
         g_old, c_old, W_used = state["w_g"].clone(), state["w_c"].clone(), state["W"][S].clone()
         if self.hp["cluster_on"] == "seen":
