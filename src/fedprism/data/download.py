@@ -42,8 +42,8 @@ from typing import IO
 from fedprism.errors import ConfigError, DataError
 from fedprism.machine import cache_root
 
-__all__ = ["RemoteFile", "REMOTE", "mirrored", "remote_files", "cache_root", "download_dir", "download", "fetch", "file_digests",
-           "tofu_record_path", "read_tofu_record"]
+__all__ = ["RemoteFile", "REMOTE", "mirrored", "remote_files", "cache_root", "download_dir", "download", "fetch",
+           "file_digests", "tofu_record_path", "read_tofu_record"]
 
 Opener = Callable[..., IO[bytes]]
 """``opener(url, timeout=...)`` returning a readable binary stream usable in a ``with`` statement
