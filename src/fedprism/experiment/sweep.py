@@ -47,7 +47,7 @@ from typing import Any
 
 from fedprism.algorithms import REGISTRY
 from fedprism.errors import ConfigError, printable
-from fedprism.experiment.config import Config, flatten, prefer_stored, read_toml, resolve, suggest
+from fedprism.experiment.config import KEYS, Config, flatten, prefer_stored, read_toml, resolve, suggest
 
 
 def load_sweep(path: str | Path, quick: bool = False, overrides: dict[str, Any] | None = None
@@ -100,7 +100,7 @@ def load_sweep(path: str | Path, quick: bool = False, overrides: dict[str, Any] 
         for values in itertools.product(*grid.values()) if grid else [()]:
             point = dict(zip(grid.keys(), values))
             raw = {**base, **variant, **point, **quick_over}
-            method = raw.get("method", "fedprism")
+            method = raw.get("method", KEYS["method"].default)
             # keys of *other* methods in [base], [grid] or [quick] apply only to runs of those methods
             raw = {k: v for k, v in raw.items()
                    if k in variant or k.split(".")[0] not in REGISTRY or k.split(".")[0] == method}
