@@ -180,6 +180,14 @@ def test_folders_beside_a_store_are_owner_only_under_umask_0(tmp_path):
     finally:
         os.umask(old)
     assert ckpt_mode == 0o700 and final_mode == 0o700
+    from fedprism.experiment.safefs import private_dir
+
+    old = os.umask(0o277)                           # a umask that takes the owner's own write bit: 0700 still
+    try:
+        odd = private_dir(tmp_path / "odd.db.ckpt")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(odd.stat().st_mode) == 0o700
     wide = tmp_path / "w.db.ckpt"                   # a folder an older version made with umask 000: narrowed
     wide.mkdir()
     os.chmod(wide, 0o777)
@@ -409,6 +417,7 @@ def test_every_earlier_schema_is_read_merged_and_migrated(tmp_path, base, capsys
         "records": want_records}
     s = Store(old)                                                 # opened for writing: migrated
     assert schema_version(s.db) == SCHEMA_VERSION == 4
+    assert s.db.execute("PRAGMA user_version").fetchone()[0] == 4             # written into the file
     assert "seq" in [r[1] for r in s.db.execute("PRAGMA table_info(records)")]
     assert [r["data"] for r in s.records(rid)] == [json.loads(d) for *_, d in want_records]
     s.close()
