@@ -25,6 +25,20 @@ file, never switches its journal mode and never migrates its schema, so reading 
 leaves every byte (and the mtime) as it was. Opening for writing adds columns that newer versions
 need (`provenance`) to an older store. A finished run's final server and client state can be kept
 beside the store (`<db>.final/`, same format as checkpoints) for re-scoring evaluation-only settings.
+
+A store may come from elsewhere (a part of a sweep, an archive), so its contents are data, never paths
+or trusted values:
+* schema versions (`SCHEMA_VERSION`, kept in `PRAGMA user_version`): every earlier version is migrated
+  on write-open (`migrate`) and read as the current one; a newer version, or a table with a column
+  this version cannot fill, is refused before anything is written (`_not_writable_here`);
+* a run id read from a store names a file beside it (lock, checkpoint, row folder) only when it has a
+  run id's form (`valid_run_id`): an id such as `/etc/x.lock` or `../../y` names no file;
+* a read-only store shows each table through a temporary view that leaves out rows that are not well
+  formed (`ROW_OK`: JSON that is not a JSON object, a status or number of the wrong type, a config
+  without the keys readers index) and makes an older schema look like the current one; a store open for
+  writing refuses to resume or re-use a damaged row of the run it runs (`Store.run`, `Store.damage`);
+* the folders beside it are owner-only and its files are opened without following links
+  (`fedprism.experiment.safefs`); a WAL store in a folder this user may not write is read `immutable`.
 """
 
 from __future__ import annotations
