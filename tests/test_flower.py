@@ -516,7 +516,9 @@ def test_class_drift_needs_the_dataset_on_the_server(monkeypatch):
     monkeypatch.setattr(fedmod, "build_federation", unreadable)
     with pytest.raises(ConfigError, match=r"drift\.fraction.*readable on the server"):
         server_data(RunSettings.from_run_config({"experiment": EXP4 + " drift.fraction=0.5"}))
-    assert server_data(RunSettings.from_run_config({"experiment": EXP4})) == (None, None, None, None)
+    *held, spec = server_data(RunSettings.from_run_config({"experiment": EXP4}))
+    assert held == [None, None, None, None]
+    assert (spec.input_shape, spec.num_classes) == ((1, 8, 8), 10)     # digits' format, not a node's word
 
 
 def test_a_configuration_that_can_never_cluster_is_refused_before_flower_starts(tmp_path):
@@ -732,6 +734,30 @@ def test_restarted_server_resumes_from_its_checkpoint(tmp_path, task_identity):
     assert [m["round"] for m in Store(db).round_metrics(res.run_id)] == [0, 1, 2]
 
 
+def test_simulate_stops_on_sigint_even_when_started_with_it_ignored(monkeypatch, capsys):
+    """`python -m fedprism.flower simulate ... &`: a shell starts a background job with SIGINT ignored, and
+    Python then installs no handler, so `kill -INT` did nothing. `main` restores the handler (as every
+    `fedprism` command does) and turns the KeyboardInterrupt into one line and exit status 130 (`simulate`
+    has stopped what it started on the way out)."""
+    from fedprism.flower import __main__ as entry
+    from fedprism.flower import simulation
+
+    seen = []
+
+    def interrupted(*a, **kw):
+        seen.append(signal.getsignal(signal.SIGINT))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(simulation, "simulate", interrupted)
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        rc = entry.main(["simulate", "--experiment", EXP4])
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert seen == [signal.default_int_handler] and rc == 130
+    assert "interrupted; run the same command again to resume" in capsys.readouterr().err
+
+
 # -- Flower's runtimes (slow) ------------------------------------------------------------------------------
 def assert_identical_state(a: dict, b: dict) -> None:
     """Bit for bit: same keys, dtypes, shapes and values."""
@@ -857,6 +883,83 @@ print(json.dumps({
                 "state": a["State"], "pid": a["Pid"], "restarts": a["NumRestarts"]} for a in actors().values()]}))
 ray.shutdown()
 """
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_sigint_stops_a_background_simulate_and_the_same_command_resumes_it(tmp_path):
+    """The real thing: `python -m fedprism.flower simulate` started as a background job would be (SIGINT
+    ignored), sent SIGINT once round 0 is stored: it exits 130 within 120 s with nothing it started left
+    running, the run not finished; the same command again resumes it from its checkpoint and finishes with
+    every stored number of the uninterrupted in-process run."""
+    pytest.importorskip("ray")
+    exp = ("method=fedavg dataset=digits clients=2 rounds=20 local_epochs=1 lr=0.05 model=mlp device=cpu "
+           "engine=sequential fraction=1.0 seed=5")
+    db = tmp_path / "sim.db"
+    run_id = RunSettings.from_run_config({"experiment": exp}).run_id
+    mark = uuid.uuid4().hex
+    ray_tmp = tempfile.mkdtemp(prefix="fpray-", dir="/tmp")     # Ray's socket paths must stay < 108 bytes
+    paths = [str(ROOT / "src")] + [q for q in os.environ.get("PYTHONPATH", "").split(os.pathsep) if q]
+    env = {**os.environ, "FLWR_HOME": str(tmp_path / "flwr-home"), "RAY_TMPDIR": ray_tmp,
+           "FEDPRISM_TEST_MARK": mark, "PYTHONPATH": os.pathsep.join(paths)}
+    cmd = [sys.executable, "-m", "fedprism.flower", "simulate", "--db", str(db), "--experiment", exp,
+           "round-timeout=300", "nodes-timeout=600"]
+
+    def start(name: str, ignore_sigint: bool) -> subprocess.Popen:
+        out = open(tmp_path / f"{name}.log", "wb")
+        pre = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None
+        return subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, preexec_fn=pre)
+
+    def rounds() -> int:
+        if not db.exists():
+            return 0
+        try:
+            s = Store(db, readonly=True)
+        except Exception:  # noqa: BLE001 - the file is being created
+            return 0
+        try:
+            return len(s.round_metrics(run_id)) if s.run(run_id) is not None else 0
+        finally:
+            s.close()
+
+    p = start("first", ignore_sigint=True)
+    try:
+        t0 = time.time()
+        while p.poll() is None and rounds() < 1 and time.time() - t0 < 600:
+            time.sleep(0.5)
+        assert p.poll() is None, (tmp_path / "first.log").read_text(errors="replace")[-3000:]
+        os.kill(p.pid, signal.SIGINT)                       # kill -INT <pid>: the process alone
+        try:
+            rc = p.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("SIGINT did not stop simulate within 120 s") from None
+        log = (tmp_path / "first.log").read_text(errors="replace")
+        assert rc == 130, log[-3000:]
+        assert "interrupted; run the same command again to resume" in log
+        assert marked_processes(mark) == [], "processes left behind by the interrupted simulate"
+        s = Store(db, readonly=True)
+        done = len(s.round_metrics(run_id))
+        assert s.run(run_id)["status"] != "finished" and 1 <= done < 20
+        s.close()
+        q = start("second", ignore_sigint=False)
+        assert q.wait(timeout=900) == 0, (tmp_path / "second.log").read_text(errors="replace")[-3000:]
+    finally:
+        for proc in (p, locals().get("q")):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        for pid in marked_processes(mark):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    ref_db = tmp_path / "ref.db"
+    ref = Experiment(parse_experiment(exp), Store(ref_db)).run()
+    got = Store(db)
+    assert got.run(run_id)["status"] == "finished"
+    assert [m["round"] for m in got.round_metrics(run_id)] == list(range(20))
+    assert_identical_numbers(Store(ref_db), ref.run_id, got, run_id)
 
 
 class RayCluster:

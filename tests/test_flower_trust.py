@@ -19,7 +19,8 @@ pytest.importorskip("flwr")
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict  # noqa: E402
 from flwr.proto.node_pb2 import NodeInfo  # noqa: E402
-from test_flower import (EXP4, FakeGrid, assert_same_state, in_process, nodes_for, offline,  # noqa: E402,F401
+from test_flower import (EXP4, NOT_RESULTS, FakeGrid, assert_same_state, in_process,  # noqa: E402,F401
+                         nodes_for, offline,
                          run_config, task_identity)
 
 from fedprism.algorithms.base import Plan, Update  # noqa: E402
@@ -28,6 +29,7 @@ from fedprism.flower import codec  # noqa: E402
 from fedprism.flower.node import build_node  # noqa: E402
 from fedprism.flower.server_app import serve, server_data  # noqa: E402
 from fedprism.flower.settings import RunSettings, parse_experiment  # noqa: E402
+from fedprism.flower.spec import RunSpec  # noqa: E402
 from fedprism.flower.trust import Refused, Registry, fingerprint, parse_identity, sample_count  # noqa: E402
 from fedprism.protocol import EvalResult  # noqa: E402
 
@@ -152,7 +154,7 @@ def test_registry_files(tmp_path):
 
 def test_default_cap_is_the_largest_training_split():
     s = RunSettings.from_run_config({"experiment": FEDAVG4})
-    shared, biggest, sizes, drift = server_data(s)
+    shared, biggest, sizes, drift, spec = server_data(s)
     from fedprism.experiment.federation import build_federation
     fed = build_federation(s.cfg)
     assert biggest == int(max(len(ix) for ix in fed.train_idx))
@@ -160,6 +162,7 @@ def test_default_cap_is_the_largest_training_split():
     assert torch.equal(shared.x_test, fed.x_test)                     # the public test split, nothing else
     assert sizes["local"].tolist() == [len(ix) for ix in fed.test_idx] and sizes["global"] == len(fed.y_test)
     assert drift is None                                              # static data
+    assert (spec.input_shape, spec.num_classes) == (fed.input_shape, fed.num_classes)
 
 
 # -- sample counts and update checks ------------------------------------------------------------------
@@ -557,7 +560,9 @@ def test_only_the_registered_key_moves_a_client_to_a_new_node(tmp_path):
             "num-examples": 40, "label-hist": [4] * 10}
     (tmp_path / "reg.json").write_text(json.dumps({"nodes": {fingerprint(b"K1"): {"client": 1}}}))
     grid = Stub()
-    link = Link(grid, 4, "cfg", log=lambda m: None, registry=Registry.load(str(tmp_path / "reg.json"), 4))
+    spec = RunSpec((64,), 10, 100)
+    link = Link(grid, 4, "cfg", log=lambda m: None, registry=Registry.load(str(tmp_path / "reg.json"), 4),
+                spec=spec)
     grid.keys = {10: b"K1", 20: b"K1", 30: b"K9"}
     link._admit(10, info)
     link._admit(30, info)                                             # not registered
@@ -566,7 +571,7 @@ def test_only_the_registered_key_moves_a_client_to_a_new_node(tmp_path):
     ev = [(k, c, d.get("event"), d.get("field"), d.get("node")) for k, c, d in link.pop_events()]
     assert ("failure", 1, None, "registry", 30) in ev and ("flower_node", 1, "remapped", None, 20) in ev
 
-    plain = Link(grid, 4, "cfg", log=lambda m: None)
+    plain = Link(grid, 4, "cfg", log=lambda m: None, spec=spec)
     plain._admit(10, info)
     plain._admit(20, info)                                            # no registry: 10 is online, refused
     assert plain.node_of == {1: 10}
@@ -827,3 +832,247 @@ def test_a_node_refuses_messages_that_are_not_for_it_or_malformed():
     drifting = build_node(exp + " drift.fraction=0.5", 0)
     with pytest.raises(ValueError, match="field 'round' missing: under drift.fraction > 0"):
         drifting.evaluate(torch.zeros(1, P), ["local"])
+
+
+# -- the server decides the run's data and model: a node's identity is checked against it --------------------
+def _lie(fields: dict):
+    """An identity forger: the node's real identity with `fields` replaced (a callable value maps the real
+    value); train and evaluate replies stay honest (they never come: the liar is refused)."""
+    def fn(m, real):
+        if m.metadata.message_type != "query.identity" or real is None:
+            return None
+        rec = real.config_records[codec.IDENTITY]
+        info = {k: rec[k] for k in rec.keys()}
+        for k, v in fields.items():
+            info[k] = v(info[k]) if callable(v) else v
+        return RecordDict({codec.IDENTITY: ConfigRecord(info)})
+    return fn
+
+
+LIES = {
+    "shape": ({"input-shape": [1, 9, 9]}, "input-shape"),
+    "classes": ({"num-classes": 11, "label-hist": lambda h: [*h, 0]}, "num-classes"),
+    "huge shape": ({"input-shape": [2 ** 31]}, "input-shape"),      # the model for it: ~10^12 bytes
+    "model size": ({"param-size": lambda p: p + 1}, "param-size"),
+}
+
+
+def test_a_node_lying_about_its_data_is_refused_alone_and_the_run_is_that_without_it(tmp_path, task_identity):
+    """No registry. A fifth node claims client 0 and answers the identity query first (lowest node id)
+    with another input shape, class count, a shape of 2^31 features, or another model size. It used to
+    fix those for the run: every honest node was then refused and `min-nodes` never reached (or, with
+    `min-nodes=1`, the server allocated the liar's model). The server decides them from its own
+    configuration: the liar alone is refused (failure record naming its field), the four honest nodes
+    are admitted, and the run's numbers and final state are those of the run without the liar."""
+    exp = FEDAVG4.replace("rounds=3", "rounds=1")
+    nodes = nodes_for(4)
+    rc = run_config(exp, tmp_path / "ref.db", save_final=str(tmp_path / "ref.pt"), nodes_timeout=20.0)
+    ref = serve(FakeGrid(nodes, rc), rc)
+    ref_metrics = Store(tmp_path / "ref.db").round_metrics(ref.run_id)
+    liar = 5                                                      # below every honest node id: asked first
+    for name, (fields, field) in LIES.items():
+        db = tmp_path / f"{name}.db"
+        rc = run_config(exp, db, save_final=str(tmp_path / f"{name}.pt"), nodes_timeout=20.0)
+        grid = HostileGrid(nodes, rc, forge={liar: (_lie(fields), True)})
+        grid.add_node(liar, {"client-id": 0})
+        res = serve(grid, rc)
+        assert res.status == "finished", name
+        s = Store(db)
+        refused = [f for f in s.records(res.run_id, "failure") if f["data"].get("phase") == "identity"]
+        assert refused and all(f["data"]["node"] == liar and f["data"]["field"] == field
+                               for f in refused), name
+        assert not [f for f in s.records(res.run_id, "failure") if f["data"].get("node") not in (None, liar)]
+        joined = {r["client"]: r["data"]["node"] for r in s.records(res.run_id, "flower_node")
+                  if r["data"]["event"] == "joined"}
+        assert joined == {c["client-id"]: nid for nid, c in nodes.items()}, name
+        assert {t for n, t in grid.log if n == liar} == {"query.identity"}, name
+        strip = lambda ms: [{k: v for k, v in m.items() if k not in NOT_RESULTS} for m in ms]  # noqa: E731
+        assert strip(s.round_metrics(res.run_id)) == strip(ref_metrics), name
+        assert_same_state(_state(tmp_path / "ref.pt"), _state(tmp_path / f"{name}.pt"), atol=0)
+
+
+def test_no_allocation_is_sized_from_a_nodes_claim(monkeypatch):
+    """Link level, the first reply of the run: a claim of 2^31 input features and 10^6 classes is refused
+    (field input-shape), and the server's arrays keep the sizes of its own spec."""
+    from fedprism.flower import server as srv
+
+    class Grid:
+        def get_node_ids(self):
+            return [1, 2]
+
+    spec = RunSpec((64,), 10, 100)
+    link = srv.Link(Grid(), 4, "cfg", log=lambda m: None, spec=spec)
+    monkeypatch.setattr(srv, "make_model", lambda *a: pytest.fail("a model was built from a node's word"))
+    huge = {"client-id": 1, "config-id": "cfg", "input-shape": [2 ** 31], "num-classes": 10 ** 6,
+            "param-size": 2 ** 40, "num-examples": 1, "label-hist": [1] + [0] * (10 ** 6 - 1)}
+    link._admit(1, huge)
+    assert link.node_of == {} and (link.input_shape, link.num_classes, link.param_size) == ((64,), 10, 100)
+    assert link.label_hist.shape == (4, 10)
+    [(kind, cid, data)] = link.pop_events()
+    assert (kind, cid, data["field"], data["node"]) == ("failure", 1, "input-shape", 1)
+    ok = {"client-id": 2, "config-id": "cfg", "input-shape": [64], "num-classes": 10, "param-size": 100,
+          "num-examples": 40, "label-hist": [4] * 10}
+    link._admit(2, ok)                                            # an honest node after it: admitted
+    assert link.node_of == {2: 2} and link.label_hist[2].tolist() == [4] * 10
+    assert [(k, d["event"]) for k, _, d in link.pop_events()] == [("flower_node", "joined")]
+    for field, value in (("num-classes", 9), ("param-size", 101), ("input-shape", [8, 8])):
+        bad = {**ok, "client-id": 3, field: value}
+        if field == "num-classes":                 # a histogram of as many entries as the claimed classes
+            bad["label-hist"], bad["num-examples"] = [4] * 9, 36
+        link._admit(3, bad)
+        assert 3 not in link.node_of and [d["field"] for _, _, d in link.pop_events()] == [field]
+
+
+def test_the_published_format_is_the_data_the_server_builds():
+    """`published_shape` (a server without the dataset) gives the shape and classes that building the
+    federation gives, for the built-in datasets readable here (digits and synthetic always; padded too)."""
+    from fedprism.experiment.federation import build_federation
+    from fedprism.flower.spec import published_shape, server_spec
+
+    cases = [FEDAVG4, FEDAVG4 + " data.pad32=true", "method=fedavg dataset=synthetic clients=4 model=mlp"]
+    for extra in cases:
+        cfg = parse_experiment(extra)
+        fed = build_federation(cfg)
+        assert published_shape(cfg) == (fed.input_shape, fed.num_classes), extra
+        read, published = server_spec(cfg, fed.input_shape, fed.num_classes), server_spec(cfg)
+        assert (published.input_shape, published.num_classes, published.param_size) == \
+            (read.input_shape, read.num_classes, read.param_size), extra
+    for name, shape, classes in (("fmnist", (1, 28, 28), 10), ("cifar100", (3, 32, 32), 100),
+                                 ("usps", (1, 16, 16), 10), ("wisdm", (3,), 6)):
+        assert published_shape(parse_experiment(f"dataset={name} model=mlp")) == (shape, classes)
+    assert published_shape(parse_experiment("dataset=fmnist model=lenet5"))[0] == (1, 32, 32)   # pad32 auto
+
+
+def test_a_registered_dataset_the_server_cannot_read_is_refused_before_any_node_is_asked(
+        monkeypatch, tmp_path, task_identity):
+    """A dataset the published format does not fix (a registered one) and that the server cannot read:
+    refused naming `dataset` before any node is asked (its shape would otherwise be a node's word)."""
+    from fedprism.errors import ConfigError
+    from fedprism.experiment import federation as fedmod
+
+    monkeypatch.setattr("fedprism.flower.spec.published_shape", lambda cfg: None)    # a bare loader's
+
+    def unreadable(cfg):
+        raise FileNotFoundError("no data")
+
+    monkeypatch.setattr(fedmod, "build_federation", unreadable)
+    rc = run_config(FEDAVG4, tmp_path / "p.db", nodes_timeout=5.0)
+    grid = FakeGrid(nodes_for(4), rc)
+    with pytest.raises(ConfigError, match=r"'dataset' = 'digits' is not valid: a dataset the server can"):
+        serve(grid, rc)
+    assert grid.log == [] and not (tmp_path / "p.db").exists()
+
+
+# -- the registry file is read before anything starts ----------------------------------------------------
+BAD_REGISTRIES = {
+    "missing.json": (None, "no such file"),
+    "folder.json": ("<dir>", "it is a folder"),
+    "broken.json": ('{"nodes": {"node:1": 0', "not valid JSON"),
+    "broken.toml": ('[nodes."node:1"\nclient = 0\n', "not valid TOML"),
+    "binary.json": (b"\xff\xfe\x00garbage", "not UTF-8 text"),
+    "range.json": ('{"nodes": {"node:1": 99}}', "client must be an integer in"),
+    "notable.json": ('[1, 2]', "needs a 'nodes' table"),
+}
+
+
+def _bad_registry(tmp_path: Path, name: str) -> str:
+    content, _ = BAD_REGISTRIES[name]
+    p = tmp_path / "reg" / name
+    p.parent.mkdir(exist_ok=True)
+    if content == "<dir>":
+        p.mkdir()
+    elif isinstance(content, bytes):
+        p.write_bytes(content)
+    elif content is not None:
+        p.write_text(content)
+    return str(p)
+
+
+@pytest.mark.parametrize("name", sorted(BAD_REGISTRIES))
+def test_a_bad_registry_is_refused_before_anything_starts_or_is_written(name, tmp_path, monkeypatch,
+                                                                        task_identity):
+    """`simulate` used to start the SuperLink and Ray and leave an empty store before the ServerApp read the
+    registry (a traceback from inside the run). Now: a ConfigError naming `registry`, its value and what is
+    wrong; no SuperLink, no work folder, no store; the same from `serve` (no store, no node asked)."""
+    from fedprism.errors import ConfigError
+    from fedprism.flower import simulation
+
+    reg = _bad_registry(tmp_path, name)
+    why = BAD_REGISTRIES[name][1]
+    monkeypatch.setattr(simulation.LocalSuperLink, "start", lambda self: pytest.fail("SuperLink started"))
+    monkeypatch.setattr(simulation.tempfile, "mkdtemp", lambda **kw: pytest.fail("a work folder was made"))
+    with pytest.raises(ConfigError) as e:
+        simulation.simulate(FEDAVG4, db=tmp_path / "s.db", registry=reg, workdir=None)
+    msg = str(e.value)
+    assert msg.startswith(f"run-config key 'registry' = '{reg}' is not valid:") and why in msg, msg
+    assert not (tmp_path / "s.db").exists()
+    rc = run_config(FEDAVG4, tmp_path / "v.db", registry=reg)
+    grid = FakeGrid(nodes_for(4), rc)
+    with pytest.raises(ConfigError, match="registry"):
+        serve(grid, rc)
+    assert not (tmp_path / "v.db").exists() and grid.log == []
+
+
+# -- what nodes say is printed and stored as printable text ----------------------------------------------
+EVIL = "boom\x1b]0;owned\x07\x1b[2J\r\x1b[31mred\u202e\nline two"
+
+
+def _printable_everywhere(texts) -> None:
+    for t in texts:
+        assert t.isprintable(), repr(t)
+        assert "\x1b" not in t and "\r" not in t and "\u202e" not in t, repr(t)
+
+
+def test_terminal_escapes_in_node_failure_reasons_are_stored_and_logged_escaped(tmp_path, monkeypatch,
+                                                                                task_identity):
+    """A node's error reply (its text carries OSC / CSI escape sequences, a carriage return, a bidi
+    override and a newline), a train reply with such a metric name, and an identity of another experiment
+    whose id carries them: every failure reason stored and every line the ServerApp logs is printable."""
+    from flwr.app import Error
+    import flwr.common.logger as flog
+
+    logged: list[str] = []
+    monkeypatch.setattr(flog, "log", lambda level, fmt, *args: logged.append(fmt % args))
+    nodes = nodes_for(4)
+
+    def error_reply(m, real):
+        if m.metadata.message_type != "train":
+            return None
+        return Message(Error(code=2, reason=EVIL), reply_to=m)
+
+    def metric_name(m, real):
+        if m.metadata.message_type != "train":
+            return None
+        a = {k: real.array_records[codec.UPDATE][k] for k in real.array_records[codec.UPDATE].keys()}
+        meta = {k: real.config_records[codec.META][k] for k in real.config_records[codec.META].keys()}
+        a["m." + EVIL] = Array(np.array([1.0]))
+        meta["metrics"] = [*meta["metrics"], EVIL]
+        return RecordDict({codec.UPDATE: ArrayRecord(a), codec.META: ConfigRecord(meta)})
+
+    class Grid(HostileGrid):                       # one forger sends a Flower error reply, not content
+        def push_messages(self, messages):
+            ids = super().push_messages(messages)
+            for m, mid in zip(messages, ids):
+                if m.metadata.dst_node_id == _node(nodes, 1) and m.metadata.message_type == "train":
+                    self.replies[mid] = error_reply(m, None)
+            return ids
+
+    rc = run_config(FEDAVG4.replace("rounds=3", "rounds=1"), tmp_path / "e.db", min_nodes=4)
+    grid = Grid(nodes, rc, forge={_node(nodes, 2): (metric_name, True),
+                                  7: (_lie({"config-id": EVIL}), True)})
+    grid.add_node(7, {"client-id": 3})
+    res = serve(grid, rc)
+    s = Store(tmp_path / "e.db")
+    fails = s.records(res.run_id, "failure")
+    reasons = {(f["client"], f["data"].get("phase", "train")): f["data"]["reason"] for f in fails}
+    assert "boom" in reasons[(1, "train")] and "line two" in reasons[(1, "train")]
+    assert "metric name" in reasons[(2, "train")] and (3, "identity") in reasons
+    _printable_everywhere(reasons.values())
+    assert any("boom" in line for line in logged) and any("refused" in line for line in logged)
+    _printable_everywhere(logged)
+    from types import SimpleNamespace
+
+    from fedprism.flower.server import Link
+    why = Link.describe_error(SimpleNamespace(error=SimpleNamespace(code=2, reason=EVIL)))   # one stored line
+    _printable_everywhere([why])
+    assert why.endswith("red\\u202e\\nline two") and "]0;owned" in why

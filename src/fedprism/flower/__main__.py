@@ -23,6 +23,9 @@ def _kv(items: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fedprism.cli import stop_on_sigint
+
+    stop_on_sigint()         # `... simulate &` starts with SIGINT ignored: `kill -INT` must still stop it
     ap = argparse.ArgumentParser(prog="python -m fedprism.flower", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("app", help="write a Flower app directory (pyproject.toml) for `flwr run`")
@@ -70,9 +73,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (RuntimeError, TimeoutError) as e:      # the run failed or timed out; everything started is stopped
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_lines(str(e))}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:                      # SIGINT / Ctrl-C: everything started is stopped
+        print("\ninterrupted; run the same command again to resume (the run continues from its last "
+              "checkpointed round)", file=sys.stderr)
+        return 130
     return 0
+
+
+def _lines(text: str) -> str:
+    """`text` (it may quote the SuperLink's log) with every line printable (`fedprism.errors.printable`)."""
+    from fedprism.errors import printable
+
+    return "\n".join(printable(ln) for ln in text.splitlines())
 
 
 if __name__ == "__main__":

@@ -37,13 +37,14 @@ from flwr.app import ConfigRecord, Message, RecordDict
 
 from fedprism.algorithms.base import Algorithm
 from fedprism.data.drift import DriftSchedule
-from fedprism.errors import ConfigError
+from fedprism.errors import ConfigError, printable
 from fedprism.experiment.evaluate import Evaluator, row_hashes
 from fedprism.experiment.limits import check_limits
 from fedprism.experiment.runner import Experiment, RunResult, make_algorithm, make_context, make_model, validate_update
 from fedprism.experiment.store import Store
 from fedprism.flower import codec
 from fedprism.flower.settings import IDENTITY_KEYS, RunSettings, check_flower_config, flower_label
+from fedprism.flower.spec import RunSpec
 from fedprism.flower.trust import (FLOAT32_MAX, Refused, Registry, clip_update, node_keys, parse_identity, sample_count,
                                   scaled_hist, update_norm)
 from fedprism.params import Functional, ParamSpec
@@ -81,6 +82,9 @@ class ServerDrift:
 
 
 def _log(msg: str) -> None:
+    """One line of the ServerApp's log; a node's words in it (failure reasons, names) are made printable
+    (`fedprism.errors.printable`: control characters, terminal escape sequences among them, escaped)."""
+    msg = printable(msg)
     try:
         from logging import INFO
 
@@ -95,8 +99,11 @@ class Link:
 
     def __init__(self, grid, num_clients: int, config_id: str, poll_interval: float = 0.5,
                  probe_timeout: float = 60.0, log: Callable[[str], None] = _log, registry: Registry | None = None,
-                 max_samples: int | None = None):
+                 max_samples: int | None = None, *, spec: RunSpec):
         self.grid, self.N, self.config_id = grid, num_clients, config_id
+        #: the run's input shape, classes and model size, decided by the server before any node speaks
+        #: (`fedprism.flower.spec.server_spec`); every identity reply is checked against it
+        self.spec = spec
         self.poll, self.probe_timeout, self.log = poll_interval, probe_timeout, log
         self.registry, self.max_samples = registry, max_samples
         self.key_of: dict[int, str] = {}          # node id -> the registry key it was admitted under
@@ -107,10 +114,9 @@ class Link:
         self.ever: set[int] = set()              # clients that were ever connected
         self.events: list[Record] = []
         self.n_train = np.zeros(num_clients, dtype=np.int64)     # filled from identity replies
-        self.label_hist: np.ndarray | None = None
-        self.input_shape: tuple[int, ...] | None = None
-        self.num_classes: int | None = None
-        self.param_size: int | None = None
+        self.input_shape, self.num_classes = spec.input_shape, spec.num_classes
+        self.param_size = spec.param_size
+        self.label_hist = np.zeros((num_clients, spec.num_classes), dtype=np.int64)   # sized by the server
 
     # -- identity ----------------------------------------------------------------------------------
     def online(self) -> set[int]:
@@ -194,6 +200,7 @@ class Link:
 
     def _refuse(self, nid: int, cid: int | None, reason: str, field: str | None = None) -> None:
         self.refused[nid] = time.monotonic()
+        reason = printable(reason)
         data = {"phase": "identity", "node": nid, "reason": reason}
         if field is not None:
             data["field"] = field
@@ -206,9 +213,10 @@ class Link:
             and 0 <= claimed < self.N else None
         try:
             ident = parse_identity(info, self.N, self.config_id)
+            self.spec.check(ident)               # the server's shape, classes, model size: not the node's
         except Refused as e:
             return self._refuse(nid, claimed, f"identity field {e}", e.field)
-        cid, shape, classes = ident.client, ident.input_shape, ident.num_classes
+        cid = ident.client
         key = None
         if self.registry is not None:                     # identity bound to the operator's key registry
             found = self.registry.lookup(node_keys(nid, self.public_keys().get(nid)))
@@ -218,16 +226,6 @@ class Link:
             if entry.client != cid:
                 return self._refuse(nid, cid, f"claims client {cid}, but its key {key} is registered for client "
                                               f"{entry.client}", "client-id")
-        if self.input_shape is None:
-            self.input_shape, self.num_classes = shape, classes
-            self.param_size = ident.param_size
-            self.label_hist = np.zeros((self.N, classes), dtype=np.int64)
-        elif (shape, classes) != (self.input_shape, self.num_classes):
-            return self._refuse(nid, cid, f"data of shape {shape} with {classes} classes, others have "
-                                          f"{self.input_shape} with {self.num_classes}", "input-shape")
-        elif ident.param_size != self.param_size:
-            return self._refuse(nid, cid, f"a model of {ident.param_size} parameters, others have "
-                                          f"{self.param_size}", "param-size")
         old = self.node_of.get(cid)
         if old is not None and old != nid:
             # another node holds this client id: it keeps it while it is online, unless the newcomer is the
@@ -269,13 +267,19 @@ class Link:
     # -- exchange ----------------------------------------------------------------------------------
     @staticmethod
     def describe_error(r: Message, limit: int = 1000) -> str:
-        """An error reply as one stored reason: terminal colour codes dropped, at most `limit` characters of
-        the node's text (its last ones: a traceback ends with the exception)."""
+        """An error reply as one stored line: terminal colour codes dropped, every other control character
+        (escape sequences, carriage returns, newlines) escaped (`fedprism.errors.printable`), at most `limit`
+        characters of the node's text (its last ones: a traceback ends with the exception)."""
         code = int(r.error.code)
-        text = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", str(r.error.reason)).strip()
+        text = printable(re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", str(r.error.reason)).strip())
         if len(text) > limit:
             text = "..." + text[-limit:]
         return f"{ERROR_NAMES.get(code, 'ERROR')} ({code}): {text}"
+
+    @staticmethod
+    def clean(failed: dict[int, str]) -> dict[int, str]:
+        """Failure reasons as printable lines (they quote what nodes sent)."""
+        return {c: printable(str(why)) for c, why in failed.items()}
 
     def exchange(self, message_type: str, bodies: dict[int, RecordDict], timeout: float,
                  group: str = "") -> tuple[dict[int, RecordDict], dict[int, str]]:
@@ -328,7 +332,7 @@ class Link:
         for cid in pending.values():
             failed[cid] = f"{message_type}: no reply from node {sent_to[cid]} within {timeout:g}s"
             self._forget(sent_to[cid], "timed out")
-        return replies, failed
+        return replies, self.clean(failed)
 
     def pop_events(self) -> list[Record]:
         ev, self.events = self.events, []
@@ -556,8 +560,6 @@ class FlowerExperiment(Experiment):
 
     def __init__(self, settings: RunSettings, store: Store, link: Link, shared_data=None,
                  sizes: dict | None = None, drift: ServerDrift | None = None):
-        if link.input_shape is None:
-            raise RuntimeError("no node has been identified yet: call link.discover() first")
         cfg = flower_label(settings.cfg)
         if cfg.get("drift.fraction", 0.0) and (drift is None or sizes is None):
             raise ConfigError("drift.fraction", cfg["drift.fraction"], NO_DRIFT_WITHOUT_DATA)
@@ -574,8 +576,9 @@ class FlowerExperiment(Experiment):
         self.ctx.spec = Functional(self.model).spec
         if sizes is None:      # with the partition's sizes, `server_data` checked the size keys already
             check_limits(cfg, link.n_train, self.ctx.spec.size, sizes_complete=False)   # the nodes' counts
-        if self.ctx.spec.size != link.param_size:
-            raise RuntimeError(f"the nodes' model has {link.param_size} parameters, the server's {self.ctx.spec.size}")
+        if self.ctx.spec.size != link.param_size:       # the spec was computed from this very config
+            raise RuntimeError(f"the run's spec says {link.param_size} parameters, the model has "
+                               f"{self.ctx.spec.size}")
         self.algo: Algorithm = make_algorithm(cfg, self.ctx)
         self.clients = None                          # the nodes keep their own client state
         self.upload = {k: spec.resolve(self.ctx) for k, spec in self.algo.upload().items()}
@@ -647,6 +650,7 @@ class FlowerExperiment(Experiment):
             "exchange_s": round(time.time() - t0, 3)}))
         _log(f"round {rnd}: {len(parts)}/{len(plan.clients)} replies in {time.time() - t0:.1f}s"
              + (f"; failed {sorted(failed)}" if failed else ""))
+        failed = link.clean(failed)                     # reasons quote the nodes' words
         if len(parts) < s.min_replies:
             self._records.append(("round_skipped", None, {"replies": len(parts), "min_replies": s.min_replies,
                                                           "clients": [int(p.clients[0]) for p in parts]}))
@@ -666,6 +670,9 @@ class FlowerExperiment(Experiment):
         if bad:
             raise Refused("payload", bad[c])
         for k, v in up.metrics.items():
+            if not k.isprintable() or len(k) > 200:         # names are stored and printed as sent
+                raise Refused("metrics", f"a metric name is printable text of at most 200 characters, got "
+                                         f"{k[:60]!r}")
             if tuple(v.shape) != (1,):
                 raise Refused(f"m.{k}", f"a metric is one number per client, got shape {tuple(v.shape)}")
         reported = float(up.n_samples[0])
@@ -733,6 +740,7 @@ class FlowerExperiment(Experiment):
         return metrics, rows
 
     def extra_records(self, rnd: int) -> list[Record]:
-        out = self._records + self.link.pop_events()
+        out = [(kind, c, {k: printable(v) if isinstance(v, str) else v for k, v in data.items()})
+               for kind, c, data in self._records + self.link.pop_events()]    # whatever a node sent
         self._records = []
         return out

@@ -2,8 +2,11 @@
 
     @app.main()  ->  serve(grid, run_config)
         1. settings from the run config (experiment, db, min-nodes, min-replies, timeouts, ...)
-        2. identity: wait (bounded) until `min-nodes` nodes told us their persistent client id
-        3. FlowerExperiment(...).run(): the runner's loop -- sampling, `algo.plan` (one start vector
+        2. what the run's data and model are (input shape, classes, model size: `spec.server_spec`),
+           from the server's own configuration, before any node is contacted
+        3. identity: wait (bounded) until `min-nodes` nodes told us their persistent client id; a node
+           whose identity disagrees with the spec is refused alone
+        4. FlowerExperiment(...).run(): the runner's loop -- sampling, `algo.plan` (one start vector
            per client), train messages, validation, `algo.aggregate`, evaluation on the nodes, store
            writes and a checkpoint after every round; a restarted ServerApp resumes from it
 
@@ -28,7 +31,8 @@ from fedprism.experiment.runner import RunResult, drift_schedule, make_model
 from fedprism.experiment.store import Store, drop_if_new_and_empty
 from fedprism.flower.server import NO_DRIFT_WITHOUT_DATA, FlowerExperiment, Link, ServerDrift, _log
 from fedprism.flower.settings import RunSettings
-from fedprism.flower.trust import Registry
+from fedprism.flower.spec import server_spec
+from fedprism.flower.trust import load_registry
 
 
 def server_data(s: RunSettings):
@@ -36,10 +40,12 @@ def server_data(s: RunSettings):
     global test set and the global validation set -- or None; the largest training split the
     experiment's partition gives a client or None; the size of every client's split, {'train': [N],
     'local': [N], 'val': [N], 'global': n, 'global_val': n}, or None; under class drift (`drift.*`) the
-    run's schedule with every client's per-class split counts (`ServerDrift`), else None). Built like a
-    node builds it (same experiment, same deterministic partition) when the dataset is readable on the
-    server; the clients' rows are dropped. Class drift needs the dataset on the server: without it a
-    ConfigError names `drift.fraction`."""
+    run's schedule with every client's per-class split counts (`ServerDrift`), else None; the run's
+    input shape, classes and model size (`RunSpec`), always). Built like a node builds it (same
+    experiment, same deterministic partition) when the dataset is readable on the server; the clients'
+    rows are dropped. Without the dataset the spec comes from the dataset's published format
+    (`spec.published_shape`); a registered dataset the server cannot read, and class drift without the
+    dataset, are a ConfigError (naming `dataset`, `drift.fraction`)."""
     try:
         from fedprism.experiment import federation as fedmod
         from fedprism.federation import Federation
@@ -49,7 +55,7 @@ def server_data(s: RunSettings):
         _log(f"the dataset is not readable on the server ({type(e).__name__}: {e})")
         if s.cfg.get("drift.fraction", 0.0):
             raise ConfigError("drift.fraction", s.cfg["drift.fraction"], NO_DRIFT_WITHOUT_DATA) from e
-        return None, None, None, None
+        return None, None, None, None, server_spec(s.cfg)
     biggest = int(max(len(ix) for ix in fed.train_idx)) if len(fed.train_idx) else 0
     sizes = {"train": np.array([len(ix) for ix in fed.train_idx]), "local": np.array([len(ix) for ix in fed.test_idx]),
              "global": len(fed.y_test)}
@@ -60,6 +66,7 @@ def server_data(s: RunSettings):
     # the size keys against the data and this machine, before waiting for any node
     model = make_model(s.cfg, fed.input_shape, fed.num_classes)
     check_limits(s.cfg, sizes["train"], sum(p.numel() for p in model.parameters()))
+    spec = server_spec(s.cfg, fed.input_shape, fed.num_classes, model)
     schedule = drift_schedule(s.cfg, fed)              # the nodes and the in-process runner draw the same
     drift = None if schedule is None else ServerDrift(schedule, class_counts(fed))
     N = fed.num_clients
@@ -69,12 +76,13 @@ def server_data(s: RunSettings):
                         None if fed.val_idx is None else [empty] * N, fed.x_val, fed.y_val)
     del fed
     fedmod.clear_federations()
-    return (shared if s.global_eval == "server" else None), biggest, sizes, drift
+    return (shared if s.global_eval == "server" else None), biggest, sizes, drift, spec
 
 
 def serve(grid: Grid, run_config: dict[str, Any]) -> RunResult:
     """Run (or resume) the configured experiment on the nodes behind `grid`; results go to the store."""
     s = RunSettings.from_run_config(run_config)
+    registry = load_registry(s.registry, s.cfg["clients"]) if s.registry else None   # before the store
     created = not Path(s.db).exists()
     store = Store(s.db)
     try:
@@ -84,21 +92,21 @@ def serve(grid: Grid, run_config: dict[str, Any]) -> RunResult:
             _log(f"run {run_id} is already finished in {s.db}; nothing to do")
             return FlowerExperiment.finished(store, run_id)
         try:
-            shared, biggest, sizes, drift = server_data(s)
+            shared, biggest, sizes, drift, spec = server_data(s)
         except ConfigError as e:
             _log(f"refused: {e}")            # one line naming the key, its value and what is allowed
             drop_if_new_and_empty(store, created)
             raise
         cap = s.max_samples or biggest
-        registry = Registry.load(s.registry, s.cfg["clients"]) if s.registry else None
         link = Link(grid, s.cfg["clients"], s.cfg.run_id, s.poll_interval, s.probe_timeout, registry=registry,
-                    max_samples=cap)
+                    max_samples=cap, spec=spec)
         where = "server" if s.global_eval == "server" and shared is not None else "nodes"
         capped = cap if cap is not None else "nothing (max-samples unset, the dataset is not readable here)"
         bound = (f"update norms bounded at {s.update_norm_bound:g} ({s.norm_action})" if s.update_norm_bound
                  else "update norms unbounded (update-norm-bound=0)")
         _log(f"trust: sample counts capped at {capped}; registry {s.registry or 'none'}; {bound}; "
-             f"global test set scored on the {where}")
+             f"global test set scored on the {where}; nodes must hold data of shape {list(spec.input_shape)} "
+             f"with {spec.num_classes} classes and a model of {spec.param_size} parameters ({spec.source})")
         _log(f"run {run_id}: {s.cfg['method']} on {s.cfg['dataset']}, {s.cfg['clients']} clients, "
              f"{s.cfg['rounds']} rounds; waiting for {s.min_nodes} node(s) (at most {s.nodes_timeout:g}s)")
         link.discover(s.min_nodes, s.nodes_timeout)

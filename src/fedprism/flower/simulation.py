@@ -37,12 +37,14 @@ import sys
 import tempfile
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from fedprism.errors import ConfigError
 from fedprism.experiment.store import Store
 from fedprism.flower.settings import OFFLINE_ENV, RunSettings
+from fedprism.flower.trust import load_registry
 
 #: Ray turns a node address of 127.0.0.1 into this machine's routable address (its
 #: `resolve_ip_for_localhost`) unless multi-node clusters are disabled; with them disabled the node
@@ -230,6 +232,21 @@ class LocalSuperLink:
         return sorted(descendants(tree))
 
 
+@contextmanager
+def _sigint_ignored():
+    """SIGINT ignored for the time of the block (in the main thread; elsewhere signals are not ours)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def _flwr_json(out: str) -> dict:
     start, end = out.find("{"), out.rfind("}")
     if start < 0 or end < start:
@@ -276,6 +293,8 @@ def simulate(experiment: str, db: str | Path = "fedprism-results.db", num_nodes:
     run_config = {"experiment": experiment, "db": str(Path(db).resolve()),
                   **{k.replace("_", "-"): v for k, v in settings.items()}}
     s = RunSettings.from_run_config(run_config)            # validate before starting anything
+    if s.registry:                                         # read by the ServerApp later: refuse a bad one now
+        load_registry(s.registry, s.cfg["clients"])
     n = _whole("num-supernodes", num_nodes if num_nodes is not None else s.cfg["clients"], 1)
     run_config.setdefault("min-nodes", min(n, s.cfg["clients"]))
     fed = federation_config(n, cpus_per_client=cpus_per_client, gpus_per_client=gpus_per_client,
@@ -359,7 +378,8 @@ def simulate(experiment: str, db: str | Path = "fedprism-results.db", num_nodes:
             raise RuntimeError(f"the Flower run {flwr_run} ended as '{status or 'unknown'}' {details}\n"
                                f"{_tail(link.log)}")
     finally:
-        leftover = link.stop()
+        with _sigint_ignored():                # a second Ctrl-C must not leave the SuperLink's tree running
+            leftover = link.stop()
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
     if leftover:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,7 +79,6 @@ class Registry:
         p = Path(path)
         text = p.read_text()
         if p.suffix.lower() == ".toml":
-            import tomllib
             doc = tomllib.loads(text)
         else:
             doc = json.loads(text)
@@ -115,6 +115,33 @@ class Registry:
             if e.client == client:
                 return e.samples
         return None
+
+
+def load_registry(path: str, num_clients: int) -> Registry:
+    """`Registry.load` for a run: any failure (no such file, a folder, unreadable, not JSON / TOML, a bad
+    entry) is a ConfigError naming the run-config key `registry`, its value and what is wrong, raised
+    before anything is started or written (`simulate` and `serve` call it first)."""
+    from fedprism.errors import ConfigError
+
+    what = ("a JSON or TOML file with a 'nodes' table: node key ('sha256:<hex>' or 'node:<id>') -> client id "
+            "(docs/flower.md, 'Trust and failure semantics')")
+    try:
+        return Registry.load(path, num_clients)
+    except IsADirectoryError:
+        why = "it is a folder"
+    except FileNotFoundError:
+        why = "no such file"
+    except PermissionError:
+        why = "permission denied"
+    except UnicodeDecodeError:
+        why = "not UTF-8 text"
+    except OSError as e:
+        why = f"cannot be read ({e.strerror or type(e).__name__})"
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
+        why = f"not valid {'TOML' if Path(path).suffix.lower() == '.toml' else 'JSON'} ({e})"
+    except ValueError as e:          # an entry `Registry.load` refuses
+        why = str(e).removeprefix(f"registry {path}: ")
+    raise ConfigError("registry", path, f"{what}; {why}", kind="run-config key")
 
 
 # -- fields ------------------------------------------------------------------------------------------
