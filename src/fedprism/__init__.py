@@ -9,7 +9,8 @@ setting):
     Config, Experiment, RunResult, Store       the configuration, the round loop, the results store
     Algorithm, register, REGISTRY              the method interface (fedprism.algorithms.base)
     Plan, Update, TrainJob, Inference, ClientState, TensorSpec, Context    its types (fedprism.protocol)
-    register_model, register_dataset           extensions in-process (fedprism.plugins)
+    register_model, register_dataset,          extensions in-process (fedprism.plugins)
+    register_partition
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ _API = {
     "Inference": "fedprism.protocol", "ClientState": "fedprism.protocol", "TensorSpec": "fedprism.protocol",
     "Context": "fedprism.protocol", "EvalResult": "fedprism.protocol",
     "register_model": "fedprism.plugins", "register_dataset": "fedprism.plugins",
+    "register_partition": "fedprism.data.partitions",
 }
 
 __all__ = ["__version__", *_API]
@@ -37,8 +39,6 @@ __all__ = ["__version__", *_API]
 
 def __getattr__(name: str) -> Any:
     if name in _API:
-        if name in ("register", "REGISTRY", "Algorithm"):
-            importlib.import_module("fedprism.algorithms")          # the built-in methods register
         return getattr(importlib.import_module(_API[name]), name)
     raise AttributeError(f"module 'fedprism' has no attribute {name!r}")
 

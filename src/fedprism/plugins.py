@@ -1,4 +1,4 @@
-"""Extensions from other packages: methods, models and datasets registered through entry points.
+"""Extensions from other packages: methods, models, datasets and partitions registered through entry points.
 
 A package adds to fedprism without editing it by declaring entry points in its own metadata
 (`pyproject.toml`):
@@ -6,14 +6,19 @@ A package adds to fedprism without editing it by declaring entry points in its o
     [project.entry-points."fedprism.methods"]
     fedavgm = "my_package.fedavgm:FedAvgM"            # an `fedprism.algorithms.Algorithm` subclass
     [project.entry-points."fedprism.models"]
-    tiny = "my_package.models:build_tiny"              # build(input_shape, num_classes) -> nn.Module
+    lenet300 = "my_package.models:SPEC"                # a fedprism.models.ModelSpec, or build(input_shape,
+                                                       # num_classes) -> nn.Module
     [project.entry-points."fedprism.datasets"]
-    blobs = "my_package.data:load_blobs"               # load(pad32: bool, root: str | None) -> Dataset
+    blobs = "my_package.data:SPEC"                     # a DatasetSpec, or load(pad32, root) -> Dataset
+    [project.entry-points."fedprism.partitions"]
+    quantity_skew = "my_package.partitions:SPEC"       # a fedprism.data.partitions.PartitionSpec
 
-`load()` imports them once per process, the first time a configuration is resolved (`fedprism run`,
-sweeps, reports, Flower nodes and servers all resolve configurations), so a registered method is usable
-everywhere a built-in one is. In the same process, `register` / `register_model` /
-`register_dataset` do the same without entry points. docs/writing-a-method.md has a worked example.
+`load()` reads each group into its registry (`fedprism.registry`) once per process, the first time a
+configuration is resolved (`fedprism run`, sweeps, reports, Flower nodes and servers all resolve
+configurations), so a registered component is usable everywhere a built-in one is. In the same
+process, `register` / `register_model` / `register_dataset` / `register_partition` do the same without
+entry points. docs/writing-a-method.md, docs/adding-a-model.md, docs/adding-a-dataset.md and
+docs/adding-a-partition.md each build one.
 """
 
 from __future__ import annotations

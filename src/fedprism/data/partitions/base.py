@@ -24,6 +24,9 @@ from fedprism.errors import ConfigError, PartitionError
 from fedprism.hparams import Param
 from fedprism.registry import Registry
 
+#: the partition.* keys of every partition: `make_partition`'s own arguments, not a partition's parameters
+COMMON_KEYS = ("min_train", "min_test")
+
 # Number of fixed domain transforms in fedprism.data.domains (kept here to avoid an import cycle).
 NUM_DOMAIN_TRANSFORMS = 5
 
@@ -142,6 +145,9 @@ def _check(name: str, spec: PartitionSpec) -> None:
         if not isinstance(key, str) or not key or "." in key or not isinstance(p, Param):
             raise TypeError(f"partition {name!r}: params[{key!r}] = {p!r}; each key is a name without dots "
                             "and each value a fedprism.hparams.Param")
+        if key in COMMON_KEYS:
+            raise ValueError(f"partition {name!r}: params[{key!r}]: partition.{key} is a key of every partition "
+                             "(make_partition's own argument); give the parameter another name")
     try:
         inspect.signature(spec.split).bind(*range(7 if spec.natural else 6))
     except TypeError as e:
