@@ -1,5 +1,11 @@
 """The round loop: config -> federation -> algorithm + engine -> rounds -> store (docs/architecture.md).
 
+`Experiment.run` is a short loop over `Experiment.round`: the cohort's work and the server step
+(`train_round`), the evaluation when due, the round's counts, the store. What a run does around that
+(class drift, evaluation sampling, the learned gate, checkpoints, progress) are callbacks
+(experiment/callbacks.py), and the objects it runs (federation, model, context, engine, algorithm,
+callbacks) come from the composition root, experiment/build.py, whose factories are re-exported here.
+
 Resumable: after every round the algorithm's server state and the clients' own state are checkpointed
 beside the database, and every random stream is a pure function of (seed, round, client, stream name),
 so a resumed run reaches exactly the numbers of an uninterrupted one.
@@ -10,33 +16,31 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from fedprism.algorithms import REGISTRY
 from fedprism.algorithms.base import Algorithm
-from fedprism.engine import make_engine
-from fedprism.engine.base import LocalConfig
 from fedprism.errors import ConfigError
+from fedprism.experiment.build import (_check_logits, _check_plugin_model, _free_disk, build_engine,  # noqa: F401
+                                       check_runnable, drift_schedule, feature_dim, local_config, make_algorithm,
+                                       make_context, make_model, make_selector, privacy_plan, round_callbacks,
+                                       warn_if_nothing_personal)
+from fedprism.experiment.callbacks import Callback, Loop, Round
 from fedprism.experiment.checkpoint import CheckpointRefused
 from fedprism.experiment.clientstore import ClientStore, StoreMismatch, make_store
 from fedprism.experiment.config import Config, prefer_stored
 from fedprism.experiment.evaluate import Evaluator, sample_eval_clients, summarize
-from fedprism.experiment.federation import build_federation, resolve_model_name
-from fedprism.experiment.limits import check_limits
-from fedprism.experiment.progress import Progress
+from fedprism.experiment.federation import build_federation, resolve_model_name  # noqa: F401
 from fedprism.experiment.provenance import capture, set_threads
 from fedprism.experiment.store import Store, StoreError
 from fedprism.federation import Federation
 from fedprism.hparams import plain
-from fedprism.models import build_model
-from fedprism.params import flatten
 from fedprism.privacy import LABEL_RELEASES, Privacy
-from fedprism.protocol import Context, Plan, TensorSpec, Update
+from fedprism.protocol import Plan, TensorSpec, Update
 from fedprism.selection import Selector, cohort_size, sample_clients  # noqa: F401 (sample_clients: public here)
 
 
@@ -266,96 +270,6 @@ def _local_work(algo: Algorithm, plan: Plan, engine, rnd: int, clients: ClientSt
     return (Update.concat(parts) if parts else None), failed
 
 
-def local_config(cfg: Config) -> LocalConfig:
-    """The client-side training settings of a config."""
-    return LocalConfig(epochs=cfg["local_epochs"], batch_size=cfg["batch_size"], lr=cfg["lr"],
-                       momentum=cfg["momentum"], weight_decay=cfg["weight_decay"], optimizer=cfg["optimizer"],
-                       eval_precision=cfg.get("eval.precision", "float32"),
-                       eval_kernels=cfg.get("eval.kernels", "aten"),
-                       train_kernels=cfg.get("train.kernels", "aten"))
-
-
-def make_model(cfg: Config, input_shape: tuple[int, ...], num_classes: int) -> torch.nn.Module:
-    """The config's model, initialised from the run seed (same seed -> same initial vector). A
-    registered (plugin) model is checked first: a torch module with finite weights whose output on a
-    batch of the data's input shape is [batch, num_classes]."""
-    from fedprism.models import MODELS
-
-    name = resolve_model_name(cfg["model"], input_shape)
-    model = build_model(name, input_shape, num_classes, seed=cfg["seed"])
-    if not MODELS.is_builtin(name):
-        _check_plugin_model(name, model, tuple(input_shape), num_classes)
-    return model
-
-
-def _check_plugin_model(name: str, model: object, input_shape: tuple[int, ...], num_classes: int) -> None:
-    def bad(what: str) -> ConfigError:
-        return ConfigError("model", name, f"a registered model {what}")
-
-    if not isinstance(model, torch.nn.Module):
-        raise bad(f"builder returns a torch.nn.Module; it returned {type(model).__name__}")
-    if next(model.parameters(), None) is None:
-        raise bad("has parameters to train; this one has none")
-    lazy = torch.nn.parameter.is_lazy
-    if not all(lazy(p) or bool(torch.isfinite(p).all()) for p in model.parameters()):
-        raise bad("starts from finite weights; this one holds NaN or inf")
-    was = model.training
-    model.eval()                                   # no dropout draw, no BatchNorm statistics update
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):      # a forward that draws: not the run's
-            out = model(torch.zeros((2, *input_shape)))
-    except Exception as e:  # noqa: BLE001 - the plugin's own error, chained
-        raise bad(f"takes inputs of the data's shape {list(input_shape)}: {type(e).__name__}: {e}") from e
-    finally:
-        model.train(was)
-    _check_logits(bad, out, input_shape, num_classes, "")
-    import copy
-
-    try:
-        twin = copy.deepcopy(model).train()        # training mode on a copy: its BatchNorm statistics move
-    except Exception:  # noqa: BLE001 - a model that cannot be copied is checked by its first round instead
-        return
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            out = twin(torch.zeros((2, *input_shape)))
-    except Exception as e:  # noqa: BLE001 - the plugin's own error, chained
-        raise bad(f"takes inputs of the data's shape {list(input_shape)} in training mode: "
-                  f"{type(e).__name__}: {e}") from e
-    _check_logits(bad, out, input_shape, num_classes, " in training mode")
-
-
-def _check_logits(bad, out: object, input_shape: tuple[int, ...], num_classes: int, mode: str) -> None:
-    ok = isinstance(out, torch.Tensor) and tuple(out.shape) == (2, num_classes) and out.is_floating_point()
-    if not ok:
-        shape = f"{list(out.shape)} of {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__
-        raise bad(f"maps [batch, {', '.join(map(str, input_shape))}] to [batch, {num_classes}] "
-                  f"floating-point logits{mode}; it gave {shape} for a batch of 2")
-
-
-def make_context(cfg: Config, model: torch.nn.Module, n_train: np.ndarray, label_hist: np.ndarray) -> Context:
-    """The algorithm's view of the federation (sizes and label counts, no raw data). `spec` is
-    filled in by the caller once the engine (or a `Functional`) has laid the parameters out.
-
-    With `privacy.epsilon` > 0 the label counts are the clients' DP releases (fedprism.privacy), made
-    once per client, and `ctx.privacy` holds the calibrated plan for the prototype releases."""
-    privacy = privacy_plan(cfg)
-    if privacy is not None:
-        label_hist = np.stack([privacy.label_counts(h, privacy.generator(cfg["seed"], 0, i, "labels")).numpy()
-                               for i, h in enumerate(label_hist)]) if len(label_hist) else label_hist
-    return Context(num_clients=len(n_train), num_classes=int(label_hist.shape[1]), spec=None, init=flatten(model),
-                   n_train=n_train, label_hist=label_hist, seed=cfg["seed"], rounds=cfg["rounds"],
-                   fraction=cfg["fraction"], feature_dim=feature_dim(model), privacy=privacy)
-
-
-def privacy_plan(cfg: Config) -> Privacy | None:
-    """The run's privacy plan (None when `privacy.epsilon` is 0)."""
-    eps = cfg.get("privacy.epsilon", 0.0)
-    if not eps:
-        return None
-    return Privacy.plan(eps, cfg["privacy.delta"], cfg["privacy.clip"], cfg["privacy.noise"], cfg["rounds"],
-                        getattr(REGISTRY[cfg["method"]], "shares_prototypes", False))
-
-
 def privacy_metrics(cfg: Config, privacy: Privacy | None) -> dict[str, float]:
     """What the run spent: epsilon of the most-sampled client's releases (its label counts once, its
     prototypes each round it was sampled, for a prototype method), at the run's delta."""
@@ -372,81 +286,6 @@ def privacy_metrics(cfg: Config, privacy: Privacy | None) -> dict[str, float]:
         k = int(times.max())
     return {"dp_epsilon": privacy.spent(LABEL_RELEASES + k), "dp_delta": privacy.delta,
             "dp_noise_multiplier": privacy.z, "dp_target_epsilon": privacy.epsilon}
-
-
-def feature_dim(model: torch.nn.Module) -> int:
-    """Width of the penultimate features (the input of the model's `head`), 0 if it has no head."""
-    head = getattr(model, "head", None)
-    lin = [m for m in head.modules() if isinstance(m, torch.nn.Linear)] if head is not None else []
-    return int(lin[0].in_features) if lin else 0
-
-
-def make_selector(cfg: Config, ctx: Context, algo: Algorithm) -> Selector:
-    """The run's client-selection rule (fedprism.selection), its settings checked against the run."""
-    rule, N = cfg.get("selection", "uniform"), ctx.num_clients
-    m = cohort_size(N, cfg["fraction"])
-    d = cfg.get("selection.d", 0) or min(N, 2 * m)
-    if rule != "uniform" and algo.own_cohort:
-        raise ConfigError("selection", rule, f"uniform: {cfg['method']} draws its own cohort (per cluster); "
-                          f"set {cfg['method']}.sampling=global to combine it with a selection rule")
-    if rule == "poc":
-        if not m <= d <= N:
-            raise ConfigError("selection.d", cfg["selection.d"], f"an integer in [{m}, {N}] (m_t = {m} clients per "
-                              f"round, {N} clients), or 0 for min(clients, 2 m_t)")
-        if type(algo).model_for is Algorithm.model_for:
-            raise ConfigError("selection", "poc", f"a method whose server holds each client's model (model_for); "
-                              f"{cfg['method']} keeps its models on the clients")
-    return Selector(rule, cfg["seed"], N, cfg["fraction"], np.asarray(ctx.n_train), np.asarray(ctx.label_hist), d=d,
-                    rho=cfg.get("selection.rho", 0.95), tau=cfg.get("selection.tau", 0.1))
-
-
-def drift_schedule(cfg: Config, fed: Federation):
-    """The run's class-drift schedule (`drift.*`, fedprism.data.drift), None for static data."""
-    if not cfg.get("drift.fraction", 0.0):
-        return None
-    from fedprism.data.drift import make_schedule
-    return make_schedule(fed.label_hist(), cfg["drift.fraction"], cfg["drift.remove"], cfg["drift.every"],
-                         cfg["seed"])
-
-
-def warn_if_nothing_personal(cfg: Config, algo: Algorithm, input_shape: tuple[int, ...]) -> None:
-    """A method that keeps part of the model on each client (FedBN, FedPer, FedRep) but finds no such part
-    in this model (FedBN on a model without BatchNorm) runs as FedAvg, bit for bit: say so once."""
-    from fedprism.algorithms.partial import PartialSharing
-
-    if isinstance(algo, PartialSharing) and not bool(algo.mask_private.any()):
-        import warnings
-
-        model = resolve_model_name(cfg["model"], input_shape)
-        warnings.warn(f"{cfg['method']} keeps no parameter of model {model} on the clients "
-                      f"(model={cfg['model']}), so this run is FedAvg's; for FedBN choose a model with BatchNorm "
-                      "(lenet5_bn, mlp_bn)", stacklevel=3)
-
-
-def make_algorithm(cfg: Config, ctx: Context, input_shape: tuple[int, ...] | None = None) -> Algorithm:
-    """The config's method on `ctx`. A method that refuses the model `model=auto` chose for the data
-    (`input_shape`) says that the user left `auto` and which model it chose."""
-    try:
-        return REGISTRY[cfg["method"]](ctx, **cfg.method_params)
-    except ConfigError as e:
-        if e.key != "model" or cfg["model"] != "auto" or input_shape is None:
-            raise
-        chosen = resolve_model_name("auto", input_shape)
-        raise ConfigError("model", "auto", f"{e.allowed}; `auto` chose {chosen} for {cfg['dataset']}, "
-                          f"{e.value}: name a model (model=...)") from None
-
-
-def check_runnable(cfg: Config, fed: Federation, n_params: int, store_path: str | Path) -> None:
-    """The checks a run passes before it trains, given its data and its model's size: the limits of
-    `limits.check_limits` (K against the clients and a round's cohort, batch size against the data,
-    memory, and disk beside the store for `state.storage=mmap`) and the learned gate's rows. Called by
-    `Experiment` and, for every run of a sweep before the first starts, by `sweep.check_runs`."""
-    check_limits(cfg, fed.n_train, n_params,
-                 disk=_free_disk(store_path) if cfg.get("state.storage") == "mmap" else None)
-    if cfg.get("eval.gate", "none") != "none":
-        from fedprism.experiment.limits import available_memory
-
-        REGISTRY[cfg["method"]].learned_gate().check_memory(fed, available_memory())
 
 
 class Experiment:
@@ -484,10 +323,7 @@ class Experiment:
         self.model = make_model(cfg, self.fed.input_shape, self.fed.num_classes)
         check_runnable(cfg, self.fed, sum(p.numel() for p in self.model.parameters()), store.path)
         self.ctx = make_context(cfg, self.model, self.fed.n_train, self.fed.label_hist())
-        self.engine = make_engine(cfg["engine"], self.fed, self.model, local_config(cfg), cfg["seed"], cfg["device"],
-                                  compile=cfg["compile"], rounds=cfg["rounds"], fuse_jobs=cfg["fuse_jobs"],
-                                  cuda_graphs=cfg["cuda_graphs"])
-        self.ctx.spec = self.engine.spec
+        self.engine = build_engine(cfg, self.fed, self.model, self.ctx)
         self.algo: Algorithm = make_algorithm(cfg, self.ctx, self.fed.input_shape)
         warn_if_nothing_personal(cfg, self.algo, self.fed.input_shape)
         self.clients: ClientStore | None = self.client_store()
@@ -737,7 +573,7 @@ class Experiment:
         """Evaluate a kept final state under this configuration's evaluation settings (no training)."""
         store, run_id = self.store, self.run_id
         store.start_run(run_id, self.cfg.values, self.sweep, provenance=provenance)
-        try:
+        with _marks_failure(store, run_id):
             state = self.restore_final(kept)
             metrics, client_rows = self.evaluate_round(self.evaluator(), state)
             metrics.update(self.gate(state, metrics))
@@ -751,12 +587,6 @@ class Experiment:
             final.update(privacy_metrics(self.cfg, self.ctx.privacy))
             final["rescored_from"] = source
             store.finish(run_id, final)
-        except KeyboardInterrupt:
-            store.mark(run_id, "interrupted")
-            raise
-        except BaseException:
-            store.mark(run_id, "failed")
-            raise
         return RunResult(run_id, "finished", final, history)
 
     def _losses(self, state: dict, clients: np.ndarray) -> np.ndarray:
@@ -765,9 +595,14 @@ class Experiment:
         return (r.loss_sum / r.count.clamp(min=1)).numpy()
 
     # -- the round loop -------------------------------------------------------------------------------
+    def callbacks(self) -> list[Callback]:
+        """The round loop's callbacks (experiment/callbacks.py), from the composition root
+        (`build.round_callbacks`): drift, evaluation sampling, the gate, checkpoints, progress."""
+        return round_callbacks(self)
+
     def run(self, stop_after: int | None = None) -> RunResult:
         """Run to the end (or for `stop_after` more rounds, for tests of resumption)."""
-        cfg, store = self.cfg, self.store
+        cfg, store, run_id = self.cfg, self.store, self.run_id
         stop_after = plain(stop_after)
         if stop_after is not None and (isinstance(stop_after, bool) or not isinstance(stop_after, int)
                                        or stop_after < 1):
@@ -776,7 +611,6 @@ class Experiment:
         if getattr(store, "readonly", False):          # before its lock file or any write
             raise StoreError(f"{store.path} is open read-only (Store(path, readonly=True)): a run writes its "
                              "rounds; open the store with Store(path)")
-        run_id = self.run_id
         key = self.checkpoint_key()              # `checkpoint.key`: a key file that cannot be read stops here
         set_threads(cfg)                                   # `threads=`: execution-only, recorded below
         selector = make_selector(cfg, self.ctx, self.algo)
@@ -793,113 +627,142 @@ class Experiment:
         # from here on the run is `running` and holds its lock: whatever raises (restoring the checkpoint,
         # rewriting the `scalars` files, a round, keeping the final state) marks it `interrupted` or `failed`,
         # which releases the lock; it resumes from its last checkpoint
-        try:
-            path = store.checkpoint_path(run_id)    # bound to this run, signed with its key, checked before use
-            ckpt = store.load_checkpoint(run_id, self.binding(), key,
-                                         self.checkpoint_bytes() if path.exists() else None)
-            if ckpt is not None and ckpt.get("run_id") == run_id:
-                self.check_snapshot(ckpt, path, stored_rounds=store.run(run_id)["rounds_done"])
-                try:
-
-                    state, start, resumed = self._restore(ckpt), ckpt["round"] + 1, ckpt["round"]
-                except StoreMismatch as e:   # client state this code cannot take (other declarations,
-                    store.discard_checkpoint(run_id, f"client state: {e}")   # or `mmap` files not its own)
-                    self.clients = self.client_store()
-                    ckpt = None
-            if ckpt is not None and ckpt.get("run_id") == run_id:
-                elapsed = ckpt.get("elapsed", 0.0)
-            else:
-                state, start, resumed, elapsed = self.initial_state(), 0, None, 0.0
-            store.truncate(run_id, start - 1)
-            evaluator = self.evaluator()
-            seen = np.zeros(self.ctx.num_clients, bool)
-            if ckpt is not None and "seen" in ckpt:
-                seen = ckpt["seen"]
-            bar = Progress(cfg["rounds"], self.progress, cfg.get("name") or cfg["method"])
-            metrics: dict[str, Any] | None = None
-            T = cfg["rounds"]
-            for rnd in range(start, T):
-                if stop_after is not None and rnd - start >= stop_after:
+        with _marks_failure(store, run_id):
+            loop = self._resume(key)
+            callbacks = self.callbacks()
+            for cb in callbacks:
+                cb.on_run_start(self, loop)
+            for rnd in range(loop.start, cfg["rounds"]):
+                if stop_after is not None and rnd - loop.start >= stop_after:
                     store.mark(run_id, "interrupted")
-                    return RunResult(run_id, "interrupted", {}, store.round_metrics(run_id), resumed)
-                t0 = time.time()
-                drift_removed = self.apply_drift(rnd, evaluator)
-                sampled, chosen_by = selector.select(rnd, lambda cand: self._losses(state, cand))
-                plan = check_plan(self.algo.plan(state, rnd, sampled), self.algo.ctx.num_clients,
-                                  type(self.algo).__name__)
-                t_train = time.time()
-                update, failed = self.local_work(plan, rnd)
-                t_train = time.time() - t_train
-                update, rejected = receive(update, plan, self.clients, self.upload, type(self.algo).__name__)
-                if self.trusts_clients:
-                    malformed_round(rejected, plan, rnd, type(self.algo).__name__)
-                update.rejected = {**failed, **rejected}
-                seen[update.clients] = True
-                recs = aggregate_records(self.algo, state, rnd, update)
-                records = [("failure", c, {"reason": r}) for c, r in failed.items()]
-                records += [("rejected", c, {"reason": r}) for c, r in rejected.items()]
-                records += [(k, None, v) for k, v in recs.items()]
-                if chosen_by:
-                    records.append(("selection", None, chosen_by))
-                if rnd == 0:
-                    records += selector.records()
-                metrics, client_rows = None, None
-                if (rnd + 1) % cfg["eval_every"] == 0 or rnd == T - 1:
-                    sample = self.eval_sample(rnd)
-                    if sample is None:       # every client (Flower's evaluate_round takes no sample)
-                        metrics, client_rows = self.evaluate_round(evaluator, state)
-                    else:                              # `eval.clients`: this round scores a seeded sample
-                        metrics, client_rows = self.evaluate_round(evaluator, state, sample)
-                        records.append(("eval_sample", None, {"clients": sample.tolist()}))
-                    if rnd == T - 1:
-                        metrics.update(self.gate(state, metrics))
-                else:
-                    metrics = {}
-                metrics.update({
-                    "train_s": t_train, "clients": len(plan.clients), "accepted": len(update.clients),
-                    "rejected": len(update.rejected), "bytes_down": self.algo.wire_bytes("plan", plan.payload),
-                    "bytes_up": self.algo.wire_bytes("update", update.payload), "never_sampled": int((~seen).sum()),
-                })
-                if rnd == 0:                               # a declared one-off exchange before round 0
-                    down, up = self.algo.setup_bytes()
-                    metrics["bytes_down"] += down
-                    metrics["bytes_up"] += up
-                if getattr(self, "drift", None) is not None:
-                    metrics["drift_removed"] = drift_removed
-                if "train_loss" in update.metrics and len(update.clients):
-                    metrics["train_loss"] = float(update.metrics["train_loss"].mean())
-                records += self.extra_records(rnd) + (self.partition_records() if rnd == 0 else [])
-                if rnd == 0 and getattr(self, "drift", None) is not None:
-                    records += self.drift.records()
-                wall = time.time() - t0
-                elapsed += wall
-                store.write_round(run_id, rnd, metrics, client_rows, records, wall)
-                store.save_checkpoint(run_id, self._snapshot(rnd, state, seen, elapsed), self.binding(), key)
-                if self.clients is not None:
-                    self.clients.commit()              # `mmap`: the round's rows reach their files now
-                bar.update(rnd + 1, metrics if "local_acc" in metrics else None)
-            self.state = state
-            history = store.round_metrics(run_id)
-            final = final_metrics(history, elapsed)
-            final.update(privacy_metrics(cfg, self.ctx.privacy))
-            kept = False
-            if cfg["keep_final"] and self.shares_final:
-                if self.clients is not None and self.clients.storage == "mmap":
-                    self.clients.move_to(store.final_rows_dir(cfg.train_id))   # the row files go with it
-                store.save_final(cfg.train_id, self._snapshot(T - 1, state, seen, elapsed), self.binding(final=True),
-                                 key)
-                kept = True
-            store.finish(run_id, final)
-        except KeyboardInterrupt:
-            store.mark(run_id, "interrupted")
-            raise
-        except BaseException:
-            store.mark(run_id, "failed")
-            raise
+                    return RunResult(run_id, "interrupted", {}, store.round_metrics(run_id), loop.resumed)
+                self.round(rnd, loop, selector, callbacks)
+            final, history = self._finish(loop)
         if self.clients is not None:
-            self.clients.close(keep=kept)
-        store.drop_checkpoint(run_id)
-        return RunResult(run_id, "finished", final, history, resumed)
+            self.clients.close(keep=loop.kept)
+        for cb in callbacks:
+            cb.on_finish(self, loop, final)
+        return RunResult(run_id, "finished", final, history, loop.resumed)
+
+    def _resume(self, key) -> Loop:
+        """The loop's starting point: the run's checkpoint restored (bound to this run, signed with its key,
+        checked before use), or round 0; the store drops the rounds after it."""
+        store, run_id = self.store, self.run_id
+        path = store.checkpoint_path(run_id)
+        ckpt = store.load_checkpoint(run_id, self.binding(), key, self.checkpoint_bytes() if path.exists() else None)
+        if ckpt is not None and ckpt.get("run_id") == run_id:
+            self.check_snapshot(ckpt, path, stored_rounds=store.run(run_id)["rounds_done"])
+            try:
+                state, start, resumed = self._restore(ckpt), ckpt["round"] + 1, ckpt["round"]
+            except StoreMismatch as e:   # client state this code cannot take (other declarations,
+                store.discard_checkpoint(run_id, f"client state: {e}")   # or `mmap` files not its own)
+                self.clients = self.client_store()
+                ckpt = None
+        if ckpt is not None and ckpt.get("run_id") == run_id:
+            elapsed = ckpt.get("elapsed", 0.0)
+        else:
+            state, start, resumed, elapsed = self.initial_state(), 0, None, 0.0
+        store.truncate(run_id, start - 1)
+        evaluator = self.evaluator()
+        seen = np.zeros(self.ctx.num_clients, bool)
+        if ckpt is not None and "seen" in ckpt:
+            seen = ckpt["seen"]
+        return Loop(state, start, resumed, elapsed, seen, evaluator, key)
+
+    def round(self, rnd: int, loop: Loop, selector: Selector, callbacks: list[Callback]) -> Round:
+        """One round: the callbacks' round start, the cohort's work and the server step (`train_round`),
+        the evaluation when due, the round's counts, then it is stored and the callbacks see it stored."""
+        t0 = time.time()
+        r = Round(rnd, loop.state, loop.evaluator)
+        for cb in callbacks:
+            cb.on_round_start(self, r)
+        plan, update = self.train_round(r, loop, selector)
+        T = self.cfg["rounds"]
+        if (rnd + 1) % self.cfg["eval_every"] == 0 or rnd == T - 1:
+            if r.eval_clients is None:           # every client (Flower's evaluate_round takes no sample)
+                r.metrics, r.client_rows = self.evaluate_round(loop.evaluator, loop.state)
+            else:                                # `eval.clients`: this round scores a seeded sample
+                r.metrics, r.client_rows = self.evaluate_round(loop.evaluator, loop.state, r.eval_clients)
+            r.evaluated = True
+            for cb in callbacks:
+                cb.on_eval(self, r)
+        r.metrics.update(self.traffic(rnd, plan, update, loop.seen))
+        r.records += self.extra_records(rnd) + (self.partition_records() if rnd == 0 else [])
+        for cb in callbacks:
+            cb.on_round_end(self, r)
+        r.wall = time.time() - t0
+        loop.elapsed += r.wall
+        self.store.write_round(self.run_id, rnd, r.metrics, r.client_rows, r.records, r.wall)
+        for cb in callbacks:
+            cb.on_round_stored(self, r)
+        return r
+
+    def train_round(self, r: Round, loop: Loop, selector: Selector) -> tuple[Plan, Update]:
+        """The cohort (`selection`), the plan, the clients' work, what the server accepts of it and the
+        server step (`aggregate_records`); the round's records of failures, rejections, the method's and
+        the selection's."""
+        rnd, state, name = r.index, loop.state, type(self.algo).__name__
+        sampled, chosen_by = selector.select(rnd, lambda cand: self._losses(state, cand))
+        plan = check_plan(self.algo.plan(state, rnd, sampled), self.algo.ctx.num_clients, name)
+        t_train = time.time()
+        update, failed = self.local_work(plan, rnd)
+        r.metrics["train_s"] = time.time() - t_train
+        update, rejected = receive(update, plan, self.clients, self.upload, name)
+        if self.trusts_clients:
+            malformed_round(rejected, plan, rnd, name)
+        update.rejected = {**failed, **rejected}
+        loop.seen[update.clients] = True
+        recs = aggregate_records(self.algo, state, rnd, update)
+        r.records += [("failure", c, {"reason": why}) for c, why in failed.items()]
+        r.records += [("rejected", c, {"reason": why}) for c, why in rejected.items()]
+        r.records += [(k, None, v) for k, v in recs.items()]
+        if chosen_by:
+            r.records.append(("selection", None, chosen_by))
+        if rnd == 0:
+            r.records += selector.records()
+        return plan, update
+
+    def traffic(self, rnd: int, plan: Plan, update: Update, seen: np.ndarray) -> dict:
+        """The round's counts: clients planned, accepted and rejected, bytes each way (round 0 with the
+        method's one-off setup exchange), clients never accepted so far, the mean training loss."""
+        down, up = self.algo.setup_bytes() if rnd == 0 else (0, 0)
+        out = {"clients": len(plan.clients), "accepted": len(update.clients), "rejected": len(update.rejected),
+               "bytes_down": self.algo.wire_bytes("plan", plan.payload) + down,
+               "bytes_up": self.algo.wire_bytes("update", update.payload) + up, "never_sampled": int((~seen).sum())}
+        if "train_loss" in update.metrics and len(update.clients):
+            out["train_loss"] = float(update.metrics["train_loss"].mean())
+        return out
+
+    def _finish(self, loop: Loop) -> tuple[dict, list[dict]]:
+        """The run's final metrics; its final state kept when `keep_final` (the clients' row files with
+        it); the run marked finished."""
+        cfg, store = self.cfg, self.store
+        self.state = loop.state
+        history = store.round_metrics(self.run_id)
+        final = final_metrics(history, loop.elapsed)
+        final.update(privacy_metrics(cfg, self.ctx.privacy))
+        if cfg["keep_final"] and self.shares_final:
+            if self.clients is not None and self.clients.storage == "mmap":
+                self.clients.move_to(store.final_rows_dir(cfg.train_id))   # the row files go with it
+            store.save_final(cfg.train_id, self._snapshot(cfg["rounds"] - 1, loop.state, loop.seen, loop.elapsed),
+                             self.binding(final=True), loop.key)
+            loop.kept = True
+        store.finish(self.run_id, final)
+        return final, history
+
+
+@contextmanager
+def _marks_failure(store: Store, run_id: str):
+    """The one place a started run that raises is marked: `interrupted` on Ctrl-C (KeyboardInterrupt),
+    `failed` on anything else; either releases its lock, and the exception goes on."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        store.mark(run_id, "interrupted")
+        raise
+    except BaseException:
+        store.mark(run_id, "failed")
+        raise
 
 
 FINAL_KEYS = ("global_acc", "local_acc", "local_acc_weighted", "ad", "sdad", "local_f1", "global_f1",
@@ -942,17 +805,6 @@ def final_metrics(history: list[dict], seconds: float) -> dict:
     if stuck is not None:
         out["diverged_round"] = stuck
     return out
-
-
-def _free_disk(path) -> int | None:
-    """Free bytes on the file system of `path` (the store: row files live beside it), None if unknown."""
-    import shutil
-    from pathlib import Path
-
-    try:
-        return shutil.disk_usage(Path(path).resolve().parent).free
-    except OSError:
-        return None
 
 
 def divergence_note(run_id: str, final: dict) -> str:
