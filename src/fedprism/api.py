@@ -37,15 +37,23 @@ def config(source: str | Path | dict | Config | None = None, **keys: Any) -> Con
 
 
 def run(cfg: Config | dict | str | Path, db: str | Path = "fedprism-results.db", progress: bool = False,
-        **keys: Any) -> RunResult:
+        fresh: bool = False, **keys: Any) -> RunResult:
     """Run (or resume, or return the stored result of) one experiment into the store `db`. A store this
     call creates is removed again when the configuration is refused before any run is stored in it (its
-    data, partition or model), as `fedprism run` does."""
+    data, partition or model), as `fedprism run` does.
+
+    `fresh=True` drops what the store holds of the run (rounds, checkpoint, the kept final state of its
+    training) once the run is built, and runs it again, as `fedprism run --fresh` does: after an edit of
+    the method, a finished run of the earlier code is refused (`ProvenanceMismatch`) until then. A run
+    that did not finish under other code is replaced without it (`fedprism.experiment.fresh`). A method
+    registered in this process (`fedprism.register`) works here as everywhere in the process."""
     from fedprism.experiment.store import drop_if_new_and_empty
 
     if cfg is None and not keys:          # config() of nothing is the default 100-round run: not by accident
         raise TypeError("fedprism.run(cfg): None; pass a configuration (fedprism.config(...), a dict, a TOML "
                         "path) or keys (fedprism.run(method='fedavg', ...))")
+    if not isinstance(fresh, bool):
+        raise TypeError(f"fedprism.run(fresh=...): {fresh!r} is not True or False")
     c = config(cfg, **keys)
     if not isinstance(db, (str, os.PathLike)):
         raise TypeError(f"fedprism.run(db=...): {db!r} is not a file path (str or pathlib.Path)")
@@ -57,7 +65,12 @@ def run(cfg: Config | dict | str | Path, db: str | Path = "fedprism-results.db",
         drop_if_new_and_empty(store, created)
         store.close()
         raise
+    from fedprism.experiment.fresh import fix_for_python
+
+    exp.fix = fix_for_python(exp.run_id, db, c["method"], f"fedprism.run(..., db={str(db)!r}, fresh=True)")
     try:
+        if fresh:                             # only now: a run that cannot be built, or is running, is kept
+            exp.forget_stored()
         return exp.run()
     finally:
         store.close()

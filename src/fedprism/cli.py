@@ -51,15 +51,31 @@ def _config(args) -> "Config":  # noqa: F821
     return resolve(raw)
 
 
+def _stored_run_item(args) -> str | None:
+    """The RUN_ID of `fedprism run --fresh RUN_ID [key=value ...]`: a first item that is neither a key=value
+    pair nor an existing file, given with --fresh; None otherwise."""
+    items = list(args.items)
+    if not args.fresh or not items or "=" in items[0] or Path(items[0]).exists():
+        return None
+    return items[0]
+
+
 def cmd_run(args) -> int:
+    from fedprism.experiment.fresh import fix_for_cli_run, stored_config
     from fedprism.experiment.runner import Experiment, divergence_note
     from fedprism.experiment.store import Store, drop_if_new_and_empty
 
-    cfg = _config(args)
+    stored_id = _stored_run_item(args)
+    cfg = None if stored_id else _config(args)
     created = not Path(args.db).exists()
     store = Store(args.db)
     try:
+        if stored_id:                               # `run --fresh RUN_ID`: the stored run's configuration
+            from fedprism.experiment.config import parse_overrides
+
+            cfg = stored_config(store, stored_id, parse_overrides(args.items[1:]))
         exp = Experiment(cfg, store, progress=not args.quiet)    # progress goes to stderr, also with --json
+        exp.fix = fix_for_cli_run(exp.run_id, args.db)
         if args.fresh and exp.forget_stored():  # only now: a run that cannot start, or is running, is kept
             print(f"--fresh: dropped what the store held of run {exp.run_id} (rounds, checkpoint, kept final "
                   "state); running it again",
@@ -112,7 +128,8 @@ def cmd_sweep(args) -> int:
     # --db, then $FEDPRISM_DB, then the file's own `db` (not for --quick smoke runs), then the default
     db = args.db or os.environ.get("FEDPRISM_DB") or (None if args.quick else sweep_db(args.file)) or DEFAULT_DB
     return run_sweep(args.file, db, only=args.only, quick=args.quick, progress=not args.quiet,
-                     limit=args.limit, seeds=args.seed, overrides=parse_overrides(args.items), workers=args.workers)
+                     limit=args.limit, seeds=args.seed, overrides=parse_overrides(args.items), workers=args.workers,
+                     fresh=args.fresh)
 
 
 def cmd_report(args) -> int:
@@ -670,11 +687,14 @@ def build_parser() -> argparse.ArgumentParser:
                                description="Run one experiment from an optional TOML file plus key=value "
                                "overrides. A finished run with the same config is not run again; an "
                                "interrupted one resumes from its last round."))
-    r.add_argument("items", nargs="*", default=[], metavar="[config.toml] key=value", help=KV_HELP)
+    r.add_argument("items", nargs="*", default=[], metavar="[config.toml | RUN_ID] key=value",
+                   help=KV_HELP + "; with --fresh, a stored run's id (or an unambiguous prefix) instead of "
+                   "the configuration, plus execution-only keys")
     r.add_argument("--json", action="store_true", help="print one JSON object with the final metrics last")
     r.add_argument("--quiet", action="store_true", help="no progress (it goes to stderr, also with --json)")
     r.add_argument("--fresh", action="store_true",
-                   help="drop the stored rounds of this run (same run id) and run it again from round 0")
+                   help="drop the stored rounds of this run (same run id) and run it again from round 0 "
+                   "(after an edit of its method: a finished run of the earlier code is refused until then)")
     r.set_defaults(fn=cmd_run)
 
     d = with_db(sub.add_parser("demo", help="the main job: Fed-PRISM vs baselines on the default data",
@@ -708,6 +728,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--workers", type=int, default=1,
                    help="runs at once, in separate processes sharing the cores (default 1)")
     s.add_argument("--quiet", action="store_true", help="no progress lines (the summary is still printed)")
+    s.add_argument("--fresh", action="store_true",
+                   help="run every selected run again (all, or those of --only / --seed / --limit): drop its "
+                   "stored rounds, checkpoint and kept final state first (after an edit of a method, its "
+                   "finished runs of the earlier code are refused until then)")
     s.set_defaults(fn=cmd_sweep)
 
     rp = with_db(sub.add_parser("report", help="comparison tables (markdown, CSV) and plots from the store",

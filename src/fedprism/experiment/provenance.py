@@ -13,7 +13,15 @@ A run's provenance is a JSON object in the `provenance` column of the store's `r
                  the files of the classes the algorithm inherits from, other than its own file and the
                  interface (`INTERFACE_MODULES`): FedPer's `partial.py`, FedProx's `fedavg.py`; absent
                  (None) for a method that inherits only the interface, and in runs recorded before it
-                 existed, which are therefore compared on their own file alone
+                 existed, which are therefore compared on their own file alone. `method_helpers`: the
+                 same two hashes over the modules of its own project that a plugin method imports,
+                 directly or through each other (`helper_files`: the modules of its top-level package, or
+                 for a method in a top-level module the modules in its file's folder and below), with
+                 their files and module names; absent for fedprism's own methods (their fingerprints are
+                 those of every run stored before), for a method that imports none, and in runs recorded
+                 before it existed (compared without it). Not covered: fedprism itself, installed
+                 packages, the standard library, modules imported by a name computed at run time
+                 (`importlib.import_module`), and data or configuration files a method reads
     data         sha256 over the arrays the run trained and evaluated on: the in-memory train/test
                  tensors after loading, padding and subsetting, and every client's train/test indices
                  (the partition). Hashing the decoded arrays reads the whole dataset (a sweep does
@@ -28,9 +36,11 @@ fingerprints equal the current ones. Code counts as equal when the file hashes a
 sides record a `text` hash and those are equal: a run is not orphaned by an edit of a comment or
 docstring. (A docstring that the code reads at run time, as `__doc__`, would escape this; no method does.)
 A run recorded before `text` existed gains it the first time a write command (`run`, `sweep`) finds
-its file hash equal to the current one (`with_text`). When they differ, `ProvenanceMismatch` is raised,
-naming what changed; `fedprism run --fresh` replaces the stored run, or `fedprism verify RUN` checks
-whether the new code still reproduces it. A run stored before provenance was recorded ("unknown": the
+its file hash equal to the current one (`with_text`). When they differ, a finished run is refused with
+`ProvenanceMismatch`, naming what changed and how the entry point in use runs it again (`fedprism run
+--fresh RUN_ID`, `fedprism sweep FILE --fresh`, `fedprism.run(..., fresh=True)`), and `fedprism verify
+RUN` checks whether the new code still reproduces it; a run that did not finish is replaced
+(`fedprism.experiment.fresh`). A run stored before provenance was recorded ("unknown": the
 column is NULL) has no fingerprint to compare and is reused as before. Execution details (threads,
 engine, versions, CPU) are recorded, never compared: they may change the last bits of a result, not
 what it means.
@@ -55,11 +65,31 @@ import torch
 from fedprism.errors import FedPrismError
 
 #: keys of the provenance object that `check` compares (fingerprints); everything else is a record
-COMPARED = (("code", "method"), ("code", "method_bases"), ("code", "model"), ("data",))
+COMPARED = (("code", "method"), ("code", "method_bases"), ("code", "method_helpers"), ("code", "model"), ("data",))
+#: the code fingerprints that join several files (" + " in their `file`): followed again by `code_now`
+JOINED = ("method_bases", "method_helpers")
 
 
 class ProvenanceMismatch(FedPrismError):
-    """A stored run was produced by other code or other data than the current ones."""
+    """A stored run was produced by other code or other data than the current ones. `run_id` and
+    `differences` say which run and what differs; `fix` is the way to run it again from the entry point in
+    use (`fedprism.experiment.fresh`), and `with_fix` gives the same refusal with another."""
+
+    run_id: str = ""
+    differences: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, run_id: str, diff: list[str] | tuple[str, ...], fix: str | None = None) -> "ProvenanceMismatch":
+        fix = fix or f"`fedprism run --fresh {run_id}` re-runs it under the current code"
+        e = cls(f"run {run_id} is stored from other code or data ({'; '.join(diff)}); its results are not "
+                f"reused. {fix}; `fedprism verify {run_id}` checks whether the current code reproduces its "
+                "first rounds")
+        e.run_id, e.differences = run_id, tuple(diff)
+        return e
+
+    def with_fix(self, fix: str) -> "ProvenanceMismatch":
+        """This refusal with `fix` as the way to run the run again (an entry point's own advice)."""
+        return type(self).of(self.run_id, self.differences, fix) if self.run_id else self
 
 
 def sha256_file(path: str | Path) -> str:
@@ -176,6 +206,144 @@ def bases_fingerprint(cls: type) -> dict[str, str] | None:
             "class": f"{cls.__module__}.{cls.__qualname__}"}
 
 
+def helpers_fingerprint(cls: type) -> dict[str, Any] | None:
+    """The project-local modules a plugin method imports (`helper_files`): one hash over their file hashes
+    and one over their text hashes (`_joint`), with their files and module names; None for fedprism's own
+    methods (their fingerprints stay those of the runs stored before helpers were covered) and for a
+    method that imports no module of its own project."""
+    module = str(getattr(cls, "__module__", "") or "")
+    own = _source_file(cls)
+    if own is None or _top(module) == "fedprism":
+        return None
+    found = helper_files(module, own)
+    if not found:
+        return None
+    names, files = zip(*found)
+    return {**_joint([_file_hashes(p) for p in files]), "file": " + ".join(_where(str(p)) for p in files),
+            "class": f"{cls.__module__}.{cls.__qualname__}", "modules": list(names)}
+
+
+def _top(module: str) -> str:
+    return module.split(".", 1)[0]
+
+
+def _outside_projects() -> list[Path]:
+    """Folders whose modules are never a plugin's own: Python's standard library and the folders packages
+    are installed into (site-packages, dist-packages)."""
+    import site
+
+    paths = {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    try:
+        paths.update(site.getsitepackages())
+    except AttributeError:                       # a virtual environment's old `site` module
+        pass
+    paths.add(site.getusersitepackages() if hasattr(site, "getusersitepackages") else "")
+    return [Path(p).resolve() for p in paths if p]
+
+
+def _installed(path: Path, outside: list[Path]) -> bool:
+    return (any(o == path or o in path.parents for o in outside)
+            or any(part in ("site-packages", "dist-packages") for part in path.parts))
+
+
+def _local_rule(module: str, own: Path):
+    """Which imported modules belong to the method's own project, as (name_ok(name), file_ok(path)): for a
+    method in a package (a dotted module name, or a package's `__init__.py`), the modules of the same
+    top-level package; for a method in a top-level module (a plugin file, a script, `__main__`), the
+    modules whose files lie in the method file's folder or below it. fedprism's own modules never do, nor
+    anything installed (`_installed`: a single-file plugin installed into site-packages has no helpers, as
+    everything beside it is another distribution's). None when no module can be local."""
+    outside = _outside_projects()
+    top = _top(module)
+    if "." in module or own.name == "__init__.py":
+        if top == "fedprism":
+            return None
+        return (lambda name: _top(name) == top), (lambda path: True)
+    folder = own.parent
+    if _installed(folder, outside):
+        return None
+    return ((lambda name: _top(name) != "fedprism"),
+            (lambda path: folder in path.parents and not _installed(path, outside)))
+
+
+@lru_cache(maxsize=512)
+def _imported_names(path: str, sha256: str, module: str, is_package: bool) -> tuple[str, ...]:
+    """The module names a Python file imports, anywhere in it (deferred imports inside functions too):
+    `import a.b` gives `a.b`; `from a import b` gives `a` and `a.b` (b may be a submodule); relative
+    imports are resolved against `module`. Read once per file content (`sha256`)."""
+    try:
+        tree = ast.parse(Path(path).read_text(encoding="utf-8"))
+    except (SyntaxError, ValueError, OSError):
+        return ()
+    out: list[str] = []
+    package = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".") if package else []
+                if node.level - 1 > len(parts) or not parts:
+                    continue                     # beyond the top-level package: not importable anyway
+                base = ".".join(parts[:len(parts) - (node.level - 1)])
+                base = f"{base}.{node.module}" if node.module else base
+            else:
+                base = node.module or ""
+            if base:
+                out.append(base)
+                out += [f"{base}.{a.name}" for a in node.names if a.name != "*"]
+    return tuple(dict.fromkeys(out))
+
+
+def _module_file(name: str) -> Path | None:
+    """The source file of module `name` (imported or importable), resolved; None when it has none or does
+    not exist. `a.b` is looked up only once `a` is known to exist."""
+    import importlib.util
+    import sys
+
+    mod = sys.modules.get(name)
+    if mod is not None:
+        f = getattr(mod, "__file__", None)
+    else:
+        parent = name.rpartition(".")[0]
+        if parent and parent not in sys.modules and _module_file(parent) is None:
+            return None
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError, AttributeError):
+            return None
+        f = spec.origin if spec is not None and spec.has_location else None
+    if not f or not str(f).endswith(".py"):
+        return None
+    p = Path(f).resolve()
+    return p if p.is_file() else None
+
+
+def helper_files(module: str, own: Path) -> list[tuple[str, Path]]:
+    """(module name, file) of every project-local module (`_local_rule`) that the method's module imports,
+    directly or through another such module, other than the method's own file; in the order of their
+    names. Imports are read from the files (`_imported_names`), not from what ran: a module loaded by
+    `importlib.import_module("name")` or `__import__` is not seen."""
+    rule = _local_rule(module, own)
+    if rule is None:
+        return []
+    name_ok, file_ok = rule
+    found: dict[Path, str] = {}
+    todo, seen = [(module, own)], {own}
+    while todo:
+        name, path = todo.pop()
+        for dep in _imported_names(str(path), sha256_file(path), name, path.name == "__init__.py"):
+            if not name_ok(dep):
+                continue                         # another package: not looked up
+            f = _module_file(dep)
+            if f is None or f in seen or not file_ok(f):
+                continue
+            seen.add(f)
+            found[f] = dep
+            todo.append((dep, f))
+    return sorted(((n, p) for p, n in found.items()), key=lambda t: t[0])
+
+
 def _joint(parts: list[dict]) -> dict[str, str | None]:
     """One fingerprint of several files, in order: sha256 over their sha256 hex digests, and over their
     text hashes when every file has one."""
@@ -273,9 +441,17 @@ def capture(exp: Any) -> dict[str, Any]:
     return {"version": __version__,
             "code": {"method": source_fingerprint(algo) if algo is not None else None,
                      "method_bases": bases_fingerprint(algo) if algo is not None else None,
+                     **_helpers(algo),
                      "model": _experiment_model(exp)},
             "data": data_fingerprint(getattr(exp, "fed", None)),
             "execution": ex}
+
+
+def _helpers(cls: type | None) -> dict[str, Any]:
+    """{"method_helpers": fingerprint} for a method that imports modules of its own project
+    (`helpers_fingerprint`), else nothing: the provenance of a built-in method's run keeps the keys it had."""
+    fp = helpers_fingerprint(cls) if cls is not None else None
+    return {} if fp is None else {"method_helpers": fp}
 
 
 def _experiment_model(exp: Any) -> dict[str, str] | None:
@@ -308,7 +484,7 @@ def fingerprints(cfg: Any, memo: dict | None = None) -> dict[str, Any]:
     name = resolve_model_name(cfg["model"], input_shape)
     model = build_model(name, input_shape, num_classes)
     cls = REGISTRY[cfg["method"]]
-    return {"code": {"method": source_fingerprint(cls), "method_bases": bases_fingerprint(cls),
+    return {"code": {"method": source_fingerprint(cls), "method_bases": bases_fingerprint(cls), **_helpers(cls),
                      "model": model_fingerprint(name, model)},
             "data": data}
 
@@ -373,7 +549,7 @@ def code_now(stored: dict | None) -> str | None:
     for part, fp in code.items():
         if fp is None:                           # nothing recorded for this part: nothing to compare
             continue
-        if not isinstance(fp, dict) or (part != "method_bases" and " + " in str(fp.get("file", ""))):
+        if not isinstance(fp, dict) or (part not in JOINED and " + " in str(fp.get("file", ""))):
             return None
         module, _, qualname = str(fp.get("class", "")).rpartition(".")
         try:
@@ -387,6 +563,11 @@ def code_now(stored: dict | None) -> str | None:
             if now[part] is None:
                 return f"differs ({part}: it inherits from no file outside the interface now)"
             continue
+        if part == "method_helpers":             # the modules of its project it imports, read again
+            now[part] = helpers_fingerprint(obj) if inspect.isclass(obj) else None
+            if now[part] is None:
+                return f"differs ({part}: it imports no module of its own project now)"
+            continue
         path = _source_file(obj)
         if path is None:
             return None
@@ -397,14 +578,12 @@ def code_now(stored: dict | None) -> str | None:
     return f"differs ({'; '.join(diff)})" if diff else "the same as stored"
 
 
-def check(run_id: str, stored: dict | None, current: dict | None) -> None:
-    """Raise `ProvenanceMismatch` when the stored run was produced by other code or data."""
+def check(run_id: str, stored: dict | None, current: dict | None, fix: str | None = None) -> None:
+    """Raise `ProvenanceMismatch` when the stored run was produced by other code or data; `fix`: how the
+    entry point in use runs it again (default: `fedprism run --fresh RUN_ID`)."""
     diff = differences(stored, current)
     if diff:
-        raise ProvenanceMismatch(
-            f"run {run_id} is stored from other code or data ({'; '.join(diff)}); its results are not "
-            f"reused. `fedprism run --fresh ...` re-runs it under the current code, `fedprism verify "
-            f"{run_id}` checks whether the current code reproduces its first rounds")
+        raise ProvenanceMismatch.of(run_id, diff, fix)
 
 
 def set_threads(cfg: Any) -> None:

@@ -35,6 +35,7 @@ from fedprism.experiment.clientstore import ClientStore, StoreMismatch, make_sto
 from fedprism.experiment.config import Config, prefer_stored
 from fedprism.experiment.evaluate import Evaluator, sample_eval_clients, summarize
 from fedprism.experiment.federation import build_federation, resolve_model_name  # noqa: F401
+from fedprism.experiment.fresh import settle_stored
 from fedprism.experiment.provenance import capture, set_threads
 from fedprism.experiment.store import Store, StoreError
 from fedprism.federation import Federation
@@ -337,6 +338,16 @@ class Experiment:
         return make_store(self.cfg.get("state.storage", "memory"), self.algo.client_state, self.ctx,
                           self.store.rows_dir(self.run_id))
 
+    #: how the entry point that built this run says to run it again when a finished run of other code
+    #: is stored under its id (`fedprism.experiment.fresh`); None: `fresh_fix()`'s default
+    fix: str | None = None
+
+    def fresh_fix(self) -> str:
+        """The way to run this run again under the current code, for a `ProvenanceMismatch`."""
+        from fedprism.experiment.fresh import default_fix
+
+        return self.fix or default_fix(self)
+
     def forget_stored(self) -> bool:
         """`--fresh`: drop what the store holds of this run (rounds, rows, checkpoint) so that `run()`
         starts it again; False when it holds nothing. Called once the run is built, so a configuration or
@@ -615,6 +626,7 @@ class Experiment:
         set_threads(cfg)                                   # `threads=`: execution-only, recorded below
         selector = make_selector(cfg, self.ctx, self.algo)
         prov = self.provenance()                 # compared with a stored run's (docs/reproducibility.md)
+        settle_stored(self, prov)                # other code: a finished run refused, an unfinished one replaced
         row = store.run(run_id)
         if row is not None and row["status"] == "finished":
             store.start_run(run_id, cfg.values, self.sweep, provenance=prov)   # sweep membership

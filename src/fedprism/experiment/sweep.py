@@ -379,10 +379,13 @@ def select_only(configs: list, only: str) -> list:
 
 def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, progress: bool = True,
               limit: int | None = None, seeds: list[int] | None = None,
-              overrides: dict[str, Any] | None = None, workers: int = 1) -> int:
+              overrides: dict[str, Any] | None = None, workers: int = 1, fresh: bool = False) -> int:
     """Run every run of a sweep file that has not finished (resumable). `workers` > 1 runs that many
     runs at once in separate processes, the machine's cores split between them (torch threads per
-    worker = cores // workers), each printing one line when its run finishes."""
+    worker = cores // workers), each printing one line when its run finishes. `fresh=True` (`--fresh`)
+    runs every selected run again (`only`, `seeds`, `limit` select): what the store holds of it is
+    dropped (`fresh.forget`) once every run to do has passed the checks that need no training."""
+    from fedprism.experiment.fresh import fix_for_sweep, forget
     from fedprism.experiment.provenance import check, fingerprints
     from fedprism.experiment.runlock import RunBusyError
     from fedprism.experiment.runner import Experiment
@@ -418,11 +421,12 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
         for i, cfg in enumerate(configs):
             row = store.run(cfg.run_id)
             tag = f"[{i + 1}/{len(configs)}] {printable(cfg['name'])} seed={cfg['seed']}"
-            if row is not None and row["status"] == "finished":
+            if row is not None and row["status"] == "finished" and not fresh:
                 stored = row["provenance"] if "provenance" in row.keys() else None
                 if stored:                     # other code or data: never skipped as if it were this run's
                     try:
-                        check(cfg.run_id, stored := json.loads(stored), now := fingerprints(cfg, data_memo))
+                        check(cfg.run_id, stored := json.loads(stored), now := fingerprints(cfg, data_memo),
+                              fix_for_sweep(path, cfg["name"], db, cfg["method"]))
                     except ProvenanceMismatch as e:  # the others still run; the sweep ends with status 2
                         other_code.append(f"{tag}: {e}")
                         print(f"{tag}: not run, {e}", file=sys.stderr)
@@ -440,6 +444,8 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
     except BaseException:
         _drop_new_store(store, created, new_dirs)    # a refused sweep leaves no empty store (nor folder)
         raise
+    if fresh:                                    # only now: a sweep refused above loses nothing
+        todo, busy = _forget_all(store, todo, forget)
     print(f"results: {printable(db)}", file=sys.stderr)      # once every run to do is known to be able to start
 
     def line(tag: str, f: dict) -> str:
@@ -477,10 +483,31 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
              if other_code else "") + f", {time.time() - t0:.0f}s", file=sys.stderr)
     store.close()
     if other_code:
-        raise ProvenanceMismatch(f"{len(other_code)} run(s) of sweep {name} are stored from other code or data: "
-                                 "`fedprism verify RUN` checks whether the current code reproduces one, "
-                                 "`fedprism run --fresh ...` re-runs it")
+        raise ProvenanceMismatch(f"{len(other_code)} run(s) of sweep {name} are stored from other code or data "
+                                 "(each listed above with the command that re-runs it): `--fresh` runs them "
+                                 "again under the current code (every run of the sweep, or those of `--only`); "
+                                 "`fedprism verify RUN` checks whether the current code reproduces one")
     return 0
+
+
+def _forget_all(store, todo: list[tuple[str, Config]], forget) -> tuple[list[tuple[str, Config]], int]:
+    """`--fresh`: drop what `store` holds of each run to do (`fresh.forget`), saying which held something;
+    a run that another process executes is kept and left out (with the count of those)."""
+    from fedprism.experiment.runlock import RunBusyError
+
+    kept, busy = [], 0
+    for tag, cfg in todo:
+        try:
+            dropped = forget(store, cfg, keep_lock=False)
+        except RunBusyError as e:
+            busy += 1
+            print(f"{tag}: skipped, {e}", file=sys.stderr)
+            continue
+        if dropped:
+            print(f"{tag}: --fresh: dropped its stored rounds, checkpoint and kept final state; running it again",
+                  file=sys.stderr)
+        kept.append((tag, cfg))
+    return kept, busy
 
 
 def check_runs(todo: list[tuple[str, Config]], db: str | Path, keep_data: bool = True) -> None:
