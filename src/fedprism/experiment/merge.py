@@ -26,11 +26,9 @@ everything of one run is written in one transaction, so an interrupted merge lea
 A part store is data from elsewhere, so a finished run is copied only when it can be trusted as far as
 a store can say (otherwise it is `refused`, named with the reason, and nothing of it is written):
 * its id is a run id (16 hex digits; a row without one, or with a path for an id, is refused);
-* its id is the hash of its stored configuration under this code (`Config.run_id`, or `flower_run_id`
-  with the Flower settings its provenance records): a fabricated result filed under the id of a real
-  configuration would otherwise become that configuration's "stored, not run again" result. A run of a
-  method whose keys changed since (its stored configuration now resolves to another id) is refused too:
-  no configuration of this code would ever find it;
+* its id is the hash of its stored configuration (`Config.run_id` over the stored values, or
+  `flower_run_id` with the Flower settings its provenance records): a fabricated result filed under the
+  id of a real configuration would otherwise become that configuration's "stored, not run again" result;
 * every row of it is well formed (`store.ROW_OK`: each JSON column parses to what readers expect,
   numbers and statuses of the right type), so no read command fails on it afterwards.
 Stores of every earlier schema version are read (`store.SCHEMA_VERSION`). Of the part's `.final/`
@@ -206,22 +204,34 @@ def _copy_run(src: Store, dst: Store, rid: str, cols: dict[str, list[str]], swee
 
 def _not_its_config(src: Store, rid: str) -> str:
     """Why `rid` is not the run id of its stored configuration under this code, or ""."""
-    from fedprism.experiment.config import resolve
-
     row = src.run(rid)
+    return id_problem(rid, row["config"], row["provenance"])
+
+
+def id_problem(rid: str, config: str | None, provenance: str | None = None) -> str:
+    """Why `rid` is not the run id of the stored configuration `config` (JSON text; `provenance` the run's
+    provenance JSON) under this code, or "". A configuration whose kernel keys are left out (every run stored
+    before the kernels existed) hashes with PyTorch's kernels whatever `auto` picks on this machine
+    (`config.prefer_stored`); a Flower run's id also hashes the Flower settings its provenance records."""
+    from fedprism.experiment.config import Config, resolve
+
     try:
-        cfg = resolve(json.loads(row["config"]))
+        cfg = resolve(json.loads(config))
     except (FedPrismError, ValueError, TypeError, KeyError) as e:
         return f"its configuration does not resolve here ({str(e).splitlines()[0][:160] if str(e) else type(e).__name__})"
-    if cfg.run_id == rid:
+    aten = Config({**cfg.values, **{k: "aten" for k in cfg.auto}}, cfg.auto)
+    if rid in (cfg.run_id, aten.run_id):
         return ""
-    prov = json.loads(row["provenance"]) if row["provenance"] else {}
+    try:
+        prov = json.loads(provenance) if provenance else {}
+    except ValueError:
+        prov = {}
     knobs = prov.get("flower") if isinstance(prov, dict) else None
     if isinstance(knobs, dict):                # a Flower run: its id also hashes the recorded settings
-        from fedprism.flower.settings import flower_run_id
+        from fedprism.experiment.flower_id import flower_run_id
 
         try:
-            if flower_run_id(cfg, knobs) == rid:
+            if rid in (flower_run_id(cfg, knobs), flower_run_id(aten, knobs)):
                 return ""
         except (FedPrismError, ValueError, TypeError, KeyError):
             pass
@@ -240,14 +250,14 @@ def _named_sweep(row: tuple, i: int, src: Store, rid: str, sweeps: list[str]) ->
 
 def _train_ids(src: Store, chosen: set[str]) -> set[str]:
     """The train ids (the final state files' names) of the chosen runs of `src`."""
-    from fedprism.experiment.config import resolve
+    from fedprism.experiment.config import Config
 
     ids = set()
     for rid in sorted(chosen):
         row = src.run(rid)
-        try:
-            ids.add(resolve(json.loads(row["config"])).train_id)
-        except (FedPrismError, ValueError, TypeError):   # a config this code no longer accepts: no state
+        try:                                  # the stored values as they are (see `_not_its_config`)
+            ids.add(Config(json.loads(row["config"])).train_id)
+        except (FedPrismError, ValueError, TypeError, KeyError):
             continue
     return ids
 

@@ -174,11 +174,6 @@ _NUM = "real integer null"
 #: SQL conditions a well-formed row of each table meets (what fedprism writes; what the readers assume)
 ROW_OK = {
     "runs": (f"typeof(run_id) = 'text' AND length(run_id) = 16 AND run_id NOT GLOB '*[^0-9a-f]*' AND {_obj('config')}"
-             # the keys every resolved configuration has and the readers (reports, tables) index
-             " AND CASE WHEN json_valid(config) THEN "
-             + " AND ".join(f"json_type(config, '$.{k}') = '{t}'" for k, t in (
-                 ("method", "text"), ("dataset", "text"), ("partition", "text"), ("seed", "integer"),
-                 ("clients", "integer"), ("rounds", "integer"))) + " END"
              f" AND (final IS NULL OR {_obj('final')}) AND (provenance IS NULL OR {_obj('provenance')})"
              f" AND status IN ({', '.join(repr(x) for x in ('running', 'finished', 'interrupted', 'failed'))})"
              " AND typeof(rounds_done) = 'integer' AND "
@@ -192,6 +187,15 @@ ROW_OK = {
                + _types(run_id="text", round="integer", kind="text", client="integer null"),
     "sweep_runs": _types(sweep="text", run_id="text", label="text null"),
 }
+
+
+#: SQL: the run's config holds the keys every resolved configuration has and readers (reports, tables)
+#: index. Required of the rows a read-only store shows and `fedprism merge` copies; a store open for
+#: writing does not ask it of the run it executes (`Store.start_run` takes any config with a method)
+CONFIG_OK = ("CASE WHEN json_valid(config) THEN " + " AND ".join(
+    f"json_type(config, '$.{k}') = '{t}'" for k, t in (("method", "text"), ("dataset", "text"),
+                                                        ("partition", "text"), ("seed", "integer"),
+                                                        ("clients", "integer"), ("rounds", "integer"))) + " END")
 
 
 def schema_version(db: sqlite3.Connection, schema: str = "main") -> int:
@@ -388,7 +392,8 @@ def _read_views(db: sqlite3.Connection) -> None:
     if main["sweep_runs"]:
         db.execute(f"CREATE TEMP VIEW sweep_runs AS SELECT * FROM main.sweep_runs WHERE {ROW_OK['sweep_runs']}")
     extra = ", NULL AS provenance" if "provenance" not in main["runs"] else ""
-    db.execute(f"CREATE TEMP VIEW runs AS SELECT * FROM (SELECT *{extra} FROM main.runs) WHERE {ROW_OK['runs']}")
+    db.execute(f"CREATE TEMP VIEW runs AS SELECT * FROM (SELECT *{extra} FROM main.runs) "
+               f"WHERE {ROW_OK['runs']} AND {CONFIG_OK}")
     for t in ("rounds", "client_metrics"):
         if main[t]:
             db.execute(f"CREATE TEMP VIEW {t} AS SELECT * FROM main.{t} WHERE {ROW_OK[t]}")
@@ -708,16 +713,17 @@ class Store:
         is a `StoreError` naming it: it is neither resumed nor taken as this run's result."""
         row = self.db.execute("SELECT * FROM runs WHERE run_id=?", (run_id,)).fetchone()
         if row is not None and not self.readonly:
-            why = self.damage(run_id)
+            why = self.damage(run_id, config_keys=False)
             if why:
                 raise StoreError(f"results store {self.path}: run {run_id} is stored damaged ({why}); it is "
                                  "neither resumed nor re-used: `fedprism merge` copies the store's sound runs "
                                  "into a new one, or use another --db")
         return row
 
-    def damage(self, run_id: str) -> str:
-        """What is not well formed (`ROW_OK`) in the stored rows of run `run_id`, or "" (also for an id the
-        store does not hold). Reads the file's own tables, not a read-only store's views."""
+    def damage(self, run_id: str, config_keys: bool = True) -> str:
+        """What is not well formed (`ROW_OK`, and `CONFIG_OK` unless not `config_keys`) in the stored rows of
+        run `run_id`, or "" (also for an id the store does not hold). Reads the file's own tables, not a
+        read-only store's views."""
         if not valid_run_id(run_id):
             return f"its id {str(run_id)[:80]!r} is not a run id"
         cols = table_columns(self.db, "runs", "main")
@@ -726,6 +732,9 @@ class Store:
                               (run_id,)).fetchone()
         if bad is not None:
             return "its row in runs: a config, final or provenance that is no JSON object, or a value of the wrong type"
+        if config_keys and self.db.execute(f"SELECT 1 FROM {runs} WHERE run_id=? AND NOT COALESCE(({CONFIG_OK}), 0)",
+                                           (run_id,)).fetchone() is not None:
+            return "its config lacks a key every configuration has (method, dataset, partition, seed, clients, rounds)"
         for t in ("rounds", "client_metrics", "records"):
             if not table_columns(self.db, t, "main"):
                 continue
@@ -1026,7 +1035,8 @@ class Store:
         """SQL keeping only well-formed runs (`ROW_OK`) in a store open for writing: its searches (a sweep's
         earlier runs, a kept final state to re-score) pass over damaged rows. A read-only store's views
         already leave them out."""
-        return "" if self.readonly else f"{joint}{col} IN (SELECT run_id FROM main.runs WHERE {ROW_OK['runs']})"
+        return "" if self.readonly else (f"{joint}{col} IN (SELECT run_id FROM main.runs WHERE {ROW_OK['runs']} "
+                                         f"AND {CONFIG_OK})")
 
     def _known(self, run_id: str, rows: list) -> list:
         """`rows`, unless they are none because `run_id` names no run: that is an error, not an empty
