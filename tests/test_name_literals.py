@@ -57,8 +57,6 @@ PENDING: dict[str, set[tuple[str, str]]] = {
     "report (report/partition_study.py: Clust-PSI-PFL's partition study, to move to its method)": {
         ("dirichlet", "fedprism.report.partition_study"), ("dirichlet_per_class", "fedprism.report.partition_study"),
         ("similarity", "fedprism.report.partition_study")},
-    "flower (flower/spec.py: dataset shapes of a node's data spec)": {
-        ("digits", "fedprism.flower.spec"), ("synthetic", "fedprism.flower.spec"), ("wisdm", "fedprism.flower.spec")},
 }
 
 

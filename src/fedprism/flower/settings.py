@@ -44,8 +44,6 @@ Node config (per SuperNode, `--node-config 'client-id=3 data-root="/data"'`):
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import shlex
 from collections.abc import Mapping
@@ -54,20 +52,22 @@ from typing import Any
 
 from fedprism.errors import ConfigError
 from fedprism.experiment.config import Config, load_toml, parse_overrides, resolve
+from fedprism.experiment.flower_id import IDENTITY_KEYS, IDENTITY_PARAMS, flower_run_id  # noqa: F401
 from fedprism.experiment.limits import check_cohort
 from fedprism.hparams import Param
 
 _pos = lambda v: v > 0  # noqa: E731
 _finite_pos = lambda v: v > 0 and math.isfinite(v)  # noqa: E731
 
-#: ServerApp / ClientApp run-config keys
+#: ServerApp / ClientApp run-config keys (the ones a run's id hashes, `IDENTITY_KEYS`, are defined with
+#: `flower_run_id` in `fedprism.experiment.flower_id`: the store merge checks Flower run ids too)
 RUN_KEYS: dict[str, Param] = {
     "experiment": Param("method=fedprism dataset=digits clients=6 fraction=0.5 rounds=3 fedprism.k=3",
                         "the fedprism experiment (key=value pairs, as `fedprism run` takes them)"),
     "db": Param("fedprism-results.db", "results store (SQLite) written by the ServerApp"),
     "min-nodes": Param(1, "identified nodes to wait for before round 0", _pos, "an integer >= 1"),
     "nodes-timeout": Param(300.0, "deadline (s) to reach min-nodes", _finite_pos, "a number > 0"),
-    "min-replies": Param(1, "successful train replies a round needs", _pos, "an integer >= 1"),
+    "min-replies": IDENTITY_PARAMS["min-replies"],
     "round-timeout": Param(300.0, "deadline (s) for the replies of one exchange", _finite_pos, "a number > 0"),
     "poll-interval": Param(0.5, "seconds between pulls of replies", _finite_pos, "a number > 0"),
     "probe-timeout": Param(60.0, "identity queries live 2x this long; a refused node is asked again after it",
@@ -76,24 +76,13 @@ RUN_KEYS: dict[str, Param] = {
     "save-final": Param("", "path for torch.save of the final server state ('' = do not save)"),
     "stop-after": Param(0, "stop after this many rounds (0 = run to the end)", lambda v: v >= 0,
                         "an integer >= 0"),
-    "max-samples": Param(0, "cap on a node's reported sample counts (0 = the largest training split the "
-                         "partition gives a client)", lambda v: v >= 0, "an integer >= 0"),
-    "update-norm-bound": Param(0.0, "largest accepted update norm (0 = no bound)",
-                               lambda v: v >= 0 and math.isfinite(v), "a finite number >= 0"),
-    "norm-action": Param("reject", "an update above update-norm-bound is rejected or clipped to it",
-                         choices=("reject", "clip")),
-    "registry": Param("", "JSON or TOML file: node key -> client id [, samples] ('' = no registry)"),
-    "stats-epsilon": Param(0.0, "nodes release their label histogram (and so their sample count) with "
-                           "epsilon-differential privacy (Laplace); 0 = exact", lambda v: v >= 0 and math.isfinite(v),
-                           "a finite number >= 0"),
-    "global-eval": Param("server", "who scores the global test set: the server (when it can build the "
-                         "dataset) or the nodes", choices=("server", "nodes")),
+    "max-samples": IDENTITY_PARAMS["max-samples"],
+    "update-norm-bound": IDENTITY_PARAMS["update-norm-bound"],
+    "norm-action": IDENTITY_PARAMS["norm-action"],
+    "registry": IDENTITY_PARAMS["registry"],
+    "stats-epsilon": IDENTITY_PARAMS["stats-epsilon"],
+    "global-eval": IDENTITY_PARAMS["global-eval"],
 }
-
-#: run-config keys that change what a Flower run computes (which replies count, what the nodes report, who
-#: scores the global test set): part of its run id whenever they are not at their defaults
-IDENTITY_KEYS = ("min-replies", "max-samples", "update-norm-bound", "norm-action", "registry",
-                 "stats-epsilon", "global-eval")
 
 #: SuperNode node-config keys (Flower's simulation adds partition-id / num-partitions)
 NODE_KEYS = ("client-id", "partition-id", "num-partitions", "data-root", "device")
@@ -198,18 +187,6 @@ def client_id_of(node_config: Mapping[str, Any], num_clients: int) -> int:
     if isinstance(cid, bool) or not isinstance(cid, int) or not 0 <= cid < num_clients:
         raise ConfigError(key, cid, f"an integer in [0, {num_clients - 1}] (the experiment has {num_clients} clients)")
     return cid
-
-
-def flower_run_id(cfg: Config, run_config: Mapping[str, Any] | None = None) -> str:
-    """Store id of a Flower run of `cfg` with the run-config `run_config`: stable (a restarted ServerApp
-    resumes it), distinct from the in-process run of the same config (so both can live in one store and
-    be compared), and distinct for each value of the `IDENTITY_KEYS` (a run with update-norm-bound=50 is
-    not the finished run without it). Keys at their defaults leave the id as it was before they counted."""
-    knobs = {k: RUN_KEYS[k].validate(k, run_config[k]) for k in IDENTITY_KEYS
-             if run_config is not None and k in run_config}
-    knobs = {k: v for k, v in knobs.items() if v != RUN_KEYS[k].default}
-    tail = f":{json.dumps(knobs, sort_keys=True)}" if knobs else ""
-    return hashlib.sha256(f"flower:{cfg.run_id}{tail}".encode()).hexdigest()[:16]
 
 
 def flower_label(cfg: Config) -> Config:
