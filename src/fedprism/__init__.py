@@ -23,7 +23,7 @@ __version__ = "0.1.0"
 _API = {
     "run": "fedprism.api", "config": "fedprism.api", "results": "fedprism.api",
     "Config": "fedprism.experiment.config", "Experiment": "fedprism.experiment.runner",
-    "RunResult": "fedprism.experiment.runner", "Simulator": "fedprism.experiment.runner",
+    "RunResult": "fedprism.experiment.result", "Simulator": "fedprism.experiment.runner",
     "Store": "fedprism.experiment.store",
     "Algorithm": "fedprism.algorithms.base", "register": "fedprism.algorithms.base",
     "REGISTRY": "fedprism.algorithms.base", "train_update": "fedprism.algorithms.base",

@@ -14,14 +14,22 @@ from pathlib import Path
 from typing import Any
 
 from fedprism.experiment.config import Config, flatten, load_toml, resolve
-from fedprism.experiment.runner import Experiment, RunResult
+from fedprism.experiment.result import RunResult
 from fedprism.experiment.store import Store
+
+# the round loop (fedprism.experiment.runner, and with it torch) is imported by `run` when it builds a run:
+# a stored result is answered without it (fedprism.experiment.lookup)
 
 
 def config(source: str | Path | dict | Config | None = None, **keys: Any) -> Config:
     """A validated configuration from a TOML file, a dict of keys, or keyword arguments (dotted keys as
     `fedprism__k=5`, in a dict {"fedprism.k": 5}, or nested as in a TOML table: fedprism={"k": 5});
     later sources override earlier ones."""
+    return resolve(_raw(source, **keys))
+
+
+def _raw(source: str | Path | dict | Config | None = None, **keys: Any) -> dict[str, Any]:
+    """The flat keys of `config(source, **keys)`, not yet resolved."""
     raw: dict[str, Any] = {}
     if isinstance(source, Config):
         raw.update(source.values)
@@ -33,7 +41,7 @@ def config(source: str | Path | dict | Config | None = None, **keys: Any) -> Con
         raise TypeError(f"fedprism.config(source): {source!r} is not a TOML file path, a dict of keys or a "
                         "Config")
     raw.update(flatten({k.replace("__", "."): v for k, v in keys.items()}))
-    return resolve(raw)
+    return raw
 
 
 def run(cfg: Config | dict | str | Path, db: str | Path = "fedprism-results.db", progress: bool = False,
@@ -47,6 +55,7 @@ def run(cfg: Config | dict | str | Path, db: str | Path = "fedprism-results.db",
     the method, a finished run of the earlier code is refused (`ProvenanceMismatch`) until then. A run
     that did not finish under other code is replaced without it (`fedprism.experiment.fresh`). A method
     registered in this process (`fedprism.register`) works here as everywhere in the process."""
+    from fedprism.experiment import lookup
     from fedprism.experiment.store import drop_if_new_and_empty
 
     if cfg is None and not keys:          # config() of nothing is the default 100-round run: not by accident
@@ -54,9 +63,18 @@ def run(cfg: Config | dict | str | Path, db: str | Path = "fedprism-results.db",
                         "path) or keys (fedprism.run(method='fedavg', ...))")
     if not isinstance(fresh, bool):
         raise TypeError(f"fedprism.run(fresh=...): {fresh!r} is not True or False")
-    c = config(cfg, **keys)
+    pristine = lookup.pristine()                # before anything below imports torch
+    raw = _raw(cfg, **keys)
+    if not fresh:                               # a finished stored run, answered without building it
+        found = lookup.stored_result(raw, db)
+        if found is not None:
+            return found[1]
+    from fedprism.experiment.runner import Experiment
+
+    c = resolve(raw)
     if not isinstance(db, (str, os.PathLike)):
         raise TypeError(f"fedprism.run(db=...): {db!r} is not a file path (str or pathlib.Path)")
+    memo = lookup.Recorder(raw, c, active=pristine)
     created = not Path(db).exists()
     store = Store(db)
     try:
@@ -68,12 +86,15 @@ def run(cfg: Config | dict | str | Path, db: str | Path = "fedprism-results.db",
     from fedprism.experiment.fresh import fix_for_python
 
     exp.fix = fix_for_python(exp.run_id, db, c["method"], f"fedprism.run(..., db={str(db)!r}, fresh=True)")
+    memo.watch(exp)
     try:
         if fresh:                             # only now: a run that cannot be built, or is running, is kept
             exp.forget_stored()
-        return exp.run()
+        result = exp.run()
     finally:
         store.close()
+    memo.save(result)
+    return result
 
 
 def results(db: str | Path = "fedprism-results.db", frame: bool = False, **where: Any):

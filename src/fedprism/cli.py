@@ -40,15 +40,22 @@ def json_text(x) -> str:
     return json.dumps(_finite(x), allow_nan=False)
 
 
-def _config(args) -> "Config":  # noqa: F821
-    from fedprism.experiment.config import load_toml, parse_overrides, resolve
+def _raw(args) -> dict:
+    """The configuration as given: the TOML file's keys, then the key=value overrides (not resolved)."""
+    from fedprism.experiment.config import load_toml, parse_overrides
 
     raw: dict = {}
     items = list(args.items)
     if items and "=" not in items[0]:
         raw.update(load_toml(items.pop(0)))
     raw.update(parse_overrides(items))
-    return resolve(raw)
+    return raw
+
+
+def _config(args) -> "Config":  # noqa: F821
+    from fedprism.experiment.config import resolve
+
+    return resolve(_raw(args))
 
 
 def _stored_run_item(args) -> str | None:
@@ -61,29 +68,15 @@ def _stored_run_item(args) -> str | None:
 
 
 def cmd_run(args) -> int:
-    from fedprism.experiment.fresh import fix_for_cli_run, stored_config
-    from fedprism.experiment.runner import Experiment, divergence_note
-    from fedprism.experiment.store import Store, drop_if_new_and_empty
+    from fedprism.experiment import lookup
+    from fedprism.experiment.result import divergence_note
 
     stored_id = _stored_run_item(args)
-    cfg = None if stored_id else _config(args)
-    created = not Path(args.db).exists()
-    store = Store(args.db)
-    try:
-        if stored_id:                               # `run --fresh RUN_ID`: the stored run's configuration
-            from fedprism.experiment.config import parse_overrides
-
-            cfg = stored_config(store, stored_id, parse_overrides(args.items[1:]))
-        exp = Experiment(cfg, store, progress=not args.quiet)    # progress goes to stderr, also with --json
-        exp.fix = fix_for_cli_run(exp.run_id, args.db)
-        if args.fresh and exp.forget_stored():  # only now: a run that cannot start, or is running, is kept
-            print(f"--fresh: dropped what the store held of run {exp.run_id} (rounds, checkpoint, kept final "
-                  "state); running it again",
-                  file=sys.stderr)
-        res = exp.run()
-    except BaseException:
-        drop_if_new_and_empty(store, created)     # refused (data, partition, scalars=): no empty store behind
-        raise
+    raw = None if stored_id else _raw(args)
+    pristine = lookup.pristine()                 # before anything below imports torch
+    # a finished stored run is answered from the store without building it (fedprism.experiment.lookup)
+    found = None if stored_id or args.fresh else lookup.stored_result(raw, args.db)
+    cfg, res = found if found is not None else _run_built(args, stored_id, raw, pristine)
     f = res.final
     if f.get("diverged"):
         print(f"fedprism: warning: {divergence_note(res.run_id, f)}", file=sys.stderr)
@@ -113,6 +106,39 @@ def cmd_run(args) -> int:
     if args.json:
         print(json_text(out))
     return 0
+
+
+def _run_built(args, stored_id: str | None, raw: dict | None, pristine: bool):
+    """`fedprism run` the full way: the configuration resolved, the run built, then run, resumed or found
+    stored (its provenance checked); the lookup memo is written from it (`lookup.Recorder`)."""
+    from fedprism.experiment.config import resolve
+    from fedprism.experiment.fresh import fix_for_cli_run, stored_config
+    from fedprism.experiment.lookup import Recorder
+    from fedprism.experiment.runner import Experiment
+    from fedprism.experiment.store import Store, drop_if_new_and_empty
+
+    cfg = None if stored_id else resolve(raw)
+    memo = Recorder(raw, cfg, active=pristine and cfg is not None)
+    created = not Path(args.db).exists()
+    store = Store(args.db)
+    try:
+        if stored_id:                               # `run --fresh RUN_ID`: the stored run's configuration
+            from fedprism.experiment.config import parse_overrides
+
+            cfg = stored_config(store, stored_id, parse_overrides(args.items[1:]))
+        exp = Experiment(cfg, store, progress=not args.quiet)    # progress goes to stderr, also with --json
+        exp.fix = fix_for_cli_run(exp.run_id, args.db)
+        memo.watch(exp)
+        if args.fresh and exp.forget_stored():  # only now: a run that cannot start, or is running, is kept
+            print(f"--fresh: dropped what the store held of run {exp.run_id} (rounds, checkpoint, kept final "
+                  "state); running it again",
+                  file=sys.stderr)
+        res = exp.run()
+    except BaseException:
+        drop_if_new_and_empty(store, created)     # refused (data, partition, scalars=): no empty store behind
+        raise
+    memo.save(res)
+    return cfg, res
 
 
 def cmd_demo(args) -> int:

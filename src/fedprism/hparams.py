@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
-
-import numpy as np
 
 from fedprism.errors import ConfigError
 
@@ -20,8 +19,10 @@ from fedprism.errors import ConfigError
 def plain(value: Any) -> Any:
     """A numpy scalar (np.int64 from a loop over np.arange, np.float32, np.bool_, np.str_) as the Python
     value it holds, so that it validates, and hashes into a run id, as that value does; anything else
-    unchanged."""
-    return value.item() if isinstance(value, np.generic) else value
+    unchanged. (numpy is not imported for this: where it is not imported yet, no value is one of its
+    scalars, and configuration and the results store stay free of it.)"""
+    np = sys.modules.get("numpy")
+    return value.item() if np is not None and isinstance(value, np.generic) else value
 
 
 @dataclass(frozen=True)

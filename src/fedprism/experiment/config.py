@@ -252,10 +252,14 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
 @dataclass(frozen=True)
 class Config:
     """A resolved, validated configuration. `values` holds every key with its final value; `auto` names the
-    kernel keys that were `auto` before resolution (`prefer_stored` may choose another value for them)."""
+    kernel keys that were `auto` before resolution (`prefer_stored` may choose another value for them).
+    `declared`: the method's parameters as the run id reads them (`Param.new`, `Param.eval_only`, defaults),
+    for a configuration rebuilt without importing its method (fedprism.experiment.lookup); None: read from
+    the method's registration."""
 
     values: dict[str, Any]
     auto: frozenset = field(default=frozenset(), compare=False)
+    declared: dict[str, Param] | None = field(default=None, compare=False, repr=False)
 
     def __getitem__(self, key: str) -> Any:
         return self.values[key]
@@ -273,6 +277,8 @@ class Config:
         return {k[len("partition."):]: v for k, v in self.values.items() if k.startswith("partition.")}
 
     def _params(self) -> dict[str, Param]:
+        if self.declared is not None:
+            return {**KEYS, **{f"{self['method']}.{k}": p for k, p in self.declared.items()}}
         from fedprism.algorithms import REGISTRY
 
         method = REGISTRY.find(self["method"])
@@ -319,7 +325,7 @@ def prefer_stored(cfg: Config, store: Any) -> Config:
     fast = sorted(k for k in cfg.auto if cfg.values.get(k) != "aten")
     if not fast or store.run(cfg.run_id) is not None:
         return cfg
-    alt = Config({**cfg.values, **{k: "aten" for k in fast}}, cfg.auto)
+    alt = Config({**cfg.values, **{k: "aten" for k in fast}}, cfg.auto, cfg.declared)
     return alt if store.run(alt.run_id) is not None else cfg
 
 

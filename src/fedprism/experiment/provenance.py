@@ -59,10 +59,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
 from fedprism.errors import FedPrismError
+
+# numpy and torch are imported where they are used: comparing fingerprints (`check`, `differences`) and
+# hashing source files import neither, so a stored result is answered without them
+# (fedprism.experiment.lookup)
 
 #: keys of the provenance object that `check` compares (fingerprints); everything else is a record
 COMPARED = (("code", "method"), ("code", "method_bases"), ("code", "method_helpers"), ("code", "model"), ("data",))
@@ -357,6 +358,8 @@ def model_fingerprint(name: str, model: Any) -> dict[str, str] | None:
     registered model is its builder's file, and its class's too when that is another file outside torch:
     the class alone would be torch's own file for a builder that returns `nn.Sequential`, and a changed
     builder would not count as changed code."""
+    import torch
+
     from fedprism.models import MODELS
 
     built = source_fingerprint(type(model))
@@ -374,6 +377,9 @@ def model_fingerprint(name: str, model: Any) -> dict[str, str] | None:
 
 
 def _hash_tensor(h: "hashlib._Hash", x: Any) -> None:
+    import numpy as np
+    import torch
+
     if isinstance(x, torch.Tensor):
         x = x.detach().cpu().contiguous().numpy()
     a = np.ascontiguousarray(np.asarray(x))
@@ -385,6 +391,8 @@ def data_fingerprint(fed: Any) -> str | None:
     """sha256 over a federation's train/test arrays and its clients' index lists, or None without data."""
     if fed is None or getattr(fed, "x_train", None) is None:
         return None
+    import numpy as np
+
     h = hashlib.sha256()
     for name in ("x_train", "y_train", "x_test", "y_test"):
         _hash_tensor(h, getattr(fed, name))
@@ -412,6 +420,9 @@ def execution() -> dict[str, Any]:
     """How this process executes runs (threads, library versions, CPU)."""
     import sys
 
+    import numpy as np
+    import torch
+
     return {"threads": torch.get_num_threads(), "torch": torch.__version__, "numpy": np.__version__,
             "python": sys.version.split()[0], "cpu": cpu_model()}
 
@@ -436,6 +447,8 @@ def capture(exp: Any) -> dict[str, Any]:
         ex["fused_kernels"] = {**fused, "source": source_hash(LIBRARIES["fused"].source),
                                "vector_floats": vector_floats()}
     if str(ex["device"]).startswith("cuda"):     # CUDA engines turn it on (engine.base.deterministic_cudnn)
+        import torch
+
         ex["cudnn_deterministic"] = bool(torch.backends.cudnn.deterministic)
     algo = type(exp.algo) if getattr(exp, "algo", None) is not None else None
     return {"version": __version__,
@@ -588,6 +601,8 @@ def check(run_id: str, stored: dict | None, current: dict | None, fix: str | Non
 
 def set_threads(cfg: Any) -> None:
     """Apply the `threads=` execution key (0: leave torch's setting as it is)."""
+    import torch
+
     n = int(cfg.get("threads", 0) or 0)
     if n > 0 and torch.get_num_threads() != n:
         torch.set_num_threads(n)

@@ -17,7 +17,6 @@ import math
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -37,22 +36,13 @@ from fedprism.experiment.evaluate import Evaluator, sample_eval_clients, summari
 from fedprism.experiment.federation import build_federation, resolve_model_name  # noqa: F401
 from fedprism.experiment.fresh import settle_stored
 from fedprism.experiment.provenance import capture, set_threads
+from fedprism.experiment.result import RunResult, divergence_note  # noqa: F401 (divergence_note: public here)
 from fedprism.experiment.store import Store, StoreError
 from fedprism.federation import Federation
 from fedprism.hparams import plain
 from fedprism.privacy import LABEL_RELEASES, Privacy
 from fedprism.protocol import Plan, TensorSpec, Update
 from fedprism.selection import Selector, cohort_size, sample_clients  # noqa: F401 (sample_clients: public here)
-
-
-@dataclass
-class RunResult:
-    run_id: str
-    status: str
-    final: dict
-    history: list[dict] = field(default_factory=list)
-    resumed_from: int | None = None
-    reused: bool = False            # finished before this call: read from the store, nothing was run
 
 
 def validate_update(update: Update, upload: dict[str, TensorSpec]) -> tuple[Update, dict[int, str]]:
@@ -817,15 +807,6 @@ def final_metrics(history: list[dict], seconds: float) -> dict:
     if stuck is not None:
         out["diverged_round"] = stuck
     return out
-
-
-def divergence_note(run_id: str, final: dict) -> str:
-    """What to tell a user about a run whose `final` says it diverged (`final_metrics`)."""
-    r = final.get("diverged_round", 0)
-    since = "of all rounds" if r == 0 else f"from round {r + 1} on"
-    return (f"run {run_id} DIVERGED: every update {since} was rejected (non-finite values; "
-            f"{final.get('rejected')} rejected in all); its metrics are those of the "
-            + ("initial model" if r == 0 else f"model after round {r}") + " (lower lr?)")
 
 
 def _trained_remotely(row) -> bool:
