@@ -811,8 +811,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     pa = sub.add_parser("partition", help="split a dataset and print per-client summary + heterogeneity",
                         description="e.g. fedprism partition dataset=fmnist partition=dirichlet "
-                        "partition.alpha=0.1 clients=100 seed=0. The partitions and their partition.* "
-                        "keys are listed at the end of `fedprism methods`.")
+                        "partition.alpha=0.1 clients=100 seed=0. `fedprism partitions` lists the "
+                        "partitions and their partition.* keys.")
     pa.add_argument("items", nargs="*", default=[], metavar="key=value", help=KV_HELP)
     pa.add_argument("--png", default=None, metavar="FILE",
                     help="also draw the first 20 clients' class distributions into FILE "
