@@ -18,7 +18,6 @@ Typical use::
 from __future__ import annotations
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
 
 
 def match_clusters(cost) -> np.ndarray:
@@ -45,6 +44,8 @@ def match_clusters(cost) -> np.ndarray:
     k_new, k_old = cost.shape
     perm = np.full(k_new, -1, dtype=np.int64)
     if k_new and k_old:
+        from scipy.optimize import linear_sum_assignment    # here: scipy costs a second to import
+
         rows, cols = linear_sum_assignment(cost)
         perm[rows] = cols
     unmatched = np.flatnonzero(perm < 0)
