@@ -127,3 +127,61 @@ def test_write_partition_study_checks_its_seeds_first(tmp_path, monkeypatch):
         with pytest.raises(ConfigError, match="option '--seed'"):
             write_partition_study("digits", tmp_path / "s", seeds=seeds, plots=False)
     assert not (tmp_path / "s").exists()
+
+
+def _recipe_as_it_was_written_in_code(dataset: str, quick: bool) -> list[tuple[str, dict]]:
+    """The demo's runs as experiment/demo.py spelled them before they moved to demo.toml (the runs the
+    stored demo results have): a second, independent statement of the recipe."""
+    if dataset == "fmnist":
+        base = {"dataset": "fmnist", "data.train_subset": 9000, "data.test_subset": 2000, "clients": 30,
+                "fraction": 0.34, "rounds": 12, "local_epochs": 2, "batch_size": 32, "lr": 0.01, "momentum": 0.9,
+                "partition": "dirichlet", "partition.alpha": 0.3, "eval_every": 5}
+    else:
+        base = {"dataset": "digits", "clients": 20, "fraction": 0.5, "rounds": 20, "local_epochs": 2,
+                "batch_size": 16, "lr": 0.05, "momentum": 0.9, "partition": "dirichlet", "partition.alpha": 0.3,
+                "eval_every": 5}
+    if quick:
+        base.update({"rounds": 3, "eval_every": 1, "data.train_subset": 3000 if dataset == "fmnist" else 0,
+                     "clients": 10, "fraction": 0.5})
+    k = {"fedprism.k": 3, "fedprism.m": 2, "fedprism.every": 5, "fedprism.alpha": 0.5}
+    runs = [("FedPrism (paper, routed)", {"method": "fedprism_dual", "fedprism_dual.k": 3, "fedprism_dual.every": 5,
+                                          "fedprism_dual.private_source": "specialist"}),
+            *[(f"Fed-PRISM {c}", {"method": "fedprism", **k, "fedprism.clustering": c})
+              for c in ("kmeans", "ward", "average", "single", "covariance")],
+            ("FedClust", {"method": "fedclust", "fedclust.k": 3, "fedclust.every": 5}),
+            ("FedAvg", {"method": "fedavg"}), ("Local", {"method": "local"})]
+    return [(label, {**base, **r, "name": label}) for label, r in runs]
+
+
+@pytest.mark.parametrize("dataset", ["fmnist", "digits"])
+@pytest.mark.parametrize("quick", [False, True])
+def test_the_demo_recipe_file_gives_the_runs_the_code_gave(dataset, quick):
+    """demo.toml resolves to the same runs, in the same order and under the same names (so the same run
+    ids: a store holding the demo's results finds them again) as the recipe it replaced."""
+    from fedprism.experiment.config import resolve
+    from fedprism.experiment.demo import DATASETS, METHODS, PER_RUN_KEYS, demo_configs
+
+    got = demo_configs(dataset, quick)
+    want = [resolve(raw) for _, raw in _recipe_as_it_was_written_in_code(dataset, quick)]
+    assert [c["name"] for c in got] == [c["name"] for c in want]
+    assert [dict(c.values) for c in got] == [dict(c.values) for c in want]
+    assert [c.run_id for c in got] == [c.run_id for c in want]
+    assert DATASETS == ("fmnist", "digits")
+    assert METHODS == ("fedprism_dual", "fedprism", "fedclust", "fedavg", "local")
+    assert PER_RUN_KEYS == {"method", "name", "fedprism_dual.k", "fedprism_dual.every",
+                            "fedprism_dual.private_source", "fedprism.k", "fedprism.m", "fedprism.every",
+                            "fedprism.alpha", "fedprism.clustering", "fedclust.k", "fedclust.every"}
+
+
+def test_the_demo_recipe_is_shipped_with_the_package():
+    """demo.toml is package data (pyproject.toml), so an installed (non-editable) fedprism has it."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    from fedprism.experiment.demo import RECIPE_FILE
+
+    root = Path(__file__).resolve().parents[1]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["fedprism"]
+    rel = RECIPE_FILE.relative_to(root / "src" / "fedprism").as_posix()
+    assert RECIPE_FILE.is_file() and any(fnmatch.fnmatch(rel, g) for g in globs)

@@ -49,11 +49,6 @@ OTHER_MEANING: dict[tuple[str, str], str] = {
 
 #: literals that other work is removing, by area: (name, module)
 PENDING: dict[str, set[tuple[str, str]]] = {
-    "demo (experiment/demo.py: the demo's fixed runs and data sizes, to become a data file)": {
-        ("fedavg", "fedprism.experiment.demo"), ("fedclust", "fedprism.experiment.demo"),
-        ("fedprism", "fedprism.experiment.demo"), ("fedprism_dual", "fedprism.experiment.demo"),
-        ("local", "fedprism.experiment.demo"), ("fmnist", "fedprism.experiment.demo"),
-        ("digits", "fedprism.experiment.demo"), ("dirichlet", "fedprism.experiment.demo")},
     "report (report/partition_study.py: Clust-PSI-PFL's partition study, to move to its method)": {
         ("dirichlet", "fedprism.report.partition_study"), ("dirichlet_per_class", "fedprism.report.partition_study"),
         ("similarity", "fedprism.report.partition_study")},

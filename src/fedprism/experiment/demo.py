@@ -4,7 +4,8 @@ Fashion-MNIST (Debian package dataset-fashion-mnist) when present, else scikit-l
 digits. It runs the FedPrism paper's method (dual-stream, routed; `private_source=specialist`, which
 saves one of its three local trainings and is the same update, see `fedprism.algorithms.fedprism_dual`),
 every clustering method of the Fed-PRISM server, FedClust, FedAvg and Local on one shared
-Dirichlet(0.3) partition and one cohort sequence, two runs at a time in separate processes.
+Dirichlet(0.3) partition and one cohort sequence, two runs at a time in separate processes. The runs and
+the sizes per dataset are data, not code: demo.toml beside this module (shipped with the package).
 
 Size (FMNIST): 9000 training images over 30 clients, 12 rounds of 10 clients, E = 2, 2000 test images.
 Measured on the 2-core VM with its cores otherwise idle: 1 min 27 s (seed 0) and 1 min 36 s (seed 1),
@@ -26,8 +27,8 @@ What `key=value` overrides may change (each checked before anything is loaded or
   measured on these two only, and a colour (cifar10, svhn), 100-class (cifar100), tabular (synthetic) or
   time-series (wisdm) set needs sizes of its own rather than a 28x28-greyscale recipe under the demo's
   name. The header names the dataset the runs are configured with.
-* the keys the demo sets per run (`PER_RUN_KEYS`: `method`, `name` and the method parameters of `RUNS`:
-  `fedprism.k`, `fedprism_dual.private_source`, ...) are refused: the demo compares fixed methods with
+* the keys the demo sets per run (`PER_RUN_KEYS`: `method`, `name` and the method parameters of the
+  [[runs]] of demo.toml: `fedprism.k`, `fedprism_dual.private_source`, ...) are refused: the demo compares fixed methods with
   fixed settings, so an override there would either be dropped silently or turn the comparison into
   something else; a single method or other settings are `fedprism run` / `fedprism sweep`.
 * other parameters of a method the demo runs (`fedprism_dual.inference_weight=1`) go to that method's
@@ -38,35 +39,54 @@ What `key=value` overrides may change (each checked before anything is loaded or
 from __future__ import annotations
 
 import sys
+from functools import lru_cache
+from pathlib import Path
 
-from fedprism.experiment.config import parse_overrides, resolve
+from fedprism.experiment.config import flatten, parse_overrides, read_toml, resolve
+
+
+#: the demo's recipe, a data file shipped with the package: its runs and its sizes per dataset
+RECIPE_FILE = Path(__file__).with_name("demo.toml")
+
+
+@lru_cache(maxsize=1)
+def recipe() -> dict:
+    """demo.toml, read once: `order` (the datasets, tried in that order), `fallback` (what is said when
+    the first is not found), `base` and `quick` (flat keys), `datasets` (name -> flat keys, with its
+    flat `quick` keys under "quick"), `runs` (label -> flat keys)."""
+    doc = read_toml(RECIPE_FILE, "demo recipe")
+    sizes = {}
+    for name, table in doc["datasets"].items():
+        table = dict(table)
+        quick = flatten(table.pop("quick", {}))
+        sizes[name] = {"keys": {"dataset": name, **flatten(table)}, "quick": quick}
+    return {"order": tuple(doc["order"]), "fallback": doc["fallback"], "base": flatten(doc.get("base", {})),
+            "quick": flatten(doc.get("quick", {})), "datasets": sizes,
+            "runs": [(r["label"], flatten({k: v for k, v in r.items() if k != "label"})) for r in doc["runs"]]}
 
 
 def default_dataset() -> str:
+    """The first dataset of the recipe's `order` whose files are found, saying so when it falls back to
+    the next one."""
     from fedprism.data.datasets import load_dataset
     from fedprism.errors import DataError
 
-    try:
-        load_dataset("fmnist", pad32=True)
-        return "fmnist"
-    except DataError:
-        print("fedprism demo: Fashion-MNIST not found (apt-get install dataset-fashion-mnist, or "
-              "`fedprism data download fmnist`); using the bundled digits set", file=sys.stderr)
-        return "digits"
+    *tried, last = recipe()["order"]
+    for name in tried:
+        try:
+            load_dataset(name, pad32=True)
+            return name
+        except DataError:
+            pass
+    print(f"fedprism demo: {recipe()['fallback']}", file=sys.stderr)
+    return last
 
 
-#: the datasets the demo has sizes for (`demo_configs`'s two bases)
-DATASETS = ("fmnist", "digits")
+#: the datasets the demo has sizes for (`demo_configs`'s bases)
+DATASETS = recipe()["order"]
 
 #: the compared runs: (label, the keys each sets); `method`, `name` and these keys are the demo's own
-_K = {"fedprism.k": 3, "fedprism.m": 2, "fedprism.every": 5, "fedprism.alpha": 0.5}
-RUNS: list[tuple[str, dict]] = [
-    ("FedPrism (paper, routed)", {"method": "fedprism_dual", "fedprism_dual.k": 3, "fedprism_dual.every": 5,
-                                  "fedprism_dual.private_source": "specialist"}),
-    *[(f"Fed-PRISM {c}", {"method": "fedprism", **_K, "fedprism.clustering": c})
-      for c in ("kmeans", "ward", "average", "single", "covariance")],
-    ("FedClust", {"method": "fedclust", "fedclust.k": 3, "fedclust.every": 5}),
-    ("FedAvg", {"method": "fedavg"}), ("Local", {"method": "local"})]
+RUNS: list[tuple[str, dict]] = recipe()["runs"]
 PER_RUN_KEYS = frozenset({"method", "name"}.union(*(r for _, r in RUNS)))
 METHODS = tuple(dict.fromkeys(r["method"] for _, r in RUNS))
 
@@ -113,7 +133,7 @@ def check_overrides(overrides: dict) -> None:
 
 
 def demo_configs(dataset: str, quick: bool = False, overrides: dict | None = None) -> list:
-    """The demo's resolved run configs on `dataset` (fmnist or digits), with `overrides` applied: a
+    """The demo's resolved run configs on `dataset` (one of `DATASETS`), with `overrides` applied: a
     method's own parameters to that method's runs only, every other key to every run."""
     from fedprism.errors import ConfigError
 
@@ -123,17 +143,10 @@ def demo_configs(dataset: str, quick: bool = False, overrides: dict | None = Non
     overrides.pop("dataset", None)
     check_overrides(overrides)
     check_dataset(dataset)
-    if dataset == "fmnist":
-        base = {"dataset": "fmnist", "data.train_subset": 9000, "data.test_subset": 2000, "clients": 30,
-                "fraction": 0.34, "rounds": 12, "local_epochs": 2, "batch_size": 32, "lr": 0.01, "momentum": 0.9,
-                "partition": "dirichlet", "partition.alpha": 0.3, "eval_every": 5}
-    else:
-        base = {"dataset": "digits", "clients": 20, "fraction": 0.5, "rounds": 20, "local_epochs": 2,
-                "batch_size": 16, "lr": 0.05, "momentum": 0.9, "partition": "dirichlet", "partition.alpha": 0.3,
-                "eval_every": 5}
+    rec, sizes = recipe(), recipe()["datasets"][dataset]
+    base = {**rec["base"], **sizes["keys"]}
     if quick:
-        base.update({"rounds": 3, "eval_every": 1, "data.train_subset": 3000 if dataset == "fmnist" else 0,
-                     "clients": 10, "fraction": 0.5})
+        base.update({**rec["quick"], **sizes["quick"]})
     owner = {k: _method_of(k) for k in overrides}
     base.update({k: v for k, v in overrides.items() if owner[k] is None})
     own = {m: {k: v for k, v in overrides.items() if owner[k] == m} for m in METHODS}
