@@ -289,6 +289,25 @@ def test_partition_registration_refusals():
 # ------------------------------------------------------------------------ one registry for all four
 
 
+def test_method_registration_keeps_its_checks():
+    """The dict-like `REGISTRY[name] = cls` goes through `register`'s checks: an Algorithm subclass, under
+    its own name (the name configurations and stored runs use)."""
+    from fedprism.algorithms import REGISTRY
+    from fedprism.algorithms.fedavg import FedAvg
+
+    mine = type("Mine", (FedAvg,), {"name": "mine_m"})
+    with pytest.raises(ValueError, match="registered under its own name"):
+        REGISTRY["other"] = mine
+    with pytest.raises(TypeError, match="subclass of fedprism.Algorithm"):
+        REGISTRY["other"] = object
+    assert "other" not in REGISTRY and "mine_m" not in REGISTRY
+    REGISTRY["mine_m"] = mine
+    try:
+        assert REGISTRY["mine_m"] is mine and "mine_m" in REGISTRY.names() and not REGISTRY.is_builtin("mine_m")
+    finally:
+        REGISTRY.pop("mine_m")
+
+
 def test_unknown_names_get_a_did_you_mean():
     for raw, want in (({"method": "fedavgg"}, "(did you mean fedavg?)"), ({"model": "lenet55"}, "(did you mean lenet5?)"),
                       ({"partition": "dirichet"}, "(did you mean dirichlet?)")):

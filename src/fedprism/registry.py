@@ -155,7 +155,8 @@ class Registry(Generic[T]):
                 importlib.import_module(module)
                 if name in self._items:
                     return self._items[name]
-                raise RuntimeError(f"module {module} did not register the {self.kind} {name!r}")
+                raise RuntimeError(f"module {module} did not register the {self.kind} {name!r} (a module of "
+                                   f"shared code in {self.package} belongs in its registry's `skip`)")
             self.load_plugins()
             if name in self._items:
                 return self._items[name]
