@@ -9,6 +9,7 @@ setting):
     Config, Experiment, RunResult, Store       the configuration, the round loop, the results store
     Algorithm, register, REGISTRY              the method interface (fedprism.algorithms.base)
     Plan, Update, TrainJob, Inference, ClientState, TensorSpec, Context    its types (fedprism.protocol)
+    TrainSettings, Trained                     the training settings (ctx.train) and a job's result
     register_model, register_dataset,          extensions in-process (fedprism.plugins)
     register_partition
 """
@@ -29,7 +30,8 @@ _API = {
     "REGISTRY": "fedprism.algorithms.base", "train_update": "fedprism.algorithms.base",
     "Plan": "fedprism.protocol", "Update": "fedprism.protocol", "TrainJob": "fedprism.protocol",
     "Inference": "fedprism.protocol", "ClientState": "fedprism.protocol", "TensorSpec": "fedprism.protocol",
-    "Context": "fedprism.protocol", "EvalResult": "fedprism.protocol",
+    "Context": "fedprism.protocol", "EvalResult": "fedprism.protocol", "TrainSettings": "fedprism.protocol",
+    "Trained": "fedprism.protocol",
     "register_model": "fedprism.plugins", "register_dataset": "fedprism.plugins",
     "register_partition": "fedprism.data.partitions",
 }

@@ -4,6 +4,7 @@ This module imports nothing of fedprism except `params` and `errors`, so `engine
 both build on it without importing each other. The interface itself (`Algorithm`) lives in
 `fedprism.algorithms.base`; `docs/architecture.md` draws the whole data flow.
 
+    TrainSettings the experiment's local-training settings, read-only (`Context.train`)
     Plan          server -> clients: a named set of tensors per client (`payload`), rows [n, ...]
     Update        clients -> server: a named set of tensors per client, checked against the method's
                   declared upload (`TensorSpec`), plus the sample count and training diagnostics
@@ -39,9 +40,56 @@ def payload_bytes(rows: Rows) -> int:
     return int(sum(v.numel() * v.element_size() for v in rows.values()))
 
 
+@dataclass(frozen=True)
+class TrainSettings:
+    """The experiment's local-training settings, read-only: what `client_update`'s default training (and
+    every `TrainJob` that leaves `epochs` and `optimizer` as None) trains with. `ctx.train` on every side
+    (the simulator, a Flower node, a Flower server), built from the same configuration as the engine's
+    settings. A method that corrects local steps (SCAFFOLD's control variates, FedNova's normalisation)
+    reads them here, and the steps each client took from `Trained.steps`.
+
+    optimizer     'sgd' (torch.optim.SGD: momentum, dampening 0, no Nesterov) or 'adam' (torch.optim.Adam)
+    lr            the client learning rate
+    momentum      SGD momentum (0: plain SGD; Adam ignores it)
+    weight_decay  L2 weight decay added to the gradient
+    batch_size    samples per local step (the last batch of an epoch may be smaller)
+    local_epochs  passes over the client's training data
+    adam_betas, adam_eps   Adam's constants
+    """
+
+    optimizer: str
+    lr: float
+    momentum: float
+    weight_decay: float
+    batch_size: int
+    local_epochs: int
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+
+    @classmethod
+    def of(cls, local: Any) -> "TrainSettings":
+        """The settings of an engine's `LocalConfig` (`fedprism.engine.base`)."""
+        return cls(optimizer=str(local.optimizer), lr=float(local.lr), momentum=float(local.momentum),
+                   weight_decay=float(local.weight_decay), batch_size=int(local.batch_size),
+                   local_epochs=int(local.epochs), adam_betas=tuple(local.betas), adam_eps=float(local.eps))
+
+    def for_job(self, job: "TrainJob") -> "TrainSettings":
+        """What `job` trains with: its own `epochs` and `optimizer` where it sets them."""
+        return replace(self, local_epochs=self.local_epochs if job.epochs is None else int(job.epochs),
+                       optimizer=self.optimizer if job.optimizer is None else job.optimizer)
+
+    def steps(self, n_samples: int, epochs: int | None = None) -> int:
+        """Local steps of a client with `n_samples` training samples: one per batch, `local_epochs` (or
+        `epochs`) passes, the last batch of each kept (as the engines do; no samples: one empty batch per
+        epoch). `Trained.steps` holds what the engine counted."""
+        e = self.local_epochs if epochs is None else int(epochs)
+        return e * max(1, -(-int(n_samples) // self.batch_size))
+
+
 @dataclass
 class Context:
-    """What an algorithm may know about the federation (no raw data)."""
+    """What an algorithm may know about the federation (no raw data). `train`: the experiment's
+    local-training settings (`TrainSettings`; None only in a Context built by hand without them)."""
 
     num_clients: int
     num_classes: int
@@ -54,6 +102,7 @@ class Context:
     fraction: float
     feature_dim: int = 0               # width of the model's penultimate features (prototype methods)
     privacy: Any = None                # fedprism.privacy.Privacy when `privacy.epsilon` > 0, else None
+    train: TrainSettings | None = None  # the local-training settings (lr, momentum, batch size, epochs, ...)
 
 
 # -- declarations ------------------------------------------------------------------------------------
@@ -283,12 +332,15 @@ def fuse_jobs(jobs: "list[TrainJob]") -> "TrainJob":
 
 @dataclass
 class Trained:
-    """The result of a TrainJob: trained vectors, samples seen per client, mean training loss."""
+    """The result of a TrainJob: trained vectors, samples seen per client, mean training loss, and the
+    local optimiser steps each client took (`steps`: counted by the engine that trained, the same in both
+    engines and on a Flower node; None only in a Trained a method builds itself)."""
 
     clients: np.ndarray
     params: torch.Tensor                # [n, P]
     n_samples: torch.Tensor             # [n] float64 train samples of each client
     loss: torch.Tensor                  # [n] float64 sample-weighted mean loss
+    steps: torch.Tensor | None = None   # [n] int64 local steps (batches) each client trained
 
 
 # -- evaluation --------------------------------------------------------------------------------------
@@ -388,11 +440,12 @@ def train_together(trainer: Trainer, jobs: list[TrainJob], rnd: int) -> list[Tra
     t, out, i = trainer.train(fuse_jobs(jobs), rnd), [], 0
     for j in jobs:
         rows = slice(i, i + len(j.clients))
-        out.append(Trained(j.clients, t.params[rows].to(j.start.device), t.n_samples[rows], t.loss[rows]))
+        out.append(Trained(j.clients, t.params[rows].to(j.start.device), t.n_samples[rows], t.loss[rows],
+                           None if t.steps is None else t.steps[rows]))
         i += len(j.clients)
     return out
 
 
 __all__ = ["ClientState", "Combine", "Context", "EvalResult", "Inference", "Loss", "Plan", "Rows", "TensorSpec",
-           "TrainJob", "Trained", "Trainer", "Update", "fusible", "fuse_jobs", "payload_bytes",
+           "TrainJob", "TrainSettings", "Trained", "Trainer", "Update", "fusible", "fuse_jobs", "payload_bytes",
            "train_together"]

@@ -42,11 +42,12 @@ import torch
 from fedprism.errors import ConfigError
 from fedprism.hparams import Param
 from fedprism.registry import Registry
-from fedprism.protocol import (ClientState, Context, EvalResult, Inference, Plan, Rows, TensorSpec, Trainer,
-                               TrainJob, Update, payload_bytes, train_together)
+from fedprism.protocol import (ClientState, Context, EvalResult, Inference, Plan, Rows, TensorSpec, Trained,
+                               Trainer, TrainJob, TrainSettings, Update, payload_bytes, train_together)
 
 __all__ = ["Algorithm", "ClientState", "Context", "EvalResult", "Inference", "Plan", "REGISTRY", "TensorSpec",
-           "Trainer", "TrainJob", "Update", "register", "train_together", "train_update"]
+           "Trained", "Trainer", "TrainJob", "TrainSettings", "Update", "register", "train_together",
+           "train_update"]
 
 
 def train_update(trainer: Trainer, job: TrainJob, rnd: int) -> Update:

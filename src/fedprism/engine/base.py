@@ -397,7 +397,8 @@ class EngineBase:
                                   self._dropout_seed(rnd, 0, stream))
         return Trained(np.asarray(clients)[:1], w.unsqueeze(0).to(start.device),
                        torch.tensor([float(len(idx))], dtype=torch.float64),
-                       torch.tensor([loss], dtype=torch.float64))
+                       torch.tensor([loss], dtype=torch.float64),
+                       torch.tensor([n_batches(len(idx), cfg.epochs, cfg.batch_size)], dtype=torch.int64))
 
     @property
     def num_classes(self) -> int:

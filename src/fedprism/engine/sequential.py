@@ -16,11 +16,29 @@ class SequentialEngine(EngineBase):
         mask = None if job.mask is None else job.mask.to(self.device)
         out = torch.empty_like(job.start)
         losses = torch.zeros(len(job.clients), dtype=torch.float64)
+        steps = torch.zeros(len(job.clients), dtype=torch.int64)
         for k, (c, (_, batches)) in enumerate(zip(job.clients, self._orders(job, rnd))):
             idx = self._train_idx[int(c)]
             extras = {n: v[k].to(self.device) for n, v in job.extras.items()}
             m = mask[k] if mask is not None and mask.dim() == 2 else mask
-            w, losses[k] = self._local_sgd(job.start[k].to(self.device, copy=True), idx, batches(), loss_fn, cfg, m,
+            taken = _Counted(batches())                   # the steps this client takes (`Trained.steps`)
+            w, losses[k] = self._local_sgd(job.start[k].to(self.device, copy=True), idx, taken, loss_fn, cfg, m,
                                            extras, self._dropout_seed(rnd, int(c), job.stream_of(k)))
             out[k] = w.to(out.device)
-        return Trained(job.clients, out, self._n_train(job.clients), losses)
+            steps[k] = taken.count
+        return Trained(job.clients, out, self._n_train(job.clients), losses, steps)
+
+
+class _Counted:
+    """An iterator of batches that counts what it gave: one local step per batch."""
+
+    def __init__(self, it):
+        self._it, self.count = iter(it), 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        b = next(self._it)
+        self.count += 1
+        return b

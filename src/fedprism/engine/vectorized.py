@@ -360,13 +360,16 @@ class VectorizedEngine(EngineBase):
                                  f"{tuple(v.shape)}")
         losses = torch.zeros(n, dtype=torch.float64)
         if n == 0:
-            return Trained(job.clients, job.start.clone(), self._n_train(job.clients), losses)
+            return Trained(job.clients, job.start.clone(), self._n_train(job.clients), losses,
+                           torch.zeros(0, dtype=torch.int64))
         args = self._order_args(job, rnd)
         steps = [n_batches(n, e, B) for n, e, _ in args]
+        taken = torch.tensor(steps, dtype=torch.int64)   # every scheduled step runs (`Trained.steps`)
         out = start.clone()                       # clients with no steps (epochs=0) keep their start
         busy = [k for k in range(n) if steps[k] > 0]
         if not busy:
-            return Trained(job.clients, out.to(job.start.device, job.start.dtype), self._n_train(job.clients), losses)
+            return Trained(job.clients, out.to(job.start.device, job.start.dtype), self._n_train(job.clients), losses,
+                           taken)
         W = self.slots_for([steps[k] for k in busy])
         queues = [[busy[j] for j in q] for q in lpt_slots([steps[k] for k in busy], W)]
         T = max(sum(steps[k] for k in q) for q in queues)
@@ -476,7 +479,8 @@ class VectorizedEngine(EngineBase):
             losses.index_add_(0, owner[sel], lv_cpu[sel])
         losses /= counts.clamp(min=1)
         self.samples_trained += int(counts.sum())
-        return Trained(job.clients, out.to(job.start.device, job.start.dtype), self._n_train(job.clients), losses)
+        return Trained(job.clients, out.to(job.start.device, job.start.dtype), self._n_train(job.clients), losses,
+                       taken)
 
     def _graphed(self, step, w, st, ex, mask, per_client: bool, dropout: bool) -> GraphedStep | None:
         """The recorded step for these shapes (recorded on first use), or None when recording fails (the

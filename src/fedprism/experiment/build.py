@@ -32,7 +32,7 @@ from fedprism.federation import Federation
 from fedprism.models import build_model
 from fedprism.params import flatten
 from fedprism.privacy import Privacy
-from fedprism.protocol import Context
+from fedprism.protocol import Context, TrainSettings
 from fedprism.selection import Selector, cohort_size
 
 
@@ -114,7 +114,8 @@ def make_context(cfg: Config, model: torch.nn.Module, n_train: np.ndarray, label
                                for i, h in enumerate(label_hist)]) if len(label_hist) else label_hist
     return Context(num_clients=len(n_train), num_classes=int(label_hist.shape[1]), spec=None, init=flatten(model),
                    n_train=n_train, label_hist=label_hist, seed=cfg["seed"], rounds=cfg["rounds"],
-                   fraction=cfg["fraction"], feature_dim=feature_dim(model), privacy=privacy)
+                   fraction=cfg["fraction"], feature_dim=feature_dim(model), privacy=privacy,
+                   train=TrainSettings.of(local_config(cfg)))     # what the engine's LocalConfig says
 
 
 def privacy_plan(cfg: Config) -> Privacy | None:
