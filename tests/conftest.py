@@ -81,3 +81,15 @@ def unequal_federation(ds, sizes=(7, 20, 33, 50, 64, 90), seed: int = 0) -> Fede
 
 def same(a: torch.Tensor, b: torch.Tensor, atol: float = 1e-5) -> bool:
     return bool(torch.allclose(a, b, atol=atol, rtol=1e-4))
+
+
+@pytest.fixture(scope="session")
+def committed_db() -> Path:
+    """The committed results store, built once from its dump in results/ (tests/_committed.py); read it
+    read-only or copy it."""
+    from _committed import committed_store
+
+    db = committed_store()
+    if db is None:
+        pytest.skip("no committed results dump (results/store.json)")
+    return db

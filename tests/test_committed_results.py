@@ -14,7 +14,7 @@ from fedprism.experiment.store import Store
 from fedprism.report import domain_accuracy, write_report
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
-DB = RESULTS / "fedprism.db"
+DUMP = RESULTS / "store.json"           # the committed store, as a dump (tests/_committed.py builds it)
 #: results/README.md (the summary) and the evidence files it links, one per paper
 EVIDENCE = ("README.md", "fedprism_paper.md", "clust_psi_pfl_paper.md", "pfpl_paper.md", "fedsub_paper.md",
             "reproducibility.md")
@@ -40,14 +40,14 @@ REPORTS = {
     "fedprism_gate": dict(sweep=["fedprism_gate"]),
 }
 
-pytestmark = pytest.mark.skipif(not DB.exists(), reason="no committed results database")
+pytestmark = pytest.mark.skipif(not DUMP.exists(), reason="no committed results dump")
 
 
 @pytest.fixture(scope="module")
-def db_copy(tmp_path_factory) -> Path:
+def db_copy(tmp_path_factory, committed_db) -> Path:
     """A copy: opening a SQLite file may touch it, and the committed one must stay as committed."""
     d = tmp_path_factory.mktemp("committed") / "fedprism.db"
-    shutil.copy(DB, d)
+    shutil.copy(committed_db, d)
     return d
 
 

@@ -21,6 +21,7 @@ TOP = ("src", "tests", "bench", "docs", "scripts", "sweeps", "results", "example
 PATH = re.compile(r"\b(?:" + "|".join(TOP) + r")/[A-Za-z0-9_./*<>-]+")
 #: paths the documents name as made by a run, not held by the checkout
 NOT_IN_CHECKOUT = {"results/x.db", "results/mine.db", "results/fedprism.db.ckpt/", "results/fedprism.db.final/",
+                   "results/fedprism.db",                      # built from the committed dump (`fedprism store load`)
                    "src/FILE"}                                 # the placeholder of scripts/mutate.py's usage
 #: wrong on purpose: the README's example of a mistyped configuration key
 MISTYPED = {"fedprism.kk"}

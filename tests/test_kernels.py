@@ -22,7 +22,7 @@ from fedprism.experiment.store import Store
 from fedprism.kernels import build
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMITTED = ROOT / "results" / "fedprism.db"
+COMMITTED = ROOT / "results" / "store.json"        # the committed store's dump (tests/_committed.py)
 
 #: a stand-in C++ compiler: logs its call, fails on a source holding "#error", else writes a placeholder
 FAKE_CXX = """#!/bin/sh
@@ -202,15 +202,15 @@ def test_auto_takes_a_stored_aten_run_and_never_changes_an_explicit_choice(monke
     assert prefer_stored(half, _Held(half_aten.run_id)).run_id == half_aten.run_id
 
 
-@pytest.mark.skipif(not COMMITTED.exists(), reason="no committed results database")
-def test_every_committed_run_is_found_from_its_stored_configuration(monkeypatch, tmp_path):
+@pytest.mark.skipif(not COMMITTED.exists(), reason="no committed results dump")
+def test_every_committed_run_is_found_from_its_stored_configuration(monkeypatch, tmp_path, committed_db):
     """`fedprism run` with a committed run's exact configuration finds it: resolved on this machine (with
     `auto` free to pick the fused kernels where they are built) and preferred against the store, every
     committed run's configuration gives its stored id; aten runs (the keys left out) and fused runs (the
     keys explicit) alike."""
     monkeypatch.delenv(kernels.PIN, raising=False)
     db = tmp_path / "committed.db"
-    shutil.copy(COMMITTED, db)
+    shutil.copy(committed_db, db)
     store = Store(db, readonly=True)
     rows = [(r["run_id"], json.loads(r["config"])) for r in store.runs()]
     assert {c.get("train.kernels") for _, c in rows} == {None, "fused"}

@@ -641,7 +641,7 @@ def test_frontier_gate_is_fitted_on_the_test_rows_and_never_chosen():
     assert "Loc +10.00 and Glob +42.00 points" in text and "(inside the goal)" in text
 
 
-def test_committed_final_state_study_as_results_readme_states():
+def test_committed_final_state_study_as_results_readme_states(committed_db):
     """results/routing_study_committed.md: its final states are the committed validation runs' own (every
     number the store holds for their last round is the file's), the validation rule's gate meets the goal
     in both seeds with the quoted margins, and the test-fitted bound's nearest point lies inside it by the
@@ -651,7 +651,7 @@ def test_committed_final_state_study_as_results_readme_states():
 
     t = _tables(ROOT / "results" / "routing_study_committed.md")
     text = (ROOT / "results" / "routing_study_committed.md").read_text().split("### Run ")[1:]
-    db = sqlite3.connect(f"file:{ROOT / 'results' / 'fedprism.db'}?mode=ro", uri=True)
+    db = sqlite3.connect(f"file:{committed_db}?mode=ro", uri=True)
     for seed, run in ((0, "ff4dc6d21d6a4aab"), (1, "01a9c2cbd7f68d3b")):
         row = db.execute("SELECT metrics FROM rounds WHERE run_id = ? AND round = 99", (run,)).fetchone()
         m = json.loads(row[0])

@@ -21,10 +21,10 @@ from fedprism.experiment.config import resolve
 from fedprism.experiment.runner import Experiment
 from fedprism.experiment.store import Store
 from fedprism.report import write_report
+from _committed import committed_store
 
 TINY = {"dataset": "digits", "model": "mlp", "clients": 6, "rounds": 2, "fraction": 0.5, "local_epochs": 1,
         "method": "fedavg", "engine": "sequential"}
-COMMITTED = Path(__file__).resolve().parents[1] / "results" / "fedprism.db"
 
 
 def tiny(**kw):
@@ -105,7 +105,8 @@ def test_read_only_commands_change_no_byte(tmp_path, capsys):
     (tmp_path / "link" / "l.db").symlink_to(dbs[-1])
     assert main(["runs", "--db", str(tmp_path / "link" / "l.db")]) == 0
     assert sorted(p.name for p in (tmp_path / "wal").iterdir()) == ["w.db", "w.db.final"]
-    if COMMITTED.exists():
+    COMMITTED = committed_store()                      # built from the committed dump
+    if COMMITTED is not None:
         dbs.append(tmp_path / "committed.db")
         with open(COMMITTED, "rb") as fh:
             journal = fh.read(20)[18:20]                  # SQLite header: 1, 1 rollback journal; 2, 2 WAL

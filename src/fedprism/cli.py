@@ -1,6 +1,6 @@
 """The `fedprism` command: run | demo | sweep | report | runs | show | verify | partition | methods | models |
 partitions |
-merge | export | data."""
+merge | export | store | data."""
 
 from __future__ import annotations
 
@@ -604,6 +604,16 @@ def _datasets():
     return DATASETS
 
 
+def cmd_store(args) -> int:
+    from fedprism.experiment import archive
+
+    if args.store_command == "dump":
+        print(archive.dump(args.db, args.out).summary())
+    else:
+        print(archive.load(args.dump, args.db).summary())
+    return 0
+
+
 def cmd_datasets(args) -> int:
     """`fedprism datasets [NAME...]`: every registered dataset (or the named ones) with its spec."""
     registry = _datasets()
@@ -863,6 +873,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="export only the runs this sweep holds, with its memberships (repeatable)")
     e.add_argument("--out", default="export", help="output directory (default: ./export)")
     e.set_defaults(fn=cmd_export)
+
+    so = sub.add_parser("store", help="a results store as text files, one per run (what git holds), and back",
+                        description="dump: write --db as a dump into --out (store.json, runs/<run id>.json.gz, "
+                        "sweeps/<sweep>.json; only files whose content changed are written; the store is only "
+                        "read). load: build --db from a dump, checking that each run id is the hash of its "
+                        "configuration; an existing --db is never overwritten. docs/reproducibility.md.")
+    sos = so.add_subparsers(dest="store_command", required=True)
+    sod = with_db(sos.add_parser("dump", help="write the store as a dump (one file per run)"))
+    sod.add_argument("--out", required=True, help="the dump's folder (e.g. results/)")
+    sol = with_db(sos.add_parser("load", help="build a store from a dump"))
+    sol.add_argument("dump", metavar="DIR", help="the dump's folder (e.g. results/)")
+    so.set_defaults(fn=cmd_store)
 
     da = sub.add_parser("data", help="download or inspect datasets")
     da.add_argument("action", choices=("download", "info"))

@@ -210,17 +210,21 @@ def _not_its_config(src: Store, rid: str) -> str:
 
 def id_problem(rid: str, config: str | None, provenance: str | None = None) -> str:
     """Why `rid` is not the run id of the stored configuration `config` (JSON text; `provenance` the run's
-    provenance JSON) under this code, or "". A configuration whose kernel keys are left out (every run stored
-    before the kernels existed) hashes with PyTorch's kernels whatever `auto` picks on this machine
-    (`config.prefer_stored`); a Flower run's id also hashes the Flower settings its provenance records."""
-    from fedprism.experiment.config import Config, resolve
+    provenance JSON), or "": `Config.run_id` over the stored values as they are (re-resolving them would
+    fill in today's values: kernels that `auto` picks on this machine, keys added since), or for a Flower run
+    `flower_run_id` with the Flower settings its provenance records. `fedprism store load` checks a dump's
+    runs with it too (fedprism.experiment.archive)."""
+    from fedprism.experiment.config import Config
 
     try:
-        cfg = resolve(json.loads(config))
+        values = json.loads(config) if isinstance(config, str) else None
+        if not isinstance(values, dict):
+            return "its configuration is not a JSON object"
+        cfg = Config(values)
+        own = cfg.run_id
     except (FedPrismError, ValueError, TypeError, KeyError) as e:
-        return f"its configuration does not resolve here ({str(e).splitlines()[0][:160] if str(e) else type(e).__name__})"
-    aten = Config({**cfg.values, **{k: "aten" for k in cfg.auto}}, cfg.auto)
-    if rid in (cfg.run_id, aten.run_id):
+        return f"its configuration cannot be hashed here ({str(e).splitlines()[0][:160] if str(e) else type(e).__name__})"
+    if rid == own:
         return ""
     try:
         prov = json.loads(provenance) if provenance else {}
@@ -231,12 +235,12 @@ def id_problem(rid: str, config: str | None, provenance: str | None = None) -> s
         from fedprism.experiment.flower_id import flower_run_id
 
         try:
-            if rid in (flower_run_id(cfg, knobs), flower_run_id(aten, knobs)):
+            if flower_run_id(cfg, knobs) == rid:
                 return ""
         except (FedPrismError, ValueError, TypeError, KeyError):
             pass
-    return (f"its id is not the hash of its configuration (that is {cfg.run_id}): a run of older code whose "
-            "keys changed since, or a forged row")
+    return (f"its id is not the hash of its configuration (that is {own}, its stored values hashed): a forged "
+            "or damaged row")
 
 
 def _named_sweep(row: tuple, i: int, src: Store, rid: str, sweeps: list[str]) -> tuple:

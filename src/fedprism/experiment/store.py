@@ -506,6 +506,12 @@ def _sqlite_file(path: Path) -> bool:
         return False
 
 
+def _dump_hint(path: Path) -> str:
+    """How to build the missing store `path` from the dump beside it (`fedprism.experiment.archive`), or ""."""
+    from fedprism.experiment.archive import build_hint
+    return build_hint(path)
+
+
 class Store:
     """`timeout`: seconds to wait for another writer's transaction (default `$FEDPRISM_DB_TIMEOUT` or
     10) before `StoreError`."""
@@ -528,7 +534,8 @@ class Store:
                         if p.resolve() != self.path.resolve() and _sqlite_file(p)]
                 shown = ", ".join(near[:3]) + (", ..." if len(near) > 3 else "")
                 raise MissingStoreError(f"no results store at {self.path} (check --db or $FEDPRISM_DB"
-                                        + (f"; stores here: {shown}" if near else "") + ")")
+                                        + (f"; stores here: {shown}" if near else "") + ")"
+                                        + (f"; {hint}" if (hint := _dump_hint(self.path)) else ""))
             self._real = self.path.resolve()        # SQLite keeps -wal / -shm beside the file a link names
             self._had = {x for x in ("-wal", "-shm") if Path(f"{self._real}{x}").exists()}
             self._immutable = False
@@ -554,6 +561,8 @@ class Store:
         self.timeout = timeout if math.isfinite(timeout) and timeout >= 0 else 10.0
         self._locks: dict[str, RunLock] = {}
         self._notes: dict[str, list[tuple[str, int | None, Any]]] = {}
+        if hint := _dump_hint(self.path):          # not a new empty store beside the dump it should be built from
+            raise StoreError(f"no results store at {self.path}; {hint} (or choose another --db)")
         with self._errors("opening"):
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.db = sqlite3.connect(str(self.path), timeout=timeout, isolation_level=None)
