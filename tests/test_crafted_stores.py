@@ -264,6 +264,32 @@ def test_orphan_checkpoint_temporaries_go_when_the_run_is_locked(tmp_path):
     s.close()
 
 
+def test_a_checkpoint_that_is_a_link_is_discarded_unread(tmp_path):
+    target = tmp_path / "target"
+    target.write_bytes(b"not a checkpoint, and not yours")
+    c = cfg()
+    s = Store(tmp_path / "s.db")
+    Experiment(c, s, progress=False).run(stop_after=1)
+    s.checkpoint_path(c.run_id).unlink()
+    s.checkpoint_path(c.run_id).symlink_to(target)
+    res = Experiment(c, s, progress=False).run()
+    assert res.status == "finished"
+    why = [r["data"] for r in s.records(c.run_id, "checkpoint_discarded")]
+    assert why and "not a regular file" in why[0]["reason"]
+    assert target.read_bytes() == b"not a checkpoint, and not yours"
+    s.close()
+
+
+def test_a_damaged_row_of_the_run_asked_for_is_one_line_and_never_reused(tmp_path, base, capsys):
+    db = copy_store(base, tmp_path / "s.db")
+    raw(db).execute("UPDATE runs SET final='{\"local_acc\": 0.9'")                 # torn: not JSON
+    assert main(["run", "--db", str(db), *RUN, "name=FedAvg", "--quiet"]) == 2
+    one_line(capsys, cfg().run_id, "is stored damaged", "`fedprism merge` copies")
+    assert main(["runs", "--db", str(db)]) == 0
+    err = capsys.readouterr().err
+    assert "1 stored row(s) are not well formed" in err
+
+
 # -- merge of part stores -------------------------------------------------------------------------------
 def test_merge_refuses_a_run_whose_id_is_not_its_configs_hash(tmp_path, base, capsys):
     part = copy_store(base, tmp_path / "part.db")
