@@ -303,7 +303,7 @@ def test_partition_study_gives_the_tau_a_run_chose(tmp_path):
     from fedprism.experiment.runner import Experiment
     from fedprism.experiment.store import Store
     from fedprism.flower.settings import parse_experiment
-    from fedprism.report.partition_study import divergence_rows, markdown, plot, silhouette_rows
+    from fedprism.algorithms.clust_psi_pfl.study import divergence_rows, markdown, plot, silhouette_rows
 
     e = Experiment(parse_experiment(TINY), Store(tmp_path / "r.db"))
     e.run(stop_after=1)
@@ -315,8 +315,8 @@ def test_partition_study_gives_the_tau_a_run_chose(tmp_path):
                              skipped=skipped)
     assert row["tau"] == d["tau"] and row["wpsi"] == pytest.approx(d["wpsi"], abs=1e-12)
     assert row["scores"] == pytest.approx({int(k): v for k, v in d["silhouette"].items()}, abs=1e-12)
-    div = divergence_rows(y, yt, 10, clients=8, seeds=(3,), dirichlet=(0.3,), similarity=(0.0, 1.0),
-                          skipped=skipped)
+    div = divergence_rows(y, yt, 10, clients=8, seeds=(3,), skipped=skipped,
+                          grids={"dirichlet_per_class": ("alpha", (0.3,)), "similarity": ("s", (0.0, 1.0))})
     assert [(r["protocol"], r["value"]) for r in div] == [("dirichlet_per_class", 0.3), ("similarity", 0.0),
                                                           ("similarity", 1.0)]
     assert div[1]["wpsi"] > div[2]["wpsi"]          # S = 0 (label-sorted) is far less IID than S = 1
@@ -326,7 +326,7 @@ def test_partition_study_gives_the_tau_a_run_chose(tmp_path):
     md = markdown(div, [row], "digits", skipped)
     assert f"| Dirichlet alpha=0.3 | 8 | {d['tau']} |" in md and "cannot be partitioned" in md
     # a setting skipped by both figures, over two seeds, is one line naming both seeds
-    divergence_rows(y, yt, 10, clients=900, seeds=(0, 1), dirichlet=(0.3,), similarity=(), skipped=skipped)
+    divergence_rows(y, yt, 10, clients=900, seeds=(0, 1), grids={"dirichlet": ("alpha", (0.3,))}, skipped=skipped)
     silhouette_rows(y, yt, 10, clients=(900,), seeds=(1,), settings=(("dirichlet", "alpha", 0.3),), skipped=skipped)
     lines = [ln for ln in markdown(div, [row], "digits", skipped).splitlines() if ln.startswith("* ")]
     assert len(skipped) == 4 and len(lines) == 1 and lines[0].startswith("* Dirichlet alpha=0.3, K = 900, seeds 0, 1:")

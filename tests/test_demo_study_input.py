@@ -120,7 +120,7 @@ def test_partition_study_refuses_a_bad_seed_before_writing(tmp_path, capsys, see
 
 def test_write_partition_study_checks_its_seeds_first(tmp_path, monkeypatch):
     import fedprism.data.datasets as datasets
-    from fedprism.report.partition_study import write_partition_study
+    from fedprism.algorithms.clust_psi_pfl.study import write_partition_study
 
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **kw: pytest.fail("loaded before the seeds"))
     for seeds in ((), (True,), (0.5,), (-1,)):

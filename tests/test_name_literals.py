@@ -48,11 +48,7 @@ OTHER_MEANING: dict[tuple[str, str], str] = {
 }
 
 #: literals that other work is removing, by area: (name, module)
-PENDING: dict[str, set[tuple[str, str]]] = {
-    "report (report/partition_study.py: Clust-PSI-PFL's partition study, to move to its method)": {
-        ("dirichlet", "fedprism.report.partition_study"), ("dirichlet_per_class", "fedprism.report.partition_study"),
-        ("similarity", "fedprism.report.partition_study")},
-}
+PENDING: dict[str, set[tuple[str, str]]] = {}
 
 
 def owners(registries=REGISTRIES) -> dict[str, list[str]]:

@@ -162,10 +162,10 @@ def cmd_report(args) -> int:
     from fedprism.report import write_report
 
     if args.partition_study:                     # partitions only: no store is read
-        from fedprism.report.partition_study import write_partition_study
+        from fedprism.report import write_partition_studies
 
-        for p in write_partition_study(args.partition_study, args.out, seeds=tuple(args.seed or (0, 1, 2)),
-                                       plots=not args.no_plots):
+        for p in write_partition_studies(args.partition_study, args.out, seeds=tuple(args.seed or (0, 1, 2)),
+                                         plots=not args.no_plots):
             print(p)
         return 0
     paths = write_report(args.db, args.out, sweep=args.sweep, plots=not args.no_plots, reference=args.reference,

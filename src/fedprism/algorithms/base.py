@@ -300,6 +300,15 @@ class Algorithm:
             return []
         return part.figures(store, run, label, setting, stem)
 
+    @classmethod
+    def partition_study(cls) -> Callable[..., list[Path]] | None:
+        """The method's study of partitions alone, without training (`fedprism report --partition-study
+        DATASET`): `write(dataset, out, seeds=..., plots=...)` writes it under the folder `out` and returns
+        the paths written (a bad seed is a ConfigError before anything is written); None when the method
+        has none. Default: `write_partition_study` of the method package's `study` companion, else None."""
+        part = cls.companion("study")
+        return getattr(part, "write_partition_study", None) if part is not None else None
+
 
 def _check_method(name: str, cls: Any) -> None:
     """What `register` refuses: anything but an Algorithm subclass, a class registered under a name other

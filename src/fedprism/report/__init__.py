@@ -615,6 +615,36 @@ def plan_figures(store: Store, groups) -> dict[str, list[tuple[str, str, object]
     return plan
 
 
+def partition_studies() -> dict[str, object]:
+    """Method name -> the writer of its study of partitions alone (`Algorithm.partition_study`), for every
+    registered method that has one, plugins included, in the registry's order."""
+    from fedprism import plugins
+
+    plugins.load()
+    found = {}
+    for name in REGISTRY.names():
+        write = REGISTRY.get(name).partition_study()
+        if write is not None:
+            found[name] = write
+    return found
+
+
+def write_partition_studies(dataset: str, out: str | Path, seeds=(0, 1, 2), plots: bool = True) -> list[Path]:
+    """`fedprism report --partition-study DATASET`: every method's partition study of `dataset`, found
+    through the registry (`partition_studies`), written to `out` (each into `out/<method>/` when several
+    methods have one). Reads no store."""
+    from fedprism.errors import ConfigError
+
+    studies = partition_studies()
+    if not studies:
+        raise ConfigError("--partition-study", dataset, "a dataset for a method's partition study; no "
+                          "registered method has one", kind="option")
+    paths: list[Path] = []
+    for name, write in studies.items():
+        paths += write(dataset, Path(out) if len(studies) == 1 else Path(out) / name, seeds=seeds, plots=plots)
+    return paths
+
+
 def write_report(db: str, out: str, sweep: str | list[str] | None = None, plots: bool = True,
                  reference: str | None = None, html: bool = False) -> list[Path]:
     """results.md (paper layout, optional published reference, per-setting detail), results.csv (one row
