@@ -94,6 +94,11 @@ def cmd_run(args) -> int:
         if "rejected" in f:
             rows.append(["rejected updates", f["rejected"], None])
         print(_table(rows, ["metric", "final", "best"]))
+    failed = _client_failures(args.db, res.run_id) if f.get("rejected") else []
+    if failed and not args.json:
+        print(f"client updates not used ({f['rejected']}; `fedprism show {res.run_id}` lists them by round):")
+        for k in failed:
+            print(f"  {k.line()}")
     out = {k: f.get(k) for k in ("global_acc", "local_acc", "ad", "sdad", "seconds", "rejected")}
     out["diverged"] = bool(f.get("diverged", False))
     if f.get("diverged"):
@@ -103,6 +108,8 @@ def cmd_run(args) -> int:
     out["run_id"] = res.run_id
     if f.get("rescored_from"):                     # evaluated from another run's final state, not trained
         out["rescored_from"] = f["rescored_from"]
+    if failed:
+        out["client_failures"] = [k.as_dict() for k in failed]
     if args.json:
         print(json_text(out))
     return 0
@@ -139,6 +146,16 @@ def _run_built(args, stored_id: str | None, raw: dict | None, pristine: bool):
         raise
     memo.save(res)
     return cfg, res
+
+
+def _client_failures(db: str, run_id: str) -> list:
+    """The failure kinds of a stored run (`fedprism.experiment.failures`): each with its count and first
+    message, read from the store opened read-only."""
+    from fedprism.experiment.failures import of_run
+    from fedprism.experiment.store import Store
+
+    with Store(db, readonly=True) as store:
+        return of_run(store, run_id)
 
 
 def cmd_demo(args) -> int:
@@ -287,13 +304,34 @@ def _show(args, store) -> int:
         print("code now: " + (f"{now}; data not checked here (`fedprism verify` re-runs it)" if now
                               else f"cannot tell ({why_not})"))
     hist = store.round_metrics(run_id)
+    failures = [r for r in store.records(run_id) if r["kind"] in ("failure", "rejected")]
     store.close()
+    if failures:
+        _show_failures(failures)
     if hist:
         keys = [k for k in ("global_acc", "local_acc", "sdad", "global_model_acc", "train_loss", "accepted",
                             "rejected", "eval_clients", "train_s", "eval_s") if any(k in h for h in hist)]
         print("\nRounds:")
         print(_table([[h["round"] + 1] + [h.get(k) for k in keys] for h in hist], ["round"] + keys))
     return 0
+
+
+#: most client failures `fedprism show` lists one by one (all are counted by kind)
+_SHOWN_FAILURES = 50
+
+
+def _show_failures(records: list[dict]) -> None:
+    """`fedprism show`: the run's client failures by kind (count and first message), then one line each."""
+    from fedprism.experiment.failures import kinds, one_line, reason_of
+
+    print("\nClient failures (updates not used):")
+    for k in kinds(records):
+        print(f"  {k.line()}")
+    rows = [[r["round"] + 1, r["client"], r["kind"], one_line(reason_of(r["data"]), 160)]
+            for r in records[:_SHOWN_FAILURES]]
+    print(_table(rows, ["round", "client", "kind", "reason"]))
+    if len(records) > _SHOWN_FAILURES:
+        print(f"  ... and {len(records) - _SHOWN_FAILURES} more (`fedprism export --run RUN_ID` writes every record)")
 
 
 def cmd_verify(args) -> int:

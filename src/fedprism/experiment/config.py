@@ -162,6 +162,10 @@ KEYS: dict[str, Param] = {
                          _pos, "an integer >= 1", new=True),
     "keep_final": Param(True, "keep the final server and client state beside the store (re-scoring of "
                         "evaluation-only settings without training)"),
+    "fail_on_client_error": Param(False, "true: a client that fails (its client_update raises, or a Flower "
+                                  "node's error reply or timeout) fails the run with its message, instead of "
+                                  "being recorded while the round goes on without it; changes outcomes only by "
+                                  "failing, so not part of the run id"),
     "checkpoint.key": Param("", "path of a key file (at least 32 bytes): checkpoints and kept final states are "
                             "signed with HMAC-SHA256 under it instead of a plain SHA-256, so a file edited by "
                             "someone without the key is discarded (for stores that others can write to; "
@@ -184,7 +188,8 @@ LEGACY_DEFAULTS = {"train.kernels": "aten", "eval.kernels": "aten"}
 
 #: keys that change how a run executes but not its numbers (excluded from the run id)
 EXECUTION_KEYS = frozenset({"name", "device", "engine", "compile", "fuse_jobs", "cuda_graphs", "data.root",
-                            "data.download", "keep_final", "threads", "scalars", "checkpoint.key"})
+                            "data.download", "keep_final", "threads", "scalars", "checkpoint.key",
+                            "fail_on_client_error"})
 
 
 def parse_value(text: str) -> Any:

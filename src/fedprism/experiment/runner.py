@@ -34,6 +34,7 @@ from fedprism.experiment.clientstore import ClientStore, StoreMismatch, make_sto
 from fedprism.experiment.config import Config, prefer_stored
 from fedprism.experiment.evaluate import Evaluator, sample_eval_clients, summarize
 from fedprism.experiment.federation import build_federation, resolve_model_name  # noqa: F401
+from fedprism.experiment.failures import stop_on_failure
 from fedprism.experiment.fresh import settle_stored
 from fedprism.experiment.provenance import capture, set_threads
 from fedprism.experiment.result import RunResult, divergence_note  # noqa: F401 (divergence_note: public here)
@@ -708,6 +709,7 @@ class Experiment:
         plan = check_plan(self.algo.plan(state, rnd, sampled), self.algo.ctx.num_clients, name)
         t_train = time.time()
         update, failed = self.local_work(plan, rnd)
+        stop_on_failure(self.cfg, failed, rnd)   # `fail_on_client_error=true`: a failed client fails the run
         r.metrics["train_s"] = time.time() - t_train
         update, rejected = receive(update, plan, self.clients, self.upload, name)
         if self.trusts_clients:
