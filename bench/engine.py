@@ -193,11 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bf16-eval", action="store_true",
                     help="also score every model with a second engine at eval.precision=bfloat16 (b16), timed "
                          "right after (b)'s evaluation: its ratio to (a) and (b) and the largest accuracy change")
-    ap.add_argument("--kernels", default="auto", choices=("auto", "aten", "fused", "winograd"),
+    ap.add_argument("--kernels", default="auto", choices=("auto", "aten", "fused"),
                     help="(b)'s train.kernels and eval.kernels, resolved as a run's are (fedprism.kernels."
                          "resolve; auto, the default path: fused where they are built for this CPU, else aten; "
-                         "fused: the fused conv blocks, fedprism.kernels.fused; winograd: train.kernels=fused, "
-                         "eval.kernels=winograd)")
+                         "fused: the fused conv blocks, fedprism.kernels.fused)")
     ap.add_argument("--fused-eval", action="store_true",
                     help="also score every model with a second engine at eval.kernels=fused (bf: the fused "
                          "conv blocks, fedprism.kernels.fused), timed right after (b)'s evaluation: its "
@@ -221,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     fed, src = build_federation(args)
     from fedprism.kernels import resolve as resolve_kernels
 
-    train_k = resolve_kernels("train.kernels", "fused" if args.kernels == "winograd" else args.kernels, str(device))
+    train_k = resolve_kernels("train.kernels", args.kernels, str(device))
     eval_k = resolve_kernels("eval.kernels", args.kernels, str(device))
     cfg = LocalConfig(epochs=args.epochs, batch_size=args.batch, lr=0.01, momentum=0.9,
                       train_kernels=train_k, eval_kernels=eval_k)

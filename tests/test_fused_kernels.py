@@ -216,7 +216,7 @@ def _has_avx2() -> bool:
 @pytest.mark.parametrize("target, widest", [("x86-64-v3", "%ymm"), ("x86-64", "%xmm")])
 def test_the_build_for_cpus_without_avx512_passes_the_exactness_tests(tmp_path, target, widest):
     """The kernels' branches for CPUs without AVX-512 (AVX2's masked loads and stores; without AVX2, scalar
-    loops; minimal filtering's shuffles) are compiled only for such a target. Built for it
+    loops) are compiled only for such a target. Built for it
     (`FEDPRISM_KERNEL_MARCH`) in a fresh cache, in a
     child process (a process loads one build), this file's other tests pass with it, and that build's widest
     register is the target's."""
@@ -230,7 +230,7 @@ def test_the_build_for_cpus_without_avx512_passes_the_exactness_tests(tmp_path, 
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and " skipped" not in r.stdout.splitlines()[-1], r.stdout[-500:]
     libs = sorted((tmp_path / "kernels").glob("*.so"))
-    assert [p.name.split("_")[0] for p in libs] == ["fused", "winograd"]
+    assert [p.name.split("_")[0] for p in libs] == ["fused"]
     if shutil.which("objdump"):
         for lib in libs:
             code = subprocess.run(["objdump", "-d", str(lib)], capture_output=True, text=True,
@@ -268,33 +268,6 @@ def test_the_other_forward_layout_gives_the_same_bits(tmp_path):
         assert (arg < 4).any() and (arg == 255).any()
 
 
-@pytest.mark.slow
-def test_minimal_filtering_at_sixteen_lanes_is_the_block_within_rounding(tmp_path):
-    """AVX-512 builds run minimal filtering with 16 filters (and tiles) a vector, a layout no machine here
-    executes natively: built with VL = 16 emulated on this CPU (the AVX2-only paths and the register hint
-    off), under its own operator namespace, it must match the direct kernel within rounding on shapes with
-    rows of more than 16 tiles, filter counts off the blocks and one tile."""
-    ops = torch.ops.fedprism_kernels
-    src = build.LIBRARIES["winograd"].source.read_text()
-    width = "#ifdef __AVX512F__\nconstexpr int VL = 16;\n#else\nconstexpr int VL = 8;\n#endif"
-    avx2 = "#if !defined(__AVX512F__) && defined(__AVX2__)"
-    hint = ('#ifdef __AVX512F__                   // in a register: GCC would fold a load into each '
-            'multiply-add\n          asm("" : "+v"(u[f]));\n#elif defined(__AVX2__)\n          '
-            'asm("" : "+x"(u[f]));\n#endif')
-    assert src.count(width) == 1 and src.count(avx2) == 1 and src.count(hint) == 1
-    wide = src.replace(width, "constexpr int VL = 16;").replace(avx2, "#if 0").replace(hint, "")
-    (tmp_path / "w16.cpp").write_text(wide.replace("fedprism_kernels", "fedprism_kernels_w16"))
-    build._compile(build.compiler(), tmp_path / "w16.so", tmp_path / "w16.cpp")
-    torch.ops.load_library(str(tmp_path / "w16.so"))
-    for G, N, C, H, W, O in [(3, 5, 6, 14, 14, 16), (2, 2, 4, 32, 30, 9), (1, 3, 7, 20, 21, 20),
-                             (2, 2, 13, 9, 9, 17), (1, 1, 5, 6, 6, 3), (2, 3, 6, 40, 44, 33)]:
-        x = torch.relu(_floats(G, N, C, H, W))
-        w, b = _floats(G, O, C * 25, seed=1) * .2, _floats(G, O, seed=2)
-        ref = ops.stem_forward(x, w, b, 5)
-        got = torch.ops.fedprism_kernels_w16.winograd_forward(x, w, b, 5)
-        assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item(), (G, N, C, H, W, O)
-
-
 def test_the_builds_vector_width_follows_its_target():
     """16 floats with AVX-512, 8 otherwise (the slow test below builds for x86-64-v3 on any CPU): the
     blocking for one width spills the other's registers (2-4x slower than PyTorch's layers on an AVX2 CPU,
@@ -321,55 +294,22 @@ def test_eval_kernels_setting_end_to_end_and_refused_values(tmp_path, capsys):
     capsys.readouterr()
     assert main(["run", "--db", str(tmp_path / "x.db"), "eval.kernels=mkl"]) == 2
     err = capsys.readouterr().err
-    assert "eval.kernels" in err and "winograd" in err and not (tmp_path / "x.db").exists()
-
-
-# -- evaluation by minimal filtering (eval.kernels = winograd) ------------------------------------------
-def _floats(*shape, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
-@pytest.mark.parametrize("G,N,C,H,W,O", [(3, 5, 6, 14, 14, 16), (2, 2, 4, 32, 30, 9), (1, 3, 7, 20, 21, 20),
-                                          (2, 2, 13, 9, 9, 17), (1, 1, 5, 6, 6, 3), (1, 2, 1, 32, 32, 6)])
-def test_minimal_filtering_is_the_block_within_rounding(G, N, C, H, W, O):
-    """F(2x2, 5x5) against PyTorch's conv -> ReLU -> max-pooling, group by group: LeNet-5's second block;
-    rows of more tiles than a vector holds (13, odd input widths, floor pooling); filter counts that fill
-    one, three or a part of a block (the blocks go in pairs), channel counts that are not the GEMM's six;
-    one tile. Within float32 rounding of the transforms (2-3e-6 of the largest output when measured), and
-    not the direct kernel's sums (the numbers differ: really the other algorithm)."""
-    ops = torch.ops.fedprism_kernels
-    x, w, b = torch.relu(_floats(G, N, C, H, W)), _floats(G, O, C * 25, seed=1) * .2, _floats(G, O, seed=2)
-    got = ops.winograd_forward(x, w, b, 5)
-    for g in range(G):
-        ref = plain(x[g], w[g].reshape(O, C, 5, 5), b[g])
-        assert got[g].shape == ref.shape
-        assert (got[g] - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
-    assert (got - ops.stem_forward(x, w, b, 5)).abs().max().item() > 0
-
-
-def test_minimal_filtering_reads_nothing_past_its_input():
-    """Rows are read as whole vectors; past the last image's last row lies memory beyond the tensor
-    (here NaN in the same storage): it feeds only tiles that are dropped, and nothing past the storage's
-    end is read."""
-    ops = torch.ops.fedprism_kernels
-    x = torch.relu(_floats(1, 2, 6, 14, 14))
-    buf = torch.full((x.numel() + 256,), float("nan"))
-    buf[:x.numel()] = x.flatten()
-    xv = buf[:x.numel()].view(x.shape)
-    w, b = _floats(1, 16, 150, seed=1) * .2, _floats(1, 16, seed=2)
-    assert torch.equal(ops.winograd_forward(x, w, b, 5), ops.winograd_forward(xv, w, b, 5))
+    assert "eval.kernels" in err and "auto, aten, fused" in err and not (tmp_path / "x.db").exists()
+    capsys.readouterr()
+    assert main(["run", "--db", str(tmp_path / "x.db"), "eval.kernels=winograd"]) == 2   # measured, removed
+    assert "one of auto, aten, fused" in capsys.readouterr().err and not (tmp_path / "x.db").exists()
 
 
 def test_no_kernel_reads_past_the_end_of_its_storage():
-    """An input whose storage ends at a page that may not be read (mprotect): the evaluation kernels, direct
-    and by minimal filtering, read whole vectors of rows but nothing past the storage's end (without the
-    bound the process dies of SIGSEGV), in a child process."""
+    """An input whose storage ends at a page that may not be read (mprotect): the evaluation kernel reads
+    whole vectors of rows but nothing past the storage's end (without the bound the process dies of
+    SIGSEGV), in a child process."""
     import subprocess
     import sys
     code = """if True:
         import ctypes, mmap, sys, torch
         from fedprism.kernels import build
-        assert build.load("fused") and build.load("winograd")
+        assert build.load("fused")
         ops, page = torch.ops.fedprism_kernels, mmap.PAGESIZE
         shape, k = (1, 2, 6, 14, 14), 5
         n = 2 * 6 * 14 * 14
@@ -382,72 +322,12 @@ def test_no_kernel_reads_past_the_end_of_its_storage():
         x = whole[whole.numel() - n:].view(shape)
         x.copy_(torch.rand(shape))
         w, b = torch.randn(1, 16, 150) * .2, torch.randn(1, 16)
-        for op in (ops.stem_forward, ops.winograd_forward):
-            torch.testing.assert_close(op(x, w, b, k), op(x.clone(), w, b, k), rtol=0, atol=0)
+        torch.testing.assert_close(ops.stem_forward(x, w, b, k), ops.stem_forward(x.clone(), w, b, k),
+                                   rtol=0, atol=0)
         print("read nothing past the end")
     """
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "read nothing past the end" in r.stdout, (r.returncode, r.stderr[-2000:])
-
-
-def test_minimal_filtering_under_vmap_reads_the_first_blocks_output_in_place():
-    """LeNet-5's two blocks under vmap over models on a shared batch, as the engines evaluate: the first
-    block (one input channel) takes the direct kernel, the second (six) minimal filtering, on a strided
-    view of the first's stacked output; per model within rounding of PyTorch's layers."""
-    assert not fused.winograd_applies(torch.empty(6, 1, 5, 5))
-    assert fused.winograd_applies(torch.empty(16, 6, 5, 5))
-    assert not fused.winograd_applies(torch.empty(16, 6, 3, 3))
-    assert not fused.winograd_applies(torch.empty(16, fused.WINOGRAD_MIN_CHANNELS - 1, 5, 5))
-    x = torch.relu(_floats(4, 1, 32, 32))
-    W1, B1 = _floats(3, 6, 1, 5, 5, seed=1) * .3, _floats(3, 6, seed=2) * .1
-    W2, B2 = _floats(3, 16, 6, 5, 5, seed=3) * .1, _floats(3, 16, seed=4) * .1
-
-    def two(x, w1, b1, w2, b2):
-        return fused.conv_relu_pool(fused.conv_relu_pool(x, w1, b1, True), w2, b2, True)
-
-    out = vmap(two, in_dims=(None, 0, 0, 0, 0))(x, W1, B1, W2, B2)
-    direct = vmap(fused.conv_relu_pool, in_dims=(0, 0, 0))(
-        vmap(fused.conv_relu_pool, in_dims=(None, 0, 0))(x, W1, B1), W2, B2)
-    for m in range(3):
-        ref = plain(plain(x, W1[m], B1[m]), W2[m], B2[m])
-        assert (out[m] - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
-    assert (out - direct).abs().max().item() > 0
-
-
-def test_minimal_filtering_refuses_what_it_cannot_compute():
-    ops = torch.ops.fedprism_kernels
-    x, w, b = _floats(1, 2, 6, 14, 14), _floats(1, 16, 150), _floats(1, 16)
-    with pytest.raises(RuntimeError, match="5 x 5 filters only"):
-        ops.winograd_forward(x, _floats(1, 16, 54), b, 3)
-    with pytest.raises(RuntimeError, match="shapes do not match"):
-        ops.winograd_forward(x, w[:, :, :100], b, 5)
-    with pytest.raises(RuntimeError, match="shapes do not match"):
-        ops.winograd_forward(_floats(1, 2, 6, 4, 4), w, b, 5)           # no pooled output
-    with pytest.raises(RuntimeError, match="float32 only"):
-        ops.winograd_forward(x.double(), w, b, 5)
-
-
-def test_engines_evaluate_by_minimal_filtering_within_rounding():
-    """eval.kernels = winograd: both engines' inference copies evaluate LeNet-5's second block by minimal
-    filtering (its first stays direct), with logits within rounding of PyTorch's and of the direct fused
-    kernel's, and the same counts to one prediction per model; training is unchanged."""
-    fed = make_fed((1, 32, 32))
-    model = build_model("lenet5", (1, 32, 32), 10, seed=0)
-    W, clients = _models(model), np.arange(6)
-    cfg, cfgf = (dataclasses.replace(CFG, eval_kernels=k) for k in ("winograd", "fused"))
-    for make in (lambda c: SequentialEngine(fed, model, c, 3),
-                 lambda c: VectorizedEngine(fed, model, c, 3, compile=False)):
-        aten, direct, wino = make(CFG), make(cfgf), make(cfg)
-        assert wino.eval_winograd and not direct.eval_winograd and not aten.eval_winograd
-        blocks = [m for m in wino.f.inference_module.modules() if isinstance(m, fused.FusedConvReLUPool)]
-        assert [m.winograd and fused.winograd_applies(m.weight) for m in blocks] == [False, True]
-        la, ld, lw = (e.logits(W, fed.x_test[:40]) for e in (aten, direct, wino))
-        assert 0 < (lw - ld).abs().max().item() < 1e-4 and (lw - la).abs().max().item() < 1e-4
-        for split in ("local", "global"):
-            a, f = aten.evaluate(W, clients, split), wino.evaluate(W, clients, split)
-            assert torch.equal(a.count, f.count)
-            assert (a.correct - f.correct).abs().max() <= 1, split
-            torch.testing.assert_close(a.loss_sum, f.loss_sum, rtol=1e-4, atol=1e-4)
 
 
 # -- training ---------------------------------------------------------------------------------------------
@@ -592,8 +472,7 @@ def test_compiled_training_with_the_fused_kernels_compiles_and_matches_eager():
 
 @pytest.mark.parametrize("value", ["fast", "winograd"])
 def test_train_kernels_setting_refused_values(tmp_path, capsys, value):
-    """Minimal filtering is an evaluation kernel only: train.kernels=winograd is refused like any other
-    unknown value, before anything is written."""
+    """An unknown value (and `winograd`, measured and removed) is refused before anything is written."""
     assert main(["run", "--db", str(tmp_path / "x.db"), f"train.kernels={value}"]) == 2
     err = capsys.readouterr().err
     assert "train.kernels" in err and "fused" in err and not (tmp_path / "x.db").exists()
@@ -604,8 +483,8 @@ def test_train_kernels_setting_refused_values(tmp_path, capsys, value):
 
 def test_a_fused_lenet_run_end_to_end_records_what_ran(monkeypatch, tmp_path):
     """A small Fashion-MNIST-format federation: the fused runs are their own run ids, finish, and their
-    provenance says the fused blocks ran in training and in evaluation, and with eval.kernels=winograd which
-    source of minimal filtering; their accuracies are the aten run's to rounding."""
+    provenance says the fused blocks ran in training and in evaluation and which source and vector width;
+    its accuracy is the aten run's to rounding."""
     from _fakedata import isolate, write_fake
 
     from fedprism.experiment.store import Store
@@ -617,19 +496,15 @@ def test_a_fused_lenet_run_end_to_end_records_what_ran(monkeypatch, tmp_path):
               "compile=false", "--quiet"]
     assert main(common) == 0
     assert main(common + ["train.kernels=fused", "eval.kernels=fused"]) == 0
-    assert main(common + ["train.kernels=fused", "eval.kernels=winograd"]) == 0
     import json
     runs = {json.loads(r["config"]).get("eval.kernels", "aten"): r for r in Store(db).runs()}
-    assert set(runs) == {"aten", "fused", "winograd"}
+    assert set(runs) == {"aten", "fused"}
     assert all(r["status"] == "finished" for r in runs.values())
     prov = {k: json.loads(r["provenance"]) for k, r in runs.items()}
     source = build.source_hash(build.LIBRARIES["fused"].source)
     built = {"train": True, "eval": True, "source": source, "vector_floats": fused.vector_floats()}
     assert prov["fused"]["execution"]["fused_kernels"] == built
-    assert prov["winograd"]["execution"]["fused_kernels"] == {
-        **built, "winograd_source": build.source_hash(build.LIBRARIES["winograd"].source)}
-    assert len(source) == 16 and build.source_hash(build.LIBRARIES["winograd"].source) != source
+    assert len(source) == 16
     assert "fused_kernels" not in prov["aten"]["execution"]
-    fa, ff, fw = (json.loads(runs[k]["final"]) for k in ("aten", "fused", "winograd"))
+    fa, ff = (json.loads(runs[k]["final"]) for k in ("aten", "fused"))
     assert abs(fa["global_acc"] - ff["global_acc"]) <= 0.05
-    assert abs(ff["global_acc"] - fw["global_acc"]) <= 0.05

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,30 @@ def test_each_library_builds_on_its_own_and_a_failure_is_remembered(fake, tmp_pa
     with pytest.raises(build.KernelBuildError, match="broken on purpose"):
         build.build(bad, retry=True)
     assert fake() == 5
+
+
+def test_processes_that_build_at_once_compile_once(fake, tmp_path):
+    """Sweep workers starting together: one compiles (under the build's file lock), the other waits and
+    takes its build instead of compiling again."""
+    slow = tmp_path / "slowcxx"
+    slow.write_text(FAKE_CXX.replace("printf 'placeholder'", "sleep 3; printf 'placeholder'"))
+    slow.chmod(0o755)
+    code = ("import sys, time; from pathlib import Path; from fedprism.kernels import build; "
+            "lib = build.Library('good', Path(sys.argv[1]), ()); Path(sys.argv[2]).touch(); "
+            "go = Path(sys.argv[3])\nwhile not go.exists(): time.sleep(0.01)\n"
+            "print(build.build(lib).read_text())")
+    env = {**os.environ, "CXX": str(slow), "PYTHONPATH": str(Path(build.__file__).parents[2])}   # this fedprism
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "good.cpp"), str(tmp_path / f"ready{i}"),
+                               str(tmp_path / "go")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env) for i in range(2)]
+    deadline = time.time() + 300
+    while not all((tmp_path / f"ready{i}").exists() for i in range(2)) and time.time() < deadline:
+        time.sleep(0.05)
+    (tmp_path / "go").touch()
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-1000:] for o in outs]
+    assert [o[0].strip() for o in outs] == ["placeholder"] * 2
+    assert fake() == 1
 
 
 def test_without_a_compiler_nothing_is_built_or_remembered(fake, monkeypatch):
@@ -174,6 +199,10 @@ def test_auto_is_the_fused_run_where_built_and_keeps_auto_through_with(monkeypat
     assert auto.identity["train.kernels"] == "fused"
     assert aten.with_(rounds=3)["train.kernels"] == "aten"         # an explicit aten stays aten
     assert auto.with_(rounds=3).auto == auto.auto
+    for method in ("apfl", "perfedavg", "pfedme"):               # objectives the training kernels refuse
+        got = resolve({**LENET, "method": method})
+        assert (got["train.kernels"], got["eval.kernels"]) == ("aten", "fused"), method
+        assert resolve({**LENET, "method": method, "train.kernels": "fused"})["train.kernels"] == "fused"
 
 
 class _Held:

@@ -96,6 +96,10 @@ class APFL(FedAvg):
     name = "apfl"
     paper = "Deng, Kamani, Mahdavi 2020, arXiv:2003.13461"
     personalized = True
+    #: its local objective evaluates the model at other parameters than its own (the mixed model, the inner
+    #: step, the inner problem): the fused training kernels cannot take it, so `train.kernels = auto` is aten
+    #: here and `fused` is refused (`fedprism.kernels.fused.WithStem`)
+    fused_training = False
     params = {
         "alpha": Param(0.5, "mixing weight alpha_k of the local model (initial value when adaptive)",
                        lambda v: 0 <= v <= 1, "a number in [0, 1]"),

@@ -112,6 +112,10 @@ class PerFedAvg(FedAvg):
     name = "perfedavg"
     paper = "Fallah, Mokhtari, Ozdaglar 2020, arXiv:2002.07948"
     personalized = True
+    #: its local objective evaluates the model at other parameters than its own (the mixed model, the inner
+    #: step, the inner problem): the fused training kernels cannot take it, so `train.kernels = auto` is aten
+    #: here and `fused` is refused (`fedprism.kernels.fused.WithStem`)
+    fused_training = False
     predictions = {"global": "global model, not adapted"}
     params = {
         "variant": Param("fo", "fo: first-order MAML step; hf: with the Hessian-vector product",

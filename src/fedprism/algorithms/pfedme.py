@@ -95,6 +95,10 @@ class PFedMe(FedAvg):
     name = "pfedme"
     paper = "Dinh, Tran, Nguyen 2020, arXiv:2006.08848"
     personalized = True
+    #: its local objective evaluates the model at other parameters than its own (the mixed model, the inner
+    #: step, the inner problem): the fused training kernels cannot take it, so `train.kernels = auto` is aten
+    #: here and `fused` is refused (`fedprism.kernels.fused.WithStem`)
+    fused_training = False
     client_state = {"theta": ClientState(("P",), init="model")}
     params = {
         "lam": Param(15.0, "lambda: personal objective f_i(theta) + (lambda/2)||theta - w||^2",

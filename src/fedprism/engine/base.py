@@ -60,10 +60,9 @@ class LocalConfig:
     #: precision of evaluation forward passes: float32, or bfloat16 (weights and inputs cast, logits
     #: returned as float32; faster where the CPU has native bf16, e.g. AVX512-BF16). Training is float32.
     eval_precision: str = "float32"
-    #: kernels of evaluation forward passes: "aten" (PyTorch's), "fused" (each conv -> ReLU -> 2x2
+    #: kernels of evaluation forward passes: "aten" (PyTorch's) or "fused" (each conv -> ReLU -> 2x2
     #: max-pooling block of the model in one CPU kernel, `fedprism.kernels.fused`; logits change at float32
-    #: rounding), or "winograd" (as "fused", with the blocks where `fedprism.kernels.fused.winograd_applies`
-    #: by minimal filtering). Training: `train_kernels`.
+    #: rounding). Training: `train_kernels`.
     eval_kernels: str = "aten"
     #: kernels of local training: "aten", or "fused" (the model's first two such blocks through the fused
     #: kernels' training forwards and backwards, `fedprism.kernels.fused.StemSplit`; the numbers change at
@@ -239,16 +238,15 @@ class EngineBase:
         self.f = Functional(self.model, for_inference(self.model))
         self.spec = self.f.spec
         self.cfg = cfg
-        self.eval_fused = False      # eval.kernels=fused/winograd applied (inference copy with fused blocks)
-        self.eval_winograd = False   # ... and some block of it evaluates by minimal filtering
-        from fedprism.kernels import EVAL_KERNELS, KERNELS
-        for name, allowed in (("eval_kernels", EVAL_KERNELS), ("train_kernels", KERNELS)):
-            if getattr(cfg, name) not in allowed:
-                raise ValueError(f"{name} must be one of {allowed} (a configuration's `auto` is resolved by "
+        self.eval_fused = False      # eval.kernels=fused applied (inference copy with fused blocks)
+        from fedprism.kernels import KERNELS
+        for name in ("eval_kernels", "train_kernels"):
+            if getattr(cfg, name) not in KERNELS:
+                raise ValueError(f"{name} must be one of {KERNELS} (a configuration's `auto` is resolved by "
                                  f"fedprism.kernels.resolve), got {getattr(cfg, name)!r}")
-        if cfg.eval_kernels != "aten":
-            self._require_kernels(f"eval.kernels={cfg.eval_kernels}", cfg.eval_kernels)
-            self._fuse_eval_kernels(winograd=cfg.eval_kernels == "winograd")
+        if cfg.eval_kernels == "fused":
+            self._require_kernels("eval.kernels=fused")
+            self._fuse_eval_kernels()
         if cfg.eval_precision == "bfloat16" and self.device.type == "cpu" and native_bf16() is False:
             warnings.warn("eval.precision=bfloat16 on a CPU without native bf16 (no avx512_bf16 or "
                           "amx_bf16 flag in /proc/cpuinfo): bf16 arithmetic is emulated here and scores "
@@ -258,7 +256,7 @@ class EngineBase:
         #: the fused blocks' training gradient (`fedprism.kernels.fused.StemSplit`), or None
         self.stem = None
         if cfg.train_kernels == "fused":
-            self._require_kernels("train.kernels=fused", "fused")
+            self._require_kernels("train.kernels=fused")
             from fedprism.kernels.fused import StemSplit
             self.stem = StemSplit(self.f) if StemSplit.qualifies(self.f) else None
         self.seed = seed
@@ -268,8 +266,8 @@ class EngineBase:
             [torch.as_tensor(i, dtype=torch.long, device=self.device) for i in fed.val_idx]
         self.samples_trained = 0
 
-    def _require_kernels(self, key: str, kernels: str) -> None:
-        """The kernels `kernels` loaded, or a `RuntimeError` that says why they cannot run here. An engine
+    def _require_kernels(self, key: str) -> None:
+        """The fused kernels loaded, or a `RuntimeError` that says why they cannot run here. An engine
         never falls back on its own: the kernels a run uses are part of its identity, so a configuration's
         are resolved to what can run before its run id is computed (`fedprism.kernels.resolve`)."""
         from fedprism.kernels import build
@@ -277,24 +275,21 @@ class EngineBase:
         if self.device.type != "cpu":
             raise RuntimeError(f"{key}: a CPU kernel, and this engine is on {self.device}; use aten (a "
                                "configuration's `auto` resolves to it there)")
-        for lib in ("fused", "winograd") if kernels == "winograd" else ("fused",):
-            if not build.load(lib):
-                raise RuntimeError(f"{key}: the {lib} kernels are unavailable ({build.unavailable_reason(lib)}); "
-                                   "use aten (`fedprism kernels status` says why; a configuration's `auto` and "
-                                   "`fused` resolve to aten where they cannot run)")
+        if not build.load("fused"):
+            raise RuntimeError(f"{key}: the fused kernels are unavailable ({build.unavailable_reason()}); use aten "
+                               "(`fedprism kernels status` says why; a configuration's `auto` and `fused` "
+                               "resolve to aten where they cannot run)")
 
-    def _fuse_eval_kernels(self, winograd: bool = False) -> None:
-        """`eval_kernels = fused` (or `winograd`): the inference copy of the model gets fused blocks
+    def _fuse_eval_kernels(self) -> None:
+        """`eval_kernels = fused`: the inference copy of the model gets fused blocks
         (`fedprism.kernels.fused.fuse_stems`) where any qualify."""
         from fedprism.kernels import fused
 
         base = self.f.inference_module if self.f.inference_module is not None else self.model
-        done = fused.fuse_stems(base, winograd)
+        done = fused.fuse_stems(base)
         if done is not None:
             self.f.inference_module = done
             self.eval_fused = True
-            self.eval_winograd = any(isinstance(m, fused.FusedConvReLUPool) and m.winograd
-                                     and fused.winograd_applies(m.weight) for m in done.modules())
 
     def set_rows(self, train_idx: list, test_idx: list, val_idx: list | None = None) -> None:
         """Replace every client's train / local test / validation rows (indices into the same pools): a

@@ -415,6 +415,8 @@ def resolve(raw: dict[str, Any]) -> Config:
                               f"(dataset={out['dataset']}); leave it out")
     from fedprism import kernels         # last: a configuration refused above builds nothing
     auto = frozenset(k for k in KERNEL_KEYS if out[k] == "auto")
+    if "train.kernels" in auto and not getattr(REGISTRY[method], "fused_training", True):
+        out["train.kernels"] = "aten"      # an objective the fused training kernels cannot take (APFL, ...)
     for k in KERNEL_KEYS:                  # what runs, not what was asked: it is part of the run id
         out[k] = kernels.resolve(k, out[k], out["device"])
     return Config(out, auto)

@@ -33,11 +33,8 @@ from fedprism.kernels.build import LIBRARIES, built, load, unavailable_reason
 
 #: what `train.kernels` may be after resolution (and what an engine's `LocalConfig.train_kernels` takes)
 KERNELS = ("aten", "fused")
-#: what `eval.kernels` may be after resolution
-EVAL_KERNELS = ("aten", "fused", "winograd")
-#: what a configuration may ask for: the concrete kernels, or `auto`
+#: what a configuration may ask for (`train.kernels`, `eval.kernels`): the concrete kernels, or `auto`
 CHOICES = ("auto", *KERNELS)
-EVAL_CHOICES = ("auto", *EVAL_KERNELS)
 #: the environment variable that pins `auto` to `aten` (e.g. a machine that must match stored aten runs)
 PIN = "FEDPRISM_KERNELS"
 
@@ -61,9 +58,8 @@ def on_cuda(device: str) -> bool:
 
 
 def resolve(key: str, requested: str, device: str = "cpu") -> str:
-    """The kernels that a run asking for `key` = `requested` (`CHOICES`, `EVAL_CHOICES` for
-    ``eval.kernels``) runs on this machine with `device`: ``aten`` or ``fused`` (or ``winograd``), never
-    ``auto`` and never kernels that cannot run here. A request that cannot be met warns, naming the reason
+    """The kernels that a run asking for `key` = `requested` (`CHOICES`) runs on this machine with
+    `device`: ``aten`` or ``fused``, never ``auto`` and never kernels that cannot run here. A request that cannot be met warns, naming the reason
     and what runs instead; ``auto`` that resolves to ``aten`` on a CPU prints a one-line note."""
     if requested == "aten":
         return "aten"
@@ -85,13 +81,8 @@ def resolve(key: str, requested: str, device: str = "cpu") -> str:
         warnings.warn(f"{key}={requested}: the fused kernels are unavailable ({unavailable_reason('fused')}); "
                       f"the run uses PyTorch's kernels and is stored as {key}=aten", stacklevel=3)
         return "aten"
-    if requested == "winograd" and not load("winograd"):
-        warnings.warn(f"{key}=winograd: the minimal-filtering kernel is unavailable "
-                      f"({unavailable_reason('winograd')}); the run evaluates with the direct fused kernels "
-                      f"and is stored as {key}=fused", stacklevel=3)
-        return "fused"
     return requested
 
 
-__all__ = ["CHOICES", "EVAL_CHOICES", "EVAL_KERNELS", "KERNELS", "LIBRARIES", "PIN", "built", "load", "on_cuda",
+__all__ = ["CHOICES", "KERNELS", "LIBRARIES", "PIN", "built", "load", "on_cuda",
            "resolve", "unavailable_reason"]

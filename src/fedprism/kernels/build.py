@@ -51,7 +51,6 @@ class Library:
 LIBRARIES: dict[str, Library] = {
     "fused": Library("fused", CSRC / "fused_stem.cpp",
                      ("vector_floats", "stem_forward", "stem_train_forward", "stem_backward", "block_backward")),
-    "winograd": Library("winograd", CSRC / "winograd.cpp", ("winograd_forward",)),
 }
 
 _lock = threading.Lock()

@@ -28,11 +28,10 @@ first block (whose input needs no gradient) and the next block where it qualifie
 models maps onto the kernel's groups: a shared input batch stacks all models' filters into one group, a
 batch per model gives one group per model (read in place from the previous block's output: no copy).
 
-``eval.kernels = winograd`` evaluates as ``fused`` does, except that blocks of 5 x 5 filters on at least
-`WINOGRAD_MIN_CHANNELS` input channels (LeNet-5's second) take minimal filtering, F(2 x 2, 5 x 5) (Lavin &
-Gray, CVPR 2016, arXiv:1509.09308; ``csrc/winograd.cpp``, its own library built beside the direct one):
-LeNet-5's second block 1.3x as fast on AVX2, numbers within float32 rounding of the transforms; first
-blocks stay direct, where the transforms cost more than they save (`bench/winograd_eval.py`).
+Evaluation by minimal filtering, F(2 x 2, 5 x 5) (Lavin & Gray, "Fast Algorithms for Convolutional Neural
+Networks", CVPR 2016, arXiv:1509.09308), was measured here as `eval.kernels = winograd` and removed: it
+saved less than 10 % of the paper workload's end-to-end time against these kernels (bench/README.md,
+"The default path: `auto` kernels").
 
 The libraries are built, cached and loaded by `fedprism.kernels.build` (each on its own: a library that
 cannot be built leaves the other usable); which kernels a run uses is resolved before its run id is computed
@@ -48,12 +47,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fedprism.layers import MaxPool2x2, is_plain_2x2
-
-#: fewest input channels for which a 5 x 5 block evaluates by minimal filtering: with fewer the transforms
-#: outweigh the products saved, and the direct kernel is faster (`bench/winograd_eval.py`; bench/README.md,
-#: "Evaluation by minimal filtering")
-WINOGRAD_MIN_CHANNELS = 4
-
 
 def vector_floats() -> int | None:
     """Floats per vector of the loaded build: 16 for AVX-512, 8 otherwise (None: no build could be loaded).
@@ -135,49 +128,39 @@ def register_ops(names: tuple[str, ...]) -> None:
     """The fake (shape) and vmap rules of the ops `names` of a library just loaded (`fedprism.kernels.build`;
     once per process and library)."""
     lib, ops = "fedprism_kernels::", torch.ops.fedprism_kernels
-    fakes = {"stem_forward": _stem_fake, "winograd_forward": _stem_fake, "stem_train_forward": _train_fake,
+    fakes = {"stem_forward": _stem_fake, "stem_train_forward": _train_fake,
              "stem_backward": _backward_fake, "block_backward": _block_backward_fake}
     vmaps = {"stem_backward": _backward_vmap, "block_backward": _block_backward_vmap}
     for name in names:
         if name in fakes:
             torch.library.register_fake(lib + name)(fakes[name])
-        if name in ("stem_forward", "stem_train_forward", "winograd_forward"):
+        if name in ("stem_forward", "stem_train_forward"):
             torch.library.register_vmap(lib + name)(_forward_vmap(getattr(ops, name)))
         elif name in vmaps:
             torch.library.register_vmap(lib + name)(vmaps[name])
 
 
-def winograd_applies(w: Tensor) -> bool:
-    """True when a block with filters `w` [O, C, k, k] evaluates by minimal filtering under
-    ``eval.kernels = winograd``: 5 x 5 filters and at least `WINOGRAD_MIN_CHANNELS` input channels."""
-    return w.shape[-1] == 5 and w.shape[1] >= WINOGRAD_MIN_CHANNELS
-
-
-def conv_relu_pool(x: Tensor, w: Tensor, b: Tensor, winograd: bool = False) -> Tensor:
-    """``max_pool2d(relu(conv2d(x, w, b)), 2)`` for x [N, C, H, W], w [O, C, k, k] (the fused kernel, or with
-    `winograd` the kernel by minimal filtering where `winograd_applies`; under ``torch.vmap`` over models
-    through the kernels' vmap rule). Needs `fedprism.kernels.build.load("fused")` (and
-    ``load("winograd")`` for `winograd`)."""
+def conv_relu_pool(x: Tensor, w: Tensor, b: Tensor) -> Tensor:
+    """``max_pool2d(relu(conv2d(x, w, b)), 2)`` for x [N, C, H, W], w [O, C, k, k] through the fused kernel
+    (under ``torch.vmap`` over models through the kernels' vmap rule). Needs
+    `fedprism.kernels.build.load("fused")`."""
     O, _, k, _ = w.shape
-    ops = torch.ops.fedprism_kernels
-    op = ops.winograd_forward if winograd and winograd_applies(w) else ops.stem_forward
-    return op(x[None], w.reshape(1, O, -1), b[None], k)[0]
+    return torch.ops.fedprism_kernels.stem_forward(x[None], w.reshape(1, O, -1), b[None], k)[0]
 
 
 class FusedConvReLUPool(nn.Module):
-    """``conv -> ReLU -> MaxPool2d(2)`` through the fused kernel (with `winograd`, by minimal filtering where
-    it applies) on a CPU in float32, the plain layers otherwise. Holds the convolution's `weight` and `bias`
+    """``conv -> ReLU -> MaxPool2d(2)`` through the fused kernel on a CPU in float32, the plain layers
+    otherwise. Holds the convolution's `weight` and `bias`
     under the convolution's names, so a flat parameter vector maps onto it as onto the model it replaces."""
 
-    def __init__(self, conv: nn.Conv2d, winograd: bool = False):
+    def __init__(self, conv: nn.Conv2d):
         super().__init__()
         self.weight, self.bias = conv.weight, conv.bias
-        self.winograd = winograd
 
     def forward(self, x: Tensor) -> Tensor:
         w, b = self.weight, self.bias
         if x.device.type == "cpu" and x.dtype == w.dtype == b.dtype == torch.float32:
-            return conv_relu_pool(x, w, b, self.winograd)
+            return conv_relu_pool(x, w, b)
         return MaxPool2x2()(F.relu(F.conv2d(x, w, b)))
 
 
@@ -201,16 +184,15 @@ def _fusable_triples(module: nn.Module) -> list[tuple[nn.Sequential, int]]:
     return found
 
 
-def fuse_stems(module: nn.Module, winograd: bool = False) -> nn.Module | None:
+def fuse_stems(module: nn.Module) -> nn.Module | None:
     """A copy of `module` (an inference copy: see `fedprism.models.pooling.for_inference`) with every
-    qualifying ``Conv2d -> ReLU -> MaxPool2d(2)`` replaced by :class:`FusedConvReLUPool` (evaluating by
-    minimal filtering where it applies, with `winograd`) and two ``nn.Identity`` (parameter names
+    qualifying ``Conv2d -> ReLU -> MaxPool2d(2)`` replaced by :class:`FusedConvReLUPool` and two ``nn.Identity`` (parameter names
     unchanged), or None when nothing qualifies."""
     if not _fusable_triples(module):
         return None
     out = copy.deepcopy(module)
     for seq, i in _fusable_triples(out):
-        seq[i], seq[i + 1], seq[i + 2] = FusedConvReLUPool(seq[i], winograd), nn.Identity(), nn.Identity()
+        seq[i], seq[i + 1], seq[i + 2] = FusedConvReLUPool(seq[i]), nn.Identity(), nn.Identity()
     return out
 
 
@@ -323,4 +305,4 @@ class WithStem:
 
 
 __all__ = ["FusedConvReLUPool", "StemSplit", "WithStem", "conv_relu_pool", "fuse_stems", "register_ops",
-           "vector_floats", "winograd_applies"]
+           "vector_floats"]
