@@ -546,7 +546,7 @@ STATUSES = ["running", "finished", "interrupted", "failed", "bogus", None, 1]
 
 def craft(rng: random.Random, base: Path, db: Path, decoy: Path) -> None:
     """A store of random rows, ids, JSON, schema version and files beside it (links into `decoy`)."""
-    version = rng.choice([1, 2, 3, 4, 4, 4, 5, 99])
+    version = rng.choice([1, 2, 3, 4, 4, 4, 4, 4, 5, 99])
     db.parent.mkdir(parents=True, exist_ok=True)
     if version in (1, 2, 3):
         old_store(base, db, version)
@@ -620,10 +620,16 @@ def test_crafted_stores_end_in_results_or_one_line_and_touch_nothing_outside(tmp
                 ["export", "--out", str(tmp_path / "out" / "e")],
                 ["merge", str(db), "--db", str(target)]]
     if seed % 3 == 0:                                # the commands that train: a third of the cases
-        commands += [["run", *RUN, "rounds=1"], ["verify", prefix, "--rounds", "1"]]
+        from fedprism.experiment.sweep import dump_sweep
+
+        sweep = tmp_path / "out" / "sw.toml"
+        sweep.parent.mkdir(exist_ok=True)
+        sweep.write_text(dump_sweep("sw", {**SMALL, "rounds": 1}, [dict(label="FedAvg", method="fedavg")],
+                                    {"seed": [rng.choice([0, 1])]}))
+        commands += [["run", *RUN, "rounds=1"], ["verify", cfg().run_id[:8], "--rounds", "1"], ["sweep", str(sweep)]]
     for argv in commands:
         argv = argv if "--db" in argv else [*argv, "--db", str(db)]
-        if argv[0] in ("run", "verify"):
+        if argv[0] in ("run", "verify", "sweep"):
             argv.append("--quiet")
         rc = main(argv)
         err = capsys.readouterr().err
