@@ -1,24 +1,18 @@
 #!/bin/bash
-# Stage a consistent snapshot of the live results database and the report rendered from it, while
-# sweeps may still be writing to results/fedprism.db. The snapshot goes into git's index directly
-# (git hash-object + update-index), so the live file is never read half-written; the live file is
-# then marked skip-worktree so that `git add -A` does not stage it by accident. The report command is
-# the one in results/README.md (and REPORTS in tests/test_committed_results.py): change all three together.
+# Stage the committed results: the live store results/fedprism.db as a dump (results/store.json,
+# results/runs/<run id>.json.gz, results/sweeps/<sweep>.json; `fedprism store dump`, docs/reproducibility.md)
+# and the reports rendered from it, while sweeps may still be writing to the store. The dump reads the
+# store read-only in one read transaction (a consistent snapshot) and writes only the files whose content
+# changed, so a commit grows by the runs it adds. The reports are rendered from a store built from the
+# dump itself (`fedprism store load`), i.e. from exactly what is committed. The report commands are the
+# ones in results/README.md (and REPORTS in tests/test_committed_results.py): change all three together.
 #   bash scripts/snapshot_results.sh && git commit -m "results: ..."
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tmp=$(mktemp -d)
-.venv/bin/python - "$tmp/snap.db" <<'PY'
-import sqlite3, sys
-src = sqlite3.connect("file:results/fedprism.db?mode=ro", uri=True)
-dst = sqlite3.connect(sys.argv[1])
-src.backup(dst)
-dst.execute("PRAGMA journal_mode=DELETE")
-assert dst.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-dst.execute("VACUUM")
-dst.close()
-PY
-cp "$tmp/snap.db" "$tmp/render.db"
+trap 'rm -rf "$tmp"' EXIT
+.venv/bin/fedprism store dump --db results/fedprism.db --out results/
+.venv/bin/fedprism store load results/ --db "$tmp/render.db" > /dev/null
 rm -rf results/paper_fmnist
 .venv/bin/fedprism report --db "$tmp/render.db" --sweep paper_fmnist_dir01 --sweep paper_fmnist_dir03 \
     --sweep paper_fmnist_dir05 --sweep fedprism_ablation_temperature --sweep fedamp_ablation_mu \
@@ -41,12 +35,10 @@ rm -rf results/clust_psi_pfl_fmnist_lenet5
     --out results/clust_psi_pfl_fmnist_lenet5 > /dev/null
 rm -rf results/fedprism_gate
 .venv/bin/fedprism report --db "$tmp/render.db" --sweep fedprism_gate --out results/fedprism_gate > /dev/null
-git update-index --no-skip-worktree results/fedprism.db 2>/dev/null || true
-blob=$(git hash-object -w "$tmp/snap.db")
-git update-index --add --cacheinfo "100644,$blob,results/fedprism.db"
-git update-index --skip-worktree results/fedprism.db
+# the dump's own paths only (a removed run's file is staged as removed too); the store itself is not in git
+git add -A -- results/store.json results/runs results/sweeps
 git add results/paper_fmnist results/fedsub results/pfpl_mixed results/fedprism_ablations results/clust_psi_pfl_fmnist \
     results/clust_psi_pfl_fmnist_lenet5 results/fedprism_gate
-rm -rf "$tmp"
-echo "staged results/fedprism.db ($blob), results/paper_fmnist/, results/fedsub/, results/pfpl_mixed/,"
-echo "results/fedprism_ablations/, results/clust_psi_pfl_fmnist/, results/clust_psi_pfl_fmnist_lenet5/ and results/fedprism_gate/"
+echo "staged the dump (results/store.json, results/runs/, results/sweeps/) and results/paper_fmnist/, results/fedsub/,"
+echo "results/pfpl_mixed/, results/fedprism_ablations/, results/clust_psi_pfl_fmnist/, results/clust_psi_pfl_fmnist_lenet5/"
+echo "and results/fedprism_gate/; \`git diff --cached --stat\` shows what the commit adds"
