@@ -151,6 +151,20 @@ def test_a_fifo_lock_does_not_hang_fedprism_runs(tmp_path, base, capsys):
     assert "running" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("suffix", ["-wal", "-shm", "-journal"])
+def test_sqlite_files_beside_a_store_that_are_links_are_refused(tmp_path, base, capsys, suffix):
+    db = copy_store(base, tmp_path / "s.db")
+    decoy = tmp_path / "decoy"
+    decoy.write_bytes(b"precious")
+    Path(f"{db}{suffix}").symlink_to(decoy)
+    before = db.read_bytes()
+    assert main(["runs", "--db", str(db)]) == 2
+    one_line(capsys, f"s.db{suffix} is a symbolic link")
+    assert main(["run", "--db", str(db), *RUN, "seed=3", "--quiet"]) == 2
+    one_line(capsys, f"s.db{suffix} is a symbolic link")
+    assert decoy.read_bytes() == b"precious" and db.read_bytes() == before
+
+
 def test_a_lock_that_fails_after_its_flock_keeps_no_lock_in_the_process(tmp_path, monkeypatch):
     lock = tmp_path / "c" / f"{HEX}.lock"
 
@@ -544,8 +558,9 @@ JSONS = ['{}', '{"a": 1}', '[1, 2]', '{', '', 'null', '"s"', '{"local_acc": "hig
 STATUSES = ["running", "finished", "interrupted", "failed", "bogus", None, 1]
 
 
-def craft(rng: random.Random, base: Path, db: Path, decoy: Path) -> None:
-    """A store of random rows, ids, JSON, schema version and files beside it (links into `decoy`)."""
+def craft(rng: random.Random, base: Path, db: Path, decoy: Path) -> object:
+    """A store of random rows, ids, JSON, schema version and files beside it (links into `decoy`); returns
+    the id of its first row."""
     version = rng.choice([1, 2, 3, 4, 4, 4, 4, 4, 5, 99])
     db.parent.mkdir(parents=True, exist_ok=True)
     if version in (1, 2, 3):
@@ -588,6 +603,8 @@ def craft(rng: random.Random, base: Path, db: Path, decoy: Path) -> None:
     c.close()
     ckpt = db.with_name(db.name + ".ckpt")
     final = db.with_name(db.name + ".final")
+    if rng.random() < 0.15:
+        Path(f"{db}{rng.choice(['-wal', '-shm', '-journal'])}").symlink_to(decoy / "x")
     if rng.random() < 0.5:
         ckpt.mkdir(exist_ok=True)
         for name in (f"{rid}.lock", f"{HEX}.lock", f"{rid}.ckpt", f"{rid}.rows"):
@@ -599,6 +616,7 @@ def craft(rng: random.Random, base: Path, db: Path, decoy: Path) -> None:
         for name in (f"{tid}.ckpt", f"{tid}.rows", f"{HEX}.ckpt"):
             if rng.random() < 0.5:
                 (final / name).symlink_to(decoy / "x.lock" if rng.random() < 0.5 else decoy)
+    return rid
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -609,11 +627,11 @@ def test_crafted_stores_end_in_results_or_one_line_and_touch_nothing_outside(tmp
     (decoy / "x.lock").write_text("precious")
     (decoy / "x").write_text("precious")
     db = tmp_path / "store" / "s.db"
-    craft(rng, base, db, decoy)
+    first = craft(rng, base, db, decoy)
     target = tmp_path / "target" / "t.db"
     own = (db.parent, target.parent, tmp_path / "out")
     before = snapshot(tmp_path, skip=own)
-    prefix = rng.choice([HEX[:6], raw(db).execute("SELECT run_id FROM runs LIMIT 1").fetchone()[0], "zz"])
+    prefix = rng.choice([HEX[:6], first, "zz"])
     prefix = prefix if isinstance(prefix, str) and prefix and "\x00" not in prefix else "zz"
     commands = [["runs"], ["runs", "--json"], ["runs", "--sweep", "sw"], ["show", prefix],
                 ["report", "--out", str(tmp_path / "out" / "r"), "--no-plots"],

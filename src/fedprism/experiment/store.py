@@ -344,6 +344,22 @@ def _not_a_file(path: Path) -> str:
     return f"{blocker} is a file, not a folder" if blocker is not None else ""
 
 
+def _linked_sidecar(path: Path) -> str:
+    """Why SQLite must not open the store at `path`: a `-wal`, `-shm` or `-journal` file beside it (or
+    beside the file a link to it names) that is a symbolic link, which SQLite would write through; or ""."""
+    try:
+        real = path.resolve()
+    except (OSError, RuntimeError):
+        real = path
+    for base in dict.fromkeys((path, real)):
+        for suffix in ("-wal", "-shm", "-journal"):
+            side = Path(f"{base}{suffix}")
+            if side.is_symlink():
+                return (f"{side} is a symbolic link (SQLite would write through it); fedprism never follows links "
+                        "beside a results store: remove it, or use another --db")
+    return ""
+
+
 def drop_if_new_and_empty(store: Store, created: bool) -> None:
     """Close `store` and delete its files if this process `created` it and it holds no run: a refused
     configuration leaves no empty store behind (`fedprism run`, the Flower ServerApp)."""
@@ -525,7 +541,7 @@ class Store:
         self._scalars: dict[str, Scalars] = {}
         self._locks: dict[str, RunLock] = {}
         self._notes: dict[str, list[tuple[str, int | None, Any]]] = {}
-        why = _not_a_file(self.path)
+        why = _not_a_file(self.path) or _linked_sidecar(self.path)
         if why:
             raise (MissingStoreError if readonly else StoreError)(f"results store {self.path}: {why}")
         if readonly:
