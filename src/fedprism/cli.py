@@ -232,14 +232,18 @@ def _runs(args, store) -> int:
     rows = store.runs(**({"sweep": args.sweep} if args.sweep else {}), **where)
     from fedprism.experiment.runlock import holder_gone
 
+    from fedprism.experiment.differ import tell_apart
+
+    cfgs = [json.loads(r["config"]) for r in rows]
+    # the keys that tell apart rows of one method and label (two alphas of "FedAvg"): "partition.alpha=0.1"
+    apart = tell_apart(cfgs, names=[(r["method"], r["label"]) for r in rows])
     records = []                # numbers as stored (accuracies in [0, 1]; None before a run has finished)
-    for r in rows:
+    for r, cfg, differs in zip(rows, cfgs, apart):
         f = json.loads(r["final"] or "{}")
-        cfg = json.loads(r["config"])
         records.append({"run_id": r["run_id"], "method": r["method"], "label": r["label"] or "",
-                        "seed": cfg.get("seed"), "status": r["status"], "rounds_done": r["rounds_done"],
-                        "rounds": cfg.get("rounds"), "local_acc": f.get("local_acc"),
-                        "global_acc": f.get("global_acc")})
+                        "differs": differs, "seed": cfg.get("seed"), "status": r["status"],
+                        "rounds_done": r["rounds_done"], "rounds": cfg.get("rounds"),
+                        "local_acc": f.get("local_acc"), "global_acc": f.get("global_acc")})
         if r["status"] == "running" and holder_gone(store.lock_path(r["run_id"])):
             records[-1]["process_gone"] = True        # killed: the store says so at its next write-open
     hidden = store.hidden()
@@ -251,8 +255,10 @@ def _runs(args, store) -> int:
     if args.json:
         print(json_text(records))
     elif records:
-        head = ["id", "method", "label", "seed", "status", "rounds", "local %", "global %"]
-        print(_table([[d["run_id"], d["method"], d["label"], d["seed"],
+        differs = any(d["differs"] for d in records)     # the column only where rows of one label differ
+        head = ["id", "method", "label", *(["differs"] if differs else []), "seed", "status", "rounds", "local %",
+                "global %"]
+        print(_table([[d["run_id"], d["method"], d["label"], *([d["differs"]] if differs else []), d["seed"],
                        "interrupted*" if d.get("process_gone") else d["status"],
                        f"{d['rounds_done']}/{d['rounds']}", _acc(d, "local_acc"), _acc(d, "global_acc")]
                       for d in records], head))

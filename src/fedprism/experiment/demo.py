@@ -28,9 +28,10 @@ What `key=value` overrides may change (each checked before anything is loaded or
   time-series (wisdm) set needs sizes of its own rather than a 28x28-greyscale recipe under the demo's
   name. The header names the dataset the runs are configured with.
 * the keys the demo sets per run (`PER_RUN_KEYS`: `method`, `name` and the method parameters of the
-  [[runs]] of demo.toml: `fedprism.k`, `fedprism_dual.private_source`, ...) are refused: the demo compares fixed methods with
-  fixed settings, so an override there would either be dropped silently or turn the comparison into
-  something else; a single method or other settings are `fedprism run` / `fedprism sweep`.
+  [[runs]] of demo.toml: `fedprism.k`, `fedprism_dual.private_source`, ...) are refused: the demo
+  compares fixed methods with fixed settings, so an override there would either be dropped silently or
+  turn the comparison into something else; a single method or other settings are `fedprism run` /
+  `fedprism sweep`.
 * other parameters of a method the demo runs (`fedprism_dual.inference_weight=1`) go to that method's
   runs only; a parameter of a method it does not run (`fedsoft.k`) is refused, naming the methods it runs.
 * every other key (`seed`, `rounds`, `partition.alpha`, ...) applies to every run.

@@ -48,6 +48,7 @@ from typing import Any
 from fedprism.algorithms import REGISTRY
 from fedprism.errors import ConfigError, printable
 from fedprism.experiment.config import KEYS, Config, flatten, prefer_stored, read_toml, resolve, suggest
+from fedprism.experiment.differ import tell_apart
 
 
 def load_sweep(path: str | Path, quick: bool = False, overrides: dict[str, Any] | None = None
@@ -417,10 +418,12 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
     todo: list[tuple[str, Config]] = []
     other_code: list[str] = []          # finished under other code or data: neither re-used nor re-run
     data_memo: dict = {}                # each data setting fingerprinted once per sweep
+    apart = tell_apart([c.values for c in configs])   # two alphas of "FedAvg" read differently
     try:
         for i, cfg in enumerate(configs):
             row = store.run(cfg.run_id)
-            tag = f"[{i + 1}/{len(configs)}] {printable(cfg['name'])} seed={cfg['seed']}"
+            differs = f" {printable(apart[i])}" if apart[i] else ""
+            tag = f"[{i + 1}/{len(configs)}] {printable(cfg['name'])}{differs} seed={cfg['seed']}"
             if row is not None and row["status"] == "finished" and not fresh:
                 stored = row["provenance"] if "provenance" in row.keys() else None
                 if stored:                     # other code or data: never skipped as if it were this run's
