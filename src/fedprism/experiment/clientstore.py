@@ -328,8 +328,8 @@ class MmapStore(ClientStore):
             p = self._path(k)
             need = self.N * self._row_items(k) * self.np_dtypes[k].itemsize
             if not is_regular(p) or p.stat().st_size != need:
-                raise StoreMismatch(f"{p} is missing, not a regular file (a link is never written through), "
-                                    f"or not {need} bytes")
+                raise StoreMismatch(f"{p} is missing or not {need} bytes, or not a regular file (a link is never "
+                                    "written through)")
         written, pend = cr.get("written", {}), cr.get("pending", {})
         if set(written) != set(self.decls) or set(pend) != set(self.decls):
             raise StoreMismatch(f"the checkpoint's client rows name {sorted(written)}, the method declares "
