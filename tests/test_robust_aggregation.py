@@ -104,7 +104,7 @@ def test_one_hostile_client_in_ten():
 
 
 AVERAGING = ("fedavg", "ifca", "fedclust", "cfl", "fedprism", "fedprism_dual", "fedprox", "ditto", "apfl", "fedper",
-             "fedrep", "fedbn", "protohar", "lg_fedavg", "fedbabu", "pfedme", "perfedavg")
+             "fedrep", "fedbn", "protohar", "lg_fedavg", "fedbabu", "pfedme", "perfedavg", "feddyn", "moon")
 
 
 @pytest.mark.parametrize("method", AVERAGING)

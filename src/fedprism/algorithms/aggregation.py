@@ -119,7 +119,9 @@ def class_prototypes(protos: torch.Tensor, counts: torch.Tensor, how: str = "sam
 
 # -- robust aggregation ----------------------------------------------------------------------------
 #: aggregation rules every averaging method takes (`<method>.aggregation`)
-RULES = ("mean", "median", "trimmed_mean", "clipped_mean")
+RULES = ("mean", "median", "trimmed_mean", "clipped_mean", "krum", "multi_krum", "bulyan")
+#: the rules that select clients by Krum's score and so need the number f of Byzantine clients
+BYZANTINE_RULES = ("krum", "multi_krum", "bulyan")
 
 
 #: the robust-aggregation parameters a method merges into its `params` (`params = {..., **ROBUST_PARAMS}`):
@@ -128,20 +130,30 @@ RULES = ("mean", "median", "trimmed_mean", "clipped_mean")
 ROBUST_PARAMS = {
     "aggregation": Param("mean", "how client rows are averaged: mean (weighted mean), median (coordinate-wise "
                          "weighted median), trimmed_mean (coordinate-wise, `aggregation.trim` of the weight "
-                         "cut per side) or clipped_mean (updates clipped to `aggregation.clip` x the median "
-                         "update norm, then the weighted mean)", choices=RULES, new=True),
+                         "cut per side), clipped_mean (updates clipped to `aggregation.clip` x the median "
+                         "update norm, then the weighted mean), krum (the row of lowest Krum score), multi_krum "
+                         "(the weighted mean of the `aggregation.m` rows of lowest score) or bulyan (Krum "
+                         "selection, then per coordinate the mean of the values closest to the median), with "
+                         "`aggregation.f` Byzantine clients", choices=RULES, new=True),
     "aggregation.trim": Param(0.1, "trimmed_mean: fraction of the total weight cut on each side of every "
                               "coordinate", lambda v: 0 <= v < 0.5, "a number in [0, 0.5)", new=True),
     "aggregation.clip": Param(1.0, "clipped_mean: each update's norm is capped at clip x the cohort's median "
                               "update norm", lambda v: v > 0 and math.isfinite(v), "a finite number > 0",
                               new=True),
+    "aggregation.f": Param(1, "krum, multi_krum, bulyan: f, the Byzantine clients tolerated; krum and multi_krum "
+                           "need a round's n > 2f + 2 clients, bulyan n >= 4f + 3 (a smaller set of rows, e.g. "
+                           "one cluster's, uses the largest f it allows)", lambda v: v >= 0, "an integer >= 0",
+                           new=True),
+    "aggregation.m": Param(0, "multi_krum: the m rows of lowest Krum score that are averaged (0: n - f)",
+                           lambda v: v >= 0, "an integer >= 0 (0: n - f)", new=True),
 }
 
 
 def robust_args(hp: dict) -> dict:
     """The rule keywords of `average` from a method's resolved parameters (mean when it has none)."""
     return {"rule": hp.get("aggregation", "mean"), "trim": hp.get("aggregation.trim", 0.1),
-            "clip": hp.get("aggregation.clip", 1.0)}
+            "clip": hp.get("aggregation.clip", 1.0), "f": hp.get("aggregation.f", 1),
+            "m": hp.get("aggregation.m", 0)}
 
 
 def weighted_median(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -202,8 +214,179 @@ def _positive(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return x.to(torch.float64)[keep], w64[keep]
 
 
+# -- Krum, Multi-Krum, Bulyan ------------------------------------------------------------------------
+# Krum and Multi-Krum: Blanchard, El Mhamdi, Guerraoui, Stainer 2017, "Machine Learning with Adversaries:
+# Byzantine Tolerant Gradient Descent" (NeurIPS 2017). Bulyan: El Mhamdi, Guerraoui, Rouault 2018, "The
+# Hidden Vulnerability of Distributed Learning in Byzantium" (ICML 2018, arXiv:1802.07927). With n vectors
+# V_1..V_n of which f may be Byzantine:
+#
+#   (K1)  s(i) = sum_{i -> j} ||V_i - V_j||^2        i -> j: the n - f - 2 vectors closest to V_i (j != i)
+#   (K2)  Krum = V_{i*},  i* = argmin_i s(i)                                  (needs 2f + 2 < n)
+#   (K3)  Multi-Krum = the mean of the m vectors of lowest score          (m = 1: Krum; m = n: the mean)
+#   (B1)  Bulyan, selection: S = {}; R = all; while |S| < theta = n - 2f: p = Krum(R); R -= p; S += p
+#   (B2)  Bulyan, per coordinate c: M_c = the beta = theta - 2f values of S closest to median_c(S);
+#         the output's coordinate c is (1/beta) sum_{X in M_c} X_c                (needs n >= 4f + 3)
+#
+# Decisions where the papers are silent (they aggregate gradients of equal standing; here the rows are
+# client models with sample counts as weights):
+# * What is compared: the clients' updates u_k = x_k - sent_k when `sent` is given (the papers' V_i are
+#   the workers' gradient estimates; an update is its analogue, and rows sent different models, e.g.
+#   cluster models, are compared by what they did), the rows themselves otherwise. What is averaged: the
+#   chosen rows x_k, so with one model sent to all the result is sent + the same mean of the updates.
+# * Weights: every choice counts clients, one vote each, as in the papers (a client's weight n_k is what
+#   it reports; a weight that bought selection would void the guarantees, which count clients). What is
+#   chosen is then averaged with the clients' weights, as the `mean` rule does: Multi-Krum is the weighted
+#   mean of its m rows, and with m = n it IS `mean` (the same `weighted_sum` call, bit for bit); Bulyan's
+#   coordinate c is the weighted mean of its beta values (the paper's plain mean for equal weights).
+#   Rows with weight 0 take no part (a client outside the cluster being averaged).
+# * Ties (equal scores, equal distances to a median): the lower row first. The median of an even count of
+#   values is the mean of the two middle ones.
+# * Bulyan's recursion (B1) runs Krum on the remaining set R with |R| - f - 2 neighbours; at the end R is
+#   smaller than Krum's own bound (|R| = 2f + 1 at the last pick), so the neighbours are at least 1.
+# * Too few rows: a method's configured cohort must allow f (`check_rule_cohort`, a ConfigError before
+#   the run). A set of rows smaller than that (clients that failed, one cluster's members, a soft
+#   cluster's rows) uses the largest f' <= f it allows: f' = floor((n - 3) / 2) for Krum and Multi-Krum,
+#   floor((n - 3) / 4) for Bulyan; Multi-Krum's m = 0 means n - f'; an m above n means n. With n <= 2 no
+#   row can be told apart from the others: their weighted mean (`mean`).
+
+
+def _rows_taking_part(x: torch.Tensor, w: torch.Tensor, sent: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(index of the rows with weight > 0, their x and weights in float64, the vectors compared: their
+    updates x - sent when `sent` is given, else x)."""
+    w64 = w.to(torch.float64)
+    if not w64.sum() > 0:
+        raise ValueError("weights sum to zero; the caller must keep the previous value")
+    idx = torch.nonzero(w64 > 0).flatten()
+    x64 = x.to(torch.float64)[idx]
+    v = x64 if sent is None else x64 - sent.to(torch.float64).expand_as(x)[idx]
+    return idx, x64, w64[idx], v
+
+
+def squared_distances(v: torch.Tensor) -> torch.Tensor:
+    """[n, n] float64 ||v_i - v_j||^2, row by row (exact differences, no Gram-matrix cancellation;
+    memory n x P)."""
+    v = v.to(torch.float64)
+    out = torch.empty(len(v), len(v), dtype=torch.float64)
+    for i in range(len(v)):
+        d = v - v[i]
+        out[i] = (d * d).sum(1)
+    return out
+
+
+def krum_scores(d2: torch.Tensor, f: int) -> torch.Tensor:
+    """(K1): s(i) = the sum of the n - f - 2 smallest ||V_i - V_j||^2 over j != i, float64 [n], from the
+    squared distances d2 [n, n]. The neighbours are at least 1 (Bulyan's recursion, see above) and at most
+    n - 1."""
+    n = len(d2)
+    k = min(max(n - int(f) - 2, 1), n - 1)
+    if n < 2:
+        return torch.zeros(n, dtype=torch.float64)
+    others = d2.masked_fill(torch.eye(n, dtype=torch.bool), float("inf"))
+    return torch.sort(others, dim=1, stable=True).values[:, :k].sum(1)
+
+
+def krum_f(n: int, f: int) -> int:
+    """The f Krum and Multi-Krum use on n rows: f itself when n > 2f + 2, else the largest f' that n allows
+    (floor((n - 3) / 2); -1 when n <= 2: no f does)."""
+    return min(int(f), (n - 3) // 2)
+
+
+def bulyan_f(n: int, f: int) -> int:
+    """The f Bulyan uses on n rows: f itself when n >= 4f + 3, else floor((n - 3) / 4) (-1 when n <= 2)."""
+    return min(int(f), (n - 3) // 4)
+
+
+def multi_krum_select(d2: torch.Tensor, f: int, m: int) -> torch.Tensor:
+    """(K3) the rows of the m lowest Krum scores (m = 0: n - f), in ascending row order; ties: lower row
+    first. m = 1 is Krum's choice (K2)."""
+    n = len(d2)
+    m = n - int(f) if m == 0 else min(int(m), n)
+    order = torch.sort(krum_scores(d2, f), stable=True).indices
+    return torch.sort(order[:m]).values
+
+
+def bulyan_select(d2: torch.Tensor, f: int) -> torch.Tensor:
+    """(B1) theta = n - 2f rows picked one by one by Krum on the rows still left (f fixed, the neighbours
+    |R| - f - 2, at least 1), in ascending row order."""
+    left = list(range(len(d2)))
+    chosen = []
+    for _ in range(len(d2) - 2 * int(f)):
+        sub = d2[left][:, left]
+        pick = left[int(torch.sort(krum_scores(sub, f), stable=True).indices[0])]
+        chosen.append(pick)
+        left.remove(pick)
+    return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+def krum(x: torch.Tensor, w: torch.Tensor, sent: torch.Tensor | None, f: int) -> torch.Tensor:
+    """Krum (K2), float64 [P]: the row whose update (or the row itself without `sent`) has the lowest score
+    (K1). With n <= 2 rows taking part: their weighted mean."""
+    return multi_krum(x, w, sent, f, 1)
+
+
+def multi_krum(x: torch.Tensor, w: torch.Tensor, sent: torch.Tensor | None, f: int, m: int) -> torch.Tensor:
+    """Multi-Krum (K3), float64 [P]: the weighted mean of the m rows of lowest Krum score (m = 0: n - f).
+    When every row is chosen (m = n and no row of weight 0) it is `weighted_sum(x, w)`, the `mean` rule's
+    own call, so the numbers are the mean's bit for bit."""
+    idx, x64, w64, v = _rows_taking_part(x, w, sent)
+    n = len(idx)
+    f = krum_f(n, f)
+    if f < 0:
+        return weighted_sum(x, w)
+    sel = multi_krum_select(squared_distances(v), f, m)
+    if len(sel) == len(x):
+        return weighted_sum(x, w)
+    return weighted_sum(x64[sel], w64[sel])
+
+
+def bulyan(x: torch.Tensor, w: torch.Tensor, sent: torch.Tensor | None, f: int) -> torch.Tensor:
+    """Bulyan (B1-B2), float64 [P]: theta = n - 2f rows by recursive Krum, then per coordinate the weighted
+    mean of the beta = theta - 2f chosen values closest to their median (compared on the updates when
+    `sent` is given, averaged on the rows). With n <= 2 rows taking part: their weighted mean."""
+    idx, x64, w64, v = _rows_taking_part(x, w, sent)
+    n = len(idx)
+    f = bulyan_f(n, f)
+    if f < 0:
+        return weighted_sum(x, w)
+    S = bulyan_select(squared_distances(v), f)
+    theta = len(S)
+    beta = theta - 2 * f
+    vs, xs, ws = v[S], x64[S], w64[S]
+    srt = torch.sort(vs, dim=0).values
+    med = (srt[(theta - 1) // 2] + srt[theta // 2]) / 2                       # [P]
+    near = torch.sort((vs - med).abs(), dim=0, stable=True).indices[:beta]   # [beta, P] rows of S
+    wk = ws[near]
+    return (wk * xs.gather(0, near)).sum(0) / wk.sum(0)
+
+
+def check_rule_cohort(method: str, hp: Mapping[str, Any], cohort: int, where: str = "") -> None:
+    """ConfigError when a method's rule cannot hold for a round of `cohort` clients: krum and multi_krum
+    need cohort > 2f + 2, bulyan cohort >= 4f + 3, multi_krum's m at most the cohort. `method`: the
+    method's name (the keys are `<method>.aggregation*`); `where`: how the cohort came about, for the
+    message (e.g. "clients=10 x fraction=0.5")."""
+    from fedprism.errors import ConfigError
+
+    rule = hp.get("aggregation", "mean")
+    if rule not in BYZANTINE_RULES:
+        return
+    f, m = int(hp.get("aggregation.f", 1)), int(hp.get("aggregation.m", 0))
+    given = f" ({where} gives {cohort} client(s) a round)" if where else f" ({cohort} client(s) a round)"
+    need, most = (("n >= 4f + 3", bulyan_f(cohort, f)) if rule == "bulyan" else ("n > 2f + 2", krum_f(cohort, f)))
+    if most < 0:
+        raise ConfigError(f"{method}.aggregation", rule, f"a rule other than {rule} here: {rule} needs a round "
+                          f"of n >= 3 clients{given}; raise fraction or clients, or use median, "
+                          "trimmed_mean or clipped_mean")
+    if most < f:
+        raise ConfigError(f"{method}.aggregation.f", f, f"an integer in [0, {most}] here: {rule} needs a round's "
+                          f"n clients to satisfy {need}{given}")
+    if rule == "multi_krum" and m > cohort:
+        raise ConfigError(f"{method}.aggregation.m", m, f"an integer in [1, {cohort}], or 0 for n - f: the rows "
+                          f"of lowest Krum score among a round's n clients{given}")
+
+
 def average(x: torch.Tensor, w: torch.Tensor, sent: torch.Tensor | None = None, rule: str = "mean",
-            trim: float = 0.1, clip: float = 1.0) -> torch.Tensor:
+            trim: float = 0.1, clip: float = 1.0, f: int = 1, m: int = 0) -> torch.Tensor:
     """The one averaging function of every method that averages client rows: float64 [P] (not rounded).
 
     rule `mean` is `weighted_sum(x, w)` (the same code path, bit for bit); `median`, `trimmed_mean`
@@ -212,7 +395,9 @@ def average(x: torch.Tensor, w: torch.Tensor, sent: torch.Tensor | None = None, 
     et al. 2018, "Byzantine-Robust Distributed Learning: Towards Optimal Statistical Rates",
     arXiv:1803.01498 (coordinate-wise median and trimmed mean); Pillutla et al. 2019, "Robust
     Aggregation for Federated Learning", arXiv:1912.13445; norm clipping as in Sun et al. 2019, "Can
-    You Really Backdoor Federated Learning?", arXiv:1911.07963."""
+    You Really Backdoor Federated Learning?", arXiv:1911.07963. `krum`, `multi_krum` (`m`) and `bulyan`
+    select clients among which at most `f` are Byzantine (Blanchard et al. 2017; El Mhamdi, Guerraoui,
+    Rouault 2018, arXiv:1802.07927; equations and decisions above `krum`)."""
     if rule == "mean":
         return weighted_sum(x, w)
     if rule == "median":
@@ -221,6 +406,12 @@ def average(x: torch.Tensor, w: torch.Tensor, sent: torch.Tensor | None = None, 
         return trimmed_mean(x, w, trim)
     if rule == "clipped_mean":
         return clipped_mean(x, w, sent, clip)
+    if rule == "krum":
+        return krum(x, w, sent, f)
+    if rule == "multi_krum":
+        return multi_krum(x, w, sent, f, m)
+    if rule == "bulyan":
+        return bulyan(x, w, sent, f)
     raise ValueError(f"aggregation must be one of {RULES}, got {rule!r}")
 
 
@@ -259,6 +450,10 @@ class AutoNumber(Param):
             from fedprism.errors import ConfigError
             raise ConfigError(key, value, self.allowed)
         return float(value)
+
+    def words(self) -> tuple[str, ...]:
+        """`auto` (a mistyped one is answered with a did-you-mean, `Param.words`)."""
+        return ("auto",)
 
 
 #: the server-optimiser parameters a method merges into its `params` (`params = {..., **SERVER_OPT_PARAMS}`)

@@ -15,7 +15,8 @@ sizes and the parameter count P are known) and before anything large is allocate
                    (a cluster model nobody can join is never trained), and at most a round's cohort when
                    the method clusters only the round's clients (`Algorithm.clusters_cohort`), since a
                    clustering of fewer points than K is skipped and would be skipped every round
-    method checks  `Algorithm.check_cohort` (CFL: at least two clients a round)
+    method checks  `Algorithm.check_cohort` (CFL: at least two clients a round); the robust rule of a method
+                   that averages models (`aggregation.check_rule_cohort`: Krum's n > 2f + 2, Bulyan's n >= 4f + 3)
     memory         one rule for every method, from its declarations: the clients' own state
                    (`Algorithm.client_state`, e.g. ('P',) per entry: N x P x element size, at the bytes
                    `state.storage` keeps: float16 halves floating-point state, mmap keeps it on disk beside
@@ -93,6 +94,9 @@ def check_cohort(cfg, N: int | None = None) -> None:
                               "the cluster models would never separate (the run would be FedAvg-like); "
                               f"raise fraction, lower {method}.k{alt}")
     cls.check_cohort(hp, N, cohort, cfg["fraction"])
+    if cls.averages:                 # the robust rule's own bound (krum, multi_krum, bulyan: f against the cohort)
+        from fedprism.algorithms.aggregation import check_rule_cohort
+        check_rule_cohort(method, hp, cohort, f"clients={N} x fraction={cfg['fraction']:g}")
 
 
 def _cohort_free(cls, hp: dict) -> list[tuple[str, object]]:
