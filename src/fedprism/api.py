@@ -44,8 +44,8 @@ def _raw(source: str | Path | dict | Config | None = None, **keys: Any) -> dict[
     return raw
 
 
-def run(cfg: Config | dict | str | Path, db: str | Path = "fedprism-results.db", progress: bool = False,
-        fresh: bool = False, **keys: Any) -> RunResult:
+def run(cfg: Config | dict | str | Path | None = None, db: str | Path = "fedprism-results.db",
+        progress: bool = False, fresh: bool = False, **keys: Any) -> RunResult:
     """Run (or resume, or return the stored result of) one experiment into the store `db`. A store this
     call creates is removed again when the configuration is refused before any run is stored in it (its
     data, partition or model), as `fedprism run` does.

@@ -81,27 +81,24 @@ def pristine() -> bool:
     return "torch" not in sys.modules
 
 
-_CODE: dict[str, str] = {}
+def code_hash(root: Path | None = None) -> str:
+    """sha256 over every file of the fedprism package (relative path, size and bytes); read again at every
+    call (a few milliseconds), so that an edit between two calls of one process is seen."""
+    if root is None:
+        import fedprism
 
-
-def code_hash() -> str:
-    """sha256 over every file of the fedprism package (relative path, size and bytes), once per process."""
-    import fedprism
-
-    root = Path(fedprism.__file__).resolve().parent
-    if str(root) not in _CODE:
-        h = hashlib.sha256()
-        for folder, dirs, files in os.walk(root):
-            dirs[:] = sorted(d for d in dirs if d != "__pycache__" and not d.startswith("."))
-            for name in sorted(files):
-                if name.endswith((".pyc", ".pyo")):
-                    continue
-                p = Path(folder, name)
-                data = p.read_bytes()
-                h.update(f"{p.relative_to(root).as_posix()}\0{len(data)}\0".encode())
-                h.update(data)
-        _CODE[str(root)] = h.hexdigest()
-    return _CODE[str(root)]
+        root = Path(fedprism.__file__).resolve().parent
+    h = hashlib.sha256()
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__" and not d.startswith("."))
+        for name in sorted(files):
+            if name.endswith((".pyc", ".pyo")):
+                continue
+            p = Path(folder, name)
+            data = p.read_bytes()
+            h.update(f"{p.relative_to(root).as_posix()}\0{len(data)}\0".encode())
+            h.update(data)
+    return h.hexdigest()
 
 
 def _stat(path: Path) -> list | None:
@@ -176,7 +173,8 @@ def _read(k: str) -> dict | None:
 
 
 def _declared(entry: dict) -> dict[str, Param]:
-    return {k: Param(d, "", new=bool(new), eval_only=bool(ev)) for k, (d, new, ev) in entry["declared"].items()}
+    return {k: Param(d, "", new=bool(new), eval_only=bool(ev))
+            for k, (d, new, ev) in entry["declared"].items()}
 
 
 def config_of(entry: dict) -> Config:
@@ -283,7 +281,8 @@ def _builtin(cfg: Config) -> bool:
     from fedprism.models import MODELS
 
     return (REGISTRY.is_builtin(cfg["method"]) and DATASETS.is_builtin(cfg["dataset"])
-            and PARTITIONS.is_builtin(cfg["partition"]) and (cfg["model"] == "auto" or MODELS.is_builtin(cfg["model"])))
+            and PARTITIONS.is_builtin(cfg["partition"])
+            and (cfg["model"] == "auto" or MODELS.is_builtin(cfg["model"])))
 
 
 def _dataset_files(cfg: Config) -> list | None:
@@ -305,7 +304,7 @@ def _dataset_files(cfg: Config) -> list | None:
                 out += [[str(p), _stat(Path(p))] for _, p in sorted(found.items())]
                 return out
         return out
-    except Exception:  # noqa: BLE001 - whatever fails here fails again, with its message, when the run is built
+    except Exception:  # noqa: BLE001 - what fails here fails again, with its message, as the run is built
         return None
 
 
