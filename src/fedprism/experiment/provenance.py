@@ -16,7 +16,8 @@ A run's provenance is a JSON object in the `provenance` column of the store's `r
                  existed, which are therefore compared on their own file alone. `method_helpers`: the
                  same two hashes over the modules of its own project that a plugin method imports,
                  directly or through each other (`helper_files`: the modules of its top-level package, or
-                 for a method in a top-level module the modules in its file's folder and below), with
+                 for a method in a top-level module the modules in its file's folder and below), other
+                 than the files of `method_bases`, with
                  their files and module names; absent for fedprism's own methods (their fingerprints are
                  those of every run stored before), for a method that imports none, and in runs recorded
                  before it existed (compared without it). Not covered: fedprism itself, installed
@@ -193,6 +194,15 @@ def bases_fingerprint(cls: type) -> dict[str, str] | None:
     own file, the interface (`INTERFACE_MODULES`) and Python's own (builtins, the standard library):
     FedPer's `partial.py`, FedProx's `fedavg.py`. One hash over their file hashes (and one over their text
     hashes), or None when `cls` inherits only from the interface."""
+    files = _base_files(cls)
+    if not files:
+        return None
+    return {**_joint([_file_hashes(p) for p in files]), "file": " + ".join(_where(str(p)) for p in files),
+            "class": f"{cls.__module__}.{cls.__qualname__}"}
+
+
+def _base_files(cls: type) -> list[Path]:
+    """The files `bases_fingerprint` covers, in the order of the method resolution order."""
     own, stdlib = _source_file(cls), Path(sysconfig.get_paths()["stdlib"]).resolve()
     files: list[Path] = []
     for base in cls.__mro__[1:]:
@@ -201,14 +211,12 @@ def bases_fingerprint(cls: type) -> dict[str, str] | None:
         path = _source_file(base)                # `abc.ABC`, `typing.Generic`: Python's, not the method's
         if path is not None and path != own and path not in files and stdlib not in path.parents:
             files.append(path)
-    if not files:
-        return None
-    return {**_joint([_file_hashes(p) for p in files]), "file": " + ".join(_where(str(p)) for p in files),
-            "class": f"{cls.__module__}.{cls.__qualname__}"}
+    return files
 
 
 def helpers_fingerprint(cls: type) -> dict[str, Any] | None:
-    """The project-local modules a plugin method imports (`helper_files`): one hash over their file hashes
+    """The project-local modules a plugin method imports (`helper_files`), other than the files of the
+    classes it inherits from (those are `method_bases`): one hash over their file hashes
     and one over their text hashes (`_joint`), with their files and module names; None for fedprism's own
     methods (their fingerprints stay those of the runs stored before helpers were covered) and for a
     method that imports no module of its own project."""
@@ -216,7 +224,8 @@ def helpers_fingerprint(cls: type) -> dict[str, Any] | None:
     own = _source_file(cls)
     if own is None or _top(module) == "fedprism":
         return None
-    found = helper_files(module, own)
+    bases = set(_base_files(cls))                # fingerprinted as `method_bases` already: each file once
+    found = [(n, p) for n, p in helper_files(module, own) if p not in bases]
     if not found:
         return None
     names, files = zip(*found)
