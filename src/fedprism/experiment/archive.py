@@ -77,7 +77,8 @@ def _value(v: Any) -> Any:
 def _unvalue(v: Any) -> Any:
     if isinstance(v, dict):
         if set(v) != {"blob"} or not isinstance(v["blob"], str):
-            raise ValueError(f"a value {json.dumps(v)[:80]} is neither text, a number, null nor {{\"blob\": ...}}")
+            raise ValueError(f"a value {json.dumps(v)[:80]} is neither text, a number, null nor "
+                             '{"blob": ...}')
         return base64.b64decode(v["blob"], validate=True)
     if isinstance(v, list):
         raise ValueError("a value is a list (a row's values are text, numbers, null or a blob)")
@@ -93,8 +94,8 @@ def _tables_text(head: dict, tables: dict[str, tuple[list[str], list[str]]]) -> 
     """`head`'s keys, then "tables": {name: {"columns": [...], "rows": [one row per line]}} (names sorted)."""
     out = [json.dumps(head, sort_keys=True, separators=(",", ":"))[:-1] + ',"tables":{']
     for i, (name, (cols, rows)) in enumerate(sorted(tables.items())):
-        out.append(("," if i else "") + f'{json.dumps(name)}:{{"columns":{json.dumps(cols, separators=(",", ":"))},'
-                   '"rows":[')
+        head_cols = json.dumps(cols, separators=(",", ":"))
+        out.append(("," if i else "") + f'{json.dumps(name)}:{{"columns":{head_cols},"rows":[')
         out.append(",\n".join(rows))
         out.append("]}")
     return "\n".join(out) + "}}\n"
@@ -130,8 +131,8 @@ def _has_rowid(sql: str | None) -> bool:
 
 
 def snapshot(path: str | Path) -> Snapshot:
-    """Everything of the store at `path` as a dump's texts, read in one read transaction (`Store(readonly=True)`:
-    the file is not changed). `ArchiveError` for rows that no run file can hold."""
+    """Everything of the store at `path` as a dump's texts, read in one read transaction
+    (`Store(readonly=True)`: the file is not changed). `ArchiveError` for rows that no run file can hold."""
     with Store(path, readonly=True) as st:
         db = st.db
         db.execute("BEGIN")                    # one snapshot of a store that a sweep may be writing
@@ -143,8 +144,8 @@ def snapshot(path: str | Path) -> Snapshot:
 
 def _snapshot(db: sqlite3.Connection, where: str) -> Snapshot:
     schema = [list(r) for r in db.execute(
-        "SELECT type, name, tbl_name, sql FROM main.sqlite_master WHERE sql IS NOT NULL AND name NOT LIKE 'sqlite_%' "
-        "ORDER BY rowid")]
+        "SELECT type, name, tbl_name, sql FROM main.sqlite_master "
+        "WHERE sql IS NOT NULL AND name NOT LIKE 'sqlite_%' ORDER BY rowid")]
     tables: dict[str, dict] = {}
     for typ, name, _, sql in schema:
         if typ != "table":
@@ -172,9 +173,9 @@ def _snapshot(db: sqlite3.Connection, where: str) -> Snapshot:
     ids = [r[0] for r in db.execute("SELECT run_id FROM main.runs ORDER BY rowid")]
     bad = [i for i in ids if not valid_run_id(i)]
     if bad:
-        raise ArchiveError(f"{where}: {len(bad)} run(s) whose id is no run id (16 hex digits), e.g. {str(bad[0])[:40]!r}: "
-                           "no run file can be named after it; `fedprism merge` copies the store's sound runs "
-                           "into a clean store")
+        raise ArchiveError(f"{where}: {len(bad)} run(s) whose id is no run id (16 hex digits), e.g. "
+                           f"{str(bad[0])[:40]!r}: no run file can be named after it; `fedprism merge` copies the "
+                           "store's sound runs into a clean store")
     per_run = sorted(t for t, v in tables.items() if v["kind"] == "run")
     for t in per_run:
         orphans = db.execute(f'SELECT count(*), min(run_id) FROM main."{t}" WHERE run_id IS NULL OR run_id NOT IN '
@@ -520,8 +521,8 @@ def _build(path: Path, d: Dump) -> int:
             info = d.meta["tables"][name]
             cols = (["rowid"] if info.get("rowid", True) else []) + list(info["columns"])
             rows = _rows_of(d, name, info)
-            q = f'INSERT INTO "{name}" ({", ".join(c if c == "rowid" else f"{chr(34)}{c}{chr(34)}" for c in cols)}) ' \
-                f"VALUES ({', '.join('?' * len(cols))})"
+            names = ", ".join(c if c == "rowid" else f'"{c}"' for c in cols)
+            q = f'INSERT INTO "{name}" ({names}) VALUES ({", ".join("?" * len(cols))})'
             con.executemany(q, rows)
             n += len(rows)
         con.execute(f"PRAGMA user_version = {int(d.meta['user_version'])}")
@@ -561,7 +562,9 @@ def build_hint(path: str | Path) -> str:
     p = Path(path)
     meta = p.parent / META
     try:
-        if os.path.lexists(p) or not meta.is_file() or STORE_FORMAT not in meta.read_text(errors="replace")[:4096]:
+        if os.path.lexists(p) or not meta.is_file():
+            return ""
+        if STORE_FORMAT not in meta.read_text(errors="replace")[:4096]:
             return ""
     except (OSError, ValueError):                 # ValueError: a NUL character in the path
         return ""
