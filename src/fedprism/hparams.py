@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from fedprism.errors import ConfigError
+from fedprism.registry import suggest
 
 
 def plain(value: Any) -> Any:
@@ -23,6 +24,15 @@ def plain(value: Any) -> Any:
     scalars, and configuration and the results store stay free of it.)"""
     np = sys.modules.get("numpy")
     return value.item() if np is not None and isinstance(value, np.generic) else value
+
+
+def did_you_mean(value: Any, choices) -> str:
+    """' (did you mean 'samples'?)' for the string choice closest to a string `value` that is not one of
+    them (`registry.suggest`: difflib, case as typed, then lower case), else ''."""
+    if not isinstance(value, str):
+        return ""
+    words = [str(c) for c in choices if isinstance(c, str)]
+    return suggest(value, words, quote=True) or suggest(value.strip().lower(), words, quote=True)
 
 
 @dataclass(frozen=True)
@@ -48,9 +58,24 @@ class Param:
             def validate(self: Param, key: str, value: Any) -> Any:
                 value = plain(value)
                 self._precheck(key, value)
-                return own(self, key, value)
+                try:
+                    return own(self, key, value)
+                except ConfigError as e:        # a keyword mistyped ('hed' for 'head'): say the nearest
+                    hint = did_you_mean(value, self.words()) if e.key == key and e.value is value else ""
+                    if hint and "did you mean" not in e.allowed:
+                        e.allowed += hint
+                        e.args = (f"{e.args[0]}{hint}",)
+                    raise
             validate._prechecked = True  # type: ignore[attr-defined]
             cls.validate = validate  # type: ignore[method-assign]
+
+    def words(self) -> tuple[str, ...]:
+        """The words this parameter takes as values (its string choices; for a subclass that takes a number
+        or a keyword, the keyword: its string default, its `word`), which a mistyped value is matched
+        against."""
+        out = [c for c in (self.choices or ()) if isinstance(c, str)]
+        out += [w for w in (self.default, getattr(self, "word", None)) if isinstance(w, str) and w and w not in out]
+        return tuple(out)
 
     def _precheck(self, key: str, value: Any) -> None:
         extra = f"; {self.allowed}" if self.allowed else ""
@@ -66,7 +91,8 @@ class Param:
         if self.choices is not None:
             if value not in self.choices:
                 extra = f"; {self.allowed}" if self.allowed else ""
-                raise ConfigError(key, value, f"one of {', '.join(map(str, self.choices))}{extra}")
+                raise ConfigError(key, value, f"one of {', '.join(map(str, self.choices))}{extra}"
+                                  f"{did_you_mean(value, self.choices)}")
             return value      # as given (1 is not rewritten to True: that would change stored run ids)
         if t is bool:
             if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
