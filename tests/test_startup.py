@@ -272,3 +272,33 @@ def test_lookup_leaves_a_signed_run_to_the_full_path(stored, monkeypatch):
     monkeypatch.setattr(lookup, "pristine", lambda: True)
     _edit_entry(raw, **{"checkpoint.key": "/nonexistent/key"})
     assert lookup.stored_result(raw, db) is None
+
+
+def test_digits_split_from_the_cache_is_the_computed_split_bit_for_bit(tmp_path):
+    """The training path's start-up: digits' split comes from the decoded-array cache after its first
+    computation (no scikit-learn import), as the very arrays scikit-learn gives."""
+    import warnings
+
+    import torch
+
+    from fedprism.data.datasets import load_dataset
+    from fedprism.data.sets import digits
+
+    computed = load_dataset("digits", cache_dir=False, seed=2)
+    assert not (tmp_path / "decoded").exists()
+    first = load_dataset("digits", cache_dir=tmp_path, seed=2)                # computed, then cached
+    files = list((tmp_path / "decoded").glob("digits-split-2-0.25-*.npz"))
+    assert len(files) == 1
+    cached = load_dataset("digits", cache_dir=tmp_path, seed=2)               # read from the cache
+    for ds in (first, cached):
+        for k in ("x_train", "y_train", "x_test", "y_test"):
+            a, b = getattr(computed, k), getattr(ds, k)
+            assert a.dtype == b.dtype and torch.equal(a, b), k
+    assert load_dataset("digits", cache_dir=tmp_path, seed=3).y_test.tolist() != computed.y_test.tolist()
+    raw = digits.split(2, 0.25, tmp_path)
+    files[0].write_bytes(files[0].read_bytes()[:-40])                         # damaged: warned, computed again
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        again = digits.split(2, 0.25, tmp_path)
+    assert any("ignoring corrupt dataset cache" in str(w.message) for w in seen)
+    assert all((getattr(raw, k) == getattr(again, k)).all() for k in ("x_train", "y_train", "x_test", "y_test"))

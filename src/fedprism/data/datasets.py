@@ -83,11 +83,22 @@ def load_dataset(name: str, root: str | Path | None = None, download: bool = Fal
         raise ConfigError("data.pad32", pad32, f"false for the {name} (tabular) dataset")
     if spec.files is not None:
         ds = spec.load(pad32=pad32, root=root, download=download, cache_dir=cache_dir, **kw)
+    elif _takes_cache_dir(spec.load):   # a dataset without files that caches what it computes (digits' split)
+        ds = spec.load(pad32=pad32, root=root, cache_dir=cache_dir, **kw)
     else:
         ds = spec.load(pad32=pad32, root=root, **kw)
     if not DATASETS.is_builtin(name):
         check_loaded(spec, ds)
     return ds
+
+
+def _takes_cache_dir(load: object) -> bool:
+    import inspect
+
+    try:
+        return "cache_dir" in inspect.signature(load).parameters
+    except (TypeError, ValueError):             # no signature to read: called without it
+        return False
 
 
 def __getattr__(attr: str):
