@@ -36,7 +36,7 @@ TINY = dict(dataset="digits", model="mlp", clients=4, rounds=2, fraction=1.0, lo
 def scaffold():
     fedprism.register(Scaffold)
     yield Scaffold
-    REGISTRY.pop("scaffold", None)
+    REGISTRY.pop("scaffold_plugin", None)
 
 
 # -- the public view --------------------------------------------------------------------------------------
@@ -71,7 +71,7 @@ def test_trained_steps_are_the_batches_each_client_took(digits, engine):
 # -- through `fedprism run` -----------------------------------------------------------------------------
 def test_scaffold_runs_through_fedprism_run(scaffold, tmp_path, capsys):
     db = str(tmp_path / "s.db")
-    args = [f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in {**TINY, "method": "scaffold"}.items()]
+    args = [f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in {**TINY, "method": "scaffold_plugin"}.items()]
     assert main(["run", "--db", db, "--quiet", "--json", *args]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["status"] == "finished" and out["rejected"] == 0 and 0.1 < out["local_acc"] <= 1.0
@@ -83,7 +83,7 @@ def test_scaffold_runs_through_fedprism_run(scaffold, tmp_path, capsys):
 @pytest.mark.parametrize("engine", ["sequential", "vectorized"])
 def test_first_round_with_zero_control_variates_is_fedavg_bit_for_bit(scaffold, tmp_path, engine):
     states = {}
-    for method in ("scaffold", "fedavg"):
+    for method in ("scaffold_plugin", "fedavg"):
         cfg = resolve({**TINY, "method": method, "engine": engine, "momentum": 0.9, "fedavg.weighting": "uniform"}
                       if method == "fedavg" else {**TINY, "method": method, "engine": engine, "momentum": 0.9})
         with Store(tmp_path / f"{method}.db") as s:
@@ -91,9 +91,9 @@ def test_first_round_with_zero_control_variates_is_fedavg_bit_for_bit(scaffold, 
         sim = Simulator(exp.algo, exp.engine)
         _, update, _ = sim.round(0, np.arange(4))
         states[method] = (sim.state["w"].clone(), update.params.clone(), update.metrics["train_loss"].clone())
-        if method == "scaffold":
+        if method == "scaffold_plugin":
             c_rows = sim.clients.data["c"]
-    for a, b in zip(states["scaffold"], states["fedavg"]):
+    for a, b in zip(states["scaffold_plugin"], states["fedavg"]):
         assert torch.equal(a, b)
     assert bool(c_rows.abs().sum() > 0)                  # the control variates moved: round 2 is SCAFFOLD's
 
@@ -184,7 +184,7 @@ def test_scaffold_on_flower_gives_the_in_process_numbers(scaffold, tmp_path):
 
     from fedprism.flower.server_app import serve
 
-    exp = ("method=scaffold dataset=digits clients=3 rounds=2 fraction=1.0 local_epochs=1 lr=0.05 model=mlp "
+    exp = ("method=scaffold_plugin dataset=digits clients=3 rounds=2 fraction=1.0 local_epochs=1 lr=0.05 model=mlp "
            "device=cpu engine=sequential partition.alpha=0.5 seed=2")
     rc = tf.run_config(exp, tmp_path / "f.db", save_final=str(tmp_path / "final.pt"))
     ref, final = tf.in_process(exp, tmp_path / "ref.db")

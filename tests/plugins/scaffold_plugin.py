@@ -2,7 +2,8 @@
 arXiv:1910.06378) as an external plugin, written against the public interface only: the training
 settings come from `ctx.train` (`fedprism.protocol.TrainSettings`) and the local steps each client took
 from `Trained.steps`, never from an engine's internals. The worked example of "Correcting the local
-steps" in docs/writing-a-method.md.
+steps" in docs/writing-a-method.md. The built-in `scaffold` (src/fedprism/algorithms/scaffold.py) adds
+option I, the global step size and momentum; this example stays registered as `scaffold_plugin`.
 
 Each client i keeps a control variate c_i (client state, zeros at first); the server keeps x and c.
 Round t, on the sampled clients S (Algorithm 1, option II):
@@ -21,8 +22,9 @@ Decisions where the paper is silent:
 * K is the steps the client took (`Trained.steps`): epochs x ceil(n_i / B), so clients of unequal size
   have their own K.
 * x is averaged through the shared server step (`averages = ("w",)`): the default is the paper's global
-  step size 1, uniform over S as in the paper (`scaffold.weighting=uniform`; `samples` weighs by n_k),
-  and `scaffold.server_opt=avgm scaffold.server_momentum=0 scaffold.server_lr=eta_g` is its eta_g.
+  step size 1, uniform over S as in the paper (`scaffold_plugin.weighting=uniform`; `samples` weighs by n_k),
+  and `scaffold_plugin.server_opt=avgm scaffold_plugin.server_momentum=0 scaffold_plugin.server_lr=eta_g` is
+  its eta_g.
 * A client with no step (no training data, epochs 0) keeps its c_i.
 """
 
@@ -52,7 +54,7 @@ def option_two(c_i: torch.Tensor, c: torch.Tensor, x: torch.Tensor, y: torch.Ten
 
 
 class Scaffold(Algorithm):
-    name = "scaffold"
+    name = "scaffold_plugin"            # the built-in method `scaffold` is src/fedprism/algorithms/scaffold.py
     paper = "Karimireddy et al. 2020, arXiv:1910.06378"
     personalized = False
     averages = ("w",)
@@ -63,7 +65,7 @@ class Scaffold(Algorithm):
     def __init__(self, ctx, **hp):
         super().__init__(ctx, **hp)
         if ctx.train is None:
-            raise ValueError("scaffold needs the training settings (Context.train)")
+            raise ValueError("scaffold_plugin needs the training settings (Context.train)")
         if ctx.train.optimizer != "sgd":
             raise ConfigError("optimizer", ctx.train.optimizer, "sgd: SCAFFOLD's option II estimates the "
                               "gradient as (x - y_i) / (K lr), which holds for SGD steps only")
