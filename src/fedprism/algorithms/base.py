@@ -206,6 +206,43 @@ class Algorithm:
         """On the client side: the model(s) each client predicts with (default: the received one)."""
         return Inference({"model": payload["params"]})
 
+    # -- evaluation options every method takes (`eval.finetune`, `data.unseen_clients`) -------------------
+    def fresh_client_state(self, clients: np.ndarray) -> Rows:
+        """The declared initial rows of the client state (`ClientState.initial`) for `clients`: the state
+        of a client that has never trained."""
+        return {k: d.initial(self.ctx, len(clients)) for k, d in self.client_state.items()}
+
+    def newcomer_payload(self, state: dict[str, Any], clients: np.ndarray) -> Rows:
+        """What the server sends `clients` that never took part in training (`data.unseen_clients`) for their
+        evaluation. Default: `eval_payload`, i.e. what it sends any client whose per-client server state is
+        still the initial one (a held-out client is never in a cohort, so its rows never changed): FedAvg's
+        global model, IFCA's K models with no choice made yet."""
+        return self.eval_payload(state, clients)
+
+    def newcomer_inference(self, trainer: Trainer, clients: np.ndarray, payload: Rows, cstate: Rows) -> Inference:
+        """On a newcomer's side: the model(s) it predicts with, given `newcomer_payload`'s rows and fresh
+        client state (`fresh_client_state`). Default: `inference`, the method's own rule for a client that
+        has never trained (IFCA: the lowest-loss cluster model on its training rows; Local: the initial
+        model; a prototype method: the global prototypes). Override where a newcomer is treated otherwise."""
+        return self.inference(trainer, clients, payload, cstate)
+
+    def finetune_start(self, inference: Inference, payload: Rows, cstate: Rows) -> torch.Tensor:
+        """[n, P]: the model each client fine-tunes under `eval.finetune` (the "+FT" prediction), given the
+        inference it predicts with, the payload it received and its client state. Default: the client's
+        inference model where it is one parametric model (`Inference.single`: one stream of logits, no
+        combination, no alternative); a method whose prediction is not one model (several streams, prototypes
+        on features) overrides this with the model it would send the client, or is refused: the default
+        raises a ConfigError naming the method and the key (checked before training,
+        `evaluate.check_finetune`)."""
+        rows = inference.single
+        if rows is None:
+            raise ConfigError("eval.finetune", None, f"0 for method={self.name}: its prediction is not one "
+                              f"parametric model (streams {', '.join(map(repr, inference.streams))}"
+                              + (f", features {', '.join(map(repr, inference.features))}" if inference.features
+                                 else "") + "), and it does not say which model a client would fine-tune "
+                              "(Algorithm.finetune_start)")
+        return rows
+
     def client_side_inference(self) -> bool:
         """True when inference needs the client (its state or its data): on Flower it runs on the nodes."""
         return bool(self.client_state) or type(self).inference is not Algorithm.inference

@@ -135,8 +135,13 @@ def feature_dim(model: torch.nn.Module) -> int:
 
 
 def make_selector(cfg: Config, ctx: Context, algo: Algorithm) -> Selector:
-    """The run's client-selection rule (fedprism.selection), its settings checked against the run."""
-    rule, N = cfg.get("selection", "uniform"), ctx.num_clients
+    """The run's client-selection rule (fedprism.selection), its settings checked against the run. With
+    `data.unseen_clients` the rule runs on the seen clients only (`federation.SeenSelector`)."""
+    from fedprism.experiment.federation import SeenSelector, unseen_mask
+
+    held = unseen_mask(cfg)
+    seen = np.arange(ctx.num_clients) if held is None else np.flatnonzero(~held)
+    rule, N = cfg.get("selection", "uniform"), len(seen)
     m = cohort_size(N, cfg["fraction"])
     d = cfg.get("selection.d", 0) or min(N, 2 * m)
     if rule != "uniform" and algo.own_cohort:
@@ -149,8 +154,10 @@ def make_selector(cfg: Config, ctx: Context, algo: Algorithm) -> Selector:
         if type(algo).model_for is Algorithm.model_for:
             raise ConfigError("selection", "poc", f"a method whose server holds each client's model (model_for); "
                               f"{cfg['method']} keeps its models on the clients")
-    return Selector(rule, cfg["seed"], N, cfg["fraction"], np.asarray(ctx.n_train), np.asarray(ctx.label_hist), d=d,
-                    rho=cfg.get("selection.rho", 0.95), tau=cfg.get("selection.tau", 0.1))
+    sel = Selector(rule, cfg["seed"], N, cfg["fraction"], np.asarray(ctx.n_train)[seen],
+                   np.asarray(ctx.label_hist)[seen], d=d, rho=cfg.get("selection.rho", 0.95),
+                   tau=cfg.get("selection.tau", 0.1))
+    return sel if held is None else SeenSelector(sel, seen)
 
 
 def drift_schedule(cfg: Config, fed: Federation):

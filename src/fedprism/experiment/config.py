@@ -53,6 +53,12 @@ KEYS: dict[str, Param] = {
     "data.val_fraction": Param(0.0, "fraction of each client's training rows held out as its validation split "
                                "(hyper-parameters are chosen on validation data, never on test data)",
                                lambda v: 0 <= v <= 0.5, "a number in [0, 0.5]", new=True),
+    "data.unseen_clients": Param(0.0, "fraction of the clients held out of every cohort (seeded; never sampled, "
+                                 "never trained): at each evaluation they receive what the method gives a "
+                                 "newcomer (Algorithm.newcomer_inference) and are reported as unseen_local_acc, "
+                                 "while local_acc and every other client metric average the seen clients only "
+                                 "(the participation gap; 0 = off)", lambda v: 0 <= v < 1, "a number in [0, 1)",
+                                 new=True),
     "data.synthetic_devices": Param(30, "dataset=synthetic: number of the generator's natural devices (FedProx's "
                                     "Synthetic(1, 1)); more devices, more samples (30: 4 308 train samples; 1000: "
                                     "about 286 000)", lambda v: 1 <= v <= 100_000, "an integer in [1, 100000]",
@@ -86,6 +92,12 @@ KEYS: dict[str, Param] = {
                           "final round always scores every client; sampled rounds are marked by the round metric "
                           "`eval_clients` and an `eval_sample` record", _nonneg, "an integer >= 0 (0: every client)",
                           new=True),
+    "eval.finetune": Param(0, "local epochs of fine-tuning, at evaluation, from the model each client "
+                           "predicts with (Algorithm.finetune_start), with the run's local optimiser settings, "
+                           "on the client's training rows; scored beside the headline as the alternative "
+                           "prediction `ft` (local_acc@ft, global_acc@ft); 0 = off. Evaluation-only: a finished "
+                           "run with a kept final state is re-scored without training", _nonneg,
+                           "an integer >= 0 (0: off)", new=True, eval_only=True),
     "eval.precision": Param("float32", "precision of every evaluation forward pass: float32, or bfloat16 "
                             "(weights and inputs cast; faster on CPUs with native bf16 such as AVX512-BF16, "
                             "numbers change slightly: bench/README.md). Training is always float32",
@@ -408,6 +420,12 @@ def resolve(raw: dict[str, Any]) -> Config:
                           "(0: every client)")
     if out["eval.gate"] != "none":
         _check_gate(out)
+    if out["data.unseen_clients"] > 0:
+        held = held_out_count(out["clients"], out["data.unseen_clients"])
+        if not 1 <= held < out["clients"]:
+            raise ConfigError("data.unseen_clients", out["data.unseen_clients"], "0 (off) or a fraction that holds "
+                              f"out at least one of the {out['clients']} clients and leaves at least one to "
+                              f"train (floor(fraction x clients) in [1, {out['clients'] - 1}]; it gives {held})")
     for key in DATASET_KEYS:            # a dataset's own key, given for a dataset that does not read it
         if out[key] != KEYS[key].default and key not in dict(DATASETS.get(out["dataset"]).config_keys):
             takers = [n for n, spec in DATASETS.all().items() if key in dict(spec.config_keys)]
@@ -420,6 +438,11 @@ def resolve(raw: dict[str, Any]) -> Config:
     for k in KERNEL_KEYS:                  # what runs, not what was asked: it is part of the run id
         out[k] = kernels.resolve(k, out[k], out["device"])
     return Config(out, auto)
+
+
+def held_out_count(clients: int, fraction: float) -> int:
+    """`data.unseen_clients`: how many of `clients` are held out, floor(fraction x clients)."""
+    return int(math.floor(fraction * clients + 1e-9))
 
 
 def _check_gate(out: dict) -> None:

@@ -297,6 +297,49 @@ class ClientScores:
     alternatives: dict[str, np.ndarray] = field(default_factory=dict)
     #: per-client accuracies on the validation splits, `val_acc` / `global_val_acc` (when the federation has them)
     validation: dict[str, np.ndarray] = field(default_factory=dict)
+    #: entry j is a held-out client (`data.unseen_clients`); None: every client is a seen one
+    unseen: np.ndarray | None = None
+
+    def subset(self, keep: np.ndarray) -> "ClientScores":
+        """The entries where `keep` (bool) is True."""
+        return ClientScores(self.clients[keep], self.local_acc[keep], self.local_loss[keep], self.local_f1[keep],
+                            self.n_test[keep], self.global_acc[keep], self.global_f1[keep], self.evaluated,
+                            {k: v[keep] for k, v in self.alternatives.items()},
+                            {k: v[keep] for k, v in self.validation.items()})
+
+
+#: the name of the fine-tuned prediction of `eval.finetune` (`<split>_acc@ft`)
+FINETUNED = "ft"
+#: `eval.finetune`'s random stream and its round: the batch order is a pure function of (seed, client), the
+#: same at every evaluation, independent of the training streams (another name), so a block, a re-scored run
+#: and an uninterrupted run fine-tune the same model from the same start (as FedBABU's fine-tuning)
+FINETUNE_STREAM, FINETUNE_ROUND = "eval_finetune", 0
+
+
+def finetune_models(engine, clients: np.ndarray, start: torch.Tensor, epochs: int) -> torch.Tensor:
+    """[n, P]: each client's `start` row after `epochs` local epochs on its training rows, with the run's
+    local optimiser settings (optimiser, learning rate, momentum, weight decay, batch size; fresh optimiser
+    state), the plain cross-entropy objective and the whole model trained (`eval.finetune`)."""
+    from fedprism.protocol import TrainJob
+
+    job = TrainJob(np.asarray(clients, dtype=np.int64), start, epochs=int(epochs), stream=FINETUNE_STREAM)
+    return engine.train(job, FINETUNE_ROUND).params
+
+
+def check_finetune(algo, engine, state: dict, value: int) -> None:
+    """`eval.finetune` > 0: refuse, before training, a method that cannot say which model a client would
+    fine-tune (`Algorithm.finetune_start` raises), by building one client's inference from `state` (the
+    initial server state) and fresh client state, as a newcomer's."""
+    from fedprism.errors import ConfigError
+
+    c = np.zeros(1, dtype=np.int64)
+    payload, cs = algo.eval_payload(state, c), algo.fresh_client_state(c)
+    try:
+        algo.finetune_start(algo.inference(engine, c, payload, cs), payload, cs)
+    except ConfigError as e:
+        if e.key != "eval.finetune":
+            raise
+        raise ConfigError("eval.finetune", value, e.allowed) from None
 
 
 def _rows(r: EvalResult) -> list[tuple]:
@@ -311,7 +354,8 @@ class Evaluator:
     `validation` adds 'val' (each client's validation rows) and/or 'global_val' (the global validation
     set), reported as `val_acc` / `global_val_acc` and used to choose hyper-parameters."""
 
-    def __init__(self, engine, num_clients: int, do_global: bool = True, validation: tuple[str, ...] = ()):
+    def __init__(self, engine, num_clients: int, do_global: bool = True, validation: tuple[str, ...] = (),
+                 finetune: int = 0, unseen: np.ndarray | None = None):
         self.engine = engine
         self.n = num_clients
         self.do_global = do_global
@@ -319,10 +363,18 @@ class Evaluator:
         self.streams = StreamScorer(engine, num_clients)
         self._own: dict[str, dict[int, tuple[bytes, tuple]]] = {}
         self._shared: dict[str, dict[bytes, tuple]] = {}
+        #: `eval.finetune`: local epochs of fine-tuning before the `ft` prediction (0: none)
+        self.finetune = int(finetune)
+        #: `data.unseen_clients`: [N] bool, True for the held-out clients (None: every client trains)
+        self.unseen = None if unseen is None or not np.asarray(unseen).any() else np.asarray(unseen, dtype=bool)
+        #: the fine-tuned models' scores, cached apart from the headline's (a client's two models)
+        self._ft: Evaluator | None = None
 
     def forget(self) -> None:
         """Drop the cached per-client scores of the clients' own splits (their data changed)."""
         self._own.clear()
+        if self._ft is not None:
+            self._ft.forget()
 
     @property
     def splits(self) -> list[str]:
@@ -355,6 +407,8 @@ class Evaluator:
         else:
             rows_of = cstate.view
         size = self.block_size()
+        if self.finetune or self.unseen is not None:
+            return self._with_options(algo, state, rows_of, clients, size)
         if everyone and self.n <= size:
             return self.score(self.inference(algo, state, rows_of(clients)))
         parts = []
@@ -369,6 +423,55 @@ class Evaluator:
         raw = {s: EvalResult.concat([p[1][s] for p in parts], self.engine.num_classes)
                for s in (parts[0][1] if parts else {})}
         return self._scores(results, sum(p[2] for p in parts), _alternatives(raw), clients)
+
+    def _with_options(self, algo, state: dict, rows_of, clients: np.ndarray, size: int) -> ClientScores:
+        """`__call__` under `eval.finetune` and/or `data.unseen_clients`. The seen clients' blocks are built
+        as always (`eval_payload`, `inference`, their client-state rows); the held-out clients' blocks with
+        the newcomer hooks (`newcomer_payload`, `newcomer_inference`) and fresh client state. Each block is
+        scored as `__call__` scores a block; with `eval.finetune` each client then fine-tunes
+        (`finetune_start`, `finetune_models`) and the fine-tuned models are scored on the same splits, as
+        the alternative prediction `ft`. The scores come back in the order of `clients`, and
+        `ClientScores.unseen` marks the held-out clients (`summarize` reports them apart)."""
+        held = np.zeros(len(clients), bool) if self.unseen is None else self.unseen[clients]
+        live: dict[str, set] = {}
+        ft_live: dict[str, set] = {}
+        parts: list[tuple[np.ndarray, dict, dict, int]] = []
+        for newcomer in (False, True):
+            members = clients[held == newcomer]
+            for b0 in range(0, len(members), size):
+                block = members[b0:b0 + size]
+                if newcomer:
+                    payload, cs = algo.newcomer_payload(state, block), algo.fresh_client_state(block)
+                    inf = algo.newcomer_inference(self.engine, block, payload, cs)
+                else:
+                    payload, cs = algo.eval_payload(state, block), rows_of(block)
+                    inf = algo.inference(self.engine, block, payload, cs)
+                results, raw, evaluated = self._score_block(inf, block, live)
+                alternatives = _alternatives(raw)
+                if self.finetune:
+                    tuned = finetune_models(self.engine, block, algo.finetune_start(inf, payload, cs), self.finetune)
+                    if self._ft is None:
+                        self._ft = Evaluator(self.engine, self.n, self.do_global, self.validation)
+                    ft, _, k = self._ft._score_block(Inference({"model": tuned}), block, ft_live)
+                    evaluated += k
+                    for split, rows in ft.items():
+                        alternatives[f"{split}_acc@{FINETUNED}"] = np.array(
+                            [r[0] / r[1] if r[1] else np.nan for r in rows])
+                parts.append((block, results, alternatives, evaluated))
+                del inf
+        self._prune(live)
+        if self._ft is not None:
+            self._ft._prune(ft_live)
+        order = np.argsort(np.concatenate([p[0] for p in parts]), kind="stable")
+        results = {s: [r for p in parts for r in p[1][s]] for s in self.splits}
+        results = {s: [rows[i] for i in order] for s, rows in results.items()}
+        names = sorted({k for p in parts for k in p[2]})
+        alternatives = {k: np.concatenate([p[2].get(k, np.full(len(p[0]), np.nan)) for p in parts])[order]
+                        for k in names}
+        scores = self._scores(results, sum(p[3] for p in parts), alternatives,
+                              np.concatenate([p[0] for p in parts])[order])
+        scores.unseen = None if self.unseen is None else self.unseen[scores.clients]
+        return scores
 
     def score(self, inf: Inference, clients: np.ndarray | None = None) -> ClientScores:
         """Score one inference of `clients` (default: every client; its rows are those clients' rows)."""
@@ -468,7 +571,15 @@ def _nanmean(x: np.ndarray) -> float:
 
 
 def summarize(s: ClientScores) -> dict:
-    """Round-level metrics from per-client scores (README "Evaluation semantics")."""
+    """Round-level metrics from per-client scores (docs/architecture.md, "Fine-tuning and unseen clients").
+    With held-out clients (`ClientScores.unseen`) every metric below averages the seen clients only, and the
+    held-out ones are summarised apart: `unseen_local_acc` (mean over those with local test rows),
+    `unseen_local_acc_weighted`, `unseen_local_f1`, `unseen_local_loss`, their alternative predictions on
+    the local split (`unseen_local_acc@<name>`) and their count `unseen_clients`."""
+    if s.unseen is not None and s.unseen.any():
+        out = summarize(s.subset(~s.unseen))
+        out.update(_unseen(s.subset(s.unseen)))
+        return out
     ok = s.n_test > 0
     la = s.local_acc[ok]
     out = {
@@ -487,4 +598,19 @@ def summarize(s: ClientScores) -> dict:
     for name, acc in {**s.validation, **s.alternatives}.items():   # mean over the clients with samples there
         if not np.all(np.isnan(acc)):
             out[name] = float(np.nanmean(acc))
+    return out
+
+
+def _unseen(s: ClientScores) -> dict:
+    """The held-out clients' local metrics (`summarize`), named `unseen_<metric>`."""
+    ok = s.n_test > 0
+    la = s.local_acc[ok]
+    out = {"unseen_clients": int(len(s.clients)),
+           "unseen_local_acc": float(np.mean(la)) if la.size else float("nan"),
+           "unseen_local_acc_weighted": float(np.sum(la * s.n_test[ok]) / max(1, s.n_test[ok].sum())),
+           "unseen_local_loss": _nanmean(s.local_loss) if ok.any() else float("nan"),
+           "unseen_local_f1": _nanmean(s.local_f1) if ok.any() else float("nan")}
+    for name, acc in s.alternatives.items():
+        if name.startswith("local_acc@") and not np.all(np.isnan(acc)):
+            out[f"unseen_{name}"] = float(np.nanmean(acc))
     return out

@@ -141,3 +141,60 @@ def build_federation(cfg: Config) -> Federation:
     return Federation(fed.x_train, fed.y_train, fed.x_test, fed.y_test, fed.train_idx, fed.test_idx,
                       fed.num_classes, fed.class_names, fed.name, dict(fed.meta), fed.val_idx, fed.x_val, fed.y_val,
                       fed.local_pool)
+
+
+# -- clients that never train (`data.unseen_clients`) -------------------------------------------------
+def held_out_clients(seed: int, num_clients: int, fraction: float) -> np.ndarray:
+    """`data.unseen_clients`: the floor(fraction x N) clients held out of every cohort, sorted, drawn
+    without replacement from a stream seeded by the run seed only (every method of a comparison holds out
+    the same clients); empty at fraction 0."""
+    from fedprism.experiment.config import held_out_count
+
+    k = held_out_count(num_clients, fraction) if fraction > 0 else 0
+    if k == 0:
+        return np.zeros(0, dtype=np.int64)
+    rng = np.random.default_rng([seed, 0x0A5E])
+    return np.sort(rng.choice(num_clients, size=k, replace=False)).astype(np.int64)
+
+
+def unseen_mask(cfg: Config) -> np.ndarray | None:
+    """[N] bool, True for the clients `data.unseen_clients` holds out; None when it is 0 (off)."""
+    fraction = float(cfg.get("data.unseen_clients", 0.0) or 0.0)
+    if fraction <= 0:
+        return None
+    mask = np.zeros(cfg["clients"], dtype=bool)
+    mask[held_out_clients(cfg["seed"], cfg["clients"], fraction)] = True
+    return mask
+
+
+class SeenSelector:
+    """A selection rule (`fedprism.selection.Selector`) run on the seen clients only: `inner` is built over
+    the seen clients' sizes and label counts (indices 0..S-1), and every index it returns, hands to the
+    loss query (Power-of-Choice) or records is mapped back to the federation's client ids. So the cohort
+    of a round is the rule's cohort of a federation of the seen clients, m_t = max(floor(q S), 1) of them,
+    and a held-out client is never drawn."""
+
+    def __init__(self, inner, seen: np.ndarray):
+        self.inner, self.seen = inner, np.asarray(seen, dtype=np.int64)
+
+    @property
+    def m(self) -> int:
+        return self.inner.m
+
+    def records(self) -> list[tuple]:
+        out = []
+        for kind, client, data in self.inner.records():
+            if kind == "latency":               # per seen client, in the order of `seen`
+                data = {**data, "clients": self.seen.tolist()}
+            elif kind == "haccs_groups":
+                data = {**data, "clients": self.seen.tolist()}
+            out.append((kind, client, data))
+        return out
+
+    def select(self, rnd: int, loss_of=None) -> tuple[np.ndarray, dict]:
+        seen = self.seen
+        inner_loss = None if loss_of is None else (lambda cand: loss_of(seen[np.asarray(cand, dtype=np.int64)]))
+        chosen, rec = self.inner.select(rnd, inner_loss)
+        if "candidates" in rec:
+            rec = {**rec, "candidates": seen[np.asarray(rec["candidates"], dtype=np.int64)].tolist()}
+        return seen[np.asarray(chosen, dtype=np.int64)], rec

@@ -32,8 +32,8 @@ from fedprism.experiment.callbacks import Callback, Loop, Round
 from fedprism.experiment.checkpoint import CheckpointRefused
 from fedprism.experiment.clientstore import ClientStore, StoreMismatch, make_store
 from fedprism.experiment.config import Config, prefer_stored
-from fedprism.experiment.evaluate import Evaluator, sample_eval_clients, summarize
-from fedprism.experiment.federation import build_federation, resolve_model_name  # noqa: F401
+from fedprism.experiment.evaluate import Evaluator, check_finetune, sample_eval_clients, summarize
+from fedprism.experiment.federation import build_federation, resolve_model_name, unseen_mask  # noqa: F401
 from fedprism.experiment.failures import stop_on_failure
 from fedprism.experiment.fresh import settle_stored
 from fedprism.experiment.provenance import capture, set_threads
@@ -273,8 +273,10 @@ def privacy_metrics(cfg: Config, privacy: Privacy | None) -> dict[str, float]:
     elif privacy.releases > LABEL_RELEASES:
         n = cfg["clients"]
         times = np.zeros(n, dtype=np.int64)
+        held = unseen_mask(cfg)                    # `data.unseen_clients`: cohorts of the seen clients
+        seen = np.arange(n) if held is None else np.flatnonzero(~held)
         for rnd in range(cfg["rounds"]):
-            times[sample_clients(cfg["seed"], rnd, n, cfg["fraction"])] += 1
+            times[seen[sample_clients(cfg["seed"], rnd, len(seen), cfg["fraction"])]] += 1
         k = int(times.max())
     return {"dp_epsilon": privacy.spent(LABEL_RELEASES + k), "dp_delta": privacy.delta,
             "dp_noise_multiplier": privacy.z, "dp_target_epsilon": privacy.epsilon}
@@ -322,6 +324,10 @@ class Experiment:
         self.upload = {k: spec.resolve(self.ctx) for k, spec in self.algo.upload().items()}
         self.drift = drift_schedule(cfg, self.fed)
         self._drifted = None
+        #: `data.unseen_clients`: [N] bool of the held-out clients (None: off); they are never in a plan
+        self.unseen = unseen_mask(cfg)
+        if cfg.get("eval.finetune", 0):          # a method that cannot say what it fine-tunes: refused now
+            check_finetune(self.algo, self.engine, self.initial_layout(), cfg["eval.finetune"])
 
     def client_store(self) -> ClientStore:
         """The simulator's store of the clients' own state (`state.storage`; methods without client
@@ -445,7 +451,8 @@ class Experiment:
         """The run's Evaluator: local and global test splits, plus the validation splits the config asks for."""
         validation = tuple(s for s, on in (("val", self.cfg["data.val_fraction"] > 0),
                                            ("global_val", self.cfg["data.global_val"] > 0)) if on)
-        return Evaluator(self.engine, self.ctx.num_clients, self.cfg["eval.global"], validation)
+        return Evaluator(self.engine, self.ctx.num_clients, self.cfg["eval.global"], validation,
+                         finetune=self.cfg.get("eval.finetune", 0), unseen=getattr(self, "unseen", None))
 
     # -- state beside the store ---------------------------------------------------------------------
     def _snapshot(self, rnd: int, state: dict, seen: np.ndarray, elapsed: float) -> dict:
@@ -691,6 +698,8 @@ class Experiment:
                 cb.on_eval(self, r)
         r.metrics.update(self.traffic(rnd, plan, update, loop.seen))
         r.records += self.extra_records(rnd) + (self.partition_records() if rnd == 0 else [])
+        if rnd == 0 and getattr(self, "unseen", None) is not None:
+            r.records.append(("unseen_clients", None, {"clients": np.flatnonzero(self.unseen).tolist()}))
         for cb in callbacks:
             cb.on_round_end(self, r)
         r.wall = time.time() - t0
@@ -707,6 +716,10 @@ class Experiment:
         rnd, state, name = r.index, loop.state, type(self.algo).__name__
         sampled, chosen_by = selector.select(rnd, lambda cand: self._losses(state, cand))
         plan = check_plan(self.algo.plan(state, rnd, sampled), self.algo.ctx.num_clients, name)
+        if getattr(self, "unseen", None) is not None:    # a plan beyond the cohort (Local's participation=all,
+            keep = ~self.unseen[plan.clients]            # FedClust's first round) leaves the held-out clients out
+            if not keep.all():
+                plan = plan.subset(np.flatnonzero(keep))
         t_train = time.time()
         update, failed = self.local_work(plan, rnd)
         stop_on_failure(self.cfg, failed, rnd)   # `fail_on_client_error=true`: a failed client fails the run
@@ -770,7 +783,7 @@ def _marks_failure(store: Store, run_id: str):
 
 
 FINAL_KEYS = ("global_acc", "local_acc", "local_acc_weighted", "ad", "sdad", "local_f1", "global_f1",
-              "global_model_acc")
+              "global_model_acc", "unseen_local_acc", "unseen_local_acc_weighted", "unseen_local_f1")
 
 
 def final_metrics(history: list[dict], seconds: float) -> dict:

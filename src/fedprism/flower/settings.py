@@ -174,6 +174,13 @@ def check_flower_config(cfg: Config) -> None:
     if cfg.get("eval.gate", "none") != "none":
         raise ConfigError("eval.gate", cfg["eval.gate"], "none on Flower: the gate is fitted on every "
                           "client's stream outputs in one process (in-process runs and re-scoring only)")
+    if cfg.get("eval.finetune", 0):
+        raise ConfigError("eval.finetune", cfg["eval.finetune"], "0 on Flower: a node scores the inference "
+                          "it builds and has no fine-tuning step (in-process runs and re-scoring only)")
+    if cfg.get("data.unseen_clients", 0.0):
+        raise ConfigError("data.unseen_clients", cfg["data.unseen_clients"], "0 on Flower: every connected "
+                          "node is a client of the federation, and a held-out node would need the newcomer "
+                          "evaluation, which the nodes do not run (in-process runs only)")
 
 
 def client_id_of(node_config: Mapping[str, Any], num_clients: int) -> int:
