@@ -39,6 +39,8 @@ Decisions where the paper is silent or this protocol differs:
   per-sample losses over n_i, so the chunking changes nothing but rounding). Weight decay is the
   optimiser's, the same for every client, and is not part of f_i. A client without training samples
   has g_i = 0.
+* Names: the server state holds x as `w` and c as `c`; the client state holds c_i as `c_i` (a name of its
+  own: client state never shares a name with the server state).
 * The control variates start at zero (c = c_i = 0, the paper's experiments). c is kept in float64 on the
   server (it accumulates over rounds) and sent as float32; c_i is a float32 row, computed in float64.
   Only clients whose reply was accepted enter (4) and (5) (a failed client keeps its c_i), so
@@ -118,7 +120,7 @@ class Scaffold(Algorithm):
     paper = "Karimireddy et al. 2020, arXiv:1910.06378"
     personalized = False
     averages = ("w",)
-    client_state = {"c": ClientState(("P",), init="zeros")}
+    client_state = {"c_i": ClientState(("P",), init="zeros")}
     params = {
         "option": Param("II", "control-variate update: I (c_i = the local gradient at x, one more pass over the "
                         "data) or II (c_i - c + (x - y_i) / (K eta), no extra pass)", choices=("I", "II")),
@@ -151,7 +153,7 @@ class Scaffold(Algorithm):
     def client_update(self, plan: Plan, trainer, rnd: int, cstate: dict) -> Update:
         """Option I's gradient at x (before training), then (1) from x, then (2) or (2'); upload (3)."""
         x, c = plan.start, plan.payload["c"]
-        c_i = cstate["c"].to(x.device, x.dtype)
+        c_i = cstate["c_i"].to(x.device, x.dtype)
         if self.hp["option"] == "I":
             dev = trainer.device
             rows = []
@@ -168,7 +170,7 @@ class Scaffold(Algorithm):
             s = self.ctx.train.for_job(job)
             c_new = option_two(c_i, c, x, t.params, t.steps.to(x.device), s.lr, s.momentum)
         return Update(t.clients, {"params": t.params, "delta_c": c_new - c_i}, t.n_samples,
-                      {"train_loss": t.loss}, client_state={"c": c_new})
+                      {"train_loss": t.loss}, client_state={"c_i": c_new})
 
     def aggregate(self, state: dict, rnd: int, update: Update) -> dict:
         """(4) through the shared server step, (5)."""
