@@ -15,7 +15,7 @@ from fedprism.engine.base import batch_order, stream_seed
 from fedprism.errors import ConfigError
 from fedprism.experiment.build import make_selector
 from fedprism.experiment.config import resolve
-from fedprism.experiment.evaluate import FINETUNE_ROUND, FINETUNE_STREAM, Evaluator, summarize
+from fedprism.experiment.evaluate import Evaluator, summarize
 from fedprism.experiment.federation import SeenSelector, held_out_clients, unseen_mask
 from fedprism.experiment.runner import Experiment
 from fedprism.experiment.store import Store
@@ -89,7 +89,7 @@ def test_finetuning_by_hand_equals_at_ft(tmp_path):
     for c in range(8):
         x, y = eng.data(c, "train")
         w, buf = w0.clone(), None
-        for b in batch_order(len(y), 2, 16, stream_seed(0, FINETUNE_ROUND, c, FINETUNE_STREAM)):
+        for b in batch_order(len(y), 2, 16, stream_seed(0, 0, c, "eval_finetune")):      # round 0, always
             v = w.detach().requires_grad_(True)
             g = torch.autograd.grad(F.cross_entropy(eng.f(v, x[b]), y[b]), v)[0]
             buf = g.clone() if buf is None else mom * buf + g
