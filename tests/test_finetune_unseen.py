@@ -230,3 +230,24 @@ def test_flower_refuses_both_options():
         check_flower_config(cfg(method="fedavg", eval__finetune=1))
     with pytest.raises(ConfigError, match="'data.unseen_clients' = 0.25 .*0 on Flower"):
         check_flower_config(cfg(method="fedavg", data__unseen_clients=0.25))
+
+
+def test_the_report_shows_ft_as_an_alternative_and_unseen_as_a_column(tmp_path):
+    from fedprism.report import write_report
+
+    store = Store(tmp_path / "r.db")
+    Experiment(cfg(method="fedavg"), store).run()
+    res = Experiment(cfg(method="fedavg", data__unseen_clients=0.25, eval__finetune=2, seed=1), store).run()
+    write_report(str(tmp_path / "r.db"), str(tmp_path / "out"), plots=False)
+    md = (tmp_path / "out" / "results.md").read_text()
+    f = res.final
+    assert f"| fine-tuned, 2 local epochs (eval.finetune) | {100 * f['global_acc@ft']:.2f} | " \
+           f"{100 * f['local_acc@ft']:.2f} |" in md
+    assert "| Loc Unseen |" in md and f"{100 * f['unseen_local_acc']:.2f}" in md
+    header = (tmp_path / "out" / "results.csv").read_text().splitlines()[0]
+    assert header.endswith(",unseen_local_acc")
+    alone = Store(tmp_path / "plain.db")                   # a report without held-out clients: no such column
+    Experiment(cfg(method="fedavg"), alone).run()
+    write_report(str(tmp_path / "plain.db"), str(tmp_path / "plain"), plots=False)
+    assert "Unseen" not in (tmp_path / "plain" / "results.md").read_text()
+    assert "unseen" not in (tmp_path / "plain" / "results.csv").read_text()

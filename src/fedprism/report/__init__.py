@@ -40,6 +40,25 @@ COLUMNS = [("global_acc", "Glob Final"), ("best_global_acc", "Glob Best"), ("loc
            ("best_local_acc", "Loc Best"), ("sdad", "SDAD"), ("global_model_acc", "G Final")]
 
 
+#: the held-out clients' column (`data.unseen_clients`), shown where a run of the report has it
+UNSEEN_COLUMNS = [("unseen_local_acc", "Loc Unseen")]
+
+
+def columns(groups) -> list[tuple[str, str]]:
+    """The per-setting tables' (and the CSV's) columns: `COLUMNS`, and `UNSEEN_COLUMNS` when a run of the
+    report scored held-out clients (`data.unseen_clients`), so that a report without them is unchanged."""
+    unseen = any("unseen_local_acc" in r["final"] for labels in groups.values() for runs in labels.values()
+                 for r in runs)
+    return COLUMNS + (UNSEEN_COLUMNS if unseen else [])
+
+
+def prediction_labels(cfg: dict) -> dict[str, str]:
+    """Row labels of the alternative predictions every method can have: `ft`, the fine-tuned model of
+    `eval.finetune` (the "+FT" rows of PFL benchmarks)."""
+    epochs = cfg.get("eval.finetune", 0)
+    return {"ft": f"fine-tuned, {epochs} local epoch{'s' if epochs != 1 else ''} (eval.finetune)"}
+
+
 def _column(run: dict, key: str) -> object:
     """A run's value of a detail column: a re-scored run's best_* is None (it holds its final round only,
     so its 'best' would be its final value, not a best over training)."""
@@ -245,7 +264,7 @@ def alternatives_table(groups) -> list[str]:
                           "temperatures T, from the same evaluation as the headline numbers.", ""]
                 cfg = r["config"]
                 head = method.headline(cfg) if method else "prediction"
-                label_of = method.predictions if method else {}
+                label_of = {**prediction_labels(cfg), **(method.predictions if method else {})}
                 md += [f"**{label}**, {setting}, seed {cfg['seed']} (`{r['run_id']}`)", "",
                        "| prediction | Glob | Loc |", "|---|---|---|",
                        f"| {_cell(head)} (headline) | {_pm([f.get('global_acc')])} | "
@@ -405,16 +424,17 @@ def tables(groups, reference: str | None = None,
     if store is not None:
         md += domain_table(store, groups)
         md += method_sections(store, groups)
+    shown = columns(groups)
     for setting in sorted(groups):
-        md += [f"## {setting}", "", "| method | seeds | " + " | ".join(h for _, h in COLUMNS) + " |",
-               "|---|---|" + "---|" * len(COLUMNS)]
+        md += [f"## {setting}", "", "| method | seeds | " + " | ".join(h for _, h in shown) + " |",
+               "|---|---|" + "---|" * len(shown)]
         for label in sorted(groups[setting]):
             runs = sorted(groups[setting][label], key=lambda x: x["config"]["seed"])
-            cells = [_pm([_column(r, k) for r in runs]) for k, _ in COLUMNS]
+            cells = [_pm([_column(r, k) for r in runs]) for k, _ in shown]
             md.append(f"| {_cell(label)} | {len(runs)} | " + " | ".join(cells) + " |")
             for r in runs:
                 rows.append([setting, label, r["config"]["seed"], r["run_id"]]
-                            + [_column(r, k) for k, _ in COLUMNS])
+                            + [_column(r, k) for k, _ in shown])
         gone = [(label, r) for label in sorted(groups[setting]) for r in groups[setting][label]
                 if r["final"].get("diverged")]
         if gone:                           # pooled like the others: say which seeds stopped learning
@@ -433,6 +453,10 @@ def tables(groups, reference: str | None = None,
               "on the global test set, where it has one. A row pools runs that differ only in their seed "
               "(and execution-only keys); rows that share a name are told apart by the keys in which they "
               "differ.")
+    if len(shown) > len(COLUMNS):
+        md.append("Loc Unseen: the clients held out of every cohort (`data.unseen_clients`), each scored with "
+                  "what its method gives a newcomer, on its own test split, mean over those clients; Glob, Loc, "
+                  "SDAD and their Best values of such a run average its seen clients only.")
     return "\n".join(md) + "\n", rows
 
 
@@ -664,7 +688,7 @@ def write_report(db: str, out: str, sweep: str | list[str] | None = None, plots:
         paths[0].write_text(md)
         with open(paths[1], "w", newline="") as f:
             w = csv.writer(f, lineterminator="\n")
-            w.writerow(["setting", "method", "seed", "run_id"] + [k for k, _ in COLUMNS])
+            w.writerow(["setting", "method", "seed", "run_id"] + [k for k, _ in columns(groups)])
             w.writerows(rows)
         if plots:
             import matplotlib
