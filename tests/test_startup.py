@@ -302,3 +302,12 @@ def test_digits_split_from_the_cache_is_the_computed_split_bit_for_bit(tmp_path)
         again = digits.split(2, 0.25, tmp_path)
     assert any("ignoring corrupt dataset cache" in str(w.message) for w in seen)
     assert all((getattr(raw, k) == getattr(again, k)).all() for k in ("x_train", "y_train", "x_test", "y_test"))
+
+
+def test_listing_the_datasets_imports_no_torch():
+    """`fedprism datasets` reads the datasets' declarations: no tensor is made, so neither torch nor any
+    method, model or engine module is imported (numpy is: the declarations' modules use it)."""
+    r, seen = fresh("import sys\nfrom fedprism.cli import main\nassert main(['datasets']) == 0")
+    assert "digits" in r.stdout and "fmnist" in r.stdout
+    assert [m for m in seen["heavy"] if m != "numpy"] == [], seen
+    assert [m for m in seen["components"] if not m.startswith("fedprism.data.")] == [], seen

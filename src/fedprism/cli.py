@@ -368,10 +368,9 @@ def _list_components(registry, names, describe, head=("key", "default", "meaning
     `describe(name, component) -> (title, rows)` says what to show; rows are lists of cells under `head`
     (no table when empty). `before(width)` prints what comes before the components when no name is given
     (the experiment keys in `fedprism methods`). An unknown name is refused with the registry's
-    did-you-mean before anything is printed or imported."""
-    from fedprism import plugins
-
-    plugins.load()
+    did-you-mean before anything is printed or imported. Only this kind's plugins are loaded (its
+    entry-point group): `fedprism datasets` imports no method, model or torch."""
+    registry.load_plugins()
     unknown = [n for n in names if n not in registry]
     if unknown:
         raise FedPrismError(registry.unknown(unknown[0]))

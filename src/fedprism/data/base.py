@@ -20,14 +20,16 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from fedprism.data.download import RemoteFile
 from fedprism.errors import ConfigError
 from fedprism.registry import Registry
+
+if TYPE_CHECKING:      # torch is imported where tensors are made or read: listing datasets needs none
+    import torch
 
 __all__ = ["DATASETS", "Dataset", "DatasetSpec", "FileSet", "KnownCopy", "check_loaded", "int_option",
            "float_option", "natural_datasets"]
@@ -75,6 +77,8 @@ class Dataset:
 
     def denormalize(self, x: torch.Tensor) -> torch.Tensor:
         """Undo the per-channel normalisation: images back in [0, 1] (tabular data is returned as is)."""
+        import torch
+
         if not self.mean:
             return x
         shape = (1, -1) + (1,) * (x.dim() - 2)
@@ -270,6 +274,8 @@ def check_loaded(spec: DatasetSpec, ds: object) -> Dataset:
     """What a registered (not built-in) loader returned, if a run can use it: a Dataset of tensors, float
     inputs, finite, one integer label in 0..classes-1 per input, both splits non-empty, one input shape,
     and the classes, shape and natural clients its spec declares."""
+    import torch
+
     name = spec.name
 
     def bad(what: str) -> ConfigError:

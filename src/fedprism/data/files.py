@@ -15,15 +15,18 @@ import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from fedprism.data import download as _download
 from fedprism.data import integrity as _integrity
 from fedprism.data.base import Dataset, DatasetSpec
 from fedprism.data.cache import Raw, cache_file, read_cache, write_cache
 from fedprism.errors import ConfigError, DataError
+
+if TYPE_CHECKING:      # torch is imported where tensors are made: finding files needs none
+    import torch
 
 __all__ = ["search_paths", "locate", "read_files", "load_images", "images", "to_tensor", "check_raw",
            "ignore_root"]
@@ -152,6 +155,8 @@ def load_images(spec: DatasetSpec, decode: Callable[[dict[str, Path], Path], Raw
 def to_tensor(x: np.ndarray, scale: float, mean: tuple[float, ...], std: tuple[float, ...],
               pad32: bool) -> torch.Tensor:
     """[N, C, H, W] -> float32 ``(x / scale - mean) / std``, zero-padded to 32x32 first if asked."""
+    import torch
+
     t = torch.from_numpy(np.array(x, dtype=np.float32))  # a fresh, writable copy
     t.div_(scale)
     if pad32:
@@ -170,6 +175,8 @@ def to_tensor(x: np.ndarray, scale: float, mean: tuple[float, ...], std: tuple[f
 def images(spec: DatasetSpec, xtr: np.ndarray, ytr: np.ndarray, xte: np.ndarray, yte: np.ndarray,
            classes: list[str], scale: float, pad32: bool, source: str) -> Dataset:
     """A Dataset of images ``x`` (uint8 or float [N, C, H, W]) normalised with the spec's mean and std."""
+    import torch
+
     mean, std = spec.mean, spec.std
     return Dataset(name=spec.name,
                    x_train=to_tensor(xtr, scale, mean, std, pad32),

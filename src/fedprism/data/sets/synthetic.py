@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from fedprism.data.base import DATASETS, Dataset, DatasetSpec, float_option, int_option
 from fedprism.data.files import ignore_root
@@ -62,6 +61,8 @@ def generate_synthetic(alpha: float = 1.0, beta: float = 1.0, num_devices: int =
             parts["y" + tag].append(y[idx])
             parts["g" + tag].append(np.full(len(idx), dev, dtype=np.int64))
     cat = {key: np.concatenate(v) for key, v in parts.items()}
+    import torch          # here: listing the datasets imports this module, and needs no tensor
+
     return Dataset(
         name="synthetic",
         x_train=torch.from_numpy(cat["xtr"].astype(np.float32)),

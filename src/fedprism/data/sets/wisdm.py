@@ -27,7 +27,6 @@ import zlib
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from fedprism.data.base import DATASETS, Dataset, DatasetSpec, FileSet, float_option, int_option
 from fedprism.data.cache import cache_file, load_npz, save_npz
@@ -225,6 +224,8 @@ def _load_wisdm(files: dict[str, Path], where: Path, cache: Path | None, seed: i
     std = x[tr].astype(np.float64).std(axis=0)
     std[std == 0] = 1.0
     xs = ((x - mean) / std).astype(np.float32)
+    import torch          # here: listing the datasets imports this module, and needs no tensor
+
     return Dataset(name=SPEC.name,
                    x_train=torch.from_numpy(xs[tr]), y_train=torch.from_numpy(y[tr].astype(np.int64)),
                    x_test=torch.from_numpy(xs[te]), y_test=torch.from_numpy(y[te].astype(np.int64)),
