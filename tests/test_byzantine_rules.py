@@ -356,3 +356,16 @@ def test_itertools_free_reference_sanity():
     best = min(range(n), key=lambda i: min(sum(((x[i] - x[j]) ** 2).sum() for j in c)
                                            for c in itertools.combinations([j for j in range(n) if j != i], n - f - 2)))
     assert best == 1 and average(V, W, rule="krum", f=f).tolist() == V[best].tolist()
+
+
+def test_the_server_step_passes_f_and_m_to_the_rule():
+    """`<method>.aggregation.f` and `.m` reach `average` through `ServerStep` (robust_args)."""
+    from fedprism.algorithms.aggregation import ServerStep
+
+    hp = {"aggregation": "multi_krum", "aggregation.f": 2, "aggregation.m": 3}
+    x = torch.cat([V, torch.tensor([[0.5, 0.5], [0.2, 0.9], [5.0, 5.0]])])
+    w = torch.ones(8)
+    got = ServerStep(hp).average(x, w)
+    assert torch.equal(got, average(x, w, rule="multi_krum", f=2, m=3))     # rows 5, 6, 1
+    assert not torch.equal(got, average(x, w, rule="multi_krum", f=1, m=3))  # rows 5, 6, 3
+    assert not torch.equal(ServerStep({**hp, "aggregation.m": 0}).average(x, w), got)

@@ -16,7 +16,7 @@ from test_fedprox_ditto_apfl import SMALL, assert_same_run, run
 
 from fedprism.algorithms.fedavg import FedAvg
 from fedprism.algorithms.feddyn import FedDyn, dyn_loss, gradient_state, server_model, server_state
-from fedprism.algorithms.moon import Moon, contrastive
+from fedprism.algorithms.moon import Moon, contrastive, moon_loss
 from fedprism.cli import main
 from fedprism.engine import LocalConfig, SequentialEngine
 from fedprism.engine.vectorized import VectorizedEngine
@@ -43,6 +43,23 @@ def test_feddyn_with_alpha_zero_is_fedavg_bit_for_bit(tmp_path, engine):
 @pytest.mark.parametrize("engine", ["sequential", "vectorized"])
 def test_moon_with_mu_zero_is_fedavg_bit_for_bit(tmp_path, engine):
     assert_same_run(run(tmp_path, "fedavg", engine=engine), run(tmp_path, "moon", engine=engine, moon__mu=0.0))
+
+
+@pytest.mark.parametrize("cls, hp, state", [(FedDyn, {"alpha": 0.0}, "g"), (Moon, {"mu": 0.0}, "prev")])
+def test_the_reducing_setting_trains_the_plain_objective(digits, cls, hp, state):
+    """alpha = 0 / mu = 0 hand the engine the experiment's own objective (`ce`, no extras): the path of
+    FedAvg's client whatever the kernels, and no forward passes of the frozen models; otherwise the method's
+    own loss."""
+    algo, eng = _tiny(digits, cls, **hp)
+    jobs, real = [], eng.train
+    eng.train = lambda job, rnd: jobs.append(job) or real(job, rnd)
+    P = algo.ctx.spec.size
+    plan = Plan(np.array([0, 1]), {"params": algo.ctx.init.expand(2, -1).clone()})
+    algo.client_update(plan, eng, 0, {state: torch.zeros(2, P)})
+    assert jobs[-1].loss == "ce" and jobs[-1].extras == {}
+    algo2, _ = _tiny(digits, cls)
+    algo2.client_update(plan, eng, 0, {state: torch.zeros(2, P)})
+    assert jobs[-1].loss is (dyn_loss if cls is FedDyn else moon_loss)
 
 
 def test_the_regularisers_act(tmp_path):

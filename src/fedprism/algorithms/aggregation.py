@@ -326,17 +326,15 @@ def krum(x: torch.Tensor, w: torch.Tensor, sent: torch.Tensor | None, f: int) ->
 
 
 def multi_krum(x: torch.Tensor, w: torch.Tensor, sent: torch.Tensor | None, f: int, m: int) -> torch.Tensor:
-    """Multi-Krum (K3), float64 [P]: the weighted mean of the m rows of lowest Krum score (m = 0: n - f).
-    When every row is chosen (m = n and no row of weight 0) it is `weighted_sum(x, w)`, the `mean` rule's
-    own call, so the numbers are the mean's bit for bit."""
+    """Multi-Krum (K3), float64 [P]: the weighted mean of the m rows of lowest Krum score (m = 0: n - f),
+    `weighted_sum` of the chosen rows in their order: when every row is chosen (m = n, no row of weight 0)
+    that is the `mean` rule's call on the same rows, so the numbers are the mean's bit for bit."""
     idx, x64, w64, v = _rows_taking_part(x, w, sent)
     n = len(idx)
     f = krum_f(n, f)
     if f < 0:
         return weighted_sum(x, w)
     sel = multi_krum_select(squared_distances(v), f, m)
-    if len(sel) == len(x):
-        return weighted_sum(x, w)
     return weighted_sum(x64[sel], w64[sel])
 
 
