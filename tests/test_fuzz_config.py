@@ -137,6 +137,10 @@ def test_every_valid_configuration_resolves(data, method, partition):
     except ConfigError as e:                          # only cross-parameter rules may still refuse it
         if e.key == "eval.clients":                   # more clients scored than the federation has
             assert raw["eval.clients"] > raw.get("clients", KEYS["clients"].default), e
+        elif e.key == "data.unseen_clients":          # a fraction that holds out no client, or every one
+            from fedprism.experiment.config import held_out_count
+            n = raw.get("clients", KEYS["clients"].default)
+            assert not 1 <= held_out_count(n, raw["data.unseen_clients"]) < n, e
         elif e.key == "data.synthetic_devices":       # the synthetic generator's key with another dataset
             assert raw.get("dataset", KEYS["dataset"].default) != "synthetic", e
         elif e.key == "eval.gate":                    # a gate needs two streams and both validation splits
