@@ -413,14 +413,18 @@ def test_a_run_of_one_evaluated_round_is_a_marker_on_the_accuracy_plot(tmp_path,
     store = Store(db)
     base = {"method": "fedavg", "dataset": "digits", "model": "mlp", "clients": 4, "fraction": 1.0,
             "local_epochs": 1, "engine": "sequential", "seed": 0}
-    ids = {f"R{n}": Experiment(resolve({**base, "rounds": n}), store).run().run_id for n in (1, 3)}
+    cfgs = {f"R{n}": resolve({**base, "rounds": n}) for n in (1, 3)}
+    ids = {k: Experiment(c, store).run().run_id for k, c in cfgs.items()}
     seen = {}
 
     def keep(fig, path):
         if "accuracy" in Path(path).name:
             seen.update({ln.get_label(): (len(ln.get_xdata()), ln.get_marker()) for ln in fig.axes[0].lines})
         fig.savefig(path)
+        return [path]
 
     monkeypatch.setattr(report, "_save", keep)
-    report.plot_setting(store, "s", {k: [{"run_id": v}] for k, v in ids.items()}, tmp_path)
-    assert seen["R1"] == (1, "D") and seen["R3"] == (3, "None")
+    report.plot_setting(store, "s", {k: [{"run_id": v, "config": dict(cfgs[k].values)}] for k, v in ids.items()},
+                        tmp_path)
+    assert seen["R1"] == (1, "D")                  # one point: a large diamond
+    assert seen["R3"][0] == 3 and seen["R3"][1] not in ("D", "None")    # a line with its method's markers

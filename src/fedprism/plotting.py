@@ -1,6 +1,8 @@
 """Matplotlib set-up shared by every figure fedprism draws (the report's and those a method's package adds
-through `Algorithm.report_figures`): the off-screen backend, one font size, and PNG files without metadata,
-so that a committed figure is redrawn to the same bytes by the same matplotlib."""
+through `Algorithm.report_figures`): the off-screen backend, one font size, and each figure written twice,
+as PNG (shown in results.md and embedded in report.html) and as PDF beside it (vector, for a paper), both
+without metadata that changes between runs (`save`), so that a committed figure is redrawn to the same
+bytes by the same matplotlib."""
 
 from __future__ import annotations
 
@@ -24,3 +26,17 @@ def save_png(fig, path: Path) -> None:
     """`fig` as a PNG at `path`: 90 dpi, no metadata, the whole figure (a legend beside the axes may be
     taller than the figure; the saved image holds all of it)."""
     fig.savefig(path, dpi=90, metadata={"Software": None}, bbox_inches="tight", pad_inches=0.1)
+
+
+#: the PDF metadata matplotlib would fill with its version and the current time: left out
+PDF_METADATA = {"Creator": None, "Producer": None, "CreationDate": None}
+
+
+def save(fig, path: Path) -> list[Path]:
+    """`fig` as a PNG at `path` (`save_png`) and as a PDF beside it (the same name, `.pdf`; no creation date,
+    creator or producer, so the same figure gives the same bytes). Returns both paths, PNG first."""
+    path = Path(path)
+    save_png(fig, path)
+    pdf = path.with_suffix(".pdf")
+    fig.savefig(pdf, metadata=PDF_METADATA, bbox_inches="tight", pad_inches=0.1)
+    return [path, pdf]

@@ -17,7 +17,7 @@ arguments), so the tau of a Clust-PSI-PFL run equals the tau shown here for its 
 The protocols (partition, parameter, grid, the values of Figs. 5-6, how they are named and drawn) are
 data: study.toml beside this module. This module is the method package's `study` companion, found by
 `fedprism report --partition-study fmnist --out DIR` through `Algorithm.partition_study` (never by the
-method's name); it writes partition_study.md, partition_study.csv and the three figures, reads no store
+method's name); it writes partition_study.md, partition_study.csv and the three figures (PNG and PDF), reads no store
 and writes nothing else.
 
 The seeds (`--seed`, repeatable) are checked before anything is loaded or written: each must be a seed a
@@ -188,7 +188,7 @@ def markdown(div: list[dict], sil: list[dict], dataset: str, skipped: Skipped = 
 
 
 def plot(div: list[dict], sil: list[dict], out: Path) -> list[Path]:
-    from fedprism.plotting import pyplot as _plt, save_png as _save
+    from fedprism.plotting import pyplot as _plt, save as _save
 
     plt = _plt()
     paths = []
@@ -216,8 +216,7 @@ def plot(div: list[dict], sil: list[dict], out: Path) -> list[Path]:
         ax.grid(alpha=0.3)
     fig.suptitle(f"WPSI^L and divergences against the non-IID level, K = {div[0]['clients']} clients" if div else "")
     fig.tight_layout()
-    paths.append(out / "partition_wpsi.png")
-    _save(fig, paths[-1])
+    paths += _save(fig, out / "partition_wpsi.png")
     plt.close(fig)
 
     settings = sorted({(r["protocol"], r["param"], r["value"]) for r in sil})
@@ -240,8 +239,7 @@ def plot(div: list[dict], sil: list[dict], out: Path) -> list[Path]:
         ax.grid(alpha=0.3)
         ax.legend(frameon=False, fontsize=8)
     fig.tight_layout()
-    paths.append(out / "partition_silhouette.png")
-    _save(fig, paths[-1])
+    paths += _save(fig, out / "partition_silhouette.png")
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -256,8 +254,7 @@ def plot(div: list[dict], sil: list[dict], out: Path) -> list[Path]:
     ax.grid(alpha=0.3)
     ax.legend(frameon=False)
     fig.tight_layout()
-    paths.append(out / "partition_tau.png")
-    _save(fig, paths[-1])
+    paths += _save(fig, out / "partition_tau.png")
     plt.close(fig)
     return paths
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from fedprism.algorithms.fedprism_dual.routing import routing_choice_table
-from fedprism.plotting import pyplot, save_png
+from fedprism.plotting import pyplot, save
 from fedprism.textable import md_cell
 
 
@@ -87,10 +87,9 @@ def plot_alpha(store, run: dict, out: Path, label: str, name: str) -> list[Path]
     ax.set_title(f"adaptive alpha: {label} (seed {run['config']['seed']})")
     ax.legend(loc="center right", frameon=False)
     fig.tight_layout()
-    p = out / name
-    save_png(fig, p)
+    paths = save(fig, out / name)
     plt.close(fig)
-    return [p]
+    return paths
 
 
 def sections(store, groups) -> list[str]:
