@@ -18,6 +18,7 @@ import pytest
 
 from fedprism import kernels
 from fedprism.cli import main
+from fedprism.errors import ConfigError
 from fedprism.experiment.config import prefer_stored, resolve
 from fedprism.experiment.store import Store
 from fedprism.kernels import build
@@ -171,6 +172,9 @@ def test_auto_resolves_to_fused_where_built_and_to_aten_on_cuda_or_pinned(monkey
     monkeypatch.setenv(kernels.PIN, "aten")
     assert kernels.resolve("train.kernels", "auto", "cpu") == "aten"
     assert kernels.resolve("train.kernels", "fused", "cpu") == "fused"     # the pin is auto's only
+    monkeypatch.setenv(kernels.PIN, "fused")
+    with pytest.raises(ConfigError, match="environment variable 'FEDPRISM_KERNELS' = 'fused' is not valid: aten"):
+        kernels.resolve("train.kernels", "auto", "cpu")
 
 
 LENET = {"dataset": "fmnist", "model": "lenet5", "clients": 4, "rounds": 2, "fraction": 0.5, "local_epochs": 1,

@@ -29,6 +29,7 @@ import os
 import sys
 import warnings
 
+from fedprism.errors import ConfigError
 from fedprism.kernels.build import LIBRARIES, built, load, unavailable_reason
 
 #: what `train.kernels` may be after resolution (and what an engine's `LocalConfig.train_kernels` takes)
@@ -59,13 +60,18 @@ def on_cuda(device: str) -> bool:
 
 def resolve(key: str, requested: str, device: str = "cpu") -> str:
     """The kernels that a run asking for `key` = `requested` (`CHOICES`) runs on this machine with
-    `device`: ``aten`` or ``fused``, never ``auto`` and never kernels that cannot run here. A request that cannot be met warns, naming the reason
-    and what runs instead; ``auto`` that resolves to ``aten`` on a CPU prints a one-line note."""
+    `device`: ``aten`` or ``fused``, never ``auto`` and never kernels that cannot run here. A request that
+    cannot be met warns, naming the reason and what runs instead; ``auto`` that resolves to ``aten`` on a
+    CPU prints a one-line note."""
     if requested == "aten":
         return "aten"
+    pin = os.environ.get(PIN, "")
+    if pin not in ("", "aten"):
+        raise ConfigError(PIN, pin, "aten (train.kernels / eval.kernels = auto then resolve to PyTorch's "
+                          "kernels) or unset", kind="environment variable")
     cuda = on_cuda(device)
     if requested == "auto":
-        if cuda or os.environ.get(PIN, "") == "aten":
+        if cuda or pin == "aten":
             return "aten"
         if built("fused") and load("fused"):
             return "fused"
