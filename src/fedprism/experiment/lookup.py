@@ -126,8 +126,9 @@ def _libraries() -> dict[str, Any]:
 def _plugins() -> list[list[str]]:
     from importlib.metadata import entry_points
 
+    found = entry_points()                      # every distribution's, read once, then selected by group
     return sorted([ep.group, ep.name, ep.value] for kind in ("methods", "datasets", "models", "partitions")
-                  for ep in entry_points(group=f"fedprism.{kind}"))
+                  for ep in found.select(group=f"fedprism.{kind}"))
 
 
 def _kernels() -> list:
