@@ -238,3 +238,221 @@ def test_fedem_refuses_bad_values_and_fused_kernels():
     with pytest.raises(ConfigError, match=r"fedem\.m"):
         resolve({"method": "fedem", "fedem.m": 0})
     assert resolve({"method": "fedem"})["train.kernels"] == "aten"
+
+
+# ==== FedPAC ===============================================================================================
+from fedprism.algorithms.fedpac import (FedPAC, collaboration_matrix, combination_weights,  # noqa: E402
+                                        feature_statistics, project_simplex, simplex_qp)
+
+
+@pytest.mark.parametrize("engine", ["sequential", "vectorized"])
+def test_fedpac_without_alignment_and_collaboration_is_fedrep_bit_for_bit(tmp_path, engine):
+    """lambda = 0, collaborate = false: FedRep with one head epoch and E body epochs, the same body and every
+    stored metric but the bytes (FedPAC also sends prototypes and statistics)."""
+    ref = run(tmp_path, "fedrep", engine=engine, fedrep__head_epochs=1, fedrep__body_epochs=1)
+    got = run(tmp_path, "fedpac", engine=engine, fedpac__lam=0.0, fedpac__collaborate=False)
+    assert torch.equal(ref[0].state["shared"], got[0].state["shared"])
+    assert torch.equal(ref[0].clients.data["local"], got[0].clients.data["local"])
+    for ha, hb in zip(ref[1].history, got[1].history):
+        for k in set(ha) - TIMING - {"bytes_up", "bytes_down"}:
+            assert ha[k] == hb[k], (k, ha[k], hb[k])
+        assert hb["bytes_up"] > ha["bytes_up"]
+    assert ref[2] == got[2]
+
+
+def test_fedpac_alignment_and_collaboration_act(tmp_path):
+    ref = run(tmp_path, "fedpac", fedpac__lam=0.0, fedpac__collaborate=False)[0]
+    aligned = run(tmp_path, "fedpac", fedpac__collaborate=False)[0]
+    assert not torch.equal(ref.state["shared"], aligned.state["shared"])
+    # on IID clients the feature statistics are close: the heads of the last round's clients are mixed
+    full = run(tmp_path, "fedpac", partition="iid")[0]
+    mixed = [i for i in torch.nonzero(full.state["combined"]).flatten().tolist()
+             if not torch.equal(full.state["heads"][i], full.clients.data["local"][i, full.algo.head])]
+    assert mixed
+
+
+def test_simplex_projection_by_the_numbers():
+    t = torch.tensor
+    assert torch.allclose(project_simplex(t([0.2, 0.3, 0.5], dtype=torch.float64)), t([0.2, 0.3, 0.5], dtype=torch.float64))
+    assert torch.allclose(project_simplex(t([2.0, 0.0], dtype=torch.float64)), t([1.0, 0.0], dtype=torch.float64))
+    assert torch.allclose(project_simplex(t([1.0, 1.0, -5.0], dtype=torch.float64)), t([0.5, 0.5, 0.0], dtype=torch.float64))
+    assert torch.allclose(project_simplex(t([0.5, 0.0, 0.0], dtype=torch.float64)),
+                          t([0.5 + 0.5 / 3, 0.5 / 3, 0.5 / 3], dtype=torch.float64))
+
+
+def _kkt_optimum(Q: torch.Tensor) -> torch.Tensor:
+    """The exact minimiser of a^T Q a on the simplex (Q positive definite) by enumerating supports: on a
+    support s, 2 Q_ss a_s = nu 1 and sum a_s = 1; keep the feasible solution with the least objective."""
+    import itertools
+    n, best, arg = len(Q), math.inf, None
+    for r in range(1, n + 1):
+        for s in itertools.combinations(range(n), r):
+            s = list(s)
+            x = torch.linalg.solve(Q[s][:, s], torch.ones(r, dtype=torch.float64))
+            a = torch.zeros(n, dtype=torch.float64)
+            a[s] = x / x.sum()
+            if bool((a >= -1e-12).all()):
+                v = float(a @ Q @ a)
+                if v < best:
+                    best, arg = v, a
+    return arg
+
+
+def test_fedpac_qp_weights_on_hand_made_cases():
+    d = torch.float64
+    # no bias: (8) is min sum_j a_j^2 V_j, whose optimum is the inverse-variance weights
+    V = torch.tensor([1.0, 2.0, 4.0], dtype=d)
+    assert torch.allclose(simplex_qp(torch.diag(V)), (1 / V) / (1 / V).sum(), atol=1e-9)
+    # an active bound: on a + b = 1, (a, b) Q (a, b) = 14 a^2 - 16 a + 10 falls until a = 8/7 > 1: a = 1
+    assert torch.allclose(simplex_qp(torch.tensor([[1.0, 2.0], [2.0, 10.0]], dtype=d)),
+                          torch.tensor([1.0, 0.0], dtype=d), atol=1e-9)
+    # Q = 0: every point is optimal; the uniform start is kept
+    assert torch.equal(simplex_qp(torch.zeros(3, 3, dtype=d)), torch.full((3,), 1 / 3, dtype=d))
+    # random positive definite problems against the exact KKT optimum
+    g = torch.Generator().manual_seed(0)
+    for n in (2, 3, 4, 5):
+        A = torch.randn(n, n + 1, generator=g, dtype=d)
+        Q = A @ A.T + 0.1 * torch.eye(n, dtype=d)
+        Q[0, 0] += 5.0 * float(torch.rand(1, generator=g))
+        assert torch.allclose(simplex_qp(Q), _kkt_optimum(Q), atol=1e-7)
+
+
+def test_fedpac_combination_weights_from_feature_statistics():
+    """Three clients, two classes, d = 2: clients 0 and 1 have the same h (no bias between them), client 2's h
+    is far away (every entry 20). V = (1, 1, 1). For client 0: Q = diag(1, 1, 1) + |h_0 - h_2|^2 = 4 x 400 on the
+    third diagonal entry, so a = (1, 1, 1/1601) / (2 + 1/1601): a_2 < 1e-3 is set to 0, a = (1/2, 1/2, 0).
+    Client 2 is far from both others: the others' weights fall below 1e-3 and its own head takes all."""
+    h = torch.zeros(3, 2, 2)
+    h[2] = 20.0
+    V = torch.ones(3, dtype=torch.float64)
+    Q0 = collaboration_matrix(V, h, 0)
+    assert torch.allclose(Q0, torch.diag(torch.tensor([1.0, 1.0, 1601.0], dtype=torch.float64)))
+    raw = simplex_qp(Q0)
+    want = torch.tensor([1.0, 1.0, 1 / 1601], dtype=torch.float64)
+    assert torch.allclose(raw, want / want.sum(), atol=1e-9)
+    alpha = combination_weights(V, h)
+    assert torch.allclose(alpha[0], torch.tensor([0.5, 0.5, 0.0], dtype=torch.float64), atol=1e-9)
+    assert torch.allclose(alpha[1], alpha[0])
+    Q2 = collaboration_matrix(V, h, 2)
+    assert torch.allclose(simplex_qp(Q2), _kkt_optimum(Q2), atol=1e-9)             # (3.1e-4, 3.1e-4, 0.99938)
+    assert torch.equal(alpha[2], torch.tensor([0.0, 0.0, 1.0], dtype=torch.float64))
+    assert torch.allclose(alpha.sum(1), torch.ones(3, dtype=torch.float64))
+    # the cross terms: D_jj' = sum_k <h_ik - h_jk, h_ik - h_j'k>: <(1, -1), (-1, -2)> = 1
+    h = torch.tensor([[[1.0, 0.0]], [[0.0, 1.0]], [[2.0, 2.0]]])
+    D = collaboration_matrix(torch.zeros(3), h, 0)
+    assert torch.allclose(D, torch.tensor([[0.0, 0.0, 0.0], [0.0, 2.0, 1.0], [0.0, 1.0, 5.0]], dtype=torch.float64))
+
+
+def test_fedpac_feature_statistics_by_hand(digits):
+    algo, eng = tiny(digits, FedPAC)
+    w = algo.ctx.init.expand(2, -1)
+    V, h = feature_statistics(eng, np.array([1, 2]), w, 10)
+    for i, c in enumerate((1, 2)):
+        xs, ys = eng.data(c, "train")
+        z = eng.f.features(algo.ctx.init, xs).double()
+        n, want_h, want_v = len(ys), torch.zeros(10, z.shape[1], dtype=torch.float64), 0.0
+        for k in range(10):
+            zk = z[ys == k]
+            if len(zk):
+                p = len(zk) / n
+                want_h[k] = p * zk.mean(0)
+                want_v += p * (zk * zk).sum(1).mean() - (want_h[k] ** 2).sum()
+        assert torch.allclose(h[i].double(), want_h, atol=1e-5)
+        assert V[i].item() == pytest.approx(float(want_v) / n, rel=1e-5)
+
+
+def test_fedpac_client_round_by_hand(digits):
+    """One client, global prototypes for classes 0-4 only: one epoch of SGD on the head (CE, body frozen) on
+    stream 'fedrep_head', then one epoch on the body with CE + lambda mean((f(x) - c_y)^2) over the batch and
+    the d dimensions for samples of classes with a prototype (head frozen), on 'fedrep_body'."""
+    lam, lr, rnd = 0.7, 0.1, 1
+    algo, eng = tiny(digits, FedPAC, lam=lam)
+    spec, P = algo.ctx.spec, algo.ctx.spec.size
+    d = algo.ctx.feature_dim
+    g = torch.Generator().manual_seed(5)
+    protos = torch.randn(10, d, generator=g)
+    present = (torch.arange(10) < 5).float()
+    body = algo.ctx.init[algo.shared] + 0.01 * torch.randn(len(algo.shared), generator=g)
+    local = algo.ctx.init + 0.02 * torch.randn(P, generator=g)
+    plan = Plan(np.array([1]), {"shared": body[None].clone(), "protos": protos[None], "present": present[None],
+                                "head": torch.zeros(1, algo.H), "combined": torch.zeros(1)})
+    up = algo.client_update(plan, eng, rnd, {"local": local[None].clone()})
+    xs, ys = eng.data(1, "train")
+    start = local.clone()
+    start[algo.shared] = body
+    head_mask = torch.zeros(P)
+    head_mask[spec.head] = 1.0
+
+    def head_loss(w, x, y):
+        return F.cross_entropy(eng.f(w, x), y) + 0 * w.sum()
+
+    def body_loss(w, x, y):
+        z = eng.f.features(w, x)
+        reg = ((z - protos[y]) ** 2).sum(1) * present[y]
+        return F.cross_entropy(eng.f.head(w, z), y) + lam * reg.sum() / (len(y) * d)
+    w = start.clone()
+    for b in batches(eng, 1, rnd, "fedrep_head"):
+        wr = w.clone().requires_grad_(True)
+        (gr,) = torch.autograd.grad(head_loss(wr, xs[b], ys[b]), wr)
+        w = w - lr * gr * head_mask
+    for b in batches(eng, 1, rnd, "fedrep_body"):
+        wr = w.clone().requires_grad_(True)
+        (gr,) = torch.autograd.grad(body_loss(wr, xs[b], ys[b]), wr)
+        w = w - lr * gr * (1 - head_mask)
+    assert torch.allclose(up.client_state["local"][0], w, atol=1e-5)
+    assert torch.allclose(up.payload["shared"][0], w[algo.shared]) and torch.allclose(up.payload["head"][0], w[spec.head])
+    # (5) with the trained body, (1)-(2) with the received one
+    z = eng.f.features(w, xs).double()
+    for k in range(10):
+        if (ys == k).any():
+            assert torch.allclose(up.payload["protos"][0, k].double(), z[ys == k].mean(0), atol=1e-5)
+    V, h = feature_statistics(eng, np.array([1]), start[None], 10)
+    assert torch.allclose(up.payload["V"].double(), V.double()) and torch.allclose(up.payload["h"], h)
+
+
+def test_fedpac_server_step_by_hand(digits):
+    """(6) the n_i-weighted body, (7) the class-count-weighted prototypes, (8)-(9) each client's combined head
+    from the round's heads; a client outside the round keeps its row."""
+    algo, _ = tiny(digits, FedPAC, sizes=(30, 45, 20, 10))
+    state = algo.init_state()
+    before = state["heads"][3].clone()
+    g = torch.Generator().manual_seed(7)
+    S, C, d, H = np.array([0, 2, 1]), 10, algo.ctx.feature_dim, algo.H
+    shared = torch.randn(3, len(algo.shared), generator=g)
+    heads = torch.randn(3, H, generator=g)
+    protos = torch.randn(3, C, d, generator=g)
+    counts = torch.randint(0, 4, (3, C), generator=g).float()
+    V = torch.rand(3, generator=g) + 0.1
+    h = 0.3 * torch.randn(3, C, d, generator=g)
+    n = torch.tensor([30.0, 20.0, 45.0], dtype=torch.float64)
+    up = Update(S, {"shared": shared, "head": heads, "protos": protos, "counts": counts, "V": V, "h": h}, n)
+    algo.aggregate(state, 1, up)
+    assert torch.allclose(state["shared"], ((n[:, None] * shared.double()).sum(0) / n.sum()).float(), atol=1e-6)
+    for k in range(C):
+        if counts[:, k].sum() > 0:
+            want = (counts[:, k, None] * protos[:, k]).sum(0) / counts[:, k].sum()
+            assert torch.allclose(state["protos"][k], want, atol=1e-5) and bool(state["present"][k])
+    for r, c in enumerate(S):
+        a = simplex_qp(collaboration_matrix(V.double(), h, r))
+        a = torch.where(a < 1e-3, torch.zeros_like(a), a)
+        a = a / a.sum()
+        assert torch.allclose(state["heads"][c].double(), a @ heads.double(), atol=1e-6)
+        assert bool(state["combined"][c])
+    assert torch.equal(state["heads"][3], before) and not bool(state["combined"][3])
+
+
+def test_fedpac_both_engines_agree_through_the_runner(tmp_path):
+    out = []
+    for engine in ("sequential", "vectorized"):
+        (tmp_path / engine).mkdir()
+        e = run(tmp_path / engine, "fedpac", engine=engine)[0]
+        out.append((e.state["shared"], e.state["heads"], e.state["protos"], e.clients.data["local"]))
+    for a, b in zip(*out):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_fedpac_refuses_bad_values():
+    with pytest.raises(ConfigError, match=r"fedpac\.lam"):
+        resolve({"method": "fedpac", "fedpac.lam": -1.0})
+    with pytest.raises(ConfigError, match=r"fedpac\.body_epochs"):
+        resolve({"method": "fedpac", "fedpac.head_epochs": 0, "fedpac.body_epochs": 0})
