@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from conftest import unequal_federation
 from test_fedprox_ditto_apfl import SMALL, TIMING, run
 
-from fedprism.algorithms.fednova import FedNova, effective_steps, rescaled_models
+from fedprism.algorithms.fednova import FedNova, effective_steps, rescaled_models, tau_eff
 from fedprism.algorithms.qffl import LOSS_OFFSET, QFFL, qffl_step
 from fedprism.algorithms.scaffold import Scaffold, corrected_ce, option_two, server_model, server_variate
 from fedprism.cli import main
@@ -196,6 +196,9 @@ def test_scaffold_server_step_by_the_numbers():
     state["c"] = torch.tensor([0.5, 0.0], dtype=torch.float64)
     algo.aggregate(state, 0, up)
     assert state["w"].tolist() == [2.0, 3.0] and state["c"].tolist() == [1.5, 0.0]
+    plan = algo.plan(state, 1, np.array([0, 2]))                             # the next round sends x and c
+    assert plan.payload["params"].tolist() == [[2.0, 3.0]] * 2 and plan.payload["c"].tolist() == [[1.5, 0.0]] * 2
+    assert plan.payload["c"].dtype == torch.float32 and state["c"].dtype == torch.float64
     # eta_g = 1, samples weighting: the n_i mean (2 x 10 + 1 x 30) / 40 = 1.25, (10 + 90) / 40 = 2.5
     algo = Scaffold(ctx, weighting="samples")
     state = algo.init_state()
@@ -203,7 +206,7 @@ def test_scaffold_server_step_by_the_numbers():
     assert state["w"].tolist() == [1.25, 2.5] and state["c"].tolist() == [1.0, 0.0]
     # the pure functions: eta_g = 1 returns the average itself; option II with K = 0 keeps c_i
     avg = torch.tensor([0.1, 0.7], dtype=torch.float64)
-    assert server_model(avg, torch.ones(2), 1.0) is avg
+    assert torch.equal(server_model(avg, torch.tensor([5.0, -3.0]), 1.0), avg)
     assert server_variate(torch.zeros(2), torch.ones(3, 2), 6).tolist() == [0.5, 0.5]
     got = option_two(torch.tensor([[1.0, 2.0], [1.0, 2.0]]), torch.full((2, 2), 0.5), torch.ones(2, 2),
                      torch.tensor([[0.0, 2.0], [0.0, 2.0]]), torch.tensor([4, 0]), lr=0.5)
@@ -281,10 +284,14 @@ def test_fednova_server_step_by_the_numbers():
     state = algo.init_state()
     algo.aggregate(state, 0, up)
     assert state["w"].tolist() == pytest.approx([1 - 2.625 * 0.5, 1 - 2.625 * (3 / 4.25) / 2], abs=1e-6)
-    # rescaled_models: equal a gives the rows themselves, bit for bit; a = 0 gives x
-    y = torch.randn(3, 5, generator=torch.Generator().manual_seed(0))
-    p = torch.tensor([0.2, 0.3, 0.5], dtype=torch.float64)
-    assert torch.equal(rescaled_models(torch.zeros(5), y, torch.full((3,), 2.7, dtype=torch.float64), p), y.double())
+    # rescaled_models: equal a gives the rows themselves, bit for bit (here sum_j p_j a is not a in floating
+    # point, and x - (tau_eff / a)(x - y) would miss y); a = 0 gives x
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(5, generator=gen), torch.randn(3, 5, generator=gen)
+    p = torch.full((3,), 1 / 3, dtype=torch.float64)
+    a = torch.full((3,), 7.1, dtype=torch.float64)
+    assert tau_eff(a, p) != 7.1
+    assert torch.equal(rescaled_models(x, y, a, p), y.double())
     z = rescaled_models(torch.ones(5), y, torch.tensor([0.0, 1.0, 2.0], dtype=torch.float64), p)
     assert torch.equal(z[0], torch.ones(5, dtype=torch.float64))
 

@@ -102,10 +102,9 @@ def option_two(c_i: torch.Tensor, c: torch.Tensor, x: torch.Tensor, y: torch.Ten
 
 
 def server_model(avg: torch.Tensor, x: torch.Tensor, global_lr: float) -> torch.Tensor:
-    """(4): x + eta_g (avg - x), float64, written avg + (eta_g - 1)(avg - x): eta_g = 1 gives avg bit for bit."""
+    """(4): x + eta_g (avg - x), float64, written avg + (eta_g - 1)(avg - x): at eta_g = 1 it adds an exact
+    zero, so the result is avg bit for bit."""
     avg = avg.to(torch.float64)
-    if global_lr == 1.0:
-        return avg
     return avg + (global_lr - 1.0) * (avg - x.to(torch.float64))
 
 
