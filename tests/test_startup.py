@@ -311,3 +311,13 @@ def test_listing_the_datasets_imports_no_torch():
     assert "digits" in r.stdout and "fmnist" in r.stdout
     assert [m for m in seen["heavy"] if m != "numpy"] == [], seen
     assert [m for m in seen["components"] if not m.startswith("fedprism.data.")] == [], seen
+
+
+def test_exporting_a_store_imports_no_torch(stored, tmp_path):
+    """`fedprism export` copies the store's tables: no method's code, no torch, no matplotlib."""
+    db = stored[0]
+    r, seen = fresh("import sys\nfrom fedprism.cli import main\n"
+                    "assert main(['export', '--db', sys.argv[1], '--out', sys.argv[2]]) == 0",
+                    str(db), str(tmp_path / "csv"))
+    assert any((tmp_path / "csv").iterdir())
+    assert [m for m in seen["heavy"] if m != "numpy"] == [] and seen["components"] == [], seen

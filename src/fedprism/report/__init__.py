@@ -25,7 +25,6 @@ from pathlib import Path
 
 import numpy as np
 
-from fedprism.algorithms import REGISTRY
 from fedprism.errors import FedPrismError
 from fedprism.experiment.config import EXECUTION_KEYS, KERNEL_KEYS
 from fedprism.experiment.store import Store
@@ -248,6 +247,8 @@ def reference_table(groups, name: str) -> list[str]:
 def alternatives_table(groups) -> list[str]:
     """Runs whose evaluation also scored alternative predictions (`<split>_acc@<name>`: fedprism_dual's
     streams alone and other routing temperatures T): final Glob / Loc of each, next to the headline."""
+    from fedprism.algorithms import REGISTRY   # here: `fedprism export` imports this package, and no method
+
     md: list[str] = []
     for setting in sorted(groups):
         for label in sorted(groups[setting]):
@@ -400,6 +401,8 @@ def of_method(groups, method: str) -> dict[str, dict[str, list[dict]]]:
 def method_sections(store: Store, groups) -> list[str]:
     """The sections only some methods' runs have, each method's own (`Algorithm.report_sections`, given its
     runs alone), by method name."""
+    from fedprism.algorithms import REGISTRY   # here: `fedprism export` imports this package, and no method
+
     md: list[str] = []
     for name in sorted({r["config"]["method"] for labels in groups.values() for runs in labels.values()
                         for r in runs}):
@@ -719,6 +722,8 @@ def plot_clusters(store: Store, run: dict, out: Path, label: str | None = None,
 
 def plan_figures(store: Store, groups) -> dict[str, list[tuple[str, str, object]]]:
     """setting -> [(path relative to the report folder, caption, drawer)] of every plot the report has."""
+    from fedprism.algorithms import REGISTRY   # here: `fedprism export` imports this package, and no method
+
     plan: dict[str, list[tuple[str, str, object]]] = {}
     used: set[str] = set()
 
@@ -758,6 +763,7 @@ def partition_studies() -> dict[str, object]:
     """Method name -> the writer of its study of partitions alone (`Algorithm.partition_study`), for every
     registered method that has one, plugins included, in the registry's order."""
     from fedprism import plugins
+    from fedprism.algorithms import REGISTRY   # here: `fedprism export` imports this package, and no method
 
     plugins.load()
     found = {}
