@@ -36,6 +36,18 @@ def test_krum_scores_by_hand():
     assert krum_scores(d2, 0).tolist() == [7, 7, 11, 5, 507]
 
 
+def test_squared_distances_in_blocks_of_columns(monkeypatch):
+    """Blocks of a few columns give the distances of whole rows (the sums of exact small integers here)."""
+    import fedprism.algorithms.aggregation as agg
+
+    g = torch.Generator().manual_seed(8)
+    v = torch.randint(-5, 6, (6, 11), generator=g).double()
+    want = ((v[:, None, :] - v[None, :, :]) ** 2).sum(-1)
+    monkeypatch.setattr(agg, "_DIST_BLOCK", 13)                    # 2 columns a block for 6 rows
+    got = squared_distances(v)
+    assert torch.equal(got, want) and torch.equal(got, got.T)
+
+
 def test_krum_and_multi_krum_choose_by_hand():
     # Krum: the lowest score, s1 = 2 -> V1 itself (weights play no part in the choice)
     assert average(V, W, rule="krum", f=1).tolist() == [1.0, 0.0]

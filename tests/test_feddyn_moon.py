@@ -247,7 +247,8 @@ def test_both_engines_agree(digits, cls, hp):
         torch.testing.assert_close(a.double(), b.double(), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("method, extra", [("feddyn", {"feddyn.alpha": 0.1}), ("moon", {})])
+@pytest.mark.parametrize("method, extra", [("feddyn", {"feddyn.alpha": 0.1}), ("moon", {}),
+                                           ("fedavg", {"fedavg.aggregation": "krum", "fedavg.aggregation.f": 0})])
 def test_both_engines_agree_through_the_runner(tmp_path, method, extra):
     from fedprism.experiment.runner import Experiment
     from fedprism.experiment.store import Store

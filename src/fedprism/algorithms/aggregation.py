@@ -263,15 +263,26 @@ def _rows_taking_part(x: torch.Tensor, w: torch.Tensor, sent: torch.Tensor | Non
     return idx, x64, w64[idx], v
 
 
+#: elements of one block of columns `squared_distances` works on at a time (32 MiB of float64)
+_DIST_BLOCK = 1 << 22
+
+
 def squared_distances(v: torch.Tensor) -> torch.Tensor:
-    """[n, n] float64 ||v_i - v_j||^2, row by row (exact differences, no Gram-matrix cancellation;
-    memory n x P)."""
+    """[n, n] float64 ||v_i - v_j||^2 from the differences themselves (no Gram-matrix cancellation), a
+    block of columns at a time so that the working memory stays about `_DIST_BLOCK` elements whatever P.
+    Symmetric bit for bit (v_j - v_i is -(v_i - v_j) exactly)."""
     v = v.to(torch.float64)
-    out = torch.empty(len(v), len(v), dtype=torch.float64)
-    for i in range(len(v)):
-        d = v - v[i]
-        out[i] = (d * d).sum(1)
-    return out
+    n, P = v.shape
+    out = torch.zeros(n, n, dtype=torch.float64)
+    step = max(1, _DIST_BLOCK // max(n, 1))
+    buf = torch.empty(n, min(step, P), dtype=torch.float64)
+    for a in range(0, P, step):
+        blk = v[:, a:a + step]
+        for i in range(n - 1):                                # the pairs j > i; the rest by symmetry
+            d = buf[: n - 1 - i, : blk.shape[1]]
+            torch.sub(blk[i + 1:], blk[i], out=d)
+            out[i, i + 1:] += d.square_().sum(1)
+    return out + out.T
 
 
 def krum_scores(d2: torch.Tensor, f: int) -> torch.Tensor:
