@@ -456,3 +456,167 @@ def test_fedpac_refuses_bad_values():
         resolve({"method": "fedpac", "fedpac.lam": -1.0})
     with pytest.raises(ConfigError, match=r"fedpac\.body_epochs"):
         resolve({"method": "fedpac", "fedpac.head_epochs": 0, "fedpac.body_epochs": 0})
+
+
+# ==== GPFL =================================================================================================
+from fedprism.algorithms.gpfl import (GPFL, angle_loss, conditional_inputs, cov_size, gpfl_loss,  # noqa: E402
+                                      magnitude_loss, split_vector, valve)
+
+
+def _layer_norm(v, w, b, eps=1e-5):
+    m = v.mean(-1, keepdim=True)
+    var = ((v - m) ** 2).mean(-1, keepdim=True)
+    return (v - m) / torch.sqrt(var + eps) * w + b
+
+
+def _valve_by_hand(cov, f, v):
+    """(3) written out: gamma = LN(ReLU(W_g v + b_g)), beta = LN(ReLU(W_b v + b_b)), ReLU(f (gamma + 1) + beta)."""
+    d = f.shape[-1]
+    o, parts = 0, []
+    for size in [d * d, d, d, d] * 2:
+        parts.append(cov[o:o + size])
+        o += size
+    gW, gb, glw, glb, bW, bb, blw, blb = parts
+    gamma = _layer_norm(torch.relu(gW.reshape(d, d) @ v + gb), glw, glb)
+    beta = _layer_norm(torch.relu(bW.reshape(d, d) @ v + bb), blw, blb)
+    return torch.relu(f * (gamma + 1) + beta)
+
+
+def test_gpfl_parts_by_the_numbers():
+    """(1)-(2) conditional inputs, (3) the valve, (6) the angle-level and (7) the magnitude-level terms on
+    made-up numbers (d = 2, C = 3)."""
+    emb = torch.tensor([[1.0, 0.0], [0.0, 2.0], [3.0, 3.0]])
+    g, p = conditional_inputs(emb, torch.tensor([0.5, 0.5, 0.0]))
+    assert torch.allclose(g, torch.tensor([4 / 3, 5 / 3])) and torch.allclose(p, torch.tensor([0.5, 1.0]))
+    # the valve: with zero linear layers and LayerNorm bias 0, gamma = beta = 0 and CoV(f) = ReLU(f)
+    d = 2
+    assert cov_size(d) == 2 * (4 + 2) + 8
+    zero = torch.zeros(cov_size(d))
+    f = torch.tensor([[1.5, -2.0], [0.0, 3.0]])
+    assert torch.equal(valve(zero, f, p), torch.relu(f))
+    gen = torch.Generator().manual_seed(0)
+    cov = torch.randn(cov_size(d), generator=gen)
+    assert torch.allclose(valve(cov, f, p), _valve_by_hand(cov, f, p), atol=1e-6)
+    # (6): cosines of fg to the embeddings, then cross-entropy
+    fg = torch.tensor([[2.0, 0.0], [1.0, 1.0]])
+    y = torch.tensor([0, 2])
+    s = 1 / math.sqrt(2)
+    cos = torch.tensor([[1.0, 0.0, s], [s, s, 1.0]])
+    want = (-(cos[0, 0] - torch.logsumexp(cos[0], 0)) - (cos[1, 2] - torch.logsumexp(cos[1], 0))) / 2
+    assert angle_loss(fg, emb, y, torch.ones(2)).item() == pytest.approx(want.item(), abs=1e-6)
+    # (7): ||(2, 0) - (1, 0)|| = 1 and ||(1, 1) - (3, 3)|| = sqrt(8), averaged; a padded row weighs 0
+    assert magnitude_loss(fg, emb, y, torch.ones(2)).item() == pytest.approx((1 + math.sqrt(8)) / 2, abs=1e-6)
+    assert magnitude_loss(fg, emb, y, torch.tensor([1.0, 0.0])).item() == pytest.approx(1.0, abs=1e-6)
+    # a zero distance has a zero (not NaN) gradient
+    at = emb[:1].clone().requires_grad_(True)
+    (gr,) = torch.autograd.grad(magnitude_loss(at, emb, torch.tensor([0]), torch.ones(1)), at)
+    assert torch.equal(gr, torch.zeros_like(gr))
+
+
+def _gpfl_setup(digits, **hp):
+    algo, eng = tiny(digits, GPFL, **hp)
+    state = algo.init_state()
+    return algo, eng, state
+
+
+def test_gpfl_objective_by_hand_and_without_regularisers(digits):
+    """(9) on one batch = L_P + L_alg + lambda L_mlg + mu/2 R, each written out; with lambda = mu = 0 it is
+    L_P + L_alg exactly and the received embeddings play no part."""
+    algo, eng, state = _gpfl_setup(digits)
+    P, d, C = algo.P, algo.d, algo.C
+    w, cov, emb = algo.parts(algo.ctx.init[None], state["shared"][None])
+    xs, ys = eng.data(0, "train")
+    x, y, wt = xs[:16], ys[:16], torch.ones(16)
+    g, p = conditional_inputs(emb[0], torch.full((C,), 1.0 / C))
+    frozen = emb[0] + 0.1
+    z = torch.cat([w[0], cov[0], emb[0].reshape(-1)])
+
+    def ex(lam, mu):
+        return {"g": g, "p": p, "frozen": frozen.reshape(-1), "lam": torch.tensor(lam), "mu": torch.tensor(mu)}
+    f = eng.f.features(w[0], x)
+    fP = torch.stack([_valve_by_hand(cov[0], f[b], p) for b in range(16)])
+    fG = torch.stack([_valve_by_hand(cov[0], f[b], g) for b in range(16)])
+    L_P = F.cross_entropy(eng.f.head(w[0], fP), y)
+    cosines = torch.stack([torch.stack([F.cosine_similarity(fG[b], emb[0, c], dim=0) for c in range(C)])
+                           for b in range(16)])
+    L_alg = F.cross_entropy(cosines, y)
+    L_mlg = torch.stack([torch.linalg.norm(fG[b] - frozen[y[b]]) for b in range(16)]).mean()
+    R = (cov[0] ** 2).sum() + (emb[0] ** 2).sum()
+    got = gpfl_loss(eng.f, z, x, y, wt, ex(0.3, 0.2))
+    assert got.item() == pytest.approx((L_P + L_alg + 0.3 * L_mlg + 0.1 * R).item(), rel=1e-5)
+    plain = gpfl_loss(eng.f, z, x, y, wt, ex(0.0, 0.0))
+    assert plain.item() == pytest.approx((L_P + L_alg).item(), rel=1e-5)
+    other = ex(0.0, 0.0)
+    other["frozen"] = torch.randn(C * d)
+    zr = z.clone().requires_grad_(True)
+    (ga,) = torch.autograd.grad(gpfl_loss(eng.f, zr, x, y, wt, ex(0.0, 0.0)), zr)
+    (gb,) = torch.autograd.grad(gpfl_loss(eng.f, zr, x, y, wt, other), zr)
+    assert torch.equal(plain, gpfl_loss(eng.f, z, x, y, wt, other)) and torch.equal(ga, gb)
+    # the split of the training vector
+    a, b, c = split_vector(z, P, d, C)
+    assert torch.equal(a, w[0]) and torch.equal(b, cov[0]) and torch.equal(c, emb[0])
+
+
+def test_gpfl_client_round_by_hand(digits):
+    """One epoch of plain SGD on (9) over [model; CoV; GCE] from the received body, CoV and GCE and the
+    client's own head, with (1)-(2) from the received GCE and the client's label fractions; the upload is
+    [body; CoV; GCE], the client keeps its model."""
+    lr, rnd, lam, mu = 0.1, 1, 0.05, 0.01
+    algo, eng, state = _gpfl_setup(digits, lam=lam, mu=mu)
+    P, d, C = algo.P, algo.d, algo.C
+    gen = torch.Generator().manual_seed(4)
+    local = algo.ctx.init + 0.02 * torch.randn(P, generator=gen)
+    plan = Plan(np.array([2]), {"shared": state["shared"][None].clone()})
+    up = algo.client_update(plan, eng, rnd, {"local": local[None].clone()})
+    w, cov, emb = algo.parts(local[None], state["shared"][None])
+    xs, ys = eng.data(2, "train")
+    frac = torch.bincount(ys, minlength=C).float() / len(ys)
+    g, p = emb[0].mean(0), frac @ emb[0]
+    ex = {"g": g, "p": p, "frozen": emb[0].reshape(-1), "lam": torch.tensor(lam), "mu": torch.tensor(mu)}
+    z0 = torch.cat([w[0], cov[0], emb[0].reshape(-1)])
+    want = sgd(z0, lr, lambda z, x, y: gpfl_loss(eng.f, z, x, y, torch.ones(len(y)), ex), xs, ys,
+               batches(eng, 2, rnd))
+    assert torch.allclose(up.client_state["local"][0], want[:P], atol=1e-5)
+    assert torch.allclose(up.payload["shared"][0], torch.cat([want[:P][algo.shared], want[P:]]), atol=1e-5)
+
+
+def test_gpfl_prediction_is_the_head_on_the_personalized_feature(digits):
+    algo, eng, state = _gpfl_setup(digits)
+    clients = np.array([0, 1])
+    local = algo.ctx.init.expand(2, -1).clone()
+    inf = algo.inference(eng, clients, algo.eval_payload(state, clients), {"local": local})
+    xs, ys = eng.data(1, "local")
+    z = {"features": eng.features(inf.streams["features"], xs)}
+    out = inf.combine(z, inf.extras)
+    w, cov, emb = algo.parts(local, state["shared"].expand(2, -1))
+    frac = torch.bincount(eng.data(1, "train")[1], minlength=10).float()
+    p = (frac / frac.sum()) @ emb[1]
+    want = eng.f.head(w[1], valve(cov[1], eng.f.features(w[1], xs), p))
+    assert torch.allclose(out[1], want, atol=1e-5)
+
+
+def test_gpfl_both_engines_agree_through_the_runner(tmp_path):
+    out = []
+    for engine in ("sequential", "vectorized"):
+        (tmp_path / engine).mkdir()
+        e, res, rows = run(tmp_path / engine, "gpfl", engine=engine)
+        out.append((e.state["shared"], e.clients.data["local"], res.history[-1]["local_acc"]))
+    torch.testing.assert_close(out[0][0], out[1][0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out[0][1], out[1][1], atol=1e-4, rtol=1e-4)
+    assert out[0][2] == pytest.approx(out[1][2], abs=0.02)
+
+
+def test_gpfl_refuses_bad_values():
+    for key in ("gpfl.lam", "gpfl.mu"):
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            resolve({"method": "gpfl", key: -0.5})
+    assert resolve({"method": "gpfl"})["train.kernels"] == "aten"
+
+
+# ==== the listing ==========================================================================================
+def test_fedprism_methods_lists_the_three(capsys):
+    assert main(["methods"]) == 0
+    out = capsys.readouterr().out
+    assert "fedpac  (Xu, Tong, Huang 2023" in out and "fedpac.lam" in out and "fedpac.collaborate" in out
+    assert "gpfl  (Zhang et al. 2023" in out and "gpfl.lam" in out and "gpfl.mu" in out
+    assert "fedem  (Marfoq" in out and "fedem.m" in out
