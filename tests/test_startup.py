@@ -321,3 +321,15 @@ def test_exporting_a_store_imports_no_torch(stored, tmp_path):
                     str(db), str(tmp_path / "csv"))
     assert any((tmp_path / "csv").iterdir())
     assert [m for m in seen["heavy"] if m != "numpy"] == [] and seen["components"] == [], seen
+
+
+def test_listing_a_stored_method_s_runs_imports_no_torch(stored):
+    """`fedprism runs --method NAME` for a method the store holds runs of needs no method's code; an unknown
+    name is still refused with the registry's did-you-mean (which imports the methods)."""
+    db = stored[0]
+    r, seen = fresh("import sys\nfrom fedprism.cli import main\n"
+                    "assert main(['runs', '--db', sys.argv[1], '--method', 'fedavg']) == 0", str(db))
+    assert "finished" in r.stdout and seen == {"heavy": [], "components": []}, seen
+    r, seen = fresh("import sys\nfrom fedprism.cli import main\n"
+                    "assert main(['runs', '--db', sys.argv[1], '--method', 'fedavgg']) == 2", str(db))
+    assert "did you mean fedavg?" in r.stderr

@@ -218,14 +218,14 @@ def cmd_runs(args) -> int:
 def _runs(args, store) -> int:
     if args.sweep:
         store.require_sweeps([args.sweep])
-    if args.method:
+    stored = sorted({r[0] for r in store.db.execute("SELECT DISTINCT method FROM runs")}) if args.method else []
+    if args.method and args.method not in stored:      # a stored method's runs are listed without its code
         from fedprism import plugins
         from fedprism.algorithms import REGISTRY
         from fedprism.experiment.config import suggest
 
         plugins.load()
-        stored = sorted({r[0] for r in store.db.execute("SELECT DISTINCT method FROM runs")})
-        if args.method not in REGISTRY and args.method not in stored:
+        if args.method not in REGISTRY:
             raise FedPrismError(f"no method {args.method!r}{suggest(args.method, sorted({*REGISTRY, *stored}))};"
                                 f" methods of stored runs: {', '.join(stored) or 'none'}")
     where = {k: v for k, v in (("method", args.method), ("status", args.status)) if v}
