@@ -333,3 +333,16 @@ def test_listing_a_stored_method_s_runs_imports_no_torch(stored):
     r, seen = fresh("import sys\nfrom fedprism.cli import main\n"
                     "assert main(['runs', '--db', sys.argv[1], '--method', 'fedavgg']) == 2", str(db))
     assert "did you mean fedavg?" in r.stderr
+
+
+def test_the_memo_keeps_a_bounded_number_of_entries(tmp_path, monkeypatch):
+    """Every edit of fedprism is another key; past MAX_ENTRIES the least recently written tenth goes."""
+    monkeypatch.setattr(lookup, "MAX_ENTRIES", 10)
+    monkeypatch.setenv("FEDPRISM_CACHE", str(tmp_path))
+    for i in range(10):
+        assert lookup._write(f"{i:064x}", "{}")
+        os.utime(lookup._path(f"{i:064x}"), ns=(i * 10**9, i * 10**9))      # written in the order of i
+    assert len(list(lookup.memo_dir().glob("*.json"))) == 10
+    assert lookup._write("f" * 64, "{}")                                     # the 11th: 9 stay
+    left = sorted(p.stem for p in lookup.memo_dir().glob("*.json"))
+    assert len(left) == 9 and "f" * 64 in left and f"{0:064x}" not in left and f"{1:064x}" not in left

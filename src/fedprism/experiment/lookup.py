@@ -45,7 +45,7 @@ stored final metrics and rounds. What is not repeated: the one-line notes and wa
 
 Entries are written only by the full path of a process that started without torch (`Recorder`), once
 the run finished, and only when the entry, read back, gives the same run id, training id and
-PyTorch-kernels alternative as the configuration it records.
+PyTorch-kernels alternative as the configuration it records; at most `MAX_ENTRIES` are kept.
 """
 
 from __future__ import annotations
@@ -68,6 +68,9 @@ FORMAT = 1
 LIBRARIES = ("torch", "numpy", "scipy", "sklearn")
 #: environment variables read on the way to a run id or a fingerprint, besides every FEDPRISM_* one
 ENVIRONMENT = ("CUDA_VISIBLE_DEVICES", "CC", "CXX")
+#: the most entries kept (a few kB each): every edit of fedprism is another key, so a working tree leaves
+#: entries behind; past this many, the least recently written tenth is removed when one is written
+MAX_ENTRIES = 4000
 
 
 def memo_dir() -> Path:
@@ -325,7 +328,22 @@ def _write(k: str, text: str) -> bool:
             raise
     except OSError:
         return False
+    _prune(folder)
     return True
+
+
+def _prune(folder: Path, keep: int | None = None) -> None:
+    """Remove the least recently written entries beyond `keep` (default MAX_ENTRIES), down to 90% of it."""
+    keep = MAX_ENTRIES if keep is None else keep
+    try:
+        entries = [e for e in os.scandir(folder) if e.name.endswith(".json") and not e.name.startswith(".")]
+        if len(entries) <= keep:
+            return
+        entries.sort(key=lambda e: e.stat().st_mtime_ns)
+        for e in entries[:len(entries) - keep * 9 // 10]:
+            Path(e.path).unlink(missing_ok=True)
+    except OSError:                      # another process pruned it meanwhile, or a read-only cache
+        pass
 
 
 __all__ = ["FORMAT", "Recorder", "code_hash", "config_of", "key", "memo_dir", "pristine", "stored_result"]
