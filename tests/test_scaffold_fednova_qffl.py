@@ -18,7 +18,6 @@ from fedprism.algorithms.qffl import LOSS_OFFSET, QFFL, qffl_step
 from fedprism.algorithms.scaffold import Scaffold, corrected_ce, option_two, server_model, server_variate
 from fedprism.cli import main
 from fedprism.engine import LocalConfig, SequentialEngine
-from fedprism.engine.vectorized import VectorizedEngine
 from fedprism.errors import ConfigError
 from fedprism.experiment.config import resolve
 from fedprism.experiment.runner import Experiment, Simulator
