@@ -12,7 +12,8 @@ from fedprism.cli import main
 from fedprism.errors import ConfigError
 from fedprism.experiment.config import resolve
 from fedprism.experiment.runner import Experiment
-from fedprism.experiment.store import Scalars, Store
+from fedprism.experiment.scalars import Scalars
+from fedprism.experiment.store import Store
 
 TINY = {"dataset": "digits", "model": "mlp", "clients": 6, "rounds": 2, "fraction": 0.5, "local_epochs": 1,
         "method": "fedavg", "engine": "sequential", "eval_every": 1}

@@ -7,7 +7,7 @@ loop's callbacks, built one way for the simulator (`runner.Experiment`) and for 
     ctx   = make_context(cfg, model, fed.n_train, fed.label_hist())
     engine = make_engine(...); ctx.spec = engine.spec    (`build_engine`)
     algo  = make_algorithm(cfg, ctx, fed.input_shape)
-    callbacks = round_callbacks(experiment)             (experiment/callbacks.py)
+    callbacks = round_callbacks(experiment)             (experiment/callbacks.py, experiment/scalars.py)
 
 `fedprism.experiment.runner` re-exports every factory here, so `from fedprism.experiment.runner import
 make_model` keeps working.
@@ -231,8 +231,11 @@ def build_engine(cfg: Config, fed: Federation, model: torch.nn.Module, ctx: Cont
 
 def round_callbacks(exp) -> list:
     """The round loop's callbacks for an experiment (`Experiment.callbacks`), in the order they run: class
-    drift, evaluation sampling, the learned gate, checkpoints and the progress bar
-    (experiment/callbacks.py). The in-process run and the Flower ServerApp get the same list."""
+    drift, evaluation sampling, the learned gate, the `scalars=DIR` files, checkpoints and the progress bar
+    (experiment/callbacks.py, experiment/scalars.py). The in-process run and the Flower ServerApp get the
+    same list. Built before the run is started: a `scalars` folder that cannot hold its files is a
+    `ConfigError` then. `Scalars` comes before `Checkpoint`: a round whose CSV rows could not be written
+    is not checkpointed, so the resumed run redoes it."""
     from fedprism.experiment import callbacks as cb
 
     cfg = exp.cfg
@@ -243,5 +246,23 @@ def round_callbacks(exp) -> list:
         out.append(cb.EvalSampling(int(cfg["eval.clients"])))
     if cfg.get("eval.gate", "none") != "none":
         out.append(cb.Gate())
+    out += _scalars(exp)
     out += [cb.Checkpoint(), cb.ProgressBar(exp.progress)]
     return out
+
+
+def rescore_callbacks(exp) -> list:
+    """The callbacks of a re-scored run (`Experiment.rescore`: one evaluation of a kept final state, stored as
+    the last round, no training): the `scalars=DIR` files when `scalars` is set, else none. Built before the
+    run is started, as `round_callbacks` is."""
+    return _scalars(exp)
+
+
+def _scalars(exp) -> list:
+    """`scalars=DIR`: [the run's `Scalars` callback] (experiment/scalars.py; makes the folder and files or
+    raises the `ConfigError`), or [] when the key is ''."""
+    if not exp.cfg.get("scalars"):
+        return []
+    from fedprism.experiment.scalars import Scalars
+
+    return [Scalars(exp.cfg["scalars"], exp.run_id)]

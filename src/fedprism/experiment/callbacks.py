@@ -18,7 +18,23 @@ of `Experiment.callbacks()` (`build.round_callbacks`):
 loop carries from round to round) and `rnd` a `Round` (one round's state, metrics and records). A
 callback may add metrics and records; it must not change the server state. `Round.records` keeps its
 order: each callback appends where the loop calls it, so the stored records are those of the loop
-written inline.
+written inline. The list is built once per call of `run`, before the run is started, so a constructor
+may refuse the configuration (a `ConfigError`) with nothing stored or locked.
+
+The built-in callbacks, in the order `round_callbacks` lists them (each only when its key asks for it,
+the last two always):
+
+    Drift          `drift.*`: each round's local data, the `drift_removed` metric
+    EvalSampling   `eval.clients`: which clients a scored round scores, recorded
+    Gate           `eval.gate=learned`: the learned gate's routings at the final evaluation
+    Scalars        `scalars=DIR`: the round's metrics and per-client rows appended to CSV files, the files
+                   cut back to the restored round at the start (experiment/scalars.py)
+    Checkpoint     the state after every stored round, dropped when the run finishes
+    ProgressBar    the progress line on stderr
+
+A re-scored run (`Experiment.rescore`: one evaluation of a kept final state, no training) calls the
+callbacks of `build.rescore_callbacks` (`Scalars` only) as a run of that one round: `on_run_start` with
+`loop.start` 0, `on_round_stored` for the stored round, `on_finish`.
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 `Experiment.run` is a short loop over `Experiment.round`: the cohort's work and the server step
 (`train_round`), the evaluation when due, the round's counts, the store. What a run does around that
-(class drift, evaluation sampling, the learned gate, checkpoints, progress) are callbacks
-(experiment/callbacks.py), and the objects it runs (federation, model, context, engine, algorithm,
-callbacks) come from the composition root, experiment/build.py, whose factories are re-exported here.
+(class drift, evaluation sampling, the learned gate, the `scalars=DIR` files, checkpoints, progress) are
+callbacks (experiment/callbacks.py, experiment/scalars.py), and the objects it runs (federation, model,
+context, engine, algorithm, callbacks) come from the composition root, experiment/build.py, whose
+factories are re-exported here.
 
 Resumable: after every round the algorithm's server state and the clients' own state are checkpointed
 beside the database, and every random stream is a pure function of (seed, round, client, stream name),
@@ -26,8 +27,8 @@ from fedprism.algorithms.base import Algorithm
 from fedprism.errors import ConfigError
 from fedprism.experiment.build import (_check_logits, _check_plugin_model, _free_disk, build_engine,  # noqa: F401
                                        check_runnable, drift_schedule, feature_dim, local_config, make_algorithm,
-                                       make_context, make_model, make_selector, privacy_plan, round_callbacks,
-                                       warn_if_nothing_personal)
+                                       make_context, make_model, make_selector, privacy_plan, rescore_callbacks,
+                                       round_callbacks, warn_if_nothing_personal)
 from fedprism.experiment.callbacks import Callback, Loop, Round
 from fedprism.experiment.checkpoint import CheckpointRefused
 from fedprism.experiment.clientstore import ClientStore, StoreMismatch, make_store
@@ -579,23 +580,36 @@ class Experiment:
         return None
 
     def rescore(self, source: str, kept: dict, provenance: dict | None = None) -> RunResult:
-        """Evaluate a kept final state under this configuration's evaluation settings (no training)."""
+        """Evaluate a kept final state under this configuration's evaluation settings (no training), stored
+        as the run's one round (the kept state's); the callbacks of `build.rescore_callbacks` (the
+        `scalars=DIR` files) see it as a run of that one round started from scratch."""
         store, run_id = self.store, self.run_id
+        callbacks = rescore_callbacks(self)      # before the run is started, as in `run`
         store.start_run(run_id, self.cfg.values, self.sweep, provenance=provenance)
         with _marks_failure(store, run_id):
             state = self.restore_final(kept)
-            metrics, client_rows = self.evaluate_round(self.evaluator(), state)
+            evaluator = self.evaluator()
+            metrics, client_rows = self.evaluate_round(evaluator, state)
             metrics.update(self.gate(state, metrics))
             metrics["train_s"] = 0.0
             last = int(kept["round"])
             store.truncate(run_id, -1)
-            store.write_round(run_id, last, metrics, client_rows,
-                              [("rescored", None, {"from": source, "train_id": self.cfg.train_id})], 0.0)
+            loop = Loop(state, 0, None, 0.0, np.zeros(self.ctx.num_clients, bool), evaluator)
+            for cb in callbacks:
+                cb.on_run_start(self, loop)
+            r = Round(last, state, evaluator, metrics, [("rescored", None, {"from": source,
+                                                                           "train_id": self.cfg.train_id})],
+                      client_rows, evaluated=True)
+            store.write_round(run_id, last, r.metrics, r.client_rows, r.records, r.wall)
+            for cb in callbacks:
+                cb.on_round_stored(self, r)
             history = store.round_metrics(run_id)
             final = final_metrics(history, 0.0)
             final.update(privacy_metrics(self.cfg, self.ctx.privacy))
             final["rescored_from"] = source
             store.finish(run_id, final)
+        for cb in callbacks:
+            cb.on_finish(self, loop, final)
         return RunResult(run_id, "finished", final, history)
 
     def _losses(self, state: dict, clients: np.ndarray) -> np.ndarray:
@@ -606,7 +620,9 @@ class Experiment:
     # -- the round loop -------------------------------------------------------------------------------
     def callbacks(self) -> list[Callback]:
         """The round loop's callbacks (experiment/callbacks.py), from the composition root
-        (`build.round_callbacks`): drift, evaluation sampling, the gate, checkpoints, progress."""
+        (`build.round_callbacks`): drift, evaluation sampling, the gate, the `scalars=DIR` files,
+        checkpoints, progress. Called once per `run`, before the run is started (a constructor may refuse
+        the configuration: `scalars`)."""
         return round_callbacks(self)
 
     def run(self, stop_after: int | None = None) -> RunResult:
@@ -633,13 +649,13 @@ class Experiment:
             src = self.rescore_source(prov)
             if src is not None:
                 return self.rescore(*src, provenance=prov)
+        callbacks = self.callbacks()             # before the run is started: a bad `scalars` folder is refused
         store.start_run(run_id, cfg.values, self.sweep, provenance=prov)
         # from here on the run is `running` and holds its lock: whatever raises (restoring the checkpoint,
         # rewriting the `scalars` files, a round, keeping the final state) marks it `interrupted` or `failed`,
         # which releases the lock; it resumes from its last checkpoint
         with _marks_failure(store, run_id):
             loop = self._resume(key)
-            callbacks = self.callbacks()
             for cb in callbacks:
                 cb.on_run_start(self, loop)
             for rnd in range(loop.start, cfg["rounds"]):

@@ -43,7 +43,6 @@ or trusted values:
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import os
@@ -211,113 +210,6 @@ def schema_version(db: sqlite3.Connection, schema: str = "main") -> int:
     if "provenance" not in table_columns(db, "runs", schema):
         return 2
     return 3 if "seq" not in table_columns(db, "records", schema) else 4
-
-
-class Scalars:
-    """The `scalars=DIR` execution key: every round's scalars as CSV files beside the store, written as
-    the round is stored (for plotting tools and spreadsheets; `torch.utils.tensorboard` needs the
-    `tensorboard` package, which fedprism does not require).
-
-    `DIR/<run_id>-rounds.csv`: round, tag, value (one row per round metric, TensorBoard's layout);
-    `DIR/<run_id>-clients.csv`: round, client, local_acc, local_loss, global_acc, n_test, local_f1.
-    A folder that cannot hold the files (a file of that name, a path under a file, no permission) is a
-    `ConfigError` for `scalars`, raised before the run is started (`Store.start_run`). Rounds redone
-    after a resume replace the rows they had: each file is rewritten (atomically) with its header and the
-    well-formed rows of the rounds kept; a damaged line (torn by a crash, junk appended) is dropped, and a
-    row that appears twice (same round and tag, or round and client) is kept once, its first copy.
-    """
-
-    ROUND_COLS = ("round", "tag", "value")
-    CLIENT_COLS = ("round", "client", "local_acc", "local_loss", "global_acc", "n_test", "local_f1")
-
-    def __init__(self, folder: str | Path, run_id: str):
-        from fedprism.errors import ConfigError
-
-        self.dir = Path(folder)
-        self.rounds = self.dir / f"{run_id}-rounds.csv"
-        self.clients = self.dir / f"{run_id}-clients.csv"
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            for p, head in self._files():
-                with open(p, "a", newline="") as f:     # may be written (nothing it holds is touched here)
-                    if f.tell() == 0:                   # new, or left empty by a crash: the header first
-                        f.write(",".join(head) + "\n")
-        except (OSError, ValueError) as e:             # ValueError: a NUL character in the path
-            raise ConfigError("scalars", folder, "a folder (created if missing) that the run's CSV files can "
-                              f"be written into, or '' for none; {self._why(e)}") from None
-
-    def _why(self, e: Exception) -> str:
-        blocker = _file_in_the_way(self.dir)
-        if blocker is not None:
-            return f"{str(blocker)!r} is a file, not a folder"
-        name = getattr(e, "filename", None)
-        return f"{name}: {e.strerror}" if name and getattr(e, "strerror", None) else str(e)
-
-    def _files(self) -> tuple[tuple[Path, tuple[str, ...]], ...]:
-        return (self.rounds, self.ROUND_COLS), (self.clients, self.CLIENT_COLS)
-
-    @staticmethod
-    def _key(line: str, head: tuple[str, ...]) -> tuple[int, str] | None:
-        """(round, tag or client) of a well-formed data row of a file with columns `head`; None for the
-        header and anything damaged (torn, other columns, a round, client or value that is no number)."""
-        try:
-            (cells,) = csv.reader([line], strict=True)
-        except (csv.Error, ValueError):                 # ValueError: an empty line (no row)
-            return None
-        per_client = head[1] == "client"
-        ids = cells[:2] if per_client else cells[:1]
-        if len(cells) != len(head) or not cells[1] or not all(c.isascii() and c.isdigit() for c in ids):
-            return None
-        for c in cells[2:]:
-            if c == "" and per_client:                  # a client's score that was NaN (written empty)
-                continue
-            try:
-                if not math.isfinite(float(c)):         # never written: NaN/Inf are cleaned to None
-                    return None
-            except ValueError:
-                return None
-        return int(cells[0]), cells[1]
-
-    def truncate(self, after_round: int) -> None:
-        for p, head in self._files():
-            keep: dict[tuple[int, str], str] = {}
-            try:
-                lines = p.read_bytes().split(b"\n") if p.exists() else []
-                for raw in lines:
-                    try:
-                        ln = raw.decode("utf-8").removesuffix("\r")
-                    except UnicodeDecodeError:
-                        continue
-                    key = self._key(ln, head)
-                    if key is not None and key[0] <= after_round:
-                        keep.setdefault(key, ln)        # a kept round is never written twice: a copy is junk
-                rows = [ln for _, ln in sorted(keep.items(), key=lambda kv: kv[0][0])]   # stable: round order
-                tmp = p.with_name(p.name + ".tmp")
-                try:
-                    tmp.write_text("".join(f"{ln}\n" for ln in (",".join(head), *rows)))
-                    os.replace(tmp, p)
-                finally:
-                    tmp.unlink(missing_ok=True)
-            except OSError as e:
-                raise StoreError(f"scalars file {p}: {e.strerror or e} (rewriting it for the resumed run)"
-                                 ) from None
-
-    def write(self, rnd: int, metrics: dict | None, clients: list[tuple] | None) -> None:
-        p = self.rounds
-        try:
-            with open(p, "a", newline="") as f:
-                w = csv.writer(f, lineterminator="\n")
-                for k, v in sorted((metrics or {}).items()):
-                    v = _clean(v)
-                    if isinstance(v, (int, float)) and not isinstance(v, bool):
-                        w.writerow([rnd, k, v])
-            if clients:
-                p = self.clients
-                with open(p, "a", newline="") as f:
-                    w = csv.writer(f, lineterminator="\n")
-                    w.writerows([[rnd, *map(_clean, c)] for c in clients])
-        except OSError as e:
-            raise StoreError(f"scalars file {p}: {e.strerror or e} (writing round {rnd})") from None
 
 
 class MissingStoreError(FedPrismError):
@@ -538,7 +430,6 @@ class Store:
             raise TypeError(f"Store: path = {path!r}; a file path (str or os.PathLike)")
         self.path = Path(path)
         self.readonly = readonly
-        self._scalars: dict[str, Scalars] = {}
         self._locks: dict[str, RunLock] = {}
         self._notes: dict[str, list[tuple[str, int | None, Any]]] = {}
         why = _not_a_file(self.path) or _linked_sidecar(self.path)
@@ -792,10 +683,7 @@ class Store:
         """
         from fedprism.experiment.provenance import check, with_text
 
-        # `scalars=DIR` first: a folder its files cannot be written into is a ConfigError raised before
-        # the run is locked or stored (it used to leave a `running` row and a lock file behind)
         check_run_id(run_id)
-        scalars = Scalars(config["scalars"], run_id) if config.get("scalars") else None
         now = time.time()
         row = self.run(run_id)
         took = run_id not in self._locks
@@ -831,8 +719,6 @@ class Store:
             raise
         if row is not None and row["status"] == "finished":
             self.unlock(run_id)           # finished meanwhile: nothing to execute
-        if scalars is not None:
-            self._scalars[run_id] = scalars
         return self.run(run_id)
 
     @staticmethod
@@ -945,8 +831,6 @@ class Store:
             for t in ("rounds", "client_metrics", "records"):
                 db.execute(f"DELETE FROM {t} WHERE run_id=? AND round>?", (run_id, after_round))
             db.execute("UPDATE runs SET rounds_done=? WHERE run_id=?", (after_round + 1, run_id))
-            if run_id in self._scalars:
-                self._scalars[run_id].truncate(after_round)
             # notes of `load_checkpoint` (a discarded checkpoint) belong to the round the run restarts
             # from; negative seq keeps them apart from that round's own records
             for i, (kind, client, data) in enumerate(self._notes.pop(run_id, [])):
@@ -971,8 +855,6 @@ class Store:
                              (rnd + 1, time.time(), run_id))
             if cur.rowcount == 0:                 # raised inside: the round's rows are rolled back with it
                 raise StoreError(self._gone(run_id, f"round {rnd + 1} not written"))
-        if run_id in self._scalars:
-            self._scalars[run_id].write(rnd, metrics, clients)
 
     def finish(self, run_id: str, final: dict, status: str = "finished") -> None:
         try:
