@@ -170,6 +170,10 @@ def test_lookup_checks_the_recorded_dataset_files(stored, monkeypatch, tmp_path)
     assert lookup.stored_result(raw, db) is not None
     path.write_text("{not json")                                              # a damaged entry is no entry
     assert lookup.stored_result(raw, db) is None
+    for part, value in (("files", [[1]]), ("files", "x"), ("declared", {"k": [1]}), ("values", []),
+                        ("provenance", "x"), ("auto", 3)):                    # nor is one of another shape
+        path.write_text(json.dumps({**entry, part: value}))
+        assert lookup.stored_result(raw, db) is None, part
 
 
 def test_memo_key_follows_what_the_entry_depends_on(monkeypatch, tmp_path):

@@ -205,13 +205,18 @@ def stored_result(raw: dict[str, Any], db: str | os.PathLike) -> tuple[Config, A
         return None
     k = key(raw)
     entry = _read(k) if k is not None else None
-    if entry is None or entry["values"].get("checkpoint.key") or _files_now(entry["files"]) != entry["files"]:
+    try:                                   # an entry of another shape (damaged, crafted) is no entry
+        if (entry is None or entry["values"].get("checkpoint.key")
+                or _files_now(entry["files"]) != entry["files"] or not isinstance(entry["provenance"], dict)):
+            return None
+        cfg = config_of(entry)
+        cfg.run_id                         # read here: declarations of another shape raise now
+    except (TypeError, ValueError, KeyError, AttributeError):
         return None
     from fedprism.experiment.provenance import differences
     from fedprism.experiment.result import RunResult
     from fedprism.experiment.store import Store
 
-    cfg = config_of(entry)
     store = Store(db)
     try:
         cfg = prefer_stored(cfg, store)
