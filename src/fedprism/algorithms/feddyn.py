@@ -40,8 +40,13 @@ Decisions where the paper is silent or this protocol differs:
   place of the average (Delta = theta^t - theta^{t-1}); the default `none` is (4).
 * h is kept in float64 (it accumulates over rounds); theta^t is rounded once to the model's dtype. g_k is
   updated in float64 and stored in float32, as every client row.
-* Default alpha = 0.01: the paper tunes alpha per data set among small values (0.1 down to 0.001); the
-  middle one.
+* alpha is the same for every client, as printed. The authors' code (alpemreacar/FedDyn,
+  utils_methods.py, train_FedDyn) uses alpha / (n_k / nbar) in client k's objective (1) (nbar: the mean
+  client size) and keeps (1/m) sum_s (theta_k^s - theta^{s-1}) per client, so its server model is (4)
+  with h^t / alpha = -(1/m) sum_k sum_s (theta_k^s - theta^{s-1}) whatever the per-client alpha; with
+  clients of equal size the two agree.
+* Default alpha = 0.01, the value of the authors' CIFAR-10 example (example_cifar_10.py: alpha_coef = 1e-2);
+  the paper tunes alpha per data set.
 """
 
 from __future__ import annotations

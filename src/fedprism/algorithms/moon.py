@@ -37,8 +37,13 @@ Decisions where the paper is silent or this protocol differs:
   previous model is still kept.
 * Aggregation (3): n_k-weighted (`weighting=samples`, the paper's FedAvg server), or `uniform`, through
   the shared server step (`averages = ("w",)`: `moon.aggregation`, `moon.server_opt`).
-* Defaults: tau = 0.5, the paper's temperature; mu = 1, from the grid the paper tunes mu over
-  ({0.1, 1, 5, 10}; it reports 5 best for CIFAR-10 and 1 for CIFAR-100 and Tiny-ImageNet).
+* Defaults: tau = 0.5, the paper's temperature and the authors' code default (QinbinLi/MOON, main.py:
+  `--temperature 0.5`); mu = 1, the authors' code default (`--mu 1`), from the grid the paper tunes mu
+  over ({0.1, 1, 5, 10}; it reports 5 best for CIFAR-10, the value of the code's README example, and 1 for
+  CIFAR-100 and Tiny-ImageNet).
+* (1) with one previous model is the authors' code with its default `--model_buffer_size 1`: the
+  cross-entropy of the logits [sim(z, z_glob), sim(z, z_prev)] / tau with the target 0; the code adds
+  both terms per batch as CE + mu l_con, the batch means, as (2) here.
 """
 
 from __future__ import annotations

@@ -29,10 +29,11 @@ Decisions where the paper is silent or this protocol differs:
 
 * F_k (1) is the mean cross-entropy of the received model w^t over all the client's training samples,
   evaluated before the local training as the engine evaluates (`trainer.evaluate(..., "train")`: the
-  model without dropout noise, at the evaluation precision), not the running loss of the first epoch.
-  A client without training samples has F_k = 0.
+  model without dropout noise, at the evaluation precision), not the running loss of the first epoch,
+  as the authors' code does (litian96/fair_flearn, flearn/trainers/qffedavg.py: `c.get_loss()`, "the whole
+  training data, with respect to the starting point"). A client without training samples has F_k = 0.
 * F_k + 1e-10 is used for F_k in (4)-(7), so that F_k^{q-1} stays finite when a client's loss is 0 and
-  q < 1 (an offset far below any loss the runs see).
+  q < 1 (an offset far below any loss the runs see; the authors' code adds the same 1e-10).
 * The client sends wbar_k and F_k (P + 1 numbers, float32 like every row); the server forms Delta w_k,
   Delta_k and h_k (3)-(5). The paper's clients send Delta_k and h_k: as many numbers; wbar_k keeps
   FedAvg's average exact at q = 0 and lets the shared robust rules compare models.
@@ -47,7 +48,8 @@ Decisions where the paper is silent or this protocol differs:
 * m goes through the shared server step (`averages = ("w",)`): `qffl.aggregation` replaces the
   F^q-weighted mean by a robust rule with the same weights (B still sums every accepted client), and
   `qffl.server_opt` takes (7) as the average. The defaults (`mean`, `none`) are (6).
-* Default q = 1; the paper tunes q per data set (q = 0 is FedAvg). Under this protocol's SGD with
+* Default q = 1; the paper tunes q per data set (q = 0 is FedAvg; the authors' code's README runs its
+  Vehicle demo with q = 5). Under this protocol's SGD with
   momentum 0.9, L = 1 / eta makes ||Delta w_k||^2 large against L F_k^q, and the pull-back of (7) slows
   training at any q > 0: set `qffl.q` (and the momentum) for the data set at hand.
 """

@@ -51,6 +51,9 @@ Decisions where the paper is silent or this protocol differs:
   mean + (eta_g - 1)(mean - x) so that eta_g = 1 is the mean itself, FedAvg's round bit for bit; a
   `scaffold.server_opt` other than `none` then takes that point as the average (Delta = eta_g Delta x).
   (5) is the printed sum over every accepted client, whatever the rule.
+* Default `option=II`: the paper notes that option I may be more stable but option II is cheaper and
+  usually suffices, and uses option II in all its experiments. Default eta_g = 1: the server takes the
+  plain mean of the y_i (FedAvg's server step).
 """
 
 from __future__ import annotations
