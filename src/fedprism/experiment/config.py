@@ -334,6 +334,14 @@ class Config:
         return resolve({**self.values, **{k: "auto" for k in self.auto if k not in kw}, **kw})
 
 
+def resolve_stored(values: dict[str, Any]) -> Config:
+    """Resolve a configuration as a store holds it (`runs.config`): a key of `LEGACY_DEFAULTS` that the stored
+    configuration does not hold takes the value every run had before the key existed, not today's default.
+    A run stored before the kernels existed is replayed (`verify`, `run --fresh RUN_ID`) with PyTorch's
+    kernels, as it ran, and resolves to its own id."""
+    return resolve({**{k: v for k, v in LEGACY_DEFAULTS.items() if k not in values}, **values})
+
+
 def prefer_stored(cfg: Config, store: Any) -> Config:
     """`cfg`, or the same run with PyTorch's kernels where its kernels were `auto`, resolved to the fused ones,
     and `store` holds that run but not this one: asking with `auto` for a run that is stored with the

@@ -135,7 +135,7 @@ def stored_config(store: Any, run: str, overrides: dict[str, Any] | None = None)
     configuration does not hold; other values of its own keys would make another run (ConfigError). A
     configuration that the current code resolves to another run id (a default changed since it was stored)
     is refused naming both ids."""
-    from fedprism.experiment.config import EXECUTION_KEYS, resolve
+    from fedprism.experiment.config import EXECUTION_KEYS, resolve_stored
 
     row = store.find(run)
     run_id = row["run_id"]
@@ -145,7 +145,7 @@ def stored_config(store: Any, run: str, overrides: dict[str, Any] | None = None)
             raise ConfigError(k, v, f"an execution-only key ({', '.join(sorted(EXECUTION_KEYS))}) or a key run "
                               f"{run_id}'s stored configuration does not hold: another value of its own keys "
                               "makes another run (give the whole configuration instead of the run id)")
-    cfg = resolve({**values, **(overrides or {})})
+    cfg = resolve_stored({**values, **(overrides or {})})
     if cfg.run_id != run_id:
         raise ConfigError("RUN_ID", run, f"a run whose stored configuration the current code resolves to the same "
                           f"id; run {run_id}'s now resolves to {cfg.run_id} (a key or a default changed since it "

@@ -103,7 +103,7 @@ def verify(db: str, run: str, rounds: int = 2, threads: int | None = None, progr
     keys the stored configuration does not hold (added since the run was stored: the value its code had,
     e.g. pfpl.own_share=live)."""
     from fedprism.errors import ConfigError
-    from fedprism.experiment.config import EXECUTION_KEYS, resolve
+    from fedprism.experiment.config import EXECUTION_KEYS, resolve_stored
 
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ConfigError("--rounds", rounds, "an integer >= 1 (how many rounds to re-run)", kind="option")
@@ -130,7 +130,7 @@ def verify(db: str, run: str, rounds: int = 2, threads: int | None = None, progr
         return False
     recorded = ((prov or {}).get("execution") or {}).get("threads")
     t = threads or recorded or 1
-    cfg = resolve({**stored_cfg, **(overrides or {}), "threads": t})
+    cfg = resolve_stored({**stored_cfg, **(overrides or {}), "threads": t})
     if cfg.run_id != run_id:
         say(f"note: the current code resolves this configuration to run id {cfg.run_id} (a key or default "
             "changed since it was stored); comparing anyway")
