@@ -940,12 +940,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "are found (no file is read) and whether they can be downloaded.")
     ds.add_argument("names", nargs="*", default=[], metavar="DATASET", help="only these datasets")
     ds.set_defaults(fn=cmd_datasets)
-    ds = sub.add_parser("datasets", help="list the registered datasets and what each declares",
-                        description="Every registered dataset, built-in or plugin (or only the named ones): its "
-                        "classes, input shape, normalisation, natural partition, options, whether its files "
-                        "are found (no file is read) and whether they can be downloaded.")
-    ds.add_argument("names", nargs="*", default=[], metavar="DATASET", help="only these datasets")
-    ds.set_defaults(fn=cmd_datasets)
 
     k = sub.add_parser("kernels", help="build the optional CPU kernels for this machine, or show their state",
                        description="The hand-written CPU kernels (fedprism.kernels; train.kernels / eval.kernels "
