@@ -527,7 +527,9 @@ def test_gpfl_objective_by_hand_and_without_regularisers(digits):
     w, cov, emb = algo.parts(algo.ctx.init[None], state["shared"][None])
     xs, ys = eng.data(0, "train")
     x, y, wt = xs[:16], ys[:16], torch.ones(16)
-    g, p = conditional_inputs(emb[0], torch.full((C,), 1.0 / C))
+    frac = torch.bincount(ys, minlength=C).float() / len(ys)             # not uniform: p differs from g
+    g, p = conditional_inputs(emb[0], frac)
+    assert not torch.allclose(g, p)
     frozen = emb[0] + 0.1
     z = torch.cat([w[0], cov[0], emb[0].reshape(-1)])
 
