@@ -46,8 +46,9 @@ system/utils/ALA.py, also in PFLlib):
 * The sample D_i^{s,t}: max(1, floor(s/100 n_i)) rows drawn without replacement from the client's training
   rows with the stream of (run seed, round, client, 'fedala') (`fedprism.seeds.stream_seed`), independent of
   the cohort and the engine; every epoch of the weight learning visits them in that order, batches of B,
-  the last one possibly smaller (the authors' code takes a contiguous window at a random offset and drops
-  the last partial batch; with B > s n_i it would learn nothing).
+  the last one possibly smaller (the authors' code takes a contiguous window at a random offset; its
+  copies of ALA.py differ on the last partial batch, `drop_last=True` in some, which with B > s n_i
+  learns nothing, `drop_last=False` in others).
 * The loss is the plain mean cross-entropy of theta_hat at each batch, the model without dropout.
 * Convergence of the first ALA: the authors' test, train until more than `window` (10) epoch losses are
   recorded and the population standard deviation of the last `window` is below `threshold` (0.1), capped

@@ -41,9 +41,16 @@ clientfomo.py / serverfomo.py):
 * Eq. 6 with theta_n = theta_i (distance 0) gives w = 0. If every weight is <= 0, theta_i is unchanged.
   Eq. 5 is computed in float64 from the normalised weights. L_i is the mean cross-entropy over the
   validation rows (float64 sums), the models without dropout.
-* P is updated with the raw weights of Eq. 6 (negative ones lower the affinity of a harmful model), as the
-  authors' code and PFLlib do; only for accepted uploads. P starts at zero (PFLlib: the identity, which
-  only concerns the own model, never a candidate here).
+* The distance in Eq. 6 is the Euclidean norm of theta_n - theta_i (as PFLlib's clientfomo.py, which adds
+  1e-5 to it); the authors' code defaults to the L1 norm (`--model_delta_norm l1`, federated/utils.py
+  `compute_parameter_difference`), which its README commands keep.
+* P is updated with the raw weights of Eq. 6 (negative ones lower the affinity of a harmful model), as
+  PFLlib does; the authors' code (federation.py, `update_client_weights`) adds them divided by
+  |sum_n w_{i,n}|. Only accepted uploads update P. P starts at zero (PFLlib: the identity, which only
+  concerns the own model, never a candidate here; the authors' code: 0.1 for the own model, 0 elsewhere).
+* Exploration: one coin per client and round decides between M random models and the top M. The authors'
+  code (client.py, `get_federating_clients`) tosses the coin for each of the M picks in turn, so a
+  download can mix top and random models.
 * Messages: a plan row holds the M models and their client ids (-1 pads a row with fewer than M); only
   the real ones travel (`encode`), 4 P + 8 bytes each. The upload is the trained model and the M raw
   weights (zeros on padding).

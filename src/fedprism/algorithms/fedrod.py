@@ -38,6 +38,8 @@ Decisions where the paper is silent or its code differs (PFLlib, clientrod.py):
   body and generic head the first pass produced, on its own stream `fedrod_personal`. The personal head
   thus fits the body it is used with right after training; at evaluation it sits on the current global
   body, as in PFLlib, where a client predicts with the model it received.
+* The class prior enters L_BSM as log N_{m,c}, exponent 1: Ren et al.'s balanced softmax, as PFLlib's
+  clientrod.py (`balanced_softmax_loss`: logits + log N) computes it.
 * N_{m,c} are the client's own label counts of its training rows, counted on the client (never sent; with
   `privacy.epsilon` the server's released counts are not used for this). A class the client does not hold
   has log N = -1e30 instead of -inf: it leaves the softmax normaliser exactly as -inf would (exp
