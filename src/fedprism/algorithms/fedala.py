@@ -1,5 +1,6 @@
 """FedALA (Zhang, Hua, Wang, Song, Xue, Ma, Guan 2023, "FedALA: Adaptive Local Aggregation for Personalized
-Federated Learning", AAAI, arXiv:2212.01197), Algorithm 1 with the ALA module.
+Federated Learning", AAAI, arXiv:2212.01197), Algorithm 1 with the ALA module (its lines 6 to 16, as the
+authors' README says of their ALA.py).
 
 Each client keeps its last local model theta_i. Before it trains in round t it does not overwrite theta_i
 with the downloaded global model Theta^{t-1}; it aggregates the two element-wise (Adaptive Local

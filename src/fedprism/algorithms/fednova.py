@@ -13,7 +13,9 @@ equations numbered here:
 
 a_i is ||a_i||_1 of the paper's aggregation vector of client i's local gradients: the sum of the
 coefficients with which its steps' gradients enter y_i - x. With momentum the k-th of tau steps moves
-by eta (1 - rho^k) / (1 - rho) times a constant gradient, and (1) is their sum (`effective_steps`). FedAvg
+by eta (1 - rho^k) / (1 - rho) times a constant gradient, and (1) is their sum (`effective_steps`; the
+authors' code, JYWa/FedNova, accumulates the same sum step by step: counter <- rho counter + 1,
+a_i <- a_i + counter, with tau_eff = sum_i p_i a_i as in (3)). FedAvg
 is (4) with every a_i replaced by the common tau_eff: a client that took more steps than others counts
 as much as its data, not as much as its steps, so the average no longer drifts towards the objectives of
 the clients that train longest.
