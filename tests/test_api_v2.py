@@ -208,10 +208,12 @@ def test_bytes_per_round_are_the_payload_sizes(method, tmp_path):
     protos = C * d + C                                      # [C, d] prototypes + [C] counts or presence
     per_down = {"local": 0, "fedprism_dual": P + 1, "ifca": 3 * P, "fedper": body, "fedrep": body,
                 "fedproto": protos, "pfpl": protos, "protohar": body + protos, "fedsoft": 2 * P,
-                "lg_fedavg": P - body, "fedbabu": body, "scaffold": 2 * P}.get(method, P)
+                "lg_fedavg": P - body, "fedbabu": body, "scaffold": 2 * P, "fedem": 3 * P,
+                "fedpac": P + C * d + C + 1, "gpfl": body + 2 * (d * d + d) + 4 * d + C * d}.get(method, P)
     per_up = {"local": 0, "ifca": P + 1, "fedper": body, "fedrep": body, "fedproto": protos, "pfpl": protos,
               "protohar": body + protos, "fedsoft": P + 2, "lg_fedavg": P - body,
-              "fedbabu": body, "scaffold": 2 * P, "fednova": P + 1, "qffl": P + 1}.get(method, P)
+              "fedbabu": body, "scaffold": 2 * P, "fednova": P + 1, "qffl": P + 1, "fedem": 3 * P,
+              "fedpac": P + 2 * C * d + C + 1, "gpfl": body + 2 * (d * d + d) + 4 * d + C * d}.get(method, P)
     res = e.run()
     if method == "fedfomo":         # up to M models of clients that uploaded, 4 P + 8 bytes each (counted by hand
         m, h0 = e.algo.hp["m"], res.history[0]     # in tests/test_fedala_fedrod_fedfomo.py); nothing in round 0

@@ -29,7 +29,8 @@ AVERAGING = {"fedavg": ("w",), "fedprox": ("w",), "ditto": ("w",), "apfl": ("w",
              "lg_fedavg": ("shared",), "fedbabu": ("shared",), "protohar": ("body",), "fedsoft": ("c",),
              "ifca": ("w",), "cfl": ("w",), "clust_psi_pfl": ("w",), "fedclust": ("w_c", "w_g"),
              "fedprism": ("w_g", "w_c"), "fedprism_dual": ("w_g", "w_c"), "feddyn": ("w",), "moon": ("w",),
-             "fedala": ("w",), "fedrod": ("w",), "scaffold": ("w",), "fednova": ("w",), "qffl": ("w",)}
+             "fedala": ("w",), "fedrod": ("w",), "scaffold": ("w",), "fednova": ("w",), "qffl": ("w",),
+             "fedpac": ("shared",), "gpfl": ("shared",), "fedem": ("w",)}
 
 
 def _ctx(n: int, P: int) -> Context:

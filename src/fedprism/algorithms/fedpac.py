@@ -87,6 +87,9 @@ from fedprism.errors import ConfigError
 from fedprism.hparams import Param
 from fedprism.protocol import Trained
 
+#: the client-state row of the client's own model (partial sharing's declaration)
+LOCAL = next(iter(PartialSharing.client_state))
+
 #: the phases' random streams: FedRep's (see the module docstring)
 HEAD_STREAM, BODY_STREAM = "fedrep_head", "fedrep_body"
 #: the QP solver's iteration cap and stopping tolerance (max-norm change of alpha in one iteration)
@@ -277,13 +280,13 @@ class FedPAC(PartialSharing):
 
     def client_update(self, plan: Plan, trainer, rnd: int, cstate: dict) -> Update:
         S, C = plan.clients, self.ctx.num_classes
-        start = self.model(cstate["local"], plan.payload)
+        start = self.model(cstate[LOCAL], plan.payload)
         V, h = feature_statistics(trainer, S, start, C)                          # (1), (2) with theta^t
         t = self.local_training(S, start, trainer, rnd, plan.payload)              # (3), (4)
         protos, counts = local_prototypes(trainer, S, t.params, C)                # (5)
         payload = {"shared": self.take(t.params), "head": t.params[:, self.head].clone(), "protos": protos,
                    "counts": counts, "V": V.float(), "h": h}
-        return Update(S, payload, t.n_samples, {"train_loss": t.loss}, client_state={"local": t.params})
+        return Update(S, payload, t.n_samples, {"train_loss": t.loss}, client_state={LOCAL: t.params})
 
     def aggregate(self, state: dict, rnd: int, update: Update) -> dict:
         """(6) through the shared server step, (7), and (8)-(9) for every client of the round."""
@@ -309,4 +312,4 @@ class FedPAC(PartialSharing):
         return rows
 
     def inference(self, trainer, clients, payload: dict, cstate: dict) -> Inference:
-        return Inference({"model": self.model(cstate["local"], payload)})
+        return Inference({"model": self.model(cstate[LOCAL], payload)})

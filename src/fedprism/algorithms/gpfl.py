@@ -70,6 +70,9 @@ from fedprism.hparams import Param
 #: the LayerNorm's epsilon (torch's default)
 LN_EPS = 1e-5
 
+#: the client-state row of the client's own model (partial sharing's declaration)
+LOCAL = next(iter(PartialSharing.client_state))
+
 
 # -- the Conditional Valve and the GCE (pure functions on flat vectors) -----------------------------------
 def cov_size(d: int) -> int:
@@ -209,7 +212,7 @@ class GPFL(PartialSharing):
     def client_update(self, plan, trainer, rnd: int, cstate: dict) -> Update:
         S = plan.clients
         n = len(S)
-        w, cov, emb = self.parts(cstate["local"], plan.payload["shared"])
+        w, cov, emb = self.parts(cstate[LOCAL], plan.payload["shared"])
         g, p = self._inputs(emb, self.fractions(trainer, S))                     # (1), (2)
         extras = {"g": g, "p": p, "frozen": emb.reshape(n, -1).clone(),
                   "lam": torch.full((n,), float(self.hp["lam"])), "mu": torch.full((n,), float(self.hp["mu"]))}
@@ -217,7 +220,7 @@ class GPFL(PartialSharing):
         t = trainer.train(TrainJob(S, z, loss=gpfl_loss, extras=extras), rnd)
         w_new = t.params[:, :self.P]
         shared = torch.cat([self.take(w_new), t.params[:, self.P:]], dim=1)
-        return Update(S, {"shared": shared}, t.n_samples, {"train_loss": t.loss}, client_state={"local": w_new})
+        return Update(S, {"shared": shared}, t.n_samples, {"train_loss": t.loss}, client_state={LOCAL: w_new})
 
     def _inputs(self, emb: torch.Tensor, fractions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(1), (2) for each client: ([n, d], [n, d]) from emb [n, C, d] and fractions [n, C]."""
@@ -228,7 +231,7 @@ class GPFL(PartialSharing):
 
     def inference(self, trainer, clients, payload: dict, cstate: dict) -> Inference:
         """head_i(CoV(phi(x), p_i)): the body's features, then the valve and the own head on them."""
-        w, cov, emb = self.parts(cstate["local"], payload["shared"])
+        w, cov, emb = self.parts(cstate[LOCAL], payload["shared"])
         _, p = self._inputs(emb, self.fractions(trainer, np.asarray(clients)))
         head = trainer.f.head
 
