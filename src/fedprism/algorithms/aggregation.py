@@ -248,6 +248,9 @@ def _positive(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 #   cluster's rows) uses the largest f' <= f it allows: f' = floor((n - 3) / 2) for Krum and Multi-Krum,
 #   floor((n - 3) / 4) for Bulyan; Multi-Krum's m = 0 means n - f'; an m above n means n. With n <= 2 no
 #   row can be told apart from the others: their weighted mean (`mean`).
+# * Multi-Krum's default m = n - f keeps every row but the f that Krum's score ranks last. AggregaThor
+#   (LPD-EPFL/AggregaThor, aggregators/krum.py, by S. Rouault, an author of Bulyan) averages m = n - f - 2;
+#   `aggregation.m` sets either.
 
 
 def _rows_taking_part(x: torch.Tensor, w: torch.Tensor, sent: torch.Tensor | None
