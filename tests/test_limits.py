@@ -142,7 +142,7 @@ def test_client_state_memory_is_one_rule_for_every_method(method):
     cls, N, P = REGISTRY[method], 10_000, LENET
     cfg = _big(method)
     per = _declared_bytes(cls, P)
-    assert per >= 4 * P and client_state_bytes(cls, P, N) == per
+    assert (per >= 4 * P or method == "fedem") and client_state_bytes(cls, P, N) == per   # FedEM: pi only
     need = sum(b for _, _, b in memory_terms(cfg, N, P))
     assert need >= N * per
     check_memory(cfg, N, P, mem=2 * need)                                      # fits exactly
