@@ -9,7 +9,9 @@ A run's provenance is a JSON object in the `provenance` column of the store's `r
                  builder's file, together with its class's file when that is another file outside
                  torch: a builder returning `torch.nn.Sequential` is fingerprinted by its own code.
                  `text` is a second hash of the same file(s), over its Python tokens without comments,
-                 docstrings and blank lines (`text_sha256`). `method_bases`: the same two hashes over
+                 docstrings and blank lines (`text_sha256`). A class or builder that is not fedprism's
+                 own has its own source folded into both as written, and into a third, `tokens`, as its
+                 tokens without comments, docstrings and blank lines (`_own_hashes`). `method_bases`: the same two hashes over
                  the files of the classes the algorithm inherits from, other than its own file and the
                  interface (`INTERFACE_MODULES`): FedPer's `partial.py`, FedProx's `fedavg.py`; absent
                  (None) for a method that inherits only the interface, and in runs recorded before it
@@ -34,10 +36,12 @@ A run's provenance is a JSON object in the `provenance` column of the store's `r
 
 Reuse rule (`check`): a stored run is returned, or resumed, only when its recorded code and data
 fingerprints equal the current ones. Code counts as equal when the file hashes are equal, or when both
-sides record a `text` hash and those are equal: a run is not orphaned by an edit of a comment or
-docstring. (A docstring that the code reads at run time, as `__doc__`, would escape this; no method does.)
-A run recorded before `text` existed gains it the first time a write command (`run`, `sweep`) finds
-its file hash equal to the current one (`with_text`). When they differ, a finished run is refused with
+sides record a `tokens` or a `text` hash and those are equal: a run is not orphaned by an edit of a comment
+or docstring, inside a plugin's class too. (A docstring that the code reads at run time, as `__doc__`,
+would escape this; no method does.) A plugin's run recorded before `tokens` existed is compared by its
+`text`, in which the class's comments counted (`BEFORE_TOKENS` says so when it differs). A run recorded
+before `text` or `tokens` existed gains them the first time a write command (`run`, `sweep`) finds its
+file hash equal to the current one (`with_text`). When they differ, a finished run is refused with
 `ProvenanceMismatch`, naming what changed and how the entry point in use runs it again (`fedprism run
 --fresh RUN_ID`, `fedprism sweep FILE --fresh`, `fedprism.run(..., fresh=True)`), and `fedprism verify
 RUN` checks whether the new code still reproduces it; a run that did not finish is replaced
@@ -100,10 +104,19 @@ def sha256_file(path: str | Path) -> str:
 
 def text_sha256(path: str | Path) -> str | None:
     """sha256 of a Python file's tokens without comments, docstrings and blank lines, so that editing
-    only those leaves it as it was; None when the file does not parse. A docstring is the string
-    statement that opens a module, class or function (as `ast.get_docstring` reads it); the statement's
-    end (its NEWLINE or `;`) goes with it, so that adding or removing one changes nothing either."""
-    src = Path(path).read_text(encoding="utf-8")
+    only those leaves it as it was; None when the file does not parse (`source_text_sha256`)."""
+    return source_text_sha256(Path(path).read_text(encoding="utf-8"))
+
+
+def source_text_sha256(src: str) -> str | None:
+    """sha256 of Python source's tokens without comments, docstrings and blank lines; None when it does
+    not parse. A docstring is the string statement that opens a module, class or function (as
+    `ast.get_docstring` reads it); the statement's end (its NEWLINE or `;`) goes with it, so that adding or
+    removing one changes nothing either. Indented source (a class defined in a function, as
+    `inspect.getsource` gives it) is read inside an `if 1:` block, so it parses as it stands."""
+    first = next((line for line in src.splitlines() if line.strip()), "")
+    if first[:1].isspace():
+        src = "if 1:\n" + src
     try:
         tree = ast.parse(src)
         toks = list(tokenize.generate_tokens(io.StringIO(src).readline))
@@ -169,10 +182,15 @@ def source_fingerprint(obj: Any) -> dict[str, str] | None:
 
 
 def _own_hashes(obj: Any, path: Path) -> dict[str, str | None]:
-    """`_file_hashes(path)`, and for a class or builder that is not fedprism's own (registered in a script
-    or a notebook) its own source folded in: two definitions under one name in one file, a notebook cell
-    run again with other code, are other code. fedprism's own are their files' hashes alone, so stored
-    runs of the built-in methods and models keep their fingerprints."""
+    """`_file_hashes(path)`, and for a class or builder that is not fedprism's own (a plugin, or registered
+    in a script or a notebook) its own source folded in: two definitions under one name in one file, a
+    notebook cell run again with other code, are other code. The source is folded in three times:
+    as written into `sha256` and into `text` (so `text` still counts the comments inside the class: it is
+    the hash every run recorded before `tokens` was compared by), and as its tokens without comments,
+    docstrings and blank lines (`source_text_sha256`) into `tokens`, which is what an edit of only those
+    leaves as it was. fedprism's own are their files' hashes alone (their `text` already leaves out every
+    comment and docstring of the file), so stored runs of the built-in methods and models keep their
+    fingerprints."""
     hashes = _file_hashes(path)
     if getattr(obj, "__module__", "").split(".")[0] == "fedprism":
         return hashes
@@ -181,8 +199,12 @@ def _own_hashes(obj: Any, path: Path) -> dict[str, str | None]:
     except (OSError, TypeError):
         return hashes
     digest = hashlib.sha256(own.encode()).hexdigest()
-    return {k: None if v is None else hashlib.sha256(f"{v}:{digest}".encode()).hexdigest()
-            for k, v in hashes.items()}
+    out = {k: None if v is None else hashlib.sha256(f"{v}:{digest}".encode()).hexdigest()
+           for k, v in hashes.items()}
+    tokens = source_text_sha256(own)
+    out["tokens"] = (None if hashes["text"] is None or tokens is None
+                     else hashlib.sha256(f"{hashes['text']}:{tokens}".encode()).hexdigest())
+    return out
 
 
 #: the interface every method implements: not a method's own code (changing it would orphan every run)
@@ -356,10 +378,15 @@ def helper_files(module: str, own: Path) -> list[tuple[str, Path]]:
 
 def _joint(parts: list[dict]) -> dict[str, str | None]:
     """One fingerprint of several files, in order: sha256 over their sha256 hex digests, and over their
-    text hashes when every file has one."""
+    text hashes when every file has one; and where a part has a `tokens` hash (a plugin's class or
+    builder, `_own_hashes`), `tokens` over each part's `tokens`, else its `text`."""
     texts = [h["text"] for h in parts]
-    return {"sha256": hashlib.sha256("".join(h["sha256"] for h in parts).encode()).hexdigest(),
-            "text": hashlib.sha256("".join(texts).encode()).hexdigest() if all(texts) else None}
+    out = {"sha256": hashlib.sha256("".join(h["sha256"] for h in parts).encode()).hexdigest(),
+           "text": hashlib.sha256("".join(texts).encode()).hexdigest() if all(texts) else None}
+    if any("tokens" in h for h in parts):
+        tokens = [h["tokens"] if "tokens" in h else h["text"] for h in parts]
+        out["tokens"] = hashlib.sha256("".join(tokens).encode()).hexdigest() if all(tokens) else None
+    return out
 
 
 def model_fingerprint(name: str, model: Any) -> dict[str, str] | None:
@@ -521,14 +548,33 @@ def _get(d: dict | None, path: tuple[str, ...], key: str = "sha256") -> Any:
     return d if key == "sha256" else None
 
 
+#: the hashes of a code fingerprint that leave out comments, docstrings and blank lines: `tokens` (a
+#: plugin's class or builder, its own source included as tokens) and `text` (the file's tokens; for a
+#: plugin's class with its own source folded in as written)
+TEXT_KEYS = ("tokens", "text")
+
+
 def _same_text(stored: dict | None, current: dict | None, path: tuple[str, ...]) -> bool:
-    a, b = _get(stored, path, "text"), _get(current, path, "text")
-    return a is not None and a == b
+    """The same code up to comments, docstrings and blank lines: a `TEXT_KEYS` hash that both sides record
+    and that is equal. Either suffices: an equal `text` means the same file tokens and the same class
+    source as written, so the same `tokens` too."""
+    for key in TEXT_KEYS:
+        a, b = _get(stored, path, key), _get(current, path, key)
+        if a is not None and a == b:
+            return True
+    return False
+
+
+#: said of a plugin's code fingerprint stored without `tokens` that differs from the current one
+BEFORE_TOKENS = ("stored before comments and docstrings inside a plugin's class stopped counting, so an "
+                 "edit of only those reads as a change for this run")
 
 
 def differences(stored: dict | None, current: dict | None) -> list[str]:
     """The compared fingerprints that both record and that differ ('unknown' on either side: no
-    fingerprint to compare, so no difference)."""
+    fingerprint to compare, so no difference). A plugin's fingerprint stored without `tokens` (before
+    they were recorded), compared with one that has them, is said to be so (`BEFORE_TOKENS`): its
+    difference may be an edit of comments inside the class, which that record cannot tell apart."""
     out = []
     for path in COMPARED:
         a, b = _get(stored, path), _get(current, path)
@@ -537,23 +583,37 @@ def differences(stored: dict | None, current: dict | None) -> list[str]:
             if path[0] == "code":
                 f = ((current or {}).get("code") or {}).get(path[1]) or {}
                 what = f"{path[1]} code ({f.get('file', '?')})"
-            out.append(f"{what}: stored {a[:12]}, now {b[:12]}")
+            old = _get(current, path, "tokens") is not None and _recorded(stored, path, "tokens") is False
+            out.append(f"{what}: stored {a[:12]}, now {b[:12]}" + (f" ({BEFORE_TOKENS})" if old else ""))
     return out
 
 
+def _recorded(d: dict | None, path: tuple[str, ...], key: str) -> bool | None:
+    """Whether the fingerprint at `path` has `key` (None: there is no fingerprint there)."""
+    for k in path:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(k)
+    return key in d if isinstance(d, dict) else None
+
+
 def with_text(stored: dict | None, current: dict | None) -> dict | None:
-    """`stored` with the current `text` hash added to each code fingerprint that lacks one and whose file
-    hash equals the current one (the same file, so the same text); None when there is nothing to add."""
+    """`stored` with the current `text` and `tokens` hashes added to each code fingerprint that lacks them
+    and whose file hash equals the current one (the same code as written, so the same text); None when
+    there is nothing to add. So a run stored before `tokens` existed is not orphaned by a later edit of a
+    comment inside its plugin class once a write command has found it unchanged."""
     if not isinstance(stored, dict) or not isinstance(stored.get("code"), dict):
         return None
     out, added = {**stored, "code": dict(stored["code"])}, False
     for path in COMPARED:
         if path[0] != "code":
             continue
-        fp, text = stored["code"].get(path[1]), _get(current, path, "text")
-        if (isinstance(fp, dict) and "text" not in fp and text is not None
-                and fp.get("sha256") == _get(current, path)):
-            out["code"][path[1]], added = {**fp, "text": text}, True
+        fp = stored["code"].get(path[1])
+        if not isinstance(fp, dict) or fp.get("sha256") is None or fp.get("sha256") != _get(current, path):
+            continue
+        new = {k: v for k in TEXT_KEYS if k not in fp and (v := _get(current, path, k)) is not None}
+        if new:
+            out["code"][path[1]], added = {**fp, **new}, True
     return out if added else None
 
 
