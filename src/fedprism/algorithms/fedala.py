@@ -1,30 +1,30 @@
 """FedALA (Zhang, Hua, Wang, Song, Xue, Ma, Guan 2023, "FedALA: Adaptive Local Aggregation for Personalized
 Federated Learning", AAAI, arXiv:2212.01197), Algorithm 1 with the ALA module (its lines 6 to 16, as the
-authors' README says of their ALA.py).
+authors' README says of their ALA.py). Equations are numbered here, in the order of the method's steps.
 
 Each client keeps its last local model theta_i. Before it trains in round t it does not overwrite theta_i
 with the downloaded global model Theta^{t-1}; it aggregates the two element-wise (Adaptive Local
 Aggregation):
 
-    theta_hat_i^t = theta_i^{t-1} + (Theta^{t-1} - theta_i^{t-1}) (.) W_i                            (Eq. 3)
+    theta_hat_i^t = theta_i^{t-1} + (Theta^{t-1} - theta_i^{t-1}) (.) W_i                            (1)
 
 and only on the top p layers; the lower layers take the global model as it is:
 
-    theta_hat_i^t = theta_i^{t-1} + (Theta^{t-1} - theta_i^{t-1}) (.) [1^{|theta| - p}; W_i^p]       (Eq. 4)
+    theta_hat_i^t = theta_i^{t-1} + (Theta^{t-1} - theta_i^{t-1}) (.) [1^{|theta| - p}; W_i^p]       (2)
 
 W_i^p is learned on a random s% of the client's training data D_i^{s,t}, one gradient step per batch,
 clipped to [0, 1] (sigma(w) = max(0, min(1, w))):
 
     W_i^p <- sigma( W_i^p - eta grad_{theta_hat_i^t} L(theta_hat_i^t; D_i^{s,t}) (.) (Theta^{t-1} - theta_i^{t-1}) )
-                                                                                                     (Eq. 5)
+                                                                                                     (3)
 
-(the chain rule through Eq. 4: d theta_hat / d W = Theta - theta), with theta_hat recomputed from the new
+(the chain rule through (2): d theta_hat / d W = Theta - theta), with theta_hat recomputed from the new
 W after every batch. W_i^p starts at ones (a first ALA is Theta itself), is kept by the client between
 rounds, is trained until convergence in the client's first ALA and for one epoch in every later one. Then
 the client trains theta_hat_i^t with the experiment's local training (E epochs), keeps the result as its
 new theta_i^t and uploads it; the server averages the uploads as FedAvg does:
 
-    Theta^t = sum_{i in S_t} (n_i / N_t) theta_i^t                                                   (Eq. 6)
+    Theta^t = sum_{i in S_t} (n_i / N_t) theta_i^t                                                   (4)
 
 (`averages = ("w",)`: the shared robust rules and server optimisers apply to Theta.)
 
@@ -57,14 +57,14 @@ system/utils/ALA.py, also in PFLlib):
   batch losses, each taken before that batch's step (the authors' code records the last batch's loss only).
 * "First participation" is the first ALA with something to learn: while the client's top layers equal
   Theta's exactly (its first round is round 0, where both are the initial model; or the server's model has
-  not changed since), the gradient of Eq. 5 is zero, W is left as it is and the start phase is not spent
+  not changed since), the gradient of (3) is zero, W is left as it is and the start phase is not spent
   (the authors' code skips ALA when the first parameter tensors agree, keeping its start phase too).
 * A client's whole last model (`theta`, [P], starting at the initial model), its weights (`W`, [P], ones,
   only the top layers' coordinates are read) and whether its start phase is spent (`started`) are client
   state: nothing of them travels; the upload is the trained model, as in FedAvg.
 * Evaluation: a client predicts with its own last local model theta_i (Algorithm 1's output, "the local
   models"); a client never sampled predicts with the initial model. The alternative prediction `ala` is
-  Eq. 4 with the current global model and the client's current W, without learning (what it would start
+  (2) with the current global model and the client's current W, without learning (what it would start
   its next training from), stored as `<split>_acc@ala`. The global model is also scored on the global
   test set (`global_model_acc`).
 """
@@ -92,7 +92,7 @@ def _int_at_least(low: int):
 
 # -- the ALA module: pure functions --------------------------------------------------------------------
 def ala_model(theta: torch.Tensor, global_w: torch.Tensor, W: torch.Tensor, top: slice) -> torch.Tensor:
-    """Eq. 4: Theta below `top`, lerp(theta, Theta, W) on `top` ([P] vectors; `top` a slice of P)."""
+    """(2): Theta below `top`, lerp(theta, Theta, W) on `top` ([P] vectors; `top` a slice of P)."""
     out = global_w.clone()
     out[top] = torch.lerp(theta[top], global_w[top], W[top].to(theta.dtype))
     return out
@@ -108,7 +108,7 @@ def ala_sample(n: int, percent: float, seed: int, rnd: int, client: int) -> np.n
 
 def ala_step(f, theta: torch.Tensor, global_w: torch.Tensor, W: torch.Tensor, top: slice, x: torch.Tensor,
              y: torch.Tensor, eta: float) -> tuple[torch.Tensor, float]:
-    """Eq. 5 on one batch: (the new W [P], the batch's mean cross-entropy at the old W)."""
+    """(3) on one batch: (the new W [P], the batch's mean cross-entropy at the old W)."""
     hat = ala_model(theta, global_w, W, top).detach()
     with torch.enable_grad():
         v = hat[top].clone().requires_grad_(True)
@@ -156,13 +156,13 @@ class FedALA(FedAvg):
     personalized = True
     client_state = {"theta": ClientState(("P",), init="model"), "W": ClientState(("P",), init=1.0),
                     "started": ClientState((1,), init="zeros")}
-    predictions = {"ala": "ALA of the current global model (Eq. 4), not trained"}
+    predictions = {"ala": "ALA of the current global model (2), not trained"}
     params = {
         "layers": Param(1, "p: the top layers aggregated element-wise (BatchNorm not counted; 0: no ALA, FedAvg's "
                         "start)", _int_at_least(0), "an integer >= 0"),
         "rand_percent": Param(80.0, "s: percent of the client's training rows the weights learn on",
                               lambda v: 0 < v <= 100, "a number in (0, 100]"),
-        "eta": Param(1.0, "eta: learning rate of the ALA weights W (Eq. 5)", lambda v: v >= 0, "a number >= 0"),
+        "eta": Param(1.0, "eta: learning rate of the ALA weights W (3)", lambda v: v >= 0, "a number >= 0"),
         "threshold": Param(0.1, "first ALA: stop when the std of the last `window` epoch losses is below this",
                            lambda v: v >= 0, "a number >= 0"),
         "window": Param(10, "first ALA: epoch losses in the convergence test", _int_at_least(1),
@@ -184,7 +184,7 @@ class FedALA(FedAvg):
         return "own local model"
 
     def client_update(self, plan: Plan, trainer, rnd: int, cstate: dict) -> Update:
-        """Eqs. 4-5 for each sampled client, then E epochs of local training from theta_hat."""
+        """(2)-(3) for each sampled client, then E epochs of local training from theta_hat."""
         S, glob = plan.clients, plan.start
         theta = cstate["theta"].to(glob.device, glob.dtype)
         W, started = cstate["W"].clone(), cstate["started"].clone()
@@ -194,7 +194,7 @@ class FedALA(FedAvg):
                 starts.append(glob[i].clone())
                 continue
             top = self.top
-            if torch.equal(theta[i, top], glob[i, top]):                    # nothing to learn (Eq. 5 is zero)
+            if torch.equal(theta[i, top], glob[i, top]):                    # nothing to learn ((3) is zero)
                 starts.append(ala_model(theta[i], glob[i], W[i], top))
                 continue
             dev = trainer.device

@@ -4,17 +4,17 @@ Optimization", ICLR, arXiv:2012.08565), Algorithm 1.
 No global model. The server keeps every client's latest uploaded model theta_n and an affinity matrix P
 [N, N]. In round t each sampled client i downloads M models of other clients, chosen by P with
 epsilon-greedy exploration, and weighs each by how much it lowers its own validation loss per unit of
-distance (a first-order estimate of the optimal weighting):
+distance (a first-order estimate of the optimal weighting; equations numbered here):
 
-    w_{i,n} = ( L_i(theta_i^{t-1}) - L_i(theta_n^t) ) / || theta_n^t - theta_i^{t-1} ||              (Eq. 6)
-    w_{i,n} <- max(w_{i,n}, 0) / sum_n max(w_{i,n}, 0)                                                (Eq. 7)
-    theta_i^t = theta_i^{t-1} + sum_n w_{i,n} (theta_n^t - theta_i^{t-1})                            (Eq. 5)
+    w_{i,n} = ( L_i(theta_i^{t-1}) - L_i(theta_n^t) ) / || theta_n^t - theta_i^{t-1} ||              (1)
+    w_{i,n} <- max(w_{i,n}, 0) / sum_n max(w_{i,n}, 0)                                                (2)
+    theta_i^t = theta_i^{t-1} + sum_n w_{i,n} (theta_n^t - theta_i^{t-1})                            (3)
 
 L_i is client i's loss on its validation split. Then theta_i^t trains with the experiment's local
 training (E epochs) and is uploaded; the server stores it as client i's model and adds the client's
 (unclipped) weights to its row of the affinity matrix, P_{i,n} <- P_{i,n} + w_{i,n}.
 
-Download rule (section 3.3): with probability epsilon_t the M models are drawn uniformly at random
+Download rule: with probability epsilon_t the M models are drawn uniformly at random
 (exploration), otherwise they are the M with the largest P_{i,n} (exploitation).
 
 Parameters (`fedfomo.<name>`): `m` = M, `epsilon`, `epsilon_decay`, `val_split`.
@@ -38,13 +38,13 @@ clientfomo.py / serverfomo.py):
   trains its own model. Exploitation breaks ties of P at random (P starts at zero, so round 1 is random).
 * The own model theta_i^{t-1} is the client's own (client state, never downloaded): its last trained
   model, the initial model before its first round.
-* Eq. 6 with theta_n = theta_i (distance 0) gives w = 0. If every weight is <= 0, theta_i is unchanged.
-  Eq. 5 is computed in float64 from the normalised weights. L_i is the mean cross-entropy over the
+* (1) with theta_n = theta_i (distance 0) gives w = 0. If every weight is <= 0, theta_i is unchanged.
+  (3) is computed in float64 from the normalised weights. L_i is the mean cross-entropy over the
   validation rows (float64 sums), the models without dropout.
-* The distance in Eq. 6 is the Euclidean norm of theta_n - theta_i (as PFLlib's clientfomo.py, which adds
+* The distance in (1) is the Euclidean norm of theta_n - theta_i (as PFLlib's clientfomo.py, which adds
   1e-5 to it); the authors' code defaults to the L1 norm (`--model_delta_norm l1`, federated/utils.py
   `compute_parameter_difference`), which its README commands keep.
-* P is updated with the raw weights of Eq. 6 (negative ones lower the affinity of a harmful model), as
+* P is updated with the raw weights of (1) (negative ones lower the affinity of a harmful model), as
   PFLlib does; the authors' code (federation.py, `update_client_weights`) adds them divided by
   |sum_n w_{i,n}|. Only accepted uploads update P. P starts at zero (PFLlib: the identity, which only
   concerns the own model, never a candidate here; the authors' code: 0.1 for the own model, 0 elsewhere).
@@ -95,7 +95,7 @@ def choose_models(affinity_row: np.ndarray, candidates: np.ndarray, m: int, eps:
 
 
 def fomo_weights(own_loss: float, losses: torch.Tensor, dists: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eqs. 6-7: (raw w_n [m] float64, normalised weights [m] float64; all zero when no w_n > 0)."""
+    """(1)-(2): (raw w_n [m] float64, normalised weights [m] float64; all zero when no w_n > 0)."""
     losses, dists = losses.to(torch.float64), dists.to(torch.float64)
     gain = own_loss - losses
     raw = torch.where(dists > 0, gain / torch.where(dists > 0, dists, torch.ones_like(dists)), torch.zeros_like(gain))
@@ -105,7 +105,7 @@ def fomo_weights(own_loss: float, losses: torch.Tensor, dists: torch.Tensor) -> 
 
 
 def fomo_update(theta: torch.Tensor, models: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Eq. 5: theta + sum_n w_n (theta_n - theta), float64, returned in theta's dtype."""
+    """(3): theta + sum_n w_n (theta_n - theta), float64, returned in theta's dtype."""
     t = theta.to(torch.float64)
     if len(weights) == 0 or not bool((weights > 0).any()):
         return theta.clone()
@@ -191,7 +191,7 @@ class FedFomo(Algorithm):
         return Plan(clients, {"models": models, "ids": ids})
 
     def client_update(self, plan: Plan, trainer, rnd: int, cstate: dict) -> Update:
-        """Eqs. 5-7 for each sampled client from its validation loss, then E epochs of local training."""
+        """(1)-(3) for each sampled client from its validation loss, then E epochs of local training."""
         S, M = plan.clients, self.hp["m"]
         theta = cstate["theta"]
         starts, raws = [], torch.zeros(len(S), M)

@@ -1,5 +1,5 @@
 """q-FFL by q-FedAvg (Li, Sanjabi, Beirami, Smith 2020, "Fair Resource Allocation in Federated Learning",
-ICLR 2020, arXiv:1905.10497), Algorithm 3.
+ICLR 2020, arXiv:1905.10497), its q-FedAvg algorithm.
 
 q-FFL minimises f_q(w) = sum_k p_k F_k^{q+1}(w) / (q + 1): q > 0 weighs the clients with a larger loss
 more, so the accuracy is spread more evenly over the clients; q = 0 is FedAvg's objective. q-FedAvg, round
