@@ -26,7 +26,7 @@ import pytest
 
 from fedprism.errors import ConfigError
 from fedprism.experiment import build
-from fedprism.experiment.callbacks import Loop, Round
+from fedprism.experiment.callbacks import Callback, Loop, Round
 from fedprism.experiment.config import resolve
 from fedprism.experiment.runner import Experiment
 from fedprism.experiment.scalars import Scalars
@@ -203,7 +203,7 @@ def test_a_round_whose_rows_could_not_be_written_is_not_checkpointed(tmp_path, m
     real = Scalars.write
 
     def write(self, rnd, metrics, clients):
-        if rnd == 1:
+        if rnd == 1 and self.dir == sc:                 # the callback's files (not HeadStore's copy)
             raise StoreError(f"scalars file {self.rounds}: No space left on device (writing round 1)")
         real(self, rnd, metrics, clients)
 
@@ -212,7 +212,7 @@ def test_a_round_whose_rows_could_not_be_written_is_not_checkpointed(tmp_path, m
             m.setattr(Scalars, "write", write)
             with pytest.raises(StoreError, match="writing round 1"):
                 Experiment(c, s, progress=False).run()
-        assert s.run(c.run_id)["status"] == "failed"
+        assert s.run(c.run_id)["status"] == "failed" and s.run(c.run_id)["rounds_done"] == 2
         res = Experiment(c, s, progress=False).run()
     assert res.resumed_from == 0
     got = same_as_head(sc, c.run_id)
@@ -234,6 +234,27 @@ def test_a_rescored_run_writes_what_the_store_wrote(tmp_path):
     got = same_as_head(sc, c.run_id)
     assert {r for r, _ in tags(got["rounds"]) + tags(got["clients"])} == {"2"}   # the kept state's round
     assert ("2", "local_acc@ft") in tags(got["rounds"]) and ("2", "train_s") in tags(got["rounds"])
+
+
+class AddsAMetric(Experiment):
+    """A subclass's own callback, after the built-in ones, adds a metric at the end of each round."""
+
+    def callbacks(self):
+        class Mine(Callback):
+            def on_round_end(self, exp, rnd):
+                rnd.metrics["mine"] = 100.0 + rnd.index
+
+        return [*super().callbacks(), Mine()]
+
+
+def test_the_rows_are_the_stored_round_with_every_callbacks_metrics(tmp_path):
+    """The files get what the store got: a metric that a later callback adds before the round is stored."""
+    sc, c = tmp_path / "sc", cfg(scalars=str(tmp_path / "sc"))
+    with HeadStore(tmp_path / "s.db") as s:
+        AddsAMetric(c, s, progress=False).run()
+    got = same_as_head(sc, c.run_id)
+    assert [ln for ln in got["rounds"].decode().splitlines() if ",mine," in ln] == ["0,mine,100.0", "1,mine,101.0",
+                                                                                   "2,mine,102.0"]
 
 
 # -- 3. the composition root ------------------------------------------------------------------------------
