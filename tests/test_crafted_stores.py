@@ -298,7 +298,7 @@ def test_a_damaged_row_of_the_run_asked_for_is_one_line_and_never_reused(tmp_pat
     db = copy_store(base, tmp_path / "s.db")
     raw(db).execute("UPDATE runs SET final='{\"local_acc\": 0.9'")                 # torn: not JSON
     assert main(["run", "--db", str(db), *RUN, "name=FedAvg", "--quiet"]) == 2
-    one_line(capsys, cfg().run_id, "is stored damaged", "`fedprism merge` copies")
+    one_line(capsys, cfg().run_id, "is stored damaged", f"`fedprism merge {db} --db NEW.db` copies")
     assert main(["runs", "--db", str(db)]) == 0
     err = capsys.readouterr().err
     assert "1 stored row(s) are not well formed" in err

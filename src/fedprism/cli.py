@@ -8,6 +8,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import shutil
 import sqlite3
 import sys
@@ -96,7 +97,8 @@ def cmd_run(args) -> int:
         print(_table(rows, ["metric", "final", "best"]))
     failed = _client_failures(args.db, res.run_id) if f.get("rejected") else []
     if failed and not args.json:
-        print(f"client updates not used ({f['rejected']}; `fedprism show {res.run_id}` lists them by round):")
+        print(f"client updates not used ({f['rejected']}; `fedprism show {res.run_id} --db {shlex.quote(args.db)}` "
+              "lists them by round):")
         for k in failed:
             print(f"  {k.line()}")
     out = {k: f.get(k) for k in ("global_acc", "local_acc", "ad", "sdad", "seconds", "rejected")}
@@ -250,7 +252,8 @@ def _runs(args, store) -> int:
     store.close()
     if hidden:
         print(f"fedprism: warning: {args.db}: {hidden} stored row(s) are not well formed (damaged or crafted) "
-              "and are left out; `fedprism merge` copies the sound runs into a new store", file=sys.stderr)
+              f"and are left out; `fedprism merge {shlex.quote(args.db)} --db NEW.db` copies the sound runs into "
+              "a new store", file=sys.stderr)
     gone = any(d.get("process_gone") for d in records)
     if args.json:
         print(json_text(records))
@@ -284,7 +287,8 @@ def _show(args, store) -> int:
     prov = store.provenance(run_id)
     sweeps = [r[0] for r in store.db.execute("SELECT sweep FROM sweep_runs WHERE run_id=? ORDER BY sweep", (run_id,))]
     source = json.loads(row["final"] or "{}").get("rescored_from")
-    print(printable(f"run {run_id}: {row['method']} '{row['name'] or ''}' seed {row['seed']}, {row['status']}, "
+    label = f" '{row['name']}'" if row["name"] else ""          # no label: nothing, not ''
+    print(printable(f"run {run_id}: {row['method']}{label} seed {row['seed']}, {row['status']}, "
                     f"{row['rounds_done']}/{cfg.get('rounds')} rounds; code {row['code_version']}"
                     + (f"; sweeps: {', '.join(sweeps)}" if sweeps else "")))
     if source:
@@ -303,17 +307,17 @@ def _show(args, store) -> int:
             else:
                 flat.append([k, _fmt(v)])
         print(_table(flat, ["key", "value"]))
-        from fedprism.experiment.provenance import code_now
+        from fedprism.experiment.fresh import verify_hint
+        from fedprism.experiment.provenance import code_state
 
-        now = code_now(prov)
-        why_not = "no code fingerprint, a class that no longer imports, or a model of two files"
-        print("code now: " + (f"{now}; data not checked here (`fedprism verify` re-runs it)" if now
-                              else f"cannot tell ({why_not})"))
+        now = code_state(prov)
+        print("code now: " + (now if now.startswith("cannot tell") else
+                              f"{now}; data not checked here ({verify_hint(run_id, args.db, row['method'])})"))
     hist = store.round_metrics(run_id)
     failures = [r for r in store.records(run_id) if r["kind"] in ("failure", "rejected")]
     store.close()
     if failures:
-        _show_failures(failures)
+        _show_failures(failures, run_id, args.db)
     if hist:
         keys = [k for k in ("global_acc", "local_acc", "sdad", "global_model_acc", "train_loss", "accepted",
                             "rejected", "eval_clients", "train_s", "eval_s") if any(k in h for h in hist)]
@@ -326,7 +330,7 @@ def _show(args, store) -> int:
 _SHOWN_FAILURES = 50
 
 
-def _show_failures(records: list[dict]) -> None:
+def _show_failures(records: list[dict], run_id: str, db: str) -> None:
     """`fedprism show`: the run's client failures by kind (count and first message), then one line each."""
     from fedprism.experiment.failures import kinds, one_line, reason_of
 
@@ -337,7 +341,8 @@ def _show_failures(records: list[dict]) -> None:
             for r in records[:_SHOWN_FAILURES]]
     print(_table(rows, ["round", "client", "kind", "reason"]))
     if len(records) > _SHOWN_FAILURES:
-        print(f"  ... and {len(records) - _SHOWN_FAILURES} more (`fedprism export --run RUN_ID` writes every record)")
+        print(f"  ... and {len(records) - _SHOWN_FAILURES} more (`fedprism export --run {run_id} --db "
+              f"{shlex.quote(db)}` writes every record)")
 
 
 def cmd_verify(args) -> int:

@@ -43,6 +43,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import sqlite3
 import urllib.parse
 from dataclasses import dataclass, field
@@ -174,8 +175,8 @@ def _snapshot(db: sqlite3.Connection, where: str) -> Snapshot:
     bad = [i for i in ids if not valid_run_id(i)]
     if bad:
         raise ArchiveError(f"{where}: {len(bad)} run(s) whose id is no run id (16 hex digits), e.g. "
-                           f"{str(bad[0])[:40]!r}: no run file can be named after it; `fedprism merge` copies the "
-                           "store's sound runs into a clean store")
+                           f"{str(bad[0])[:40]!r}: no run file can be named after it; `fedprism merge "
+                           f"{shlex.quote(where)} --db NEW.db` copies the store's sound runs into a clean store")
     per_run = sorted(t for t, v in tables.items() if v["kind"] == "run")
     for t in per_run:
         orphans = db.execute(f'SELECT count(*), min(run_id) FROM main."{t}" WHERE run_id IS NULL OR run_id NOT IN '
@@ -284,7 +285,8 @@ def dump(db: str | Path, out: str | Path) -> DumpReport:
     changed and removing the run and sweep files of runs and sweeps the store no longer holds."""
     snap = snapshot(db)
     _refuse(id_problems(snap), f"of {db} are not filed under the hash of their configuration; nothing was "
-                               "written (`fedprism merge` copies a store's sound runs into a clean store)")
+                               f"written (`fedprism merge {shlex.quote(str(db))} --db NEW.db` copies a store's "
+                               "sound runs into a clean store)")
     out = Path(out)
     want: dict[str, tuple[str, bytes | None]] = {META: (_meta_text(snap.meta), None)}
     for rid, text in snap.runs.items():

@@ -108,11 +108,19 @@ class CheckpointRefused(_Problem):
     dtype the run does not have. Raised to the user (the file is kept); `--fresh` discards it."""
 
     def __str__(self) -> str:
-        fix = ("`fedprism run --fresh` with this configuration (or deleting the file) discards it and trains "
-               "again" if self.what == "kept final state" else
-               "`fedprism run --fresh` with this configuration (or deleting the file) discards it and runs "
-               "again from round 0")
+        fresh = f"`fedprism run --fresh{self._db()}` with this configuration (or deleting the file) discards it"
+        fix = f"{fresh} and trains again" if self.what == "kept final state" else f"{fresh} and runs again from round 0"
         return f"{super().__str__()}; the file is left as it is: {fix}" if self.file else super().__str__()
+
+    def _db(self) -> str:
+        """' --db STORE' for a file in a store's `<db>.ckpt/` or `<db>.final/` folder, else ''."""
+        import shlex
+
+        folder = Path(self.file or "").parent
+        for suffix in (".ckpt", ".final"):
+            if folder.name.endswith(suffix) and len(folder.name) > len(suffix):
+                return f" --db {shlex.quote(str(folder.with_name(folder.name[:-len(suffix)])))}"
+        return ""
 
 
 # -- encoding -------------------------------------------------------------------------------------------

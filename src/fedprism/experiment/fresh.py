@@ -73,6 +73,17 @@ def fix_for_python(run_id: str, db: Any, method: str, how: str = "fedprism.run(c
                    "elsewhere can run it)")
 
 
+def verify_hint(run_id: str, db: Any, method: str) -> str:
+    """What checks whether the current code reproduces a stored run: `fedprism verify RUN_ID --db DB`, or
+    for a method registered in this process only (`cli_visible`), `verify(...)` in that process."""
+    if cli_visible(method):
+        return (f"`fedprism verify {run_id} --db {_db(db)}` checks whether the current code reproduces its "
+                "first rounds")
+    return (f"`fedprism.experiment.verify.verify({str(db)!r}, {run_id!r})` in the process that registers "
+            f"{method!r} checks whether the current code reproduces its first rounds (`fedprism verify` "
+            "cannot see a method registered in a process)")
+
+
 def default_fix(exp: Any) -> str:
     """The advice of an `Experiment` that no entry point configured (`Experiment.fresh_fix`)."""
     return fix_for_python(exp.run_id, exp.store.path, exp.cfg["method"],
@@ -118,7 +129,8 @@ def settle_stored(exp: Any, current: dict | None) -> bool:
     if not diff:
         return False
     if row["status"] == "finished":
-        raise ProvenanceMismatch.of(exp.run_id, diff, exp.fresh_fix())
+        raise ProvenanceMismatch.of(exp.run_id, diff, exp.fresh_fix(),
+                                    verify_hint(exp.run_id, exp.store.path, exp.cfg["method"]))
     exp.store.lock(exp.run_id)                   # RunBusyError: another process executes it; it is kept
     exp.store.forget(exp.run_id)
     if getattr(exp, "clients", None) is not None:
@@ -149,6 +161,7 @@ def stored_config(store: Any, run: str, overrides: dict[str, Any] | None = None)
     if cfg.run_id != run_id:
         raise ConfigError("RUN_ID", run, f"a run whose stored configuration the current code resolves to the same "
                           f"id; run {run_id}'s now resolves to {cfg.run_id} (a key or a default changed since it "
-                          "was stored): give the configuration itself (`fedprism show RUN_ID` lists it)",
+                          f"was stored): give the configuration itself (`fedprism show {run_id} --db "
+                          f"{_db(store.path)}` lists it)",
                           kind="argument")
     return cfg

@@ -79,23 +79,27 @@ JOINED = ("method_bases", "method_helpers")
 class ProvenanceMismatch(FedPrismError):
     """A stored run was produced by other code or other data than the current ones. `run_id` and
     `differences` say which run and what differs; `fix` is the way to run it again from the entry point in
-    use (`fedprism.experiment.fresh`), and `with_fix` gives the same refusal with another."""
+    use and `verify` the way to check whether the current code reproduces it, with the store's `--db` and
+    in the Python form for a method registered in a process only (`fedprism.experiment.fresh`); `with_fix`
+    gives the same refusal with another fix."""
 
     run_id: str = ""
     differences: tuple[str, ...] = ()
+    verify: str | None = None
 
     @classmethod
-    def of(cls, run_id: str, diff: list[str] | tuple[str, ...], fix: str | None = None) -> "ProvenanceMismatch":
+    def of(cls, run_id: str, diff: list[str] | tuple[str, ...], fix: str | None = None,
+           verify: str | None = None) -> "ProvenanceMismatch":
         fix = fix or f"`fedprism run --fresh {run_id}` re-runs it under the current code"
+        check = verify or f"`fedprism verify {run_id}` checks whether the current code reproduces its first rounds"
         e = cls(f"run {run_id} is stored from other code or data ({'; '.join(diff)}); its results are not "
-                f"reused. {fix}; `fedprism verify {run_id}` checks whether the current code reproduces its "
-                "first rounds")
-        e.run_id, e.differences = run_id, tuple(diff)
+                f"reused. {fix}; {check}")
+        e.run_id, e.differences, e.verify = run_id, tuple(diff), verify
         return e
 
     def with_fix(self, fix: str) -> "ProvenanceMismatch":
         """This refusal with `fix` as the way to run the run again (an entry point's own advice)."""
-        return type(self).of(self.run_id, self.differences, fix) if self.run_id else self
+        return type(self).of(self.run_id, self.differences, fix, self.verify) if self.run_id else self
 
 
 def sha256_file(path: str | Path) -> str:
@@ -619,53 +623,75 @@ def with_text(stored: dict | None, current: dict | None) -> dict | None:
 
 def code_now(stored: dict | None) -> str | None:
     """Whether today's code still matches a stored run's code fingerprints, found from the classes (or
-    builders) they name without building anything; None when a fingerprint cannot be followed (no
-    provenance, a class that no longer imports, a registered model with two files). The data fingerprint
-    needs the federation built, so it is not checked here."""
+    builders) they name without building anything: "the same as stored" or "differs (...)"; None when a
+    fingerprint cannot be followed (`code_state` says why). The data fingerprint needs the federation
+    built, so it is not checked here."""
+    answer, _ = _code_now(stored)
+    return answer
+
+
+def code_state(stored: dict | None) -> str:
+    """`code_now`'s answer, or "cannot tell (WHY)" naming why a fingerprint cannot be followed: no code
+    fingerprint recorded, a class that is not importable here (a method registered in a script or a
+    notebook, a plugin not installed), a registered model of two files."""
+    answer, why = _code_now(stored)
+    return answer if answer is not None else f"cannot tell ({why})"
+
+
+def _code_now(stored: dict | None) -> tuple[str | None, str]:
+    """(`code_now`'s answer, '') or (None, why it cannot tell)."""
     import importlib
 
     code = (stored or {}).get("code")
     if not isinstance(code, dict):
-        return None
+        return None, "no code fingerprint recorded"
     now: dict[str, Any] = {}
     for part, fp in code.items():
         if fp is None:                           # nothing recorded for this part: nothing to compare
             continue
-        if not isinstance(fp, dict) or (part not in JOINED and " + " in str(fp.get("file", ""))):
-            return None
-        module, _, qualname = str(fp.get("class", "")).rpartition(".")
+        if not isinstance(fp, dict):
+            return None, f"the {part} fingerprint is not well formed"
+        if part not in JOINED and " + " in str(fp.get("file", "")):
+            return None, (f"the {part} fingerprint joins two files ({fp.get('file')}): a registered model's "
+                          "builder and class are not followed here")
+        name = str(fp.get("class", ""))
+        module, _, qualname = name.rpartition(".")
         try:
             obj: Any = importlib.import_module(module)
-            for name in qualname.split("."):
-                obj = getattr(obj, name)
-        except (ImportError, AttributeError, ValueError):
-            return None
+            for attr in qualname.split("."):
+                obj = getattr(obj, attr)
+        except (ImportError, AttributeError, ValueError) as e:
+            where = (" (defined in a script's __main__ or a notebook: registered in that process only)"
+                     if module in ("__main__", "") else "")
+            return None, f"class {name or '?'} is not importable here{where}: {type(e).__name__}: {e}"
         if part == "method_bases":               # the files of the classes it inherits from, followed again
             now[part] = bases_fingerprint(obj) if inspect.isclass(obj) else None
             if now[part] is None:
-                return f"differs ({part}: it inherits from no file outside the interface now)"
+                return f"differs ({part}: it inherits from no file outside the interface now)", ""
             continue
         if part == "method_helpers":             # the modules of its project it imports, read again
             now[part] = helpers_fingerprint(obj) if inspect.isclass(obj) else None
             if now[part] is None:
-                return f"differs ({part}: it imports no module of its own project now)"
+                return f"differs ({part}: it imports no module of its own project now)", ""
             continue
         path = _source_file(obj)
         if path is None:
-            return None
+            return None, f"{name} has no source file here"
         now[part] = {**_own_hashes(obj, path), "file": _where(str(path))}
     if not now:
-        return None
+        return None, "no code fingerprint recorded"
     diff = differences({"code": code}, {"code": now})
-    return f"differs ({'; '.join(diff)})" if diff else "the same as stored"
+    return (f"differs ({'; '.join(diff)})" if diff else "the same as stored"), ""
 
 
-def check(run_id: str, stored: dict | None, current: dict | None, fix: str | None = None) -> None:
+def check(run_id: str, stored: dict | None, current: dict | None, fix: str | None = None,
+          verify: str | None = None) -> None:
     """Raise `ProvenanceMismatch` when the stored run was produced by other code or data; `fix`: how the
-    entry point in use runs it again (default: `fedprism run --fresh RUN_ID`)."""
+    entry point in use runs it again (default: `fedprism run --fresh RUN_ID`), `verify`: how it checks the
+    run (default: `fedprism verify RUN_ID`; `fedprism.experiment.fresh.verify_hint`)."""
     diff = differences(stored, current)
     if diff:
-        raise ProvenanceMismatch.of(run_id, diff, fix)
+        raise ProvenanceMismatch.of(run_id, diff, fix, verify)
 
 
 def set_threads(cfg: Any) -> None:

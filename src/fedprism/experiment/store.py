@@ -124,6 +124,13 @@ def dumps(x: Any) -> str:
     return json.dumps(_clean(x), sort_keys=True, separators=(",", ":"))
 
 
+def _quoted(path: Any) -> str:
+    """A store's path as a shell word, for the commands an error names."""
+    import shlex
+
+    return shlex.quote(str(path))
+
+
 def _json_or_none(s: str | None) -> dict | None:
     return json.loads(s) if s else None
 
@@ -486,7 +493,8 @@ class Store:
             if why:                                   # before the journal mode or anything else is written
                 self.db.close()
                 raise StoreError(f"results store {self.path}: {why}; nothing was written to it (this version "
-                                 "can read it: `fedprism runs`, `show`, `report`, `export`)")
+                                 f"can read it: `fedprism runs --db {_quoted(self.path)}`, `show`, `report`, "
+                                 "`export`)")
             _until_free(self._set_wal, self.timeout)
             self.db.execute("PRAGMA synchronous=NORMAL")
             with self.transaction():
@@ -632,8 +640,8 @@ class Store:
             why = self.damage(run_id, config_keys=False)
             if why:
                 raise StoreError(f"results store {self.path}: run {run_id} is stored damaged ({why}); it is "
-                                 "neither resumed nor re-used: `fedprism merge` copies the store's sound runs "
-                                 "into a new one, or use another --db")
+                                 f"neither resumed nor re-used: `fedprism merge {_quoted(self.path)} --db NEW.db` "
+                                 "copies the store's sound runs into a new one, or use another --db")
         return row
 
     def damage(self, run_id: str, config_keys: bool = True) -> str:
@@ -681,7 +689,7 @@ class Store:
         raised: the stored result is never returned (nor resumed) as if this code had produced it.
         A non-empty `name` in `config` relabels a stored run (its id and results stay as they are).
         """
-        from fedprism.experiment.provenance import check, with_text
+        from fedprism.experiment.provenance import ProvenanceMismatch, differences, with_text
 
         check_run_id(run_id)
         now = time.time()
@@ -701,7 +709,12 @@ class Store:
                          dumps(provenance) if provenance is not None else None))
                 else:
                     if provenance is not None:
-                        check(run_id, _json_or_none(row["provenance"]), provenance)
+                        diff = differences(_json_or_none(row["provenance"]), provenance)
+                        if diff:                 # the hints with this store's --db (they import the methods)
+                            from fedprism.experiment.fresh import fix_for_cli_run, verify_hint
+
+                            raise ProvenanceMismatch.of(run_id, diff, fix_for_cli_run(run_id, self.path),
+                                                        verify_hint(run_id, self.path, config["method"]))
                         self._add_text(db, run_id, with_text(_json_or_none(row["provenance"]), provenance))
                     if config.get("name") and config["name"] != row["name"]:
                         self._rename(db, row, config["name"])
@@ -755,7 +768,8 @@ class Store:
     def _held(self, db: sqlite3.Connection, run_id: str) -> None:
         """An error naming the id and the store unless the store holds run `run_id`."""
         if db.execute("SELECT 1 FROM runs WHERE run_id=?", (run_id,)).fetchone() is None:
-            raise FedPrismError(f"no run {run_id!r} in {self.path} (`fedprism runs` lists them; "
+            raise FedPrismError(f"no run {run_id!r} in {self.path} (`fedprism runs --db {_quoted(self.path)}` "
+                                "lists them; "
                                 "`Store.find(prefix)` resolves a prefix)")
 
     def forget(self, run_id: str) -> None:
@@ -785,7 +799,8 @@ class Store:
         """The run whose id starts with `prefix` (an unambiguous prefix, as git accepts)."""
         rows = self.with_prefix(prefix)
         if not rows:
-            raise FedPrismError(f"no run {prefix!r} in {self.path} (`fedprism runs` lists them)")
+            raise FedPrismError(f"no run {prefix!r} in {self.path} (`fedprism runs --db {_quoted(self.path)}` "
+                                "lists them)")
         if len(rows) > 1:
             raise FedPrismError(f"run id prefix {prefix!r} is ambiguous: {', '.join(r['run_id'] for r in rows[:5])}")
         return rows[0]

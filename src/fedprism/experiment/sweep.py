@@ -39,6 +39,7 @@ import contextlib
 import itertools
 import json
 import os
+import shlex
 import sys
 import threading
 import time
@@ -386,7 +387,7 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
     worker = cores // workers), each printing one line when its run finishes. `fresh=True` (`--fresh`)
     runs every selected run again (`only`, `seeds`, `limit` select): what the store holds of it is
     dropped (`fresh.forget`) once every run to do has passed the checks that need no training."""
-    from fedprism.experiment.fresh import fix_for_sweep, forget
+    from fedprism.experiment.fresh import cli_visible, fix_for_sweep, forget, verify_hint
     from fedprism.experiment.provenance import check, fingerprints
     from fedprism.experiment.runlock import RunBusyError
     from fedprism.experiment.runner import Experiment
@@ -417,6 +418,7 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
     t0 = time.time()
     todo: list[tuple[str, Config]] = []
     other_code: list[str] = []          # finished under other code or data: neither re-used nor re-run
+    hidden_from_cli: set[str] = set()   # the methods of those runs that a `fedprism` command cannot see
     data_memo: dict = {}                # each data setting fingerprinted once per sweep
     apart = tell_apart([c.values for c in configs])   # two alphas of "FedAvg" read differently
     try:
@@ -429,9 +431,12 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
                 if stored:                     # other code or data: never skipped as if it were this run's
                     try:
                         check(cfg.run_id, stored := json.loads(stored), now := fingerprints(cfg, data_memo),
-                              fix_for_sweep(path, cfg["name"], db, cfg["method"]))
+                              fix_for_sweep(path, cfg["name"], db, cfg["method"]),
+                              verify_hint(cfg.run_id, db, cfg["method"]))
                     except ProvenanceMismatch as e:  # the others still run; the sweep ends with status 2
                         other_code.append(f"{tag}: {e}")
+                        if not cli_visible(cfg["method"]):
+                            hidden_from_cli.add(cfg["method"])
                         print(f"{tag}: not run, {e}", file=sys.stderr)
                         continue
                     store.add_text_fingerprints(cfg.run_id, stored, now)
@@ -489,7 +494,12 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
         raise ProvenanceMismatch(f"{len(other_code)} run(s) of sweep {name} are stored from other code or data "
                                  "(each listed above with the command that re-runs it): `--fresh` runs them "
                                  "again under the current code (every run of the sweep, or those of `--only`); "
-                                 "`fedprism verify RUN` checks whether the current code reproduces one")
+                                 + (f"`fedprism verify RUN --db {shlex.quote(str(db))}` checks whether the current "
+                                    "code reproduces one" if not hidden_from_cli else
+                                    f"`fedprism.experiment.verify.verify({str(db)!r}, RUN)` in the process that "
+                                    f"registers {', '.join(map(repr, sorted(hidden_from_cli)))} checks whether the "
+                                    "current code reproduces one (`fedprism verify` cannot see a method registered "
+                                    "in a process)"))
     return 0
 
 

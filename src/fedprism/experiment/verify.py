@@ -134,7 +134,8 @@ def verify(db: str, run: str, rounds: int = 2, threads: int | None = None, progr
     if cfg.run_id != run_id:
         say(f"note: the current code resolves this configuration to run id {cfg.run_id} (a key or default "
             "changed since it was stored); comparing anyway")
-    say(f"verify {run_id} ({stored_cfg['method']} '{stored_cfg.get('name', '')}', seed {stored_cfg['seed']}): "
+    label = f" '{stored_cfg['name']}'" if stored_cfg.get("name") else ""       # no label: nothing, not ''
+    say(f"verify {run_id} ({stored_cfg['method']}{label}, seed {stored_cfg['seed']}): "
         f"re-running {n} round(s) with {t} thread(s)" + ("" if recorded else " (thread count not recorded)")
         + (f", {' '.join(f'{k}={v}' for k, v in overrides.items())}" if overrides else ""))
     before = torch.get_num_threads()
