@@ -30,6 +30,10 @@ T = TypeVar("T")
 
 KINDS = ("method", "dataset", "model", "partition")
 
+#: where each kind's plugin is explained: its interface and how to declare it as an entry point
+DOCS = {"method": "docs/writing-a-method.md", "dataset": "docs/adding-a-dataset.md",
+        "model": "docs/adding-a-model.md", "partition": "docs/adding-a-partition.md"}
+
 
 def suggest(key: str, valid: list[str] | tuple[str, ...], quote: bool = False) -> str:
     """' (did you mean X?)' for the entry of `valid` closest to `key` (difflib ratio >= 0.6), else ''.
@@ -160,9 +164,22 @@ class Registry(Generic[T]):
             self.load_plugins()
             if name in self._items:
                 return self._items[name]
-        names = self.names()
-        raise ConfigError(key or self.kind, name, f"known {self.kind}s: {', '.join(names)}"
-                          + (suggest(name, names) if isinstance(name, str) else ""))
+        raise self.not_found(name, key)
+
+    def plugin_hint(self) -> str:
+        """How a plugin's component of this kind becomes known to every entry point."""
+        where = f"; {DOCS[self.kind]}" if self.kind in DOCS else ""
+        return (f"a {self.kind} from a plugin must be installed or on PYTHONPATH as an entry point (group "
+                f"{self.group}{where})")
+
+    def not_found(self, name: object, key: str | None = None, also: tuple[str, ...] = ()) -> ConfigError:
+        """The error for a name that no built-in, entry point or registration knows, naming the config key
+        (`key`, default the kind), the value, the choices (`also`: values the key takes besides the
+        names, such as a model's `auto`), the nearest one (did-you-mean) and how a plugin's component is
+        made known (`plugin_hint`)."""
+        names = [*also, *self.names()]
+        near = suggest(name.lower(), names) if isinstance(name, str) else ""
+        return ConfigError(key or self.kind, name, f"one of {', '.join(names)}{near}; {self.plugin_hint()}")
 
     def __contains__(self, name: object) -> bool:
         if not isinstance(name, str):
@@ -190,7 +207,8 @@ class Registry(Generic[T]):
         (commands that list components say it this way; `get` raises a ConfigError naming the key)."""
         names = self.names()
         hint = suggest(name, names) if isinstance(name, str) else ""
-        return f"no {what or self.kind} {name!r}{hint}; the {what or self.kind}s: {', '.join(names)}"
+        return (f"no {what or self.kind} {name!r}{hint}; the {what or self.kind}s: {', '.join(names)}; "
+                f"{self.plugin_hint()}")
 
     def __getitem__(self, name: str) -> T:
         return self.get(name)

@@ -368,25 +368,19 @@ def resolve(raw: dict[str, Any]) -> Config:
         if k in raw and not isinstance(raw[k], str):
             raise ConfigError(k, raw[k], "a name (string); see `fedprism methods`")
     method = raw.get("method", KEYS["method"].default)
-    if method not in REGISTRY:
-        raise ConfigError("method", method, f"one of {', '.join(sorted(REGISTRY))}"
-                          f"{suggest(str(method).lower(), sorted(REGISTRY))}")
+    if method not in REGISTRY:                   # the one registry error: choices, nearest, plugin hint
+        raise REGISTRY.not_found(method)
     part = raw.get("partition", KEYS["partition"].default)
     if part not in PARTITIONS:
-        raise ConfigError("partition", part, f"one of {', '.join(PARTITIONS.names())}"
-                          f"{suggest(str(part).lower(), PARTITIONS.names())}")
+        raise PARTITIONS.not_found(part)
     from fedprism.data.base import DATASETS
     from fedprism.models import MODELS
     ds = raw.get("dataset", KEYS["dataset"].default)
     if ds not in DATASETS:
-        raise ConfigError("dataset", ds, f"one of {', '.join(DATASETS.names())}"
-                          f"{suggest(str(ds).lower(), DATASETS.names())}")
+        raise DATASETS.not_found(ds)
     model = raw.get("model", KEYS["model"].default)
-    if not isinstance(model, str):
-        raise ConfigError("model", model, f"one of auto, {', '.join(MODELS.names())}")
-    if model != "auto" and model not in MODELS:
-        raise ConfigError("model", model, f"one of auto, {', '.join(MODELS.names())}"
-                          f"{suggest(model.lower(), ['auto', *MODELS.names()])}")
+    if not isinstance(model, str) or (model != "auto" and model not in MODELS):
+        raise MODELS.not_found(model, also=("auto",))
 
     out: dict[str, Any] = {}
     for k, p in KEYS.items():
