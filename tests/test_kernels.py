@@ -209,6 +209,34 @@ def test_auto_is_the_fused_run_where_built_and_keeps_auto_through_with(monkeypat
         assert resolve({**LENET, "method": method, "train.kernels": "fused"})["train.kernels"] == "fused"
 
 
+@pytest.mark.skipif(not kernels_here(), reason=f"fused kernels unavailable: {build.unavailable_reason()}")
+def test_auto_is_aten_for_a_model_with_nothing_to_fuse(monkeypatch):
+    """An MLP (`ModelSpec.conv = False`, also as `model=auto` on data that is not 28px+ images) has no block
+    the fused kernels run: auto resolves to aten and the run keeps the id it had before the kernels."""
+    monkeypatch.delenv(kernels.PIN, raising=False)
+    for cfg in ({**LENET, "model": "mlp"}, {**LENET, "dataset": "digits", "model": "auto"},
+                {**LENET, "model": "mlp_fedsub"}):
+        auto, aten = resolve(cfg), resolve({**cfg, "train.kernels": "aten", "eval.kernels": "aten"})
+        assert (auto["train.kernels"], auto["eval.kernels"]) == ("aten", "aten"), cfg
+        assert auto.run_id == aten.run_id, cfg
+    assert resolve({**LENET, "model": "auto"})["train.kernels"] == "fused"     # fmnist: LeNet-5
+    assert resolve({**LENET, "model": "mlp", "train.kernels": "fused"})["train.kernels"] == "fused"   # as asked
+
+
+def test_a_stored_configuration_replays_with_the_kernels_it_ran_with(monkeypatch):
+    """`resolve_stored` (verify, run --fresh RUN_ID): a configuration stored before the kernel keys existed
+    holds neither key, and replays with PyTorch's kernels under its own id, wherever the kernels are built."""
+    from fedprism.experiment.config import resolve_stored
+
+    monkeypatch.delenv(kernels.PIN, raising=False)
+    stored = dict(resolve({**LENET, "train.kernels": "aten", "eval.kernels": "aten"}).identity)
+    assert "train.kernels" not in stored and "eval.kernels" not in stored
+    again = resolve_stored(stored)
+    assert (again["train.kernels"], again["eval.kernels"]) == ("aten", "aten")
+    assert again.run_id == resolve({**LENET, "train.kernels": "aten", "eval.kernels": "aten"}).run_id
+    assert resolve_stored({**stored, "train.kernels": "fused"})["train.kernels"] == "fused" or not kernels_here()
+
+
 class _Held:
     """A store that holds the given run ids (what `prefer_stored` asks of a store)."""
 

@@ -437,9 +437,24 @@ def resolve(raw: dict[str, Any]) -> Config:
     auto = frozenset(k for k in KERNEL_KEYS if out[k] == "auto")
     if "train.kernels" in auto and not getattr(REGISTRY[method], "fused_training", True):
         out["train.kernels"] = "aten"      # an objective the fused training kernels cannot take (APFL, ...)
+    if auto and not _has_conv_blocks(out["model"], DATASETS.get(out["dataset"]).input_shape):
+        out.update({k: "aten" for k in auto})   # nothing to fuse (an MLP): the kernels that run are PyTorch's
     for k in KERNEL_KEYS:                  # what runs, not what was asked: it is part of the run id
         out[k] = kernels.resolve(k, out[k], out["device"])
     return Config(out, auto)
+
+
+def _has_conv_blocks(model: str, input_shape: tuple[int, ...] | None) -> bool:
+    """Whether the run's model may hold blocks the fused kernels run (`ModelSpec.conv`); `model=auto` is
+    LeNet-5 for images of at least 28 pixels and an MLP otherwise (`resolve_model_name`). A dataset that does
+    not declare its shape counts as one that may."""
+    from fedprism.models import AUTO_IMAGES, AUTO_OTHER, MODELS
+
+    if model == "auto":
+        if input_shape is None:
+            return True
+        model = AUTO_IMAGES if len(input_shape) == 3 and input_shape[-1] >= 28 else AUTO_OTHER
+    return MODELS.get(model, "model").conv
 
 
 def held_out_count(clients: int, fraction: float) -> int:

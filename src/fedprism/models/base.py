@@ -86,6 +86,9 @@ class ModelSpec:
     pad32:    True when `data.pad32=auto` pads 28x28 images to 32x32 for it (a model built for 32x32)
     body, head: what the body and the head hold, in words (`fedprism models`)
     shape:    an input shape it takes, for listings (parameter counts)
+    conv:     False when the model holds no conv -> ReLU -> 2x2 max-pooling block (an MLP): the fused CPU
+              kernels have nothing to run, so `train.kernels` / `eval.kernels` = auto resolve to `aten` and
+              the run keeps the id it had before the kernels existed
     """
 
     name: str
@@ -97,6 +100,7 @@ class ModelSpec:
     body: str = ""
     head: str = ""
     shape: tuple[int, ...] = (1, 28, 28)
+    conv: bool = True
 
     def __post_init__(self) -> None:
         # the module that declared it is its builder's: a plugin cannot take a built-in's name (`Registry`)

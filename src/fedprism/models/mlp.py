@@ -20,4 +20,4 @@ class MLP(Split):
 SPEC = MODELS.register(ModelSpec(
     "mlp", lambda shape, k: MLP(features(shape), k),
     title="two-hidden-layer perceptron, 64 units each (model=auto for data that is not images of 28px+)",
-    inputs="any shape (flattened)", body="flatten-fc64-fc64", head="fc(classes)", shape=(1, 8, 8)))
+    inputs="any shape (flattened)", body="flatten-fc64-fc64", head="fc(classes)", shape=(1, 8, 8), conv=False))

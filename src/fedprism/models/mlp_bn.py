@@ -22,4 +22,4 @@ class MLPBN(Split):
 SPEC = MODELS.register(ModelSpec(
     "mlp_bn", lambda shape, k: MLPBN(features(shape), k),
     title="`mlp` with BatchNorm after each hidden layer (batch statistics)",
-    inputs="any shape (flattened)", body="flatten-fc64-BN-fc64-BN", head="fc(classes)", shape=(1, 8, 8)))
+    inputs="any shape (flattened)", body="flatten-fc64-BN-fc64-BN", head="fc(classes)", shape=(1, 8, 8), conv=False))

@@ -22,4 +22,4 @@ class MLPFedSub(Split):
 SPEC = MODELS.register(ModelSpec(
     "mlp_fedsub", lambda shape, k: MLPFedSub(features(shape), k),
     title="FedSub's perceptron, input-128-512-classes (Campana and Delmastro, section 4.3)",
-    inputs="any shape (flattened)", body="flatten-fc128-fc512", head="fc(classes)", shape=(1, 28, 28)))
+    inputs="any shape (flattened)", body="flatten-fc128-fc512", head="fc(classes)", shape=(1, 28, 28), conv=False))
