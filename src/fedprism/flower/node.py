@@ -3,7 +3,7 @@
 Every node builds the federation from the same experiment config (dataset + partition + seed: the
 partition is deterministic), keeps only its own client's train and local-test rows plus the public
 global test set, and drops the rest. The algorithm object is built exactly as the in-process runner
-builds it (`fedprism.experiment.runner.make_*`), so `algo.client_update(plan, engine, rnd)` here runs
+builds it (`fedprism.experiment.build.make_*`, the composition root), so `algo.client_update(plan, engine, rnd)` here runs
 the same code, on the same numbers, as the simulator's sequential engine.
 
 Class drift (`drift.*`, fedprism.data.drift): the node draws the run's schedule from the whole partition
@@ -30,7 +30,7 @@ from fedprism.experiment import federation as _fedmod
 from fedprism.experiment.config import Config
 from fedprism.experiment.evaluate import StreamScorer, score_inference
 from fedprism.data.drift import DriftedData
-from fedprism.experiment.runner import drift_schedule, local_config, make_algorithm, make_context, make_model
+from fedprism.experiment.build import drift_schedule, local_config, make_algorithm, make_context, make_model
 from fedprism.experiment.limits import check_limits
 from fedprism.federation import Federation
 from fedprism.flower.settings import parse_experiment

@@ -40,7 +40,8 @@ from fedprism.data.drift import DriftSchedule
 from fedprism.errors import ConfigError, printable
 from fedprism.experiment.evaluate import Evaluator, row_hashes
 from fedprism.experiment.limits import check_limits
-from fedprism.experiment.runner import Experiment, RunResult, make_algorithm, make_context, make_model, validate_update
+from fedprism.experiment.build import make_algorithm, make_context, make_model
+from fedprism.experiment.runner import Experiment, RunResult, validate_update
 from fedprism.experiment.store import Store
 from fedprism.flower import codec
 from fedprism.flower.settings import IDENTITY_KEYS, RunSettings, check_flower_config, flower_label
@@ -585,7 +586,7 @@ class FlowerExperiment(Experiment):
         shared = None
         if settings.global_eval == "server" and shared_data is not None:
             from fedprism.engine.sequential import SequentialEngine
-            from fedprism.experiment.runner import local_config
+            from fedprism.experiment.build import local_config
             shared = SequentialEngine(shared_data, self.model, local_config(cfg), cfg["seed"], "cpu")
         self.engine = RemoteTrainer(link, self.ctx.spec, link.num_classes, settings.round_timeout, shared, sizes,
                                     wire=self.algo)

@@ -27,7 +27,8 @@ from flwr.serverapp import Grid, ServerApp
 from fedprism.errors import ConfigError
 from fedprism.experiment.limits import check_limits
 from fedprism.data.drift import class_counts
-from fedprism.experiment.runner import RunResult, drift_schedule, make_model
+from fedprism.experiment.build import drift_schedule, make_model
+from fedprism.experiment.runner import RunResult
 from fedprism.experiment.store import Store, drop_if_new_and_empty
 from fedprism.flower.server import NO_DRIFT_WITHOUT_DATA, FlowerExperiment, Link, ServerDrift, _log
 from fedprism.flower.settings import RunSettings

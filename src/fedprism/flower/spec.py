@@ -73,7 +73,7 @@ def server_spec(cfg: Config, input_shape: tuple[int, ...] | None = None, num_cla
     already built from them, if any), else from the dataset's declared format (`published_shape`). A
     dataset that declares no shape and that the server cannot read is refused (ConfigError naming
     `dataset`): its shape would have to be a node's word."""
-    from fedprism.experiment.runner import make_model
+    from fedprism.experiment.build import make_model
     from fedprism.params import ParamSpec
 
     if input_shape is not None and num_classes is not None:
