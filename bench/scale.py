@@ -19,10 +19,10 @@ clients drawn per round; the final round scores every client (as `eval.clients` 
 
     python bench/scale.py                          # the whole grid (each run in its own process)
     python bench/scale.py --n 100 1000 --rounds 3  # a part of it
-    python bench/scale.py --plot-only              # redraw bench/scale.md and bench/scale.png from scale.json
+    python bench/scale.py --plot-only              # redraw bench/out/scale.md and bench/out/scale.png from scale.json
     python bench/scale.py --phases fedprism_dual 1000 fmnist [key=value ...]   # where the memory goes, per phase
 
-Writes bench/scale.json (raw rows), bench/scale.md (the table) and bench/scale.png (the plot).
+Writes bench/out/scale.json (raw rows), bench/out/scale.md (the table) and bench/out/scale.png (the plot).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+OUT = HERE / "out"                                  # the raw outputs of bench/
 sys.path.insert(0, str(HERE.parent / "src"))
 
 METHODS = ("fedavg", "local", "fedprism", "fedprism_dual")
@@ -314,7 +315,7 @@ def main() -> None:
                     help="state.storage values for the methods with client state")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=3600)
-    ap.add_argument("--out", default=str(HERE / "scale.json"))
+    ap.add_argument("--out", default=str(OUT / "scale.json"))
     ap.add_argument("--plot-only", action="store_true")
     ap.add_argument("--skip-done", action="store_true", help="skip configurations scale.json holds a finished row of")
     a = ap.parse_args()
@@ -349,9 +350,10 @@ def main() -> None:
     rows = sorted(data["rows"], key=lambda r: (r["config"]["dataset"], r["config"]["clients"],
                                                order.get(r["config"]["method"], 9),
                                                r["config"].get("state.storage", "memory")))
-    (HERE / "scale.md").write_text(table(rows, data["machine"]))
-    plot(rows, HERE / "scale.png")
-    print(f"wrote {out}, {HERE / 'scale.md'}, {HERE / 'scale.png'}")
+    OUT.mkdir(exist_ok=True)
+    (OUT / "scale.md").write_text(table(rows, data["machine"]))
+    plot(rows, OUT / "scale.png")
+    print(f"wrote {out}, {OUT / 'scale.md'}, {OUT / 'scale.png'}")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
 """The documentation names things that exist: every `fedprism.x.y` in a code span is an importable
 module or attribute, a method's configuration key or an entry-point group, and every repository path in
 a code span or a fenced code block (the commands) and every relative markdown link points at a file or
-folder of the checkout. A rename in the code that leaves a document behind fails here."""
+folder of the checkout. A rename in the code that leaves a document behind fails here. A file that left
+the tree is named as "`bench/x.py` at commit abc1234": that commit must hold it (git), and the document
+may then name it elsewhere too."""
 
 from __future__ import annotations
 
 import importlib
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -25,6 +28,8 @@ NOT_IN_CHECKOUT = {"results/x.db", "results/mine.db", "results/fedprism.db.ckpt/
                    "src/FILE"}                                 # the placeholder of scripts/mutate.py's usage
 #: wrong on purpose: the README's example of a mistyped configuration key
 MISTYPED = {"fedprism.kk"}
+#: "`path` at commit <hash>": a file that left the tree, with the last commit that holds it
+HISTORIC = re.compile(r"`(" + PATH.pattern + r")` at commit ([0-9a-f]{7,40})\b")
 DOTTED = re.compile(r"(?<![/\w.-])fedprism(?:\.[A-Za-z_][A-Za-z0-9_]*)+")            # not inside a path
 
 
@@ -60,8 +65,15 @@ def _paths(text: str) -> list[str]:
             if not any(ch in p for ch in "*<>") and p not in NOT_IN_CHECKOUT and not (ROOT / p).exists()]
 
 
+def in_history(path: str, commit: str) -> bool:
+    """`commit` of this repository holds `path`."""
+    return subprocess.run(["git", "cat-file", "-e", f"{commit}:{path}"], cwd=ROOT, capture_output=True).returncode == 0
+
+
 def problems(text: str, folder: Path) -> list[str]:
-    """What a document's text (in `folder`, for its relative links) names that does not exist."""
+    """What a document's text (in `folder`, for its relative links) names that does not exist; a path it
+    names "at commit <hash>" is checked against that commit instead."""
+    historic = {p: c for p, c in HISTORIC.findall(" ".join(text.split()))}
     fences = r"^```.*?^```"
     prose = re.sub(fences, "", text, flags=re.S | re.M)
     inline = [" ".join(x.split()) for x in re.findall(r"`([^`]+)`", prose)]
@@ -70,6 +82,8 @@ def problems(text: str, folder: Path) -> list[str]:
     missing += [p for block in re.findall(fences, text, flags=re.S | re.M) for p in _paths(block)]
     missing += [f"link {t}" for t in re.findall(r"\]\(([^)#\s]+)", text)
                 if not t.startswith(("http://", "https://", "mailto:")) and not (folder / t).exists()]
+    missing = [m for m in missing if m not in historic]
+    missing += [f"{p} at commit {c}" for p, c in historic.items() if not in_history(p, c)]
     return sorted(set(missing))
 
 
@@ -90,3 +104,12 @@ def test_the_check_sees_a_stale_name():
     assert problems(bad, ROOT) == ["bench/engin.py", "fedprism.clustering.choose_k_silhouettes",
                                    "fedprism.kkk", "fedprism.method", "link docs/testin.md",
                                    "src/fedprism/clis.py"]
+
+
+def test_a_file_that_left_the_tree_is_checked_against_its_commit():
+    """"`bench/bf16.py` at commit b9ec7a1" (a script removed since) passes and lets the document name it
+    again; a path that commit does not hold, or a removed path named without its commit, is reported."""
+    good = "(script: `bench/bf16.py` at\ncommit b9ec7a1)\n```\npython bench/bf16.py\n```\n"
+    assert problems(good, ROOT) == []
+    assert problems("`bench/bf16.py`", ROOT) == ["bench/bf16.py"]
+    assert problems("`bench/bf16x.py` at commit b9ec7a1", ROOT) == ["bench/bf16x.py at commit b9ec7a1"]

@@ -73,8 +73,9 @@ def test_unknown_precision_is_refused_naming_the_key(capsys):
 
 
 def test_bf16_on_a_cpu_without_native_bf16_warns_that_it_is_slower(monkeypatch):
-    """Emulated bf16 scored 4x slower than float32 on an AVX2 CPU (bench/bf16.py), while the option is
-    documented as a speed option: an engine built for it there says so, once, and keeps the setting."""
+    """Emulated bf16 scored 4x slower than float32 on an AVX2 CPU (`bench/bf16.py` at commit b9ec7a1), while
+    the option is documented as a speed option: an engine built for it there says so, once, and keeps the
+    setting."""
     from fedprism.engine import base
 
     monkeypatch.setattr(base, "native_bf16", lambda: False)
