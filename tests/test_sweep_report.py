@@ -274,8 +274,9 @@ def test_a_run_file_given_to_sweep_says_to_use_run_and_a_mistyped_table_gets_a_s
         load_sweep(run_file)
     typo = tmp_path / "s.toml"
     typo.write_text('name = "s"\n[base]\ndataset = "digits"\n[[run]]\nmethod = "fedavg"\n')
-    with pytest.raises(ConfigError, match=r"s.toml: run' = \[\{'method': 'fedavg'\}\].*did you mean runs"):
+    with pytest.raises(ConfigError) as e:
         load_sweep(typo)
+    assert str(e.value) == "s.toml: unknown table [[run]] (did you mean [[runs]]?)"      # never the value
 
 
 def test_a_rescored_run_moves_no_bytes_of_its_own():

@@ -63,14 +63,14 @@ def load_sweep(path: str | Path, quick: bool = False, overrides: dict[str, Any] 
     doc = _read(p)
     sections = ["name", "description", "db", "base", "grid", "runs", "quick"]
     unknown = set(doc) - set(sections)
-    if unknown and not set(doc) & {"base", "grid", "runs"}:      # one run's keys: a run file, not a sweep
+    misspelt = any(_form(k, doc[k]).startswith("[") and suggest(k, ["base", "grid", "runs"])
+                   for k in unknown)                             # a table [bse], [[run]]: not a run's keys
+    if unknown and not set(doc) & {"base", "grid", "runs"} and not misspelt:  # one run's keys: a run file
         raise ConfigError("sweep file", str(path), "a [base] table, a [grid] table or [[runs]] tables; this file "
                           f"has one run's keys ({sorted(unknown)[0]}, ...): run it with `fedprism run {path}`",
                           kind="")
     if unknown:
-        k = sorted(unknown)[0]
-        raise ConfigError(f"{p.name}: {k}", doc[k], f"a sweep file's table or key{suggest(k, sections)}: "
-                          f"{', '.join(sections)}")
+        raise _unknown_section(p.name, sorted(unknown)[0], doc, sections)
     name = doc.get("name", p.stem)
     if not isinstance(name, str) or not name.strip():       # a blank name is no sweep anyone can report
         raise ConfigError(f"{p.name}: name", name, "a string that is not empty or only whitespace")
@@ -111,13 +111,91 @@ def load_sweep(path: str | Path, quick: bool = False, overrides: dict[str, Any] 
                     raw = {k: v for k, v in raw.items() if not k.startswith("partition.")}
                 raw.update(overrides)
             raw["name"] = label or raw.get("name") or raw.get("method", "run")
-            cfg = resolve(raw)
+            try:
+                cfg = resolve(raw)
+            except ConfigError as e:             # a key of the file: named with the file and its table
+                where = _table_of(e.key, overrides or {}, quick_over, point, variant, base, i)
+                if where is None:
+                    raise
+                raise _in_table(p.name, where, e, method) from None
             if (cfg.run_id, cfg["name"]) in seen:     # a grid over another method's key: this run once
                 continue
             seen.add((cfg.run_id, cfg["name"]))
             configs.append(cfg)
             made.append((i, {k: v for k, v in {**variant, **point}.items() if k in raw}))
     return name, _distinct_rows(configs, made, p.name)
+
+
+#: a sweep file's top-level keys and tables, as they are written
+SECTION_FORMS = {"name": "name", "description": "description", "db": "db", "base": "[base]", "grid": "[grid]",
+                 "runs": "[[runs]]", "quick": "[quick]"}
+
+
+def _form(key: str, value: Any) -> str:
+    """How a top-level entry of a TOML file is written: `[[key]]`, `[key]` or `key`."""
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        return f"[[{key}]]"
+    return f"[{key}]" if isinstance(value, dict) else key
+
+
+def _plain_error(key: str, value: Any, message: str) -> ConfigError:
+    """A ConfigError (its `key`, `value`) whose text is `message` as it stands."""
+    e = ConfigError(key, value, message)
+    e.args = (printable(message),)
+    return e
+
+
+def _unknown_section(file: str, key: str, doc: dict, sections: list[str]) -> ConfigError:
+    """'s.toml: unknown table [[run]] (did you mean [[runs]]?)': the entry as it is written, never its
+    value, the nearest of the sweep file's sections, else all of them."""
+    form = _form(key, doc[key])
+    what = "table" if form.startswith("[") else "key"
+    near = suggest(key, sections)
+    if near:
+        best = near[len(" (did you mean "):-len("?)")]
+        hint = f" (did you mean {SECTION_FORMS.get(best, best)}?)"
+    else:
+        hint = f"; a sweep file holds {', '.join(SECTION_FORMS[k] for k in sections)}"
+    return _plain_error(f"{file}: {key}", doc[key], f"{file}: unknown {what} {form}{hint}")
+
+
+def _table_of(key: str, overrides: dict, quick: dict, point: dict, variant: dict, base: dict,
+              i: int) -> str | None:
+    """Which part of the sweep file set `key` for run table `i` (the last that sets it wins, as the keys
+    are merged): `[quick]`, `[grid]`, `[[runs]] #i+1` or `[base]`; None when it came from the command
+    line's overrides or from no table."""
+    if key in overrides:
+        return None
+    for table, keys in (("[quick]", quick), ("[grid]", point), (f"[[runs]] #{i + 1}", variant), ("[base]", base)):
+        if key in keys:
+            return table
+    return None
+
+
+def _valid_keys(method: str) -> list[str]:
+    """Every configuration key a sweep's table may hold: the experiment keys, every partition's and every
+    method's parameters (the keys of other methods apply to their runs only)."""
+    from fedprism.data.partitions import PARTITIONS
+    from fedprism.experiment.config import PARTITION_COMMON
+
+    parts = {*PARTITION_COMMON, *(q for _, spec in PARTITIONS.items() for q in spec.params)}
+    return [*KEYS, *(f"partition.{q}" for q in sorted(parts)),
+            *(f"{m}.{q}" for m, cls in REGISTRY.items() for q in cls.params)]
+
+
+def _in_table(file: str, table: str, e: ConfigError, method: str) -> ConfigError:
+    """`e` (from `resolve`) for a key that `table` of `file` set: named with the file and the table. An
+    unknown key lists only the nearest valid keys (did-you-mean), not every key."""
+    import difflib
+
+    allowed = e.allowed
+    if allowed.startswith("unknown key;") or (allowed.startswith("unknown key (") and "; known keys:" in allowed):
+        near = difflib.get_close_matches(e.key, _valid_keys(method), n=3, cutoff=0.6)
+        allowed = ("unknown key " + (f"(did you mean {' or '.join(near)}?)" if near else
+                                     "(no key is near it; `fedprism methods` lists every key)"))
+    return _plain_error(f"{file}: {table} {e.key}", e.value,
+                        f"{file}: {table} key '{printable(e.key)}' = {printable(repr(e.value))[:200]} is not "
+                        f"valid: {allowed}")
 
 
 #: the most runs one sweep file may expand to ([[runs]] tables x the product of the [grid] axes' lengths):
