@@ -50,6 +50,16 @@ __all__ = ["Algorithm", "ClientState", "Context", "EvalResult", "Inference", "Pl
            "train_update"]
 
 
+def sgd_settings(ctx: Context, method: str, why: str) -> Any:
+    """The run's training settings (`ctx.train`) for a method whose server or client step is derived from
+    SGD steps (SCAFFOLD, FedNova, q-FFL): refuses another optimiser with `why` (ConfigError on `optimizer`)."""
+    if ctx.train is None:
+        raise ValueError(f"{method} needs the training settings (Context.train): {why}")
+    if ctx.train.optimizer != "sgd":
+        raise ConfigError("optimizer", ctx.train.optimizer, f"sgd: {why}")
+    return ctx.train
+
+
 def train_update(trainer: Trainer, job: TrainJob, rnd: int) -> Update:
     """Run `job` and wrap the result as the usual upload: the trained vectors as 'params'."""
     t = trainer.train(job, rnd)

@@ -62,8 +62,7 @@ import numpy as np
 import torch
 
 from fedprism.algorithms.aggregation import WEIGHTINGS, client_weights
-from fedprism.algorithms.base import Algorithm, Plan, TensorSpec, TrainJob, Update, register
-from fedprism.errors import ConfigError
+from fedprism.algorithms.base import Algorithm, Plan, TensorSpec, TrainJob, Update, register, sgd_settings
 from fedprism.hparams import Param
 
 
@@ -108,11 +107,8 @@ class FedNova(Algorithm):
 
     def __init__(self, ctx, **hp):
         super().__init__(ctx, **hp)
-        if ctx.train is None:
-            raise ValueError("fednova needs the training settings (Context.train): a_i depends on the momentum")
-        if ctx.train.optimizer != "sgd":
-            raise ConfigError("optimizer", ctx.train.optimizer, "sgd: FedNova normalizes each client's update by "
-                              "a_i, the steps of SGD (with momentum) it took; Adam's steps have no such a_i")
+        sgd_settings(ctx, self.name, "FedNova normalizes each client's update by a_i, the steps of SGD (with "
+                     "momentum) it took; Adam's steps have no such a_i")
 
     def upload(self) -> dict[str, TensorSpec]:
         return {"params": TensorSpec(("P",)), "steps": TensorSpec((), torch.int32, low=0)}

@@ -61,8 +61,7 @@ import math
 import numpy as np
 import torch
 
-from fedprism.algorithms.base import Algorithm, Plan, TensorSpec, TrainJob, Update, register
-from fedprism.errors import ConfigError
+from fedprism.algorithms.base import Algorithm, Plan, TensorSpec, TrainJob, Update, register, sgd_settings
 from fedprism.hparams import Param
 
 #: added to every F_k before the powers F_k^q, F_k^{q-1} (keeps them finite at F_k = 0)
@@ -107,11 +106,8 @@ class QFFL(Algorithm):
 
     def __init__(self, ctx, **hp):
         super().__init__(ctx, **hp)
-        if ctx.train is None:
-            raise ValueError("qffl needs the training settings (Context.train): L = 1 / the learning rate")
-        if ctx.train.optimizer != "sgd":
-            raise ConfigError("optimizer", ctx.train.optimizer, "sgd: q-FedAvg estimates the gradient as (w - wbar_k) "
-                              "/ eta, which holds for SGD steps only")
+        sgd_settings(ctx, self.name, "q-FedAvg estimates the gradient as (w - wbar_k) / eta, which holds for SGD "
+                     "steps only")
 
     def upload(self) -> dict[str, TensorSpec]:
         return {"params": TensorSpec(("P",)), "loss": TensorSpec(())}

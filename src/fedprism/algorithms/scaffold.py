@@ -65,9 +65,8 @@ import torch
 import torch.nn.functional as F
 
 from fedprism.algorithms.aggregation import WEIGHTINGS, client_weights
-from fedprism.algorithms.base import Algorithm, ClientState, Plan, TensorSpec, TrainJob, Update, register
+from fedprism.algorithms.base import Algorithm, ClientState, Plan, TensorSpec, TrainJob, Update, register, sgd_settings
 from fedprism.algorithms.fednova import effective_steps
-from fedprism.errors import ConfigError
 from fedprism.hparams import Param
 from fedprism.objectives import ce
 
@@ -134,12 +133,8 @@ class Scaffold(Algorithm):
 
     def __init__(self, ctx, **hp):
         super().__init__(ctx, **hp)
-        if ctx.train is None:
-            raise ValueError("scaffold needs the training settings (Context.train): its steps are corrected SGD "
-                             "steps of the experiment's learning rate")
-        if ctx.train.optimizer != "sgd":
-            raise ConfigError("optimizer", ctx.train.optimizer, "sgd: SCAFFOLD corrects SGD steps by c - c_i, and "
-                              "option II estimates the gradient from their displacement; Adam rescales both")
+        sgd_settings(ctx, self.name, "SCAFFOLD corrects SGD steps by c - c_i, and option II estimates the "
+                     "gradient from their displacement; Adam rescales both")
 
     def upload(self) -> dict[str, TensorSpec]:
         return {"params": TensorSpec(("P",)), "delta_c": TensorSpec(("P",))}

@@ -12,7 +12,6 @@ naming the key, the value and what is allowed; an unknown key names the closest 
 from __future__ import annotations
 
 import codecs
-import difflib
 import hashlib
 import json
 import math
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from fedprism.errors import ConfigError
+from fedprism.registry import suggest  # noqa: F401 - the did-you-mean of every key, here for callers
 from fedprism.hparams import Param
 
 _pos = lambda v: v > 0  # noqa: E731
@@ -477,20 +477,6 @@ def _check_gate(out: dict) -> None:
         if not out[k] > 0:
             raise ConfigError("eval.gate", out["eval.gate"], f"none unless {k} > 0 (the gate is fitted on "
                               f"the clients' validation rows and the global validation set; {k}={out[k]})")
-
-
-def suggest(key: str, valid: list[str], quote: bool = False) -> str:
-    """' (did you mean X?)' for the valid key closest to `key` (difflib ratio >= 0.6), else ''; `quote`
-    writes X as a Python string literal (labels with spaces)."""
-    best = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
-    if not best and "." in key:                     # `fedprsim.k`: match the parts separately
-        head, tail = key.split(".", 1)
-        heads = difflib.get_close_matches(head, sorted({v.split(".", 1)[0] for v in valid if "." in v}), n=1)
-        if heads:
-            best = difflib.get_close_matches(f"{heads[0]}.{tail}", valid, n=1, cutoff=0.6)
-    if not best:
-        return ""
-    return f" (did you mean {best[0]!r}?)" if quote else f" (did you mean {best[0]}?)"
 
 
 def describe_keys() -> list[tuple[str, Any, str]]:
