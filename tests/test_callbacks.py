@@ -91,3 +91,14 @@ def test_the_runner_re_exports_the_factories():
     for name in ("make_model", "make_context", "make_algorithm", "local_config", "drift_schedule", "make_selector",
                  "check_runnable", "privacy_plan", "feature_dim", "warn_if_nothing_personal"):
         assert getattr(runner, name) is getattr(build, name), name
+
+
+def test_every_round_keeps_its_training_time_evaluated_or_not(tmp_path):
+    """An evaluated round's metrics are the evaluation's and the round's own: `train_s` (what
+    bench/run_cost.py sums) is stored for every round, as it was before the loop had callbacks."""
+    with Store(tmp_path / "s.db") as s:
+        e = Experiment(resolve({**TINY, "rounds": 3, "eval_every": 2}), s)
+        e.run()
+        rounds = s.round_metrics(e.run_id)
+    assert len(rounds) == 3 and all("train_s" in m and m["train_s"] >= 0 for m in rounds)
+    assert [("local_acc" in m) for m in rounds] == [False, True, True]

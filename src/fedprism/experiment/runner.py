@@ -361,7 +361,6 @@ class Experiment:
         dropped = self.shares_final and self.store.drop_final(self.cfg.train_id)
         return held or dropped
 
-
     def eval_sample(self, rnd: int) -> np.ndarray | None:
         """The clients scored at round `rnd` under `eval.clients` (None: every client; always at the final
         round)."""
@@ -706,9 +705,10 @@ class Experiment:
         T = self.cfg["rounds"]
         if (rnd + 1) % self.cfg["eval_every"] == 0 or rnd == T - 1:
             if r.eval_clients is None:           # every client (Flower's evaluate_round takes no sample)
-                r.metrics, r.client_rows = self.evaluate_round(loop.evaluator, loop.state)
+                scored, r.client_rows = self.evaluate_round(loop.evaluator, loop.state)
             else:                                # `eval.clients`: this round scores a seeded sample
-                r.metrics, r.client_rows = self.evaluate_round(loop.evaluator, loop.state, r.eval_clients)
+                scored, r.client_rows = self.evaluate_round(loop.evaluator, loop.state, r.eval_clients)
+            r.metrics = {**scored, **r.metrics}  # the evaluation's metrics, then the round's own (train_s)
             r.evaluated = True
             for cb in callbacks:
                 cb.on_eval(self, r)
