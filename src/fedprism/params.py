@@ -109,7 +109,7 @@ class ParamSpec:
         """Views of `flat` (shape [..., P]) as named parameter tensors; works under vmap."""
         # one split, not a slice per tensor: the backward of a split writes each gradient once into one
         # [P] vector, while per-tensor slices each build a zero-filled [P] gradient and add them (a
-        # round of Adam on an 8 M-parameter model spent over half its time there, `bench/step_cost.py`)
+        # round of Adam on an 8 M-parameter model spent over half its time there, `bench/README.md, "step_cost"`)
         lead = flat.shape[:-1]
         parts = flat.split([self.offsets[i + 1] - self.offsets[i] for i in range(len(self.names))], dim=-1)
         return {n: v.view(*lead, *s) for n, s, v in zip(self.names, self.shapes, parts)}

@@ -18,7 +18,7 @@ def resolve_device(device: str) -> str:
 
 
 #: on CPU, `engine=auto` keeps the sequential loop for models at least this large: their per-client
-#: GEMMs already fill a core, and vmap only adds traffic over the stacked weights (`bench/engine_choice.py`,
+#: GEMMs already fill a core, and vmap only adds traffic over the stacked weights (`bench/README.md, "engine_choice"`,
 #: 2026-11-26, one thread: the 8 M-parameter Clust-PSI-PFL FMNIST CNN trains 1.45x and scores 1.30x faster
 #: in the loop; the 62 k-parameter LeNet-5 is even). 1 M is a round number between the two measured sizes.
 AUTO_SEQUENTIAL_PARAMS_CPU = 1_000_000

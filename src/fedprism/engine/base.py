@@ -186,7 +186,7 @@ def optimizer_step_(w: torch.Tensor, g: torch.Tensor, st: tuple[torch.Tensor, ..
     (`torch.optim.adam.adam(fused=True)`, one pass over w, g, m and v instead of a dozen), with our weight
     decay and mask applied to the gradient first as in `optimizer_step`; it matches `optimizer_step` to
     float32 rounding (`tests/test_api_v2.py`). On the Clust-PSI-PFL FMNIST CNN (8 M parameters) one Adam
-    step took 5.5 ms instead of 69 ms on one core (`bench/step_cost.py`). Masked coordinates get a zero
+    step took 5.5 ms instead of 69 ms on one core (`bench/README.md, "step_cost"`). Masked coordinates get a zero
     gradient, zero moments and so a zero update: they stay bit-identical here too."""
     g = _effective_grad(w, g, cfg, mask)
     if cfg.optimizer == "adam":
@@ -250,7 +250,7 @@ class EngineBase:
         if cfg.eval_precision == "bfloat16" and self.device.type == "cpu" and native_bf16() is False:
             warnings.warn("eval.precision=bfloat16 on a CPU without native bf16 (no avx512_bf16 or "
                           "amx_bf16 flag in /proc/cpuinfo): bf16 arithmetic is emulated here and scores "
-                          "several times slower than float32 (bench/bf16.py: 0.25x on an AVX2 CPU). The "
+                          "several times slower than float32 (bench/README.md, bf16: 0.25x on an AVX2 CPU). The "
                           "setting is kept (it is part of the run's identity); eval.precision=float32 is the "
                           "faster one here", stacklevel=3)
         #: the fused blocks' training gradient (`fedprism.kernels.fused.StemSplit`), or None

@@ -3,7 +3,7 @@
 (``train.kernels = fused``, :class:`StemSplit`).
 
 Why: on the FedPrism paper workload LeNet-5's two convolutions (1 -> 6 and 6 -> 16 channels, 5 x 5) and the
-passes over their outputs are most of a CPU round (bench/README.md: `bench/round_profile.py`,
+passes over their outputs are most of a CPU round (bench/README.md, "round_profile",
 `bench/fused_stem.py`). `csrc/fused_stem.cpp` computes each pooled output in registers: the conv outputs
 at the four corners of each 2 x 2 window, their maximum, then ReLU; the conv map is never written. It has
 two layouts of the same sums. With at most three input channels (a first layer) a vector holds VL pooled

@@ -14,7 +14,7 @@ scikit-learn's own arithmetic in the same order on the same sorted arrays (the s
 column as a one-column matrix, the same cumulative sum, the same rank `p / 100 * total`, the same search,
 the same averaging rule), so the thresholds, the trees and every prediction are the same bits
 (`tests/test_fast_binning.py` holds it to the original on ties, exact rank boundaries and whole fits;
-`bench/gate_cost.py` measures it). Any other call (NaN in the column, a zero weight, a two-dimensional
+`bench/README.md, "gate_cost"` measures it). Any other call (NaN in the column, a zero weight, a two-dimensional
 array, an array of ranks, another array namespace) goes to scikit-learn's function. Where the private
 names it replaces do not exist (another scikit-learn), it does nothing.
 """
