@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from fedprism.plotting import PDF_METADATA, pyplot, save
-from fedprism.report import accuracy_figure, ecdf_figure, plot_setting, plot_title, styles
+from fedprism.experiment.differ import tell_apart
+from fedprism.report import accuracy_figure, ecdf_figure, plot_setting, plot_title, setting_of, styles
 
 
 class Curves:
@@ -88,8 +89,19 @@ def test_the_title_names_what_is_not_at_its_default():
     assert plot_title(same_lr) == "digits dirichlet(alpha=0.3) N=4 T=3"
     assert plot_title([{**c, "lr": 0.2, "eval_every": 5} for c in same_lr]) == \
         "digits dirichlet(alpha=0.3) N=4 T=3\neval_every=5, lr=0.2"
-    assert plot_title([{**c, "partition.alpha": 0.1, "eval_every": 5} for c in same_lr]).startswith(
-        "digits dirichlet N=4 T=3")                                                     # all at defaults
+    # the partition is always named with its parameters, at their defaults too (alpha 0.1 is Dirichlet's)
+    assert plot_title([{**c, "partition.alpha": 0.1, "eval_every": 5} for c in same_lr]) == \
+        "digits dirichlet(alpha=0.1) N=4 T=3\neval_every=5"
+    # numbers as `fedprism runs` writes them (alpha=1, not 1.0), in the title and in the table's setting
+    one = [{**c, "partition.alpha": 1.0} for c in same_lr]
+    assert plot_title(one) == "digits dirichlet(alpha=1) N=4 T=3" and setting_of(one[0]) == \
+        "digits dirichlet(alpha=1) N=4 T=3"
+    assert tell_apart([one[0], {**one[0], "partition.alpha": 0.5}], names=["x", "x"])[0] == "partition.alpha=1"
+    # a common partition key where it is changed; a partition without parameters
+    assert plot_title([{**c, "partition.min_train": 5} for c in same_lr]) == \
+        "digits dirichlet(alpha=0.3,min_train=5) N=4 T=3"
+    plain = [{k: v for k, v in c.items() if k != "partition.alpha"} | {"partition": "iid"} for c in same_lr]
+    assert plot_title(plain) == "digits iid N=4 T=3" and setting_of(plain[0]) == "digits iid() N=4 T=3"
     fig = accuracy_figure(store, "s", labels)
     assert fig._suptitle.get_text() == plot_title(cfgs)
     pyplot().close(fig)

@@ -27,6 +27,7 @@ import numpy as np
 
 from fedprism.errors import FedPrismError
 from fedprism.experiment.config import EXECUTION_KEYS, KERNEL_KEYS
+from fedprism.experiment.differ import fmt
 from fedprism.experiment.store import Store
 from fedprism.plotting import FONT_PT, pyplot as _plt, save as _save  # noqa: F401 (the report's names)
 from fedprism.textable import md_cell as _cell, mean_pm as _pm
@@ -75,23 +76,32 @@ def _mb(vals: list[float]) -> str:
 
 
 def setting_of(cfg: dict) -> str:
-    part = cfg["partition"]
-    extra = {k.split(".", 1)[1]: v for k, v in cfg.items() if k.startswith("partition.")
-             and k not in ("partition.min_train", "partition.min_test")}
-    args = ",".join(f"{k}={v}" for k, v in sorted(extra.items()))
-    return f"{cfg['dataset']} {part}({args}) N={cfg['clients']} T={cfg['rounds']}"
+    """'fmnist dirichlet(alpha=0.1) N=100 T=100': the dataset, the partition with its own parameters (the
+    common min_train / min_test left out), N and T; numbers as `fedprism runs` writes them (`_fmt_value`)."""
+    return f"{cfg['dataset']} {partition_of(cfg)} N={cfg['clients']} T={cfg['rounds']}"
+
+
+#: partition keys every partition takes: not named with the partition (a title names them when changed)
+COMMON_PARTITION_KEYS = ("partition.min_train", "partition.min_test")
+
+
+def partition_of(cfg: dict, empty: str = "()", common: bool = False) -> str:
+    """'dirichlet(alpha=1)': the partition with every parameter of its own, at its default or not, numbers
+    as `fedprism runs` writes them; `empty` after a partition without parameters. `common`: the keys every
+    partition takes (`COMMON_PARTITION_KEYS`) too, where they are not at their defaults."""
+    args = ",".join(f"{k.split('.', 1)[1]}={_fmt_value(v)}" for k, v in sorted(cfg.items())
+                    if k.startswith("partition.") and (k not in COMMON_PARTITION_KEYS
+                                                       or (common and v != _default(k, cfg))))
+    return f"{cfg['partition']}({args})" if args else f"{cfg['partition']}{empty}"
 
 
 #: keys that never separate two runs into two rows: the seed (pooled) and execution-only keys
 NOT_POOLING = EXECUTION_KEYS | {"seed"}
 
 
-def _fmt_value(v) -> str:
-    if isinstance(v, bool):
-        return str(v).lower()
-    if isinstance(v, float):
-        return f"{v:g}"
-    return str(v)
+#: a value as `fedprism runs` and a key=value override write it (0.1, 1, true): one number format for every
+#: setting, column, row label and title of a report
+_fmt_value = fmt
 
 
 def config_key(cfg: dict) -> tuple:
@@ -170,8 +180,8 @@ def collect(store: Store, sweep: str | list[str] | None = None) -> dict[str, dic
 def family_of(cfg: dict) -> tuple[str, str]:
     """(family, column): settings of one family differ only in their partition parameters."""
     extra = {k.split(".", 1)[1]: v for k, v in cfg.items() if k.startswith("partition.")
-             and k not in ("partition.min_train", "partition.min_test")}
-    col = ",".join(f"{k}={v}" for k, v in sorted(extra.items())) or "-"
+             and k not in COMMON_PARTITION_KEYS}
+    col = ",".join(f"{k}={_fmt_value(v)}" for k, v in sorted(extra.items())) or "-"
     return f"{cfg['dataset']} {cfg['partition']} N={cfg['clients']} T={cfg['rounds']}", col
 
 
@@ -524,17 +534,17 @@ def _default(key: str, cfg: dict) -> object:
 
 
 def plot_title(cfgs: list[dict]) -> str:
-    """The title of a figure of these runs' setting: the dataset, the partition with its parameters that
-    are not at their defaults, N and T; then every other key that all the runs share and that is not at its
-    default ("lr=0.01, local_epochs=10"). Keys the runs do not share are the legend's (its row labels); keys
-    at their defaults are left out, so a title says only what was chosen."""
+    """The title of a figure of these runs' setting: the dataset, the partition with every parameter of its
+    own, at its default or not ("dirichlet(alpha=0.1)", as the report's setting names it: `partition_of`;
+    min_train / min_test where they are not at their defaults), N and T; then every other key that all the
+    runs share and that is not at its default ("lr=0.01, local_epochs=10"). Keys the runs do not share are the
+    legend's (its row labels); keys at their defaults are left out, so a title says only what was chosen."""
     import textwrap
 
     c = cfgs[0]
     shared = {k: v for k, v in c.items() if all(k in o and o[k] == v for o in cfgs[1:])}
-    part = ",".join(f"{k.split('.', 1)[1]}={_fmt_value(v)}" for k, v in sorted(shared.items())
-                    if k.startswith("partition.") and v != _default(k, c))
-    head = f"{c['dataset']} {c['partition']}{f'({part})' if part else ''} N={c['clients']} T={c['rounds']}"
+    head = f"{c['dataset']} {partition_of(shared if 'partition' in shared else c, '', common=True)} " \
+           f"N={c['clients']} T={c['rounds']}"
     method = {o["method"] for o in cfgs}
     rest = [f"{k}={_fmt_value(v)}" for k, v in sorted(shared.items())
             if k not in TITLE_SKIP and not k.startswith("partition.") and k.split(".", 1)[0] not in method
