@@ -800,11 +800,12 @@ def test_cluster_plot_uses_one_discrete_colour_per_cluster(tmp_path, monkeypatch
 
     monkeypatch.setattr(matplotlib.axes.Axes, "imshow", spy)
     run = {"run_id": res.run_id, "config": json.loads(store.run(res.run_id)["config"])}
-    (p,) = plot_clusters(store, run, tmp_path, label="IFCA")
+    paths = plot_clusters(store, run, tmp_path, label="IFCA")
+    assert sorted(q.suffix for q in paths) == [".pdf", ".png"]        # the same figure in both formats
     k = run["config"]["ifca.k"]
     from matplotlib.colors import ListedColormap
     assert isinstance(seen["cmap"], ListedColormap) and seen["cmap"].N == k
-    assert p.stat().st_size > 1000
+    assert all(q.stat().st_size > 1000 for q in paths)
 
 
 def test_a_sweep_does_not_skip_a_run_stored_from_other_code(tmp_path, capsys):
