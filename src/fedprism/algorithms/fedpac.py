@@ -182,6 +182,7 @@ def feature_statistics(trainer, clients: np.ndarray, params: torch.Tensor, num_c
 class FedPAC(PartialSharing):
     name = "fedpac"
     paper = "Xu, Tong, Huang 2023, ICLR, arXiv:2306.11867, Algorithm 1"
+    shares_prototypes = True             # its upload holds class prototypes (privacy.epsilon is refused below)
     params = {
         "lam": Param(1.0, "lambda: weight of the feature alignment to the global prototypes (4)", lambda v: v >= 0,
                      "a number >= 0"),
