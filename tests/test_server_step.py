@@ -39,7 +39,7 @@ def _ctx(n: int, P: int) -> Context:
 
 
 # -- declared once -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("method", sorted(REGISTRY.names()) if hasattr(REGISTRY, "names") else sorted(REGISTRY))
+@pytest.mark.parametrize("method", [m for m in sorted(REGISTRY.names()) if REGISTRY.is_builtin(m)])
 def test_the_server_step_options_come_from_the_declaration(method):
     """A method that declares `averages` takes the shared options, the very Param objects of
     SERVER_STEP_PARAMS, after its own; a method that does not, takes none of them."""
