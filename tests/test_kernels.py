@@ -350,3 +350,18 @@ def test_an_engine_never_falls_back_on_its_own(monkeypatch, tmp_path):
             SequentialEngine(fed, model, dataclasses.replace(CFG, **{key: "fused"}), 3)
     with pytest.raises(ValueError, match="train_kernels must be one of .*resolved by fedprism.kernels.resolve"):
         SequentialEngine(fed, model, dataclasses.replace(CFG, train_kernels="auto"), 3)
+
+
+@pytest.mark.skipif(not kernels_here(), reason=f"fused kernels unavailable: {build.unavailable_reason()}")
+def test_on_flower_auto_kernels_are_pytorchs(monkeypatch):
+    """The Flower server cannot know which nodes have the kernels built, and a node asked for kernels it
+    lacks refuses: there `auto` is `aten` (also where this machine has them), and `fused` is asked for."""
+    from fedprism.flower.settings import parse_experiment
+
+    monkeypatch.delenv(kernels.PIN, raising=False)
+    text = "method=fedavg dataset=fmnist model=lenet5 clients=4 rounds=2"
+    assert resolve({**LENET})["train.kernels"] == "fused"                     # in process: this machine's
+    got = parse_experiment(text)
+    assert (got["train.kernels"], got["eval.kernels"]) == ("aten", "aten")
+    assert parse_experiment(text + " train.kernels=auto")["train.kernels"] == "aten"
+    assert parse_experiment(text + " train.kernels=fused")["train.kernels"] == "fused"
