@@ -878,23 +878,21 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("--all", action="store_true", help="list every client")
     pa.set_defaults(fn=cmd_partition)
 
-    m = sub.add_parser("methods", help="list methods, their parameters and defaults",
-                       description="Every experiment key and every method's parameters with defaults, or only "
-                                   "the named methods' (`fedprism methods fedprism ifca`).")
-    m.add_argument("names", nargs="*", default=[], metavar="METHOD", help="only these methods")
-    m.set_defaults(fn=cmd_methods)
-    mo = sub.add_parser("models", help="list the registered models and what each declares",
-                        description="Every registered model (built in or plugin), or the named ones: the inputs "
-                                    "it takes, whether data.pad32=auto pads 28x28 images for it, its parameter "
-                                    "count and its body/head split.")
-    mo.add_argument("names", nargs="*", default=[], metavar="MODEL", help="only these models")
-    mo.set_defaults(fn=cmd_models)
-    pt = sub.add_parser("partitions", help="list the registered partitions and their partition.* keys",
-                        description="Every registered partition (built in or plugin), or the named ones, with "
-                                    "its partition.* keys, their defaults and meaning (`fedprism partition` "
-                                    "splits a dataset and shows the result).")
-    pt.add_argument("names", nargs="*", default=[], metavar="PARTITION", help="only these partitions")
-    pt.set_defaults(fn=cmd_partitions)
+    def listing(name: str, fn, what: str, help: str, description: str) -> None:
+        """A listing command of one registry: `fedprism NAME [NAMES ...]`."""
+        ls = sub.add_parser(name, help=help, description=description)
+        ls.add_argument("names", nargs="*", default=[], metavar=what.upper(), help=f"only these {what}s")
+        ls.set_defaults(fn=fn)
+
+    listing("methods", cmd_methods, "method", "list methods, their parameters and defaults",
+            "Every experiment key and every method's parameters with defaults, or only the named methods' "
+            "(`fedprism methods fedprism ifca`).")
+    listing("models", cmd_models, "model", "list the registered models and what each declares",
+            "Every registered model (built in or plugin), or the named ones: the inputs it takes, whether "
+            "data.pad32=auto pads 28x28 images for it, its parameter count and its body/head split.")
+    listing("partitions", cmd_partitions, "partition", "list the registered partitions and their partition.* keys",
+            "Every registered partition (built in or plugin), or the named ones, with its partition.* keys, "
+            "their defaults and meaning (`fedprism partition` splits a dataset and shows the result).")
 
     mg = with_db(sub.add_parser(
         "merge", help="copy the finished runs of other results stores into --db",
@@ -939,12 +937,10 @@ def build_parser() -> argparse.ArgumentParser:
     da.add_argument("names", nargs="+", help="dataset names (`fedprism datasets` says which can be downloaded)")
     da.add_argument("--dest", default=None, help="target directory (default: the cache directory)")
     da.set_defaults(fn=cmd_data)
-    ds = sub.add_parser("datasets", help="list the registered datasets and what each declares",
-                        description="Every registered dataset, built-in or plugin (or only the named ones): its "
-                        "classes, input shape, normalisation, natural partition, options, whether its files "
-                        "are found (no file is read) and whether they can be downloaded.")
-    ds.add_argument("names", nargs="*", default=[], metavar="DATASET", help="only these datasets")
-    ds.set_defaults(fn=cmd_datasets)
+    listing("datasets", cmd_datasets, "dataset", "list the registered datasets and what each declares",
+            "Every registered dataset, built-in or plugin (or only the named ones): its classes, input shape, "
+            "normalisation, natural partition, options, whether its files are found (no file is read) and "
+            "whether they can be downloaded.")
 
     k = sub.add_parser("kernels", help="build the optional CPU kernels for this machine, or show their state",
                        description="The hand-written CPU kernels (fedprism.kernels; train.kernels / eval.kernels "
