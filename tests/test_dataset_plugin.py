@@ -236,7 +236,8 @@ def test_the_built_in_tables_are_read_from_the_specs():
     specs = {s.name: s for s in builtin_specs()}
     assert set(dl.remote_files()) == {n for n, s in specs.items() if s.downloadable}
     assert datasets.NORMALIZATION == {n: (s.mean, s.std) for n, s in specs.items() if s.mean}
-    assert datasets.NATURAL_CLIENTS == tuple(n for n, s in specs.items() if s.natural) == ("synthetic", "wisdm")
+    assert datasets.NATURAL_CLIENTS == tuple(n for n, s in specs.items() if s.natural)
+    assert {"synthetic", "wisdm", "femnist"} <= set(datasets.NATURAL_CLIENTS)
     known = integrity._known()
     for s in specs.values():
         for f in (s.files.remote if s.files else ()):
@@ -244,7 +245,8 @@ def test_the_built_in_tables_are_read_from_the_specs():
                 assert known[(s.name, f.filename)][0] == f.sha256
         for k in (s.files.known if s.files else ()):
             assert k.sha256 in known[(s.name, k.filename)]
-    assert {n for n, s in specs.items() if s.pad32_auto} == {"fmnist", "mnist"}
+    assert {n for n, s in specs.items() if s.pad32_auto} >= {"fmnist", "mnist", "femnist"}
+    assert all(s.input_shape[1:] == (28, 28) for s in specs.values() if s.pad32_auto)
     for s in specs.values():                                     # what `fedprism datasets` shows is what loads
         assert s.num_classes == (len(s.class_names) if s.class_names else s.num_classes) and s.input_shape
 
