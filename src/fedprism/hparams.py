@@ -36,6 +36,45 @@ def did_you_mean(value: Any, choices) -> str:
 
 
 @dataclass(frozen=True)
+class Space:
+    """Where `fedprism tune` searches one key (docs/tuning.md): a range `[low, high]` on a `linear` or `log`
+    scale (`integer=True`: whole numbers only), or a list of `choices`. It is a declaration only: a run's
+    value is checked by its `Param` as any other value, and no run id depends on a space."""
+
+    low: float | None = None
+    high: float | None = None
+    scale: str = "linear"
+    integer: bool = False
+    choices: tuple | None = None
+
+    def __post_init__(self) -> None:
+        if self.choices is not None:
+            if self.low is not None or self.high is not None or not len(self.choices):
+                raise ValueError(f"Space: choices={self.choices!r} with low={self.low!r}, high={self.high!r}; "
+                                 "either a non-empty list of choices or a range low..high")
+            object.__setattr__(self, "choices", tuple(self.choices))
+            return
+        if self.scale not in ("linear", "log"):
+            raise ValueError(f"Space: scale={self.scale!r}; linear or log")
+        for name, v in (("low", self.low), ("high", self.high)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"Space: {name}={v!r}; a finite number")
+        if not self.low < self.high:
+            raise ValueError(f"Space: low={self.low!r} >= high={self.high!r}; low must be below high")
+        if self.scale == "log" and self.low <= 0:
+            raise ValueError(f"Space: low={self.low!r} on a log scale; a number > 0")
+        if self.integer and not (float(self.low).is_integer() and float(self.high).is_integer()):
+            raise ValueError(f"Space: integer range {self.low!r}..{self.high!r}; whole-number bounds")
+
+    def describe(self) -> str:
+        """'[0.001, 0.3] log', '{1, 2, 3}': how `fedprism methods` and the tuning docs write it."""
+        if self.choices is not None:
+            return "{" + ", ".join(map(str, self.choices)) + "}"
+        kind = " integer" if self.integer else ""
+        return f"[{self.low:g}, {self.high:g}] {self.scale}{kind}"
+
+
+@dataclass(frozen=True)
 class Param:
     """One method parameter: default, type, validity check and help (shown by `fedprism methods`)."""
 
@@ -48,6 +87,8 @@ class Param:
     eval_only: bool = False
     #: True: added after runs were first stored; left out of the run id while at its default
     new: bool = False
+    #: where `fedprism tune` searches this key (a `Space`); None: not tuned unless a study file says so
+    space: Space | None = None
 
     def __init_subclass__(cls, **kw: Any) -> None:
         """A subclass's own `validate` gets the same finite / 64-bit checks first."""

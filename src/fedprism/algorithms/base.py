@@ -348,6 +348,20 @@ class Algorithm:
         return part.figures(store, run, label, setting, stem)
 
     @classmethod
+    def search_space(cls) -> dict[str, Any]:
+        """Where `fedprism tune` searches this method's own keys: `{"<method>.<key>": Space}` from each
+        param's `space`, then the built-in table `algorithms/spaces.py` (the built-in methods declare
+        theirs there, so that their files, which identify their stored runs, stay as they are). The
+        experiment keys with a space (`lr`) and a study file's overrides are added by the tuner."""
+        from fedprism.algorithms.spaces import SPACES
+
+        out = {f"{cls.name}.{k}": p.space for k, p in cls.params.items() if getattr(p, "space", None) is not None}
+        table = SPACES.get(cls.name, {}) if cls.__module__ == f"fedprism.algorithms.{cls.name}" or \
+            cls.__module__.startswith(f"fedprism.algorithms.{cls.name}.") else {}
+        out.update({f"{cls.name}.{k}": sp for k, sp in table.items() if k in cls.params})
+        return out
+
+    @classmethod
     def partition_study(cls) -> Callable[..., list[Path]] | None:
         """The method's study of partitions alone, without training (`fedprism report --partition-study
         DATASET`): `write(dataset, out, seeds=..., plots=...)` writes it under the folder `out` and returns
@@ -378,7 +392,7 @@ def _check_method(name: str, cls: Any) -> None:
 
 #: modules of `fedprism.algorithms` that hold shared code, not a method (every other module `x.py` holds
 #: the method `x` and registers it when imported; `fedprism methods` lists them without importing them)
-SHARED_MODULES = ("base", "aggregation", "partial")
+SHARED_MODULES = ("base", "aggregation", "partial", "spaces")
 
 #: name -> method class. Built-in methods are imported when first named (`REGISTRY["fedavg"]`), plugins
 #: come through the `fedprism.methods` entry-point group or `register`.

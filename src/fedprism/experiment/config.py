@@ -22,7 +22,7 @@ from typing import Any
 
 from fedprism.errors import ConfigError
 from fedprism.registry import suggest  # noqa: F401 - the did-you-mean of every key, here for callers
-from fedprism.hparams import Param
+from fedprism.hparams import Param, Space
 
 _pos = lambda v: v > 0  # noqa: E731
 _nonneg = lambda v: v >= 0  # noqa: E731
@@ -82,7 +82,8 @@ KEYS: dict[str, Param] = {
     "fraction": Param(0.1, "client sampling rate R per round", lambda v: 0 < v <= 1, "a number in (0, 1]"),
     "local_epochs": Param(10, "local epochs E", _nonneg, "an integer >= 0"),
     "batch_size": Param(32, "local batch size B", _pos, "an integer >= 1"),
-    "lr": Param(0.01, "client SGD learning rate", lambda v: v > 0 and math.isfinite(v), "a finite number > 0"),
+    "lr": Param(0.01, "client SGD learning rate", lambda v: v > 0 and math.isfinite(v), "a finite number > 0",
+                space=Space(0.001, 0.3, "log")),
     "momentum": Param(0.9, "client SGD momentum", lambda v: 0 <= v < 1, "a number in [0, 1)"),
     "weight_decay": Param(0.0, "client SGD weight decay", _nonneg, "a number >= 0"),
     "seed": Param(0, "run seed (partition, init, sampling, shuffling)", _nonneg, "an integer >= 0"),

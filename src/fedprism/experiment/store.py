@@ -898,6 +898,25 @@ class Store:
             if status != "running":
                 self.unlock(run_id)
 
+    def annotate(self, run_id: str, kind: str, data: Any, slot: int) -> None:
+        """A record about the run as a whole rather than one of its rounds: stored at round -1, which
+        neither `truncate` (resuming drops rounds after the checkpoint's, never below 0) nor `write_round`
+        touches, so it outlives an interrupted run's resumption; `forget` (`--fresh`) drops it with the
+        run. `slot` (< 0) keys it among the run's other such records: the same slot again replaces it.
+        `fedprism tune` keeps each trial's parameters and value this way (experiment/tune.py)."""
+        if isinstance(slot, bool) or not isinstance(slot, int) or slot >= 0:
+            raise ValueError(f"Store.annotate: slot={slot!r}; a negative integer")
+        with self.transaction() as db:
+            self._held(db, run_id)
+            db.execute("INSERT OR REPLACE INTO records (run_id, round, kind, client, data, seq) VALUES (?,?,?,?,?,?)",
+                       (run_id, -1, kind, None, dumps(data), slot))
+
+    def annotations(self, kind: str) -> list[tuple[str, Any]]:
+        """(run id, data) of every `annotate`d record of `kind`, over all runs, in stored order."""
+        rows = self.db.execute("SELECT run_id, data FROM records WHERE round=-1 AND kind=? ORDER BY run_id, seq",
+                               (kind,)).fetchall()
+        return [(r[0], self._json(r[1], r[0], f"{kind} record", object)) for r in rows]
+
     # -- reading -----------------------------------------------------------------------------------
     def add_to_sweep(self, sweep: str, run_id: str, label: str | None) -> None:
         with self.transaction() as db:
