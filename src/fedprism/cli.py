@@ -177,8 +177,26 @@ def cmd_sweep(args) -> int:
                      fresh=args.fresh)
 
 
+def cmd_tune(args) -> int:
+    from fedprism.experiment.config import parse_overrides
+    from fedprism.experiment.tune import run_study, study_db
+
+    # --db, then $FEDPRISM_DB, then the file's own `db` (not for --quick), then the default
+    db = args.db or os.environ.get("FEDPRISM_DB") or (None if args.quick else study_db(args.file)) or DEFAULT_DB
+    run_study(args.file, db, quick=args.quick, overrides=parse_overrides(args.items), only=args.only,
+              stage=args.stage, workers=args.workers, progress=not args.quiet)
+    return 0
+
+
 def cmd_report(args) -> int:
     from fedprism.report import write_report
+
+    if args.leaderboard:                         # the leaderboard of the named sweeps only
+        from fedprism.report.leaderboard import write_leaderboard
+
+        for p in write_leaderboard(args.db, args.out, args.sweep or [], metric=args.metric):
+            print(p)
+        return 0
 
     if args.partition_study:                     # partitions only: no store is read
         from fedprism.report import write_partition_studies
@@ -818,6 +836,24 @@ def build_parser() -> argparse.ArgumentParser:
                    "finished runs of the earlier code are refused until then)")
     s.set_defaults(fn=cmd_sweep)
 
+    tu = sub.add_parser("tune", help="equal-budget hyper-parameter search on validation splits (resumable)",
+                        description="Tune every method of a study file with the same number of trials (Optuna: "
+                        "TPE or random, pruning on evaluated rounds), choosing on validation metrics only, then run "
+                        "each chosen configuration over the study's seeds. Trials are runs in the store; running "
+                        "the same command again, after a kill too, goes on where it stopped (docs/tuning.md).")
+    tu.add_argument("--db", default=None, type=_store_path,
+                    help=f"results database (default: $FEDPRISM_DB, else the file's own `db`, else {DEFAULT_DB})")
+    tu.add_argument("file", help="study TOML file (see sweeps/tune_*.toml)")
+    tu.add_argument("items", nargs="*", default=[], metavar="key=value", help="overrides applied to every run")
+    tu.add_argument("--only", action="append", default=None, help="only this method label (repeatable)")
+    tu.add_argument("--quick", action="store_true", help="apply the file's [quick] settings and budget")
+    tu.add_argument("--stage", default="all", choices=("all", "tune", "final"),
+                    help="tune: the trials only; final: the chosen configurations over the seeds only; all: both")
+    tu.add_argument("--workers", type=int, default=1,
+                    help="methods tuned at once, in separate processes sharing the cores (default 1)")
+    tu.add_argument("--quiet", action="store_true", help="no line per trial (the summary is still printed)")
+    tu.set_defaults(fn=cmd_tune)
+
     rp = with_db(sub.add_parser("report", help="comparison tables (markdown, CSV) and plots from the store",
                                 description="Tables (markdown and CSV) and plots of the stored runs, one row "
                                 "per configuration with seeds pooled, into --out. The store is only read."))
@@ -834,6 +870,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "against alpha and S; silhouette curves and the chosen number of clusters against K)")
     rp.add_argument("--seed", type=int, action="append", default=None,
                     help="partition seeds of --partition-study (repeatable; default 0 1 2)")
+    rp.add_argument("--leaderboard", action="store_true",
+                    help="instead of the tables: leaderboard.md, .csv and .html of the --sweep(s): methods by settings, "
+                    "mean and 95%% interval over seeds, rank, a paired test against each column's best, and the "
+                    "tuned configuration of each cell (docs/tuning.md)")
+    rp.add_argument("--metric", default="local_acc", choices=("local_acc", "global_acc", "local_f1"),
+                    help="the leaderboard's metric (default local_acc)")
     rp.set_defaults(fn=cmd_report)
 
     ru = with_db(sub.add_parser("runs", help="list the stored runs (read-only)",

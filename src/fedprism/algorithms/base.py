@@ -361,6 +361,32 @@ class Algorithm:
         out.update({f"{cls.name}.{k}": sp for k, sp in table.items() if k in cls.params})
         return out
 
+    #: True when the server step reads the uploads only through their weighted mean, sum_k a_k x_k / sum_k a_k
+    #: with a_k = n_k (`<method>.weighting=samples`) or 1 (`uniform`), at `<method>.aggregation=mean`: what
+    #: secure aggregation gives the server (Flower's SecAgg+) and what FedBuff's buffered step averages
+    #: (docs/systems.md). A method declares it here; the built-ins that qualify are listed in
+    #: `SUM_ONLY_BUILTINS` below, so that their files, which identify their stored runs, stay as they are.
+    sums_uploads: ClassVar[bool] = False
+
+    @classmethod
+    def sum_weighting(cls, hp: dict[str, Any], why: str = "secure aggregation") -> str:
+        """The weighting (`samples` or `uniform`) whose weighted mean of the uploads is all this method's
+        server step needs under the parameters `hp`; a ConfigError saying why not otherwise (`why`: what asks,
+        for the message): a method that reads individual uploads (clusters, similarities, a robust rule)."""
+        builtin = cls.name in SUM_ONLY_BUILTINS and (cls.__module__ == f"fedprism.algorithms.{cls.name}")
+        if not (cls.sums_uploads or builtin):
+            raise ConfigError("method", cls.name, f"a method whose server needs only the sum of the uploads for "
+                              f"{why} ({', '.join(SUM_ONLY_BUILTINS)}); {cls.name}'s server step reads each "
+                              "client's upload (it does not declare Algorithm.sums_uploads)")
+        rule = hp.get("aggregation", "mean")
+        if rule != "mean":
+            raise ConfigError(f"{cls.name}.aggregation", rule, f"mean for {why}: the robust rule {rule} looks at "
+                              "every upload, and the server sees only their sum")
+        weighting = hp.get("weighting", "samples")
+        if weighting not in ("samples", "uniform"):
+            raise ConfigError(f"{cls.name}.weighting", weighting, f"samples or uniform for {why}")
+        return weighting
+
     @classmethod
     def partition_study(cls) -> Callable[..., list[Path]] | None:
         """The method's study of partitions alone, without training (`fedprism report --partition-study
@@ -389,6 +415,13 @@ def _check_method(name: str, cls: Any) -> None:
             raise TypeError(f"{cls.__name__}.params[{key!r}] is {p!r}: each parameter is a "
                             "fedprism.hparams.Param")
 
+
+#: the built-in methods whose server step reads the uploads only through their weighted mean (the
+#: `Algorithm.sums_uploads` declaration for methods whose files identify stored runs): FedAvg and the methods
+#: that inherit its server step unchanged (FedProx, MOON, Ditto, APFL, Per-FedAvg) and pFedMe, whose step
+#: mixes the mean into the model. Not FedDyn (its h divides by the cohort size), SCAFFOLD (control variates),
+#: FedNova / q-FFL (per-client normalisers), nor any clustering, similarity or prototype method.
+SUM_ONLY_BUILTINS = ("fedavg", "fedprox", "moon", "ditto", "apfl", "perfedavg", "pfedme")
 
 #: modules of `fedprism.algorithms` that hold shared code, not a method (every other module `x.py` holds
 #: the method `x` and registers it when imported; `fedprism methods` lists them without importing them)

@@ -23,6 +23,7 @@ from typing import Any
 from fedprism.errors import ConfigError
 from fedprism.registry import suggest  # noqa: F401 - the did-you-mean of every key, here for callers
 from fedprism.hparams import Param, Space
+from fedprism.systems import SYSTEM_KEYS, check_system
 
 _pos = lambda v: v > 0  # noqa: E731
 _nonneg = lambda v: v >= 0  # noqa: E731
@@ -233,6 +234,7 @@ def load_toml(path: str | Path) -> dict[str, Any]:
 
 
 def read_toml(path: str | Path, what: str) -> dict[str, Any]:
+    **SYSTEM_KEYS,          # availability, speeds, deadlines, FedBuff (fedprism.systems, docs/systems.md)
     """A TOML file as a dict; every way it can fail (missing, unreadable, not UTF-8, not TOML) is a
     one-line ConfigError naming the file. A UTF-8 byte-order mark at its start (Windows editors write
     one) is skipped; TOML itself does not allow it."""
@@ -478,6 +480,7 @@ def _check_gate(out: dict) -> None:
         if not out[k] > 0:
             raise ConfigError("eval.gate", out["eval.gate"], f"none unless {k} > 0 (the gate is fitted on "
                               f"the clients' validation rows and the global validation set; {k}={out[k]})")
+    check_system(out)
 
 
 def describe_keys() -> list[tuple[str, Any, str]]:

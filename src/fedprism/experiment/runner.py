@@ -40,6 +40,7 @@ from fedprism.experiment.fresh import settle_stored
 from fedprism.experiment.provenance import capture, set_threads
 from fedprism.experiment.result import RunResult, divergence_note  # noqa: F401 (divergence_note: public here)
 from fedprism.experiment.store import Store, StoreError
+from fedprism.experiment.systems_run import final_system_metrics, system_run
 from fedprism.federation import Federation
 from fedprism.hparams import plain
 from fedprism.privacy import LABEL_RELEASES, Privacy
@@ -360,6 +361,8 @@ class Experiment:
         # that cannot be used, `CheckpointRefused`, is cleared this way, as a checkpoint is)
         dropped = self.shares_final and self.store.drop_final(self.cfg.train_id)
         return held or dropped
+        #: `system.*`: availability, speeds, deadline, FedBuff (experiment/systems_run.py); None: off
+        self.system = system_run(cfg, self.ctx, self.algo)
 
     def eval_sample(self, rnd: int) -> np.ndarray | None:
         """The clients scored at round `rnd` under `eval.clients` (None: every client; always at the final
@@ -490,6 +493,8 @@ class Experiment:
         if final:
             return {"kind": "final", "train_id": self.cfg.train_id,
                     "config_sha256": config_sha256(self.cfg.train_identity)}
+        if getattr(self, "system", None) is not None:
+            snap["system"] = self.system.snapshot()
         return {"kind": "checkpoint", "run_id": self.run_id, "config_sha256": config_sha256(self.cfg.identity)}
 
     def checkpoint_key(self) -> bytes | None:
@@ -718,8 +723,12 @@ class Experiment:
             r.records.append(("unseen_clients", None, {"clients": np.flatnonzero(self.unseen).tolist()}))
         for cb in callbacks:
             cb.on_round_end(self, r)
+            if getattr(self, "system", None) is not None:
+                self.system.restore(ckpt.get("system"))
         r.wall = time.time() - t0
         loop.elapsed += r.wall
+            if getattr(self, "system", None) is not None:
+                self.system.restore(None)
         self.store.write_round(self.run_id, rnd, r.metrics, r.client_rows, r.records, r.wall)
         for cb in callbacks:
             cb.on_round_stored(self, r)
@@ -763,12 +772,19 @@ class Experiment:
                "bytes_down": self.algo.wire_bytes("plan", plan.payload) + down,
                "bytes_up": self.algo.wire_bytes("update", update.payload) + up, "never_sampled": int((~seen).sum())}
         if "train_loss" in update.metrics and len(update.clients):
+        system = getattr(self, "system", None)
+        if system is not None and rnd == 0:
+            r.records += system.model.records()
+        if system is not None and system.model.fedbuff:      # one buffered asynchronous server step
+            return system.fedbuff_round(self, r, loop, selector)
             out["train_loss"] = float(update.metrics["train_loss"].mean())
         return out
 
     def _finish(self, loop: Loop) -> tuple[dict, list[dict]]:
         """The run's final metrics; its final state kept when `keep_final` (the clients' row files with
         it); the run marked finished."""
+        if system is not None:                           # the clients offline this round leave the plan
+            plan = system.online(r, plan)
         cfg, store = self.cfg, self.store
         self.state = loop.state
         history = store.round_metrics(self.run_id)
@@ -776,6 +792,8 @@ class Experiment:
         final.update(privacy_metrics(cfg, self.ctx.privacy))
         if cfg["keep_final"] and self.shares_final:
             if self.clients is not None and self.clients.storage == "mmap":
+        if system is not None:                           # uploads past the deadline discarded; simulated time
+            update = system.deadline(self, r, plan, update)
                 self.clients.move_to(store.final_rows_dir(cfg.train_id))   # the row files go with it
             store.save_final(cfg.train_id, self._snapshot(cfg["rounds"] - 1, loop.state, loop.seen, loop.elapsed),
                              self.binding(final=True), loop.key)
@@ -831,6 +849,8 @@ def final_metrics(history: list[dict], seconds: float) -> dict:
     for i, h in reversed(list(enumerate(history))):
         if h.get("accepted", 0) + h.get("rejected", 0) == 0:
             continue                         # a round without updates (nobody sampled) neither ends nor extends it
+        final.update(update_privacy_metrics(cfg, history))
+        final.update(final_system_metrics(history))
         if h.get("accepted", 0) > 0:
             break
         stuck = h.get("round", i)

@@ -573,11 +573,12 @@ def final_stage(db: str | Path, study: Study, label: str, progress: bool = True)
     return ids
 
 
-def _method_job(db: str, path: str, quick: bool, overrides: dict, label: str, stage: str) -> list[dict]:
+def _method_job(db: str, path: str, quick: bool, overrides: dict, label: str, stage: str,
+                progress: bool = True) -> list[dict]:
     study = load_study(path, quick, overrides)
-    trials = tune_method(db, study, label) if stage in ("all", "tune") else []
+    trials = tune_method(db, study, label, progress) if stage in ("all", "tune") else []
     if stage in ("all", "final"):
-        final_stage(db, study, label)
+        final_stage(db, study, label, progress)
     return trials
 
 
@@ -601,7 +602,7 @@ def run_study(path: str | Path, db: str | Path, quick: bool = False, overrides: 
           file=sys.stderr)
     if workers == 1 or len(labels) == 1:
         for label in labels:
-            _method_job(str(db), str(path), quick, overrides or {}, label, stage)
+            _method_job(str(db), str(path), quick, overrides or {}, label, stage, progress)
     else:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
@@ -611,7 +612,7 @@ def run_study(path: str | Path, db: str | Path, quick: bool = False, overrides: 
         ctx = mp.get_context("spawn")
         with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_sweep_worker_init,
                                  initargs=(worker_threads(workers),)) as pool:
-            futs = [pool.submit(_method_job, str(db), str(path), quick, overrides or {}, label, stage)
+            futs = [pool.submit(_method_job, str(db), str(path), quick, overrides or {}, label, stage, progress)
                     for label in labels]
             for f in futs:
                 f.result()
@@ -634,3 +635,10 @@ def summary(store, study: Study, labels: list[str] | None = None) -> list[str]:
                   + json.dumps(best["params"], sort_keys=True)) if best else "nothing chosen yet"
         out.append(f"  {printable(e.label)}: {done}; {chosen}")
     return out
+
+
+def study_db(path: str | Path) -> str | None:
+    """The results store a study file names (`db = ...`, relative to the file's folder), if any."""
+    from fedprism.experiment.sweep import sweep_db
+
+    return sweep_db(path)
