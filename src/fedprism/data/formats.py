@@ -32,7 +32,7 @@ from fedprism.data.cache import Raw
 from fedprism.errors import DataError
 
 __all__ = ["IDX_FILES", "CifarLayout", "CifarUnpickler", "decode_cifar", "decode_idx", "find_cifar", "find_each",
-           "read_idx", "read_svhn_mat", "read_usps"]
+           "parse_idx", "read_idx", "read_svhn_mat", "read_usps"]
 
 DIGIT_CLASSES = tuple(str(i) for i in range(10))
 """The class names of the digit datasets: '0'..'9'."""
@@ -89,6 +89,12 @@ def read_idx(path: str | Path, ndim: int | None = None) -> np.ndarray:
     except (OSError, EOFError, zlib.error) as e:
         what = "corrupt or truncated gzip stream" if gz else "cannot read file"
         raise DataError(f"{path}: {what} ({type(e).__name__}: {e})") from e
+    return parse_idx(data, path, ndim)
+
+
+def parse_idx(data: bytes, path: object, ndim: int | None = None) -> np.ndarray:
+    """The array of IDX bytes ``data`` (already decompressed), checked as :func:`read_idx` checks a file;
+    ``path`` names where the bytes came from in errors (a file, or an archive member)."""
     if len(data) < 4:
         raise DataError(f"{path}: truncated IDX file: {len(data)} bytes, not even a magic number")
     magic = int.from_bytes(data[:4], "big")
