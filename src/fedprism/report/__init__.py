@@ -643,6 +643,48 @@ def accuracy_figure(store: Store, setting: str, labels: dict[str, list[dict]]):
     return fig
 
 
+def simtime_figure(store: Store, setting: str, labels: dict[str, list[dict]]):
+    """Accuracy against simulated wall-clock time (`system.speeds`, docs/systems.md): global (left) and local
+    (right) accuracy at each evaluated round, placed at the round's `sim_clock`; mean over seeds of both
+    (runs without a simulated clock are left out). One colour, line style and marker per method."""
+    plt = _plt()
+    names = sorted(labels)
+    sty = dict(zip(names, styles(len(names))))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.6), sharey=True)
+    for lab in names:
+        curves = [[h for h in store.round_metrics(r["run_id"]) if "local_acc" in h and "sim_clock" in h]
+                  for r in labels[lab]]
+        curves = [c for c in curves if c]
+        if not curves:
+            continue
+        rounds = sorted(set.intersection(*[{h["round"] for h in c} for c in curves]))
+        by_round = [{h["round"]: h for h in c} for c in curves]
+        x = np.array([np.mean([b[t]["sim_clock"] for b in by_round]) for t in rounds])
+        st = sty[lab]
+        for ax, key in ((axes[0], "global_acc"), (axes[1], "local_acc")):
+            vals = [[b[t].get(key) for t in rounds] for b in by_round]
+            if all(v is not None for row in vals for v in row):
+                ax.plot(x, np.mean(np.array(vals, dtype=np.float64), axis=0), label=lab, color=st["color"],
+                        ls=st["ls"], marker=st["marker"], markersize=3.5, lw=1.4)
+    for ax, title in zip(axes, ("global accuracy (Glob)", "local accuracy (Loc)")):
+        ax.set_title(title)
+        ax.set_xlabel("simulated time (s)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("accuracy (mean over clients and seeds)")
+    handles = dict(zip(*reversed(axes[0].get_legend_handles_labels())))
+    for h, lab in zip(*axes[1].get_legend_handles_labels()):
+        handles.setdefault(lab, h)
+    fig.suptitle(plot_title([r["config"] for runs in labels.values() for r in runs]))
+    fig.tight_layout(rect=(0, 0, 0.76, 1))
+    _legend_right(fig, handles, 0.765)
+    return fig
+
+
+def has_simulated_time(labels: dict[str, list[dict]]) -> bool:
+    """True when a run of the setting has a simulated clock (`sim_clock` in its final metrics)."""
+    return any("sim_clock" in (r.get("final") or {}) for runs in labels.values() for r in runs)
+
+
 def ecdf_figure(store: Store, setting: str, labels: dict[str, list[dict]]):
     """The ECDF of per-client local accuracy at the final evaluated round (seeds pooled), one colour, line
     style and marker per method; a method whose ECDF is identical to an earlier one's is named so."""
@@ -752,6 +794,10 @@ def plan_figures(store: Store, groups) -> dict[str, list[tuple[str, str, object]
             (f"plots/{fn['ecdf']}", f"Per-client local accuracy at the final round, {setting}: empirical "
              "CDF over clients, seeds pooled (a curve further right is better; its spread is the fairness "
              "across clients).", ("ecdf", setting))]
+        if has_simulated_time(groups[setting]):
+            figs.append((f"plots/simtime_{slug(setting)}.png", f"Accuracy against simulated wall-clock time, "
+                         f"{setting} (`system.*`, docs/systems.md): global (left) and local (right) at each "
+                         "evaluated round, placed at the round's simulated clock.", ("simtime", setting)))
         for label in sorted(groups[setting]):
             for run in sorted(groups[setting][label], key=lambda r: r["config"]["seed"]):
                 if has_clusters(store, run["run_id"]):
@@ -839,6 +885,10 @@ def write_report(db: str, out: str, sweep: str | list[str] | None = None, plots:
                     elif how[0] == "method":
                         _, draw, name = how
                         paths += draw(pdir / name)
+                    elif how[0] == "simtime":
+                        fig = simtime_figure(store, setting, groups[setting])
+                        paths += _save(fig, pdir / f"simtime_{slug(setting)}.png")
+                        _plt().close(fig)
         if html:
             from fedprism.report.html import render_html
 
