@@ -154,9 +154,6 @@ def check_system(out: dict[str, Any]) -> None:
         if out[key] != SYSTEM_KEYS[key].default and out[needs] not in ok:
             raise ConfigError(key, out[key], f"its default {SYSTEM_KEYS[key].default} unless {needs} is "
                               f"{' or '.join(ok)} ({needs}={out[needs]} does not read it)")
-    if out["system.deadline"] > 0 and out["system.speeds"] == "none":
-        raise ConfigError("system.deadline", out["system.deadline"], "0 unless system.speeds is set: a deadline "
-                          "is in simulated seconds, which come from the clients' speeds")
     if out["system.async"] == "fedbuff":
         if out["system.speeds"] == "none":
             raise ConfigError("system.async", "fedbuff", "none unless system.speeds is set: FedBuff orders the "

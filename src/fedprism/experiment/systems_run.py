@@ -84,7 +84,9 @@ class SystemRun:
         """The uploads that arrived by the deadline (the late ones discarded, record `late`), and the round's
         simulated time (`sim_time`, `sim_clock`)."""
         m = self.model
-        if self.flower or not m.timed:
+        if self.flower:        # real time: a node past the deadline is a `failure` ("no reply within D s")
+            return update
+        if not m.timed:
             r.metrics["late"] = 0
             return update
         pos = {int(c): i for i, c in enumerate(plan.clients)}
@@ -261,7 +263,7 @@ def system_run(cfg, ctx, algo, flower: bool = False) -> SystemRun | None:
     if model is None:
         return None
     if flower:
-        for key, default in (("system.speeds", "none"), ("system.async", "none")):
+        for key, default in (("system.async", "none"), ("system.speeds", "none")):
             if cfg[key] != default:
                 raise ConfigError(key, cfg[key], f"{default} on Flower: the nodes train at their own speeds and "
                                   "answer in real time (system.deadline is a real timeout there)")

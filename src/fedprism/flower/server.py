@@ -42,6 +42,7 @@ from fedprism.experiment.evaluate import Evaluator, row_hashes
 from fedprism.experiment.limits import check_limits
 from fedprism.experiment.build import make_algorithm, make_context, make_model
 from fedprism.experiment.runner import Experiment, RunResult, validate_update
+from fedprism.experiment.systems_run import system_run
 from fedprism.experiment.store import Store
 from fedprism.flower import codec
 from fedprism.flower.settings import IDENTITY_KEYS, RunSettings, check_flower_config, flower_label
@@ -581,6 +582,9 @@ class FlowerExperiment(Experiment):
             raise RuntimeError(f"the run's spec says {link.param_size} parameters, the model has "
                                f"{self.ctx.spec.size}")
         self.algo: Algorithm = make_algorithm(cfg, self.ctx)
+        #: `system.*` on Flower: the availability trace (the server does not contact a client the trace
+        #: has offline) and `system.deadline` as the real timeout of the train exchange (docs/systems.md)
+        self.system = system_run(cfg, self.ctx, self.algo, flower=True)
         self.clients = None                          # the nodes keep their own client state
         self.upload = {k: spec.resolve(self.ctx) for k, spec in self.algo.upload().items()}
         shared = None
@@ -629,7 +633,9 @@ class FlowerExperiment(Experiment):
         t0 = time.time()
         bodies = {int(c): codec.encode_plan(plan.subset(np.array([r])), rnd, int(c), self.cfg.run_id, self.algo)
                   for r, c in enumerate(plan.clients)}
-        replies, failed = link.exchange("train", bodies, s.round_timeout, group=str(rnd))
+        deadline = self.system.model.deadline if self.system is not None and self.system.model.deadline > 0 \
+            else s.round_timeout             # `system.deadline`: a node that has not answered by then is dropped
+        replies, failed = link.exchange("train", bodies, deadline, group=str(rnd))
         parts = []
         for r, c in enumerate(plan.clients):
             c = int(c)
