@@ -207,6 +207,15 @@ def optimizer_step_(w: torch.Tensor, g: torch.Tensor, st: tuple[torch.Tensor, ..
     return w, (buf,)
 
 
+def trained_mask(mask: torch.Tensor | None, trainable: torch.Tensor | None) -> torch.Tensor | None:
+    """The mask an optimiser step uses: a job's `mask` ([P] or [n, P], None: every coordinate) with the
+    buffer section (running statistics, `trainable` 0) left out, or `mask` itself for a vector of
+    parameters only (so those runs compute exactly what they did)."""
+    if trainable is None:
+        return mask
+    return trainable if mask is None else mask * trainable
+
+
 def confusion(y: torch.Tensor, pred: torch.Tensor, c: int) -> torch.Tensor:
     return torch.bincount(y * c + pred, minlength=c * c).view(c, c)
 
@@ -258,7 +267,12 @@ class EngineBase:
         if cfg.train_kernels == "fused":
             self._require_kernels("train.kernels=fused")
             from fedprism.kernels.fused import StemSplit
-            self.stem = StemSplit(self.f) if StemSplit.qualifies(self.f) else None
+            # (a model with running statistics trains through `Functional.with_stats`: no fused stems)
+            self.stem = StemSplit(self.f) if StemSplit.qualifies(self.f) and not self.f.running else None
+        #: float32 [P] on the device, 1 on parameters and 0 on the buffer section (running statistics), which
+        #: no optimiser steps (`fedprism.params`); None for a vector of parameters only
+        t = self.spec.trainable
+        self.trainable = None if t is None else t.to(self.device)
         self.seed = seed
         self._train_idx = [torch.as_tensor(i, dtype=torch.long, device=self.device) for i in fed.train_idx]
         self._test_idx = [torch.as_tensor(i, dtype=torch.long, device=self.device) for i in fed.test_idx]
@@ -363,6 +377,8 @@ class EngineBase:
         st = optimizer_state(cfg, w)
         total, count = 0.0, 0
         fused_gv = None if self.stem is None else self.stem.grad_and_value(loss_fn)    # train.kernels=fused
+        step_mask = trained_mask(mask, self.trainable)
+        stats = ()
         for j, b in enumerate(batches):
             bi = rows[b.to(self.device)]
             x, y = self.fed.x_train[bi], self.fed.y_train[bi]
@@ -372,10 +388,15 @@ class EngineBase:
             else:
                 wr = w.detach().requires_grad_(True)
                 f = self.f if drop is None else self.f.keyed(dropout_key(drop, j, self.device))
-                loss = loss_fn(f, wr, x, y, ones, extras)
+                if self.f.running:             # training mode: batch statistics, recorded
+                    loss, stats = self.f.with_stats(lambda p: loss_fn(f, p, x, y, ones, extras))(wr)
+                else:
+                    loss = loss_fn(f, wr, x, y, ones, extras)
                 (g,) = torch.autograd.grad(loss, wr)
             with torch.no_grad():
-                w, st = optimizer_step_(w, g, st, cfg, mask)
+                w, st = optimizer_step_(w, g, st, cfg, step_mask)
+                if stats:
+                    self.f.apply_running(w, stats, mask)
             total += float(loss.detach()) * len(y)
             count += len(y)
             self.samples_trained += len(y)

@@ -46,7 +46,7 @@ from torch import nn
 from torch.func import grad_and_value, vmap
 
 from fedprism.engine.base import (SHARED_SPLITS, SPLITS, EngineBase, LocalConfig, dropout_keys, iter_epochs,
-                                  n_batches, optimizer_state, optimizer_step, resolve_loss)
+                                  n_batches, optimizer_state, optimizer_step, resolve_loss, trained_mask)
 from fedprism.engine.cuda_graph import GraphedStep
 from fedprism.federation import Federation
 from fedprism.protocol import EvalResult, Trained, TrainJob
@@ -138,6 +138,13 @@ class _Blocks:
 
 def _has_batchnorm(model: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def _batch_stats_eval(model: nn.Module) -> bool:
+    """Whether a BatchNorm layer of `model` normalises with batch statistics at evaluation (no running
+    statistics, `fedprism.params`): then a sample's logits depend on the chunk it is scored in."""
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) and not getattr(m, "running_stats", False)
+               for m in model.modules())
 
 
 def profile_model(model: nn.Module, input_shape: tuple[int, ...], device: torch.device) -> tuple[int, float]:
@@ -259,10 +266,12 @@ class VectorizedEngine(EngineBase):
         eval_models = int(eval_models) if eval_models else (100 if cuda else 10)
         if self.max_slots < 1 or eval_models < 1:
             raise ValueError("max_slots and eval_models must be >= 1")
-        self.batchnorm = _has_batchnorm(self.model)
+        self.batchnorm = _has_batchnorm(self.model)          # training: partial batches run unpadded
+        #: BatchNorm on batch statistics in evaluation too: exact chunks, own splits by the reference loop
+        self.eval_batch_stats = _batch_stats_eval(self.model)
         self.eval_models = int(eval_models)
         budget = eval_memory or ((4 << 30) if cuda else (512 << 20))
-        if self.batchnorm:
+        if self.eval_batch_stats:
             self.eval_samples = cfg.eval_chunk           # must match the reference chunks exactly
         elif eval_samples:
             self.eval_samples = int(eval_samples)
@@ -286,6 +295,8 @@ class VectorizedEngine(EngineBase):
         key = (loss, cfg.optimizer, per_client_mask)
         if key not in self._steps:
             obj, f = resolve_loss(loss), self.f
+            if f.running:
+                return self._steps.setdefault(key, self._running_step_fn(obj, cfg))
             if f.dropout:
                 # each slot's own dropout key (`dropout_key`): the masks of its client's step
                 def loss_of(flat, x, y, wt, extras, dkey):
@@ -311,6 +322,30 @@ class VectorizedEngine(EngineBase):
 
             self._steps[key] = _MaybeCompiled(step, self.compiled)
         return self._steps[key]
+
+    def _running_step_fn(self, obj, cfg: LocalConfig) -> _MaybeCompiled:
+        """The training step of a model with running statistics: the objective in training mode
+        (`Functional.with_stats`: batch statistics, recorded per slot), the optimiser on the parameters
+        only (`trained_mask`), then each active slot's buffer section moved by its batch statistics
+        (`Functional.apply_running`); the step's signature is the other steps'."""
+        f, trainable = self.f, self.trainable
+
+        if f.dropout:
+            def loss_of(flat, x, y, wt, extras, dkey):
+                return obj(f.keyed(dkey), flat, x, y, wt, extras)
+        else:
+            def loss_of(flat, x, y, wt, extras):
+                return obj(f, flat, x, y, wt, extras)
+
+        vg = vmap(grad_and_value(f.with_stats(loss_of), has_aux=True))
+
+        def step(w, st, x, y, wt, extras, active, mask, *dkey):
+            g, (lv, stats) = vg(w, x, y, wt, extras, *dkey)
+            act = active.unsqueeze(1)
+            w, st = optimizer_step(w, g, st, cfg, trained_mask(mask, trainable), act)
+            return f.apply_running(w, stats, mask, act), st, lv
+
+        return _MaybeCompiled(step, self.compiled)
 
     def slot_time(self, steps: list[int], k: int) -> float:
         """Estimated time of training a cohort with these step counts in k slots, in units of one slot's
@@ -508,9 +543,11 @@ class VectorizedEngine(EngineBase):
         x, y = self.fed.x_train[bi], self.fed.y_train[bi]
         ones = torch.ones(len(y), device=self.device)
         f = self.f.keyed(dkey)
-        g, lv = grad_and_value(lambda p: obj(f, p, x, y, ones, ex))(w[s].clone())
-        ws, sts = optimizer_step(w[s].clone(), g, tuple(z[s].clone() for z in st), cfg, mask)
-        w[s] = ws
+        g, (lv, stats) = grad_and_value(self.f.with_stats(lambda p: obj(f, p, x, y, ones, ex)),
+                                        has_aux=True)(w[s].clone())
+        ws, sts = optimizer_step(w[s].clone(), g, tuple(z[s].clone() for z in st), cfg,
+                                 trained_mask(mask, self.trainable))
+        w[s] = self.f.apply_running(ws, stats, mask)
         for z, v in zip(st, sts):
             z[s] = v
         return lv.detach().double()
@@ -555,7 +592,7 @@ class VectorizedEngine(EngineBase):
         params = params.to(self.device, torch.float32)
         if split in SHARED_SPLITS:
             return self._evaluate_shared(params, *self.data(0, split))
-        if self.batchnorm:
+        if self.eval_batch_stats:
             return super().evaluate(params, clients, split)
         if split == "val" and self.fed.val_idx is None:
             raise ValueError("this federation has no validation splits (data.val_fraction=0)")
@@ -580,7 +617,7 @@ class VectorizedEngine(EngineBase):
                 xs, ys = x[s0 : s0 + S], y[s0 : s0 + S]
                 k = len(ys)
                 valid = torch.ones(k, device=dev)
-                if k < S and not self.batchnorm:   # pad the last sample chunk (masked)
+                if k < S and not self.eval_batch_stats:   # pad the last sample chunk (masked)
                     xs = torch.cat([xs, xs[:1].expand(S - k, *xs.shape[1:])])
                     ys = torch.cat([ys, ys[:1].expand(S - k)])
                     valid = torch.cat([valid, torch.zeros(S - k, device=dev)])

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from fedprism.models.base import MODELS, BatchNorm1d, ModelSpec, Split, build_model
+from fedprism.models.base import (MODELS, BatchNorm1d, ModelSpec, RunningBatchNorm1d, RunningBatchNorm2d, Split,
+                                  build_model)
 
 _Split = Split                  # the name the model classes had before each got its own module
 
@@ -33,4 +34,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["MODELS", "ModelSpec", "Split", "BatchNorm1d", "build_model", "AUTO_IMAGES", "AUTO_OTHER", *_CLASSES]
+__all__ = ["MODELS", "ModelSpec", "Split", "BatchNorm1d", "RunningBatchNorm1d", "RunningBatchNorm2d", "build_model",
+           "AUTO_IMAGES", "AUTO_OTHER", *_CLASSES]

@@ -28,7 +28,8 @@ from torch import nn
 from fedprism.errors import ConfigError
 from fedprism.registry import Registry
 
-__all__ = ["MODELS", "ModelSpec", "Split", "BatchNorm1d", "BATCH_STATS", "build_model", "features"]
+__all__ = ["MODELS", "ModelSpec", "Split", "BatchNorm1d", "BATCH_STATS", "RunningBatchNorm1d",
+           "RunningBatchNorm2d", "build_model", "features"]
 
 
 class Split(nn.Module):
@@ -62,6 +63,68 @@ class BatchNorm1d(nn.BatchNorm1d):
         if x.shape[0] == 1:
             return x * 0 + self.bias
         return F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
+
+
+class _RunningStats:
+    """BatchNorm that keeps running statistics in the model's flat vector (`fedprism.params`: the buffer
+    section), for models that behave as in other libraries and in deployment: batch statistics in
+    training, running statistics in evaluation (Ioffe & Szegedy 2015, "Batch Normalization: Accelerating
+    Deep Network Training by Reducing Internal Covariate Shift", arXiv:1502.03167).
+
+    Called through `fedprism.params.Functional` (every engine, every Flower node), the layer reads the
+    function's mode (`stats_ctx.mode`): in a training step it normalises with the batch's mean and biased
+    variance and records the batch mean and unbiased variance, which the engine folds into the running
+    statistics with `momentum` (0.1, PyTorch's default) after the optimiser step; anywhere else it
+    normalises with the running statistics. Called as a plain module (outside fedprism), it is PyTorch's
+    BatchNorm. Decisions: `num_batches_tracked` is not kept (it is read only with `momentum=None`, the
+    cumulative average, which the layer does not offer); a batch in which a channel has one value (one
+    sample of a fully connected layer) outputs the bias exactly (as `BatchNorm1d` here) and records nothing,
+    since it has no variance; its momentum is fixed at construction."""
+
+    running_stats = True
+    stats_ctx = None
+    stats_index = 0
+
+    def _setup(self) -> None:
+        if self.momentum is None:
+            raise ValueError("RunningBatchNorm: momentum=None (a cumulative average) is not offered; give a "
+                             "number in (0, 1], e.g. 0.1")
+        self.register_buffer("num_batches_tracked", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(x)
+        mode = None if self.stats_ctx is None else self.stats_ctx.mode
+        if mode is None:                       # a plain module call: PyTorch's BatchNorm
+            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                                self.training, self.momentum, self.eps)
+        if not hasattr(mode, "records"):       # evaluation: the running statistics
+            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0,
+                                self.eps)
+        if x.numel() == x.shape[1]:           # one value per channel: no variance (see the class docstring)
+            shape = (1, -1) + (1,) * (x.dim() - 2)
+            return x * 0 + self.bias.view(shape)
+        y = F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
+        if mode.on:
+            dims = [0, *range(2, x.dim())]
+            var, mean = torch.var_mean(x.detach(), dim=dims, correction=1)
+            mode.records[self.stats_index].append((mean, var))
+        return y
+
+
+class RunningBatchNorm2d(_RunningStats, nn.BatchNorm2d):
+    """BatchNorm2d with running statistics in the flat vector (`_RunningStats`)."""
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.1):
+        super().__init__(num_features, eps=eps, momentum=momentum, affine=True, track_running_stats=True)
+        self._setup()
+
+
+class RunningBatchNorm1d(_RunningStats, nn.BatchNorm1d):
+    """BatchNorm1d with running statistics in the flat vector (`_RunningStats`)."""
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float = 0.1):
+        super().__init__(num_features, eps=eps, momentum=momentum, affine=True, track_running_stats=True)
+        self._setup()
 
 
 def features(input_shape: tuple[int, ...]) -> int:
