@@ -144,3 +144,123 @@ def acsincome_expected(rows: list[dict]) -> tuple[np.ndarray, np.ndarray]:
             x.append([-1.0 if r[f] == "" else float(r[f]) for f in feats])
             y.append(int(float(r["PINCP"]) > 50000))
     return np.array(x, np.float64).reshape(-1, len(feats)), np.array(y, np.int64)
+
+
+# ------------------------------------------------------------------------- MNIST-M, SynthDigits, Office
+
+
+def png_bytes(rgb: np.ndarray, fmt: str = "PNG") -> bytes:
+    """[3, H, W] uint8 -> encoded image bytes (lossless PNG by default)."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.ascontiguousarray(rgb.transpose(1, 2, 0))).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+@dataclass
+class ImageFiles:
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    path: Path
+
+
+def write_mnistm(folder: Path, n_train: int = 20, n_test: int = 10, seed: int = 0, as_tar: bool = True) -> ImageFiles:
+    """`mnist_m.tar.gz` as the authors release it: mnist_m/mnist_m_{train,test}/<8 digits>.png (28x28 RGB)
+    and mnist_m/mnist_m_{train,test}_labels.txt, '<file> <digit>' per line (or the extracted folder)."""
+    rng = np.random.default_rng(seed)
+    members, out = {}, []
+    for split, n in (("train", n_train), ("test", n_test)):
+        x = rng.integers(0, 256, (n, 3, 28, 28), dtype=np.uint8)
+        y = np.arange(n) % 10
+        lines = []
+        for i in range(n):
+            members[f"mnist_m/mnist_m_{split}/{i:08d}.png"] = png_bytes(x[i])
+            lines.append(f"{i:08d}.png {y[i]}\n")
+        members[f"mnist_m/mnist_m_{split}_labels.txt"] = "".join(lines)
+        out += [x, y]
+    folder.mkdir(parents=True, exist_ok=True)
+    if as_tar:
+        path = folder / "mnist_m.tar.gz"
+        path.write_bytes(tar_gz_bytes(members))
+    else:
+        for name, data in members.items():
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            (folder / name).write_bytes(data if isinstance(data, bytes) else data.encode())
+        path = folder / "mnist_m"
+    return ImageFiles(*out, path)
+
+
+def mat_bytes(x: np.ndarray, y: np.ndarray) -> bytes:
+    """SVHN's .mat layout: X uint8 [32, 32, 3, N], y [N, 1]."""
+    from scipy.io import savemat
+
+    buf = io.BytesIO()
+    savemat(buf, {"X": np.ascontiguousarray(x.transpose(2, 3, 1, 0)), "y": y.astype(np.uint8)[:, None]})
+    return buf.getvalue()
+
+
+def write_synthdigits(folder: Path, n_train: int = 20, n_test: int = 10, seed: int = 0, as_zip: bool = True
+                      ) -> ImageFiles:
+    """`SynthDigits.zip` with synth_train_32x32.mat / synth_test_32x32.mat (or the two files)."""
+    rng = np.random.default_rng(seed)
+    members, out = {}, []
+    for split, n in (("train", n_train), ("test", n_test)):
+        x = rng.integers(0, 256, (n, 3, 32, 32), dtype=np.uint8)
+        y = np.arange(n) % 10
+        members[f"synth_{split}_32x32.mat"] = mat_bytes(x, y)
+        out += [x, y]
+    folder.mkdir(parents=True, exist_ok=True)
+    if as_zip:
+        path = folder / "SynthDigits.zip"
+        path.write_bytes(zip_bytes(members))
+    else:
+        for name, data in members.items():
+            (folder / name).write_bytes(data)
+        path = folder
+    return ImageFiles(*out, path)
+
+
+def write_digit_domains(root: Path, n_train: int = 30, n_test: int = 12, seed: int = 0) -> dict:
+    """`root/<domain>` for the five Digits domains, each in its real format; domain -> written arrays."""
+    from _fakedata import write_fake
+
+    return {"mnist": write_fake("mnist", root / "mnist", n_train, n_test, seed),
+            "mnistm": write_mnistm(root / "mnistm", n_train, n_test, seed),
+            "svhn": write_fake("svhn", root / "svhn", n_train, n_test, seed),
+            "usps": write_fake("usps", root / "usps", n_train, n_test, seed),
+            "synthdigits": write_synthdigits(root / "synthdigits", n_train, n_test, seed)}
+
+
+OFFICE_SITES = ("amazon", "caltech", "dslr", "webcam")
+OFFICE_CLASSES = ("back_pack", "bike", "calculator", "headphones", "keyboard", "laptop_computer", "monitor",
+                  "mouse", "mug", "projector")
+
+
+def write_office(folder: Path, per_class: int = 3, seed: int = 0, as_zip: bool = True, side: int = 20) -> dict:
+    """FedBN's `office_caltech_10_dataset.zip`: office_caltech_10/<site>/<class>/<n>.jpg (JPEG photos of
+    varied sizes, some greyscale as in Caltech-256) plus FedBN's split pickles, which are not read. Returns
+    (site, class, file) -> the RGB array written (before JPEG)."""
+    rng = np.random.default_rng(seed)
+    members, written = {}, {}
+    for s, site in enumerate(OFFICE_SITES):
+        for c, cls in enumerate(OFFICE_CLASSES):
+            for i in range(per_class):
+                h, w = side + int(rng.integers(0, 8)), side + int(rng.integers(0, 8))
+                img = np.full((3, h, w), 40 * s + 15 * c, np.uint8)
+                img[:, : h // 2] += np.uint8(10 * i)
+                if site == "caltech" and i == 0:
+                    img[1] = img[2] = img[0]                     # a greyscale photo
+                members[f"office_caltech_10/{site}/{cls}/frame_{i:04d}.jpg"] = png_bytes(img, "JPEG")
+                written[(site, cls, f"frame_{i:04d}.jpg")] = img
+        members[f"office_caltech_10/{site}_train.pkl"] = b"\x80\x04N."    # FedBN's lists: never unpickled
+    folder.mkdir(parents=True, exist_ok=True)
+    if as_zip:
+        (folder / "office_caltech_10_dataset.zip").write_bytes(zip_bytes(members))
+    else:
+        for name, data in members.items():
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            (folder / name).write_bytes(data)
+    return written

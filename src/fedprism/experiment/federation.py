@@ -82,7 +82,11 @@ def _federation(dataset: str, root: str, download: bool, pad32: bool, partition:
         g_tr = None if g_tr is None else np.asarray(g_tr)[rest.numpy()]
     params = dict(part_items)
     natural = {"groups": g_tr, "test_groups": g_te} if by_groups else {}
-    part = make_partition(partition, y_tr.numpy(), y_te.numpy(), clients, seed, **params, **natural)
+    if partition == "domain_mix" and spec.natural == "domain" and g_tr is not None and g_te is not None:
+        from fedprism.data.domains import real_domain_mix      # real domains: no transform (data/domains.py)
+        part = real_domain_mix(y_tr.numpy(), y_te.numpy(), g_tr, g_te, clients, seed, params)
+    else:
+        part = make_partition(partition, y_tr.numpy(), y_te.numpy(), clients, seed, **params, **natural)
     train_idx, test_idx = list(part.train), list(part.test)
     if part.domains is not None:
         from fedprism.data.domains import apply_domain
