@@ -255,8 +255,9 @@ def test_summarize_and_histograms():
 
 def test_partitions_registry_lists_parameters():
     assert set(PARTITIONS) == {"iid", "dirichlet", "dirichlet_per_class", "pathological", "similarity",
-                               "domain_mix", "natural"}
-    assert PARTITIONS["natural"].params == {} and PARTITIONS["natural"].natural
+                               "domain_mix", "natural", "quantity", "feature_noise"}
+    assert set(PARTITIONS["natural"].params) == {"column"} and PARTITIONS["natural"].natural
+    assert PARTITIONS["natural"].params["column"].new          # left out of run ids at its default
     assert PARTITIONS["dirichlet"].params["alpha"].default == 0.1
     assert PARTITIONS["dirichlet_per_class"].params["alpha"].default == 0.5
     assert PARTITIONS["pathological"].params["shards_per_client"].default == 2

@@ -250,6 +250,11 @@ def read_toml(path: str | Path, what: str) -> dict[str, Any]:
         raise ConfigError(what, str(p), f"a readable TOML file ({e.strerror or e})", kind="") from None
     except UnicodeDecodeError as e:
         raise ConfigError(what, str(p), f"UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {bom + e.start} "
+#: partition keys added after runs were stored (a partition's `Param.new`), left out of the run id while they
+#: hold these values: the partition's declaration is not imported to hash a configuration (a stored-result
+#: lookup imports no partition module)
+NEW_PARTITION_KEYS = {"partition.column": ""}
+
                           "is not UTF-8)", kind="") from None
     try:
         return tomllib.loads(text)
@@ -312,7 +317,8 @@ class Config:
         params = self._params()
         return {k: v for k, v in sorted(self.values.items())
                 if k not in EXECUTION_KEYS and not (k in params and params[k].new
-                                                    and v == LEGACY_DEFAULTS.get(k, params[k].default))}
+                                                    and v == LEGACY_DEFAULTS.get(k, params[k].default))
+                and not (k in NEW_PARTITION_KEYS and v == NEW_PARTITION_KEYS[k])}
 
     @property
     def run_id(self) -> str:

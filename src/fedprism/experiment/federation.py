@@ -67,6 +67,11 @@ def _federation(dataset: str, root: str, download: bool, pad32: bool, partition:
         keep = torch.as_tensor(np.sort(rng.permutation(len(y_tr))[:train_subset]))
         x_tr, y_tr = x_tr[keep], y_tr[keep]
         g_tr = None if g_tr is None else np.asarray(g_tr)[keep.numpy()]
+    column = dict(part_items).get("column", "")
+    if by_groups and column:            # partition=natural on a named column of the data (`partition.column`)
+        from fedprism.data.partitions.natural import column_groups
+
+        g_tr, g_te = column_groups(getattr(ds, "columns", None), getattr(ds, "test_columns", None), column, dataset)
     if 0 < test_subset < len(y_te):
         keep = torch.as_tensor(np.sort(rng.permutation(len(y_te))[:test_subset]))
         x_te, y_te = x_te[keep], y_te[keep]
@@ -95,6 +100,8 @@ def _federation(dataset: str, root: str, download: bool, pad32: bool, partition:
         x_tr = torch.cat([torch.as_tensor(apply_domain(x_tr.numpy(), d, seed=seed)) for d in doms])
         x_te = torch.cat([torch.as_tensor(apply_domain(x_te.numpy(), d, seed=seed + 1)) for d in doms])
         y_tr, y_te = y_tr.repeat(len(doms)), y_te.repeat(len(doms))
+    if params.get("column") == "":      # `natural`'s column at its default: recorded as before the key existed
+        del params["column"]
         slot = {d: k for k, d in enumerate(doms)}
         train_idx = [i + slot[int(d)] * n_tr for i, d in zip(train_idx, part.domains)]
         test_idx = [i + slot[int(d)] * n_te for i, d in zip(test_idx, part.domains)]
@@ -116,9 +123,42 @@ def _federation(dataset: str, root: str, download: bool, pad32: bool, partition:
             train_idx[c] = np.sort(idx[perm[k:]])
     return Federation(x_tr.float().contiguous(), y_tr.long(), x_te.float().contiguous(), y_te.long(),
                       train_idx, [np.asarray(i, dtype=np.int64) for i in test_idx],
+    perturb = PARTITIONS.get(partition, "partition").perturb
+    local_from_train = False
+    if perturb is not None:             # a partition that skews the inputs too (feature_noise)
+        if not x_tr.is_floating_point():
+            raise ConfigError("partition", partition, f"a partition that leaves the inputs as they are: "
+                              f"'{partition}' perturbs numeric inputs, and dataset '{dataset}' gives "
+                              f"{str(x_tr.dtype).replace('torch.', '')} inputs (token ids)")
+        x_tr, y_tr, test_idx, local_from_train = _perturbed(perturb, x_tr, y_tr, x_te, y_te, train_idx, test_idx,
+                                                            seed, part.meta.get("params", {}), local_test)
                       num_classes=len(ds.classes), class_names=list(ds.classes), name=dataset,
                       meta=meta, val_idx=val_idx, x_val=x_val, y_val=y_val,
-                      local_pool="train" if local_test == "split" else "test")
+                      local_pool="train" if local_test == "split" or local_from_train else "test")
+
+
+def _perturbed(perturb, x_tr, y_tr, x_te, y_te, train_idx, test_idx, seed, params, local_test):
+    """A partition's `perturb` applied to each client's rows (`PartitionSpec.perturb`): its training rows in a
+    copy of the training pool (the clients' rows are disjoint), and, with the official local test rows, a copy
+    of each client's test rows perturbed as that client holds them, appended to the training pool (rows no
+    client trains on; `local_pool = "train"`), since two clients may share a test row and the global test set
+    stays as it is. With `data.local_test = split` the test rows are later held out of the perturbed training
+    rows. Returns (x_train, y_train, test_idx, whether test_idx now index the training pool)."""
+    n = len(train_idx)
+    x_tr = x_tr.clone()
+    for c, idx in enumerate(train_idx):
+        rows = torch.as_tensor(idx)
+        x_tr[rows] = perturb(x_tr[rows], c, n, "train", seed, params)
+    if local_test == "split":
+        return x_tr, y_tr, test_idx, False
+    extra, extra_y, new_test, base = [], [], [], len(y_tr)
+    for c, idx in enumerate(test_idx):
+        rows = torch.as_tensor(np.asarray(idx, dtype=np.int64))
+        extra.append(perturb(x_te[rows], c, n, "test", seed, params))
+        extra_y.append(y_te[rows])
+        new_test.append(np.arange(base, base + len(idx), dtype=np.int64))
+        base += len(idx)
+    return torch.cat([x_tr, *extra]), torch.cat([y_tr, *extra_y]), new_test, True
 
 
 def federation_key(cfg: Config) -> tuple:

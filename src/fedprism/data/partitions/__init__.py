@@ -21,7 +21,12 @@ them. Built in:
 ``domain_mix``       mixed feature + label skew: one image domain and ``n`` classes per client (PFPL;
                      the domain transforms live in :mod:`fedprism.data.domains`)
 ``natural``          one client per natural user or device of the data (``groups=``, e.g. the WISDM
-                     users); each client's test rows are its own user's held-out samples
+                     users), or per value of a named column (``partition.column``); each client's test
+                     rows are its own user's held-out samples
+``quantity``         quantity skew: client sizes from ``Dir(beta)`` or a power law, labels IID (Li et al.
+                     2022, arXiv:2102.02079)
+``feature_noise``    feature skew: IID labels, client i's inputs plus Gaussian noise of std
+                     ``sigma * i / N`` (Li et al. 2022), applied once when the federation is built
 ==================== ================================================================================
 
 Partitions of other packages come through the ``fedprism.partitions`` entry-point group or
@@ -118,7 +123,7 @@ def make_partition(name: str, y_train: np.ndarray, y_test: np.ndarray, num_clien
     n = len(y_train)
     if spec.natural:
         return _make_natural(spec, y_train, y_test, num_clients, seed, min_train, min_test, test_ratio, groups,
-                             test_groups)
+                             test_groups, resolved)
     if num_clients * min_train > n:
         raise PartitionError(
             f"clients = {num_clients} is not valid: with partition.min_train = {min_train} the {n} train "
@@ -157,7 +162,8 @@ def make_partition(name: str, y_train: np.ndarray, y_test: np.ndarray, num_clien
 
 
 def _make_natural(spec: PartitionSpec, y_train: np.ndarray, y_test: np.ndarray, num_clients: int, seed: int, min_train: int,
-                  min_test: int, test_ratio: float | None, groups: Any, test_groups: Any) -> Partition:
+                  min_test: int, test_ratio: float | None, groups: Any, test_groups: Any,
+                  resolved: dict | None = None) -> Partition:
     if test_ratio is not None:
         raise PartitionError(f"test_ratio = {test_ratio!r} is not valid for partition '{spec.name}': each "
                              "client's test rows are its own user's held-out samples; leave test_ratio unset")
@@ -166,7 +172,9 @@ def _make_natural(spec: PartitionSpec, y_train: np.ndarray, y_test: np.ndarray, 
     used = int(sum(len(t) for t in train))
     meta = {
         "partition": spec.name,
-        "params": {},
+        # the parameters away from their defaults only (`natural`'s `column`): a natural partition of the
+        # dataset's own clients records {} as before it had parameters
+        "params": {k: v for k, v in (resolved or {}).items() if v != spec.params[k].default},
         "seed": seed,
         "num_clients": num_clients,
         "num_classes": int(max(y_train.max(initial=-1), y_test.max(initial=-1))) + 1,

@@ -114,6 +114,11 @@ class PartitionSpec:
     natural: the clients are the data's own users or devices: ``split`` is then called as
              ``split(y_train, y_test, num_clients, min_train, min_test, groups, test_groups) -> (train,
              test, meta)`` with each sample's group id and makes the test split itself (``natural``)
+    perturb: a partition that skews the inputs as well as the split (``feature_noise``):
+             ``perturb(x, client, num_clients, split, seed, params) -> x`` returns client ``client``'s rows
+             ``x`` of ``split`` ("train", or "test" for its local test rows) as that client holds them. The
+             federation calls it once per client and split when it is built, so it must be a pure function
+             of its arguments (seeded from ``seed``); the global test set is never perturbed.
     """
 
     name: str
@@ -121,6 +126,7 @@ class PartitionSpec:
     params: dict[str, Param] = field(default_factory=dict)
     title: str = ""
     natural: bool = False
+    perturb: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         # the module that declared it is its function's: a plugin cannot take a built-in's name (`Registry`)
@@ -139,6 +145,8 @@ def _check(name: str, spec: PartitionSpec) -> None:
 
     if not callable(spec.split):
         raise TypeError(f"partition {name!r}: split {spec.split!r} is not callable")
+    if spec.perturb is not None and not callable(spec.perturb):
+        raise TypeError(f"partition {name!r}: perturb {spec.perturb!r} is not callable")
     if not isinstance(spec.params, dict):
         raise TypeError(f"partition {name!r}: params is {spec.params!r}, not a dict of key -> Param")
     for key, p in spec.params.items():

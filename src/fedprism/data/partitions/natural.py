@@ -9,6 +9,7 @@ import numpy as np
 
 from fedprism.data.partitions.base import PARTITIONS, PartitionSpec, _assemble, _check_min_train
 from fedprism.errors import PartitionError
+from fedprism.hparams import Param
 
 
 def _group_ids(groups: Any, n: int, name: str) -> np.ndarray:
@@ -51,5 +52,40 @@ def split(y_train: np.ndarray, y_test: np.ndarray, num_clients: int, min_train: 
     return train, test, meta
 
 
-SPEC = PARTITIONS.register(PartitionSpec("natural", split, {}, natural=True,
-                                          title="one client per natural user or device of the data"))
+def column_groups(columns: dict | None, test_columns: dict | None, column: str, dataset: str
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """``partition.column``: each train and test sample's group id from the named column of the data
+    (``Dataset.columns`` / ``test_columns``: a US state, a writer id, a hospital), for ``partition=natural``
+    on data whose loader does not declare its natural clients or on another column than the one it declares.
+
+    The ids number the column's distinct values in sorted order over both splits together (so client i holds
+    the i-th smallest value that has train rows: the order of ``natural``); values may be integers, strings or
+    booleans. A missing column, or one holding floats or missing values, is a PartitionError naming the key,
+    the column and the columns there are."""
+    have = sorted(set(columns or {}) & set(test_columns or {}))
+    if column not in have:
+        from fedprism.registry import suggest
+
+        listed = (f"one of its columns: {', '.join(have)}{suggest(column, have)}" if have else
+                  "a column of the data, and this dataset's loader gives none (hf: datasets give their "
+                  "integer, string and boolean columns)")
+        raise PartitionError(f"partition.column = {column!r} is not valid for dataset '{dataset}': {listed}")
+    tr, te = np.asarray(columns[column]), np.asarray(test_columns[column])
+    for part in (tr, te):
+        kind = part.dtype.kind
+        if kind == "f" or (kind == "O" and any(v is None for v in part)):
+            raise PartitionError(f"partition.column = {column!r} is not valid for dataset '{dataset}': a column of "
+                                 f"integers, strings or booleans with no missing values (one client per value); "
+                                 f"it holds {'floats' if kind == 'f' else 'missing values'}")
+    both = np.concatenate([tr.astype(str) if tr.dtype.kind in "OUS" else tr,
+                           te.astype(str) if te.dtype.kind in "OUS" else te])
+    _, ids = np.unique(both, return_inverse=True)
+    ids = ids.astype(np.int64).reshape(-1)
+    return ids[:len(tr)], ids[len(tr):]
+
+
+SPEC = PARTITIONS.register(PartitionSpec("natural", split, {
+    "column": Param("", "the data column whose values are the clients (a state, a writer id; `column_groups`); "
+                    "'' = the natural clients the dataset declares", lambda v: "\0" not in v,
+                    "a column name, or '' (the dataset's own natural clients)", new=True),
+}, natural=True, title="one client per natural user or device of the data, or per value of partition.column"))
