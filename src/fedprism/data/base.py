@@ -62,9 +62,6 @@ class Dataset:
     #: test sample: what ``partition=natural partition.column=NAME`` makes its clients from (None: none)
     columns: dict[str, np.ndarray] | None = None
     test_columns: dict[str, np.ndarray] | None = None
-    #: token data (text): the number of token ids; ``x_train`` / ``x_test`` are then int64 ``[n, seq_len]``
-    #: ids in 0..vocab_size-1, not normalised (``mean`` / ``std`` empty). 0: not tokens (float inputs)
-    vocab_size: int = 0
 
     def __post_init__(self) -> None:
         if len(self.x_train) != len(self.y_train) or len(self.x_test) != len(self.y_test):
@@ -73,12 +70,12 @@ class Dataset:
             raise ValueError("groups must give one device id per training sample")
         if self.test_groups is not None and len(self.test_groups) != len(self.y_test):
             raise ValueError("test_groups must give one device id per test sample")
-
-    @property
         for cols, y, what in ((self.columns, self.y_train, "columns"), (self.test_columns, self.y_test, "test_columns")):
             for k, v in (cols or {}).items():
                 if len(v) != len(y):
                     raise ValueError(f"{what}[{k!r}] must give one value per sample of its split")
+
+    @property
     def num_classes(self) -> int:
         return len(self.classes)
 

@@ -200,6 +200,11 @@ KERNEL_KEYS = ("train.kernels", "eval.kernels")
 #: runs had by default (every run before the kernels was `aten`, and hashes as it did)
 LEGACY_DEFAULTS = {"train.kernels": "aten", "eval.kernels": "aten"}
 
+#: partition keys added after runs were stored (a partition's `Param.new`), left out of the run id while they
+#: hold these values: the partition's declaration is not imported to hash a configuration (a stored-result
+#: lookup imports no partition module)
+NEW_PARTITION_KEYS = {"partition.column": ""}
+
 #: keys that change how a run executes but not its numbers (excluded from the run id)
 EXECUTION_KEYS = frozenset({"name", "device", "engine", "compile", "fuse_jobs", "cuda_graphs", "data.root",
                             "data.download", "keep_final", "threads", "scalars", "checkpoint.key",
@@ -250,11 +255,6 @@ def read_toml(path: str | Path, what: str) -> dict[str, Any]:
         raise ConfigError(what, str(p), f"a readable TOML file ({e.strerror or e})", kind="") from None
     except UnicodeDecodeError as e:
         raise ConfigError(what, str(p), f"UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {bom + e.start} "
-#: partition keys added after runs were stored (a partition's `Param.new`), left out of the run id while they
-#: hold these values: the partition's declaration is not imported to hash a configuration (a stored-result
-#: lookup imports no partition module)
-NEW_PARTITION_KEYS = {"partition.column": ""}
-
                           "is not UTF-8)", kind="") from None
     try:
         return tomllib.loads(text)

@@ -53,6 +53,11 @@ def _federation(dataset: str, root: str, download: bool, pad32: bool, partition:
     from fedprism.data.partitions import PARTITIONS
 
     by_groups = PARTITIONS.get(partition, "partition").natural      # the partition declares it
+    column = dict(part_items).get("column", "")
+    if by_groups and column:            # partition=natural on a named column of the data (`partition.column`)
+        from fedprism.data.partitions.natural import column_groups
+
+        g_tr, g_te = column_groups(getattr(ds, "columns", None), getattr(ds, "test_columns", None), column, dataset)
     if by_groups and (g_tr is None or g_te is None):
         raise ConfigError("partition", partition, f"a partition this dataset supports: '{partition}' gives each "
                           "client the samples of one user or device and needs a dataset that records them "
@@ -67,11 +72,6 @@ def _federation(dataset: str, root: str, download: bool, pad32: bool, partition:
         keep = torch.as_tensor(np.sort(rng.permutation(len(y_tr))[:train_subset]))
         x_tr, y_tr = x_tr[keep], y_tr[keep]
         g_tr = None if g_tr is None else np.asarray(g_tr)[keep.numpy()]
-    column = dict(part_items).get("column", "")
-    if by_groups and column:            # partition=natural on a named column of the data (`partition.column`)
-        from fedprism.data.partitions.natural import column_groups
-
-        g_tr, g_te = column_groups(getattr(ds, "columns", None), getattr(ds, "test_columns", None), column, dataset)
     if 0 < test_subset < len(y_te):
         keep = torch.as_tensor(np.sort(rng.permutation(len(y_te))[:test_subset]))
         x_te, y_te = x_te[keep], y_te[keep]
@@ -86,6 +86,8 @@ def _federation(dataset: str, root: str, download: bool, pad32: bool, partition:
         x_tr, y_tr = x_tr[rest], y_tr[rest]
         g_tr = None if g_tr is None else np.asarray(g_tr)[rest.numpy()]
     params = dict(part_items)
+    if params.get("column") == "":      # `natural`'s column at its default: recorded as before the key existed
+        del params["column"]
     natural = {"groups": g_tr, "test_groups": g_te} if by_groups else {}
     if partition == "domain_mix" and spec.natural == "domain" and g_tr is not None and g_te is not None:
         from fedprism.data.domains import real_domain_mix      # real domains: no transform (data/domains.py)
@@ -100,12 +102,19 @@ def _federation(dataset: str, root: str, download: bool, pad32: bool, partition:
         x_tr = torch.cat([torch.as_tensor(apply_domain(x_tr.numpy(), d, seed=seed)) for d in doms])
         x_te = torch.cat([torch.as_tensor(apply_domain(x_te.numpy(), d, seed=seed + 1)) for d in doms])
         y_tr, y_te = y_tr.repeat(len(doms)), y_te.repeat(len(doms))
-    if params.get("column") == "":      # `natural`'s column at its default: recorded as before the key existed
-        del params["column"]
         slot = {d: k for k, d in enumerate(doms)}
         train_idx = [i + slot[int(d)] * n_tr for i, d in zip(train_idx, part.domains)]
         test_idx = [i + slot[int(d)] * n_te for i, d in zip(test_idx, part.domains)]
     train_idx = [np.asarray(i, dtype=np.int64) for i in train_idx]
+    perturb = PARTITIONS.get(partition, "partition").perturb
+    local_from_train = False
+    if perturb is not None:             # a partition that skews the inputs too (feature_noise)
+        if not x_tr.is_floating_point():
+            raise ConfigError("partition", partition, f"a partition that leaves the inputs as they are: "
+                              f"'{partition}' perturbs numeric inputs, and dataset '{dataset}' gives "
+                              f"{str(x_tr.dtype).replace('torch.', '')} inputs (token ids)")
+        x_tr, y_tr, test_idx, local_from_train = _perturbed(perturb, x_tr, y_tr, x_te, y_te, train_idx, test_idx,
+                                                            seed, part.meta.get("params", {}), local_test)
     meta = {"partition": partition, **params, **dict(part.meta)}
     if local_test == "split":       # each client's own 80/20 (`local_test_fraction`) split; before validation
         from fedprism.data.partition import local_holdout
@@ -123,15 +132,6 @@ def _federation(dataset: str, root: str, download: bool, pad32: bool, partition:
             train_idx[c] = np.sort(idx[perm[k:]])
     return Federation(x_tr.float().contiguous(), y_tr.long(), x_te.float().contiguous(), y_te.long(),
                       train_idx, [np.asarray(i, dtype=np.int64) for i in test_idx],
-    perturb = PARTITIONS.get(partition, "partition").perturb
-    local_from_train = False
-    if perturb is not None:             # a partition that skews the inputs too (feature_noise)
-        if not x_tr.is_floating_point():
-            raise ConfigError("partition", partition, f"a partition that leaves the inputs as they are: "
-                              f"'{partition}' perturbs numeric inputs, and dataset '{dataset}' gives "
-                              f"{str(x_tr.dtype).replace('torch.', '')} inputs (token ids)")
-        x_tr, y_tr, test_idx, local_from_train = _perturbed(perturb, x_tr, y_tr, x_te, y_te, train_idx, test_idx,
-                                                            seed, part.meta.get("params", {}), local_test)
                       num_classes=len(ds.classes), class_names=list(ds.classes), name=dataset,
                       meta=meta, val_idx=val_idx, x_val=x_val, y_val=y_val,
                       local_pool="train" if local_test == "split" or local_from_train else "test")
