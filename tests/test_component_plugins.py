@@ -206,7 +206,7 @@ def test_built_in_models_are_their_modules_and_keep_their_weights():
     for name in MODELS.names():
         spec = MODELS[name]
         assert spec.__module__ == f"fedprism.models.{name}" and MODELS.is_builtin(name)
-        model = build_model(name, spec.shape, 10, seed=0)
+        model = build_model(name, spec.shape, 10, seed=0, vocab_size=spec.vocab if spec.tokens else 0)
         assert isinstance(model.body, torch.nn.Module) and isinstance(model.head, torch.nn.Module)
         assert spec.why_not(spec.shape) is None
     torch.manual_seed(7)

@@ -482,7 +482,7 @@ def _describe_model(name: str, spec) -> tuple[str, list[list]]:
                         ["data.pad32=auto", "pads 28x28 images to 32x32" if spec.pad32 else "leaves images as they are"]]
     shape = "x".join(map(str, spec.shape))
     try:
-        model = build_model(name, spec.shape, _LIST_CLASSES)
+        model = build_model(name, spec.shape, _LIST_CLASSES, vocab_size=spec.vocab if spec.tokens else 0)
     except Exception as e:  # noqa: BLE001 - a plugin builder that fails here is shown, not fatal to the listing
         rows.append(["parameters", f"not built on [{shape}]: {type(e).__name__}: {e}"])
         return f"{name}  ({spec.title or _kind(MODELS, name, spec)})", rows

@@ -24,7 +24,7 @@ import torch
 
 @dataclass
 class Federation:
-    x_train: torch.Tensor              # [N_train, ...] float32, normalised
+    x_train: torch.Tensor              # [N_train, ...] float32, normalised; int64 [N_train, seq_len] tokens
     y_train: torch.Tensor              # [N_train] int64
     x_test: torch.Tensor               # [N_test, ...] the global (IID) test set
     y_test: torch.Tensor
@@ -42,6 +42,9 @@ class Federation:
     #: the pool `test_idx` indexes: "test" (x_test, the default) or "train" (x_train: each client's own
     #: held-out rows, `data.local_test = "split"`)
     local_pool: str = "test"
+    #: token data: the number of token ids (inputs are int64 ids, `fedprism.data.base.Dataset.vocab_size`);
+    #: 0 for float inputs
+    vocab_size: int = 0
 
     def __post_init__(self) -> None:
         if len(self.train_idx) != len(self.test_idx):

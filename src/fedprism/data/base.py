@@ -31,8 +31,8 @@ from fedprism.registry import Registry
 if TYPE_CHECKING:      # torch is imported where tensors are made or read: listing datasets needs none
     import torch
 
-__all__ = ["DATASETS", "Dataset", "DatasetSpec", "FileSet", "KnownCopy", "check_loaded", "int_option",
-           "float_option", "natural_datasets"]
+__all__ = ["DATASETS", "Dataset", "DatasetSpec", "FileSet", "KnownCopy", "check_loaded", "check_tokens",
+           "int_option", "float_option", "natural_datasets"]
 
 
 @dataclass
@@ -62,10 +62,15 @@ class Dataset:
     #: test sample: what ``partition=natural partition.column=NAME`` makes its clients from (None: none)
     columns: dict[str, np.ndarray] | None = None
     test_columns: dict[str, np.ndarray] | None = None
+    #: token data (text): the number of token ids; ``x_train`` / ``x_test`` are then int64 ``[n, seq_len]``
+    #: ids in 0..vocab_size-1, not normalised (``mean`` / ``std`` empty). 0: not tokens (float inputs)
+    vocab_size: int = 0
 
     def __post_init__(self) -> None:
         if len(self.x_train) != len(self.y_train) or len(self.x_test) != len(self.y_test):
             raise ValueError("x and y of a split must have the same number of samples")
+        if self.vocab_size and (self.mean or self.std):
+            raise ValueError("token data (vocab_size > 0) is not normalised: mean and std must be empty")
         if self.groups is not None and len(self.groups) != len(self.y_train):
             raise ValueError("groups must give one device id per training sample")
         if self.test_groups is not None and len(self.test_groups) != len(self.y_test):
@@ -156,6 +161,9 @@ class DatasetSpec:
     options:      keyword options the loader takes besides pad32 and root (``seed``, ``test_fraction``).
     config_keys:  (config key, loader option) pairs: the run's value of the key is passed as the option.
     files:        the :class:`FileSet` for a dataset read from files; None for generated or bundled data.
+    vocab_size:   token data (text): the number of token ids; its inputs are int64 ``[n, seq_len]`` ids
+                  (``input_shape`` ``(seq_len,)``, no mean or std) and only token models
+                  (``ModelSpec.tokens``) take it. 0: not tokens.
     module:       the module that declared the spec (found from the caller when left empty).
     """
 
@@ -173,6 +181,7 @@ class DatasetSpec:
     options: tuple[str, ...] = ()
     config_keys: tuple[tuple[str, str], ...] = ()
     files: FileSet | None = None
+    vocab_size: int = 0
     module: str = field(default="", compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -231,6 +240,13 @@ def _check_spec(name: str, spec: DatasetSpec) -> None:
         raise ValueError(f"dataset {name!r}: {len(spec.mean)} means for {shape[0]} channels")
     if spec.pad32_auto and not spec.images:
         raise ValueError(f"dataset {name!r}: pad32_auto is for images (input_shape (C, H, W))")
+    v = spec.vocab_size
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(f"dataset {name!r}: vocab_size = {v!r} is not valid: 0 (not tokens) or the number of "
+                         "token ids")
+    if v and (spec.mean or (shape is not None and len(shape) != 1)):
+        raise ValueError(f"dataset {name!r}: token data (vocab_size = {v}) has input_shape (seq_len,) and no "
+                         f"mean or std; got input_shape {shape} and {len(spec.mean)} means")
     if not isinstance(spec.natural, str):
         raise TypeError(f"dataset {name!r}: natural = {spec.natural!r} is not valid: a word such as 'user', "
                         "or '' when the samples carry no natural client")
@@ -299,6 +315,8 @@ def check_loaded(spec: DatasetSpec, ds: object) -> Dataset:
             raise bad(f"gives a non-empty {split} split of tensors, one label per input")
         if x.dtype == torch.bool or (x.is_floating_point() and not bool(torch.isfinite(x).all())):
             raise bad(f"gives finite numeric {split} inputs")
+        if ds.vocab_size or spec.vocab_size:
+            check_tokens(name, split, x, ds.vocab_size, spec.vocab_size, bad)
         whole = not y.is_floating_point() or bool((y == y.round()).all())      # Federation casts with .long()
         if y.dtype == torch.bool or not whole or int(y.min()) < 0 or int(y.max()) >= k:
             raise bad(f"gives whole-number {split} labels in 0..{k - 1} (one per class name); "
@@ -317,6 +335,23 @@ def check_loaded(spec: DatasetSpec, ds: object) -> Dataset:
         raise bad(f"gives each sample's {spec.natural} in groups and test_groups, as its spec declares "
                   f"(natural = {spec.natural!r})")
     return ds
+
+
+def check_tokens(name: str, split: str, x: torch.Tensor, vocab_size: int, declared: int,
+                 bad: Callable[[str], Exception]) -> None:
+    """Token inputs as the contract says (``Dataset.vocab_size``): int64 ``[n, seq_len]`` ids in
+    0..vocab_size-1, the vocabulary the spec declares (when it declares one)."""
+    import torch
+
+    if declared and vocab_size != declared:
+        raise bad(f"gives token data of the vocab_size {declared} its spec declares; its Dataset says "
+                  f"vocab_size = {vocab_size}")
+    if x.dtype != torch.int64 or x.dim() != 2:
+        raise bad(f"gives token {split} inputs as int64 [samples, seq_len] ids (vocab_size = {vocab_size}); "
+                  f"they are {str(x.dtype).replace('torch.', '')} {list(x.shape)}")
+    if x.numel() and (int(x.min()) < 0 or int(x.max()) >= vocab_size):
+        raise bad(f"gives token {split} ids in 0..{vocab_size - 1} (vocab_size = {vocab_size}); found "
+                  f"{int(x.min())}..{int(x.max())}")
 
 
 # ------------------------------------------------------------------------------ loader options

@@ -27,7 +27,8 @@ CACHE_VERSION = 1
 
 @dataclass
 class Raw:
-    """Decoded arrays as stored in the cache: uint8 images [N, C, H, W] and int64 labels."""
+    """Decoded arrays as stored in the cache: uint8 images [N, C, H, W] (or int64 token ids [N, seq_len],
+    `fedprism.data.files.load_tokens`) and int64 labels."""
 
     x_train: np.ndarray
     y_train: np.ndarray

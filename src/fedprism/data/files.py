@@ -3,7 +3,8 @@
 A dataset's :class:`fedprism.data.base.FileSet` says which files make a complete copy; this module
 looks for one in :func:`search_paths` (never the network unless ``download=True``), checks every file
 against its known digest (:mod:`fedprism.data.integrity`) and, for images, goes through the decoded-array
-cache (:mod:`fedprism.data.cache`) and normalises (:func:`images`). A folder named by ``data.root`` that
+cache (:mod:`fedprism.data.cache`) and normalises (:func:`images`); token data (text) goes through the same
+cache as int64 ids, unnormalised (:func:`load_tokens`). A folder named by ``data.root`` that
 lacks the files is an error, never silently passed over; when no folder holds them, the error lists
 every folder looked at, why each did not match, and how to get the files.
 """
@@ -29,7 +30,7 @@ if TYPE_CHECKING:      # torch is imported where tensors are made: finding files
     import torch
 
 __all__ = ["search_paths", "locate", "read_files", "load_images", "images", "to_tensor", "check_raw",
-           "ignore_root"]
+           "load_tokens", "check_token_raw", "ignore_root"]
 
 
 def search_paths(spec: DatasetSpec, root: str | Path | None = None) -> list[Path]:
@@ -184,6 +185,56 @@ def images(spec: DatasetSpec, xtr: np.ndarray, ytr: np.ndarray, xte: np.ndarray,
                    x_test=to_tensor(xte, scale, mean, std, pad32),
                    y_test=torch.from_numpy(np.asarray(yte, dtype=np.int64).copy()),
                    classes=list(classes), mean=mean, std=std, source=source)
+
+
+def check_token_raw(spec: DatasetSpec, raw: Raw, where: object) -> None:
+    """Decoded token arrays are the spec's: int64 ``[n, seq_len]`` ids in 0..vocab_size-1 (the spec's
+    ``input_shape`` ``(seq_len,)`` when declared), labels in 0..classes-1, its class count."""
+    k, shape, vocab = spec.num_classes, spec.input_shape, spec.vocab_size
+    for split in ("train", "test"):
+        x, y = getattr(raw, f"x_{split}"), getattr(raw, f"y_{split}")
+        if x.dtype != np.int64 or x.ndim != 2 or y.ndim != 1 or len(x) != len(y):
+            raise DataError(f"{where}: {split} split has token ids {x.dtype} {x.shape} and labels {y.shape}; "
+                            "expected int64 [samples, seq_len] and one label per sample")
+        if not len(y):
+            raise DataError(f"{where}: the {split} split holds no samples")
+        if shape is not None and x.shape[1:] != shape:
+            raise DataError(f"{where}: {split} sequences have {x.shape[1]} tokens; {spec.name} sequences have "
+                            f"{shape[0]}")
+        if x.min() < 0 or x.max() >= vocab:
+            raise DataError(f"{where}: {split} token ids must lie in 0..{vocab - 1} (vocab_size {vocab}), found "
+                            f"{x.min()}..{x.max()}")
+        if k is not None and (y.min() < 0 or y.max() >= k):
+            raise DataError(f"{where}: {split} labels must lie in 0..{k - 1}, found {y.min()}..{y.max()}")
+    if k is not None and len(raw.classes) != k:
+        raise DataError(f"{where}: {len(raw.classes)} class names, expected {k}")
+
+
+def load_tokens(spec: DatasetSpec, decode: Callable[[dict[str, Path], Path], Raw], root: str | Path | None,
+                download: bool, cache_dir: str | Path | None | bool) -> Dataset:
+    """A token dataset read from files (``spec.vocab_size`` > 0): located, verified, decoded by
+    ``decode(files, scratch)`` into int64 ids (or read from the decoded cache, which keeps the int64 arrays
+    as they are), checked against the spec (:func:`check_token_raw`) and returned unnormalised."""
+    import torch
+
+    if not spec.vocab_size:
+        raise ValueError(f"dataset {spec.name!r}: load_tokens is for token data (a spec with vocab_size > 0)")
+    files, where, integrity, cache = read_files(spec, root, download, cache_dir)
+    scratch = cache if cache is not None else Path(tempfile.gettempdir())
+    cfile = cache_file(spec.name, files, cache) if cache is not None else None
+    raw = read_cache(cfile, lambda r, p: check_token_raw(spec, r, p)) if cfile is not None else None
+    if raw is None:
+        raw = decode(files, scratch)
+        check_token_raw(spec, raw, where)
+        if cfile is not None:
+            write_cache(cfile, raw)
+
+    def t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.asarray(a, dtype=np.int64).copy())
+
+    return Dataset(name=spec.name, x_train=t(raw.x_train), y_train=t(raw.y_train), x_test=t(raw.x_test),
+                   y_test=t(raw.y_test), classes=list(raw.classes), source=str(where), integrity=integrity,
+                   vocab_size=spec.vocab_size)
 
 
 def ignore_root(name: str, root: str | Path | None) -> None:

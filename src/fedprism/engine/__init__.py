@@ -29,7 +29,8 @@ def make_engine(name: str, fed, model, cfg: LocalConfig, seed: int, device: str 
                 cuda_graphs: str | bool = "auto") -> EngineBase:
     """Build an engine. `auto`: vectorized on GPU, and on CPU when its kernels are compiled (long
     runs) and the model has fewer than `AUTO_SEQUENTIAL_PARAMS_CPU` parameters; otherwise the sequential
-    loop, which is faster than an eager vmap, and than a compiled one for large models, on CPU. The
+    loop, which is faster than an eager vmap, and than a compiled one for large models, on CPU; and the
+    loop for a model vmap cannot batch (recurrent layers, `vectorized.unvmappable`), on any device. The
     engine changes how a run executes, not its run id. `fuse_jobs` (auto: on CUDA only) and `cuda_graphs`
     (auto: on for compiled CUDA runs) are the vectorized engine's options of those names."""
     dev = resolve_device(device)
@@ -40,11 +41,13 @@ def make_engine(name: str, fed, model, cfg: LocalConfig, seed: int, device: str 
         raise ConfigError("cuda_graphs", cuda_graphs, "auto or false on a CPU device (true needs CUDA)")
     if name in ("auto", "vectorized"):
         try:
-            from fedprism.engine.vectorized import VectorizedEngine
+            from fedprism.engine.vectorized import VectorizedEngine, unvmappable
         except ImportError:
             if name == "vectorized":
                 raise
         else:
+            if name == "auto" and unvmappable(model):       # recurrent layers: the loop runs them
+                return SequentialEngine(fed, model, cfg, seed, dev)
             def flag(v):
                 return None if v in ("auto", None) else v in (True, "true")
 

@@ -429,7 +429,7 @@ class EngineBase:
         that already has the dtype is the tensor itself: float32 is unchanged). Every evaluation
         forward pass of both engines goes through here."""
         dt = self.eval_dtype
-        return forward(params.to(dt), x.to(dt)).float()
+        return forward(params.to(dt), x.to(dt) if x.is_floating_point() else x).float()   # token ids stay int64
 
     def _forward_eval(self, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Logits of one model for evaluation."""

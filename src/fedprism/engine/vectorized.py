@@ -136,6 +136,17 @@ class _Blocks:
         return k, j + o, rows[o:o + c], sizes[o:o + c]
 
 
+def unvmappable(model: nn.Module) -> str | None:
+    """Why `model` cannot run under `torch.func.vmap` (its recurrent layers: PyTorch has no batching rule
+    for the fused `aten::lstm` / `gru` / `rnn` kernels), or None when it can. `engine=auto` then chooses the
+    sequential engine; `engine=vectorized` is refused."""
+    rnn = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.RNNBase)})
+    if rnn:
+        return (f"the model holds {', '.join(rnn)} layers, which torch.func.vmap cannot batch (no batching "
+                "rule for PyTorch's fused recurrent kernels)")
+    return None
+
+
 def _has_batchnorm(model: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
@@ -147,11 +158,13 @@ def _batch_stats_eval(model: nn.Module) -> bool:
                for m in model.modules())
 
 
-def profile_model(model: nn.Module, input_shape: tuple[int, ...], device: torch.device) -> tuple[int, float]:
+def profile_model(model: nn.Module, input_shape: tuple[int, ...], device: torch.device,
+                  dtype: torch.dtype = torch.float32) -> tuple[int, float]:
     """(largest per-sample output of any leaf module in floats, forward FLOPs per sample).
 
     The first is the unit of the evaluation memory budget; the second feeds compile="auto".
-    FLOPs count convolutions and linear layers (2 per multiply-add); other layers are ignored."""
+    FLOPs count convolutions and linear layers (2 per multiply-add); other layers are ignored. `dtype`: the
+    inputs' (int64 for token ids)."""
     sizes: list[int] = []
     flops = [0.0]
 
@@ -167,7 +180,7 @@ def profile_model(model: nn.Module, input_shape: tuple[int, ...], device: torch.
     hooks = [m.register_forward_hook(hook) for m in model.modules() if not list(m.children())]
     try:
         with torch.no_grad():
-            model(torch.zeros((1, *input_shape), device=device))
+            model(torch.zeros((1, *input_shape), device=device, dtype=dtype))
     finally:
         for h in hooks:
             h.remove()
@@ -244,11 +257,15 @@ class VectorizedEngine(EngineBase):
                  max_slots: int | None = None, eval_models: int | None = None, eval_samples: int | None = None,
                  eval_memory: int | None = None, fuse_jobs: bool | None = None,
                  cuda_graphs: bool | None = None):
+        why = unvmappable(model)
+        if why:
+            from fedprism.errors import ConfigError
+            raise ConfigError("engine", "vectorized", f"auto or sequential for this model: {why}")
         super().__init__(fed, model, cfg, seed, device)
         mode = parse_compile(compile)
         cuda = self.device.type == "cuda"
         self.fuses_jobs = cuda if fuse_jobs is None else bool(fuse_jobs)
-        act, self.fwd_flops = profile_model(self.model, fed.input_shape, self.device)
+        act, self.fwd_flops = profile_model(self.model, fed.input_shape, self.device, fed.x_train.dtype)
         self.estimated_flops = estimate_run_flops(self.fwd_flops, self.fed, cfg.epochs, max(1, int(rounds)))
         if mode == "auto":
             have_cc = cuda or shutil.which(os.environ.get("CXX", "g++")) is not None or shutil.which("c++")
@@ -705,5 +722,5 @@ class VectorizedEngine(EngineBase):
         return torch.cat([run(params[g:g + M], x[g:g + M]) for g in range(0, len(params), M)])
 
 
-__all__ = ["VectorizedEngine", "lpt_slots", "ideal_slots", "lpt_makespan", "parse_compile", "profile_model",
+__all__ = ["VectorizedEngine", "unvmappable", "lpt_slots", "ideal_slots", "lpt_makespan", "parse_compile", "profile_model",
            "estimate_run_flops", "AUTO_COMPILE_FLOPS", "AUTO_COMPILE_FLOPS_CUDA"]

@@ -26,7 +26,7 @@ from fedprism.engine import make_engine
 from fedprism.engine.base import LocalConfig
 from fedprism.errors import ConfigError
 from fedprism.experiment.config import Config
-from fedprism.experiment.federation import resolve_model_name
+from fedprism.experiment.federation import dataset_vocab, resolve_model_name
 from fedprism.experiment.limits import check_limits
 from fedprism.federation import Federation
 from fedprism.models import build_model
@@ -45,20 +45,29 @@ def local_config(cfg: Config) -> LocalConfig:
                        train_kernels=cfg.get("train.kernels", "aten"))
 
 
-def make_model(cfg: Config, input_shape: tuple[int, ...], num_classes: int) -> torch.nn.Module:
+def make_model(cfg: Config, input_shape: tuple[int, ...], num_classes: int,
+               vocab_size: int | None = None) -> torch.nn.Module:
     """The config's model, initialised from the run seed (same seed -> same initial vector). A
     registered (plugin) model is checked first: a torch module with finite weights whose output on a
-    batch of the data's input shape is [batch, num_classes]."""
+    batch of the data's input shape is [batch, num_classes]. `vocab_size`: the data's token vocabulary
+    (`Federation.vocab_size`; 0 for float inputs); None reads it from the dataset's spec (a Flower server
+    that holds no data)."""
     from fedprism.models import MODELS
 
-    name = resolve_model_name(cfg["model"], input_shape)
-    model = build_model(name, input_shape, num_classes, seed=cfg["seed"])
+    vocab = dataset_vocab(cfg["dataset"]) if vocab_size is None else int(vocab_size)
+    name = resolve_model_name(cfg["model"], input_shape, vocab)
+    model = build_model(name, input_shape, num_classes, seed=cfg["seed"], vocab_size=vocab,
+                        dataset=cfg["dataset"])
     if not MODELS.is_builtin(name):
-        _check_plugin_model(name, model, tuple(input_shape), num_classes)
+        _check_plugin_model(name, model, tuple(input_shape), num_classes, vocab)
     return model
 
 
-def _check_plugin_model(name: str, model: object, input_shape: tuple[int, ...], num_classes: int) -> None:
+def _check_plugin_model(name: str, model: object, input_shape: tuple[int, ...], num_classes: int,
+                        vocab_size: int = 0) -> None:
+    # a batch of the data's kind: float zeros, or token id 0 of token data
+    dtype = torch.int64 if vocab_size else torch.float32
+
     def bad(what: str) -> ConfigError:
         return ConfigError("model", name, f"a registered model {what}")
 
@@ -73,7 +82,7 @@ def _check_plugin_model(name: str, model: object, input_shape: tuple[int, ...], 
     model.eval()                                   # no dropout draw, no BatchNorm statistics update
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):      # a forward that draws: not the run's
-            out = model(torch.zeros((2, *input_shape)))
+            out = model(torch.zeros((2, *input_shape), dtype=dtype))
     except Exception as e:  # noqa: BLE001 - the plugin's own error, chained
         raise bad(f"takes inputs of the data's shape {list(input_shape)}: {type(e).__name__}: {e}") from e
     finally:
@@ -87,7 +96,7 @@ def _check_plugin_model(name: str, model: object, input_shape: tuple[int, ...], 
         return
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            out = twin(torch.zeros((2, *input_shape)))
+            out = twin(torch.zeros((2, *input_shape), dtype=dtype))
     except Exception as e:  # noqa: BLE001 - the plugin's own error, chained
         raise bad(f"takes inputs of the data's shape {list(input_shape)} in training mode: "
                   f"{type(e).__name__}: {e}") from e

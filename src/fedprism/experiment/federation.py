@@ -11,13 +11,24 @@ from fedprism.experiment.config import Config
 from fedprism.federation import Federation
 
 
-def resolve_model_name(model: str, input_shape: tuple[int, ...]) -> str:
-    """`auto`: LeNet-5 for images of at least 28 pixels, an MLP for everything else."""
-    from fedprism.models import AUTO_IMAGES, AUTO_OTHER
+def resolve_model_name(model: str, input_shape: tuple[int, ...], vocab_size: int = 0) -> str:
+    """`auto`: a text CNN for token data (`vocab_size` > 0), LeNet-5 for images of at least 28 pixels, an
+    MLP for everything else."""
+    from fedprism.models import AUTO_IMAGES, AUTO_OTHER, AUTO_TOKENS
 
     if model != "auto":
         return model
+    if vocab_size:
+        return AUTO_TOKENS
     return AUTO_IMAGES if len(input_shape) == 3 and input_shape[-1] >= 28 else AUTO_OTHER
+
+
+def dataset_vocab(dataset: str) -> int:
+    """The vocabulary size a dataset's spec declares (0: not token data, or not declared)."""
+    from fedprism.data.base import DATASETS
+
+    spec = DATASETS.find(dataset)
+    return int(getattr(spec, "vocab_size", 0) or 0) if spec is not None else 0
 
 
 def _pad32(cfg: Config, dataset: str) -> bool:
@@ -49,6 +60,7 @@ def _federation(dataset: str, root: str, download: bool, pad32: bool, partition:
     options = spec.loader_kwargs({"data.synthetic_devices": synthetic_devices})   # the keys federation_key holds
     ds = load_dataset(dataset, root=root or None, download=download, pad32=pad32, **options)
     x_tr, y_tr, x_te, y_te = ds.x_train, ds.y_train, ds.x_test, ds.y_test
+    vocab = int(getattr(ds, "vocab_size", 0) or 0)       # token data keeps its int64 ids
     g_tr, g_te = getattr(ds, "groups", None), getattr(ds, "test_groups", None)   # natural clients, if any
     from fedprism.data.partitions import PARTITIONS
 
@@ -82,7 +94,7 @@ def _federation(dataset: str, root: str, download: bool, pad32: bool, partition:
             raise ConfigError("data.global_val", global_val, f"an integer < the {len(y_tr)} training samples")
         perm = np.random.default_rng([seed, 0x6A1]).permutation(len(y_tr))
         gv, rest = torch.as_tensor(np.sort(perm[:global_val])), torch.as_tensor(np.sort(perm[global_val:]))
-        x_val, y_val = x_tr[gv].float().contiguous(), y_tr[gv].long()
+        x_val, y_val = _inputs(x_tr[gv], vocab), y_tr[gv].long()
         x_tr, y_tr = x_tr[rest], y_tr[rest]
         g_tr = None if g_tr is None else np.asarray(g_tr)[rest.numpy()]
     params = dict(part_items)
@@ -97,6 +109,9 @@ def _federation(dataset: str, root: str, download: bool, pad32: bool, partition:
     train_idx, test_idx = list(part.train), list(part.test)
     if part.domains is not None:
         from fedprism.data.domains import apply_domain
+        if vocab:
+            raise ConfigError("partition", partition, f"a partition without domain transforms: '{partition}' "
+                              f"transforms images, and dataset '{dataset}' is token data")
         doms = sorted(set(int(d) for d in part.domains))
         n_tr, n_te = len(y_tr), len(y_te)
         x_tr = torch.cat([torch.as_tensor(apply_domain(x_tr.numpy(), d, seed=seed)) for d in doms])
@@ -130,11 +145,16 @@ def _federation(dataset: str, root: str, download: bool, pad32: bool, partition:
             perm = np.random.default_rng([seed, 0x7A1, c]).permutation(len(idx))
             val_idx.append(np.sort(idx[perm[:k]]))
             train_idx[c] = np.sort(idx[perm[k:]])
-    return Federation(x_tr.float().contiguous(), y_tr.long(), x_te.float().contiguous(), y_te.long(),
+    return Federation(_inputs(x_tr, vocab), y_tr.long(), _inputs(x_te, vocab), y_te.long(),
                       train_idx, [np.asarray(i, dtype=np.int64) for i in test_idx],
                       num_classes=len(ds.classes), class_names=list(ds.classes), name=dataset,
                       meta=meta, val_idx=val_idx, x_val=x_val, y_val=y_val,
-                      local_pool="train" if local_test == "split" or local_from_train else "test")
+                      local_pool="train" if local_test == "split" or local_from_train else "test", vocab_size=vocab)
+
+
+def _inputs(x: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The engines' inputs: float32, or the int64 ids of token data (`vocab_size` > 0)."""
+    return (x.long() if vocab_size else x.float()).contiguous()
 
 
 def _perturbed(perturb, x_tr, y_tr, x_te, y_te, train_idx, test_idx, seed, params, local_test):
@@ -184,7 +204,7 @@ def build_federation(cfg: Config) -> Federation:
     fed = _federation(*federation_key(cfg))
     return Federation(fed.x_train, fed.y_train, fed.x_test, fed.y_test, fed.train_idx, fed.test_idx,
                       fed.num_classes, fed.class_names, fed.name, dict(fed.meta), fed.val_idx, fed.x_val, fed.y_val,
-                      fed.local_pool)
+                      fed.local_pool, fed.vocab_size)
 
 
 # -- clients that never train (`data.unseen_clients`) -------------------------------------------------

@@ -516,7 +516,7 @@ def _experiment_model(exp: Any) -> dict[str, str] | None:
         return source_fingerprint(type(model))
     from fedprism.experiment.federation import resolve_model_name
 
-    return model_fingerprint(resolve_model_name(cfg["model"], fed.input_shape), model)
+    return model_fingerprint(resolve_model_name(cfg["model"], fed.input_shape, fed.vocab_size), model)
 
 
 def fingerprints(cfg: Any, memo: dict | None = None) -> dict[str, Any]:
@@ -532,10 +532,10 @@ def fingerprints(cfg: Any, memo: dict | None = None) -> dict[str, Any]:
     key = federation_key(cfg)
     if key not in memo:
         fed = build_federation(cfg)
-        memo[key] = (data_fingerprint(fed), fed.input_shape, fed.num_classes)
-    data, input_shape, num_classes = memo[key]
-    name = resolve_model_name(cfg["model"], input_shape)
-    model = build_model(name, input_shape, num_classes)
+        memo[key] = (data_fingerprint(fed), fed.input_shape, fed.num_classes, fed.vocab_size)
+    data, input_shape, num_classes, vocab = memo[key]
+    name = resolve_model_name(cfg["model"], input_shape, vocab)
+    model = build_model(name, input_shape, num_classes, vocab_size=vocab, dataset=cfg["dataset"])
     cls = REGISTRY[cfg["method"]]
     return {"code": {"method": source_fingerprint(cls), "method_bases": bases_fingerprint(cls), **_helpers(cls),
                      "model": model_fingerprint(name, model)},

@@ -316,7 +316,7 @@ class Experiment:
         self.progress = progress
         self.run_id = cfg.run_id
         self.fed = fed if fed is not None else build_federation(cfg)
-        self.model = make_model(cfg, self.fed.input_shape, self.fed.num_classes)
+        self.model = make_model(cfg, self.fed.input_shape, self.fed.num_classes, self.fed.vocab_size)
         check_runnable(cfg, self.fed, sum(p.numel() for p in self.model.parameters()), store.path)
         self.ctx = make_context(cfg, self.model, self.fed.n_train, self.fed.label_hist())
         self.engine = build_engine(cfg, self.fed, self.model, self.ctx)

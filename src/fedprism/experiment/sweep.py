@@ -624,9 +624,9 @@ def check_runs(todo: list[tuple[str, Config]], db: str | Path, keep_data: bool =
                     if fed is None:
                         fed = build_federation(cfg)
                     shape = tuple(fed.input_shape)
-                    key = (resolve_model_name(cfg["model"], shape), shape, fed.num_classes)
+                    key = (resolve_model_name(cfg["model"], shape, fed.vocab_size), shape, fed.num_classes)
                     if key not in sizes:
-                        model = make_model(cfg, shape, fed.num_classes)
+                        model = make_model(cfg, shape, fed.num_classes, fed.vocab_size)
                         sizes[key] = sum(p.numel() for p in model.parameters())
                     check_runnable(cfg, fed, sizes[key], db)
                 except FedPrismError as e:     # the same error, naming the run; its type and fields kept

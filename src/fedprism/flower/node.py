@@ -62,7 +62,7 @@ def client_slice(fed: Federation, client: int) -> Federation:
         val_idx[client] = np.arange(len(tr), len(tr) + len(va), dtype=np.int64)
     return Federation(fed.x_train[rows].clone(), fed.y_train[rows].clone(), fed.x_test, fed.y_test, train_idx,
                       test_idx, fed.num_classes, list(fed.class_names), fed.name, dict(fed.meta), val_idx,
-                      fed.x_val, fed.y_val, fed.local_pool)
+                      fed.x_val, fed.y_val, fed.local_pool, fed.vocab_size)
 
 
 class NodeStore:
@@ -185,7 +185,7 @@ def build_node(experiment: str, client: int, data_root: str = "", device: str = 
     if not 0 <= client < cfg["clients"]:
         raise ValueError(f"client id {client} outside [0, {cfg['clients'] - 1}]")
     fed = _fedmod.build_federation(cfg)
-    model = make_model(cfg, fed.input_shape, fed.num_classes)
+    model = make_model(cfg, fed.input_shape, fed.num_classes, fed.vocab_size)
     check_limits(cfg, fed.n_train, sum(p.numel() for p in model.parameters()))   # before anything large
     ctx = make_context(cfg, model, fed.n_train, fed.label_hist())
     schedule = drift_schedule(cfg, fed)                    # drawn from the whole partition, as in process

@@ -65,7 +65,7 @@ def server_data(s: RunSettings):
     if fed.y_val is not None:
         sizes["global_val"] = len(fed.y_val)
     # the size keys against the data and this machine, before waiting for any node
-    model = make_model(s.cfg, fed.input_shape, fed.num_classes)
+    model = make_model(s.cfg, fed.input_shape, fed.num_classes, fed.vocab_size)
     check_limits(s.cfg, sizes["train"], sum(p.numel() for p in model.parameters()))
     spec = server_spec(s.cfg, fed.input_shape, fed.num_classes, model)
     schedule = drift_schedule(s.cfg, fed)              # the nodes and the in-process runner draw the same
@@ -74,7 +74,8 @@ def server_data(s: RunSettings):
     empty = np.zeros(0, dtype=np.int64)
     shared = Federation(fed.x_train[:0].clone(), fed.y_train[:0].clone(), fed.x_test, fed.y_test, [empty] * N,
                         [empty] * N, fed.num_classes, list(fed.class_names), fed.name, dict(fed.meta),
-                        None if fed.val_idx is None else [empty] * N, fed.x_val, fed.y_val)
+                        None if fed.val_idx is None else [empty] * N, fed.x_val, fed.y_val,
+                        vocab_size=fed.vocab_size)
     del fed
     fedmod.clear_federations()
     return (shared if s.global_eval == "server" else None), biggest, sizes, drift, spec

@@ -22,8 +22,9 @@ _CLASSES = {"LeNet5": "lenet5", "LeNet5BN": "lenet5_bn", "MLP": "mlp", "MLPBN": 
             "MLPFedSub": "mlp_fedsub", "SmallCNN": "cnn", "PsiFmnistCNN": "clustpsi_fmnist_cnn",
             "PsiCifarCNN": "clustpsi_cifar_cnn"}
 
-#: the model `model=auto` chooses for images of at least 28 pixels (`experiment.federation`)
-AUTO_IMAGES, AUTO_OTHER = "lenet5", "mlp"
+#: the model `model=auto` chooses for images of at least 28 pixels, for other float inputs, and for token
+#: data (`experiment.federation.resolve_model_name`)
+AUTO_IMAGES, AUTO_OTHER, AUTO_TOKENS = "lenet5", "mlp", "text_cnn"
 
 
 def __getattr__(name: str) -> Any:
@@ -34,5 +35,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["MODELS", "ModelSpec", "Split", "BatchNorm1d", "RunningBatchNorm1d", "RunningBatchNorm2d", "build_model",
-           "AUTO_IMAGES", "AUTO_OTHER", *_CLASSES]
+__all__ = ["MODELS", "ModelSpec", "Split", "BatchNorm1d", "RunningBatchNorm1d", "RunningBatchNorm2d", "build_model", "AUTO_IMAGES", "AUTO_OTHER",
+           "AUTO_TOKENS", *_CLASSES]

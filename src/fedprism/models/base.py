@@ -29,7 +29,8 @@ from fedprism.errors import ConfigError
 from fedprism.registry import Registry
 
 __all__ = ["MODELS", "ModelSpec", "Split", "BatchNorm1d", "BATCH_STATS", "RunningBatchNorm1d",
-           "RunningBatchNorm2d", "build_model", "features"]
+           "RunningBatchNorm2d", "build_model", "features",
+           "token_mismatch"]
 
 
 class Split(nn.Module):
@@ -152,6 +153,10 @@ class ModelSpec:
     conv:     False when the model holds no conv -> ReLU -> 2x2 max-pooling block (an MLP): the fused CPU
               kernels have nothing to run, so `train.kernels` / `eval.kernels` = auto resolve to `aten` and
               the run keeps the id it had before the kernels existed
+    tokens:   True for a model of token inputs (text): int64 [batch, seq_len] ids of a dataset with
+              `vocab_size` > 0; `build_model` passes `vocab_size=` to its build, and refuses it data that
+              is not tokens (as it refuses a model with tokens=False token data)
+    vocab:    a token model's vocabulary size for listings (`shape` is then `(seq_len,)`)
     """
 
     name: str
@@ -164,6 +169,8 @@ class ModelSpec:
     head: str = ""
     shape: tuple[int, ...] = (1, 28, 28)
     conv: bool = True
+    tokens: bool = False
+    vocab: int = 0
 
     def __post_init__(self) -> None:
         # the module that declared it is its builder's: a plugin cannot take a built-in's name (`Registry`)
@@ -188,10 +195,13 @@ def _check(name: str, spec: ModelSpec) -> None:
     if not callable(spec.build):
         raise TypeError(f"model {name!r}: build {spec.build!r} is not callable")
     try:
-        inspect.signature(spec.build).bind((1, 28, 28), 10)
+        if spec.tokens:
+            inspect.signature(spec.build).bind((80,), 10, vocab_size=80)
+        else:
+            inspect.signature(spec.build).bind((1, 28, 28), 10)
     except TypeError as e:
-        raise TypeError(f"model {name!r}: {spec.build!r} cannot be called as build(input_shape, num_classes) "
-                        f"({e})") from None
+        call = "build(input_shape, num_classes" + (", vocab_size=...)" if spec.tokens else ")")
+        raise TypeError(f"model {name!r}: {spec.build!r} cannot be called as {call} ({e})") from None
     except ValueError:                  # no signature to read (some builtins): checked when it is called
         pass
 
@@ -201,16 +211,33 @@ MODELS: Registry[ModelSpec] = Registry("model", "fedprism.models", skip=("base",
                                        check=_check, make=_make)
 
 
-def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, seed: int = 0) -> nn.Module:
+def token_mismatch(spec: ModelSpec, vocab_size: int, dataset: str = "") -> str | None:
+    """Why model `spec` cannot take data of this `vocab_size` (0: not tokens), naming both; None if it can."""
+    data = f"dataset '{dataset}'" if dataset else "the data"
+    if spec.tokens and not vocab_size:
+        return (f"a model for this data: {spec.name} is a token model (int64 token ids, e.g. text) and {data} "
+                "is not token data (vocab_size = 0)")
+    if not spec.tokens and vocab_size:
+        return (f"a model for this data: {data} is token data (int64 ids, vocab_size = {vocab_size}) and "
+                f"{spec.name} is not a token model (ModelSpec.tokens)")
+    return None
+
+
+def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, seed: int = 0, vocab_size: int = 0,
+                dataset: str = "") -> nn.Module:
     """Instantiate model `name` (built-in or registered) with deterministic initial weights for `seed`.
-    An input shape the model declares it cannot take is a ConfigError naming the model and the reason."""
+    An input shape the model declares it cannot take is a ConfigError naming the model and the reason;
+    so is token data (`vocab_size` > 0, of `dataset` if named) for a model that does not take tokens, and
+    the reverse. A token model (`ModelSpec.tokens`) is built as build(input_shape, num_classes,
+    vocab_size=vocab_size)."""
     spec = MODELS.get(name, "model")
-    why = spec.why_not(tuple(input_shape))
+    why = token_mismatch(spec, int(vocab_size), dataset) or spec.why_not(tuple(input_shape))
     if why:
         raise ConfigError("model", name, why)
+    kw = {"vocab_size": int(vocab_size)} if spec.tokens else {}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return spec.build(tuple(input_shape), num_classes)
+        return spec.build(tuple(input_shape), num_classes, **kw)
 
 
 def images(input_shape: tuple[int, ...]) -> bool:
