@@ -119,3 +119,144 @@ def clip_rows(z: torch.Tensor, bound: float) -> torch.Tensor:
     """Each row scaled to L2 norm at most `bound`."""
     norm = z.norm(dim=-1, keepdim=True)
     return z * (bound / norm.clamp(min=bound))
+
+
+# -- client-level DP for model updates (DP-FedAvg) -------------------------------------------------------
+# McMahan, Ramage, Talwar, Zhang 2018, "Learning Differentially Private Recurrent Language Models" (ICLR 2018,
+# arXiv:1710.06963), Algorithm 1 with flat clipping: each client's update is clipped to L2 norm C, the
+# server adds N(0, (z C)^2 I) to the sum of the clipped updates and divides by the number of clients
+# averaged. docs/privacy.md has the decisions; `fedprism.algorithms.aggregation.ServerStep.average` applies it
+# for every method that averages models, `UpdateDP.epsilon` accounts for it.
+
+#: accountants of `dp.accountant`: Renyi DP (Mironov 2017) or privacy loss distributions (dp-accounting's PLD)
+DP_ACCOUNTANTS = ("rdp", "pld")
+#: the sampling `dp.sampling` tells the accountant: poisson (each client independently with probability q =
+#: m / N, the customary model) or fixed (m of N without replacement, what fedprism's uniform draw does;
+#: RDP only, under replace-one adjacency)
+DP_SAMPLING = ("poisson", "fixed")
+
+
+def _quiet():
+    """dp-accounting's RDP warns (absl) for every order it excludes near q = 1/2; that is not news."""
+    import contextlib
+    import logging
+
+    @contextlib.contextmanager
+    def cm():
+        log = logging.getLogger("absl")
+        level = log.level
+        log.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            log.setLevel(level)
+    return cm()
+
+
+def dpfedavg_event(z: float, rounds: list[tuple[float, int]], sampling: str = "poisson", clients: int = 0,
+                   cohort: int = 0):
+    """The dp-accounting event of a DP-FedAvg run: per round (q_t, r_t), r_t Gaussian releases of noise
+    multiplier z about the same client (their composition is one Gaussian of multiplier z / sqrt(r_t)),
+    made when the client is sampled with probability q_t (q_t = 1: every client, no amplification).
+    Rounds with r_t = 0 released nothing and are left out."""
+    from dp_accounting import dp_event
+
+    groups: dict[tuple[float, int], int] = {}
+    for q, r in rounds:
+        if r > 0:
+            groups[(float(q), int(r))] = groups.get((float(q), int(r)), 0) + 1
+    events = []
+    for (q, r), count in sorted(groups.items()):
+        g = dp_event.GaussianDpEvent(float(z) / math.sqrt(r))
+        if q < 1:
+            g = (dp_event.PoissonSampledDpEvent(q, g) if sampling == "poisson" else
+                 dp_event.SampledWithoutReplacementDpEvent(int(clients), int(cohort), g))
+        events.append(dp_event.SelfComposedDpEvent(g, count))
+    return dp_event.ComposedDpEvent(events)
+
+
+def dpfedavg_epsilon(z: float, rounds: list[tuple[float, int]], delta: float, accountant: str = "rdp",
+                     sampling: str = "poisson", clients: int = 0, cohort: int = 0) -> float:
+    """Epsilon at `delta` of a DP-FedAvg run (`dpfedavg_event`) by dp-accounting's RDP or PLD accountant;
+    inf with z = 0 (clipping without noise), 0 when nothing was released."""
+    if not any(r > 0 for _, r in rounds):
+        return 0.0
+    if z <= 0:
+        return math.inf
+    from dp_accounting import privacy_accountant as pa
+    from dp_accounting import pld, rdp
+
+    event = dpfedavg_event(z, rounds, sampling, clients, cohort)
+    if accountant == "pld":
+        if sampling != "poisson":
+            raise ValueError("the PLD accountant takes poisson sampling only")
+        acc = pld.PLDAccountant()
+    else:
+        rel = pa.NeighboringRelation.ADD_OR_REMOVE_ONE if sampling == "poisson" else \
+            pa.NeighboringRelation.REPLACE_ONE
+        acc = rdp.RdpAccountant(neighboring_relation=rel)
+    with _quiet():
+        acc.compose(event)
+        return float(acc.get_epsilon(delta))
+
+
+class UpdateDP:
+    """The run's DP-FedAvg (`dp.clip` C > 0, `dp.noise_multiplier` z, `dp.target_delta`, `dp.accountant`,
+    `dp.sampling`; noise from `privacy.noise`). One object per run on the server side; the runner calls
+    `begin_round` before each server step, and every `aggregate` of that round is one release."""
+
+    def __init__(self, clip: float, z: float, delta: float, accountant: str = "rdp", sampling: str = "poisson",
+                 noise: str = "seeded", seed: int = 0, clients: int = 0, cohort: int = 0):
+        self.clip, self.z, self.delta = float(clip), float(z), float(delta)
+        self.accountant, self.sampling, self.noise, self.seed = accountant, sampling, noise, int(seed)
+        self.clients, self.cohort = int(clients), int(cohort)
+        self.rnd, self.releases = 0, 0
+
+    @classmethod
+    def of(cls, cfg, clients: int, cohort: int) -> "UpdateDP | None":
+        """The configuration's plan, None when `dp.clip` is 0. `clients`: those a cohort is drawn from;
+        `cohort`: how many a round draws."""
+        if not cfg.get("dp.clip", 0.0):
+            return None
+        return cls(cfg["dp.clip"], cfg["dp.noise_multiplier"], cfg["dp.target_delta"], cfg["dp.accountant"],
+                   cfg["dp.sampling"], cfg.get("privacy.noise", "seeded"), cfg["seed"], clients, cohort)
+
+    @property
+    def rate(self) -> float:
+        """q = m / N, the probability the accountant gives a client of being in a round's cohort."""
+        return self.cohort / self.clients if self.clients else 1.0
+
+    def begin_round(self, rnd: int) -> None:
+        self.rnd, self.releases = int(rnd), 0
+
+    def generator(self) -> torch.Generator:
+        """The noise of the round's next release: a named stream of the run seed, or OS entropy."""
+        if self.noise == "system":
+            return torch.Generator().manual_seed(secrets.randbits(63))
+        return torch.Generator().manual_seed(stream_seed(self.seed, self.rnd, 0, f"dp_update:{self.releases}"))
+
+    def aggregate(self, x: torch.Tensor, w: torch.Tensor, sent: torch.Tensor | None) -> torch.Tensor:
+        """The DP average of rows x [n, P], float64 [P]: the rows with weight > 0 take part, each counted once
+        (sample counts would scale a client's influence past C); their updates u_k = x_k - sent_k (x_k when
+        `sent` is None: the rows are updates) are clipped to norm C, summed, N(0, (z C)^2) is added to every
+        coordinate, and the sum is divided by the number of rows averaged (the variable denominator,
+        docs/privacy.md); the mean of the rows sent is added back (the server's own knowledge)."""
+        keep = w.to(torch.float64) > 0
+        if not bool(keep.any()):
+            raise ValueError("weights sum to zero; the caller must keep the previous value")
+        x64 = x.to(torch.float64)[keep]
+        base = torch.zeros_like(x64) if sent is None else sent.to(torch.float64).expand(len(x), -1)[keep]
+        clipped = clip_rows(x64 - base, self.clip)
+        noise = self.z * self.clip * torch.randn(x64.shape[1:], generator=self.generator(), dtype=torch.float64)
+        self.releases += 1
+        n = int(keep.sum())
+        out = (clipped.sum(0) + noise) / n
+        if sent is None:
+            return out
+        same = bool((base == base[0]).all())             # one model sent to all: that model, exactly
+        return (base[0] if same else base.mean(0)) + out
+
+    def epsilon(self, rounds: list[tuple[float, int]]) -> float:
+        """Epsilon spent after `rounds` ((q_t, r_t) per round) at `dp.target_delta`."""
+        return dpfedavg_epsilon(self.z, rounds, self.delta, self.accountant, self.sampling, self.clients,
+                                self.cohort)

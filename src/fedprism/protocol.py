@@ -103,6 +103,8 @@ class Context:
     feature_dim: int = 0               # width of the model's penultimate features (prototype methods)
     privacy: Any = None                # fedprism.privacy.Privacy when `privacy.epsilon` > 0, else None
     train: TrainSettings | None = None  # the local-training settings (lr, momentum, batch size, epochs, ...)
+    dp: Any = None                     # fedprism.privacy.UpdateDP when `dp.clip` > 0 (DP-FedAvg), else None
+    compress: Any = None               # fedprism.compression.Compressor when `compress` is set, else None
 
 
 # -- declarations ------------------------------------------------------------------------------------

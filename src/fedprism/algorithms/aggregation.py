@@ -82,6 +82,11 @@ def soft_cluster_step(w_c: torch.Tensor, W_S: torch.Tensor, vec: torch.Tensor, l
     `robust` (keywords of `average`, e.g. `robust_args(hp)`): with a rule other than `mean`, the soft
     weighted mean of cluster c is `average(vec, W_S[:, c], sent, **robust)`, cluster by cluster.
     """
+    if robust is not None and robust.get("dp") is not None:
+        from fedprism.errors import ConfigError
+        raise ConfigError("dp.clip", robust["dp"].clip, "0 for a method whose server step mixes every client into "
+                          "soft cluster models (soft_cluster_step): a client's weight in each cluster is not a "
+                          "per-client sensitivity bound, so DP-FedAvg cannot bound it")
     Z = W_S.to(torch.float64).sum(0)
     live = Z > 0
     if not live.any():
@@ -684,6 +689,8 @@ class ServerStep:
 
     hp: Mapping[str, Any]
     keys: tuple[str, ...] = ()
+    #: DP-FedAvg (`fedprism.privacy.UpdateDP`, `dp.clip` > 0): `average` clips, sums and adds noise
+    dp: Any = None
 
     @property
     def rule(self) -> str:
@@ -691,8 +698,9 @@ class ServerStep:
 
     @property
     def robust(self) -> dict:
-        """The rule's keywords of `average` (and of `soft_cluster_step(..., robust=...)`)."""
-        return robust_args(self.hp)
+        """The rule's keywords of `average` (and of `soft_cluster_step(..., robust=...)`); under DP-FedAvg
+        also `dp`, which `soft_cluster_step` refuses (its soft weights are not a per-client bound)."""
+        return robust_args(self.hp) if self.dp is None else {**robust_args(self.hp), "dp": self.dp}
 
     @property
     def optimizer(self) -> str:
@@ -700,7 +708,11 @@ class ServerStep:
 
     def average(self, x: torch.Tensor, w: torch.Tensor, sent: torch.Tensor | None = None) -> torch.Tensor:
         """The clients' aggregate of rows x [n, P] with weights w [n] under the run's rule, float64 [P]
-        (`sent`: the rows the clients were sent, for `clipped_mean`; None when x are updates)."""
+        (`sent`: the rows the clients were sent, for `clipped_mean`; None when x are updates). Under
+        DP-FedAvg (`dp`) the rule is `mean` and the average is `UpdateDP.aggregate`: updates clipped to
+        `dp.clip`, each client counted once, Gaussian noise on their sum (docs/privacy.md)."""
+        if self.dp is not None:
+            return self.dp.aggregate(x, w, sent)
         return average(x, w, sent, **self.robust)
 
     def update(self, state: dict, key: str, avg: torch.Tensor, rows=None) -> None:

@@ -106,7 +106,7 @@ class Algorithm:
         if not self.averages:
             raise AttributeError(f"{type(self).__name__} declares no averaged models (`averages`), so it has no "
                                  "server step")
-        return ServerStep(self.hp, tuple(self.averages))
+        return ServerStep(self.hp, tuple(self.averages), getattr(self.ctx, "dp", None))
 
     @property
     def own_cohort(self) -> bool:

@@ -31,7 +31,8 @@ from fedprism.experiment.limits import check_limits
 from fedprism.federation import Federation
 from fedprism.models import build_model
 from fedprism.params import flatten
-from fedprism.privacy import Privacy
+from fedprism.compression import Compressor
+from fedprism.privacy import Privacy, UpdateDP
 from fedprism.protocol import Context, TrainSettings
 from fedprism.selection import Selector, cohort_size
 
@@ -124,7 +125,22 @@ def make_context(cfg: Config, model: torch.nn.Module, n_train: np.ndarray, label
     return Context(num_clients=len(n_train), num_classes=int(label_hist.shape[1]), spec=None, init=flatten(model),
                    n_train=n_train, label_hist=label_hist, seed=cfg["seed"], rounds=cfg["rounds"],
                    fraction=cfg["fraction"], feature_dim=feature_dim(model), privacy=privacy,
-                   train=TrainSettings.of(local_config(cfg)))     # what the engine's LocalConfig says
+                   train=TrainSettings.of(local_config(cfg)),     # what the engine's LocalConfig says
+                   dp=update_dp(cfg, len(n_train)), compress=Compressor.of(cfg))
+
+
+def update_dp(cfg: Config, num_clients: int) -> UpdateDP | None:
+    """The run's DP-FedAvg plan (None when `dp.clip` is 0): the cohort is drawn from the seen clients
+    (`data.unseen_clients`), m = cohort_size of them; a selection rule other than uniform chooses clients by
+    what they reported, so the accountant is told every client takes part (q = 1, no amplification)."""
+    if not cfg.get("dp.clip", 0.0):
+        return None
+    from fedprism.experiment.config import held_out_count
+
+    seen = num_clients - (held_out_count(num_clients, cfg["data.unseen_clients"])
+                          if cfg.get("data.unseen_clients", 0.0) > 0 else 0)
+    m = cohort_size(seen, cfg["fraction"]) if cfg.get("selection", "uniform") == "uniform" else seen
+    return UpdateDP.of(cfg, seen, m)
 
 
 def privacy_plan(cfg: Config) -> Privacy | None:
@@ -196,13 +212,34 @@ def make_algorithm(cfg: Config, ctx: Context, input_shape: tuple[int, ...] | Non
     """The config's method on `ctx`. A method that refuses the model `model=auto` chose for the data
     (`input_shape`) says that the user left `auto` and which model it chose."""
     try:
-        return REGISTRY[cfg["method"]](ctx, **cfg.method_params)
+        return with_uplink(REGISTRY[cfg["method"]](ctx, **cfg.method_params))
     except ConfigError as e:
         if e.key != "model" or cfg["model"] != "auto" or input_shape is None:
             raise
         chosen = resolve_model_name("auto", input_shape)
         raise ConfigError("model", "auto", f"{e.allowed}; `auto` chose {chosen} for {cfg['dataset']}, "
                           f"{e.value}: name a model (model=...)") from None
+
+
+def with_uplink(algo: Algorithm) -> Algorithm:
+    """`algo` ready for DP-FedAvg and compression: under `dp.clip` its upload must be the one tensor it
+    averages (anything else it sends would leave the client without noise); under `compress` with error
+    feedback the residuals (`ef.<tensor>`) join its declared client state, so the runner keeps, checkpoints
+    and restores them as it does the method's own rows (on this instance only)."""
+    ctx = algo.ctx
+    if ctx.dp is not None:
+        names = sorted(algo.upload())
+        if len(names) != 1:
+            raise ConfigError("dp.clip", ctx.dp.clip, f"0 for method={algo.name}: its upload holds "
+                              f"{', '.join(names) or 'nothing'}, and DP-FedAvg protects the one model update a "
+                              "client sends (the other tensors would leave the client without noise)")
+    if ctx.compress is not None and ctx.compress.feedback:
+        extra = ctx.compress.residual_state(algo.upload())
+        if extra:
+            scored_by_clients = algo.client_side_inference()      # the residuals play no part in inference
+            algo.client_state = {**type(algo).client_state, **extra}
+            algo.client_side_inference = lambda: scored_by_clients
+    return algo
 
 
 def check_runnable(cfg: Config, fed: Federation, n_params: int, store_path: str | Path) -> None:

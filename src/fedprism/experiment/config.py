@@ -167,6 +167,39 @@ KEYS: dict[str, Param] = {
     "privacy.noise": Param("seeded", "where the privacy noise comes from: seeded (a stream of the run seed: "
                            "reproducible simulations) or system (OS entropy: deployments, where the server "
                            "knows the seed)", choices=("seeded", "system"), new=True),
+    "dp.clip": Param(0.0, "DP-FedAvg (client-level DP for model updates, docs/privacy.md): each client's update is "
+                     "clipped to this L2 norm C and the server adds N(0, (z C)^2) to their sum; for every method "
+                     "that averages models; 0 = off", lambda v: v >= 0 and math.isfinite(v),
+                     "a finite number >= 0 (0: off)", new=True),
+    "dp.noise_multiplier": Param(1.0, "DP-FedAvg: z, the noise's standard deviation in units of dp.clip (0: "
+                                 "clipping without noise, epsilon infinite)", lambda v: v >= 0 and math.isfinite(v),
+                                 "a finite number >= 0", new=True),
+    "dp.target_delta": Param(1e-5, "DP-FedAvg: the delta at which the epsilon spent is reported",
+                             lambda v: 0 < v < 1, "a number in (0, 1)", new=True),
+    "dp.accountant": Param("rdp", "DP-FedAvg: dp-accounting's accountant of the epsilon spent: rdp (Renyi DP) or "
+                           "pld (privacy loss distributions; tighter, slower)", choices=("rdp", "pld"), new=True),
+    "dp.sampling": Param("poisson", "DP-FedAvg: the client sampling the accountant assumes: poisson (each client "
+                         "with probability q = cohort / clients) or fixed (the cohort drawn without replacement, "
+                         "replace-one adjacency; rdp only)", choices=("poisson", "fixed"), new=True),
+    "dp.local": Param("none", "local DP-SGD on each client through Opacus (per-sample clipping to "
+                      "dp.local_clip, Gaussian noise dp.local_noise_multiplier x dp.local_clip on each batch's "
+                      "sum), for methods whose local training is plain (their client_update is the default); "
+                      "none = off", choices=("none", "dpsgd"), new=True),
+    "dp.local_clip": Param(1.0, "dp.local=dpsgd: the per-sample gradient norm bound",
+                           lambda v: v > 0 and math.isfinite(v), "a finite number > 0", new=True),
+    "dp.local_noise_multiplier": Param(1.0, "dp.local=dpsgd: the noise multiplier of each DP-SGD step",
+                                       lambda v: v >= 0 and math.isfinite(v), "a finite number >= 0", new=True),
+    "compress": Param("none", "compression of what clients upload (fedprism.compression): int8 (8-bit, one scale "
+                      "per tensor), stochastic (QSGD with compress.bits bits) or topk (the compress.k largest "
+                      "entries, error feedback on); every method; none = off",
+                      choices=("none", "int8", "stochastic", "topk"), new=True),
+    "compress.k": Param(0.01, "compress=topk: the fraction of each uploaded tensor's entries sent",
+                        lambda v: 0 < v <= 1, "a number in (0, 1]", new=True),
+    "compress.bits": Param(4, "compress=stochastic: bits per entry (2^(bits-1) - 1 levels per sign)",
+                           lambda v: 2 <= v <= 8, "an integer in [2, 8]", new=True),
+    "compress.feedback": Param("auto", "error feedback (the client keeps what compression dropped and adds it to "
+                               "its next update): auto (on for topk only), true or false",
+                               choices=("auto", "true", "false", True, False), new=True),
     "drift.fraction": Param(0.0, "dynamic data: fraction of the clients whose classes leave and come back "
                             "(fedprism.data.drift; 0 = static data)", lambda v: 0 <= v <= 1, "a number in [0, 1]",
                             new=True),
@@ -437,6 +470,7 @@ def resolve(raw: dict[str, Any]) -> Config:
             raise ConfigError("data.unseen_clients", out["data.unseen_clients"], "0 (off) or a fraction that holds "
                               f"out at least one of the {out['clients']} clients and leaves at least one to "
                               f"train (floor(fraction x clients) in [1, {out['clients'] - 1}]; it gives {held})")
+    _check_uplink(out, REGISTRY[method])
     for key in DATASET_KEYS:            # a dataset's own key, given for a dataset that does not read it
         if out[key] != KEYS[key].default and key not in dict(DATASETS.get(out["dataset"]).config_keys):
             takers = [n for n, spec in DATASETS.all().items() if key in dict(spec.config_keys)]
@@ -451,6 +485,31 @@ def resolve(raw: dict[str, Any]) -> Config:
     for k in KERNEL_KEYS:                  # what runs, not what was asked: it is part of the run id
         out[k] = kernels.resolve(k, out[k], out["device"])
     return Config(out, auto)
+
+
+def _check_uplink(out: dict, cls) -> None:
+    """DP-FedAvg (`dp.clip`), local DP-SGD (`dp.local`) and compression (`compress`) against the method."""
+    from fedprism.algorithms.base import Algorithm
+
+    m = out["method"]
+    if out["dp.clip"] > 0:
+        if not cls.averages:
+            raise ConfigError("dp.clip", out["dp.clip"], f"0 for method={m}: it averages no models through the "
+                              "shared server step (Algorithm.averages), so there is no sum of updates to clip and "
+                              "noise")
+        if out.get(f"{m}.aggregation", "mean") != "mean":
+            raise ConfigError("dp.clip", out["dp.clip"], f"0 with {m}.aggregation={out[f'{m}.aggregation']}: "
+                              "DP-FedAvg's sensitivity bound holds for the clipped sum (aggregation=mean)")
+        if out["dp.sampling"] == "fixed" and out["dp.accountant"] == "pld":
+            raise ConfigError("dp.sampling", "fixed", "poisson with dp.accountant=pld (the PLD accountant has no "
+                              "sampling without replacement; use dp.accountant=rdp)")
+    if out["dp.local"] != "none" and cls.client_update is not Algorithm.client_update:
+        raise ConfigError("dp.local", out["dp.local"], f"none for method={m}: its local training is its own "
+                          f"({cls.__name__}.client_update), and DP-SGD replaces only plain local training "
+                          "(the default client_update: the received model trained with the run's loss)")
+    if out["compress"] != "none" and cls.encode is not Algorithm.encode:
+        raise ConfigError("compress", out["compress"], f"none for method={m}: its upload has its own encoding "
+                          f"({cls.__name__}.encode)")
 
 
 def _has_conv_blocks(model: str, input_shape: tuple[int, ...] | None) -> bool:

@@ -44,6 +44,7 @@ from fedprism.experiment.systems_run import final_system_metrics, system_run
 from fedprism.federation import Federation
 from fedprism.hparams import plain
 from fedprism.privacy import LABEL_RELEASES, Privacy
+from fedprism.compression import client_work
 from fedprism.protocol import Plan, TensorSpec, Update
 from fedprism.selection import Selector, cohort_size, sample_clients  # noqa: F401 (sample_clients: public here)
 
@@ -110,6 +111,9 @@ def aggregate_records(algo: Algorithm, state: dict, rnd: int, update: Update) ->
     which no client's reply was accepted (all failed, were rejected, or nobody was sampled) leaves the
     server state as it is, so no method needs a guard of its own."""
     recs = _records(algo, "setup_records", algo.setup_records(state)) if rnd == 0 else {}
+    dp = getattr(algo.ctx, "dp", None)
+    if dp is not None:                   # DP-FedAvg counts this round's noisy averages (privacy.UpdateDP)
+        dp.begin_round(rnd)
     if len(update.clients) == 0:
         return recs
     return {**recs, **_records(algo, "aggregate", algo.aggregate(state, rnd, update))}
@@ -179,12 +183,14 @@ def check_reply(update: object, plan: Plan, method: str) -> None:
 
 
 def receive(update: Update | None, plan: Plan, clients: ClientStore | None, upload: dict[str, TensorSpec],
-            method: str = "the method") -> tuple[Update, dict[int, str]]:
+            method: str = "the method", compress: Any = None) -> tuple[Update, dict[int, str]]:
     """What the server does with the clients' replies before aggregating: the clients keep their new
     state (the simulator writes it to `clients`), the rows each client was sent are attached
     (`Update.sent`), and rows that do not match the declared upload are rejected. A client whose new state
     holds NaN/Inf is rejected whole: its state stays as it was, as a Flower node keeps it (`node.train`).
-    No reply at all (`update` None) is an empty update."""
+    No reply at all (`update` None) is an empty update. Under `compress` (fedprism.compression) the rows
+    travel encoded: they are checked against the encoded upload (`Compressor.wire_spec`) and decoded, a row
+    that fails either is rejected, and the decoded rows are checked as any upload is."""
     if update is None:
         return Update(plan.clients[:0], sent=plan.subset(np.zeros(0, dtype=np.int64)).payload), {}
     check_reply(update, plan, method)
@@ -195,8 +201,13 @@ def receive(update: Update | None, plan: Plan, clients: ClientStore | None, uplo
         clients.write(update.clients, update.client_state)
     pos = {int(c): i for i, c in enumerate(plan.clients)}
     update.sent = plan.subset(np.array([pos[int(c)] for c in update.clients], dtype=np.int64)).payload
+    undecoded: dict[int, str] = {}
+    if compress is not None and any(compress.compressed(upload)):
+        update, undecoded = validate_update(update, compress.wire_spec(upload))
+        update, failed = compress.decode_update(update, update.sent, upload)
+        undecoded.update(failed)
     kept, bad = validate_update(update, upload)
-    return kept, {**diverged, **bad}
+    return kept, {**diverged, **undecoded, **bad}
 
 
 class Simulator:
@@ -228,7 +239,8 @@ class Simulator:
                              f"0..{n - 1}")
         plan = check_plan(self.algo.plan(self.state, rnd, c), n, type(self.algo).__name__)
         update, failed = _local_work(self.algo, plan, self.engine, rnd, self.clients)
-        update, rejected = receive(update, plan, self.clients, self.upload, type(self.algo).__name__)
+        update, rejected = receive(update, plan, self.clients, self.upload, type(self.algo).__name__,
+                                   self.algo.ctx.compress)
         update.rejected = {**failed, **rejected}
         return plan, update, aggregate_records(self.algo, self.state, rnd, update)
 
@@ -249,7 +261,7 @@ def _local_work(algo: Algorithm, plan: Plan, engine, rnd: int, clients: ClientSt
     """Run the cohort; if it fails, retry client by client and record the ones that fail (their
     exceptions, tracebacks included, into `errors` when given)."""
     try:
-        return algo.client_update(plan, engine, rnd, clients.rows(plan.clients) if clients else {}), {}
+        return client_work(algo, plan, engine, rnd, clients.rows(plan.clients) if clients else {}), {}
     except Exception as e:  # noqa: BLE001 - a client failure must not stop the run
         if len(plan.clients) == 1:
             if errors is not None:
@@ -282,6 +294,27 @@ def privacy_metrics(cfg: Config, privacy: Privacy | None) -> dict[str, float]:
         k = int(times.max())
     return {"dp_epsilon": privacy.spent(LABEL_RELEASES + k), "dp_delta": privacy.delta,
             "dp_noise_multiplier": privacy.z, "dp_target_epsilon": privacy.epsilon}
+
+
+def update_privacy_metrics(cfg: Config, history: list[dict]) -> dict[str, float]:
+    """DP-FedAvg's final metrics (`dp.clip` > 0): the epsilon spent over the whole run (the last round's
+    `dpfedavg_epsilon`; absent when infinite, `dp.noise_multiplier=0`), its delta, the noise multiplier, the
+    clip and the sampling rate; and local DP-SGD's (`dp.local=dpsgd`, fedprism.engine.dpsgd.final_metrics)."""
+    out: dict[str, float] = {}
+    if cfg.get("dp.clip", 0.0) > 0:
+        out.update({"dpfedavg_delta": cfg["dp.target_delta"], "dpfedavg_noise_multiplier": cfg["dp.noise_multiplier"],
+                    "dpfedavg_clip": cfg["dp.clip"]})
+        qs = [h["dpfedavg_q"] for h in history if "dpfedavg_q" in h]
+        if qs:
+            out["dpfedavg_q"] = min(qs)
+        eps = [h["dpfedavg_epsilon"] for h in history if "dpfedavg_epsilon" in h]
+        if eps and cfg["dp.noise_multiplier"] > 0:
+            out["dpfedavg_epsilon"] = eps[-1]
+    if cfg.get("dp.local", "none") != "none":
+        from fedprism.engine.dpsgd import final_metrics as dpsgd_final
+
+        out.update(dpsgd_final(cfg, history))
+    return out
 
 
 class Experiment:
@@ -328,6 +361,8 @@ class Experiment:
         self._drifted = None
         #: `data.unseen_clients`: [N] bool of the held-out clients (None: off); they are never in a plan
         self.unseen = unseen_mask(cfg)
+        #: `system.*`: availability, speeds, deadline, FedBuff (experiment/systems_run.py); None: off
+        self.system = system_run(cfg, self.ctx, self.algo)
         if cfg.get("eval.finetune", 0):          # a method that cannot say what it fine-tunes: refused now
             check_finetune(self.algo, self.engine, self.initial_layout(), cfg["eval.finetune"])
 
@@ -361,8 +396,6 @@ class Experiment:
         # that cannot be used, `CheckpointRefused`, is cleared this way, as a checkpoint is)
         dropped = self.shares_final and self.store.drop_final(self.cfg.train_id)
         return held or dropped
-        #: `system.*`: availability, speeds, deadline, FedBuff (experiment/systems_run.py); None: off
-        self.system = system_run(cfg, self.ctx, self.algo)
 
     def eval_sample(self, rnd: int) -> np.ndarray | None:
         """The clients scored at round `rnd` under `eval.clients` (None: every client; always at the final
@@ -460,6 +493,8 @@ class Experiment:
     # -- state beside the store ---------------------------------------------------------------------
     def _snapshot(self, rnd: int, state: dict, seen: np.ndarray, elapsed: float) -> dict:
         snap = {"run_id": self.run_id, "round": rnd, "state": state, "seen": seen, "elapsed": elapsed}
+        if getattr(self, "system", None) is not None:
+            snap["system"] = self.system.snapshot()
         if self.clients is not None:
             snap.update(self.clients.snapshot())
         return snap
@@ -493,8 +528,6 @@ class Experiment:
         if final:
             return {"kind": "final", "train_id": self.cfg.train_id,
                     "config_sha256": config_sha256(self.cfg.train_identity)}
-        if getattr(self, "system", None) is not None:
-            snap["system"] = self.system.snapshot()
         return {"kind": "checkpoint", "run_id": self.run_id, "config_sha256": config_sha256(self.cfg.identity)}
 
     def checkpoint_key(self) -> bytes | None:
@@ -690,8 +723,12 @@ class Experiment:
                 ckpt = None
         if ckpt is not None and ckpt.get("run_id") == run_id:
             elapsed = ckpt.get("elapsed", 0.0)
+            if getattr(self, "system", None) is not None:
+                self.system.restore(ckpt.get("system"))
         else:
             state, start, resumed, elapsed = self.initial_state(), 0, None, 0.0
+            if getattr(self, "system", None) is not None:
+                self.system.restore(None)
         store.truncate(run_id, start - 1)
         evaluator = self.evaluator()
         seen = np.zeros(self.ctx.num_clients, bool)
@@ -723,12 +760,8 @@ class Experiment:
             r.records.append(("unseen_clients", None, {"clients": np.flatnonzero(self.unseen).tolist()}))
         for cb in callbacks:
             cb.on_round_end(self, r)
-            if getattr(self, "system", None) is not None:
-                self.system.restore(ckpt.get("system"))
         r.wall = time.time() - t0
         loop.elapsed += r.wall
-            if getattr(self, "system", None) is not None:
-                self.system.restore(None)
         self.store.write_round(self.run_id, rnd, r.metrics, r.client_rows, r.records, r.wall)
         for cb in callbacks:
             cb.on_round_stored(self, r)
@@ -739,22 +772,33 @@ class Experiment:
         server step (`aggregate_records`); the round's records of failures, rejections, the method's and
         the selection's."""
         rnd, state, name = r.index, loop.state, type(self.algo).__name__
+        system = getattr(self, "system", None)
+        if system is not None and rnd == 0:
+            r.records += system.model.records()
+        if system is not None and system.model.fedbuff:      # one buffered asynchronous server step
+            return system.fedbuff_round(self, r, loop, selector)
         sampled, chosen_by = selector.select(rnd, lambda cand: self._losses(state, cand))
         plan = check_plan(self.algo.plan(state, rnd, sampled), self.algo.ctx.num_clients, name)
         if getattr(self, "unseen", None) is not None:    # a plan beyond the cohort (Local's participation=all,
             keep = ~self.unseen[plan.clients]            # FedClust's first round) leaves the held-out clients out
             if not keep.all():
                 plan = plan.subset(np.flatnonzero(keep))
+        if system is not None:                           # the clients offline this round leave the plan
+            plan = system.online(r, plan)
         t_train = time.time()
         update, failed = self.local_work(plan, rnd)
         stop_on_failure(self.cfg, failed, rnd)   # `fail_on_client_error=true`: a failed client fails the run
         r.metrics["train_s"] = time.time() - t_train
-        update, rejected = receive(update, plan, self.clients, self.upload, name)
+        update, rejected = receive(update, plan, self.clients, self.upload, name, self.ctx.compress)
         if self.trusts_clients:
             malformed_round(rejected, plan, rnd, name)
+        if system is not None:                           # uploads past the deadline discarded; simulated time
+            update = system.deadline(self, r, plan, update)
         update.rejected = {**failed, **rejected}
         loop.seen[update.clients] = True
         recs = aggregate_records(self.algo, state, rnd, update)
+        if self.ctx.dp is not None:                      # DP-FedAvg: the round's releases and the epsilon so far
+            r.metrics.update(self.dp_round(rnd, plan))
         r.records += [("failure", c, {"reason": why}) for c, why in failed.items()]
         r.records += [("rejected", c, {"reason": why}) for c, why in rejected.items()]
         r.records += [(k, None, v) for k, v in recs.items()]
@@ -764,6 +808,26 @@ class Experiment:
             r.records += selector.records()
         return plan, update
 
+    def dp_round(self, rnd: int, plan: Plan) -> dict:
+        """DP-FedAvg's round metrics: `dpfedavg_releases` (the server step's noisy averages this round),
+        `dpfedavg_q` (the sampling rate the accountant uses: cohort / clients, or 1 for a round whose plan
+        names more clients than a cohort, such as FedClust's first), and `dpfedavg_epsilon`, the epsilon
+        spent so far at `dp.target_delta` (fedprism.privacy.dpfedavg_epsilon over every round up to this
+        one; left out while it is infinite, `dp.noise_multiplier=0`). Earlier rounds come from the store, so
+        a resumed run accounts for the rounds it did not run in this process."""
+        dp = self.ctx.dp
+        hist = getattr(self, "_dp_rounds", None)
+        if hist is None or len(hist) != rnd:
+            hist = [(float(m.get("dpfedavg_q", dp.rate)), int(m.get("dpfedavg_releases", 0)))
+                    for m in self.store.round_metrics(self.run_id) if m["round"] < rnd]
+        q = dp.rate if len(plan.clients) <= dp.cohort else 1.0
+        self._dp_rounds = hist = [*hist, (q, dp.releases)]
+        out = {"dpfedavg_releases": dp.releases, "dpfedavg_q": q}
+        eps = dp.epsilon(hist)
+        if math.isfinite(eps):
+            out["dpfedavg_epsilon"] = eps
+        return out
+
     def traffic(self, rnd: int, plan: Plan, update: Update, seen: np.ndarray) -> dict:
         """The round's counts: clients planned, accepted and rejected, bytes each way (round 0 with the
         method's one-off setup exchange), clients never accepted so far, the mean training loss."""
@@ -771,29 +835,24 @@ class Experiment:
         out = {"clients": len(plan.clients), "accepted": len(update.clients), "rejected": len(update.rejected),
                "bytes_down": self.algo.wire_bytes("plan", plan.payload) + down,
                "bytes_up": self.algo.wire_bytes("update", update.payload) + up, "never_sampled": int((~seen).sum())}
+        if self.ctx.compress is not None:                # the encoded form (fedprism.compression), as it travels
+            out["bytes_up"] = self.ctx.compress.wire_bytes(self.upload, len(update.clients)) + up
         if "train_loss" in update.metrics and len(update.clients):
-        system = getattr(self, "system", None)
-        if system is not None and rnd == 0:
-            r.records += system.model.records()
-        if system is not None and system.model.fedbuff:      # one buffered asynchronous server step
-            return system.fedbuff_round(self, r, loop, selector)
             out["train_loss"] = float(update.metrics["train_loss"].mean())
         return out
 
     def _finish(self, loop: Loop) -> tuple[dict, list[dict]]:
         """The run's final metrics; its final state kept when `keep_final` (the clients' row files with
         it); the run marked finished."""
-        if system is not None:                           # the clients offline this round leave the plan
-            plan = system.online(r, plan)
         cfg, store = self.cfg, self.store
         self.state = loop.state
         history = store.round_metrics(self.run_id)
         final = final_metrics(history, loop.elapsed)
         final.update(privacy_metrics(cfg, self.ctx.privacy))
+        final.update(update_privacy_metrics(cfg, history))
+        final.update(final_system_metrics(history))
         if cfg["keep_final"] and self.shares_final:
             if self.clients is not None and self.clients.storage == "mmap":
-        if system is not None:                           # uploads past the deadline discarded; simulated time
-            update = system.deadline(self, r, plan, update)
                 self.clients.move_to(store.final_rows_dir(cfg.train_id))   # the row files go with it
             store.save_final(cfg.train_id, self._snapshot(cfg["rounds"] - 1, loop.state, loop.seen, loop.elapsed),
                              self.binding(final=True), loop.key)
@@ -849,8 +908,6 @@ def final_metrics(history: list[dict], seconds: float) -> dict:
     for i, h in reversed(list(enumerate(history))):
         if h.get("accepted", 0) + h.get("rejected", 0) == 0:
             continue                         # a round without updates (nobody sampled) neither ends nor extends it
-        final.update(update_privacy_metrics(cfg, history))
-        final.update(final_system_metrics(history))
         if h.get("accepted", 0) > 0:
             break
         stuck = h.get("round", i)

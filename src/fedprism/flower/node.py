@@ -30,6 +30,7 @@ from fedprism.experiment import federation as _fedmod
 from fedprism.experiment.config import Config
 from fedprism.experiment.evaluate import StreamScorer, score_inference
 from fedprism.data.drift import DriftedData
+from fedprism.compression import client_work
 from fedprism.experiment.build import drift_schedule, local_config, make_algorithm, make_context, make_model
 from fedprism.experiment.limits import check_limits
 from fedprism.federation import Federation
@@ -146,7 +147,7 @@ class Node:
         if plan.clients.tolist() != [self.client]:
             raise ValueError(f"this node is client {self.client}; the message is for clients {plan.clients.tolist()}")
         self.at_round(rnd)
-        up = self.algo.client_update(plan, self.engine, rnd, self.store.rows())
+        up = client_work(self.algo, plan, self.engine, rnd, self.store.rows())   # encoded under `compress`
         diverged = up.nonfinite_state()
         if diverged:                       # the server records the failure; the node keeps its last state
             raise ValueError(f"{diverged[self.client]}; this client keeps its previous state")

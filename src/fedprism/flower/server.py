@@ -673,6 +673,14 @@ class FlowerExperiment(Experiment):
         to what the client was sent (refused above float32's range; above `update-norm-bound`: rejected
         or clipped, recorded `norm_bound`). Raises `Refused`."""
         c = int(up.clients[0])
+        comp = self.ctx.compress
+        if comp is not None and comp.compressed(self.upload):    # encoded rows: checked, then decoded here
+            _, bad = validate_update(up, comp.wire_spec(self.upload))
+            if bad:
+                raise Refused("payload", bad[c])
+            up, bad = comp.decode_update(up, row.payload, self.upload)
+            if bad:
+                raise Refused("payload", bad[c])
         _, bad = validate_update(up, self.upload)           # this row alone: a bad row never reaches concat
         if bad:
             raise Refused("payload", bad[c])
