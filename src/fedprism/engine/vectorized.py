@@ -178,10 +178,13 @@ def profile_model(model: nn.Module, input_shape: tuple[int, ...], device: torch.
             flops[0] += 2.0 * m.in_features * m.out_features
 
     hooks = [m.register_forward_hook(hook) for m in model.modules() if not list(m.children())]
+    was = model.training
+    model.eval()                 # a plain call in training mode would move running statistics in place
     try:
         with torch.no_grad():
             model(torch.zeros((1, *input_shape), device=device, dtype=dtype))
     finally:
+        model.train(was)
         for h in hooks:
             h.remove()
     return (max(sizes) if sizes else 1), flops[0]
