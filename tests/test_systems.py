@@ -234,3 +234,12 @@ def test_fedbuff_refuses_methods_that_read_each_upload(tmp_path, kw, key, words)
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as e:
         run(tmp_path, **{"system.speeds": "equal", "system.async": "fedbuff", **kw})
     assert words in str(e.value)
+
+
+def test_client_time_by_hand():
+    """T_k = E n_k / compute_k + (down + up) / bandwidth_k: 3 x 100 / 50 + (500 + 1500) / 1000 = 8 s."""
+    from fedprism.systems import SystemModel
+
+    m = SystemModel(np.ones((1, 2), bool), np.array([1.0, 50.0]), np.array([1.0, 1000.0]), 3, np.array([7, 100]))
+    assert m.duration(1, 500, 1500) == 8.0
+    assert m.duration(0, 0, 0) == 21.0
