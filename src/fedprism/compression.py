@@ -130,6 +130,11 @@ class Compressor:
                   for s in self.wire_spec(upload).values())
         return per * int(clients)
 
+    @staticmethod
+    def encoded(payload: Rows) -> bool:
+        """Whether `payload` holds encoded tensors (names with `SEP`), i.e. has not been decoded yet."""
+        return any(SEP in k for k in payload)
+
     # -- one client's tensor ------------------------------------------------------------------------
     def encode(self, v: torch.Tensor, gen: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One client's values (any shape) -> the two encoded tensors (a row each, without the client axis)."""
@@ -214,7 +219,7 @@ class Compressor:
         whose payload is already decoded (a Flower server decodes each reply as it arrives) is returned as
         it is."""
         names = self.compressed(upload)
-        if not names or not any(SEP in k for k in up.payload):
+        if not names or not self.encoded(up.payload):
             return up, {}
         pa, pb = _PARTS[self.how]
         rows: dict[str, list[torch.Tensor]] = {k: [] for k in names}
