@@ -157,3 +157,12 @@ def test_a_one_round_run_on_the_generated_archive(iso):
     run = ["dataset=emnist", "partition=iid", "clients=2", "model=lenet5", "method=fedavg", "rounds=1",
            "local_epochs=1", "batch_size=8", "partition.min_train=1", f"data.root={iso / 'd'}"]
     assert main(["run", "--db", str(iso / "r.db"), *run, "--quiet"]) == 0
+
+
+def test_a_member_that_decompresses_beyond_the_limit_is_refused(iso, monkeypatch):
+    x_tr, y_tr, x_te, y_te = fake(8, 20, 6, 10)
+    write_emnist_zip(iso / "d" / emnist.ARCHIVE, "digits", x_tr * 0, y_tr, x_te, y_te, DIGITS)  # zeros: small gz
+    monkeypatch.setattr(emnist, "MAX_IDX_BYTES", 20 * 784)                # less than the 20 images' 15 696 bytes
+    with pytest.raises(DataError, match=r"emnist-digits-train-images-idx3-ubyte.gz: decompresses to more than") as e:
+        load_dataset("emnist", root=iso / "d", split="digits", cache_dir=False)
+    assert str(iso / "d" / emnist.ARCHIVE) in str(e.value)

@@ -5,6 +5,7 @@ enforced, and a 1-round run on generated files."""
 from __future__ import annotations
 
 import io
+import json
 
 import numpy as np
 import pytest
@@ -185,3 +186,48 @@ def test_a_one_round_natural_run_on_the_generated_files(iso):
     for c, w in enumerate(sorted(WRITERS)):
         assert (len(fed.train_idx[c]), len(fed.test_idx[c])) == WRITERS[w]
     assert main(["run", "--db", str(iso / "r.db"), *(f"{k}={v}" for k, v in cfg.items()), "--quiet"]) == 0
+
+
+def test_leaf_files_that_contradict_themselves_are_refused(iso):
+    data = writers(5)
+    leaf = as_leaf(data[0])
+    leaf["f0001_07"]["x"][0][17] = 1.5
+    write_leaf_json(iso / "a", leaf, as_leaf(data[1]))
+    with pytest.raises(DataError, match=r"pixel values must lie in \[0, 1\], found 0.0..1.5"):
+        load_dataset("femnist", root=iso / "a", cache_dir=False)
+    folder = write_leaf_json(iso / "b", as_leaf(data[0]), as_leaf(data[1]))
+    f = sorted((folder / "data" / "train").glob("*.json"))[0]
+    obj = json.loads(f.read_text())
+    obj["num_samples"][0] += 1
+    f.write_text(json.dumps(obj))
+    with pytest.raises(DataError, match=f"user {obj['users'][0]!r} has num_samples"):
+        load_dataset("femnist", root=folder, cache_dir=False)
+    obj["num_samples"][0] -= 1
+    f.write_text(json.dumps(obj))
+    g = sorted((folder / "data" / "train").glob("*.json"))[1]
+    other = json.loads(g.read_text())
+    other["users"].append(obj["users"][0])
+    other["num_samples"].append(obj["num_samples"][0])
+    other["user_data"][obj["users"][0]] = obj["user_data"][obj["users"][0]]
+    g.write_text(json.dumps(other))
+    with pytest.raises(DataError, match="appears in two files of the same split"):
+        load_dataset("femnist", root=folder, cache_dir=False)
+
+
+def test_an_archive_with_a_link_or_a_missing_member_is_refused(iso):
+    import tarfile
+
+    tr, te = write_h5(iso / "h5", writers(6))
+    arch = iso / "d" / femnist.ARCHIVE
+    arch.parent.mkdir()
+    with tarfile.open(arch, "w:bz2") as tar:
+        tar.add(tr, arcname=femnist.H5[0])
+        link = tarfile.TarInfo(femnist.H5[1])
+        link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        tar.addfile(link)
+    with pytest.raises(DataError, match="member 'fed_emnist_test.h5' is not a regular file; refusing it"):
+        load_dataset("femnist", root=iso / "d")
+    tff_archive(arch, {femnist.H5[0]: tr})
+    with pytest.raises(DataError, match="the archive lacks fed_emnist_test.h5"):
+        load_dataset("femnist", root=iso / "d")
+    assert not [p for p in (iso / "cache").rglob("*") if p.suffix == ".h5"]     # scratch copies removed
