@@ -39,7 +39,7 @@ SPACES: dict[str, dict[str, Space]] = {
     "apfl": {"alpha": Space(0.1, 0.9)},
     "fedrep": {"head_epochs": Space(1, 10, integer=True)},
     "clust_psi_pfl": {"clusters": Space(choices=(0, 2, 3, 4))},
-    "fedprism_dual": {"alpha": Space(0.5, 1.0), "beta": Space(0.0, 0.5), "temperature": Space(0.01, 1.0, "log"),
+    "fedprism_dual": {"alpha": Space(0.5, 0.9), "beta": Space(0.0, 0.1), "temperature": Space(0.01, 1.0, "log"),
                       "k": Space(2, 5, integer=True)},
     "fedprism": {"alpha": Space(0.0, 1.0), "temperature": Space(0.1, 10.0, "log"), "k": Space(2, 5, integer=True)},
     "moon": {"mu": _LOG_WEIGHT, "tau": Space(0.1, 1.0)},

@@ -515,10 +515,14 @@ def tune_method(db: str | Path, study: Study, label: str, progress: bool = True)
         with Store(db) as store:
             store.annotate(out.run_id, TRIAL_RECORD, data, _slot(study.name, label, n))
         if progress:
-            shown = ", ".join(f"{k}={_fmt(v)}" for k, v in params.items())
+            shown = _fmt_params(params)
             print(f"[{printable(study.name)}] {printable(label)} trial {n + 1}/{study.trials}: {out.state}, "
                   f"{study.objective} {out.value:.4f} at round {max(out.intermediate) + 1} ({shown}; "
                   f"{time.time() - t0:.0f}s)", file=sys.stderr)
+
+
+def _fmt_params(params: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={_fmt(v)}" for k, v in params.items())
 
 
 def _fmt(v: Any) -> str:
@@ -596,7 +600,10 @@ def run_study(path: str | Path, db: str | Path, quick: bool = False, overrides: 
         raise ConfigError("--workers", workers, "an integer >= 1", kind="option")
     study = load_study(path, quick, overrides)
     labels = [study.entry(o).label for o in only] if only else [m.label for m in study.methods]
-    check_runs([(f"{study.name}: {e.label}", study.config(e, None)) for e in study.methods if e.label in labels], db)
+    # each method's untuned configuration and the corners of its space pass the checks a run makes before it
+    # trains (clusters against the cohort, memory): a trial the limits would refuse stops the study now
+    check_runs([(f"{study.name}: {e.label}" + (f" at {_fmt_params(c)}" if c else ""), study.config(e, c or None))
+                for e in study.methods if e.label in labels for c in [{}, *_corners(e.space)]], db)
     print(f"study {printable(study.name)}: {len(labels)} method(s), {study.trials} trials each ({study.sampler}, "
           f"pruner {study.pruner}, objective {study.objective}), then seeds {study.seeds}; results: {db}",
           file=sys.stderr)
