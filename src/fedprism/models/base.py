@@ -207,7 +207,7 @@ def _check(name: str, spec: ModelSpec) -> None:
 
 
 #: name -> ModelSpec: the built-in models (modules of `fedprism.models`) and registered ones
-MODELS: Registry[ModelSpec] = Registry("model", "fedprism.models", skip=("base", "dropout", "pooling"),
+MODELS: Registry[ModelSpec] = Registry("model", "fedprism.models", skip=("base", "dropout", "flops", "pooling"),
                                        check=_check, make=_make)
 
 

@@ -68,4 +68,4 @@ SPEC = MODELS.register(ModelSpec(
     title="sentence-classification CNN (Kim 2014, arXiv:1408.5882), CNN-rand; model=auto for token data",
     inputs="token sequences [seq_len], seq_len >= 5", refuse=refuse,
     body=f"embedding({EMBED})-conv(3/4/5 tokens, {MAPS} maps each)-max over time",
-    head="dropout 0.5-fc(classes)", shape=(25,), conv=False, tokens=True, vocab=1000))
+    head="dropout 0.5-fc(classes)", shape=(25,), conv=False, tokens=True, vocab=10000))
