@@ -231,3 +231,13 @@ def test_an_archive_with_a_link_or_a_missing_member_is_refused(iso):
     with pytest.raises(DataError, match="the archive lacks fed_emnist_test.h5"):
         load_dataset("femnist", root=iso / "d")
     assert not [p for p in (iso / "cache").rglob("*") if p.suffix == ".h5"]     # scratch copies removed
+
+
+def test_natural_partition_names_femnist_among_the_datasets_with_natural_clients():
+    from fedprism.data.partition import make_partition
+    from fedprism.errors import PartitionError
+
+    with pytest.raises(PartitionError) as e:
+        make_partition("natural", np.zeros(4, np.int64), np.zeros(2, np.int64), 2, 0)
+    listed = str(e.value).split("natural clients: ")[1].rstrip(")").split(", ")
+    assert "femnist" in listed and "shakespeare" in listed and "sent140" in listed and "wisdm" in listed

@@ -26,9 +26,11 @@ def split(y_train: np.ndarray, y_test: np.ndarray, num_clients: int, min_train: 
              groups: Any, test_groups: Any) -> tuple[list[np.ndarray], list[np.ndarray], dict]:
     """Client i holds every train and test sample of the i-th smallest group id (user or device)."""
     if groups is None or test_groups is None:
+        from fedprism.data.base import natural_datasets
+
         raise PartitionError("partition = 'natural' is not valid for this data: it gives each client the "
                              "samples of one user or device, and the data records none (datasets with "
-                             "natural clients: synthetic, wisdm)")
+                             f"natural clients: {', '.join(natural_datasets())})")
     g_tr = _group_ids(groups, len(y_train), "groups")
     g_te = _group_ids(test_groups, len(y_test), "test_groups")
     users = np.unique(g_tr)
