@@ -495,7 +495,16 @@ def _describe_model(name: str, spec) -> tuple[str, list[list]]:
         rows.append(["parameters", f"not built on [{shape}]: {type(e).__name__}: {e}"])
         return f"{name}  ({spec.title or _kind(MODELS, name, spec)})", rows
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
-    rows.append(["parameters", f"{count(model):,} on [{shape}] inputs, {_LIST_CLASSES} classes"])
+    vocab = f", vocabulary {spec.vocab:,}" if spec.tokens else ""
+    rows.append(["parameters", f"{count(model):,} on [{shape}] inputs, {_LIST_CLASSES} classes{vocab}"])
+    try:
+        from fedprism.models.flops import forward_macs
+
+        macs = forward_macs(model, spec.shape, torch.int64 if spec.tokens else torch.float32)
+        rows.append(["forward", f"{_macs(macs)} multiply-adds per sample (matrix products and convolutions, "
+                                "fedprism.models.flops)"])
+    except Exception as e:  # noqa: BLE001 - a plugin model whose forward fails here is shown, not fatal
+        rows.append(["forward", f"not counted on [{shape}]: {type(e).__name__}: {e}"])
     body, head = getattr(model, "body", None), getattr(model, "head", None)
     if isinstance(body, torch.nn.Module) and isinstance(head, torch.nn.Module):
         rows += [["body", f"{spec.body or type(body).__name__} ({count(body):,} parameters)"],
@@ -508,16 +517,25 @@ def _describe_model(name: str, spec) -> tuple[str, list[list]]:
     return f"{name}  ({title})", rows
 
 
+def _macs(n: int) -> str:
+    """A multiply-add count with its magnitude: 416,520 (417 k)."""
+    for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= div:
+            return f"{n:,} ({n / div:.3g} {unit})"
+    return f"{n:,}"
+
+
 def cmd_models(args) -> int:
     """`fedprism models [NAME...]`: every registered model (or the named ones) with what it declares."""
     from fedprism.models import MODELS
 
     def auto(width: int) -> None:
-        from fedprism.models import AUTO_IMAGES, AUTO_OTHER
+        from fedprism.models import AUTO_IMAGES, AUTO_OTHER, AUTO_TOKENS
 
         print(textwrap.fill(f"Models (model=NAME; model=auto: {AUTO_IMAGES} for images of at least 28 pixels, "
-                            f"{AUTO_OTHER} for everything else). Parameter counts are for the input shape shown "
-                            f"and {_LIST_CLASSES} classes.", width))
+                            f"{AUTO_TOKENS} for token data, {AUTO_OTHER} for everything else). Parameter counts "
+                            f"and forward multiply-adds (MACs: one multiply and one add, 2 FLOPs) are for one "
+                            f"sample of the input shape shown and {_LIST_CLASSES} classes.", width))
 
     return _list_components(MODELS, args.names, _describe_model, head=("field", "value"), before=auto)
 
