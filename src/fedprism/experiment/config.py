@@ -32,6 +32,11 @@ _nonneg = lambda v: v >= 0  # noqa: E731
 #: does not read them
 DATASET_KEYS = ("data.synthetic_devices",)
 
+#: keys of the datasets whose loaders take options: ACS PUMS states and year, the Digits domains and their
+#: sizes, the Office-Caltech10 image side (each spec's `config_keys` names the ones it reads)
+DATASET_KEYS = DATASET_KEYS + ("data.acs.states", "data.acs.year", "data.domains", "data.per_domain_train",
+                               "data.per_domain_test", "data.image_size")
+
 #: experiment keys (not method- or partition-specific)
 #: upper bound of `threads=`: a fixed number, so that a configuration valid on one machine is valid on
 #: every machine (a sweep file travels); 256 is four times the cores of a 64-core machine, and more
@@ -74,6 +79,21 @@ KEYS: dict[str, Param] = {
     "data.local_test_fraction": Param(0.2, "data.local_test=split: share of each client's rows held out as its "
                                       "local test split (Clust-PSI-PFL: 0.2, an 80/20 split)",
                                       lambda v: 0 < v < 1, "a number in (0, 1)", new=True),
+    "data.acs.states": Param("all", "dataset=acsincome: the US states read, all (folktables' 50 states and "
+                             "Puerto Rico) or comma-separated postal codes (CA,TX)",
+                             lambda v: bool(v.strip()) and "\0" not in v, "all, or postal codes such as CA,TX",
+                             new=True),
+    "data.acs.year": Param(2018, "dataset=acsincome: the year of the ACS PUMS 1-Year person files",
+                           lambda v: 2000 <= v <= 2100, "a year such as 2018", new=True),
+    "data.domains": Param("all", "dataset=digit_domains: the Digits domains loaded, all or comma-separated "
+                          "names of their datasets (docs/datasets.md)", lambda v: bool(v.strip()) and "\0" not in v,
+                          "all, or comma-separated domain names", new=True),
+    "data.per_domain_train": Param(7291, "dataset=digit_domains: training images drawn from each domain "
+                                   "(seeded; 0 = all)", _nonneg, "an integer >= 0", new=True),
+    "data.per_domain_test": Param(2007, "dataset=digit_domains: test images drawn from each domain (seeded; "
+                                  "0 = all)", _nonneg, "an integer >= 0", new=True),
+    "data.image_size": Param(64, "dataset=office_caltech10: the side images are resized to",
+                             lambda v: 8 <= v <= 1024, "an integer in [8, 1024]", new=True),
     "model": Param("auto", "a registered model (`fedprism models` lists them, with the inputs each takes), or "
                    "auto (lenet5 for images >= 28px, else mlp)"),
     "partition": Param("dirichlet", "how the data is split across clients: a registered partition (`fedprism "

@@ -310,6 +310,7 @@ SPEC = DATASETS.register(DatasetSpec(
     normalisation="per feature, with the training rows' mean and std (computed at load time)",
     natural="state",
     options=("states", "year", "seed", "test_fraction"),
+    config_keys=(("data.acs.states", "states"), ("data.acs.year", "year")),
     files=FileSet(
         find=find,
         needed=f"the ACS PUMS 1-Year person files csv_p<state>.zip of the states asked (default: the "

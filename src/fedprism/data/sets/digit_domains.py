@@ -141,6 +141,8 @@ SPEC = DATASETS.register(DatasetSpec(
     mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5),
     natural="domain",
     options=("domains", "train_per_domain", "test_per_domain", "seed"),
+    config_keys=(("data.domains", "domains"), ("data.per_domain_train", "train_per_domain"),
+                 ("data.per_domain_test", "test_per_domain")),
     files=FileSet(
         find=find,
         needed="each domain's own files in <folder>/mnist, /mnistm, /svhn, /usps, /synthdigits (see those "

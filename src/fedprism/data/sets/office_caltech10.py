@@ -172,6 +172,7 @@ SPEC = DATASETS.register(DatasetSpec(
     mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225),
     natural="domain",
     options=("size", "seed", "test_fraction"),
+    config_keys=(("data.image_size", "size"),),
     files=FileSet(
         find=find,
         needed=f"{ARCHIVE} (FedBN's release) or its extracted {FOLDER}/ with {', '.join(SITES)}/<class>/*.jpg",
