@@ -290,3 +290,17 @@ def test_each_new_model_builds_runs_and_trains_a_round(name):
     assert torch.isfinite(w).all() and not torch.equal(w, algo.ctx.init)
     r = sim.evaluate("local")
     assert int(r.count.sum()) == 5
+
+
+def test_state_dicts_load_with_or_without_num_batches_tracked():
+    """The layer keeps no `num_batches_tracked`; a state dict of its own and one of torch's BatchNorm (which
+    has the key) both load strictly."""
+    a, b = build_model("resnet8", SHAPE, 10, seed=0), build_model("resnet8", SHAPE, 10, seed=1)
+    sd = a.state_dict()
+    assert not any("num_batches_tracked" in k for k in sd)
+    b.load_state_dict(sd)
+    assert torch.equal(flatten(a), flatten(b))
+    torch_bn = torch.nn.BatchNorm2d(16).state_dict()
+    assert "num_batches_tracked" in torch_bn
+    b.body[1].load_state_dict(torch_bn)
+    assert torch.equal(b.body[1].running_var, torch.ones(16))

@@ -14,10 +14,16 @@ MLP with BatchNorm after each convolution and hidden linear layer, the layout of
 
 Decision: BatchNorm statistics. FedBN keeps all of a BN layer local: its affine parameters and its
 running mean and variance, and evaluates each client in eval mode, i.e. with running statistics
-estimated on that client's training batches. fedprism's BatchNorm uses batch statistics in training
-and in evaluation (`track_running_stats=False`, `fedprism.params`): the flat vector holds only the
-affine weight and bias of each BN layer, and those are what FedBN keeps on the client. Why this is
-close enough for the per-client evaluation, and where it is not:
+estimated on that client's training batches. On a model with running statistics
+(`fedprism.models.RunningBatchNorm2d`: `resnet18`, `resnet20`, `resnet8`, `mobilenet_small`) this is
+exactly what runs: the statistics are part of each BN layer's slice of the flat vector
+(`ParamSpec.batchnorm`, docs/architecture.md, "BatchNorm and the flat vector"), so the client keeps
+them with the layer's weight and bias, training updates them and evaluation normalises with them,
+while FedAvg averages them (tested by hand in tests/test_running_stats.py). On the batch-statistics
+models (`track_running_stats=False`: `lenet5_bn`, `mlp_bn`, `cnn`, `clustpsi_cifar_cnn`) the flat
+vector holds only the affine weight and bias of each BN layer, and those are what FedBN keeps on the
+client; evaluation normalises each evaluated chunk with its own statistics. Why that is close enough
+for the per-client evaluation, and where it is not:
 * Local accuracy: a client's local test split is scored in chunks of `eval_chunk` (500) samples, so a
   split of at most 500 samples is normalised with its own mean and variance. That split has the
   client's own distribution, so these are estimates of the same per-client feature statistics that
@@ -26,12 +32,9 @@ close enough for the per-client evaluation, and where it is not:
 * Global accuracy (each client's model on the shared test set) normalises with the shared test set's
   statistics, not the client's: it is not the number FedBN's running statistics would give.
 * FedAvg on the same BN model evaluates with local batch statistics too, so the failure FedBN corrects
-  in the paper (averaged running statistics that match no client at test time) does not arise here:
-  FedBN and FedAvg differ by the local affine parameters only, and the gap between them here is no
-  measure of the paper's.
-Carrying running statistics would need a non-trained slice of the vector written by the forward pass
-in both engines and an evaluation mode; the engines do not have it (docs/architecture.md, "BatchNorm
-and the flat vector").
+  in the paper (averaged running statistics that match no client at test time) does not arise there:
+  FedBN and FedAvg differ by the local affine parameters only, and the gap between them is no measure
+  of the paper's. Use a running-statistics model to measure it.
 
 Defaults (`fedbn.<name>`): `weighting` = samples (n_k / N_t, as FedAvg here). The authors' code
 (med-air/FedBN, federated/fed_digits.py, `communication`) averages with weights 1/K, and its clients

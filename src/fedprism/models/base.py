@@ -92,6 +92,12 @@ class _RunningStats:
                              "number in (0, 1], e.g. 0.1")
         self.register_buffer("num_batches_tracked", None)
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # a state dict of torch's BatchNorm carries num_batches_tracked, which this layer does not keep;
+        # torch's loader would add the key back (and a strict load then refuse it)
+        state_dict.pop(prefix + "num_batches_tracked", None)
+        nn.Module._load_from_state_dict(self, state_dict, prefix, *args, **kwargs)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(x)
         mode = None if self.stats_ctx is None else self.stats_ctx.mode
