@@ -148,7 +148,7 @@ def test_dp_is_refused_where_it_cannot_bound_a_client(kw, match, tmp_path):
 def test_dp_and_compression_off_leave_ids_and_numbers_unchanged(tmp_path):
     plain = resolve(EXP)
     explicit = resolve({**EXP, "dp.clip": 0.0, "dp.noise_multiplier": 1.0, "dp.target_delta": 1e-5,
-                        "dp.accountant": "rdp", "dp.sampling": "poisson", "dp.local": "none", "compress": "none",
+                        "dp.accountant": "rdp", "dp.sampling": "poisson", "compress": "none",
                         "compress.k": 0.01, "compress.bits": 4, "compress.feedback": "auto"})
     assert plain.run_id == explicit.run_id and plain.train_id == explicit.train_id
     assert not any(k.startswith(("dp.", "compress")) for k in plain.identity)

@@ -339,13 +339,13 @@ def _show(args, store) -> int:
     if hist:
         keys = [k for k in ("global_acc", "local_acc", "sdad", "global_model_acc", "train_loss", "accepted",
                             "rejected", "eval_clients", "train_s", "eval_s") if any(k in h for h in hist)]
-        keys += [k for k in ("dpfedavg_epsilon", "dpsgd_epsilon") if any(k in h for h in hist)]  # docs/privacy.md
+        keys += [k for k in ("dpfedavg_epsilon",) if any(k in h for h in hist)]      # docs/privacy.md
         if cfg.get("compress", "none") != "none":
             keys.append("bytes_up")                      # counted from the encoded uploads (fedprism.compression)
         print("\nRounds:")
         print(_table([[h["round"] + 1] + [h.get(k) for k in keys] for h in hist], ["round"] + keys))
     final = json.loads(row["final"] or "{}")
-    dp = [[k, _fmt(final[k])] for k in sorted(final) if k.startswith(("dpfedavg_", "dpsgd_"))]
+    dp = [[k, _fmt(final[k])] for k in sorted(final) if k.startswith("dpfedavg_")]
     if dp:
         print("\nDifferential privacy of model updates (docs/privacy.md):")
         print(_table(dp, ["key", "value"]))

@@ -201,14 +201,6 @@ KEYS: dict[str, Param] = {
     "dp.sampling": Param("poisson", "DP-FedAvg: the client sampling the accountant assumes: poisson (each client "
                          "with probability q = cohort / clients) or fixed (the cohort drawn without replacement, "
                          "replace-one adjacency; rdp only)", choices=("poisson", "fixed"), new=True),
-    "dp.local": Param("none", "local DP-SGD on each client through Opacus (per-sample clipping to "
-                      "dp.local_clip, Gaussian noise dp.local_noise_multiplier x dp.local_clip on each batch's "
-                      "sum), for methods whose local training is plain (their client_update is the default); "
-                      "none = off", choices=("none", "dpsgd"), new=True),
-    "dp.local_clip": Param(1.0, "dp.local=dpsgd: the per-sample gradient norm bound",
-                           lambda v: v > 0 and math.isfinite(v), "a finite number > 0", new=True),
-    "dp.local_noise_multiplier": Param(1.0, "dp.local=dpsgd: the noise multiplier of each DP-SGD step",
-                                       lambda v: v >= 0 and math.isfinite(v), "a finite number >= 0", new=True),
     "compress": Param("none", "compression of what clients upload (fedprism.compression): int8 (8-bit, one scale "
                       "per tensor), stochastic (QSGD with compress.bits bits) or topk (the compress.k largest "
                       "entries, error feedback on); every method; none = off",
@@ -508,7 +500,7 @@ def resolve(raw: dict[str, Any]) -> Config:
 
 
 def _check_uplink(out: dict, cls) -> None:
-    """DP-FedAvg (`dp.clip`), local DP-SGD (`dp.local`) and compression (`compress`) against the method."""
+    """DP-FedAvg (`dp.clip`) and compression (`compress`) against the method."""
     from fedprism.algorithms.base import Algorithm
 
     m = out["method"]
@@ -523,10 +515,6 @@ def _check_uplink(out: dict, cls) -> None:
         if out["dp.sampling"] == "fixed" and out["dp.accountant"] == "pld":
             raise ConfigError("dp.sampling", "fixed", "poisson with dp.accountant=pld (the PLD accountant has no "
                               "sampling without replacement; use dp.accountant=rdp)")
-    if out["dp.local"] != "none" and cls.client_update is not Algorithm.client_update:
-        raise ConfigError("dp.local", out["dp.local"], f"none for method={m}: its local training is its own "
-                          f"({cls.__name__}.client_update), and DP-SGD replaces only plain local training "
-                          "(the default client_update: the received model trained with the run's loss)")
     if out["compress"] != "none" and cls.encode is not Algorithm.encode:
         raise ConfigError("compress", out["compress"], f"none for method={m}: its upload has its own encoding "
                           f"({cls.__name__}.encode)")

@@ -299,7 +299,7 @@ def privacy_metrics(cfg: Config, privacy: Privacy | None) -> dict[str, float]:
 def update_privacy_metrics(cfg: Config, history: list[dict]) -> dict[str, float]:
     """DP-FedAvg's final metrics (`dp.clip` > 0): the epsilon spent over the whole run (the last round's
     `dpfedavg_epsilon`; absent when infinite, `dp.noise_multiplier=0`), its delta, the noise multiplier, the
-    clip and the sampling rate; and local DP-SGD's (`dp.local=dpsgd`, fedprism.engine.dpsgd.final_metrics)."""
+    clip and the sampling rate."""
     out: dict[str, float] = {}
     if cfg.get("dp.clip", 0.0) > 0:
         out.update({"dpfedavg_delta": cfg["dp.target_delta"], "dpfedavg_noise_multiplier": cfg["dp.noise_multiplier"],
@@ -310,10 +310,6 @@ def update_privacy_metrics(cfg: Config, history: list[dict]) -> dict[str, float]
         eps = [h["dpfedavg_epsilon"] for h in history if "dpfedavg_epsilon" in h]
         if eps and cfg["dp.noise_multiplier"] > 0:
             out["dpfedavg_epsilon"] = eps[-1]
-    if cfg.get("dp.local", "none") != "none":
-        from fedprism.engine.dpsgd import final_metrics as dpsgd_final
-
-        out.update(dpsgd_final(cfg, history))
     return out
 
 

@@ -331,6 +331,31 @@ def privacy_table(groups) -> list[str]:
                           f"{f['dp_target_epsilon']:g} | "
                           f"{f['dp_delta']:g} | {f['dp_noise_multiplier']:.3f} | {f['dp_epsilon']:.3f} |")
     return md + [""] if md else md
+def update_privacy_table(groups) -> list[str]:
+    """Runs with DP-FedAvg (`dp.clip` > 0, docs/privacy.md): clip, noise multiplier, sampling rate, delta, the
+    epsilon spent (inf: clipping without noise) and the headline accuracies, so accuracy reads against epsilon."""
+    md: list[str] = []
+    for setting in sorted(groups):
+        for label in sorted(groups[setting]):
+            for r in sorted(groups[setting][label], key=lambda x: x["config"]["seed"]):
+                f = r["final"]
+                if "dpfedavg_clip" not in f:
+                    continue
+                if not md:
+                    md = ["## Differential privacy of model updates", "",
+                          "DP-FedAvg (`dp.*`; docs/privacy.md): each client's update clipped to C, Gaussian noise z C "
+                          "on their sum, the epsilon spent at delta by dp-accounting's accountant for sampling rate q "
+                          "(inf: no noise).", "",
+                          "| method | setting | seed | clip C | z | q | δ | ε spent | Glob Acc | Loc Acc |",
+                          "|---|---|---|---|---|---|---|---|---|---|"]
+                eps = f.get("dpfedavg_epsilon")
+                md.append(f"| {_cell(label)} | {setting} | {r['config']['seed']} | {f['dpfedavg_clip']:g} | "
+                          f"{f['dpfedavg_noise_multiplier']:g} | {f.get('dpfedavg_q', float('nan')):g} | "
+                          f"{f['dpfedavg_delta']:g} | {'inf' if eps is None else f'{eps:.3g}'} | "
+                          f"{f.get('global_acc', float('nan')):.4f} | {f.get('local_acc', float('nan')):.4f} |")
+    return md + [""] if md else md
+
+
 def sampled_evaluation_table(groups) -> list[str]:
     """Runs with `eval.clients`: which of their numbers come from a sample of the clients."""
     md: list[str] = []
@@ -434,6 +459,7 @@ def tables(groups, reference: str | None = None,
     md += alternatives_table(groups)
     md += dispersion_table(groups)
     md += privacy_table(groups)
+    md += update_privacy_table(groups)
     md += sampled_evaluation_table(groups)
     if store is not None:
         md += domain_table(store, groups)
