@@ -18,7 +18,7 @@ VPY=.venv/bin/python
 if ! "$VPY" -c "import torch" 2>/dev/null; then
   "$VPY" -m pip install -q "torch==${TORCH_VERSION}"
 fi
-"$VPY" -m pip install -q -e ".[dev,flower,tune]"
+"$VPY" -m pip install -q -e ".[dev,flower,tune,hf]"
 
 # The optional CPU kernels (fedprism.kernels; train.kernels / eval.kernels = auto use them where built):
 # compiled once for this CPU, about a minute per library on 2 cores, cached; FEDPRISM_NO_KERNELS=1 skips it.

@@ -76,6 +76,44 @@ class Registry(Generic[T]):
         self._builtin_modules: dict[str, str] | None = None     # name -> module, discovered lazily
         self._plugins_loaded = False
         self._lock = threading.RLock()
+        self._families: dict[str, str] = {}   # prefix -> "module:function" making the components `prefix:rest`
+        self._made: dict[str, T] = {}         # components made by a family, by full name (not listed in names())
+
+    # -- families --------------------------------------------------------------------------------
+    def family(self, prefix: str, factory: str) -> None:
+        """Names of the form ``prefix:rest`` (``hf:mnist``) are components made on first use by
+        ``factory`` (``"module:function"``, imported then), called as ``function(name)`` with the whole
+        name; `make` and `check` apply as to a registration. A family's components are not listed by
+        `names` (there is one per name anyone writes), and `unknown` / `not_found` mention the prefix."""
+        if not prefix or ":" in prefix or "." in prefix or ":" not in factory:
+            raise ValueError(f"a family prefix is a word without ':' or '.', and its factory 'module:function'; "
+                             f"got {prefix!r}, {factory!r}")
+        with self._lock:
+            self._families[prefix] = factory
+
+    def families(self) -> list[str]:
+        """The family prefixes, sorted (``["hf"]``)."""
+        return sorted(self._families)
+
+    def family_of(self, name: object) -> str | None:
+        """The family prefix `name` belongs to (``hf`` for ``hf:mnist``), or None."""
+        if isinstance(name, str) and ":" in name:
+            prefix = name.split(":", 1)[0]
+            return prefix if prefix in self._families else None
+        return None
+
+    def _make_member(self, name: str) -> T:
+        with self._lock:
+            if name in self._made:
+                return self._made[name]
+            module, _, func = self._families[self.family_of(name)].partition(":")
+            obj = getattr(importlib.import_module(module), func)(name)
+            if self.make is not None:
+                obj = self.make(name, obj)
+            if self.check is not None:
+                self.check(name, obj)
+            self._made[name] = obj
+            return obj
 
     # -- discovery -------------------------------------------------------------------------------
     def _builtins(self) -> dict[str, str]:
@@ -151,6 +189,8 @@ class Registry(Generic[T]):
         with self._lock:
             if name in self._items:
                 return self._items[name]
+            if self.family_of(name) is not None:
+                return self._make_member(name)
             if isinstance(name, str) and name in self._own:       # popped built-in: its module ran already
                 self._items[name] = self._own[name]
                 return self._items[name]
@@ -179,12 +219,13 @@ class Registry(Generic[T]):
         made known (`plugin_hint`)."""
         names = [*also, *self.names()]
         near = suggest(name.lower(), names) if isinstance(name, str) else ""
-        return ConfigError(key or self.kind, name, f"one of {', '.join(names)}{near}; {self.plugin_hint()}")
+        fams = "".join(f", {p}:NAME" for p in sorted(self._families))
+        return ConfigError(key or self.kind, name, f"one of {', '.join(names)}{fams}{near}; {self.plugin_hint()}")
 
     def __contains__(self, name: object) -> bool:
         if not isinstance(name, str):
             return False
-        if name in self._items or name in self._builtins():
+        if name in self._items or name in self._builtins() or self.family_of(name) is not None:
             return True
         self.load_plugins()
         return name in self._items

@@ -282,6 +282,8 @@ def _as_spec(name: str, obj: Any) -> DatasetSpec:
 #: every dataset: the modules of `fedprism.data.sets`, entry points of `fedprism.datasets`, and
 #: `fedprism.register_dataset`
 DATASETS: Registry[DatasetSpec] = Registry("dataset", "fedprism.data.sets", check=_check_spec, make=_as_spec)
+#: `dataset=hf:NAME`: a Hugging Face dataset (`fedprism.data.hf`), its spec made on first use
+DATASETS.family("hf", "fedprism.data.hf:spec_for")
 
 
 def builtin_specs() -> list[DatasetSpec]:

@@ -85,6 +85,8 @@ def load_dataset(name: str, root: str | Path | None = None, download: bool = Fal
         ds = spec.load(pad32=pad32, root=root, download=download, cache_dir=cache_dir, **kw)
     elif _takes_cache_dir(spec.load):   # a dataset without files that caches what it computes (digits' split)
         ds = spec.load(pad32=pad32, root=root, cache_dir=cache_dir, **kw)
+    elif _takes_cache_dir(spec.load, "download"):   # fetched by its own library (hf:NAME through `datasets`)
+        ds = spec.load(pad32=pad32, root=root, download=download, **kw)
     else:
         ds = spec.load(pad32=pad32, root=root, **kw)
     if not DATASETS.is_builtin(name):
@@ -92,11 +94,11 @@ def load_dataset(name: str, root: str | Path | None = None, download: bool = Fal
     return ds
 
 
-def _takes_cache_dir(load: object) -> bool:
+def _takes_cache_dir(load: object, arg: str = "cache_dir") -> bool:
     import inspect
 
     try:
-        return "cache_dir" in inspect.signature(load).parameters
+        return arg in inspect.signature(load).parameters
     except (TypeError, ValueError):             # no signature to read: called without it
         return False
 

@@ -30,7 +30,8 @@ _nonneg = lambda v: v >= 0  # noqa: E731
 
 #: keys that feed a dataset's loader (a `DatasetSpec.config_keys` entry): refused for a dataset that
 #: does not read them
-DATASET_KEYS = ("data.synthetic_devices",)
+DATASET_KEYS = ("data.synthetic_devices", "data.hf.image", "data.hf.features", "data.hf.label", "data.hf.train_split",
+                "data.hf.test_split", "data.hf.test_fraction")
 
 #: keys of the datasets whose loaders take options: ACS PUMS states and year, the Digits domains and their
 #: sizes, the Office-Caltech10 image side (each spec's `config_keys` names the ones it reads)
@@ -69,6 +70,21 @@ KEYS: dict[str, Param] = {
                                     "Synthetic(1, 1)); more devices, more samples (30: 4 308 train samples; 1000: "
                                     "about 286 000)", lambda v: 1 <= v <= 100_000, "an integer in [1, 100000]",
                                     new=True),
+    "data.hf.image": Param("", "dataset=hf:NAME: the image column (an Image feature or arrays of one shape); "
+                           "'' = the one Image column when there is one (docs/datasets.md, Hugging Face)",
+                           lambda v: "\0" not in v, "a column name, or '' (auto)", new=True),
+    "data.hf.features": Param("", "dataset=hf:NAME: the numeric feature columns of tabular data, comma-separated "
+                              "('' = use data.hf.image)", lambda v: "\0" not in v,
+                              "comma-separated column names, or ''", new=True),
+    "data.hf.label": Param("label", "dataset=hf:NAME: the label column (a ClassLabel, integers or strings)",
+                           lambda v: bool(v) and "\0" not in v, "a column name", new=True),
+    "data.hf.train_split": Param("train", "dataset=hf:NAME: the split the clients' training rows come from",
+                                 lambda v: bool(v) and "\0" not in v, "a split name", new=True),
+    "data.hf.test_split": Param("test", "dataset=hf:NAME: the split of the test set ('' = carve "
+                                "data.hf.test_fraction of the train split, seeded and stratified by label)",
+                                lambda v: "\0" not in v, "a split name, or ''", new=True),
+    "data.hf.test_fraction": Param(0.2, "dataset=hf:NAME with data.hf.test_split='': share of the train split "
+                                   "held out as the test set", lambda v: 0 < v < 1, "a number in (0, 1)", new=True),
     "data.global_val": Param(0, "size of a global validation set carved from the training pool before "
                              "partitioning (0 = none)", _nonneg, "an integer >= 0", new=True),
     "data.local_test": Param("official", "where each client's local test rows come from: official (drawn from "
@@ -486,6 +502,7 @@ def resolve(raw: dict[str, Any]) -> Config:
     for key in DATASET_KEYS:            # a dataset's own key, given for a dataset that does not read it
         if out[key] != KEYS[key].default and key not in dict(DATASETS.get(out["dataset"]).config_keys):
             takers = [n for n, spec in DATASETS.all().items() if key in dict(spec.config_keys)]
+            takers += [f"{p}:NAME" for p in DATASETS.families() if key in dict(DATASETS.get(f"{p}:NAME").config_keys)]
             raise ConfigError(key, out[key], f"only with dataset={' or '.join(takers)} "
                               f"(dataset={out['dataset']}); leave it out")
     from fedprism import kernels         # last: a configuration refused above builds nothing

@@ -7,7 +7,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from fedprism.experiment.config import Config
+from fedprism.experiment.config import DATASET_KEYS, Config
 from fedprism.federation import Federation
 
 
@@ -50,14 +50,16 @@ def _pad32(cfg: Config, dataset: str) -> bool:
 def _federation(dataset: str, root: str, download: bool, pad32: bool, partition: str,
                 part_items: tuple, clients: int, seed: int, train_subset: int = 0, test_subset: int = 0,
                 val_fraction: float = 0.0, global_val: int = 0, local_test: str = "official",
-                local_test_fraction: float = 0.2, synthetic_devices: int = 30) -> Federation:
+                local_test_fraction: float = 0.2, synthetic_devices: int = 30,
+                dataset_options: tuple = ()) -> Federation:
     from fedprism.data.base import DATASETS, natural_datasets
     from fedprism.data.datasets import load_dataset
     from fedprism.data.partition import make_partition
     from fedprism.errors import ConfigError
 
     spec = DATASETS.get(dataset)
-    options = spec.loader_kwargs({"data.synthetic_devices": synthetic_devices})   # the keys federation_key holds
+    options = spec.loader_kwargs({"data.synthetic_devices": synthetic_devices,    # the keys federation_key holds
+                                  **dict(dataset_options)})
     ds = load_dataset(dataset, root=root or None, download=download, pad32=pad32, **options)
     x_tr, y_tr, x_te, y_te = ds.x_train, ds.y_train, ds.x_test, ds.y_test
     vocab = int(getattr(ds, "vocab_size", 0) or 0)       # token data keeps its int64 ids
@@ -187,7 +189,8 @@ def federation_key(cfg: Config) -> tuple:
             cfg["partition"], tuple(sorted(cfg.partition_params.items())), cfg["clients"], cfg["seed"],
             cfg["data.train_subset"], cfg["data.test_subset"], cfg["data.val_fraction"],
             cfg["data.global_val"], cfg["data.local_test"], cfg["data.local_test_fraction"],
-            cfg["data.synthetic_devices"])
+            cfg["data.synthetic_devices"],
+            tuple((k, cfg[k]) for k in DATASET_KEYS if k != "data.synthetic_devices"))
 
 
 def clear_federations() -> None:

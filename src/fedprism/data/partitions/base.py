@@ -169,6 +169,8 @@ def _check(name: str, spec: PartitionSpec) -> None:
 #: name -> PartitionSpec: the built-in partitions (modules of `fedprism.data.partitions`) and registered ones
 PARTITIONS: Registry[PartitionSpec] = Registry("partition", "fedprism.data.partitions",
                                                skip=("base", "splits", "summary"), check=_check, make=_make)
+#: `partition=flwr:CLASS`: a partitioner of Flower Datasets (`fedprism.data.flwr_partitions`), made on first use
+PARTITIONS.family("flwr", "fedprism.data.flwr_partitions:spec_for")
 
 
 def _resolve_params(name: str, params: dict[str, Any]) -> dict[str, Any]:
