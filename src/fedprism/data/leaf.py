@@ -84,14 +84,17 @@ def _read_json(path: Path) -> dict:
     return obj
 
 
-def read_json_split(paths: list[Path]) -> dict[str, tuple[list, list]]:
-    """user -> (x list, y list) over the LEAF files ``paths`` of one split.
+def read_json_split(paths: list[Path], convert: Callable[[str, list, list, str], Any] | None = None
+                    ) -> dict[str, Any]:
+    """user -> ``convert(user, x list, y list, where)`` (default: ``(x, y)``) over the LEAF files ``paths``
+    of one split; each file's users are converted before the next file is read, so only one file's
+    JSON is held in memory at a time.
 
     Each file must list its users in ``users`` with their sample counts in ``num_samples``, and hold
     for each ``user_data[user]`` an ``x`` and a ``y`` of that many entries; a user found in two files
     of the split is refused (LEAF writes each user once).
     """
-    out: dict[str, tuple[list, list]] = {}
+    out: dict[str, Any] = {}
     for path in paths:
         obj = _read_json(path)
         users, counts, data = obj["users"], obj["num_samples"], obj["user_data"]
@@ -111,7 +114,10 @@ def read_json_split(paths: list[Path]) -> dict[str, tuple[list, list]]:
                                 f"{len(entry['y'])} y")
             if user in out:
                 raise DataError(f"{path}: user {user!r} appears in two files of the same split")
-            out[user] = (entry["x"], entry["y"])
+            where = f"{path}: user {user!r}"
+            out[user] = (entry["x"], entry["y"]) if convert is None else convert(user, entry["x"], entry["y"],
+                                                                                 where)
+        del obj, data
     return out
 
 

@@ -80,20 +80,21 @@ def _assemble(splits: list[dict[str, tuple[np.ndarray, np.ndarray]]], where: obj
     return out
 
 
+def _convert(user: str, x: list, y: list, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """One writer's LEAF lists -> (uint8 images, labels)."""
+    try:
+        px = np.asarray(x, dtype=np.float64) if x else np.zeros((0, 784))
+    except (ValueError, TypeError):
+        raise DataError(f"{where}: 'x' is not a list of 784 numbers per sample") from None
+    return to_uint8(px, where), _labels(y, where)
+
+
 def read_json(files: dict[str, Path]) -> dict[str, np.ndarray]:
     """The LEAF JSON files -> arrays (uint8 images, labels, writer ids, writer names)."""
     splits = []
     for split in ("train", "test"):
         paths = [p for k, p in sorted(files.items()) if k.startswith(split + "/")]
-        data = {}
-        for user, (x, y) in leaf.read_json_split(paths).items():
-            where = f"{paths[0].parent}: writer {user!r}"
-            try:
-                px = np.asarray(x, dtype=np.float64) if x else np.zeros((0, 784))
-            except (ValueError, TypeError):
-                raise DataError(f"{where}: 'x' is not a list of 784 numbers per sample") from None
-            data[user] = (to_uint8(px, where), _labels(y, where))
-        splits.append(data)
+        splits.append(leaf.read_json_split(paths, _convert))
     return _assemble(splits, next(iter(files.values())).parent.parent)
 
 

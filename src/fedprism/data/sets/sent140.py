@@ -104,11 +104,8 @@ def _from_json(files: dict[str, Path]) -> tuple[list[dict], int]:
     splits = []
     for split in ("train", "test"):
         paths = [p for k, p in sorted(files.items()) if k.startswith(split + "/")]
-        data = {}
-        for user, (xs, ys) in leaf.read_json_split(paths).items():
-            where = f"{paths[0].parent}: user {user!r}"
-            data[user] = ([_text(x, where) for x in xs], [_polarity(y, where) for y in ys])
-        splits.append(data)
+        splits.append(leaf.read_json_split(
+            paths, lambda user, xs, ys, where: ([_text(x, where) for x in xs], [_polarity(y, where) for y in ys])))
     return splits, 0
 
 

@@ -76,22 +76,24 @@ def windows(text: str, seq_len: int = SEQ_LEN) -> tuple[np.ndarray, np.ndarray, 
     return w[:, :seq_len], w[:, seq_len], int((~ok).sum())
 
 
+def _convert(role: str, xs: list, ys: list, where: str) -> tuple[np.ndarray, np.ndarray, int]:
+    """One role's LEAF samples -> (x uint8 [n, 80], y uint8 [n], samples dropped)."""
+    if not all(isinstance(s, str) and len(s) == SEQ_LEN for s in xs) or \
+            not all(isinstance(c, str) and len(c) == 1 for c in ys):
+        raise DataError(f"{where}: 'x' must hold strings of {SEQ_LEN} characters and 'y' single characters")
+    x = ids("".join(xs)).reshape(-1, SEQ_LEN)
+    y = ids("".join(ys))
+    ok = (x >= 0).all(axis=1) & (y >= 0)
+    return x[ok].astype(np.uint8), y[ok].astype(np.uint8), int((~ok).sum())
+
+
 def _from_json(files: dict[str, Path]) -> tuple[list[dict], int]:
     splits, skipped = [], 0
     for split in ("train", "test"):
         paths = [p for k, p in sorted(files.items()) if k.startswith(split + "/")]
-        data = {}
-        for role, (xs, ys) in leaf.read_json_split(paths).items():
-            where = f"{paths[0].parent}: role {role!r}"
-            if not all(isinstance(s, str) and len(s) == SEQ_LEN for s in xs) or \
-                    not all(isinstance(c, str) and len(c) == 1 for c in ys):
-                raise DataError(f"{where}: 'x' must hold strings of {SEQ_LEN} characters and 'y' single characters")
-            x = ids("".join(xs)).reshape(-1, SEQ_LEN)
-            y = ids("".join(ys))
-            ok = (x >= 0).all(axis=1) & (y >= 0)
-            skipped += int((~ok).sum())
-            data[role] = (x[ok].astype(np.uint8), y[ok].astype(np.uint8))
-        splits.append(data)
+        data = leaf.read_json_split(paths, _convert)
+        skipped += sum(d for _, _, d in data.values())
+        splits.append({role: (x, y) for role, (x, y, _) in data.items()})
     return splits, skipped
 
 
