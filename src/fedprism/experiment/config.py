@@ -246,6 +246,7 @@ KEYS: dict[str, Param] = {
                             "someone without the key is discarded (for stores that others can write to; "
                             "docs/robustness.md); '' = no key; not part of the run id",
                             lambda v: "\0" not in v, "a path to a key file, or '' (no NUL character)"),
+    **SYSTEM_KEYS,          # availability, speeds, deadlines, FedBuff (fedprism.systems, docs/systems.md)
 }
 
 #: parameters every partition takes (minimum samples per client)
@@ -300,7 +301,6 @@ def load_toml(path: str | Path) -> dict[str, Any]:
 
 
 def read_toml(path: str | Path, what: str) -> dict[str, Any]:
-    **SYSTEM_KEYS,          # availability, speeds, deadlines, FedBuff (fedprism.systems, docs/systems.md)
     """A TOML file as a dict; every way it can fail (missing, unreadable, not UTF-8, not TOML) is a
     one-line ConfigError naming the file. A UTF-8 byte-order mark at its start (Windows editors write
     one) is skipped; TOML itself does not allow it."""
@@ -492,6 +492,7 @@ def resolve(raw: dict[str, Any]) -> Config:
                           "(0: every client)")
     if out["eval.gate"] != "none":
         _check_gate(out)
+    check_system(out)
     if out["data.unseen_clients"] > 0:
         held = held_out_count(out["clients"], out["data.unseen_clients"])
         if not 1 <= held < out["clients"]:
@@ -570,7 +571,6 @@ def _check_gate(out: dict) -> None:
         if not out[k] > 0:
             raise ConfigError("eval.gate", out["eval.gate"], f"none unless {k} > 0 (the gate is fitted on "
                               f"the clients' validation rows and the global validation set; {k}={out[k]})")
-    check_system(out)
 
 
 def describe_keys() -> list[tuple[str, Any, str]]:
