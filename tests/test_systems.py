@@ -132,16 +132,20 @@ def test_deadline_drops_exactly_the_slow_clients(tmp_path):
     compute = np.array([50.0, 5.0, 40.0, 3.0, 60.0, 4.0, 30.0, 2.0])       # samples / s; odd clients slow
     f = tmp_path / "speeds.json"
     f.write_text(json.dumps({"compute": compute.tolist(), "bandwidth": [1e6] * 8}))
-    exp, res = run(tmp_path, **{"system.speeds": str(f), "system.deadline": 10.0})
-    P = exp.ctx.spec.size
+    P = 8970                                                   # the MLP's parameters on digits
     T = n / compute + 2 * 4 * P / 1e6                          # E = 1; a row of P float32 each way
+    first = [int(c) for c in sample_clients(0, 0, 8, 0.5) if compute[c] < 10]
+    assert first
+    D = round(0.75 * min(T[first]), 3)          # one late client within (D, 2D): the bound is exactly D
+    exp, res = run(tmp_path, **{"system.speeds": str(f), "system.deadline": D})
+    assert exp.ctx.spec.size == P
     late = {r["round"]: data(r) for r in records(exp, "late")}
     for t, h in enumerate(res.history):
         cohort = sample_clients(0, t, 8, 0.5)
-        slow = [int(c) for c in cohort if T[c] > 10.0]
+        slow = [int(c) for c in cohort if T[c] > D]
         assert late.get(t, {}).get("clients", []) == slow
         assert h["late"] == len(slow) and h["accepted"] == len(cohort) - len(slow)
-        assert h["sim_time"] == (10.0 if slow else pytest.approx(max(T[c] for c in cohort), rel=1e-12))
+        assert h["sim_time"] == (D if slow else pytest.approx(max(T[c] for c in cohort), rel=1e-12))
     assert any(late.values())
     assert res.final["sim_clock"] == pytest.approx(sum(h["sim_time"] for h in res.history))
     assert res.final["late"] == sum(h["late"] for h in res.history)
