@@ -1,8 +1,8 @@
-"""The model zoo's newer members (`vgg11`, `char_lstm`, `text_cnn`, `tabular_mlp`): each builds at its listed
-shape with the body/head split, maps a batch to [batch, classes] logits and the body to its penultimate
-features, refuses the inputs it cannot take, and runs a round through `fedprism.api` and the CLI on tiny
-generated data; the forward multiply-adds of `fedprism models` (one counter, `fedprism.models.flops`) are
-checked against hand-computed counts, for every model."""
+"""The model zoo's newer members (`vgg11`, `char_lstm`, `text_cnn`, `text_transformer`, `tabular_mlp`): each
+builds at its listed shape with the body/head split, maps a batch to [batch, classes] logits and the body to
+its penultimate features, refuses the inputs it cannot take, and runs a round through `fedprism.api` and the
+CLI on tiny generated data; the forward multiply-adds of `fedprism models` (one counter,
+`fedprism.models.flops`) are checked against hand-computed counts, and listed for every model."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from fedprism.models.flops import forward_macs
 
 #: model -> (input shape, vocabulary, penultimate width)
 NEW = {"vgg11": ((3, 32, 32), 0, 512), "char_lstm": ((80,), 80, 256), "text_cnn": ((25,), 50, 300),
-       "tabular_mlp": ((10,), 0, 128)}
+       "tabular_mlp": ((10,), 0, 128), "text_transformer": ((25,), 50, 64)}
 
 
 def _batch(shape, vocab, n=3):
@@ -67,7 +67,8 @@ def test_body_and_head_partition_the_parameters_of_every_model():
 def test_new_models_refuse_inputs_they_cannot_take():
     for name, shape, why in (("vgg11", (1, 28, 28), "multiples of 32"), ("vgg11", (96,), "multiples of 32"),
                              ("tabular_mlp", (1, 8, 8), r"rows of features \[D\]"),
-                             ("text_cnn", (4,), "at least 5 tokens"), ("char_lstm", (2, 8), r"\[seq_len\]")):
+                             ("text_cnn", (4,), "at least 5 tokens"), ("char_lstm", (2, 8), r"\[seq_len\]"),
+                             ("text_transformer", (1, 8, 8), r"\[seq_len\]")):
         spec = MODELS.get(name)
         with pytest.raises(ConfigError, match=why):
             build_model(name, shape, 3, vocab_size=spec.vocab if spec.tokens else 0)
@@ -95,6 +96,10 @@ def test_multiply_adds_by_hand():
     # text_cnn: widths 3/4/5 over 25 tokens of 128 dims, 100 maps each, and fc 300 -> 10
     conv = sum(100 * (25 - w + 1) * 128 * w for w in (3, 4, 5))
     assert forward_macs(build_model("text_cnn", (25,), 10, vocab_size=50), (25,), torch.int64) == conv + 3000
+    # text_transformer: per layer over 25 positions of width 64, 4 heads of 16: q/k/v, q k^T, att v, out, FFN
+    layer = 25 * 64 * 192 + 4 * 25 * 25 * 16 * 2 + 25 * 64 * 64 + 2 * 25 * 64 * 128
+    assert forward_macs(build_model("text_transformer", (25,), 10, vocab_size=50), (25,), torch.int64) == \
+        2 * layer + 64 * 10
 
 
 def test_models_listing_shows_parameters_and_multiply_adds_of_every_model():

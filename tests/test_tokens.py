@@ -66,11 +66,12 @@ def test_text_cnn_runs_one_round_on_token_data(tok, tmp_path, engine):
     assert 0.0 <= r.final["local_acc"] <= 1.0 and 0.0 <= r.final["global_acc"] <= 1.0
 
 
-def test_engines_agree_on_token_data(tok, tmp_path):
-    """The vectorized engine trains and scores token models as the sequential one (float tolerance)."""
+@pytest.mark.parametrize("model", ["text_cnn", "text_transformer"])
+def test_engines_agree_on_token_data(tok, tmp_path, model):
+    """The vectorized engine trains and scores token models (with dropout) as the sequential one."""
     out = {}
     for engine in ("sequential", "vectorized"):
-        r = fedprism.run(**RUN, model="text_cnn", method="fedper", engine=engine, db=tmp_path / f"{engine}.db",
+        r = fedprism.run(**RUN, model=model, method="fedper", engine=engine, db=tmp_path / f"{engine}.db",
                          **{"data.val_fraction": 0.25})
         out[engine] = r.final
     for k in ("local_acc", "global_acc", "sdad", "local_f1", "global_f1", "bytes_up"):
@@ -82,6 +83,9 @@ def test_model_auto_picks_a_token_model(tok):
     from fedprism.models.text_cnn import TextCNN
 
     model = make_model(fedprism.config(**RUN, model="auto"), (SEQ,), 3, VOCAB)
+    assert isinstance(model, TextCNN) and model.body[0].embedding.num_embeddings == VOCAB
+    # without the data (a Flower server that reads none): the vocabulary its spec declares
+    model = make_model(fedprism.config(**RUN, model="auto"), (SEQ,), 3)
     assert isinstance(model, TextCNN) and model.body[0].embedding.num_embeddings == VOCAB
 
 
