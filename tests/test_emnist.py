@@ -166,3 +166,20 @@ def test_a_member_that_decompresses_beyond_the_limit_is_refused(iso, monkeypatch
     with pytest.raises(DataError, match=r"emnist-digits-train-images-idx3-ubyte.gz: decompresses to more than") as e:
         load_dataset("emnist", root=iso / "d", split="digits", cache_dir=False)
     assert str(iso / "d" / emnist.ARCHIVE) in str(e.value)
+
+
+def test_the_config_key_chooses_the_split_of_a_run(iso):
+    from fedprism.experiment.config import resolve
+    from fedprism.experiment.federation import build_federation
+
+    x_tr, y_tr, x_te, y_te = fake(9, 26, 8, 26, first=1)
+    write_emnist_zip(iso / "d" / emnist.ARCHIVE, "letters", x_tr, y_tr, x_te, y_te, LETTERS)
+    cfg = {"dataset": "emnist", "data.emnist.split": "letters", "partition": "iid", "clients": 2, "model": "mlp",
+           "data.root": str(iso / "d"), "partition.min_train": 1}
+    fed = build_federation(resolve(cfg))
+    assert fed.num_classes == 26 and fed.class_names[0] == "A/a" and len(fed.y_train) == 26
+    with pytest.raises(ConfigError, match="'split' = 'letter' is not valid"):
+        build_federation(resolve({**cfg, "data.emnist.split": "letter"}))
+    with pytest.raises(ConfigError, match="data.emnist.split"):
+        resolve({**cfg, "dataset": "mnist"})                     # a key of a dataset that does not read it
+    assert resolve(cfg).run_id != resolve({**cfg, "data.emnist.split": "byclass"}).run_id

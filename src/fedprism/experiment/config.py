@@ -37,6 +37,8 @@ DATASET_KEYS = ("data.synthetic_devices", "data.hf.image", "data.hf.features", "
 #: sizes, the Office-Caltech10 image side (each spec's `config_keys` names the ones it reads)
 DATASET_KEYS = DATASET_KEYS + ("data.acs.states", "data.acs.year", "data.domains", "data.per_domain_train",
                                "data.per_domain_test", "data.image_size")
+#: the EMNIST split
+DATASET_KEYS = DATASET_KEYS + ("data.emnist.split",)
 
 #: experiment keys (not method- or partition-specific)
 #: upper bound of `threads=`: a fixed number, so that a configuration valid on one machine is valid on
@@ -110,6 +112,10 @@ KEYS: dict[str, Param] = {
                                   "0 = all)", _nonneg, "an integer >= 0", new=True),
     "data.image_size": Param(64, "dataset=office_caltech10: the side images are resized to",
                              lambda v: 8 <= v <= 1024, "an integer in [8, 1024]", new=True),
+    "data.emnist.split": Param("byclass", "dataset=emnist: the split read (byclass 62 classes, bymerge and "
+                               "balanced 47, letters 26, digits and mnist 10; docs/datasets.md)",
+                               lambda v: bool(v) and "\0" not in v,
+                               "byclass, bymerge, balanced, letters, digits or mnist", new=True),
     "model": Param("auto", "a registered model (`fedprism models` lists them, with the inputs each takes), or "
                    "auto (lenet5 for images >= 28px, else mlp)"),
     "partition": Param("dirichlet", "how the data is split across clients: a registered partition (`fedprism "

@@ -1,6 +1,6 @@
 """EMNIST (Cohen, Afshar, Tapson, van Schaik 2017, "EMNIST: an extension of MNIST to handwritten letters",
 arXiv:1702.05373): 28x28 handwritten digits and letters of NIST Special Database 19 in MNIST's format, in
-six splits (option ``split``, config key ``data.emnist_split``):
+six splits (option ``split``, config key ``data.emnist.split``):
 
 =========  ========  ================================================================
 split      classes   what
@@ -194,6 +194,7 @@ SPEC = DATASETS.register(DatasetSpec(
     normalisation="none: pixels scaled to [0, 1]",
     pad32_auto=True,
     options=("split",),
+    config_keys=(("data.emnist.split", "split"),),
     files=FileSet(
         find=find,
         needed=f"{ARCHIVE} (NIST), or its gzip/emnist-<split>-{{train,test}}-{{images-idx3,labels-idx1}}"
