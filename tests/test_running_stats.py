@@ -304,3 +304,20 @@ def test_state_dicts_load_with_or_without_num_batches_tracked():
     assert "num_batches_tracked" in torch_bn
     b.body[1].load_state_dict(torch_bn)
     assert torch.equal(b.body[1].running_var, torch.ones(16))
+
+
+def test_a_registered_model_with_torchs_running_batchnorm_is_refused_naming_the_fix():
+    import fedprism
+    from fedprism.errors import ConfigError
+    from fedprism.experiment.build import make_model
+
+    def build(shape, k):
+        return torch.nn.Sequential(torch.nn.Conv2d(shape[0], 4, 3, padding=1), torch.nn.BatchNorm2d(4),
+                                   torch.nn.Flatten(), torch.nn.Linear(4 * shape[1] * shape[2], k))
+
+    fedprism.register_model("torch_bn_test", build)
+    try:
+        with pytest.raises(ConfigError, match=r"'model' = 'torch_bn_test'.*layer '1'.*RunningBatchNorm2d"):
+            make_model(resolve({"dataset": "digits", "model": "torch_bn_test"}), (1, 8, 8), 10)
+    finally:
+        MODELS.pop("torch_bn_test")

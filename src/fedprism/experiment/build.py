@@ -76,6 +76,11 @@ def _check_plugin_model(name: str, model: object, input_shape: tuple[int, ...], 
         raise bad(f"builder returns a torch.nn.Module; it returned {type(model).__name__}")
     if next(model.parameters(), None) is None:
         raise bad("has parameters to train; this one has none")
+    from fedprism.params import running_layers
+    try:
+        running_layers(model)          # a torch BatchNorm updating its buffers in place: no engine can
+    except ValueError as e:
+        raise bad(f"uses BatchNorm that fedprism can train; {e}") from None
     lazy = torch.nn.parameter.is_lazy
     if not all(lazy(p) or bool(torch.isfinite(p).all()) for p in model.parameters()):
         raise bad("starts from finite weights; this one holds NaN or inf")
