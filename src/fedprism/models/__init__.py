@@ -2,10 +2,11 @@
 
 One module per model, each declaring a `ModelSpec` on the `MODELS` registry (`fedprism.models.base`
 says what a spec declares): `lenet5`, `lenet5_bn`, `mlp`, `mlp_bn`, `mlp_fedsub`, `cnn`,
-`clustpsi_fmnist_cnn`, `clustpsi_cifar_cnn`. Nothing here imports them: `build_model(name, ...)` imports
-the one it builds. Shared layers live in `base` (`Split`, `BatchNorm1d`), `dropout` (`SeededDropout`)
-and `pooling`. `fedprism models` lists every registered model with its input constraints, its
-parameter count and its body/head split.
+`clustpsi_fmnist_cnn`, `clustpsi_cifar_cnn`, `vgg11`, `tabular_mlp`, and the token models (text:
+`ModelSpec.tokens`) `char_lstm`, `text_cnn`, `text_transformer`, among others. Nothing here imports them:
+`build_model(name, ...)` imports the one it builds. Shared layers live in `base` (`Split`, `BatchNorm1d`),
+`dropout` (`SeededDropout`) and `pooling`. `fedprism models` lists every registered model with its input
+constraints, its parameter count, its forward multiply-adds (`flops`) and its body/head split.
 """
 
 from __future__ import annotations
