@@ -221,3 +221,22 @@ def test_acsincome_natural_partition_by_state_and_one_round(iso):
     res = fedprism.run(fedprism.config(**{**raw, "rounds": 1, "local_epochs": 1, "fraction": 0.5,
                                           "optimizer": "adam", "lr": 0.001}), db=iso / "r.db")
     assert res.status == "finished" and 0 <= res.final["local_acc"] <= 1
+
+
+def test_config_keys_choose_states_and_year(iso):
+    write_pums(iso / "acs", {"CA": 120, "WY": 90})
+    write_pums(iso / "acs", {"VT": 80}, year=2019, layout="folktables")
+    from fedprism.experiment.config import resolve
+    from fedprism.experiment.federation import build_federation
+    raw = {"dataset": "acsincome", "partition": "natural", "data.root": str(iso / "acs"), "method": "fedavg",
+           "model": "logreg"}
+    fed = build_federation(resolve({**raw, "clients": 2, "data.acs.states": "CA,WY"}))
+    assert fed.meta["client_groups"] == [6, 56]
+    fed = build_federation(resolve({**raw, "clients": 1, "data.acs.states": "VT", "data.acs.year": 2019}))
+    assert fed.meta["client_groups"] == [50]
+    a = resolve({**raw, "clients": 2, "data.acs.states": "CA,WY"})
+    assert a.run_id != resolve({**raw, "clients": 2, "data.acs.states": "WY,CA,TX"}).run_id
+    with pytest.raises(ConfigError, match="data.acs.states.*only with dataset=acsincome"):
+        resolve({"dataset": "digits", "method": "fedavg", "data.acs.states": "CA"})
+    with pytest.raises(ConfigError, match="data.acs.year"):
+        resolve({**raw, "clients": 2, "data.acs.year": 1999})
