@@ -175,6 +175,18 @@ def test_digit_domains_natural_and_domain_mix_partitions_and_one_round(iso, monk
                                        model="cnn", rounds=1, local_epochs=1, fraction=1.0, batch_size=16,
                                        **{"data.root": root}), db=iso / "r.db")
     assert res.status == "finished" and 0 <= res.final["local_acc"] <= 1
+    mixed = fedprism.run(fedprism.config(dataset="digit_domains", partition="domain_mix", clients=10, method="pfpl",
+                                         model="cnn", rounds=1, local_epochs=1, fraction=1.0, batch_size=16, **{
+                                             "data.root": root, "partition.num_domains": 5, "partition.min_train": 1}),
+                         db=iso / "r.db")
+    from fedprism.experiment.store import Store
+    from fedprism.report import domain_accuracy, domain_table
+    with Store(iso / "r.db") as st:
+        acc = domain_accuracy(st, mixed.run_id)
+        table = domain_table(st, {"s": {"PFPL": [{"run_id": mixed.run_id, "config": {"dataset": "digit_domains",
+                                                                                     "seed": 0}}]}})
+    assert sorted(acc) == [0, 1, 2, 3, 4]
+    assert "| method | 0: mnist | 1: mnistm | 2: svhn | 3: usps | 4: synthdigits |" in table
 
 
 # --------------------------------------------------------------------------------- Office-Caltech10

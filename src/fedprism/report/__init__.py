@@ -393,6 +393,20 @@ def domain_accuracy(store: Store, run_id: str) -> dict[int, float]:
     return {d: float(np.mean(v)) for d, v in sorted(acc.items())}
 
 
+def _real_domain_names(label: str, by_label) -> tuple[str, ...] | None:
+    """The domain names of a dataset whose samples carry their real domain (spec ``natural = "domain"``,
+    names in its module's ``GROUP_NAMES``), for the runs of row ``label``; None for the transforms."""
+    import sys
+
+    from fedprism.data.base import DATASETS
+
+    runs = by_label.get(label) or []
+    spec = DATASETS.find(runs[0]["config"].get("dataset", "")) if runs else None
+    if spec is None or spec.natural != "domain":
+        return None
+    return getattr(sys.modules.get(spec.module), "GROUP_NAMES", None)
+
+
 def domain_table(store: Store, groups) -> list[str]:
     """Per-domain local accuracy (final round; mean ± std over seeds) of the settings whose runs have
     client domains (mixed label + feature skew, `partition=domain_mix`)."""
@@ -411,9 +425,11 @@ def domain_table(store: Store, groups) -> list[str]:
         if not md:
             md = ["## Local accuracy per domain (final round, %)", "",
                   "Mean local accuracy of the clients of each domain (the fixed image transforms of "
-                  "`fedprism.data.domains`).", ""]
+                  "`fedprism.data.domains`, or the data's own domains for a dataset that has them).", ""]
         cols = sorted(doms)
-        md += [f"### {setting}", "", "| method | " + " | ".join(f"{d}: {DOMAINS[d]}" for d in cols) + " |",
+        names = _real_domain_names(rows[0][0], groups[setting]) or DOMAINS
+        md += [f"### {setting}", "", "| method | " + " | ".join(
+                   f"{d}: {names[d] if 0 <= d < len(names) else d}" for d in cols) + " |",
                "|---|" + "---|" * len(cols)]
         md += [f"| {_cell(label)} | " + " | ".join(_pm([a.get(d) for a in per_seed]) for d in cols) + " |"
                for label, per_seed in rows]

@@ -39,6 +39,7 @@ from fedprism.errors import ConfigError
 #: each domain's dataset module, by domain id, and how its files decode (MNIST's IDX through decode_idx)
 _MODULES = (mnist, mnistm, svhn, usps, synthdigits)
 DOMAINS = tuple(m.SPEC.name for m in _MODULES)
+GROUP_NAMES = DOMAINS          # by domain id, for the report's per-domain table
 _DECODERS = {m.SPEC.name: getattr(m, "decode", lambda files, scratch: decode_idx(files, DIGIT_CLASSES))
              for m in _MODULES}
 

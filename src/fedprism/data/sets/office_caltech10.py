@@ -35,6 +35,7 @@ from fedprism.data.grouped import split_within_groups
 from fedprism.errors import DataError
 
 SITES = ("amazon", "caltech", "dslr", "webcam")
+GROUP_NAMES = SITES            # by domain id, for the report's per-domain table
 CLASSES = ("back_pack", "bike", "calculator", "headphones", "keyboard", "laptop_computer", "monitor", "mouse",
            "mug", "projector")
 ARCHIVE = "office_caltech_10_dataset.zip"
