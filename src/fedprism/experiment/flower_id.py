@@ -35,6 +35,10 @@ IDENTITY_PARAMS: dict[str, Param] = {
                            "a finite number >= 0"),
     "global-eval": Param("server", "who scores the global test set: the server (when it can build the "
                          "dataset) or the nodes", choices=("server", "nodes")),
+    "secagg": Param("none", "secure aggregation of the uploads: none, or secaggplus (Flower's SecAgg+; methods "
+                    "whose server needs only the sum of the uploads)", choices=("none", "secaggplus")),
+    "secagg-clip": Param(8.0, "SecAgg+: clipping range of each update coordinate before quantisation",
+                         lambda v: v > 0 and math.isfinite(v), "a finite number > 0"),
 }
 IDENTITY_KEYS = tuple(IDENTITY_PARAMS)
 

@@ -24,6 +24,7 @@ from flwr.clientapp import ClientApp
 
 from fedprism.flower import codec
 from fedprism.flower.node import Node, build_node
+from fedprism.flower.secagg import is_secure, secagg_mod, secure_reply
 from fedprism.flower.settings import RUN_KEYS, client_id_of, parse_experiment
 from fedprism.flower.trust import laplace_hist
 
@@ -87,7 +88,7 @@ def released_hist(node: Node, context: Context, epsilon: float) -> np.ndarray | 
 def make_client_app(**defaults: Any) -> ClientApp:
     """A ClientApp whose run-config defaults are `defaults` (keys of `settings.RUN_KEYS`)."""
     defaults = {k.replace("_", "-"): v for k, v in defaults.items()}
-    app = ClientApp()
+    app = ClientApp(mods=[secagg_mod])         # SecAgg+'s messages to its mod, every other one as it is
 
     def epsilon(context: Context) -> float:
         return float({**defaults, **dict(context.run_config)}.get("stats-epsilon", 0.0) or 0.0)
@@ -117,6 +118,8 @@ def make_client_app(**defaults: Any) -> ClientApp:
         if hist is not None:               # the released total, not the exact one
             total = max(int(hist.sum()), 1)     # a weight of 0 carries nothing
             update.n_samples = torch.tensor([float(total)], dtype=torch.float64)
+        if is_secure(msg.content):         # secagg=secaggplus: the update goes to the mod, which masks it
+            return Message(secure_reply(node, plan, update, node.cfg.run_id), reply_to=msg)
         return Message(codec.encode_update(update, node.client, node.cfg.run_id, node.algo), reply_to=msg)
 
     @app.evaluate()

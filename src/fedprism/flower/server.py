@@ -45,6 +45,7 @@ from fedprism.experiment.runner import Experiment, RunResult, validate_update
 from fedprism.experiment.systems_run import system_run
 from fedprism.experiment.store import Store
 from fedprism.flower import codec
+from fedprism.flower.secagg import check_secure, secure_round
 from fedprism.flower.settings import IDENTITY_KEYS, RunSettings, check_flower_config, flower_label
 from fedprism.flower.spec import RunSpec
 from fedprism.flower.trust import (FLOAT32_MAX, Refused, Registry, clip_update, node_keys, parse_identity, sample_count,
@@ -585,6 +586,8 @@ class FlowerExperiment(Experiment):
         #: `system.*` on Flower: the availability trace (the server does not contact a client the trace
         #: has offline) and `system.deadline` as the real timeout of the train exchange (docs/systems.md)
         self.system = system_run(cfg, self.ctx, self.algo, flower=True)
+        if settings.secagg == "secaggplus":          # refused before a round: a method that reads each upload
+            check_secure(cfg, self.algo, settings, link.max_samples)
         self.clients = None                          # the nodes keep their own client state
         self.upload = {k: spec.resolve(self.ctx) for k, spec in self.algo.upload().items()}
         shared = None
@@ -627,6 +630,8 @@ class FlowerExperiment(Experiment):
         return RunResult(run_id, "finished", json.loads(row["final"] or "{}"), store.round_metrics(run_id))
 
     def local_work(self, plan: Plan, rnd: int) -> tuple[Update | None, dict[int, str]]:
+        if self.settings.secagg == "secaggplus":     # the uploads reach the server only as their sum
+            return secure_round(self, plan, rnd)
         link, s = self.link, self.settings
         self._rnd = rnd
         link.refresh()

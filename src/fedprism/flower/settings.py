@@ -82,6 +82,12 @@ RUN_KEYS: dict[str, Param] = {
     "registry": IDENTITY_PARAMS["registry"],
     "stats-epsilon": IDENTITY_PARAMS["stats-epsilon"],
     "global-eval": IDENTITY_PARAMS["global-eval"],
+    "secagg": IDENTITY_PARAMS["secagg"],
+    "secagg-clip": IDENTITY_PARAMS["secagg-clip"],
+    "secagg-shares": Param(1.0, "SecAgg+: shares of each node's secret, as a fraction of the round's nodes",
+                           lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "secagg-threshold": Param(0.7, "SecAgg+: shares needed to reconstruct a secret, as a fraction of the shares",
+                              lambda v: 0 < v <= 1, "a number in (0, 1]"),
 }
 
 #: SuperNode node-config keys (Flower's simulation adds partition-id / num-partitions)
@@ -124,6 +130,10 @@ class RunSettings:
     registry: str = ""
     global_eval: str = "server"
     stats_epsilon: float = 0.0
+    secagg: str = "none"
+    secagg_clip: float = 8.0
+    secagg_shares: float = 1.0
+    secagg_threshold: float = 0.7
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Any]) -> RunSettings:
@@ -148,7 +158,8 @@ class RunSettings:
                    save_final=v["save-final"], stop_after=v["stop-after"], max_samples=v["max-samples"],
                    update_norm_bound=v["update-norm-bound"], norm_action=v["norm-action"],
                    registry=v["registry"], global_eval=v["global-eval"],
-                   stats_epsilon=v["stats-epsilon"])
+                   stats_epsilon=v["stats-epsilon"], secagg=v["secagg"], secagg_clip=v["secagg-clip"],
+                   secagg_shares=v["secagg-shares"], secagg_threshold=v["secagg-threshold"])
 
     def knobs(self, keys: tuple[str, ...] = IDENTITY_KEYS) -> dict[str, Any]:
         """This run's values of the run-config keys `keys` (run-config names)."""
