@@ -170,11 +170,20 @@ def cmd_sweep(args) -> int:
     from fedprism.experiment.config import parse_overrides
     from fedprism.experiment.sweep import run_sweep, sweep_db
 
+    ray = None
+    if args.ray is not None:                 # checked before the sweep file is read
+        from fedprism.experiment.executor import RayOptions
+
+        ray = RayOptions(args.ray, 1.0 if args.ray_cpus is None else args.ray_cpus,
+                         0.0 if args.ray_gpus is None else args.ray_gpus, args.ray_store or "shared", args.ray_scratch)
+    elif any(v is not None for v in (args.ray_cpus, args.ray_gpus, args.ray_store, args.ray_scratch)):
+        raise ConfigError("--ray", None, "the cluster's address (host:port, auto or local) with --ray-cpus, "
+                          "--ray-gpus, --ray-store or --ray-scratch", kind="option")
     # --db, then $FEDPRISM_DB, then the file's own `db` (not for --quick smoke runs), then the default
     db = args.db or os.environ.get("FEDPRISM_DB") or (None if args.quick else sweep_db(args.file)) or DEFAULT_DB
     return run_sweep(args.file, db, only=args.only, quick=args.quick, progress=not args.quiet,
                      limit=args.limit, seeds=args.seed, overrides=parse_overrides(args.items), workers=args.workers,
-                     fresh=args.fresh)
+                     fresh=args.fresh, ray=ray)
 
 
 def cmd_tune(args) -> int:
@@ -856,6 +865,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--workers", type=int, default=1,
                    help="runs at once, in separate processes sharing the cores (default 1)")
     s.add_argument("--quiet", action="store_true", help="no progress lines (the summary is still printed)")
+    s.add_argument("--ray", default=None, metavar="ADDRESS",
+                   help="send each run to the Ray cluster at ADDRESS (host:port of its head, auto, or local) as "
+                   "one task (docs/ray.md)")
+    s.add_argument("--ray-cpus", type=float, default=None, help="--ray: CPUs each run's task declares (default 1)")
+    s.add_argument("--ray-gpus", type=float, default=None,
+                   help="--ray: GPUs each run's task declares; a fraction shares a GPU (0.25: four runs per GPU; "
+                   "default 0)")
+    s.add_argument("--ray-store", default=None, choices=("shared", "ship"),
+                   help="--ray: shared (every node opens --db: one machine, or a file system all nodes mount) or "
+                   "ship (each task writes a store in its node's scratch and the finished run is merged here); "
+                   "default shared")
+    s.add_argument("--ray-scratch", default=None, metavar="DIR",
+                   help="--ray-store ship: the folder on each node for the runs' own stores and checkpoints "
+                   "(default $FEDPRISM_RAY_SCRATCH, else <temp>/fedprism-ray)")
     s.add_argument("--fresh", action="store_true",
                    help="run every selected run again (all, or those of --only / --seed / --limit): drop its "
                    "stored rounds, checkpoint and kept final state first (after an edit of a method, its "

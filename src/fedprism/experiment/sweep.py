@@ -459,12 +459,15 @@ def select_only(configs: list, only: str) -> list:
 
 def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, progress: bool = True,
               limit: int | None = None, seeds: list[int] | None = None,
-              overrides: dict[str, Any] | None = None, workers: int = 1, fresh: bool = False) -> int:
+              overrides: dict[str, Any] | None = None, workers: int = 1, fresh: bool = False,
+              ray: Any = None) -> int:
     """Run every run of a sweep file that has not finished (resumable). `workers` > 1 runs that many
     runs at once in separate processes, the machine's cores split between them (torch threads per
     worker = cores // workers), each printing one line when its run finishes. `fresh=True` (`--fresh`)
     runs every selected run again (`only`, `seeds`, `limit` select): what the store holds of it is
-    dropped (`fresh.forget`) once every run to do has passed the checks that need no training."""
+    dropped (`fresh.forget`) once every run to do has passed the checks that need no training. `ray` (an
+    `executor.RayOptions`, `--ray ADDRESS`) sends each run to a Ray cluster as one task instead
+    (`fedprism.experiment.executor`, docs/ray.md)."""
     from fedprism.experiment.fresh import cli_visible, fix_for_sweep, forget, verify_hint
     from fedprism.experiment.provenance import check, fingerprints
     from fedprism.experiment.runlock import RunBusyError
@@ -526,7 +529,7 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
             todo.append((tag, cfg))
         if limit is not None:
             todo = todo[:limit]
-        check_runs(todo, store.path, keep_data=workers == 1 or len(todo) <= 1)
+        check_runs(todo, store.path, keep_data=ray is None and (workers == 1 or len(todo) <= 1))
     except BaseException:
         _drop_new_store(store, created, new_dirs)    # a refused sweep leaves no empty store (nor folder)
         raise
@@ -540,7 +543,22 @@ def run_sweep(path: str, db: str, only: str | None = None, quick: bool = False, 
                 + (f" -- DIVERGED: every update from round {f.get('diverged_round', 0) + 1} on was rejected"
                    if f.get("diverged") else ""))
 
-    if workers == 1 or len(todo) <= 1:
+    if ray is not None and todo:
+        from fedprism.experiment.executor import execute
+
+        store.close()
+        executor = ray.executor()
+        print(f"sweep {printable(name)}: {len(todo)} runs on the Ray cluster at {printable(ray.address)}, "
+              f"{ray.cpus:g} CPU(s) and {ray.gpus:g} GPU(s) each, results {ray.store}", file=sys.stderr)
+        for tag, f in execute(todo, db, executor, name, ray.store, ray.scratch):
+            if isinstance(f, RunBusyError):
+                busy += 1
+                print(f"{tag}: skipped, {f}", file=sys.stderr)
+                continue
+            done += 1
+            print(f"{line(tag, f)}  [{done}/{len(todo)} done, {time.time() - t0:.0f}s]", file=sys.stderr)
+        store = Store(db)
+    elif workers == 1 or len(todo) <= 1:
         for tag, cfg in todo:
             try:
                 res = Experiment(cfg, store, progress=progress, sweep=name).run()
