@@ -10,7 +10,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
 from _fakedata import isolate
 from _realformat import acsincome_expected, pums_csv, pums_rows, write_har, write_pums, zip_bytes
 
@@ -125,8 +124,10 @@ def test_har_natural_partition_and_one_round(iso):
                                     "data.root": str(iso / "har"), "method": "fedavg"}))
     assert fed.meta["client_groups"] == [1, 2, 3, 4, 5]
     assert [len(t) for t in fed.train_idx] == [18] * 5 and [len(t) for t in fed.test_idx] == [6] * 5
+    ds = load_dataset("uci_har", root=iso / "har")
     for c, subject in enumerate([1, 2, 3, 4, 5]):         # one client per subject, its own windows only
-        assert (fed.x_train[fed.train_idx[c]].shape[0] == 18)
+        np.testing.assert_array_equal(fed.train_idx[c], np.flatnonzero(ds.groups == subject))
+        np.testing.assert_array_equal(fed.test_idx[c], np.flatnonzero(ds.test_groups == subject))
 
 
 # --------------------------------------------------------------------------------------- ACSIncome

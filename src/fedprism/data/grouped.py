@@ -68,8 +68,9 @@ def read_zip_member(path: Path, member: str, max_bytes: int) -> bytes:
                                 "ambiguous archive")
             info = infos[0]
             if info.is_dir() or info.file_size > max_bytes:
-                raise DataError(f"{path}: member {member} is {'a folder' if info.is_dir() else f'{info.file_size} bytes'}"
-                                f"; a regular file of at most {max_bytes} bytes is accepted")
+                what = "a folder" if info.is_dir() else f"{info.file_size} bytes"
+                raise DataError(f"{path}: member {member} is {what}; a regular file of at most {max_bytes} "
+                                "bytes is accepted")
             with z.open(info) as f:
                 data = f.read(max_bytes + 1)
     except (zipfile.BadZipFile, OSError, EOFError, zlib.error, NotImplementedError) as e:

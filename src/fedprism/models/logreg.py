@@ -23,5 +23,7 @@ class LogReg(Split):
 
 SPEC = MODELS.register(ModelSpec(
     "logreg", lambda shape, k: LogReg(features(shape), k),
-    title="logistic regression, one fully connected layer (Clust-PSI-PFL's ACSIncome model, arXiv:2512.20363)",
-    inputs="any shape (flattened)", body="flatten (no parameters)", head="fc(classes)", shape=(10,), conv=False))
+    title="logistic regression, one fully connected layer (Clust-PSI-PFL's ACSIncome model, "
+          "arXiv:2512.20363)",
+    inputs="any shape (flattened)", body="flatten (no parameters)", head="fc(classes)", shape=(10,),
+    conv=False))

@@ -40,7 +40,8 @@ def decode_png(data: bytes, where: str, side: int = SIDE) -> np.ndarray:
     try:
         with Image.open(io.BytesIO(data)) as im:
             if im.size != (side, side):
-                raise DataError(f"{where}: a {im.size[0]}x{im.size[1]} image; MNIST-M images are {side}x{side}")
+                raise DataError(f"{where}: a {im.size[0]}x{im.size[1]} image; MNIST-M images are "
+                                f"{side}x{side}")
             rgb = np.asarray(im.convert("RGB"), dtype=np.uint8)
     except (UnidentifiedImageError, OSError, ValueError) as e:
         raise DataError(f"{where}: not a decodable PNG image ({type(e).__name__}: {e})") from None
@@ -87,7 +88,8 @@ def read_tarball(path: Path) -> Raw:
                 if len(parts) == 2 and parts[0] == "mnist_m" and parts[1] in ("mnist_m_train_labels.txt",
                                                                               "mnist_m_test_labels.txt"):
                     split = parts[1].split("_")[2]
-                elif (len(parts) == 3 and parts[0] == "mnist_m" and parts[1] in ("mnist_m_train", "mnist_m_test")
+                elif (len(parts) == 3 and parts[0] == "mnist_m"
+                      and parts[1] in ("mnist_m_train", "mnist_m_test")
                       and parts[2].endswith(".png")):
                     split = parts[1].split("_")[2]
                 else:
@@ -95,7 +97,8 @@ def read_tarball(path: Path) -> Raw:
                 if not m.isfile():
                     raise DataError(f"{path}: member {m.name!r} is not a regular file; refusing it")
                 if m.size > MAX_MEMBER_BYTES:
-                    raise DataError(f"{path}: member {m.name!r} is {m.size} bytes, more than {MAX_MEMBER_BYTES}")
+                    raise DataError(f"{path}: member {m.name!r} is {m.size} bytes, more than "
+                                    f"{MAX_MEMBER_BYTES}")
                 src = tar.extractfile(m)
                 assert src is not None
                 with src:
@@ -104,7 +107,8 @@ def read_tarball(path: Path) -> Raw:
                     texts[split] = data.decode("ascii", errors="replace")
                 else:
                     if parts[2] in images[split]:
-                        raise DataError(f"{path}: member {m.name!r} appears twice; refusing an ambiguous archive")
+                        raise DataError(f"{path}: member {m.name!r} appears twice; refusing an ambiguous "
+                                        "archive")
                     images[split][parts[2]] = data
     except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
         raise DataError(f"{path}: cannot read the archive ({type(e).__name__}: {e}); it is truncated or "
@@ -136,7 +140,8 @@ def find(d: Path) -> dict[str, Path] | str:
         return {"archive": d / ARCHIVE}
     folder = d / "mnist_m" if (d / "mnist_m").is_dir() else d
     need = [folder / f for f in ("mnist_m_train_labels.txt", "mnist_m_test_labels.txt")]
-    if all(p.is_file() for p in need) and (folder / "mnist_m_train").is_dir() and (folder / "mnist_m_test").is_dir():
+    folders = (folder / "mnist_m_train", folder / "mnist_m_test")
+    if all(p.is_file() for p in need) and all(f.is_dir() for f in folders):
         return {"train_labels": need[0], "test_labels": need[1]}
     return f"no {ARCHIVE} and no extracted mnist_m/"
 
@@ -163,7 +168,8 @@ SPEC = DATASETS.register(DatasetSpec(
         find=find,
         needed=f"{ARCHIVE} (the authors' unpacked release) or its extracted mnist_m/ folder",
         # MD5 only: the value pytorch-adapt's MNISTM class lists for this copy; no SHA-256 is published
-        remote=(RemoteFile(ARCHIVE, ("https://cornell.box.com/shared/static/jado7quprg6hzzdubvwzh9umr75damwi",),
+        remote=(RemoteFile(ARCHIVE,
+                           ("https://cornell.box.com/shared/static/jado7quprg6hzzdubvwzh9umr75damwi",),
                            md5="859df31c91afe82e80e5012ba928f279"),),
     ),
 ))

@@ -60,7 +60,8 @@ def decode_image(data: bytes, where: str, size: int) -> np.ndarray:
 def _place(rel: str) -> tuple[int, int, str] | None:
     """``<site>/<class>/<file>`` (below office_caltech_10/) -> (site id, class id, file), else None."""
     parts = rel.split("/")
-    if len(parts) != 3 or parts[0] not in SITES or parts[1] not in CLASSES or not parts[2].lower().endswith(_EXT):
+    if (len(parts) != 3 or parts[0] not in SITES or parts[1] not in CLASSES
+            or not parts[2].lower().endswith(_EXT)):
         return None
     return SITES.index(parts[0]), CLASSES.index(parts[1]), parts[2]
 
@@ -122,7 +123,8 @@ def _digest(arrays: dict[str, np.ndarray]) -> str:
 def _checker(size: int):
     def check(arrays: dict[str, np.ndarray], where: object) -> None:
         x, y, s = arrays["x"], arrays["y"], arrays["site"]
-        if x.dtype != np.uint8 or x.shape[1:] != (3, size, size) or y.shape != (len(x),) or s.shape != (len(x),):
+        if (x.dtype != np.uint8 or x.shape[1:] != (3, size, size) or y.shape != (len(x),)
+                or s.shape != (len(x),)):
             raise DataError(f"{where}: images {x.dtype} {x.shape}, classes {y.shape}, sites {s.shape}")
     return check
 
@@ -176,9 +178,11 @@ SPEC = DATASETS.register(DatasetSpec(
     config_keys=(("data.image_size", "size"),),
     files=FileSet(
         find=find,
-        needed=f"{ARCHIVE} (FedBN's release) or its extracted {FOLDER}/ with {', '.join(SITES)}/<class>/*.jpg",
+        needed=f"{ARCHIVE} (FedBN's release) or its extracted {FOLDER}/ with "
+               f"{', '.join(SITES)}/<class>/*.jpg",
         # no checksum is published: trust on first use (fedprism.data.download)
-        remote=(RemoteFile(ARCHIVE, ("https://huggingface.co/datasets/Jemary/FedBN_Dataset/resolve/main/" + ARCHIVE,),
+        remote=(RemoteFile(ARCHIVE,
+                           ("https://huggingface.co/datasets/Jemary/FedBN_Dataset/resolve/main/" + ARCHIVE,),
                            tofu=True),),
     ),
 ))

@@ -94,7 +94,8 @@ SPEC = DATASETS.register(DatasetSpec(
         find=find,
         needed=f"{ARCHIVE}, or synth_train_32x32.mat and synth_test_32x32.mat",
         # no checksum is published: trust on first use (fedprism.data.download)
-        remote=(RemoteFile(ARCHIVE, ("https://drive.usercontent.google.com/download?id=0B9Z4d7lAwbnTSVR1dEFSRUFxOUU"
+        remote=(RemoteFile(ARCHIVE, ("https://drive.usercontent.google.com/download"
+                                     "?id=0B9Z4d7lAwbnTSVR1dEFSRUFxOUU"
                                      "&export=download&confirm=t",), tofu=True),),
     ),
 ))

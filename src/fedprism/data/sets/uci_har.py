@@ -57,7 +57,8 @@ def parse_matrix(text: str, where: str) -> np.ndarray:
         raise DataError(f"{where}: a value is not a number ({e})") from None
     if values.size != len(rows) * FEATURES:
         bad = next((i for i, r in enumerate(rows) if len(r.split()) != FEATURES), None)
-        raise DataError(f"{where}: line {bad + 1 if bad is not None else '?'} does not hold {FEATURES} numbers; "
+        line = bad + 1 if bad is not None else "?"
+        raise DataError(f"{where}: line {line} does not hold {FEATURES} numbers; "
                         "not a UCI HAR feature file")
     if not np.isfinite(values).all():
         raise DataError(f"{where}: non-finite feature values")
@@ -184,7 +185,8 @@ def load(pad32: bool = False, root: str | Path | None = None, *, download: bool 
 
     ds = Dataset(name=SPEC.name, x_train=torch.from_numpy(np.ascontiguousarray(xtr)),
                  y_train=torch.from_numpy(ytr.astype(np.int64)),
-                 x_test=torch.from_numpy(np.ascontiguousarray(xte)), y_test=torch.from_numpy(yte.astype(np.int64)),
+                 x_test=torch.from_numpy(np.ascontiguousarray(xte)),
+                 y_test=torch.from_numpy(yte.astype(np.int64)),
                  classes=list(ACTIVITIES), groups=gtr.astype(np.int64), test_groups=gte.astype(np.int64),
                  source=f"{where} (split={split})")
     ds.integrity = integrity
@@ -194,7 +196,8 @@ def load(pad32: bool = False, root: str | Path | None = None, *, download: bool 
 SPEC = DATASETS.register(DatasetSpec(
     name="uci_har",
     load=load,
-    summary="UCI HAR: 10 299 smartphone windows, 561 features, 6 activities, 30 subjects (Anguita et al. 2013)",
+    summary="UCI HAR: 10 299 smartphone windows, 561 features, 6 activities, 30 subjects "
+            "(Anguita et al. 2013)",
     class_names=ACTIVITIES,
     input_shape=(FEATURES,),
     normalisation="none (the published features are already scaled to [-1, 1])",
