@@ -173,6 +173,10 @@ def test_tiny_study_stores_trials_chooses_the_best_and_runs_the_seeds(tmp_path):
                 (rid, note), = [(i, d) for i, d in store.annotations("tune_choice") if i == r["run_id"]]
                 assert note["trial"] == best["trial"] and note["value"] == best["value"]
                 assert note["complete"] + note["pruned"] == 3 and note["budget"] == 3
+    with Store(db, readonly=True) as store:    # the median pruner stopped some trials part-way (seeded: always)
+        pruned = [t for e in study.methods for t in tune.stored_trials(store, "tiny", e.label) if t["state"] == "pruned"]
+        assert pruned and all(store.run(t["run_id"])["rounds_done"] < 3 and max(map(int, t["intermediate"])) < 2
+                              for t in pruned)
     # running it again runs nothing more: the budget is spent and the final runs are stored
     before = len(Store(db, readonly=True).runs())
     tune.run_study(tiny(tmp_path), db, progress=False)
