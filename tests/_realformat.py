@@ -106,7 +106,8 @@ def pums_rows(state_fips: int, n: int, year: int = 2018, seed: int = 0) -> list[
         rows.append({"RT": "P", "SERIALNO": f"{year}{'GQ' if i % 7 == 0 else 'HU'}{i:07d}", "DIVISION": 9,
                      "SPORDER": 1 + i % 3, "PUMA": f"{(i % 5) + 100:05d}", "REGION": 4, "ST": f"{state_fips:02d}",
                      "ADJINC": 1013097, "PWGTP": int(rng.integers(0, 200)), "AGEP": age, "CIT": 1,
-                     "COW": "" if child else int(rng.integers(1, 9)), "MAR": int(rng.integers(1, 6)),
+                     "COW": "" if child or i % 11 == 5 else int(rng.integers(1, 9)),   # some adults' blank
+                     "MAR": int(rng.integers(1, 6)),
                      "SCHL": schl, "SEX": int(rng.integers(1, 3)), "WKHP": hours, "RELP": int(rng.integers(0, 18)),
                      "OCCP": "" if child else f"{int(rng.integers(10, 9920)):04d}", "POBP": int(rng.integers(1, 60)),
                      "RAC1P": int(rng.integers(1, 10)), "PINCP": inc})
