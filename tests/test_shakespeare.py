@@ -37,7 +37,7 @@ def test_the_vocabulary_is_leafs_80_characters():
 
 
 def test_leaf_text_and_windows_by_hand():
-    assert sh.leaf_text(["To be,  or", "not   to be"]) == "To be, or not to be"
+    assert sh.leaf_text(["To be,  or", "not   to be"]) == "To be, or not to be "       # each line + newline
     text = "x" * 79 + "ab|cd"                       # 84 characters: windows 0..3, the '|' at position 81
     x, y, dropped = sh.windows(text, seq_len=80)
     # window i covers text[i:i + 80] and predicts text[i + 80]; windows 2 and 3 (and their targets for

@@ -12,8 +12,8 @@ Read from either of two files (:mod:`fedprism.data.leaf`):
   fetches, checked against the SHA-256 TFF publishes in ``tff.simulation.datasets.shakespeare
   .load_data``) or its extracted ``shakespeare_train.h5`` / ``shakespeare_test.h5``:
   ``examples/<role>/snippets``, the role's lines, each role in both files. Each role's lines of one file
-  are made into samples as LEAF's ``txt_to_data`` makes them: joined with newlines, every newline
-  replaced by a space, runs of two or more spaces collapsed to one, then every window of 80
+  are made into samples as LEAF's ``txt_to_data`` makes them from the file LEAF writes them to: each
+  line followed by a newline, every newline replaced by a space, runs of two or more spaces collapsed to one, then every window of 80
   consecutive characters with the character after it (stride 1).
 * LEAF's preprocessed JSON output (``data/train/*.json``, ``data/test/*.json`` from LEAF's
   ``preprocess.sh``): ``user_data[role]`` holds ``x``, strings of 80 characters, and ``y``, the next
@@ -59,9 +59,9 @@ def ids(text: str) -> np.ndarray:
 
 
 def leaf_text(lines: list[str]) -> str:
-    """A role's lines as LEAF's ``txt_to_data`` reads them: newline-joined, newlines to spaces, runs of two
-    or more spaces to one."""
-    return re.sub(r"   *", " ", "\n".join(lines).replace("\n", " "))
+    """A role's lines as LEAF's ``txt_to_data`` reads the file LEAF wrote them to (each line followed by a
+    newline): newlines to spaces, runs of two or more spaces to one."""
+    return re.sub(r"   *", " ", "".join(line + "\n" for line in lines).replace("\n", " "))
 
 
 def windows(text: str, seq_len: int = SEQ_LEN) -> tuple[np.ndarray, np.ndarray, int]:
