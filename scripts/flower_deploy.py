@@ -43,6 +43,9 @@ HOST = "127.0.0.1"
 BIN = Path(sys.executable).parent
 EXPERIMENT = ("method=fedprism dataset=digits clients={n} rounds={rounds} fraction=1.0 local_epochs=1 lr=0.05 "
               "model=mlp device=cpu fedprism.k=2 fedprism.every=1 partition.alpha=0.5 seed=1")
+#: `--secagg`: FedAvg, whose server needs only the sum of the uploads (Fed-PRISM clusters them: refused)
+SECAGG_EXPERIMENT = ("method=fedavg dataset=digits clients={n} rounds={rounds} fraction=1.0 local_epochs=1 "
+                     "lr=0.05 model=mlp device=cpu partition.alpha=0.5 seed=1")
 
 
 def log(msg: str) -> None:
@@ -245,6 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write a JSON summary here")
     ap.add_argument("--no-impostor", dest="impostor", action="store_false",
                     help="do not start the hostile node that claims client 0 with a key outside the registry")
+    ap.add_argument("--secagg", action="store_true",
+                    help="FedAvg with secure aggregation (run config secagg=secaggplus, Flower's SecAgg+): checks "
+                         "that the final model equals the in-process run's within SecAgg+'s quantisation "
+                         "(use --rounds 1: the bound is per round)")
     args = ap.parse_args(argv)
     # SIGTERM (e.g. a test's timeout) -> SystemExit, so that `finally` stops every process started here
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -343,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
                                      str(impostor[0]), "--port", str(free_port()), "--node-config", "client-id=0",
                                      "--max-wait-time", str(int(args.timeout))], env_for("impostor"))
         # the app and its run config
-        experiment = EXPERIMENT.format(n=args.nodes, rounds=args.rounds)
+        experiment = (SECAGG_EXPERIMENT if args.secagg else EXPERIMENT).format(n=args.nodes, rounds=args.rounds)
         cfg = parse_experiment(experiment)
         db = work / "results.db"
         app = work / "app"
@@ -351,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
                       "min-replies": max(1, args.nodes - 1), "round-timeout": args.round_timeout,
                       "nodes-timeout": 300.0, "poll-interval": 0.5, "probe-timeout": 60.0,
                       "save-final": str(work / "final_state.pt"), "registry": str(registry)}
+        if args.secagg:
+            run_config["secagg"] = "secaggplus"
         run_id = flower_run_id(cfg, run_config)
         write_app(app, run_config)
         t_run = time.monotonic()
@@ -402,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         s.close()
         rep = run_cmd([str(BIN / "fedprism"), "report", "--db", str(db), "--out", str(work / "report"), "--no-plots"],
                       base_env, left(120), check=False)
-        summary["report_ok"] = rep.returncode == 0 and "fedprism (flower)" in (work / "report" / "results.md").read_text() \
+        summary["report_ok"] = rep.returncode == 0 and f"{cfg['method']} (flower)" in (work / "report" / "results.md").read_text() \
             if (work / "report" / "results.md").exists() else False
         checks = {
             "finished": row["status"] == "finished" and len(hist) == args.rounds,
@@ -417,6 +426,24 @@ def main(argv: list[str] | None = None) -> int:
             checks["kill happened"] = killed_at is not None
             checks["failure recorded"] = args.kill_client in by_round.get(str(args.kill_after_round), [])
             checks["survivors aggregated"] = all(a == args.nodes - 1 for a in summary["accepted"][args.kill_after_round:])
+        if args.secagg:              # the server saw only the sum: equal to plain aggregation within the bound
+            import torch
+
+            from fedprism.experiment.runner import Experiment
+            s = Store(db)
+            rec = s.records(run_id, "secagg")
+            s.close()
+            ref = Experiment(cfg, Store(work / "in_process.db"))
+            ref.run()
+            got = torch.load(work / "final_state.pt", weights_only=False)["state"]["w"].double()
+            want = ref.state["w"].double()
+            d = rec[0]["data"] if rec else {}
+            bound = (len(d.get("clients", [])) * 2 * d.get("clip", 8.0) / 2 ** 22 * d.get("max_weight", 0)
+                     / max(d.get("weight_total", 1), 1e-300) + 2 ** -23 * float(want.abs().max()))
+            summary["secagg"] = {"records": len(rec), "max_abs_diff": float((got - want).abs().max()),
+                                 "bound": bound, "clients": d.get("clients")}
+            checks["secagg record every round"] = len(rec) == args.rounds
+            checks["secagg within the quantisation bound"] = 0 < summary["secagg"]["max_abs_diff"] <= bound
         summary["checks"] = checks
         summary["ok"] = all(checks.values())
         for k, v in checks.items():
