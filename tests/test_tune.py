@@ -310,3 +310,11 @@ def test_the_committed_study_s_quick_form_runs(tmp_path):
         for e in study.methods:
             assert len(tune.stored_trials(store, study.name, e.label)) == study.trials
         assert len(store.runs(sweep=study.name)) == len(study.methods) * len(study.seeds)
+
+
+def test_fedprism_methods_shows_where_a_key_is_tuned(capsys):
+    from fedprism.cli import main
+
+    assert main(["methods", "fedprox"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "tuned in [0.0001, 1] log" in out

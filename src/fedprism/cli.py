@@ -439,7 +439,12 @@ def _describe_method(name: str, cls) -> tuple[str, list[list]]:
         title += "\n" + textwrap.fill(f"+ {name}.aggregation*, {name}.server_*: the server step on "
                                       f"{', '.join(cls.averages)} (Server steps, below)", width,
                                       initial_indent="  ", subsequent_indent="    ", break_on_hyphens=False)
-    return title, [_param_row(f"{name}.{k}", p) for k, p in own.items()]
+    space = cls.search_space()                     # where `fedprism tune` searches a key (docs/tuning.md)
+    rows = [_param_row(f"{name}.{k}", p) for k, p in own.items()]
+    for row in rows:
+        if row[0] in space:
+            row[2] += f"; tuned in {space[row[0]].describe()}"
+    return title, rows
 
 
 def _server_steps(registry, names, width: int) -> None:
@@ -461,7 +466,8 @@ def cmd_methods(args) -> int:
 
     def keys(width: int) -> None:
         print("Experiment keys:")
-        print(_table([[k, repr(p.default), p.help] for k, p in KEYS.items()], ["key", "default", "meaning"], width))
+        print(_table([[k, repr(p.default), p.help + (f"; tuned in {p.space.describe()}" if p.space else "")]
+                      for k, p in KEYS.items()], ["key", "default", "meaning"], width))
 
     _list_components(REGISTRY, args.names, _describe_method, before=keys)
     width = shutil.get_terminal_size((110, 24)).columns
