@@ -114,9 +114,10 @@ def pums_rows(state_fips: int, n: int, year: int = 2018, seed: int = 0) -> list[
     return rows
 
 
-def pums_csv(rows: list[dict]) -> str:
-    return ",".join(PUMS_HEADER) + "\n" + "".join(
-        ",".join(str(r[c]) for c in PUMS_HEADER) + "\n" for r in rows)
+def pums_csv(rows: list[dict], year: int = 2018) -> str:
+    """The CSV text; from 2019 the Census Bureau's header names RELP `RELSHIPP`."""
+    header = [("RELSHIPP" if c == "RELP" and year >= 2019 else c) for c in PUMS_HEADER]
+    return ",".join(header) + "\n" + "".join(",".join(str(r[c]) for c in PUMS_HEADER) + "\n" for r in rows)
 
 
 def write_pums(folder: Path, states: dict, year: int = 2018, layout: str = "flat", seed: int = 0) -> dict:
@@ -129,7 +130,7 @@ def write_pums(folder: Path, states: dict, year: int = 2018, layout: str = "flat
     d.mkdir(parents=True, exist_ok=True)
     for st, n in states.items():
         rows = pums_rows(FIPS[st], n, year, seed)
-        (d / f"csv_p{st.lower()}.zip").write_bytes(zip_bytes({f"psam_p{FIPS[st]:02d}.csv": pums_csv(rows),
+        (d / f"csv_p{st.lower()}.zip").write_bytes(zip_bytes({f"psam_p{FIPS[st]:02d}.csv": pums_csv(rows, year),
                                                               "ACS2018_PUMS_README.pdf": b"%PDF-1.4"}))
         out[st] = rows
     return out
