@@ -247,3 +247,14 @@ def test_client_time_by_hand():
     m = SystemModel(np.ones((1, 2), bool), np.array([1.0, 50.0]), np.array([1.0, 1000.0]), 3, np.array([7, 100]))
     assert m.duration(1, 500, 1500) == 8.0
     assert m.duration(0, 0, 0) == 21.0
+
+
+def test_fedbuff_starts_a_client_at_most_once_per_server_step(tmp_path):
+    """Even clients are instant, odd ones slow: the instant ones would otherwise start again from the same
+    model in the same step (their updates would repeat); each (client, start step) is used once."""
+    f = tmp_path / "speeds.json"
+    f.write_text(json.dumps({"compute": [1e9 if c % 2 == 0 else 1.0 for c in range(8)], "bandwidth": [1e12] * 8}))
+    exp, res = run(tmp_path, rounds=4, **{"system.speeds": str(f), "system.async": "fedbuff"})
+    used = [(c, r["round"] - s) for r in records(exp, "fedbuff")
+            for c, s in zip(data(r)["clients"], data(r)["staleness"])]
+    assert len(used) == 16 and len(set(used)) == len(used)
