@@ -679,8 +679,41 @@ def _drop_new_store(store, created: bool, folders: list[Path]) -> None:
         pass
 
 
-def _read(p: Path) -> dict[str, Any]:
-    return read_toml(p, "sweep file")
+def _read(p: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A sweep file's tables, with `extends = "other.toml"` resolved: the other file's tables (its path
+    relative to this file), updated by this file's [base] and [quick] keys (key by key), its [grid] keys
+    and its [[runs]] when it has any, and its name, description and db. One table runs on other data this
+    way (`dataset = "cifar10"` in [base]) without a copy of its runs."""
+    doc = read_toml(p, "sweep file")
+    parent = doc.pop("extends", None)
+    if parent is None:
+        return doc
+    if not isinstance(parent, str) or not parent or "\0" in parent:
+        raise ConfigError(f"{p.name}: extends", parent, "the path of another sweep file (relative to this one)")
+    q = (p.parent / parent).resolve()
+    if q in _seen or q == p.resolve():
+        raise ConfigError(f"{p.name}: extends", parent, "a sweep file that does not extend this one again "
+                          "(the chain is a loop)")
+    if not q.is_file():
+        raise ConfigError(f"{p.name}: extends", parent, f"an existing sweep file ({q} is not a file)")
+    merged = _read(q, (*_seen, p.resolve()))
+    merged.pop("name", None)                   # a sweep of its own: its name is this file's (or its stem)
+    grid_mine, quick_mine = doc.get("grid", {}), doc.get("quick", {})
+    grid_keys = list(flatten(grid_mine)) if isinstance(grid_mine, dict) else []
+    quick_mine = quick_mine if isinstance(quick_mine, dict) else {}
+    for section in ("base", "grid", "quick"):
+        mine = doc.pop(section, {})
+        if not isinstance(mine, dict):
+            raise ConfigError(f"{p.name}: {section}", mine, f"a table ([{section}])")
+        mine, theirs = flatten(mine), flatten(merged.get(section, {}))
+        if "partition" in mine or "partition.name" in mine:   # another partition: the other's keys do not apply
+            theirs = {k: v for k, v in theirs.items() if k != "partition" and not k.startswith("partition.")}
+        merged[section] = {**theirs, **mine}
+    for k in grid_keys:                         # what this file's grid varies, the other's [quick] leaves
+        if k not in flatten(quick_mine):
+            merged["quick"].pop(k, None)
+    merged.update(doc)                          # name, description, db, [[runs]]
+    return merged
 
 
 def sweep_db(path: str | Path) -> str | None:
