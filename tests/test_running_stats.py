@@ -321,3 +321,17 @@ def test_a_registered_model_with_torchs_running_batchnorm_is_refused_naming_the_
             make_model(resolve({"dataset": "digits", "model": "torch_bn_test"}), (1, 8, 8), 10)
     finally:
         MODELS.pop("torch_bn_test")
+
+
+def test_a_gradient_through_an_evaluation_mode_forward_leaves_the_statistics_alone():
+    """Outside a training step (e.g. a method differentiating its model at evaluation) the running statistics
+    are constants: the gradient flows to the parameters and is 0 on the buffer section."""
+    from fedprism.params import Functional
+
+    m = build_model("resnet8", SHAPE, 10, seed=0)
+    f = Functional(m)
+    w = flatten(m).requires_grad_(True)
+    x = torch.randn(3, *SHAPE)
+    (g,) = torch.autograd.grad(f(w, x).square().sum(), w)
+    assert torch.equal(g[buffer_index(f.spec)], torch.zeros(len(buffer_index(f.spec))))
+    assert float(g.abs().sum()) > 0

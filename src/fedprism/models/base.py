@@ -104,9 +104,10 @@ class _RunningStats:
         if mode is None:                       # a plain module call: PyTorch's BatchNorm
             return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
                                 self.training, self.momentum, self.eps)
-        if not hasattr(mode, "records"):       # evaluation: the running statistics
-            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0,
-                                self.eps)
+        if not hasattr(mode, "records"):       # evaluation: the running statistics (constants: a gradient
+            # through an evaluation-mode forward, e.g. of a method's own objective, leaves them at 0)
+            return F.batch_norm(x, self.running_mean.detach(), self.running_var.detach(), self.weight, self.bias,
+                                False, 0.0, self.eps)
         if x.numel() == x.shape[1]:           # one value per channel: no variance (see the class docstring)
             shape = (1, -1) + (1,) * (x.dim() - 2)
             return x * 0 + self.bias.view(shape)
