@@ -487,6 +487,7 @@ def _within(dist, v) -> bool:
 
 def tune_method(db: str | Path, study: Study, label: str, progress: bool = True) -> list[dict]:
     """Run the missing trials of one method until the budget is spent; returns every trial (stored)."""
+    from fedprism.experiment.runlock import RunBusyError
     from fedprism.experiment.store import Store
 
     entry = study.entry(label)
@@ -507,7 +508,12 @@ def tune_method(db: str | Path, study: Study, label: str, progress: bool = True)
             trial.report(value, rnd)
             return trial.should_prune()
 
-        out = run_trial(db, cfg, study.objective, report, sweep=study.trials_sweep, label=f"{label} #{n}")
+        try:
+            out = run_trial(db, cfg, study.objective, report, sweep=study.trials_sweep, label=f"{label} #{n}")
+        except RunBusyError as e:           # a second `fedprism tune` of this study asked the same trial
+            raise RunBusyError(f"{study.name}: {label} trial #{n}: {e}; one `fedprism tune` process per study "
+                               "(or per method, with --only): the trials of a method are asked one after "
+                               "another") from None
         data = {"study": study.name, "label": label, "method": entry.method, "trial": n, "params": params,
                 "state": out.state, "value": out.value, "intermediate": {str(k): v for k, v in out.intermediate.items()},
                 "objective": study.objective, "budget": study.trials, "sampler": study.sampler,
