@@ -158,10 +158,14 @@ def test_acsincome_layouts_years_and_refusals(iso):
     a = load_dataset("acsincome", root=iso / "acs", states=["ca"], year=2019)
     b = load_dataset("acsincome", root=iso / "acs", states=["CA"])
     assert "2019" in a.source and len(a.y_train) + len(a.y_test) != len(b.y_train) + len(b.y_test)
-    with pytest.raises(DataError, match="SERIALNO '2018.*' is not of 2017"):
-        load_dataset("acsincome", root=iso / "acs", states=["CA"], year=2017)
     with pytest.raises(DataError, match=r"lacks the 2018 person files of TX \(csv_ptx.zip\)"):
         load_dataset("acsincome", root=iso / "acs", states=["CA", "TX"])
+    with pytest.raises(DataError, match="lacks the 2017 person files of CA"):   # flat files are 2018's
+        load_dataset("acsincome", root=iso / "acs", states=["CA"], year=2017)
+    (iso / "acs" / "2017" / "1-Year").mkdir(parents=True)
+    (iso / "acs" / "csv_pca.zip").rename(iso / "acs" / "2017" / "1-Year" / "csv_pca.zip")      # misplaced
+    with pytest.raises(DataError, match="SERIALNO '2018.*' is not of 2017"):
+        load_dataset("acsincome", root=iso / "acs", states=["CA"], year=2017)
     with pytest.raises(ConfigError, match="states"):
         load_dataset("acsincome", root=iso / "acs", states=["CAL"])
     rows = pums_rows(6, 5)
@@ -205,6 +209,16 @@ def test_acsincome_download_is_trusted_on_first_use_and_refused_when_changed(iso
         download_module._default_opener = orig
     rec = json.loads(dl.tofu_record_path(dest / "csv_pvt.zip").read_text())
     assert rec["url"].endswith("/2018/1-Year/csv_pvt.zip")
+    write_pums(iso / "src19", {"VT": 60}, year=2019)          # another year: into <year>/1-Year/, its own URL
+    payloads19 = {"csv_pvt.zip": (iso / "src19" / "csv_pvt.zip").read_bytes()}
+    calls.clear()
+    download_module._default_opener = _opener(payloads19, calls)
+    try:
+        ds19 = load_dataset("acsincome", root=dest, states=["VT"], year=2019, download=True)
+    finally:
+        download_module._default_opener = orig
+    assert calls == ["https://www2.census.gov/programs-surveys/acs/data/pums/2019/1-Year/csv_pvt.zip"]
+    assert (dest / "2019" / "1-Year" / "csv_pvt.zip").is_file() and "2019" in ds19.source
 
 
 def test_acsincome_natural_partition_by_state_and_one_round(iso):

@@ -12,10 +12,11 @@ The task is folktables' ``ACSIncome``, computed here from the files without folk
 * label ``PINCP > 50000`` (classes ``<=50K``, ``>50K``).
 
 Files: each state's zip holds one person CSV (``psam_p<FIPS>.csv`` since 2017); it is streamed from the
-archive, nothing is extracted. The files carry no year in their names, so a copy is laid out flat
-(``csv_pca.zip`` ... for one year) or as folktables lays it out, ``<year>/1-Year/csv_pca.zip`` (also the
-extracted ``<year>/1-Year/psam_p06.csv``); the year of each file is read from its ``SERIALNO`` (which starts
-with the survey year) and a file of another year than asked is refused. From 2019 the Census Bureau renamed
+archive, nothing is extracted. The files carry no year in their names, so a copy of the default year (2018)
+may be laid out flat (``csv_pca.zip`` ..., where `fedprism data download acsincome` puts them), and any
+year as folktables lays it out, ``<year>/1-Year/csv_pca.zip`` (also the extracted
+``<year>/1-Year/psam_p06.csv``); the year of each file is read from its ``SERIALNO`` (which starts with the
+survey year) and a file of another year than asked is refused. From 2019 the Census Bureau renamed
 ``RELP`` to ``RELSHIPP`` (with other codes); such a file's ``RELSHIPP`` is read as the relationship feature.
 
 Options: ``states`` (postal codes, default folktables' 50 states and Puerto Rico: 1 664 500 persons in
@@ -227,7 +228,8 @@ def _files(states: tuple[str, ...], year: int, root, download: bool) -> tuple[di
         if not isinstance(found, tuple):
             return {}, None
         files, where = found
-        chosen = {s: files.get(f"{year}/{s}") or files.get(s) for s in states}
+        flat = year == DEFAULT_YEAR             # flat files are the default year's (`fedprism data download`)
+        chosen = {s: files.get(f"{year}/{s}") or (files.get(s) if flat else None) for s in states}
         return {s: p for s, p in chosen.items() if p is not None}, where
 
     try:
