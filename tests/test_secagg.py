@@ -71,8 +71,13 @@ def test_secure_fedavg_equals_plain_within_the_quantisation(tmp_path, task_ident
     m = s.round_metrics(sec.run_id)[0]
     assert rec["clients"] == [0, 1, 2, 3] and m["accepted"] == 4
     # the bound of the module docstring: n (2c / Q) max_weight / sum_k a_k, plus float32 rounding of w
+    from fedprism.experiment.federation import build_federation
+    from fedprism.flower.settings import parse_experiment
+
+    n_k = build_federation(parse_experiment(EXP)).n_train
+    assert rec["weight_total"] == float(sum(n_k)) and rec["max_weight"] == max(n_k)     # a_k = n_k
     diff = (wq["w"].double() - ws["w"].double()).abs().max().item()
-    bound = 4 * (2 * 8.0 / 2 ** 22) * rec["max_weight"] / rec["weight_total"] + 2 ** -23 * ws["w"].abs().max().item()
+    bound = 4 * (2 * 8.0 / 2 ** 22) * max(n_k) / sum(n_k) + 2 ** -23 * ws["w"].abs().max().item()
     print(f"max |secagg - plain| = {diff:.3g}, bound {bound:.3g}")
     assert 0 < diff <= bound
     # what reached the server in the collect stage: masked integers only, no update in the clear
