@@ -102,6 +102,17 @@ def test_multiply_adds_by_hand():
         2 * layer + 64 * 10
 
 
+def test_counting_leaves_the_model_as_it_was():
+    """Counted in evaluation mode (a BatchNorm layer's running statistics do not move), then put back."""
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    before = model[1].running_mean.clone()
+    assert forward_macs(model, (4,)) == 12 and model.training
+    assert torch.equal(model[1].running_mean, before) and int(model[1].num_batches_tracked) == 0
+    model.eval()
+    forward_macs(model, (4,))
+    assert not model.training
+
+
 def test_models_listing_shows_parameters_and_multiply_adds_of_every_model():
     from fedprism.cli import main
 

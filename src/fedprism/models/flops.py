@@ -3,16 +3,17 @@
 The counter is PyTorch's `torch.utils.flop_counter.FlopCounterMode`, which sees every aten operator a
 forward pass runs and counts the matrix products and convolutions (`mm`, `addmm`, `bmm`, `convolution`,
 attention) at 2 FLOPs per multiply-add; the count here is its total halved, i.e. **multiply-adds (MACs)**
-of those operators. Added to its table: PyTorch's fused recurrent kernels (`aten::lstm`, `aten::gru`,
-`aten::rnn_tanh`, `aten::rnn_relu`, and `aten::mkldnn_rnn_layer`, one LSTM layer as oneDNN runs it on
-CPU), which it does not see into: per layer and time step, g gate blocks of H x (I + H) multiply-adds
-(g = 4 for an LSTM, 3 for a GRU, 1 for a plain RNN), the products of the input and the hidden state with
-the gate weights, as the unfused formula computes them.
+of those operators. Recurrent layers reach the counter as the operators they are lowered to: `nn.GRU`
+and `nn.RNN` as matrix products it counts, `nn.LSTM` on CPU as oneDNN's fused `aten::mkldnn_rnn_layer`
+(one layer and direction), which it does not see into and which is added to its table here: T x B x
+(g H x I + g H x H) multiply-adds for T steps of B sequences (g = 4 gate blocks of H units, input width
+I), the products of the input and of the hidden state with the gate weights, as the unfused formula
+computes them.
 
 Not counted (as in FlopCounterMode and the usual MAC tables): bias additions, activations, normalisation,
 pooling, embedding look-ups (a gather, no arithmetic), and the element-wise gate arithmetic of recurrent
 layers. The count is for one sample (a batch of one) in evaluation mode, so dropout and BatchNorm take their
-inference paths.
+inference paths and running statistics stay as they are.
 """
 
 from __future__ import annotations
@@ -24,29 +25,6 @@ from torch import nn
 
 __all__ = ["forward_macs"]
 
-#: gate blocks per recurrent cell
-_GATES = {"lstm": 4, "gru": 3, "rnn_tanh": 1, "rnn_relu": 1}
-
-
-def _rnn_formula(gates: int):
-    """A FlopCounterMode formula (it passes shapes) for aten::<rnn>.input(input, hx, params, has_biases,
-    num_layers, dropout, train, bidirectional, batch_first): FLOPs = 2 x MACs."""
-    def formula(input_shape, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first,
-                *args: Any, out_shape=None, **kwargs: Any) -> int:
-        h_shape = hx[0] if isinstance(hx, (list, tuple)) and isinstance(hx[0], (list, tuple, torch.Size)) else hx
-        hidden = int(h_shape[-1])
-        if len(input_shape) == 3:
-            b, t = (input_shape[0], input_shape[1]) if batch_first else (input_shape[1], input_shape[0])
-        else:                                                    # unbatched [T, I]
-            b, t = 1, input_shape[0]
-        dirs = 2 if bidirectional else 1
-        size, macs = int(input_shape[-1]), 0
-        for _ in range(int(num_layers)):
-            macs += dirs * b * t * gates * hidden * (size + hidden)
-            size = dirs * hidden
-        return 2 * macs
-    return formula
-
 
 def _mkldnn_rnn_layer(input_shape, w_ih, w_hh, *args: Any, out_shape=None, **kwargs: Any) -> int:
     """aten::mkldnn_rnn_layer (one layer and direction of an LSTM on CPU with oneDNN): input [T, B, I],
@@ -57,10 +35,7 @@ def _mkldnn_rnn_layer(input_shape, w_ih, w_hh, *args: Any, out_shape=None, **kwa
 
 def _custom_mapping() -> dict:
     aten = torch.ops.aten
-    out = {getattr(aten, name): _rnn_formula(g) for name, g in _GATES.items() if hasattr(aten, name)}
-    if hasattr(aten, "mkldnn_rnn_layer"):
-        out[aten.mkldnn_rnn_layer] = _mkldnn_rnn_layer
-    return out
+    return {aten.mkldnn_rnn_layer: _mkldnn_rnn_layer} if hasattr(aten, "mkldnn_rnn_layer") else {}
 
 
 def forward_macs(model: nn.Module, input_shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> int:
