@@ -119,6 +119,9 @@ def test_corrupt_members_are_refused_naming_them(iso):
     (g / "emnist-digits-mapping.txt").write_text("0 48\n1 49\n")
     with pytest.raises(DataError, match="maps 2 labels .* this split has 10 consecutive labels"):
         load_dataset("emnist", root=iso / "x", split="digits", cache_dir=False)
+    (g / "emnist-digits-mapping.txt").write_text("".join(f"{a if a < 9 else 11} {b}\n" for a, b in DIGITS))
+    with pytest.raises(DataError, match=r"maps 10 labels \[0, 1, 2\]...; this split has 10 consecutive labels"):
+        load_dataset("emnist", root=iso / "x", split="digits", cache_dir=False)
 
 
 def test_the_archive_is_checked_against_the_md5_torchvision_lists(tmp_path, monkeypatch):

@@ -115,15 +115,18 @@ def test_tff_h5_and_archive_give_leafs_windows_per_role(iso):
 
 
 def test_leaf_json_gives_the_same_samples(iso):
-    roles = make_roles(1)
+    roles = make_roles(1, odd=False)
     leaf = [{}, {}]
     for r, v in roles.items():
         for s in (0, 1):
             x, y = leaf_samples(sh.leaf_text(v[s]))
             leaf[s][r] = {"x": x, "y": y}
+    leaf[1]["HAMLET_OPHELIA"]["x"].append("a" * 80)                  # a target outside the vocabulary
+    leaf[1]["HAMLET_OPHELIA"]["y"].append("|")
     write_leaf_json(iso / "leaf", *leaf)
     ds = load_dataset("shakespeare", root=iso / "leaf")
     check(ds, roles)
+    assert "1 samples with a character outside the vocabulary dropped" in ds.source
     tr, te = write_h5(iso / "h5", roles)
     other = load_dataset("shakespeare", root=iso / "h5")
     assert torch.equal(ds.x_train, other.x_train) and torch.equal(ds.y_test, other.y_test)
