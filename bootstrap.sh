@@ -19,6 +19,9 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
   "$VPY" -m pip install -q "torch==${TORCH_VERSION}"
 fi
 "$VPY" -m pip install -q -e ".[dev,flower,tune,hf]"
+# The dp extra (Opacus, for dp.local=dpsgd) without its dependencies: Opacus asks for torch>=2.6, and resolving
+# that may swap the CPU torch above for another build; its other needs (numpy, scipy) are installed already.
+"$VPY" -m pip install -q --no-deps "opacus==1.6.0" "opt-einsum>=3.3"
 
 # The optional CPU kernels (fedprism.kernels; train.kernels / eval.kernels = auto use them where built):
 # compiled once for this CPU, about a minute per library on 2 cores, cached; FEDPRISM_NO_KERNELS=1 skips it.

@@ -17,9 +17,19 @@ class SequentialEngine(EngineBase):
         out = torch.empty_like(job.start)
         losses = torch.zeros(len(job.clients), dtype=torch.float64)
         steps = torch.zeros(len(job.clients), dtype=torch.int64)
+        dp = getattr(self, "local_dp", None)         # dp.local=dpsgd (fedprism.local_dp): Opacus' DP-SGD steps
+        if dp is not None:
+            dp.check_job(job)
         for k, (c, (_, batches)) in enumerate(zip(job.clients, self._orders(job, rnd))):
             idx = self._train_idx[int(c)]
             extras = {n: v[k].to(self.device) for n, v in job.extras.items()}
+            if dp is not None:
+                w, losses[k], steps[k] = dp.train(
+                    self, job.start[k].to(self.device, copy=True), idx, self.cfg.epochs if job.epochs is None
+                    else job.epochs, job.loss, extras, cfg, int(c), rnd, job.stream_of(k),
+                    self._dropout_seed(rnd, int(c), job.stream_of(k)))
+                out[k] = w.to(out.device)
+                continue
             m = mask[k] if mask is not None and mask.dim() == 2 else mask
             taken = _Counted(batches())                   # the steps this client takes (`Trained.steps`)
             w, losses[k] = self._local_sgd(job.start[k].to(self.device, copy=True), idx, taken, loss_fn, cfg, m,

@@ -32,6 +32,7 @@ from fedprism.federation import Federation
 from fedprism.models import build_model
 from fedprism.params import flatten
 from fedprism.compression import Compressor
+from fedprism.local_dp import LocalDPSGD, check_model
 from fedprism.privacy import Privacy, UpdateDP
 from fedprism.protocol import Context, TrainSettings
 from fedprism.selection import Selector, cohort_size
@@ -273,9 +274,13 @@ def _free_disk(path) -> int | None:
 
 def build_engine(cfg: Config, fed: Federation, model: torch.nn.Module, ctx: Context):
     """The config's engine (`engine=`) over the federation's data; lays the parameters out in `ctx.spec`."""
-    engine = make_engine(cfg["engine"], fed, model, local_config(cfg), cfg["seed"], cfg["device"],
-                         compile=cfg["compile"], rounds=cfg["rounds"], fuse_jobs=cfg["fuse_jobs"],
-                         cuda_graphs=cfg["cuda_graphs"])
+    local_dp = LocalDPSGD.of(cfg)        # dp.local=dpsgd: Opacus' DP-SGD in the sequential loop (auto picks it)
+    if local_dp is not None:
+        check_model(model, cfg["model"])
+    engine = make_engine("sequential" if local_dp is not None else cfg["engine"], fed, model, local_config(cfg),
+                         cfg["seed"], cfg["device"], compile=cfg["compile"], rounds=cfg["rounds"],
+                         fuse_jobs=cfg["fuse_jobs"], cuda_graphs=cfg["cuda_graphs"])
+    engine.local_dp = local_dp
     ctx.spec = engine.spec
     return engine
 

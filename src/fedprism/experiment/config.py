@@ -223,6 +223,16 @@ KEYS: dict[str, Param] = {
     "dp.sampling": Param("poisson", "DP-FedAvg: the client sampling the accountant assumes: poisson (each client "
                          "with probability q = cohort / clients) or fixed (the cohort drawn without replacement, "
                          "replace-one adjacency; rdp only)", choices=("poisson", "fixed"), new=True),
+    "dp.local": Param("none", "local DP-SGD through Opacus (fedprism.local_dp, docs/privacy.md): every local "
+                      "training of fedavg, fedprox, local or ditto clips each sample's gradient to dp.local_clip and "
+                      "adds Gaussian noise; none = off", choices=("none", "dpsgd"), new=True),
+    "dp.local_clip": Param(1.0, "dp.local=dpsgd: C, the L2 bound on each sample's gradient",
+                           lambda v: v > 0 and math.isfinite(v), "a finite number > 0", new=True),
+    "dp.local_noise": Param(1.0, "dp.local=dpsgd: z, the noise's standard deviation on the sum of the clipped "
+                            "per-sample gradients in units of dp.local_clip (0: clipping only, epsilon infinite)",
+                            lambda v: v >= 0 and math.isfinite(v), "a finite number >= 0", new=True),
+    "dp.local_delta": Param(1e-5, "dp.local=dpsgd: the delta at which each client's epsilon is reported",
+                            lambda v: 0 < v < 1, "a number in (0, 1)", new=True),
     "compress": Param("none", "compression of what clients upload (fedprism.compression): int8 (8-bit, one scale "
                       "per tensor), stochastic (QSGD with compress.bits bits) or topk (the compress.k largest "
                       "entries, error feedback on); every method; none = off",
@@ -539,6 +549,8 @@ def _check_uplink(out: dict, cls) -> None:
         if out["dp.sampling"] == "fixed" and out["dp.accountant"] == "pld":
             raise ConfigError("dp.sampling", "fixed", "poisson with dp.accountant=pld (the PLD accountant has no "
                               "sampling without replacement; use dp.accountant=rdp)")
+    from fedprism.local_dp import check_config as _check_local_dp
+    _check_local_dp(out)                 # dp.local=dpsgd: the methods and the engine it takes
     if out["compress"] != "none" and cls.encode is not Algorithm.encode:
         raise ConfigError("compress", out["compress"], f"none for method={m}: its upload has its own encoding "
                           f"({cls.__name__}.encode)")

@@ -313,6 +313,20 @@ def update_privacy_metrics(cfg: Config, history: list[dict]) -> dict[str, float]
     return out
 
 
+def local_dp_metrics(cfg: Config, history: list[dict]) -> dict[str, float]:
+    """Local DP-SGD's final metrics (`dp.local=dpsgd`): the epsilon spent by the clients after the last round
+    (`dpsgd_epsilon_max`, `dpsgd_epsilon_mean`; absent when infinite, `dp.local_noise=0`), the delta, the
+    noise multiplier, the clip, the sampling rates' range and the steps of the whole run."""
+    if cfg.get("dp.local", "none") == "none":
+        return {}
+    out = {"dpsgd_delta": cfg["dp.local_delta"], "dpsgd_noise_multiplier": cfg["dp.local_noise"],
+           "dpsgd_clip": cfg["dp.local_clip"], "dpsgd_steps": float(sum(h.get("dpsgd_steps", 0) for h in history))}
+    last = history[-1] if history else {}
+    out.update({k: last[k] for k in ("dpsgd_epsilon_max", "dpsgd_epsilon_mean", "dpsgd_q_min", "dpsgd_q_max")
+                if k in last})
+    return out
+
+
 class Experiment:
     """One configured run. `run()` executes or resumes it and stores everything.
 
@@ -751,6 +765,8 @@ class Experiment:
             for cb in callbacks:
                 cb.on_eval(self, r)
         r.metrics.update(self.traffic(rnd, plan, update, loop.seen))
+        if getattr(getattr(self, "engine", None), "local_dp", None) is not None:   # dp.local=dpsgd
+            self.dpsgd_round(r)
         r.records += self.extra_records(rnd) + (self.partition_records() if rnd == 0 else [])
         if rnd == 0 and getattr(self, "unseen", None) is not None:
             r.records.append(("unseen_clients", None, {"clients": np.flatnonzero(self.unseen).tolist()}))
@@ -824,6 +840,29 @@ class Experiment:
             out["dpfedavg_epsilon"] = eps
         return out
 
+    def dpsgd_round(self, r: Round) -> None:
+        """Local DP-SGD's round (`dp.local=dpsgd`, fedprism.local_dp): a `dpsgd_steps` record of each client's
+        DP-SGD steps this round and its sampling rate, and the metrics `dpsgd_epsilon_max` /
+        `dpsgd_epsilon_mean` (over the clients that have trained so far: the epsilon each has spent),
+        `dpsgd_steps`, `dpsgd_q_min` / `dpsgd_q_max`. Earlier rounds' steps come from the store's records,
+        so a resumed run accounts for the rounds it did not run in this process."""
+        ldp = self.engine.local_dp
+        if ldp.next_round != r.index:
+            done, rate, ldp.steps = dict(ldp.round_steps), dict(ldp.rate), {}
+            for rec in self.store.records(self.run_id, "dpsgd_steps"):
+                if rec["round"] < r.index:
+                    for c, k, q in zip(rec["data"]["clients"], rec["data"]["steps"], rec["data"]["q"]):
+                        ldp.rate[int(c)] = float(q)
+                        ldp.steps[int(c)] = ldp.steps.get(int(c), 0) + int(k)
+            for c, k in done.items():
+                ldp.steps[c] = ldp.steps.get(c, 0) + k
+            ldp.rate.update(rate)
+        this = sorted(ldp.round_steps.items())
+        r.metrics.update(ldp.round_metrics())
+        r.records.append(("dpsgd_steps", None, {"clients": [c for c, _ in this], "steps": [k for _, k in this],
+                                                 "q": [ldp.rate[c] for c, _ in this]}))
+        ldp.round_steps, ldp.next_round = {}, r.index + 1
+
     def traffic(self, rnd: int, plan: Plan, update: Update, seen: np.ndarray) -> dict:
         """The round's counts: clients planned, accepted and rejected, bytes each way (round 0 with the
         method's one-off setup exchange), clients never accepted so far, the mean training loss."""
@@ -846,6 +885,7 @@ class Experiment:
         final = final_metrics(history, loop.elapsed)
         final.update(privacy_metrics(cfg, self.ctx.privacy))
         final.update(update_privacy_metrics(cfg, history))
+        final.update(local_dp_metrics(cfg, history))
         final.update(final_system_metrics(history))
         if cfg["keep_final"] and self.shares_final:
             if self.clients is not None and self.clients.storage == "mmap":

@@ -191,6 +191,10 @@ def check_flower_config(cfg: Config) -> None:
     if cfg.get("eval.finetune", 0):
         raise ConfigError("eval.finetune", cfg["eval.finetune"], "0 on Flower: a node scores the inference "
                           "it builds and has no fine-tuning step (in-process runs and re-scoring only)")
+    if cfg.get("dp.local", "none") != "none":
+        raise ConfigError("dp.local", cfg["dp.local"], "none on Flower: local DP-SGD (Opacus) runs in the "
+                          "in-process simulator only, whose runner accounts each client's steps (a node's "
+                          "steps do not reach the ServerApp); client-level DP (dp.clip) runs on Flower")
     if cfg.get("data.unseen_clients", 0.0):
         raise ConfigError("data.unseen_clients", cfg["data.unseen_clients"], "0 on Flower: every connected "
                           "node is a client of the federation, and a held-out node would need the newcomer "
