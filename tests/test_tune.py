@@ -150,7 +150,7 @@ def test_a_trial_value_and_the_choice_come_from_validation_metrics_only():
 # -- a study end to end -------------------------------------------------------------------------------------
 def test_tiny_study_stores_trials_chooses_the_best_and_runs_the_seeds(tmp_path):
     db = tmp_path / "s.db"
-    study = tune.run_study(tiny(tmp_path), db, progress=False)
+    study = tune.run_study(tiny(tmp_path, tune_extra="defaults = true"), db, progress=False)
     with Store(db, readonly=True) as store:
         for e in study.methods:
             trials = tune.stored_trials(store, "tiny", e.label)
@@ -179,8 +179,17 @@ def test_tiny_study_stores_trials_chooses_the_best_and_runs_the_seeds(tmp_path):
                               for t in pruned)
     # running it again runs nothing more: the budget is spent and the final runs are stored
     before = len(Store(db, readonly=True).runs())
-    tune.run_study(tiny(tmp_path), db, progress=False)
+    tune.run_study(tiny(tmp_path, tune_extra="defaults = true"), db, progress=False)
     assert len(Store(db, readonly=True).runs()) == before
+    # the leaderboard of the chosen and the untuned configurations links each cell to what it ran
+    from fedprism.report.leaderboard import write_leaderboard
+
+    md = write_leaderboard(str(db), str(tmp_path / "lb"), ["tiny", "tiny/defaults"])[0].read_text()
+    assert md.count("](#tuned-") == 4 and "| FedAvg |" in md and "| FedProx |" in md
+    assert "untuned configuration of study `tiny`" in md and "`lr=0.01`" in md and "`fedprox.mu=0.01`" in md
+    with Store(db, readonly=True) as store:
+        best = tune.choose(tune.stored_trials(store, "tiny", "FedProx"))
+    assert f"chosen: trial #{best['trial']} of study `tiny` (run `{best['run_id']}`)" in md
 
 
 def test_a_rebuilt_study_asks_what_a_continuous_one_asked(tmp_path):

@@ -563,8 +563,10 @@ def final_stage(db: str | Path, study: Study, label: str, progress: bool = True)
               "rounds_trained": sum(t.get("rounds", 0) for t in trials), "trials_sweep": study.trials_sweep,
               "space": {k: s.describe() for k, s in entry.space.items()}}
     ids = []
-    runs = [(study.name, best["params"], choice)] + ([(study.defaults_sweep, None, {**choice, "default": True})]
-                                                      if study.defaults else [])
+    untuned = study.config(entry, None)
+    default = {**choice, "default": True, "trial": None, "trial_run": None, "value": None,
+               "params": {k: untuned[k] for k in entry.space}}
+    runs = [(study.name, best["params"], choice)] + ([(study.defaults_sweep, None, default)] if study.defaults else [])
     for sweep, params, note in runs:
         for seed in study.seeds:
             cfg = study.config(entry, params, seed=seed)

@@ -255,20 +255,29 @@ def markdown(board: Board, title: str) -> str:
     if tuned:
         out += ["", "## Tuned configurations", ""]
         for c in sorted(tuned, key=lambda c: c.anchor):
-            ch = c.choice
-            kind = "untuned configuration of the study" if ch.get("default") else f"trial #{ch['trial']}"
             out += [f'<a id="{c.anchor}"></a>', "", f"### {c.label}, {c.column}", "",
-                    f"- chosen: {kind} of study `{ch['study']}` (run `{ch['trial_run']}`), {ch['objective']} "
-                    f"{_pct(ch['value'])} on the validation splits",
-                    "- parameters: " + (", ".join(f"`{k}={_fmt(v)}`" for k, v in sorted(ch["params"].items()))
-                                        or "none searched"),
-                    f"- budget: {ch['budget']} trials ({ch['sampler']} sampler, {ch.get('pruner', 'median')} pruner): "
-                    f"{ch['complete']} complete, {ch['pruned']} pruned, {ch.get('rounds_trained', 0)} rounds trained; "
-                    f"trials in sweep `{ch['trials_sweep']}`",
-                    "- search space: " + (", ".join(f"`{k}` {v}" for k, v in sorted(ch.get("space", {}).items()))
-                                          or "empty"),
-                    "- runs of this cell: " + ", ".join(f"`{x['run_id']}` (seed {x['seed']})" for x in c.runs), ""]
+                    *(f"- {item}" for item in choice_items(c)), ""]
     return "\n".join(out) + "\n"
+
+
+def choice_items(c: Cell) -> list[str]:
+    """The lines (markdown inline) that a cell's link leads to: the chosen trial (or, for a run of the study's
+    untuned configuration, its values), its parameters, the budget, the space and the cell's runs."""
+    ch = c.choice
+    params = ", ".join(f"`{k}={_fmt(v)}`" for k, v in sorted(ch["params"].items())) or "none searched"
+    budget = (f"{ch['budget']} trials ({ch['sampler']} sampler, {ch.get('pruner', 'median')} pruner): {ch['complete']} "
+              f"complete, {ch['pruned']} pruned, {ch.get('rounds_trained', 0)} rounds trained; trials in sweep "
+              f"`{ch['trials_sweep']}`")
+    if ch.get("default"):
+        head = [f"untuned configuration of study `{ch['study']}` (its [base] and the method's table, not searched): "
+                f"{params}",
+                f"the tuned configuration of this method (sweep `{ch['study']}`) had a budget of {budget}"]
+    else:
+        head = [f"chosen: trial #{ch['trial']} of study `{ch['study']}` (run `{ch['trial_run']}`), {ch['objective']} "
+                f"{_pct(ch['value'])} on the validation splits", f"parameters: {params}", f"budget: {budget}"]
+    return head + ["search space: " + (", ".join(f"`{k}` {v}" for k, v in sorted(ch.get("space", {}).items()))
+                                       or "empty"),
+                   "runs of this cell: " + ", ".join(f"`{x['run_id']}` (seed {x['seed']})" for x in c.runs)]
 
 
 def _fmt(v) -> str:
@@ -298,7 +307,7 @@ def csv_rows(board: Board) -> list[list]:
 
 
 def html_page(board: Board, title: str, md: str) -> str:
-    from fedprism.report.html import CSS
+    from fedprism.report.html import CSS, _inline
 
     e = lambda s: html.escape(str(s), quote=True)  # noqa: E731
     head = "".join(f"<th>{e(c)}</th>" for c in board.columns)
@@ -322,17 +331,8 @@ def html_page(board: Board, title: str, md: str) -> str:
     if tuned:
         parts.append("<h2>Tuned configurations</h2>")
         for c in sorted(tuned, key=lambda c: c.anchor):
-            ch = c.choice
-            kind = "untuned configuration of the study" if ch.get("default") else f"trial #{ch['trial']}"
-            params = ", ".join(f"<code>{e(k)}={e(_fmt(v))}</code>" for k, v in sorted(ch["params"].items()))
-            parts.append(
-                f'<h3 id="{e(c.anchor)}">{e(c.label)}, {e(c.column)}</h3><ul>'
-                f"<li>chosen: {e(kind)} of study <code>{e(ch['study'])}</code> (run <code>{e(ch['trial_run'])}"
-                f"</code>), {e(ch['objective'])} {_pct(ch['value'])} on the validation splits</li>"
-                f"<li>parameters: {params or 'none searched'}</li>"
-                f"<li>budget: {e(ch['budget'])} trials ({e(ch['sampler'])} sampler): {e(ch['complete'])} complete, "
-                f"{e(ch['pruned'])} pruned, {e(ch.get('rounds_trained', 0))} rounds trained</li>"
-                f"<li>runs: {e(', '.join(x['run_id'] for x in c.runs))}</li></ul>")
+            items = "".join(f"<li>{_inline(item)}</li>" for item in choice_items(c))
+            parts.append(f'<h3 id="{e(c.anchor)}">{e(c.label)}, {e(c.column)}</h3><ul>{items}</ul>')
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>{e(title)}</title><style>{CSS}</style></head>\n<body>\n" + "\n".join(parts)
             + "\n</body></html>\n")
