@@ -327,3 +327,16 @@ def test_fedprism_methods_shows_where_a_key_is_tuned(capsys):
     assert main(["methods", "fedprox"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "tuned in [0.0001, 1] log" in out
+
+
+def test_a_space_whose_end_a_run_would_refuse_stops_the_study_before_any_trial(tmp_path):
+    """FedPrism at k = 2 trains on a cohort of 3; its space reaches k = 5, more clusters than the cohort
+    (the limits refuse it): the study stops at once, naming the method and the value, and runs nothing."""
+    p = tiny(tmp_path, methods_extra='[[methods]]\nlabel = "FedPrism"\nmethod = "fedprism_dual"\n'
+             '"fedprism_dual.k" = 2\nspace = { "fedprism_dual.k" = { low = 2, high = 5, integer = true }, '
+             'lr = false, "fedprism_dual.alpha" = false, "fedprism_dual.beta" = false, '
+             '"fedprism_dual.temperature" = false }')
+    db = tmp_path / "r.db"
+    with pytest.raises(ConfigError, match=r"FedPrism at fedprism_dual.k=5.*fedprism_dual.k"):
+        tune.run_study(p, db, progress=False)
+    assert not db.exists() or not Store(db, readonly=True).runs()
