@@ -70,6 +70,21 @@ def test_per_sample_clipping_by_hand(tmp_path):
     assert float((w0 - w1).norm()) == pytest.approx(C * float(norms[big]) / (float(norms[big]) + 1e-6), rel=1e-5)
 
 
+def test_proximal_gradient_is_added_after_privatisation(tmp_path):
+    """FedProx's and Ditto's penalty mu/2 ||w - anchor||^2 reads no sample: its gradient mu (w - anchor) is
+    added to the privatised one, unclipped. One step of lr 1 with anchor w0 + 1 moves w by mu more than the
+    cross-entropy step alone."""
+    e = _experiment(tmp_path)
+    rows = e.engine._train_idx[0][:6]
+    cfg = dataclasses.replace(e.engine.cfg, lr=1.0, momentum=0.0, weight_decay=0.0, batch_size=10_000)
+    dp = LocalDPSGD(clip=0.1, noise=0.0, delta=1e-5, seed=2)
+    w0 = e.ctx.init.clone()
+    ce = dp.train(e.engine, w0.clone(), rows, 1, "ce", {}, cfg, 0, 0, "train", None)[0]
+    prox = dp.train(e.engine, w0.clone(), rows, 1, "prox", {"anchor": w0 + 1.0, "mu": torch.tensor(0.3)}, cfg, 0,
+                    0, "train", None)[0]
+    assert torch.allclose(prox - ce, torch.full_like(ce, 0.3), atol=1e-5)
+
+
 def test_noise_is_opacus_seeded_stream_with_std_zc_over_batch(tmp_path):
     """The noise of a step is N(0, (z C)^2) per coordinate of the clipped sum, drawn by Opacus from the stream
     (run seed, round, client, 'dpsgd_noise:<stream>') parameter by parameter, then divided by the expected
