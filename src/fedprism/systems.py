@@ -55,6 +55,7 @@ import hashlib
 import io
 import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -118,7 +119,10 @@ SYSTEM_KEYS: dict[str, Param] = {
     "system.staleness": Param("sqrt", "fedbuff: staleness weight s(tau), sqrt: 1/sqrt(1+tau), none: 1",
                               choices=STALENESS, new=True),
     "system.server_lr": Param(1.0, "fedbuff: server learning rate eta_g", _pos, "a finite number > 0", new=True),
-    "system.files": Param("", "sha256 of the availability and speed files (filled in when resolved)", new=True),
+    "system.files": Param("", "sha256 of the availability and speed files (filled in when resolved)",
+                          lambda v: v == "" or all(re.fullmatch(r"(availability|speeds):[0-9a-f]{64}", part)
+                                                   for part in v.split()),
+                          "'' or the files' sha256 as resolved ('availability:<hex> speeds:<hex>')", new=True),
 }
 
 
