@@ -45,6 +45,8 @@ OTHER_MEANING: dict[tuple[str, str], str] = {
     ("mlp", "fedprism.algorithms.fedprism_dual.gate"): "the learned gate's kind (a small network)",
     ("natural", "fedprism.cli"): "a column heading (whether a dataset has natural clients)",
     ("iid", "fedprism.data.sets.synthetic"): "the synthetic dataset's own `iid` parameter",
+    ("digits", "fedprism.data.sets.emnist"): "the name of one of EMNIST's splits",
+    ("mnist", "fedprism.data.sets.emnist"): "the name of one of EMNIST's splits",
 }
 
 #: literals that other work is removing, by area: (name, module)
