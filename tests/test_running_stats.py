@@ -52,6 +52,7 @@ def test_running_statistics_follow_their_layer_and_no_optimiser_steps_them():
     # FedBN's slices hold each layer's running statistics with its affine parameters; the head holds none
     bn = torch.cat([torch.arange(s.start, s.stop) for s in spec.batchnorm])
     assert set(buffer_index(spec).tolist()) <= set(bn.tolist())
+    assert set(spec.buffer_names) <= set(spec.bn_names)
     assert spec.head.start > max(bn.tolist())
     # the vector round-trips through the module, running statistics included
     v = flatten(m)
