@@ -96,6 +96,7 @@ def test_bytes_up_are_the_encoded_form(how, extra, per_client, tmp_path):
     assert [h["bytes_down"] for h in hist] == [2 * 4 * P] * 2              # the plan is not compressed
     assert res.final["bytes_up"] == 4 * per_client(P)
     if how == "topk":                         # error feedback: a residual is kept for the clients that trained
+        assert e.ctx.compress.feedback and RESIDUAL + "params" in e.algo.client_state   # auto: on for topk
         r = e.clients.data[RESIDUAL + "params"]
         assert int((r.abs().sum(1) > 0).sum()) >= 2
     else:

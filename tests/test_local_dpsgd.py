@@ -209,3 +209,20 @@ def test_off_leaves_ids_and_numbers_unchanged(tmp_path):
     assert a.engine.local_dp is None and torch.equal(a.state["w"], b.state["w"])
     assert ra.final["global_acc"] == rb.final["global_acc"] and not any(k.startswith("dpsgd") for k in ra.final)
     assert not any("dpsgd_steps" in h for h in a.store.round_metrics(a.run_id))
+
+
+def test_resumed_run_accounts_for_the_rounds_before(tmp_path):
+    """A run stopped after round 1 and resumed in a new process (a fresh engine, whose step counts start
+    empty) rebuilds them from the stored `dpsgd_steps` records: its epsilons and its model are the
+    uninterrupted run's."""
+    whole = _experiment(tmp_path, "whole.db", rounds=3, **DP)
+    ref = whole.run()
+    c = resolve({**EXP, "rounds": 3, **DP})
+    s = Store(tmp_path / "cut.db")
+    Experiment(c, s).run(stop_after=1)
+    again = Experiment(c, s)
+    res = again.run()
+    assert again.engine.local_dp.next_round == 3 and torch.equal(again.state["w"], whole.state["w"])
+    for k in ("dpsgd_epsilon_max", "dpsgd_epsilon_mean", "dpsgd_steps"):
+        assert [h[k] for h in s.round_metrics(c.run_id)] == [h[k] for h in whole.store.round_metrics(whole.run_id)]
+        assert res.final[k] == ref.final[k]
