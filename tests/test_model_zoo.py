@@ -188,3 +188,63 @@ def test_tabular_mlp_runs_a_round_alike_in_both_engines(tiny, tmp_path):
         assert got["vectorized"][k] == pytest.approx(got["sequential"][k], abs=1e-9), k
     with pytest.raises(ConfigError, match="rows of features"):
         fedprism.run(**RUN, dataset="tinyimg", model="tabular_mlp", db=tmp_path / "x.db")
+
+
+# ------------------------------------------------------------------------ the papers' formulas, by hand
+
+
+def test_text_cnn_is_max_over_time_of_relu_filters():
+    """Kim (2014), eq. (2)-(3): c_i = ReLU(w . x_{i:i+h-1} + b) for each filter of width h, c_hat = max_i c_i;
+    computed here position by position from the model's weights."""
+    model = build_model("text_cnn", (9,), 4, seed=3, vocab_size=20).eval()
+    x = torch.randint(0, 20, (2, 9), generator=torch.Generator().manual_seed(1))
+    emb = model.body[0].embedding.weight[x]                                   # [B, T, E]
+    want = []
+    for conv in model.body[1].convs:
+        h = conv.kernel_size[0]
+        c = torch.stack([torch.einsum("bte,fet->bf", emb[:, i:i + h], conv.weight) + conv.bias
+                         for i in range(9 - h + 1)], dim=2)
+        want.append(torch.relu(c).amax(dim=2))
+    with torch.no_grad():
+        got = model(x, features_only=True)
+    assert torch.allclose(got, torch.cat(want, dim=1), atol=1e-5)
+
+
+def test_char_lstm_predicts_from_the_last_position():
+    """The next character is predicted from the top layer's output after the whole sequence: the logits move
+    with the last character (and with the first, through the recurrence)."""
+    model = build_model("char_lstm", (12,), 5, seed=0, vocab_size=9).eval()
+    x = torch.randint(0, 9, (1, 12), generator=torch.Generator().manual_seed(2))
+    last, first = x.clone(), x.clone()
+    last[0, -1] = (x[0, -1] + 1) % 9
+    first[0, 0] = (x[0, 0] + 1) % 9
+    with torch.no_grad():
+        base, a, b = model(x), model(last), model(first)
+        out, _ = model.body.lstm(model.body.embedding(x))
+        assert torch.equal(model(x, features_only=True), out[:, -1])
+    assert not torch.allclose(base, a) and not torch.allclose(base, b)
+
+
+def test_text_transformer_is_the_pre_ln_encoder_by_hand():
+    """Vaswani et al. (2017) attention softmax(Q K^T / sqrt(d_k)) V per head (d_k = 64 / 4), in pre-LN layers
+    (Xiong et al. 2020), final LayerNorm, mean over positions; written out head by head from the weights."""
+    import torch.nn.functional as F
+
+    model = build_model("text_transformer", (6,), 3, seed=5, vocab_size=11).eval()
+    enc = model.body
+    x = torch.randint(0, 11, (2, 6), generator=torch.Generator().manual_seed(4))
+    h = enc.embedding.weight[x] + enc.position
+    for layer in enc.layers:
+        a = layer.ln1(h)
+        q, k, v = (a @ layer.attn.qkv.weight.T + layer.attn.qkv.bias).split(64, dim=-1)
+        heads = []
+        for j in range(4):
+            s = slice(16 * j, 16 * (j + 1))
+            w = F.softmax(q[..., s] @ k[..., s].transpose(1, 2) / 4.0, dim=-1)
+            heads.append(w @ v[..., s])
+        h = h + layer.attn.out(torch.cat(heads, dim=-1))
+        f = layer.ln2(h)
+        h = h + layer.ffn[2](F.gelu(layer.ffn[0](f)))
+    want = enc.ln(h).mean(dim=1)
+    with torch.no_grad():
+        assert torch.allclose(model(x, features_only=True), want, atol=1e-5)
