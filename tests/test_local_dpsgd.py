@@ -226,3 +226,16 @@ def test_resumed_run_accounts_for_the_rounds_before(tmp_path):
     for k in ("dpsgd_epsilon_max", "dpsgd_epsilon_mean", "dpsgd_steps"):
         assert [h[k] for h in s.round_metrics(c.run_id)] == [h[k] for h in whole.store.round_metrics(whole.run_id)]
         assert res.final[k] == ref.final[k]
+
+
+def test_report_table():
+    from fedprism.report import local_dpsgd_table
+
+    f = {"dpsgd_clip": 1.0, "dpsgd_noise_multiplier": 1.1, "dpsgd_q_min": 0.05, "dpsgd_q_max": 0.2,
+         "dpsgd_delta": 1e-5, "dpsgd_epsilon_max": 3.456, "dpsgd_epsilon_mean": 2.0, "global_acc": 0.5, "local_acc": 0.25}
+    md = local_dpsgd_table({"S": {"fedavg": [{"final": f, "config": {"seed": 0}},
+                                             {"final": {"global_acc": 0.9}, "config": {"seed": 1}}]}})
+    assert md[0] == "## Local DP-SGD" and len([l for l in md if l.startswith("| fedavg")]) == 1
+    assert "| fedavg | S | 0 | 1 | 1.1 | 0.05-0.2 | 1e-05 | 3.46 | 2 | 0.5000 | 0.2500 |" in md
+    f0 = {k: v for k, v in f.items() if not k.startswith("dpsgd_epsilon")}          # z = 0: inf
+    assert "| inf | inf |" in local_dpsgd_table({"S": {"a": [{"final": f0, "config": {"seed": 0}}]}})[-2]

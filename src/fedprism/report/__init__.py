@@ -356,6 +356,33 @@ def update_privacy_table(groups) -> list[str]:
     return md + [""] if md else md
 
 
+def local_dpsgd_table(groups) -> list[str]:
+    """Runs with local DP-SGD (`dp.local=dpsgd`, docs/privacy.md): per-sample clip, noise multiplier, the
+    clients' sampling rates, delta, the largest and the mean epsilon a client spent (inf: no noise) and the
+    headline accuracies."""
+    md: list[str] = []
+    for setting in sorted(groups):
+        for label in sorted(groups[setting]):
+            for r in sorted(groups[setting][label], key=lambda x: x["config"]["seed"]):
+                f = r["final"]
+                if "dpsgd_clip" not in f:
+                    continue
+                if not md:
+                    md = ["## Local DP-SGD", "",
+                          "Local DP-SGD through Opacus (`dp.local`; docs/privacy.md): each sample's gradient clipped to "
+                          "C, Gaussian noise z C on their sum, each client's epsilon at delta from Opacus' RDP "
+                          "accountant for its sampling rate q = B / n_i and its steps (inf: no noise).", "",
+                          "| method | setting | seed | clip C | z | q | δ | ε max | ε mean | Glob Acc | Loc Acc |",
+                          "|---|---|---|---|---|---|---|---|---|---|---|"]
+                emax, emean = f.get("dpsgd_epsilon_max"), f.get("dpsgd_epsilon_mean")
+                q = f"{f.get('dpsgd_q_min', float('nan')):.3g}-{f.get('dpsgd_q_max', float('nan')):.3g}"
+                md.append(f"| {_cell(label)} | {setting} | {r['config']['seed']} | {f['dpsgd_clip']:g} | "
+                          f"{f['dpsgd_noise_multiplier']:g} | {q} | {f['dpsgd_delta']:g} | "
+                          f"{'inf' if emax is None else f'{emax:.3g}'} | {'inf' if emean is None else f'{emean:.3g}'} | "
+                          f"{f.get('global_acc', float('nan')):.4f} | {f.get('local_acc', float('nan')):.4f} |")
+    return md + [""] if md else md
+
+
 def sampled_evaluation_table(groups) -> list[str]:
     """Runs with `eval.clients`: which of their numbers come from a sample of the clients."""
     md: list[str] = []
@@ -476,6 +503,7 @@ def tables(groups, reference: str | None = None,
     md += dispersion_table(groups)
     md += privacy_table(groups)
     md += update_privacy_table(groups)
+    md += local_dpsgd_table(groups)
     md += sampled_evaluation_table(groups)
     if store is not None:
         md += domain_table(store, groups)
