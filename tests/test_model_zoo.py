@@ -193,6 +193,24 @@ def test_tabular_mlp_runs_a_round_alike_in_both_engines(tiny, tmp_path):
 # ------------------------------------------------------------------------ the papers' formulas, by hand
 
 
+def test_vgg11_is_configuration_a():
+    """Configuration A (Simonyan & Zisserman 2014, Table 1) on 3x32x32: eight 3x3 convolutions 3-64, 64-128,
+    128-256, 256-256, 256-512, 512-512, 512-512, 512-512 at 32, 16, 8, 8, 4, 4, 2, 2 pixels (max-pooling
+    after the 1st, 2nd, 4th, 6th and 8th), then fc 512-512, 512-512, 512-10: parameters and multiply-adds
+    counted by hand."""
+    convs = [(3, 64, 32), (64, 128, 16), (128, 256, 8), (256, 256, 8), (256, 512, 4), (512, 512, 4),
+             (512, 512, 2), (512, 512, 2)]
+    params = sum(i * o * 9 + o for i, o, _ in convs) + 2 * (512 * 512 + 512) + 512 * 10 + 10
+    macs = sum(s * s * i * o * 9 for i, o, s in convs) + 2 * 512 * 512 + 512 * 10
+    model = build_model("vgg11", (3, 32, 32), 10)
+    assert sum(p.numel() for p in model.parameters()) == params == 9_750_922
+    assert forward_macs(model, (3, 32, 32)) == macs == 153_293_824
+    kinds = [type(m).__name__ for m in model.body if not isinstance(m, nn.ReLU)]
+    assert kinds[:13] == ["Conv2d", "MaxPool2d", "Conv2d", "MaxPool2d", "Conv2d", "Conv2d", "MaxPool2d",
+                          "Conv2d", "Conv2d", "MaxPool2d", "Conv2d", "Conv2d", "MaxPool2d"]
+    assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
 def test_text_cnn_is_max_over_time_of_relu_filters():
     """Kim (2014), eq. (2)-(3): c_i = ReLU(w . x_{i:i+h-1} + b) for each filter of width h, c_hat = max_i c_i;
     computed here position by position from the model's weights."""
