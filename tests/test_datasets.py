@@ -450,8 +450,8 @@ def test_bad_arguments(tmp_path):
         load_dataset("synthetic", num_devices=0)
     with pytest.raises(ConfigError, match="test_fraction"):
         load_dataset("digits", test_fraction=1.0)
-    assert set(DATASETS) == {"fmnist", "mnist", "cifar10", "cifar100", "svhn", "usps", "digits", "synthetic",
-                             "wisdm"}
+    assert set(DATASETS) >= {"fmnist", "mnist", "cifar10", "cifar100", "svhn", "usps", "digits", "synthetic",
+                             "wisdm", "femnist", "emnist", "tinyimagenet", "shakespeare", "sent140"}
 
 
 # ------------------------------------------------------------------------------------------ cache
@@ -601,17 +601,26 @@ def test_a_killed_download_s_stale_part_file_is_removed_by_the_next(tmp_path):
 def test_download_default_destination_and_registry(tmp_path):
     assert dl.download_dir("mnist") == tmp_path / "cache" / "data" / "mnist"
     assert search_paths("mnist")[-1] == dl.download_dir("mnist")
-    assert set(dl.REMOTE) == {"fmnist", "mnist", "cifar10", "cifar100", "svhn", "usps", "wisdm"}
+    assert set(dl.REMOTE) >= {"fmnist", "mnist", "cifar10", "cifar100", "svhn", "usps", "wisdm", "femnist", "emnist",
+                              "tinyimagenet", "shakespeare", "sent140"}
+    assert set(dl.REMOTE) == {n for n, spec in DATASETS.all().items() if spec.downloadable}
+    policy = {"usps": "md5", "emnist": "md5", "tinyimagenet": "md5",      # only an MD5 is published
+              "femnist": "sha256", "shakespeare": "sha256",              # only a SHA-256 (TensorFlow Federated's)
+              "wisdm": "tofu", "sent140": "tofu",                        # nothing is published
+              **{n: "both" for n in ("fmnist", "mnist", "cifar10", "cifar100", "svhn")}}
     for name, files in dl.REMOTE.items():
         for f in files:
-            if name == "usps":                                          # only an MD5 is published
-                assert f.sha256 is None and not f.tofu and len(f.md5) == 32 and int(f.md5, 16) >= 0
-            elif name == "wisdm":                                       # nothing is published
-                assert f.sha256 is None and f.md5 is None and f.tofu
-            else:
-                assert len(f.sha256) == 64 and len(f.md5) == 32 and int(f.sha256, 16) >= 0
-                assert int(f.md5, 16) >= 0 and not f.tofu
-            assert all(u.startswith(("https://", "http://")) and u.endswith("/" + f.filename) for u in f.urls)
+            has = ("both" if f.sha256 and f.md5 else "sha256" if f.sha256 else "md5" if f.md5 else
+                   "tofu" if f.tofu else "none")
+            assert has != "none" and has == policy.get(name, has), (name, f.filename, has)
+            assert not (f.tofu and (f.sha256 or f.md5))
+            if f.sha256:
+                assert len(f.sha256) == 64 and int(f.sha256, 16) >= 0
+            if f.md5:
+                assert len(f.md5) == 32 and int(f.md5, 16) >= 0
+            assert all(u.startswith(("https://", "http://")) for u in f.urls)
+            if name in policy:                                           # these mirrors name the file
+                assert all(u.endswith("/" + f.filename) for u in f.urls)
     assert {f.filename: f.md5 for f in dl.REMOTE["usps"]} == {"usps.bz2": "ec16c51db3855ca6c91edd34d0e9b197",
                                                               "usps.t.bz2": "8ea070ee2aca1ac39742fdd1ef5ed118"}
     with pytest.raises(ConfigError):
