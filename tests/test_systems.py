@@ -233,6 +233,8 @@ def test_fedbuff_resumes_exactly(tmp_path):
 @pytest.mark.parametrize("kw, key, words", [
     ({"method": "fedamp"}, "method", "reads each client's upload"),
     ({"fedavg.aggregation": "median"}, "fedavg.aggregation", "the robust rule median"),
+    ({"method": "feddyn"}, "method", "reads each client's upload"),
+    ({"drift.fraction": 0.5}, "drift.fraction", "0 with system.async=fedbuff"),
 ])
 def test_fedbuff_refuses_methods_that_read_each_upload(tmp_path, kw, key, words):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as e:

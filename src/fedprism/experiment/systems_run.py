@@ -279,6 +279,9 @@ def system_run(cfg, ctx, algo, flower: bool = False) -> SystemRun | None:
         if algo.own_cohort:
             raise ConfigError("system.async", "fedbuff", f"none for method={cfg['method']}, which draws its own "
                               "cohort")
+        if cfg.get("drift.fraction", 0.0):
+            raise ConfigError("drift.fraction", cfg["drift.fraction"], "0 with system.async=fedbuff: a client "
+                              "trains on the data of the step it started at, and drift changes the data by round")
     return SystemRun(model, flower)
 
 
