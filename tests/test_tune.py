@@ -190,6 +190,15 @@ def test_tiny_study_stores_trials_chooses_the_best_and_runs_the_seeds(tmp_path):
     with Store(db, readonly=True) as store:
         best = tune.choose(tune.stored_trials(store, "tiny", "FedProx"))
     assert f"chosen: trial #{best['trial']} of study `tiny` (run `{best['run_id']}`)" in md
+    # the study travels with a store dump (what git holds) and is rebuilt from it as it was
+    from fedprism.experiment.archive import dump, load
+
+    dump(db, tmp_path / "dump")
+    load(tmp_path / "dump", tmp_path / "loaded.db")
+    with Store(db, readonly=True) as a, Store(tmp_path / "loaded.db", readonly=True) as b:
+        for e in study.methods:
+            assert tune.stored_trials(a, "tiny", e.label) == tune.stored_trials(b, "tiny", e.label)
+        assert a.annotations("tune_choice") == b.annotations("tune_choice")
 
 
 def test_a_rebuilt_study_asks_what_a_continuous_one_asked(tmp_path):
