@@ -184,6 +184,68 @@ def test_per_cluster_sampling_floors_q_times_the_cluster_size(fraction, want):
         _sends_each_client_its_cluster_model(state, plan)
 
 
+def test_min_two_per_cluster_is_the_authors_federation_per_cluster():
+    """Clusters of 7, 2 and 1 clients at q = 0.2 with `min_per_cluster=2` (the authors' code: each cluster a
+    federation with fraction q and at least two fit clients): floor(0.2 * 7) = 1 -> 2 of 7, both of the
+    pair, the singleton alone, in every round; with the default (1) the pair sends one member."""
+    from fedprism.algorithms.clust_psi_pfl import per_cluster_count
+
+    assert [per_cluster_count(0.2, n, 2) for n in (7, 2, 1, 10, 0)] == [2, 2, 1, 2, 0]
+    assert [per_cluster_count(0.2, n) for n in (7, 2, 1, 10)] == [1, 1, 1, 2]
+    assert [per_cluster_count(0.5, n, 2) for n in (7, 3, 2, 1)] == [3, 2, 2, 1]
+    h = np.array([[90.0, 10.0, 0.0]] * 7 + [[10.0, 90.0, 0.0]] * 2 + [[0.0, 10.0, 90.0]])
+    truth = np.array([0] * 7 + [1] * 2 + [2])
+    algo = ClustPsiPfl(_ctx(h, fraction=0.2), sampling="per_cluster", min_per_cluster=2, clusters=3)
+    state = algo.init_state()
+    assert _same_groups(state["assign"].numpy(), truth)
+    _distinct_models(state)
+    seen = set()
+    for rnd in range(6):
+        plan = algo.plan(state, rnd, np.arange(2))
+        g = truth[plan.clients]
+        assert ((g == 0).sum(), (g == 1).sum(), (g == 2).sum()) == (2, 2, 1), rnd
+        seen.add(tuple(plan.clients[g == 0]))
+        a = state["assign"][torch.as_tensor(plan.clients)]
+        assert all(torch.equal(plan.payload["params"][i], state["w"][c]) for i, c in enumerate(a.tolist()))
+    assert len(seen) > 1                                  # the big cluster's pair is drawn anew each round
+    one = ClustPsiPfl(_ctx(h, fraction=0.2), sampling="per_cluster", clusters=3)
+    g = truth[one.plan(one.init_state(), 0, np.arange(2)).clients]
+    assert ((g == 0).sum(), (g == 1).sum(), (g == 2).sum()) == (1, 1, 1)
+
+
+def test_min_per_cluster_needs_per_cluster_sampling_and_keeps_run_ids():
+    from fedprism.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="min_per_cluster"):
+        resolve({"method": "clust_psi_pfl", "clust_psi_pfl.min_per_cluster": 2})
+    with pytest.raises(ConfigError, match="min_per_cluster"):
+        resolve({"method": "clust_psi_pfl", "clust_psi_pfl.sampling": "per_cluster",
+                 "clust_psi_pfl.min_per_cluster": 0})
+    for sampling in ("global", "per_cluster"):
+        b = resolve({"method": "clust_psi_pfl", "clust_psi_pfl.sampling": sampling})
+        assert b.run_id == resolve({"method": "clust_psi_pfl", "clust_psi_pfl.sampling": sampling,
+                                    "clust_psi_pfl.min_per_cluster": 1}).run_id
+    assert resolve({"method": "clust_psi_pfl", "clust_psi_pfl.sampling": "per_cluster",
+                    "clust_psi_pfl.min_per_cluster": 2}).run_id != b.run_id
+
+
+def test_one_cluster_is_fedavg_bit_for_bit(tmp_path):
+    """tau fixed to 1: the one cluster model is FedAvg's model after every round (same cohorts, same
+    client streams, the same n_k-weighted average), bit for bit, and so are the scores."""
+    from fedprism.experiment.runner import Experiment
+    from fedprism.experiment.store import Store
+    from fedprism.flower.settings import parse_experiment
+
+    ours = Experiment(parse_experiment(TINY + " clust_psi_pfl.clusters=1"), Store(tmp_path / "a.db"))
+    avg = Experiment(parse_experiment(TINY.replace("method=clust_psi_pfl", "method=fedavg")), Store(tmp_path / "b.db"))
+    ra, rb = ours.run(), avg.run()
+    assert ours.state["psi"]["tau"] == 1 and ours.state["w"].shape[0] == 1
+    assert torch.equal(ours.state["w"][0], avg.state["w"].reshape(-1))
+    ha, hb = ours.store.round_metrics(ra.run_id), avg.store.round_metrics(rb.run_id)
+    assert [h["local_acc"] for h in ha] == [h["local_acc"] for h in hb]
+    assert ra.final["local_acc_weighted"] == rb.final["local_acc_weighted"]
+
+
 def test_aggregation_is_per_cluster_and_an_idle_cluster_keeps_its_model():
     h, truth = _planted_hist()
     algo = ClustPsiPfl(_ctx(h, fraction=1.0))

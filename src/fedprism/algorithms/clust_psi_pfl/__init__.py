@@ -42,6 +42,10 @@ Decisions where the paper is silent (docs/clust_psi_pfl.md):
   as its own FedAvg federation instead: every round cluster c samples max(floor(q |c|), 1) of its
   members, uniformly without replacement, from a stream seeded by (run seed, round, c), and the union
   (about qN clients) replaces the runner's cohort; every cluster trains every round.
+  `min_per_cluster=2` (with `per_cluster`) is the authors' reference code: one federation per cluster
+  with fraction q and at least two fit clients, i.e. min(|c|, max(floor(q |c|), 2)) members. Their code
+  replicates a cluster of one client so that two fit; here that member trains once and its model is the
+  cluster's (the average of two copies trained with one seed from one model is that model). Default 1: the rule above, and the committed run ids.
 * A client whose counts were not known at clustering (a Flower node that joins later; no client in a
   simulation) joins the cluster of the nearest centroid in the standardised space, with the column
   means and deviations of the initial clients; it is fixed when it is first sampled (record `joined`).
@@ -92,6 +96,16 @@ def zscore(x: np.ndarray, mean: np.ndarray | None = None, std: np.ndarray | None
     std = np.where(x.max(0) == x.min(0), 0.0, x.std(0)) if std is None else std
     safe = np.where(std > 0, std, 1.0)
     return np.where(std > 0, (x - mean) / safe, 0.0), mean, std
+
+
+def per_cluster_count(fraction: float, size: int, least: int = 1) -> int:
+    """Members a cluster of `size` clients trains in a round with `sampling=per_cluster`:
+    min(size, max(floor(q size), least)). `least` = 1 keeps every cluster training; `least` = 2 is the
+    authors' code (each cluster a federation with fraction q and at least two fit clients), under which a
+    cluster of one or two clients trains whole every round."""
+    if size <= 0:
+        return 0
+    return min(size, max(int(np.floor(fraction * size + 1e-9)), least, 1))
 
 
 @dataclass
@@ -154,10 +168,14 @@ class ClustPsiPfl(Algorithm):
                               lambda v: v >= 0, "an integer >= 0"),
         "allow_single_cluster": Param(False, "the authors' code: tau = 1 competes with silhouette 0"),
         "sampling": Param("global", "global: the runner's cohort, q of all clients (the paper); per_cluster: "
-                          "each cluster samples max(floor(q |c|), 1) of its members per round",
+                          "each cluster samples max(floor(q |c|), min_per_cluster) of its members per round",
                           choices=("global", "per_cluster")),
         "weighting": Param("samples", "per-cluster average: n_k (samples, FedAvg) or 1 (uniform)",
                            choices=WEIGHTINGS),
+        "min_per_cluster": Param(1, "with sampling=per_cluster: the fewest members a cluster trains per round, "
+                                 "min(|c|, max(floor(q |c|), this)); 2 is the authors' code (every cluster of "
+                                 "at most two clients trains whole)", lambda v: v >= 1, "an integer >= 1",
+                                 new=True),
     }
     averages = ("w",)                # the tau cluster models
 
@@ -167,6 +185,9 @@ class ClustPsiPfl(Algorithm):
 
         if hp["smoothing"] == "laplace" and hp["eps"] <= 0:
             raise ConfigError("clust_psi_pfl.eps", hp["eps"], "a pseudo-count > 0 with smoothing=laplace")
+        if hp["min_per_cluster"] != 1 and hp["sampling"] != "per_cluster":
+            raise ConfigError("clust_psi_pfl.min_per_cluster", hp["min_per_cluster"],
+                              "1 unless clust_psi_pfl.sampling=per_cluster (the global cohort is the runner's)")
 
     # -- clustering (once, before round 0) -------------------------------------------------------
     def _hist(self) -> np.ndarray:
@@ -222,7 +243,7 @@ class ClustPsiPfl(Algorithm):
                 members = np.flatnonzero(a == c)
                 if len(members) == 0:
                     continue
-                m = max(int(np.floor(self.ctx.fraction * len(members) + 1e-9)), 1)
+                m = per_cluster_count(self.ctx.fraction, len(members), self.hp["min_per_cluster"])
                 rng = np.random.default_rng([self.ctx.seed, rnd, c, 0xC751])
                 picked.append(rng.choice(members, size=m, replace=False))
             clients = np.sort(np.concatenate(picked)) if picked else np.asarray(clients)[:0]
