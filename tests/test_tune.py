@@ -349,3 +349,11 @@ def test_a_space_whose_end_a_run_would_refuse_stops_the_study_before_any_trial(t
     with pytest.raises(ConfigError, match=r"FedPrism at fedprism_dual.k=5.*fedprism_dual.k"):
         tune.run_study(p, db, progress=False)
     assert not db.exists() or not Store(db, readonly=True).runs()
+
+
+def test_command_line_overrides_apply_to_every_run_as_in_a_sweep(tmp_path):
+    p = tiny(tmp_path, base_extra='partition = { name = "dirichlet", alpha = 0.5 }')
+    study = tune.load_study(p, overrides={"partition": "iid", "rounds": 2})
+    cfg = study.config(study.methods[1], {"fedprox.mu": 0.5, "lr": 0.02}, seed=3)
+    assert (cfg["partition"], cfg["rounds"], cfg["seed"], cfg["fedprox.mu"], cfg["lr"]) == ("iid", 2, 3, 0.5, 0.02)
+    assert "partition.alpha" not in cfg.values

@@ -133,7 +133,10 @@ class Study:
     def config(self, entry: MethodEntry, params: dict[str, Any] | None, seed: int | None = None,
                name: str | None = None) -> Config:
         """The resolved configuration of `entry` with `params` (None: its untuned configuration)."""
-        raw = {**self.base, **entry.raw, **self.quick, **(params or {}), **self.overrides}
+        raw = {**self.base, **entry.raw, **self.quick, **(params or {})}
+        if "partition" in self.overrides:          # as in a sweep: another partition drops the file's parameters
+            raw = {k: v for k, v in raw.items() if not k.startswith("partition.")}
+        raw.update(self.overrides)
         raw = {k: v for k, v in raw.items() if k in entry.raw or k in (params or {}) or _applies(k, entry.method)}
         if seed is not None:
             raw["seed"] = seed
