@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 import fedprism
 from fedprism.data.base import DATASETS, Dataset, DatasetSpec, FileSet, check_loaded
@@ -223,3 +224,32 @@ def test_token_data_on_flower_matches_the_in_process_run(tok, tmp_path, monkeypa
     assert res.status == "finished"
     for k in ("local_acc", "global_acc"):
         assert res.final[k] == pytest.approx(final[k], abs=1e-9), k
+
+
+class _BagOfTokens(nn.Module):
+    """A registered (plugin) token model: mean of token embeddings, a linear head."""
+
+    def __init__(self, vocab_size: int, num_classes: int):
+        super().__init__()
+        self.body = nn.Embedding(vocab_size, 6)
+        self.head = nn.Linear(6, num_classes)
+
+    def forward(self, x, features_only=False):
+        z = self.body(x).mean(dim=1)
+        return z if features_only else self.head(z)
+
+
+def test_a_registered_token_model_is_checked_on_token_ids_and_runs(tok, tmp_path):
+    from fedprism.models import MODELS, ModelSpec
+
+    spec = ModelSpec("bag", lambda shape, k, vocab_size: _BagOfTokens(vocab_size, k), tokens=True, vocab=VOCAB,
+                     shape=(SEQ,), conv=False)
+    fedprism.register_model("bag", spec)
+    try:
+        r = fedprism.run(**RUN, model="bag", method="fedavg", engine="vectorized", db=tmp_path / "bag.db")
+        assert 0.0 <= r.final["global_acc"] <= 1.0
+    finally:
+        MODELS.pop("bag")
+    with pytest.raises(TypeError, match=r"build\(input_shape, num_classes, vocab_size=...\)"):
+        fedprism.register_model("bag2", ModelSpec("bag2", lambda shape, k: _BagOfTokens(VOCAB, k), tokens=True))
+    assert MODELS.find("bag2") is None

@@ -37,7 +37,7 @@ from fedprism.data.base import DATASETS  # noqa: E402
 _loaded = False
 
 
-def _check(kind: str, name: object, fn: object, builtin: tuple[str, ...]) -> None:
+def _check(kind: str, name: object, fn: object, builtin: tuple[str, ...], tokens: bool = False) -> None:
     if not isinstance(name, str) or not name:
         raise ValueError(f"register_{kind}: the name {name!r} is not a non-empty string")
     if name in builtin:
@@ -46,7 +46,8 @@ def _check(kind: str, name: object, fn: object, builtin: tuple[str, ...]) -> Non
         raise TypeError(f"register_{kind}({name!r}, ...): {fn!r} is not callable")
     import inspect
 
-    call = {"model": ("build(input_shape, num_classes)", ((1, 28, 28), 10), {}),
+    call = {"model": ("build(input_shape, num_classes, vocab_size=...)", ((80,), 10), {"vocab_size": 80})
+            if tokens else ("build(input_shape, num_classes)", ((1, 28, 28), 10), {}),      # a token model's
             "dataset": ("load(pad32, root)", (), {"pad32": False, "root": None})}[kind]
     try:
         inspect.signature(fn).bind(*call[1], **call[2])
@@ -65,7 +66,8 @@ def register_model(name: str, build: Callable[..., Any]) -> Callable[..., Any]:
     from fedprism.models.base import ModelSpec
 
     builtin = tuple(n for n in MODELS.names() if MODELS.is_builtin(n))
-    _check("model", name, build.build if isinstance(build, ModelSpec) else build, builtin)
+    spec = build if isinstance(build, ModelSpec) else None
+    _check("model", name, build if spec is None else spec.build, builtin, tokens=spec is not None and spec.tokens)
     MODELS.register(build, name=name)
     return build
 
