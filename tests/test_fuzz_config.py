@@ -143,6 +143,8 @@ def test_every_valid_configuration_resolves(data, method, partition):
             assert not 1 <= held_out_count(n, raw["data.unseen_clients"]) < n, e
         elif e.key == "data.synthetic_devices":       # the synthetic generator's key with another dataset
             assert raw.get("dataset", KEYS["dataset"].default) != "synthetic", e
+        elif e.key.startswith("data.hf."):            # a Hugging Face dataset's key with another dataset
+            assert not raw.get("dataset", KEYS["dataset"].default).startswith("hf:"), e
         elif e.key == "eval.gate":                    # a gate needs two streams and both validation splits
             assert raw["eval.gate"] != "none" and (
                 method != "fedprism_dual" or not raw.get("data.val_fraction") or not raw.get("data.global_val")
