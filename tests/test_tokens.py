@@ -253,3 +253,11 @@ def test_a_registered_token_model_is_checked_on_token_ids_and_runs(tok, tmp_path
     with pytest.raises(TypeError, match=r"build\(input_shape, num_classes, vocab_size=...\)"):
         fedprism.register_model("bag2", ModelSpec("bag2", lambda shape, k: _BagOfTokens(VOCAB, k), tokens=True))
     assert MODELS.find("bag2") is None
+
+
+def test_datasets_listing_names_the_vocabulary(tok, capsys):
+    from fedprism.cli import main
+
+    assert main(["datasets", "tok"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("input"))
+    assert line.split(None, 1)[1] == f"{SEQ} token ids, vocabulary {VOCAB} (token models only)"

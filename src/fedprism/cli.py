@@ -693,7 +693,8 @@ def _describe_dataset(name: str, spec) -> tuple[str, list[list]]:
     from_config = {option: key for key, option in spec.config_keys}
     rows = [["classes", f"{unknown(spec.num_classes)}{names}"],
             ["input", shape + (" (data.pad32=auto pads to 32x32 for models that take 32x32)" if spec.pad32_auto
-                               else "")],
+                               else "")
+             + (f" token ids, vocabulary {spec.vocab_size:,} (token models only)" if spec.vocab_size else "")],
             ["normalisation", norm],
             ["natural partition", f"by {spec.natural} (partition=natural: one client per {spec.natural})"
              if spec.natural else "none"],
