@@ -168,8 +168,19 @@ def test_every_qualifying_method_runs(tmp_path):
         res = e.run()
         assert res.status == "finished" and res.final["dpsgd_epsilon_max"] > 0
         assert e.engine.local_dp is not None and type(e.engine).__name__ == "SequentialEngine"
-    e = _experiment(tmp_path, "auto.db", engine="auto", rounds=1, **DP)   # engine=auto: the sequential loop
-    assert type(e.engine).__name__ == "SequentialEngine"
+
+
+def test_engine_auto_builds_the_sequential_loop(tmp_path, monkeypatch):
+    """engine=auto asks make_engine for the sequential loop (the vectorized engine has no DP-SGD step)."""
+    import fedprism.experiment.build as build
+
+    asked = []
+    real = build.make_engine
+    monkeypatch.setattr(build, "make_engine", lambda name, *a, **k: asked.append(name) or real(name, *a, **k))
+    e = _experiment(tmp_path, "auto.db", engine="auto", rounds=1, **DP)
+    assert asked == ["sequential"] and type(e.engine).__name__ == "SequentialEngine"
+    _experiment(tmp_path, "plain.db", engine="auto", rounds=1)
+    assert asked == ["sequential", "auto"]                               # off: as before
 
 
 # -- refusals -------------------------------------------------------------------------------------------------
@@ -239,3 +250,23 @@ def test_report_table():
     assert "| fedavg | S | 0 | 1 | 1.1 | 0.05-0.2 | 1e-05 | 3.46 | 2 | 0.5000 | 0.2500 |" in md
     f0 = {k: v for k, v in f.items() if not k.startswith("dpsgd_epsilon")}          # z = 0: inf
     assert "| inf | inf |" in local_dpsgd_table({"S": {"a": [{"final": f0, "config": {"seed": 0}}]}})[-2]
+
+
+def _contrastive(f, w, x, y, ones, extras):      # a Loss callable: another objective than ce and prox
+    return F.cross_entropy(f(w, x), y)
+
+
+def test_the_engine_refuses_a_job_that_is_not_plain_training(tmp_path):
+    """The sequential engine checks each job under DP-SGD: another objective, a mask or other extras raise
+    (a qualifying method that changed), before any client trains."""
+    from fedprism.protocol import TrainJob
+
+    e = _experiment(tmp_path, **DP)
+    start = e.ctx.init.expand(1, -1).clone()
+    for job in (TrainJob(np.array([0]), start, loss=_contrastive), TrainJob(np.array([0]), start, mask=torch.ones_like(start[0])),
+                TrainJob(np.array([0]), start, loss="prox", extras={"anchor": start, "mu": torch.ones(1), "c": start})):
+        with pytest.raises(RuntimeError, match="plain local training"):
+            e.engine.train(job, 0)
+    assert e.engine.local_dp.steps == {}
+    e.engine.train(TrainJob(np.array([0]), start), 0)                    # plain: trains
+    assert e.engine.local_dp.steps == {0: math.ceil(len(e.engine._train_idx[0]) / e.cfg["batch_size"])}
