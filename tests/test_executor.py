@@ -162,6 +162,9 @@ def test_cli_refuses_ray_options_without_an_address(tmp_path):
     r = subprocess.run([sys.executable, "-m", "fedprism", "sweep", "none.toml", "--ray", "auto", "--ray-gpus", "-1"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "--ray-gpus" in r.stderr, r.stderr
+    r = subprocess.run([sys.executable, "-m", "fedprism", "sweep", "none.toml", "--ray", "auto", "--workers", "2"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "'--workers' = 2 is not valid: 1 with --ray" in r.stderr, r.stderr
 
 
 def test_job_defaults():

@@ -176,6 +176,9 @@ def cmd_sweep(args) -> int:
 
         ray = RayOptions(args.ray, 1.0 if args.ray_cpus is None else args.ray_cpus,
                          0.0 if args.ray_gpus is None else args.ray_gpus, args.ray_store or "shared", args.ray_scratch)
+        if args.workers != 1:
+            raise ConfigError("--workers", args.workers, "1 with --ray (each run is a task of the cluster, which "
+                              "runs as many at once as its CPUs and GPUs hold: --ray-cpus, --ray-gpus)", kind="option")
     elif any(v is not None for v in (args.ray_cpus, args.ray_gpus, args.ray_store, args.ray_scratch)):
         raise ConfigError("--ray", None, "the cluster's address (host:port, auto or local) with --ray-cpus, "
                           "--ray-gpus, --ray-store or --ray-scratch", kind="option")
