@@ -336,3 +336,25 @@ def test_a_gradient_through_an_evaluation_mode_forward_leaves_the_statistics_alo
     (g,) = torch.autograd.grad(f(w, x).square().sum(), w)
     assert torch.equal(g[buffer_index(f.spec)], torch.zeros(len(buffer_index(f.spec))))
     assert float(g.abs().sum()) > 0
+
+
+def test_the_cuda_graph_bookkeeping_keeps_the_running_statistics(monkeypatch):
+    """The vectorized engine's recorded-step path (its own parameter, state, extras and mask tensors; partial
+    batches written into them) on the CPU, the recording left out (`GraphedStep.replay` runs the step
+    directly): the same bits as the plain path, running statistics included, job after job."""
+    from fedprism.engine.cuda_graph import GraphedStep
+
+    monkeypatch.setattr(GraphedStep, "record", lambda self: self)
+    fed = small()
+    model = build_model("resnet8", SHAPE, 10, seed=0)
+    plain = VectorizedEngine(fed, model, CFG, 3, "cpu", compile=False)
+    graphed = VectorizedEngine(fed, model, CFG, 3, "cpu", compile=False)
+    graphed.cuda_graphs = True
+    clients = np.array([2, 0, 1])
+    s = flatten(model).expand(3, -1).clone()
+    mask = torch.ones(3, s.shape[1])
+    mask[0, ParamSpec.of(model).batchnorm[0]] = 0.0
+    for rnd, job in enumerate([TrainJob(clients, s), TrainJob(clients, s, mask=mask, epochs=1), TrainJob(clients, s)]):
+        a, b = plain.train(job, rnd), graphed.train(job, rnd)
+        assert torch.equal(a.params, b.params) and torch.equal(a.loss, b.loss), rnd
+    assert graphed._graphs
