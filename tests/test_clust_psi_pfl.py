@@ -236,8 +236,10 @@ def test_one_cluster_is_fedavg_bit_for_bit(tmp_path):
     from fedprism.experiment.store import Store
     from fedprism.flower.settings import parse_experiment
 
-    ours = Experiment(parse_experiment(TINY + " clust_psi_pfl.clusters=1"), Store(tmp_path / "a.db"))
-    avg = Experiment(parse_experiment(TINY.replace("method=clust_psi_pfl", "method=fedavg")), Store(tmp_path / "b.db"))
+    tiny = TINY + " partition=dirichlet_per_class"                # clients of unequal sizes: n_k matters
+    ours = Experiment(parse_experiment(tiny + " clust_psi_pfl.clusters=1"), Store(tmp_path / "a.db"))
+    avg = Experiment(parse_experiment(tiny.replace("method=clust_psi_pfl", "method=fedavg")), Store(tmp_path / "b.db"))
+    assert len(set(avg.ctx.n_train.tolist())) > 1
     ra, rb = ours.run(), avg.run()
     assert ours.state["psi"]["tau"] == 1 and ours.state["w"].shape[0] == 1
     assert torch.equal(ours.state["w"][0], avg.state["w"].reshape(-1))
