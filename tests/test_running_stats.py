@@ -358,3 +358,27 @@ def test_the_cuda_graph_bookkeeping_keeps_the_running_statistics(monkeypatch):
         a, b = plain.train(job, rnd), graphed.train(job, rnd)
         assert torch.equal(a.params, b.params) and torch.equal(a.loss, b.loss), rnd
     assert graphed._graphs
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedper"])
+def test_a_server_optimiser_steps_the_parameters_and_averages_the_running_statistics(method):
+    """FedAdam (`server_opt=adam`) on ResNet-8, two clients, one round: the parameters take Adam's server
+    step (not the average), the running statistics the plain average of the clients' (n_k-weighted), for a
+    method that averages the whole vector (FedAvg) and one that averages the body (FedPer, one personal layer)."""
+    fed = small(sizes=(13, 6), n_test=(5, 4))
+    clients = np.array([0, 1])
+    m = build_model("resnet8", SHAPE, 10, seed=0)
+    spec = ParamSpec.of(m)
+    ctx = Context(fed.num_clients, fed.num_classes, spec, flatten(m), fed.n_train, fed.label_hist(), 0, 3, 1.0)
+    hp = {"server_opt": "adam", **({"personal": 1} if method == "fedper" else {})}
+    algo, eng = REGISTRY[method](ctx, **hp), SequentialEngine(fed, m, CFG, 0, "cpu")
+    trained = eng.train(TrainJob(clients, ctx.init.expand(2, -1).clone()), 0).params
+    n = torch.tensor([13.0, 6.0], dtype=torch.float64)
+    mean = ((n[:, None] * trained.double()).sum(0) / n.sum()).float()
+    sim = Simulator(algo, eng)
+    sim.round(0, clients)
+    model = sim.inference().streams["model"][0] if method == "fedper" else sim.state["w"]
+    bufs = buffer_index(spec)
+    torch.testing.assert_close(model[bufs], mean[bufs], atol=1e-6, rtol=0)
+    weights = torch.nonzero(spec.trainable[: spec.body.stop]).flatten()
+    assert float((model[weights] - mean[weights]).abs().max()) > 1e-3       # Adam's step, not the average

@@ -640,6 +640,20 @@ def server_update(state: dict, key: str, avg: torch.Tensor, hp: dict, rows=None)
             slot[k][idx] = sub[k]
 
 
+def _average_buffers(state: dict, key: str, avg: torch.Tensor, rows, buffers: torch.Tensor) -> None:
+    """Set the buffer section (`buffers`, bool [P]) of the model `state[key]` (or its `rows`) to the plain
+    average `avg`: running statistics are estimates of the data's moments, which no optimiser steps
+    (docs/architecture.md, "BatchNorm and the flat vector")."""
+    t, idx = state[key], torch.nonzero(buffers.to(avg.device)).flatten()
+    if rows is None:
+        t[..., idx] = avg[..., idx].to(t.dtype)
+    elif isinstance(rows, numbers.Integral):
+        t[int(rows), idx] = avg[idx].to(t.dtype)
+    else:
+        r = torch.as_tensor(rows, dtype=torch.long)
+        t[r[:, None], idx[None, :]] = avg[:, idx].to(t.dtype)
+
+
 # -- the composed server step ----------------------------------------------------------------------
 #: the shared options of every method that averages models (`Algorithm.averages`): the robust rule, then
 #: the server optimiser. Declared once here; `compose_params` adds them to such a method's `params`.
@@ -691,6 +705,9 @@ class ServerStep:
     keys: tuple[str, ...] = ()
     #: DP-FedAvg (`fedprism.privacy.UpdateDP`, `dp.clip` > 0): `average` clips, sums and adds noise
     dp: Any = None
+    #: bool [P] of the averaged vector, True on its buffer section (BatchNorm running statistics,
+    #: `fedprism.params`): a server optimiser steps the parameters, the statistics take the plain average
+    buffers: Any = None
 
     @property
     def rule(self) -> str:
@@ -723,3 +740,6 @@ class ServerStep:
             raise ValueError(f"server step on state[{key!r}], which the method does not declare in `averages` "
                            f"{self.keys}")
         server_update(state, key, avg, self.hp, rows)
+        b = self.buffers
+        if b is not None and self.optimizer != "none" and avg.shape[-1] == b.numel():
+            _average_buffers(state, key, avg, rows, b)

@@ -106,7 +106,19 @@ class Algorithm:
         if not self.averages:
             raise AttributeError(f"{type(self).__name__} declares no averaged models (`averages`), so it has no "
                                  "server step")
-        return ServerStep(self.hp, tuple(self.averages), getattr(self.ctx, "dp", None))
+        return ServerStep(self.hp, tuple(self.averages), getattr(self.ctx, "dp", None), self._buffer_mask())
+
+    def _buffer_mask(self) -> torch.Tensor | None:
+        """bool over the averaged vector: True on the buffer section (running statistics, `fedprism.params`),
+        which a server optimiser leaves at the plain average; None for a model without one. A method that
+        averages a subset of the coordinates (`partial.PartialSharing`: the index tensor `shared`) gets the
+        mask of that subset."""
+        spec = getattr(self.ctx, "spec", None)
+        if spec is None or not spec.buffer_names:
+            return None
+        mask = spec.trainable == 0
+        shared = getattr(self, "shared", None)
+        return mask[shared] if isinstance(shared, torch.Tensor) and shared.dim() == 1 else mask
 
     @property
     def own_cohort(self) -> bool:
