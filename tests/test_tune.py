@@ -357,3 +357,15 @@ def test_command_line_overrides_apply_to_every_run_as_in_a_sweep(tmp_path):
     cfg = study.config(study.methods[1], {"fedprox.mu": 0.5, "lr": 0.02}, seed=3)
     assert (cfg["partition"], cfg["rounds"], cfg["seed"], cfg["fedprox.mu"], cfg["lr"]) == ("iid", 2, 3, 0.5, 0.02)
     assert "partition.alpha" not in cfg.values
+
+
+@pytest.mark.slow
+def test_methods_tuned_in_worker_processes_give_the_sequential_study(tmp_path):
+    one, two = tmp_path / "one.db", tmp_path / "two.db"
+    tune.run_study(tiny(tmp_path), one, stage="tune", progress=False)
+    tune.run_study(tiny(tmp_path), two, stage="tune", progress=False, workers=2)
+    keys = ("trial", "params", "state", "value", "intermediate", "run_id")
+    with Store(one, readonly=True) as a, Store(two, readonly=True) as b:
+        for label in ("FedAvg", "FedProx"):
+            assert [{k: t[k] for k in keys} for t in tune.stored_trials(a, "tiny", label)] == \
+                [{k: t[k] for k in keys} for t in tune.stored_trials(b, "tiny", label)]
