@@ -5,7 +5,7 @@ A study file names the methods, the search budget every one of them gets and the
     name = "tune_fmnist_dir01"
     [tune]
     trials = 12                  # the budget: trials per method, the same for every method
-    sampler = "tpe"              # tpe (Bergstra et al. 2011) or random
+    sampler = "tpe"              # tpe or random (Optuna's samplers, below)
     pruner = "median"            # median (stop a trial below the median of earlier trials) or none
     objective = "val_acc"        # a validation metric: val_acc or global_val_acc
     seeds = [0, 1, 2]            # the final stage: the chosen configuration over these seeds
@@ -45,6 +45,10 @@ earlier trial) over `seeds`, in the sweep `<name>` under the method's label, eac
 completed or were pruned), which the leaderboard links from its cells (`fedprism.report.leaderboard`).
 `defaults = true` also runs every method's untuned configuration over the same seeds, in the sweep
 `<name>/defaults`.
+
+The search is Optuna's (Akiba et al. 2019, "Optuna: A Next-generation Hyperparameter Optimization
+Framework", arXiv:1907.10902): its tree-structured Parzen estimator (Bergstra, Bardenet, Bengio, Kegl
+2011, "Algorithms for Hyper-Parameter Optimization", NeurIPS) or random sampling, and its median pruner.
 
 `run_trial` is the one function that executes a trial: a store path, a resolved configuration, the
 objective and a pruning callback in, the trial's outcome out, so another executor can call it.
