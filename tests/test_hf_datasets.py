@@ -179,3 +179,18 @@ def test_flower_partitioners_split_as_they_do_themselves():
     with pytest.raises(ConfigError, match="class_assignment_mode.*one of random, deterministic"):
         resolve({"partition": "flwr:pathological", "partition.num_classes_per_partition": 2,
                  "partition.class_assignment_mode": "rnd"})
+
+
+def test_a_tabular_run_with_a_flower_partitioner(saved, tmp_path):
+    from fedprism.experiment.runner import Experiment
+    from fedprism.experiment.store import Store
+
+    root, _, _ = saved
+    cfg = resolve({"dataset": "hf:tab", "data.root": str(root), "data.hf.features": "age,income",
+                   "data.hf.label": "y", "data.hf.test_split": "validation", "partition": "flwr:iid", "clients": 2,
+                   "partition.min_train": 5, "model": "mlp", "method": "fedavg", "rounds": 2, "local_epochs": 1,
+                   "fraction": 1.0, "keep_final": False})
+    with Store(tmp_path / "t.db") as store:
+        res = Experiment(cfg, store).run()
+        assert res.status == "finished" and 0.0 <= res.final["global_acc"] <= 1.0
+        assert [len(r) for r in store.round_metrics(cfg.run_id)] and store.run(cfg.run_id)["status"] == "finished"
