@@ -13,8 +13,8 @@ import torch
 from fedprism.algorithms import REGISTRY
 from fedprism.algorithms.base import Context
 from fedprism.algorithms.pfpl import (first_neighbour_clusters, neighbour_prototypes, neighbour_weights,
-                                      personalised_prototypes, pfpl_loss_norm, pfpl_loss_squared,
-                                      squared_distances)
+                                      personalised_prototypes, pfpl_loss_norm, pfpl_loss_norm_sum,
+                                      pfpl_loss_squared, pfpl_loss_squared_sum, squared_distances)
 from fedprism.engine.base import LocalConfig
 from fedprism.engine.sequential import SequentialEngine
 from fedprism.errors import ConfigError
@@ -61,6 +61,26 @@ def test_loss_by_hand_and_zero_regulariser_at_alpha_one():
     torch.testing.assert_close(loss(pfpl_loss_squared, 1.0, pad), ce2 + ((1 + 9) + 9) / 2)
     for fn in (pfpl_loss_squared, pfpl_loss_norm):           # alpha = 1: coef = lambda (1 - alpha)^p = 0
         assert torch.equal(loss(fn, 0.0), ce)
+    # align_scale=sum, the paper's sum of squares: no division by d = 2
+    torch.testing.assert_close(loss(pfpl_loss_squared_sum, 2.0), ce + 2.0 * (9 + 9))
+    torch.testing.assert_close(loss(pfpl_loss_norm_sum, 2.0), ce + 2.0 * (3 + 3))
+    torch.testing.assert_close(loss(pfpl_loss_squared_sum, 1.0, pad), ce2 + (1 + 9) + 9)
+
+
+def test_sum_scale_is_the_mean_scale_with_lambda_times_d(tmp_path):
+    """The MLP's d = 64 features: align_scale=sum with lambda / 64 trains the models of align_scale=mean
+    with lambda, bit for bit (division by a power of two is exact; the norm: by sqrt(64) = 8), and the same
+    lambda at both scales trains other models; the default keeps the run id."""
+    assert cfg(method="pfpl").run_id == cfg(method="pfpl", pfpl__align_scale="mean").run_id
+    assert cfg(method="pfpl").run_id != cfg(method="pfpl", pfpl__align_scale="sum").run_id
+    for dist, lam_sum in (("squared", 1.0 / 64), ("norm", 1.0 / 8)):
+        mean = run(tmp_path, f"m{dist}", method="pfpl", rounds=2, pfpl__distance=dist)
+        assert mean.ctx.feature_dim == 64
+        same = run(tmp_path, f"s{dist}", method="pfpl", rounds=2, pfpl__distance=dist, pfpl__align_scale="sum",
+                   pfpl__lam=lam_sum)
+        assert torch.equal(same.clients.data["w"], mean.clients.data["w"]), dist
+        strong = run(tmp_path, f"x{dist}", method="pfpl", rounds=2, pfpl__distance=dist, pfpl__align_scale="sum")
+        assert not torch.equal(strong.clients.data["w"], mean.clients.data["w"]), dist
 
 
 def test_reducing_settings_are_local_training_bit_for_bit(tmp_path):
@@ -238,6 +258,38 @@ def test_mixed_protocol_gives_each_client_n_classes_of_one_domain(n):
         assert len(te) and set(y_te[te].tolist()) <= classes
 
 
+def test_mixed_protocol_varies_n_and_k_per_client_around_the_average():
+    """PFPL's protocol changes n and k per client: n_i uniform in [min_classes, max_classes] (average 3 for
+    2..4), and with min_keep = 0.5 client i keeps floor(u_i share) (at least 1) of each class share, one
+    u_i ~ U[0.5, 1] per client, drawn after the classes and domains (the same ones as min_keep = 1)."""
+    from fedprism.data.partition import make_partition
+    y_tr, y_te = _digits_labels()
+    kw = dict(num_domains=4, min_classes=2, max_classes=4)
+    full = make_partition("domain_mix", y_tr, y_te, 20, seed=0, **kw)
+    assert np.array_equal(full.train[0], make_partition("domain_mix", y_tr, y_te, 20, seed=0, min_keep=1.0,
+                                                        **kw).train[0])
+    kept = make_partition("domain_mix", y_tr, y_te, 20, seed=0, min_keep=0.5, **kw)
+    assert np.array_equal(kept.domains, full.domains)
+    n = [len(set(y_tr[t].tolist())) for t in full.train]
+    assert set(n) == {2, 3, 4} and 2.5 <= np.mean(n) <= 3.5
+    ratios = []
+    for a, b in zip(full.train, kept.train):
+        ca, cb = np.bincount(y_tr[a], minlength=10), np.bincount(y_tr[b], minlength=10)
+        assert np.array_equal(ca > 0, cb > 0)                         # the same classes
+        held = ca > 0
+        assert (cb[held] <= ca[held]).all() and (cb[held] >= np.maximum(np.floor(0.5 * ca[held]), 1)).all()
+        lo = np.max(cb[held] / ca[held])                             # u_i is at least the largest kept share ...
+        hi = np.min((cb[held] + 1) / ca[held])                       # ... and below every floor's next step
+        assert lo <= hi and 0.5 <= hi and lo <= 1
+        ratios.append(cb.sum() / ca.sum())
+    assert max(ratios) - min(ratios) > 0.2                             # k differs between clients
+    with pytest.raises(ConfigError, match=r"partition\.min_keep"):
+        cfg(method="pfpl", partition="domain_mix", partition__min_keep=0.0)
+    base = cfg(method="pfpl", partition="domain_mix")
+    assert base.run_id == cfg(method="pfpl", partition="domain_mix", partition__min_keep=1.0).run_id
+    assert base.run_id != cfg(method="pfpl", partition="domain_mix", partition__min_keep=0.5).run_id
+
+
 def test_mixed_protocol_refuses_impossible_settings_naming_the_field():
     from fedprism.data.partition import make_partition
     from fedprism.errors import PartitionError
@@ -269,3 +321,25 @@ def test_mixed_protocol_test_split_comes_from_the_clients_domain_and_classes():
         assert set(fed.y_test[te].tolist()) <= set(fed.y_train[tr].tolist())
         want = apply_domain(base.x_test[te % n_te].numpy(), d, seed=c["seed"] + 1)
         assert np.array_equal(fed.x_test[te].numpy(), want)                 # the client's own transform
+
+
+def test_validation_sweep_chooses_lambda_at_both_scales_on_varying_n_and_k(tmp_path):
+    """sweeps/pfpl_mixed_validation.toml: lambda grids at the sum (the paper's) and mean scales, n 3..5
+    and k varying per client, validation rows held out; its quick form runs."""
+    from pathlib import Path
+
+    from fedprism.experiment.sweep import load_sweep, run_sweep
+
+    path = Path(__file__).resolve().parents[1] / "sweeps" / "pfpl_mixed_validation.toml"
+    _, cfgs = load_sweep(path)
+    assert all(c["data.val_fraction"] == 0.1 and c["partition"] == "domain_mix" and c["partition.min_classes"] == 3
+               and c["partition.max_classes"] == 5 and c["partition.min_keep"] == 0.5 for c in cfgs)
+    pfpl = [c for c in cfgs if c["method"] == "pfpl"]
+    lams = {s: sorted(c["pfpl.lam"] for c in pfpl if c["pfpl.align_scale"] == s) for s in ("sum", "mean")}
+    assert 1.0 in lams["sum"] and 84.0 in lams["mean"] and 1.0 in lams["mean"] and max(lams["sum"]) == 4.0
+    assert [c["method"] for c in cfgs].count("local") == 1
+    db = tmp_path / "v.db"
+    for only in ("Local", "PFPL sum lambda 1"):
+        assert run_sweep(str(path), str(db), only=only, quick=True, progress=False) == 0
+    with Store(db) as st:
+        assert [r["status"] for r in st.runs()] == ["finished", "finished"]

@@ -55,6 +55,10 @@ Decisions where the paper is silent or contradicts itself (docs/pfpl.md has the 
   one scale whatever the model's width (the paper's lambda = 1 with its sum of squares over the 64
   features of fedprism's MLP made the regulariser swamp cross-entropy: local accuracy fell from 0.93 to
   0.63 within 5 rounds on the mixed protocol; lambda = 1 with the mean ends at 0.99, Local at 0.98).
+  That scale was picked from a development run's test accuracy and lambda was not re-tuned under it;
+  `align_scale = sum` is the paper's scale (no division: on LeNet-5's 84 features lambda weighs the
+  regulariser 84 times more than under `mean`), and sweeps/pfpl_mixed_validation.toml chooses lambda at
+  each scale on validation data. Default `mean` (the committed runs).
 * Regulariser over the batch: a sum over the classes present in the batch of l_R between the batch's
   class mean of features and the class's target (Eq. 5 / Eq. 6 sum over classes), padded samples
   excluded. A class with no target adds zero (`live`: no other client holds it; either way: round 0,
@@ -93,6 +97,7 @@ WEIGHTINGS = ("inverse", "softmax", "as_printed")
 CLUSTERINGS = ("finch", "none")
 DISTANCES = ("squared", "norm")
 OWN_SHARES = ("uploaded", "live")
+ALIGN_SCALES = ("mean", "sum")
 #: added to distances in the `inverse` weights; floor of the squared distance under `norm`
 EPS = 1e-8
 NORM_FLOOR = 1e-12
@@ -188,7 +193,7 @@ def personalised_prototypes(protos: torch.Tensor, mix: torch.Tensor, present: to
 
 
 # -- client side ---------------------------------------------------------------------------------------------
-def _pfpl_loss(model, w, x, y, weight, extras, squared: bool):
+def _pfpl_loss(model, w, x, y, weight, extras, squared: bool, mean: bool = True):
     z = model.features(w, x)
     logits = model.head(w, z)
     wsum = weight.sum().clamp(min=1.0)
@@ -197,7 +202,8 @@ def _pfpl_loss(model, w, x, y, weight, extras, squared: bool):
     onehot = (y[:, None] == torch.arange(target.shape[0], device=y.device)).to(z.dtype) * weight[:, None]
     n = onehot.sum(0)                                                                      # [C]
     local = (onehot.T @ z) / n.clamp(min=1.0)[:, None]           # Eq. 2 on the batch: class means [C, d]
-    gap = ((target - local) ** 2).mean(-1)                        # [C] squared distance / d
+    sq = (target - local) ** 2
+    gap = sq.mean(-1) if mean else sq.sum(-1)                     # [C] squared distance (/ d: align_scale=mean)
     dist = gap if squared else torch.sqrt(gap.clamp(min=NORM_FLOOR))
     live = (n > 0).to(z.dtype) * extras["present"].to(z.dtype)
     return ce + extras["coef"] * (dist * live).sum()
@@ -215,6 +221,21 @@ def pfpl_loss_norm(model, w, x, y, weight, extras):
     """CE + coef sum_{k in batch} ||T^(k) - C^(k)_batch|| / sqrt(d) (vmap-safe; coef = lambda, or
     lambda (1 - alpha) under own_share=live)."""
     return _pfpl_loss(model, w, x, y, weight, extras, False)
+
+
+def pfpl_loss_squared_sum(model, w, x, y, weight, extras):
+    """CE + coef sum_{k in batch} ||T^(k) - C^(k)_batch||^2, the paper's sum of squares (align_scale=sum)."""
+    return _pfpl_loss(model, w, x, y, weight, extras, True, mean=False)
+
+
+def pfpl_loss_norm_sum(model, w, x, y, weight, extras):
+    """CE + coef sum_{k in batch} ||T^(k) - C^(k)_batch|| (align_scale=sum)."""
+    return _pfpl_loss(model, w, x, y, weight, extras, False, mean=False)
+
+
+#: (distance, align_scale) -> the client loss
+LOSSES = {("squared", "mean"): pfpl_loss_squared, ("norm", "mean"): pfpl_loss_norm,
+          ("squared", "sum"): pfpl_loss_squared_sum, ("norm", "sum"): pfpl_loss_norm_sum}
 
 
 @register
@@ -238,6 +259,9 @@ class PFPL(PrototypeClients):
         "own_share": Param("uploaded", "alpha C_i of Eq. 4: uploaded (the client's last upload, mixed on the "
                            "server: Algorithm 1) or live (the batch prototype: alpha = 1 is Local)",
                            choices=OWN_SHARES),
+        "align_scale": Param("mean", "scale of l_R: mean (the squared distance divided by the feature width d, "
+                             "the norm by sqrt(d)) or sum (the paper's sum of squares over the d features)",
+                             choices=ALIGN_SCALES, new=True),
     }
     def init_state(self) -> dict:
         C, d, N = self.ctx.num_classes, self.ctx.feature_dim, self.ctx.num_clients
@@ -262,7 +286,7 @@ class PFPL(PrototypeClients):
         coef = hp["lam"] * ((1 - hp["alpha"]) ** (2 if squared else 1) if hp["own_share"] == "live" else 1.0)
         extras = {"target": plan.payload["target"], "present": plan.payload["present"],
                   "coef": torch.full((len(S),), float(coef))}
-        loss = pfpl_loss_squared if squared else pfpl_loss_norm
+        loss = LOSSES[hp["distance"], hp["align_scale"]]
         t = trainer.train(TrainJob(S, cstate["w"].clone(), loss=loss, extras=extras), rnd)
         protos, counts = local_prototypes(trainer, S, t.params, self.ctx.num_classes, self.ctx, rnd)
         return Update(S, {"protos": protos, "counts": counts}, t.n_samples, {"train_loss": t.loss},

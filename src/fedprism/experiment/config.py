@@ -281,7 +281,7 @@ LEGACY_DEFAULTS = {"train.kernels": "aten", "eval.kernels": "aten"}
 #: partition keys added after runs were stored (a partition's `Param.new`), left out of the run id while they
 #: hold these values: the partition's declaration is not imported to hash a configuration (a stored-result
 #: lookup imports no partition module)
-NEW_PARTITION_KEYS = {"partition.column": ""}
+NEW_PARTITION_KEYS = {"partition.column": "", "partition.min_keep": 1.0}
 
 #: keys that change how a run executes but not its numbers (excluded from the run id)
 EXECUTION_KEYS = frozenset({"name", "device", "engine", "compile", "fuse_jobs", "cuda_graphs", "data.root",
