@@ -2,9 +2,11 @@
 
 One module per model, each declaring a `ModelSpec` on the `MODELS` registry (`fedprism.models.base`
 says what a spec declares): `lenet5`, `lenet5_bn`, `mlp`, `mlp_bn`, `mlp_fedsub`, `cnn`,
-`clustpsi_fmnist_cnn`, `clustpsi_cifar_cnn`, `vgg11`, `tabular_mlp`, and the token models (text:
+`clustpsi_fmnist_cnn`, `clustpsi_cifar_cnn`, `vgg11`, `tabular_mlp`, the CIFAR ResNets `resnet18`, `resnet20`,
+`resnet8` (BatchNorm with running statistics; `_gn`: GroupNorm) and `mobilenet_small` (built by `_resnet`),
+and the token models (text:
 `ModelSpec.tokens`) `char_lstm`, `text_cnn`, `text_transformer`, among others. Nothing here imports them:
-`build_model(name, ...)` imports the one it builds. Shared layers live in `base` (`Split`, `BatchNorm1d`),
+`build_model(name, ...)` imports the one it builds. Shared layers live in `base` (`Split`, `BatchNorm1d`, `RunningBatchNorm1d/2d`),
 `dropout` (`SeededDropout`) and `pooling`. `fedprism models` lists every registered model with its input
 constraints, its parameter count, its forward multiply-adds (`flops`) and its body/head split.
 """
