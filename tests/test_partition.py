@@ -255,7 +255,7 @@ def test_summarize_and_histograms():
 
 def test_partitions_registry_lists_parameters():
     assert set(PARTITIONS) == {"iid", "dirichlet", "dirichlet_per_class", "pathological", "similarity",
-                               "domain_mix", "natural", "quantity", "feature_noise"}
+                               "domain_mix", "natural", "quantity", "feature_noise", "user_shift"}
     assert set(PARTITIONS["natural"].params) == {"column"} and PARTITIONS["natural"].natural
     assert PARTITIONS["natural"].params["column"].new          # left out of run ids at its default
     assert PARTITIONS["dirichlet"].params["alpha"].default == 0.1

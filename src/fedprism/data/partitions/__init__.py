@@ -27,6 +27,8 @@ them. Built in:
                      2022, arXiv:2102.02079)
 ``feature_noise``    feature skew: IID labels, client i's inputs plus Gaussian noise of std
                      ``sigma * i / N`` (Li et al. 2022), applied once when the federation is built
+``user_shift``       per-user feature shift: Dirichlet labels, one fixed rotation, translation, contrast,
+                     brightness and noise per client (classes mean the same everywhere; a FedSub substitute)
 ==================== ================================================================================
 
 Partitions of other packages come through the ``fedprism.partitions`` entry-point group or
