@@ -49,7 +49,7 @@ def _per_sample_grads(e: Experiment, w: torch.Tensor, rows: torch.Tensor) -> tor
     return torch.stack(out)
 
 
-# -- the mechanism, by hand -----------------------------------------------------------------------------------
+# -- the mechanism, by hand ----------------------------------------------------------------------------------
 def test_per_sample_clipping_by_hand(tmp_path):
     """Without noise, one step of lr 1 on n samples moves w by -(sum_j g_j min(1, C / (||g_j|| + 1e-6))) / n:
     the per-sample gradients computed one backward at a time, clipped by hand (every clipped norm <= C, some
@@ -67,7 +67,8 @@ def test_per_sample_clipping_by_hand(tmp_path):
     assert not torch.allclose(w0 - w1, g.mean(0), atol=1e-4)           # the clipping did something
     big = int(norms.argmax())
     w0, w1 = _one_step(e, LocalDPSGD(clip=C, noise=0.0, delta=1e-5, seed=2), rows[big : big + 1])
-    assert float((w0 - w1).norm()) == pytest.approx(C * float(norms[big]) / (float(norms[big]) + 1e-6), rel=1e-5)
+    nb = float(norms[big])
+    assert float((w0 - w1).norm()) == pytest.approx(C * nb / (nb + 1e-6), rel=1e-5)
 
 
 def test_proximal_gradient_is_added_after_privatisation(tmp_path):
@@ -80,8 +81,8 @@ def test_proximal_gradient_is_added_after_privatisation(tmp_path):
     dp = LocalDPSGD(clip=0.1, noise=0.0, delta=1e-5, seed=2)
     w0 = e.ctx.init.clone()
     ce = dp.train(e.engine, w0.clone(), rows, 1, "ce", {}, cfg, 0, 0, "train", None)[0]
-    prox = dp.train(e.engine, w0.clone(), rows, 1, "prox", {"anchor": w0 + 1.0, "mu": torch.tensor(0.3)}, cfg, 0,
-                    0, "train", None)[0]
+    extras = {"anchor": w0 + 1.0, "mu": torch.tensor(0.3)}
+    prox = dp.train(e.engine, w0.clone(), rows, 1, "prox", extras, cfg, 0, 0, "train", None)[0]
     assert torch.allclose(prox - ce, torch.full_like(ce, 0.3), atol=1e-5)
 
 
@@ -96,7 +97,8 @@ def test_noise_is_opacus_seeded_stream_with_std_zc_over_batch(tmp_path):
     _, noisy = _one_step(e, LocalDPSGD(clip=C, noise=z, delta=1e-5, seed=2), rows, client=1)
     noise = (quiet - noisy) * len(rows)                                 # the noise on the sum
     gen = torch.Generator().manual_seed(stream_seed(2, 0, 1, "dpsgd_noise:train"))
-    want = torch.cat([torch.normal(0.0, z * C, size=shape, generator=gen).reshape(-1) for shape in e.engine.spec.shapes])
+    want = torch.cat([torch.normal(0.0, z * C, size=shape, generator=gen).reshape(-1)
+                      for shape in e.engine.spec.shapes])
     assert torch.allclose(noise, want, atol=1e-4, rtol=1e-4)
     assert float(noise.std()) == pytest.approx(z * C, rel=0.05) and abs(float(noise.mean())) < 0.05 * z * C
     again = _one_step(e, LocalDPSGD(clip=C, noise=z, delta=1e-5, seed=2), rows, client=1)[1]
@@ -105,7 +107,7 @@ def test_noise_is_opacus_seeded_stream_with_std_zc_over_batch(tmp_path):
     assert not torch.equal(other, noisy)
 
 
-# -- accounting --------------------------------------------------------------------------------------------------
+# -- accounting ----------------------------------------------------------------------------------------------
 def _opacus(z, q, steps, delta):
     from opacus.accountants import RDPAccountant
 
@@ -119,7 +121,8 @@ def _dp_accounting(z, q, steps, delta):
     from dp_accounting import dp_event, rdp
 
     acc = rdp.RdpAccountant()
-    acc.compose(dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(z)), steps))
+    ev = dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(z))
+    acc.compose(dp_event.SelfComposedDpEvent(ev, steps))
     return acc.get_epsilon(delta)
 
 
@@ -183,9 +186,10 @@ def test_engine_auto_builds_the_sequential_loop(tmp_path, monkeypatch):
     assert asked == ["sequential", "auto"]                               # off: as before
 
 
-# -- refusals -------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("method,why", [("scaffold", "control variates"), ("fedper", "mask"), ("moon", "contrastive"),
-                                        ("fedproto", "prototypes"), ("pfedme", "Moreau")])
+# -- refusals ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("method,why", [("scaffold", "control variates"), ("fedper", "mask"),
+                                        ("moon", "contrastive"), ("fedproto", "prototypes"),
+                                        ("pfedme", "Moreau")])
 def test_methods_without_plain_local_sgd_are_refused(method, why):
     with pytest.raises(ConfigError, match=why) as e:
         resolve({**EXP, "method": method, **DP})
@@ -207,7 +211,7 @@ def test_other_refusals():
         resolve({**EXP, **DP, "dp.local_clip": 0})
 
 
-# -- off: nothing changes ----------------------------------------------------------------------------------------
+# -- off: nothing changes ------------------------------------------------------------------------------------
 def test_off_leaves_ids_and_numbers_unchanged(tmp_path):
     plain = resolve(EXP)
     explicit = resolve({**EXP, "dp.local": "none", "dp.local_clip": 1.0, "dp.local_noise": 1.0,
@@ -218,7 +222,8 @@ def test_off_leaves_ids_and_numbers_unchanged(tmp_path):
     a, b = _experiment(tmp_path, "a.db"), Experiment(explicit, Store(tmp_path / "b.db"))
     ra, rb = a.run(), b.run()
     assert a.engine.local_dp is None and torch.equal(a.state["w"], b.state["w"])
-    assert ra.final["global_acc"] == rb.final["global_acc"] and not any(k.startswith("dpsgd") for k in ra.final)
+    assert ra.final["global_acc"] == rb.final["global_acc"]
+    assert not any(k.startswith("dpsgd") for k in ra.final)
     assert not any("dpsgd_steps" in h for h in a.store.round_metrics(a.run_id))
 
 
@@ -235,7 +240,8 @@ def test_resumed_run_accounts_for_the_rounds_before(tmp_path):
     res = again.run()
     assert again.engine.local_dp.next_round == 3 and torch.equal(again.state["w"], whole.state["w"])
     for k in ("dpsgd_epsilon_max", "dpsgd_epsilon_mean", "dpsgd_steps"):
-        assert [h[k] for h in s.round_metrics(c.run_id)] == [h[k] for h in whole.store.round_metrics(whole.run_id)]
+        want = [h[k] for h in whole.store.round_metrics(whole.run_id)]
+        assert [h[k] for h in s.round_metrics(c.run_id)] == want
         assert res.final[k] == ref.final[k]
 
 
@@ -243,7 +249,8 @@ def test_report_table():
     from fedprism.report import local_dpsgd_table
 
     f = {"dpsgd_clip": 1.0, "dpsgd_noise_multiplier": 1.1, "dpsgd_q_min": 0.05, "dpsgd_q_max": 0.2,
-         "dpsgd_delta": 1e-5, "dpsgd_epsilon_max": 3.456, "dpsgd_epsilon_mean": 2.0, "global_acc": 0.5, "local_acc": 0.25}
+         "dpsgd_delta": 1e-5, "dpsgd_epsilon_max": 3.456, "dpsgd_epsilon_mean": 2.0, "global_acc": 0.5,
+         "local_acc": 0.25}
     md = local_dpsgd_table({"S": {"fedavg": [{"final": f, "config": {"seed": 0}},
                                              {"final": {"global_acc": 0.9}, "config": {"seed": 1}}]}})
     assert md[0] == "## Local DP-SGD" and len([l for l in md if l.startswith("| fedavg")]) == 1
@@ -263,8 +270,9 @@ def test_the_engine_refuses_a_job_that_is_not_plain_training(tmp_path):
 
     e = _experiment(tmp_path, **DP)
     start = e.ctx.init.expand(1, -1).clone()
-    for job in (TrainJob(np.array([0]), start, loss=_contrastive), TrainJob(np.array([0]), start, mask=torch.ones_like(start[0])),
-                TrainJob(np.array([0]), start, loss="prox", extras={"anchor": start, "mu": torch.ones(1), "c": start})):
+    one = np.array([0])
+    for job in (TrainJob(one, start, loss=_contrastive), TrainJob(one, start, mask=torch.ones_like(start[0])),
+                TrainJob(one, start, loss="prox", extras={"anchor": start, "mu": torch.ones(1), "c": start})):
         with pytest.raises(RuntimeError, match="plain local training"):
             e.engine.train(job, 0)
     assert e.engine.local_dp.steps == {}

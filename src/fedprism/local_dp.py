@@ -84,9 +84,10 @@ def check_config(out: dict) -> None:
         return
     m = out["method"]
     if m not in DPSGD_METHODS:
-        raise ConfigError("dp.local", out["dp.local"], f"none for method={m}: local DP-SGD replaces plain local "
-                          f"SGD steps, and {m} does not train that way: {_WHY_NOT.get(m, _GENERIC)}; the methods "
-                          f"that qualify are {', '.join(sorted(DPSGD_METHODS))} (docs/privacy.md)")
+        raise ConfigError("dp.local", out["dp.local"], f"none for method={m}: local DP-SGD replaces plain "
+                          f"local SGD steps, and {m} does not train that way: {_WHY_NOT.get(m, _GENERIC)}; "
+                          f"the methods that qualify are {', '.join(sorted(DPSGD_METHODS))} "
+                          "(docs/privacy.md)")
     if out["engine"] == "vectorized":
         raise ConfigError("engine", "vectorized", "auto or sequential with dp.local=dpsgd (Opacus computes "
                           "per-sample gradients one client at a time; engine=auto runs the sequential loop)")
@@ -100,8 +101,8 @@ def check_model(module: torch.nn.Module, name: str) -> None:
 
     errors = ModuleValidator.validate(module, strict=False)
     if errors:
-        raise ConfigError("model", name, "a model without BatchNorm or other layers that mix the samples of a "
-                          f"batch with dp.local=dpsgd (Opacus: {'; '.join(str(e) for e in errors[:3])})")
+        raise ConfigError("model", name, "a model without BatchNorm or other layers that mix the samples of "
+                          f"a batch with dp.local=dpsgd (Opacus: {'; '.join(str(e) for e in errors[:3])})")
 
 
 def rdp_epsilon(z: float, q: float, steps: int, delta: float) -> float:
@@ -155,7 +156,8 @@ class LocalDPSGD:
 
     def epsilons(self) -> dict[int, float]:
         """Each client that has trained: the epsilon its steps so far spent (`rdp_epsilon`)."""
-        return {c: _eps_cached(self.noise, self.rate[c], s, self.delta) for c, s in sorted(self.steps.items())}
+        return {c: _eps_cached(self.noise, self.rate[c], s, self.delta)
+                for c, s in sorted(self.steps.items())}
 
     def round_metrics(self) -> dict[str, float]:
         """`dpsgd_epsilon_max` / `dpsgd_epsilon_mean` over the clients that have trained so far (finite
@@ -173,7 +175,8 @@ class LocalDPSGD:
     def _generators(self, rnd: int, client: int, stream: str) -> tuple[torch.Generator, torch.Generator]:
         """(batch draws, noise): named streams of the run seed; the noise from OS entropy with
         `privacy.noise=system`."""
-        batches = torch.Generator().manual_seed(stream_seed(self.seed, rnd, client, f"dpsgd_batches:{stream}"))
+        batches = torch.Generator().manual_seed(
+            stream_seed(self.seed, rnd, client, f"dpsgd_batches:{stream}"))
         noise = torch.Generator().manual_seed(
             secrets.randbits(63) if self.source == "system" else
             stream_seed(self.seed, rnd, client, f"dpsgd_noise:{stream}"))
@@ -202,9 +205,9 @@ class LocalDPSGD:
 
     @staticmethod
     def check_job(job) -> None:
-        """The jobs DP-SGD takes: the cross-entropy (`ce`) or the proximal objective (`prox`: its anchor and mu
-        only), on the whole model (no mask). A qualifying method never sends another (a RuntimeError here is
-        a method that changed)."""
+        """The jobs DP-SGD takes: the cross-entropy (`ce`) or the proximal objective (`prox`: its anchor and
+        mu only), on the whole model (no mask). A qualifying method never sends another (a RuntimeError here
+        is a method that changed)."""
         loss = job.loss if isinstance(job.loss, str) else getattr(job.loss, "__name__", repr(job.loss))
         if loss not in ("ce", "prox") or job.mask is not None or set(job.extras) - {"anchor", "mu"}:
             raise RuntimeError(f"dp.local=dpsgd takes plain local training (objective ce or prox, no mask), "
@@ -223,8 +226,9 @@ class LocalDPSGD:
         q = min(1.0, B / n) if n else 1.0
         T = n_batches(n, epochs, B)
         g_batch, g_noise = self._generators(rnd, client, stream)
-        opt = DPOptimizer(torch.optim.SGD(params, lr=0.0), noise_multiplier=self.noise, max_grad_norm=self.clip,
-                          expected_batch_size=max(1, min(B, n)), loss_reduction="mean", generator=g_noise)
+        opt = DPOptimizer(torch.optim.SGD(params, lr=0.0), noise_multiplier=self.noise,
+                          max_grad_norm=self.clip, expected_batch_size=max(1, min(B, n)),
+                          loss_reduction="mean", generator=g_noise)
         anchor = extras.get("anchor")
         mu = None if anchor is None else float(extras["mu"])
         st = optimizer_state(cfg, w)
