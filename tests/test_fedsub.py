@@ -150,6 +150,35 @@ def test_lrp_two_layer_net_by_hand_and_conservation():
         lrp.relevance(layers, acts, start, "alpha_beta", 2.0, 0.0)
 
 
+def test_naive_subnetwork_masks_by_hand_on_a_tiny_network():
+    """Eq. 2 on a 2-2-2-2 ReLU MLP set by hand: a hidden neuron is in class c's subnetwork when its mean
+    activation over the class-c samples is > 0; output row c is class c's only.
+        h1 = relu(x) (W1 = I, b1 = 0);  h2 = relu([h1_0 + h1_1, -h1_0 - 0.5]) (h2_1 is dead);  logits = h2
+    class 0: x = (1, -1), (2, -3) -> h1 = (1, 0), (2, 0); h2 = (1, 0), (2, 0): units {h1_0, h2_0, out_0}
+    class 1: x = (-1, 1), (-2, 0) -> h1 = (0, 1), (0, 0); h2 = (1, 0), (0, 0): units {h1_1, h2_0, out_1}
+    (h1_1's mean 0.5 and h2_0's 0.5 are > 0; h1_0 is 0 on both). Accuracy: class 0 2/2; class 1 0/2
+    (logits (1, 0) and the tie (0, 0) both go to class 0). A class without samples: empty mask."""
+    net = MLP(2, 3, 2)
+    with torch.no_grad():
+        l1, l2, l3 = net.body[1], net.body[3], net.head[0]
+        l1.weight.copy_(torch.eye(2)); l1.bias.zero_()
+        l2.weight.copy_(torch.tensor([[1.0, 1.0], [-1.0, 0.0]])); l2.bias.copy_(torch.tensor([0.0, -0.5]))
+        l3.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]])); l3.bias.copy_(torch.tensor([0.0, 0.0, -1.0]))
+    layout = mlp_layout(ParamSpec.of(net), 3)
+    assert layout.units == 2 + 2 + 3 and layout.unit_offsets[-2] == 4
+    x = torch.tensor([[1.0, -1.0], [2.0, -3.0], [-1.0, 1.0], [-2.0, 0.0]])
+    y = torch.tensor([0, 0, 1, 1])
+    masks, counts, acc = class_subnetworks(layout, flatten(net), x, y, 3, "naive")
+    want = torch.tensor([[1, 0, 1, 0, 1, 0, 0],
+                         [0, 1, 1, 0, 0, 1, 0],
+                         [0, 0, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    assert torch.equal(masks, want)
+    assert counts.tolist() == [2.0, 2.0, 0.0] and acc.tolist() == [1.0, 0.0, 0.0]
+    # a unit whose mean activation is exactly 0 is out (strictly > 0): class 1 without its (-1, 1) sample
+    masks, _, _ = class_subnetworks(layout, flatten(net), x[[0, 1, 3]], y[[0, 1, 3]], 3, "naive")
+    assert masks[1].tolist() == [False, False, False, False, False, True, False]
+
+
 def test_lrp_a1b0_subnetworks_lie_inside_the_naive_ones():
     """Positive alpha-1-beta-0 relevance needs a positive activation, so LRP keeps a subset of the naive
     neurons (the paper's smaller LRP subnetworks); both hold output row c only."""

@@ -81,3 +81,26 @@ def test_keys_are_validated_and_tabular_data_is_refused():
     clear_federations()
     with pytest.raises(ConfigError, match="images"):
         build_federation(resolve({"dataset": "synthetic", "clients": 4, "model": "mlp", "partition": "user_shift"}))
+
+
+@pytest.mark.parametrize("kind", ["static", "dynamic"])
+def test_fedsub_shift_sweeps_state_what_is_not_the_papers_and_run_quick(kind, tmp_path):
+    from pathlib import Path
+
+    from fedprism.experiment.store import Store
+    from fedprism.experiment.sweep import load_sweep, run_sweep
+
+    root = Path(__file__).resolve().parents[1] / "sweeps"
+    path = root / f"fedsub_fmnist_shift_{kind}.toml"
+    _, cfgs = load_sweep(path)
+    assert {c["partition"] for c in cfgs} == {"user_shift"} and {c["dataset"] for c in cfgs} == {"fmnist"}
+    assert {c["model"] for c in cfgs} == {"mlp_fedsub"} and len(cfgs) == 13
+    assert all(c["drift.fraction"] == (0.6 if kind == "dynamic" else 0.0) for c in cfgs)
+    for name in (f"fedsub_fmnist_shift_{kind}", f"fedsub_{kind}"):
+        header = (root / f"{name}.toml").read_text().split("\nname =")[0]
+        assert "Not the paper's" in header and "lr 0.01, momentum 0.9 and batch 32" in header
+        assert "Everything else follows the paper" not in header
+    db = tmp_path / "q.db"
+    assert run_sweep(str(path), str(db), only="FedSub naive Overlap", quick=True, progress=False) == 0
+    with Store(db) as st:
+        assert [r["status"] for r in st.runs()] == ["finished"]
