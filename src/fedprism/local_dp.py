@@ -172,12 +172,13 @@ class LocalDPSGD:
         return out
 
     # -- the training ---------------------------------------------------------------------------------------
-    def _generators(self, rnd: int, client: int, stream: str) -> tuple[torch.Generator, torch.Generator]:
-        """(batch draws, noise): named streams of the run seed; the noise from OS entropy with
-        `privacy.noise=system`."""
+    def _generators(self, rnd: int, client: int, stream: str, device: torch.device
+                    ) -> tuple[torch.Generator, torch.Generator]:
+        """(batch draws, on the CPU; noise, on the model's device, where Opacus draws it): named streams of
+        the run seed; the noise from OS entropy with `privacy.noise=system`."""
         batches = torch.Generator().manual_seed(
             stream_seed(self.seed, rnd, client, f"dpsgd_batches:{stream}"))
-        noise = torch.Generator().manual_seed(
+        noise = torch.Generator(device=device).manual_seed(
             secrets.randbits(63) if self.source == "system" else
             stream_seed(self.seed, rnd, client, f"dpsgd_noise:{stream}"))
         return batches, noise
@@ -225,7 +226,7 @@ class LocalDPSGD:
         n, B = len(rows), cfg.batch_size
         q = min(1.0, B / n) if n else 1.0
         T = n_batches(n, epochs, B)
-        g_batch, g_noise = self._generators(rnd, client, stream)
+        g_batch, g_noise = self._generators(rnd, client, stream, engine.device)
         opt = DPOptimizer(torch.optim.SGD(params, lr=0.0), noise_multiplier=self.noise,
                           max_grad_norm=self.clip, expected_batch_size=max(1, min(B, n)),
                           loss_reduction="mean", generator=g_noise)
