@@ -166,12 +166,10 @@ def cmd_demo(args) -> int:
     return demo(args.db, quick=args.quick, items=args.items, workers=args.workers)
 
 
-def cmd_sweep(args) -> int:
-    from fedprism.experiment.config import parse_overrides
-    from fedprism.experiment.sweep import run_sweep, sweep_db
-
-    ray = None
-    if args.ray is not None:                 # checked before the sweep file is read
+def _ray_options(args):
+    """`--ray ADDRESS` and its options (`sweep`, `tune`) as an `executor.RayOptions`, or None; checked before
+    any file is read."""
+    if args.ray is not None:
         from fedprism.experiment.executor import RayOptions
 
         ray = RayOptions(args.ray, 1.0 if args.ray_cpus is None else args.ray_cpus,
@@ -179,9 +177,18 @@ def cmd_sweep(args) -> int:
         if args.workers != 1:
             raise ConfigError("--workers", args.workers, "1 with --ray (each run is a task of the cluster, which "
                               "runs as many at once as its CPUs and GPUs hold: --ray-cpus, --ray-gpus)", kind="option")
-    elif any(v is not None for v in (args.ray_cpus, args.ray_gpus, args.ray_store, args.ray_scratch)):
+        return ray
+    if any(v is not None for v in (args.ray_cpus, args.ray_gpus, args.ray_store, args.ray_scratch)):
         raise ConfigError("--ray", None, "the cluster's address (host:port, auto or local) with --ray-cpus, "
                           "--ray-gpus, --ray-store or --ray-scratch", kind="option")
+    return None
+
+
+def cmd_sweep(args) -> int:
+    from fedprism.experiment.config import parse_overrides
+    from fedprism.experiment.sweep import run_sweep, sweep_db
+
+    ray = _ray_options(args)                 # checked before the sweep file is read
     # --db, then $FEDPRISM_DB, then the file's own `db` (not for --quick smoke runs), then the default
     db = args.db or os.environ.get("FEDPRISM_DB") or (None if args.quick else sweep_db(args.file)) or DEFAULT_DB
     return run_sweep(args.file, db, only=args.only, quick=args.quick, progress=not args.quiet,
@@ -193,10 +200,11 @@ def cmd_tune(args) -> int:
     from fedprism.experiment.config import parse_overrides
     from fedprism.experiment.tune import run_study, study_db
 
+    ray = _ray_options(args)                 # checked before the study file is read
     # --db, then $FEDPRISM_DB, then the file's own `db` (not for --quick), then the default
     db = args.db or os.environ.get("FEDPRISM_DB") or (None if args.quick else study_db(args.file)) or DEFAULT_DB
     run_study(args.file, db, quick=args.quick, overrides=parse_overrides(args.items), only=args.only,
-              stage=args.stage, workers=args.workers, progress=not args.quiet)
+              stage=args.stage, workers=args.workers, progress=not args.quiet, ray=ray)
     return 0
 
 
@@ -818,6 +826,24 @@ def _store_path(value: str) -> str:
     return value
 
 
+def _ray_arguments(s, what: str = "each run") -> None:
+    """--ray and its options, the same for `sweep` and `tune` (docs/ray.md)."""
+    s.add_argument("--ray", default=None, metavar="ADDRESS",
+                   help=f"send {what} to the Ray cluster at ADDRESS (host:port of its head, auto, or local) as "
+                   "one task (docs/ray.md)")
+    s.add_argument("--ray-cpus", type=float, default=None, help="--ray: CPUs each run's task declares (default 1)")
+    s.add_argument("--ray-gpus", type=float, default=None,
+                   help="--ray: GPUs each run's task declares; a fraction shares a GPU (0.25: four runs per GPU; "
+                   "default 0)")
+    s.add_argument("--ray-store", default=None, choices=("shared", "ship"),
+                   help="--ray: shared (every node opens --db: one machine, or a file system all nodes mount) or "
+                   "ship (each task writes a store in its node's scratch and the finished run is merged here); "
+                   "default shared")
+    s.add_argument("--ray-scratch", default=None, metavar="DIR",
+                   help="--ray-store ship: the folder on each node for the runs' own stores and checkpoints "
+                   "(default $FEDPRISM_RAY_SCRATCH, else <temp>/fedprism-ray)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fedprism",
@@ -875,20 +901,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--workers", type=int, default=1,
                    help="runs at once, in separate processes sharing the cores (default 1)")
     s.add_argument("--quiet", action="store_true", help="no progress lines (the summary is still printed)")
-    s.add_argument("--ray", default=None, metavar="ADDRESS",
-                   help="send each run to the Ray cluster at ADDRESS (host:port of its head, auto, or local) as "
-                   "one task (docs/ray.md)")
-    s.add_argument("--ray-cpus", type=float, default=None, help="--ray: CPUs each run's task declares (default 1)")
-    s.add_argument("--ray-gpus", type=float, default=None,
-                   help="--ray: GPUs each run's task declares; a fraction shares a GPU (0.25: four runs per GPU; "
-                   "default 0)")
-    s.add_argument("--ray-store", default=None, choices=("shared", "ship"),
-                   help="--ray: shared (every node opens --db: one machine, or a file system all nodes mount) or "
-                   "ship (each task writes a store in its node's scratch and the finished run is merged here); "
-                   "default shared")
-    s.add_argument("--ray-scratch", default=None, metavar="DIR",
-                   help="--ray-store ship: the folder on each node for the runs' own stores and checkpoints "
-                   "(default $FEDPRISM_RAY_SCRATCH, else <temp>/fedprism-ray)")
+    _ray_arguments(s)
     s.add_argument("--fresh", action="store_true",
                    help="run every selected run again (all, or those of --only / --seed / --limit): drop its "
                    "stored rounds, checkpoint and kept final state first (after an edit of a method, its "
@@ -911,6 +924,7 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--workers", type=int, default=1,
                     help="methods tuned at once, in separate processes sharing the cores (default 1)")
     tu.add_argument("--quiet", action="store_true", help="no line per trial (the summary is still printed)")
+    _ray_arguments(tu, "each trial and each final run")
     tu.set_defaults(fn=cmd_tune)
 
     rp = with_db(sub.add_parser("report", help="comparison tables (markdown, CSV) and plots from the store",

@@ -56,6 +56,9 @@ class Job:
     scratch: str | None = None
     threads: int = 1
     tag: str = field(default="", compare=False)
+    #: a `fedprism tune` trial (`tune.TrialTask`: the objective and the pruner's state): the run is the trial's,
+    #: pruned where it runs, and its outcome comes back as ``"trial"``
+    trial: Any = field(default=None, compare=False)
 
 
 class Executor(Protocol):
@@ -88,6 +91,16 @@ def run_job(job: Job) -> dict:
         torch.set_num_threads(job.threads)
     cfg = job.cfg
     path = job.db if job.store_mode == "shared" else str(part_path(job.scratch, cfg.run_id))
+    if job.trial is not None:
+        from fedprism.experiment.tune import run_trial_task
+
+        try:
+            out = run_trial_task(path, cfg, job.sweep, job.trial)
+        except RunBusyError as e:
+            return {"run_id": cfg.run_id, "busy": str(e)}
+        if job.store_mode == "ship":
+            out["part"] = Path(path).read_bytes()
+        return out
     store = Store(path)
     try:
         try:

@@ -492,6 +492,46 @@ def _within(dist, v) -> bool:
         return False
 
 
+def _ask(db: str | Path, study: Study, entry: MethodEntry) -> tuple[int, dict, list[dict], Any] | None:
+    """The next trial of `entry` (n, its parameters, the stored trials it was asked from, Optuna's trial), or
+    None when the budget is spent. A function of the stored trials alone (see the module docstring)."""
+    from fedprism.experiment.store import Store
+
+    with Store(db) as store:
+        trials = stored_trials(store, study.name, entry.label)
+    if len(trials) >= study.trials:
+        return None
+    n = max((t["trial"] for t in trials), default=-1) + 1
+    ostudy = rebuild(study, entry, trials)
+    ostudy.sampler = _sampler(study, _trial_seed(study, entry.label, n))
+    trial = ostudy.ask(distributions(entry.space))
+    return n, dict(trial.params), trials, trial
+
+
+def _record(db: str | Path, study: Study, entry: MethodEntry, n: int, params: dict, out: TrialOutcome,
+            t0: float, progress: bool) -> None:
+    """Store trial n's `tune_trial` record (what the next trial is asked from) and print its line."""
+    from fedprism.experiment.store import Store
+
+    data = {"study": study.name, "label": entry.label, "method": entry.method, "trial": n, "params": params,
+            "state": out.state, "value": out.value, "intermediate": {str(k): v for k, v in out.intermediate.items()},
+            "objective": study.objective, "budget": study.trials, "sampler": study.sampler,
+            "rounds": out.rounds, "space": {k: s.describe() for k, s in entry.space.items()}}
+    with Store(db) as store:
+        store.annotate(out.run_id, TRIAL_RECORD, data, _slot(study.name, entry.label, n))
+    if progress:
+        print(f"[{printable(study.name)}] {printable(entry.label)} trial {n + 1}/{study.trials}: {out.state}, "
+              f"{study.objective} {out.value:.4f} at round {max(out.intermediate) + 1} ({_fmt_params(params)}; "
+              f"{time.time() - t0:.0f}s)", file=sys.stderr)
+
+
+def _busy(study: Study, label: str, n: int, e: Exception):
+    from fedprism.experiment.runlock import RunBusyError
+
+    return RunBusyError(f"{study.name}: {label} trial #{n}: {e}; one `fedprism tune` process per study "
+                        "(or per method, with --only): the trials of a method are asked one after another")
+
+
 def tune_method(db: str | Path, study: Study, label: str, progress: bool = True) -> list[dict]:
     """Run the missing trials of one method until the budget is spent; returns every trial (stored)."""
     from fedprism.experiment.runlock import RunBusyError
@@ -499,15 +539,11 @@ def tune_method(db: str | Path, study: Study, label: str, progress: bool = True)
 
     entry = study.entry(label)
     while True:
-        with Store(db) as store:
-            trials = stored_trials(store, study.name, label)
-        if len(trials) >= study.trials:
-            return trials
-        n = max((t["trial"] for t in trials), default=-1) + 1
-        ostudy = rebuild(study, entry, trials)
-        ostudy.sampler = _sampler(study, _trial_seed(study, label, n))
-        trial = ostudy.ask(distributions(entry.space))
-        params = dict(trial.params)
+        asked = _ask(db, study, entry)
+        if asked is None:
+            with Store(db) as store:
+                return stored_trials(store, study.name, label)
+        n, params, _, trial = asked
         cfg = study.config(entry, params, name=f"{label} #{n}")
         t0 = time.time()
 
@@ -518,20 +554,94 @@ def tune_method(db: str | Path, study: Study, label: str, progress: bool = True)
         try:
             out = run_trial(db, cfg, study.objective, report, sweep=study.trials_sweep, label=f"{label} #{n}")
         except RunBusyError as e:           # a second `fedprism tune` of this study asked the same trial
-            raise RunBusyError(f"{study.name}: {label} trial #{n}: {e}; one `fedprism tune` process per study "
-                               "(or per method, with --only): the trials of a method are asked one after "
-                               "another") from None
-        data = {"study": study.name, "label": label, "method": entry.method, "trial": n, "params": params,
-                "state": out.state, "value": out.value, "intermediate": {str(k): v for k, v in out.intermediate.items()},
-                "objective": study.objective, "budget": study.trials, "sampler": study.sampler,
-                "rounds": out.rounds, "space": {k: s.describe() for k, s in entry.space.items()}}
-        with Store(db) as store:
-            store.annotate(out.run_id, TRIAL_RECORD, data, _slot(study.name, label, n))
-        if progress:
-            shown = _fmt_params(params)
-            print(f"[{printable(study.name)}] {printable(label)} trial {n + 1}/{study.trials}: {out.state}, "
-                  f"{study.objective} {out.value:.4f} at round {max(out.intermediate) + 1} ({shown}; "
-                  f"{time.time() - t0:.0f}s)", file=sys.stderr)
+            raise _busy(study, label, n, e) from None
+        _record(db, study, entry, n, params, out, t0, progress)
+
+
+# -- trials as tasks of an executor (`fedprism tune --ray`) ----------------------------------------------
+@dataclass
+class TrialTask:
+    """What a trial's task needs besides its run: the objective, and the pruner's state, shipped with it. The
+    pruner's state is the pruner's settings and the trials of the method stored before this one (their
+    states and values at each evaluated round): exactly the study a local trial is asked and pruned from. The
+    task rebuilds that study where it runs (`rebuild`) and prunes there, so a remote trial is pruned at the
+    round a local one would be, with no round trip to the driver, and its outcome comes back with its run."""
+
+    objective: str
+    pruner: str
+    prune_startup: int
+    prune_warmup: int
+    space: dict[str, Space]
+    history: list[dict]
+
+
+def _task_pruning(task: TrialTask) -> Callable[[int, float], bool]:
+    """`report(round, value) -> prune?` from a shipped pruner state: a trial of the rebuilt study. Its
+    parameters are not the trial's (the median pruner reads the values at each round only, never the
+    parameters), so any asked trial of that study judges the same."""
+    ostudy = rebuild(task, task, task.history)            # type: ignore[arg-type]  (duck-typed: see rebuild)
+    trial = ostudy.ask(distributions(task.space))
+
+    def report(rnd: int, value: float) -> bool:
+        trial.report(value, rnd)
+        return bool(trial.should_prune())
+
+    return report
+
+
+def run_trial_task(db: str, cfg: Config, sweep: str | None, task: TrialTask) -> dict:
+    """A trial as an executor's task (`executor.run_job` with `Job.trial`): `run_trial` in the store at `db`
+    (the shared store, or the task's part store), pruned by the shipped state; ``{"run_id", "final",
+    "resumed", "trial"}`` with the outcome's fields."""
+    out = run_trial(db, cfg, task.objective, _task_pruning(task), sweep=sweep, label=cfg["name"])
+    return {"run_id": out.run_id, "final": {}, "resumed": None,
+            "trial": {"run_id": out.run_id, "state": out.state, "value": out.value,
+                      "intermediate": dict(out.intermediate), "rounds": out.rounds}}
+
+
+def tune_on(executor, db: str | Path, study: Study, labels: list[str], store_mode: str = "shared",
+            scratch: str | None = None, threads: int = 1, progress: bool = True) -> None:
+    """The trials of `labels` as tasks of `executor` (`fedprism tune --ray`): one trial of each method out at
+    a time (trial n is asked from the trials before it, as locally), so the methods' trials run at once. A
+    trial's record is stored by this driver as its task reports back (with shipped results after its run is
+    merged); the same trials, with the same parameters, prunings and run ids, as `tune_method`'s."""
+    from fedprism.errors import FedPrismError
+    from fedprism.experiment.executor import Job, merge_part
+
+    db = str(Path(db).resolve())
+    out: dict[Any, tuple[MethodEntry, int, dict, Config, float]] = {}
+
+    def submit(entry: MethodEntry) -> None:
+        asked = _ask(db, study, entry)
+        if asked is None:
+            return
+        n, params, history, _ = asked
+        cfg = study.config(entry, params, name=f"{entry.label} #{n}")
+        task = TrialTask(study.objective, study.pruner, study.prune_startup, study.prune_warmup, entry.space,
+                         history)
+        job = Job(cfg, db, study.trials_sweep, store_mode, scratch, threads, f"{entry.label} #{n}", trial=task)
+        out[executor.submit(job)] = (entry, n, params, cfg, time.time())
+
+    try:
+        for label in labels:
+            submit(study.entry(label))
+        while out:
+            for handle in executor.wait(list(out)):
+                entry, n, params, cfg, t0 = out.pop(handle)
+                res = executor.result(handle)
+                if "busy" in res:
+                    raise _busy(study, entry.label, n, res["busy"])
+                if res.get("run_id") != cfg.run_id:
+                    raise FedPrismError(f"{entry.label} #{n}: the task returned run {res.get('run_id')!r} for run "
+                                        f"{cfg.run_id}")
+                if "part" in res:
+                    merge_part(db, res["part"], cfg, study.trials_sweep)
+                _record(db, study, entry, n, params, TrialOutcome(**res["trial"]), t0, progress)
+                submit(entry)
+    except BaseException:
+        if out:
+            executor.cancel(list(out))
+        raise
 
 
 def _fmt_params(params: dict[str, Any]) -> str:
@@ -548,12 +658,10 @@ def choose(trials: list[dict]) -> dict | None:
     return max(done, key=lambda t: (t["value"], -t["trial"])) if done else None
 
 
-def final_stage(db: str | Path, study: Study, label: str, progress: bool = True) -> list[str]:
-    """The chosen configuration of `label` over the study's seeds (and, with `defaults`, its untuned one);
-    returns the run ids of the chosen configuration's runs."""
-    from fedprism.experiment.runner import Experiment
+def final_plan(db: str | Path, study: Study, label: str) -> list[tuple[str, Config, dict]]:
+    """The final stage's runs of `label`: (sweep, configuration, its `tune_choice` record) for the chosen
+    configuration over the study's seeds, then (with `defaults`) the untuned one over the same seeds."""
     from fedprism.experiment.store import Store
-    from fedprism.experiment.sweep import supersede
 
     entry = study.entry(label)
     with Store(db) as store:
@@ -569,27 +677,63 @@ def final_stage(db: str | Path, study: Study, label: str, progress: bool = True)
               "pruned": sum(t["state"] == "pruned" for t in trials),
               "rounds_trained": sum(t.get("rounds", 0) for t in trials), "trials_sweep": study.trials_sweep,
               "space": {k: s.describe() for k, s in entry.space.items()}}
-    ids = []
     untuned = study.config(entry, None)
     default = {**choice, "default": True, "trial": None, "trial_run": None, "value": None,
                "params": {k: untuned[k] for k in entry.space}}
     runs = [(study.name, best["params"], choice)] + ([(study.defaults_sweep, None, default)] if study.defaults else [])
-    for sweep, params, note in runs:
-        for seed in study.seeds:
-            cfg = study.config(entry, params, seed=seed)
-            with Store(db) as store:
-                t0 = time.time()
-                res = Experiment(cfg, store, sweep=sweep).run()
-                supersede(store, sweep, cfg)
-                store.annotate(cfg.run_id, CHOICE_RECORD, note, _slot(sweep, label, -1))
-            if sweep == study.name:
-                ids.append(cfg.run_id)
-            if progress:
-                f = res.final
-                print(f"[{printable(sweep)}] {printable(label)} seed={seed}: local {f.get('local_acc', float('nan')):.4f}"
-                      f" global {f.get('global_acc', float('nan')):.4f}"
-                      f"{' (stored)' if res.reused else ''} ({time.time() - t0:.0f}s)", file=sys.stderr)
+    return [(sweep, study.config(entry, params, seed=seed), note) for sweep, params, note in runs
+            for seed in study.seeds]
+
+
+def _final_line(sweep: str, cfg: Config, final: dict, reused: bool, t0: float) -> str:
+    return (f"[{printable(sweep)}] {printable(cfg['name'])} seed={cfg['seed']}: local "
+            f"{final.get('local_acc', float('nan')):.4f} global {final.get('global_acc', float('nan')):.4f}"
+            f"{' (stored)' if reused else ''} ({time.time() - t0:.0f}s)")
+
+
+def final_stage(db: str | Path, study: Study, label: str, progress: bool = True) -> list[str]:
+    """The chosen configuration of `label` over the study's seeds (and, with `defaults`, its untuned one);
+    returns the run ids of the chosen configuration's runs."""
+    from fedprism.experiment.runner import Experiment
+    from fedprism.experiment.store import Store
+    from fedprism.experiment.sweep import supersede
+
+    ids = []
+    for sweep, cfg, note in final_plan(db, study, label):
+        with Store(db) as store:
+            t0 = time.time()
+            res = Experiment(cfg, store, sweep=sweep).run()
+            supersede(store, sweep, cfg)
+            store.annotate(cfg.run_id, CHOICE_RECORD, note, _slot(sweep, label, -1))
+        if sweep == study.name:
+            ids.append(cfg.run_id)
+        if progress:
+            print(_final_line(sweep, cfg, res.final, res.reused, t0), file=sys.stderr)
     return ids
+
+
+def final_on(executor, db: str | Path, study: Study, labels: list[str], store_mode: str = "shared",
+             scratch: str | None = None, threads: int = 1, progress: bool = True) -> None:
+    """The final stage of `labels` as tasks of `executor` (`fedprism tune --ray`): every seed run of every
+    method at once (`executor.execute`, one sweep at a time: the study's, then its defaults'); each run's
+    `tune_choice` record is stored as its task reports it finished."""
+    from fedprism.experiment.executor import execute
+    from fedprism.experiment.runlock import RunBusyError
+    from fedprism.experiment.store import Store
+
+    plan = [p for label in labels for p in final_plan(db, study, label)]
+    for sweep in dict.fromkeys(p[0] for p in plan):
+        todo = {f"{cfg['name']} seed={cfg['seed']} ({cfg.run_id})": (cfg, note) for s, cfg, note in plan if s == sweep}
+        t0 = time.time()
+        for tag, final in execute([(t, c) for t, (c, _) in todo.items()], str(db), executor, sweep, store_mode,
+                                  scratch, threads):
+            if isinstance(final, RunBusyError):
+                raise RunBusyError(f"{study.name}: {tag}: {final}") from None
+            cfg, note = todo[tag]
+            with Store(db) as store:
+                store.annotate(cfg.run_id, CHOICE_RECORD, note, _slot(sweep, cfg["name"], -1))
+            if progress:
+                print(_final_line(sweep, cfg, final, False, t0), file=sys.stderr)
 
 
 def _method_job(db: str, path: str, quick: bool, overrides: dict, label: str, stage: str,
@@ -602,10 +746,13 @@ def _method_job(db: str, path: str, quick: bool, overrides: dict, label: str, st
 
 
 def run_study(path: str | Path, db: str | Path, quick: bool = False, overrides: dict[str, Any] | None = None,
-              only: list[str] | None = None, stage: str = "all", workers: int = 1, progress: bool = True) -> Study:
+              only: list[str] | None = None, stage: str = "all", workers: int = 1, progress: bool = True,
+              ray: Any = None, executor: Any = None) -> Study:
     """`fedprism tune FILE`: every method's trials (resumable), then the final stage. `workers` > 1 tunes
     that many methods at once in separate processes (one method's trials are sequential: each is asked from
-    the ones before it)."""
+    the ones before it). `ray` (an `executor.RayOptions`, `--ray ADDRESS`) sends every trial and every final
+    run to a Ray cluster as a task instead (`tune_on`, `final_on`; docs/ray.md); `executor` replaces the
+    cluster's backend (`executor.InlineExecutor`: the same tasks in this process)."""
     from fedprism.experiment.store import Store
     from fedprism.experiment.sweep import check_runs
 
@@ -613,7 +760,16 @@ def run_study(path: str | Path, db: str | Path, quick: bool = False, overrides: 
         raise ConfigError("--stage", stage, "all, tune or final", kind="option")
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ConfigError("--workers", workers, "an integer >= 1", kind="option")
+    remote = ray is not None or executor is not None
+    if remote and workers != 1:
+        raise ConfigError("--workers", workers, "1 with --ray (each trial is a task of the cluster, and the "
+                          "methods' trials run at once there)", kind="option")
     study = load_study(path, quick, overrides)
+    store_mode = getattr(ray, "store", "shared")
+    if remote and store_mode == "ship" and study.pruner != "none" and stage != "final":
+        raise ConfigError("--ray-store", store_mode, f"shared for a study that prunes ({study.path.name}: pruner = "
+                          f"{study.pruner!r}): a pruned trial's run is unfinished, and shipped results bring "
+                          "finished runs only; or set pruner = \"none\" in [tune]", kind="option")
     labels = [study.entry(o).label for o in only] if only else [m.label for m in study.methods]
     # each method's untuned configuration and the corners of its space pass the checks a run makes before it
     # trains (clusters against the cohort, memory): a trial the limits would refuse stops the study now
@@ -622,7 +778,19 @@ def run_study(path: str | Path, db: str | Path, quick: bool = False, overrides: 
     print(f"study {printable(study.name)}: {len(labels)} method(s), {study.trials} trials each ({study.sampler}, "
           f"pruner {study.pruner}, objective {study.objective}), then seeds {study.seeds}; results: {db}",
           file=sys.stderr)
-    if workers == 1 or len(labels) == 1:
+    if remote:
+        if executor is None:
+            executor = ray.executor()
+            print(f"study {printable(study.name)}: trials and final runs on the Ray cluster at "
+                  f"{printable(ray.address)}, {ray.cpus:g} CPU(s) and {ray.gpus:g} GPU(s) each, results {ray.store}",
+                  file=sys.stderr)
+        kw = dict(store_mode=store_mode, scratch=getattr(ray, "scratch", None),
+                  threads=max(1, int(getattr(ray, "cpus", 1))), progress=progress)
+        if stage in ("all", "tune"):
+            tune_on(executor, db, study, labels, **kw)
+        if stage in ("all", "final"):
+            final_on(executor, db, study, labels, **kw)
+    elif workers == 1 or len(labels) == 1:
         for label in labels:
             _method_job(str(db), str(path), quick, overrides or {}, label, stage, progress)
     else:
