@@ -9,6 +9,16 @@ figures that need the partitions only, no training.
   clusters tau, for K clients in {10, 50, 100} (the clustering phase of `clust_psi_pfl`, the same
   function: `fedprism.algorithms.clust_psi_pfl.psi_clusters`).
 * Fig. 6: the chosen tau (smallest tau at the largest silhouette) against K.
+* Fig. 4: models predicting the non-IID level (alpha, S) from WPSI^L, HD, JSD and EMD (Fig. 3's rows), with
+  each model's feature importances. The paper trains LightGBM, an SVM, an MLP and a regression tree and
+  finds WPSI^L ranked highest. Decisions where the paper is silent: the targets are log10(alpha) (the
+  Dirichlet grid spans three decades) and S; the features are standardised for the SVM (RBF kernel) and
+  the MLP (one hidden layer of 32); LightGBM is not a dependency of fedprism, so scikit-learn's gradient
+  boosting of regression trees takes its place; the trees' importances are their impurity importances,
+  the SVM's and the MLP's permutation importances (R^2 drop, 10 repeats), negatives set to 0, and each
+  model's importances are normalised to sum 1; the fit is also scored by cross-validated R^2 (5 folds,
+  fewer when a protocol has under 10 rows, so that every test fold holds two rows at least).
+  A protocol with fewer than `MIN_IMPORTANCE_ROWS` rows or one level only is left out (noted).
 
 Each point is the mean over `seeds` partitions (error bars: std over them). The partitions are the ones
 a run with the same `dataset`, `partition`, `clients` and `seed` trains on (same function, same
@@ -141,6 +151,72 @@ def silhouette_rows(y_train, y_test, C: int, clients=CLIENT_COUNTS, seeds=(0, 1,
     return rows
 
 
+#: Fig. 4's features (keys of Fig. 3's rows) and how tables name them
+FEATURES = (("wpsi", "WPSI^L"), ("hd", "HD"), ("jsd", "JSD"), ("emd", "EMD"))
+#: Fig. 4's models, in the order tables and plots show them
+IMPORTANCE_MODELS = ("gradient boosting", "SVM", "MLP", "regression tree")
+#: the fewest rows (settings x seeds) of a protocol Fig. 4 fits models on
+MIN_IMPORTANCE_ROWS = 6
+
+
+def _importance_model(name: str, seed: int):
+    from sklearn.ensemble import GradientBoostingRegressor
+    from sklearn.neural_network import MLPRegressor
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+    from sklearn.svm import SVR
+    from sklearn.tree import DecisionTreeRegressor
+
+    return {"gradient boosting": lambda: GradientBoostingRegressor(random_state=seed),
+            "SVM": lambda: make_pipeline(StandardScaler(), SVR(kernel="rbf")),
+            "MLP": lambda: make_pipeline(StandardScaler(), MLPRegressor(hidden_layer_sizes=(32,), max_iter=5000, random_state=seed)),
+            "regression tree": lambda: DecisionTreeRegressor(random_state=seed)}[name]()
+
+
+def importance_rows(div: list[dict], seed: int = 0, models=IMPORTANCE_MODELS) -> tuple[list[dict], list[str]]:
+    """Fig. 4's data from Fig. 3's rows (`divergence_rows`): per protocol and model, the normalised
+    importance of each feature (`FEATURES`) for predicting the non-IID level, the in-sample R^2 and the
+    cross-validated R^2. Returns (rows, notes on protocols left out)."""
+    import warnings
+
+    from sklearn.exceptions import ConvergenceWarning
+    from sklearn.inspection import permutation_importance
+    from sklearn.model_selection import KFold, cross_val_score
+
+    rows, notes = [], []
+    for proto in sorted({r["protocol"] for r in div}):
+        rs = [r for r in div if r["protocol"] == proto]
+        x = np.array([[r[k] for k, _ in FEATURES] for r in rs], dtype=np.float64)
+        v = np.array([r["value"] for r in rs], dtype=np.float64)
+        log = proto in TARGET_LOG or any(p.partition == proto and p.log for p in PROTOCOLS)
+        y = np.log10(v) if log and (v > 0).all() else v
+        title = TITLES.get(proto, proto)
+        if len(rs) < MIN_IMPORTANCE_ROWS or len(set(v.tolist())) < 2:
+            notes.append(f"{title}: {len(rs)} rows, {len(set(v.tolist()))} level(s); Fig. 4 needs at least "
+                         f"{MIN_IMPORTANCE_ROWS} rows and two levels")
+            continue
+        folds = KFold(min(5, len(rs) // 2), shuffle=True, random_state=seed)     # >= 2 rows per test fold
+        for name in models:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", ConvergenceWarning)
+                model = _importance_model(name, seed).fit(x, y)
+                if hasattr(model, "feature_importances_"):
+                    imp = np.asarray(model.feature_importances_, dtype=np.float64)
+                else:
+                    imp = permutation_importance(model, x, y, n_repeats=10, random_state=seed).importances_mean
+                cv = cross_val_score(_importance_model(name, seed), x, y, cv=folds, scoring="r2")
+            imp = np.clip(imp, 0.0, None)
+            imp = imp / imp.sum() if imp.sum() > 0 else imp
+            rows.append({"protocol": proto, "param": rs[0]["param"], "target": ("log10 " if y is not v else "")
+                         + rs[0]["param"], "model": name, "rows": len(rs), "r2": float(model.score(x, y)),
+                         "r2_cv": float(np.mean(cv)), **{k: float(i) for (k, _), i in zip(FEATURES, imp)}})
+    return rows, notes
+
+
+#: partitions outside the protocols whose level Fig. 4 predicts on a log scale
+TARGET_LOG = frozenset({"dirichlet"})
+
+
 def _label(row: dict) -> str:
     """"Dirichlet alpha=0.3": the protocol's title (`TITLES`; else the partition's name) and its setting."""
     return f"{TITLES.get(row['protocol'], row['protocol'])} {row['param']}={row['value']:g}"
@@ -151,7 +227,8 @@ def _mean_std(vals) -> tuple[float, float]:
     return float(a.mean()), float(a.std(ddof=1)) if len(a) > 1 else 0.0
 
 
-def markdown(div: list[dict], sil: list[dict], dataset: str, skipped: Skipped = ()) -> str:
+def markdown(div: list[dict], sil: list[dict], dataset: str, skipped: Skipped = (),
+             imp: list[dict] | None = None, imp_notes=()) -> str:
     seeds = sorted({r["seed"] for r in div} | {r["seed"] for r in sil})
     md = [f"# Partition study: {dataset}", "",
           "Clust-PSI-PFL (arXiv:2512.20363) Figs. 3, 5 and 6 from the partitions alone (no training); mean ± std "
@@ -174,6 +251,19 @@ def markdown(div: list[dict], sil: list[dict], dataset: str, skipped: Skipped = 
                 best = [r["scores"].get(r["tau"], float("nan")) for r in rs]
                 md.append(f"| {_label(rs[0])} | {K} | {', '.join(str(r['tau']) for r in rs)} | "
                           f"{np.nanmean(best):.4f} | {np.mean([r['wpsi'] for r in rs]):.4f} |")
+    if imp is not None:
+        md += ["", "## Predicting the non-IID level from the measures (Fig. 4)", "",
+               "Each model predicts the protocol's level from WPSI^L, HD, JSD and EMD (Fig. 3's rows: every "
+               "setting and seed); importances are normalised to sum 1 per model (trees: impurity; SVM and "
+               "MLP: permutation), the largest in bold. R^2 in sample and cross-validated (up to 5 folds).", "",
+               "| protocol | target | model | " + " | ".join(n for _, n in FEATURES) + " | R^2 | R^2 (cv) |",
+               "|---|---|---|" + "---|" * len(FEATURES) + "---|---|"]
+        for r in imp:
+            top = max(FEATURES, key=lambda f: r[f[0]])[0]
+            cells = [f"**{r[k]:.3f}**" if k == top else f"{r[k]:.3f}" for k, _ in FEATURES]
+            md.append(f"| {TITLES.get(r['protocol'], r['protocol'])} | {r['target']} | {r['model']} | "
+                      + " | ".join(cells) + f" | {r['r2']:.3f} | {r['r2_cv']:.3f} |")
+        md += [f"* {n}" for n in imp_notes] if imp_notes else []
     if skipped:
         md += ["", "## Settings that cannot be partitioned", "",
                "Left out above (the same error a run of that setting would stop with):", ""]
@@ -185,6 +275,34 @@ def markdown(div: list[dict], sil: list[dict], dataset: str, skipped: Skipped = 
         md += [f"* {label}, K = {K}, seed{'s' if len(sds) > 1 else ''} {', '.join(map(str, sds))}: {why}"
                for (label, K, why), sds in seeds_of.items()]
     return "\n".join(md) + "\n"
+
+
+def plot_importances(imp: list[dict], out: Path) -> list[Path]:
+    """Fig. 4: one panel per protocol, grouped bars of each model's feature importances."""
+    from fedprism.plotting import pyplot as _plt, save as _save
+
+    protos = sorted({r["protocol"] for r in imp})
+    if not protos:
+        return []
+    plt = _plt()
+    fig, axes = plt.subplots(len(protos), 1, figsize=(7, 3.2 * len(protos)), squeeze=False)
+    for ax, proto in zip(axes[:, 0], protos):
+        rs = [r for r in imp if r["protocol"] == proto]
+        xs = np.arange(len(FEATURES))
+        width = 0.8 / max(1, len(rs))
+        for j, r in enumerate(rs):
+            ax.bar(xs + (j - (len(rs) - 1) / 2) * width, [r[k] for k, _ in FEATURES], width, color=f"C{j}",
+                   label=f"{r['model']} (R^2 cv {r['r2_cv']:.2f})")
+        ax.set_xticks(xs)
+        ax.set_xticklabels([n for _, n in FEATURES])
+        ax.set_ylabel("importance (sum 1 per model)")
+        ax.set_title(f"{TITLES.get(proto, proto)}: predicting {rs[0]['target']}")
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(frameon=False, fontsize=7)
+    fig.tight_layout()
+    paths = _save(fig, out / "partition_importance.png")
+    plt.close(fig)
+    return paths
 
 
 def plot(div: list[dict], sil: list[dict], out: Path) -> list[Path]:
@@ -300,10 +418,11 @@ def write_partition_study(dataset: str, out: str | Path, seeds=(0, 1, 2), client
     skipped: Skipped = []
     div = divergence_rows(y_train, y_test, C, clients, seeds, skipped=skipped, **kw)
     sil = silhouette_rows(y_train, y_test, C, client_counts, seeds, skipped=skipped)
+    imp, notes = importance_rows(div, seed=seeds[0])
     outdir = Path(out)
     outdir.mkdir(parents=True, exist_ok=True)
     paths = [outdir / "partition_study.md", outdir / "partition_study.csv"]
-    paths[0].write_text(markdown(div, sil, dataset, skipped))
+    paths[0].write_text(markdown(div, sil, dataset, skipped, imp, notes))
     with open(paths[1], "w", newline="") as f:
         w = csv.writer(f, lineterminator="\n")
         w.writerow(["figure", "protocol", "param", "value", "clients", "seed", "wpsi", "hd", "jsd", "emd", "tau",
@@ -314,8 +433,17 @@ def write_partition_study(dataset: str, out: str | Path, seeds=(0, 1, 2), client
         for r in sil:
             w.writerow(["5-6", r["protocol"], r["param"], r["value"], r["clients"], r["seed"], r["wpsi"], "", "", "",
                         r["tau"], r["scores"].get(r["tau"], "")])
+    if imp:          # Fig. 4: one file of its own (its columns are not Figs. 3, 5 and 6's)
+        paths.append(outdir / "partition_importance.csv")
+        with open(paths[-1], "w", newline="") as f:
+            w = csv.writer(f, lineterminator="\n")
+            w.writerow(["protocol", "target", "model", "rows", *(k for k, _ in FEATURES), "r2", "r2_cv"])
+            for r in imp:
+                w.writerow([r["protocol"], r["target"], r["model"], r["rows"], *(r[k] for k, _ in FEATURES),
+                            r["r2"], r["r2_cv"]])
     if plots:
         pdir = outdir / "plots"
         pdir.mkdir(exist_ok=True)
         paths += plot(div, sil, pdir)
+        paths += plot_importances(imp, pdir)
     return paths
