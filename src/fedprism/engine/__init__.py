@@ -46,7 +46,7 @@ def make_engine(name: str, fed, model, cfg: LocalConfig, seed: int, device: str 
             if name == "vectorized":
                 raise
         else:
-            if name == "auto" and unvmappable(model):       # recurrent layers: the loop runs them
+            if name == "auto" and unvmappable(model, cfg.train_precision):   # the loop runs them
                 return SequentialEngine(fed, model, cfg, seed, dev)
             def flag(v):
                 return None if v in ("auto", None) else v in (True, "true")

@@ -58,8 +58,14 @@ class LocalConfig:
     eval_chunk: int = 500
     optimizer: str = "sgd"
     #: precision of evaluation forward passes: float32, or bfloat16 (weights and inputs cast, logits
-    #: returned as float32; faster where the CPU has native bf16, e.g. AVX512-BF16). Training is float32.
+    #: returned as float32; faster where the CPU has native bf16, e.g. AVX512-BF16). Training:
+    #: `train_precision`.
     eval_precision: str = "float32"
+    #: precision of local training's forward and backward passes: float32, or bfloat16 (mixed precision:
+    #: the objective runs under `torch.autocast(device, dtype=torch.bfloat16)`, so convolutions and matrix
+    #: products compute in bf16 while parameters, gradients, optimiser state and every vector the server sees
+    #: stay float32; `autocast_objective`)
+    train_precision: str = "float32"
     #: kernels of evaluation forward passes: "aten" (PyTorch's) or "fused" (each conv -> ReLU -> 2x2
     #: max-pooling block of the model in one CPU kernel, `fedprism.kernels.fused`; logits change at float32
     #: rounding). Training: `train_kernels`.
@@ -220,6 +226,28 @@ def confusion(y: torch.Tensor, pred: torch.Tensor, c: int) -> torch.Tensor:
     return torch.bincount(y * c + pred, minlength=c * c).view(c, c)
 
 
+PRECISIONS = ("float32", "bfloat16")
+
+
+def autocast_objective(obj: Loss, device_type: str) -> Loss:
+    """`obj` with its forward pass under `torch.autocast(device_type, dtype=torch.bfloat16)` and its loss
+    returned as float32 (`train.precision=bfloat16`). Autocast casts the float32 parameters and inputs to
+    bf16 at each convolution and matrix product and leaves the rest (losses, normalisations, the
+    objectives' penalty terms on the flat vector) in float32; autograd records the casts, so the backward
+    pass computes in bf16 where the forward did and hands back a float32 gradient of the float32 vector.
+    Parameters, optimiser state and the server's vectors are never bf16 (mixed precision as in
+    "Mixed Precision Training", Micikevicius et al., 2018, arXiv:1710.03740; bf16 needs no loss scaling:
+    its exponent range is float32's)."""
+
+    def run(f, flat, x, y, wt, extras):
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            loss = obj(f, flat, x, y, wt, extras)
+        return loss.float()
+
+    functools.update_wrapper(run, obj)
+    return run
+
+
 def resolve_loss(loss: str | Loss) -> Loss:
     if callable(loss):
         return loss
@@ -256,12 +284,18 @@ class EngineBase:
         if cfg.eval_kernels == "fused":
             self._require_kernels("eval.kernels=fused")
             self._fuse_eval_kernels()
-        if cfg.eval_precision == "bfloat16" and self.device.type == "cpu" and native_bf16() is False:
-            warnings.warn("eval.precision=bfloat16 on a CPU without native bf16 (no avx512_bf16 or "
-                          "amx_bf16 flag in /proc/cpuinfo): bf16 arithmetic is emulated here and scores "
-                          "several times slower than float32 (bench/README.md, bf16: 0.25x on an AVX2 CPU). The "
-                          "setting is kept (it is part of the run's identity); eval.precision=float32 is the "
-                          "faster one here", stacklevel=3)
+        for key, name in (("eval.precision", "eval_precision"), ("train.precision", "train_precision")):
+            if getattr(cfg, name) not in PRECISIONS:
+                raise ValueError(f"{name} must be one of {PRECISIONS}, got {getattr(cfg, name)!r}")
+            if getattr(cfg, name) == "bfloat16" and self.device.type == "cpu" and native_bf16() is False:
+                warnings.warn(f"{key}=bfloat16 on a CPU without native bf16 (no avx512_bf16 or "
+                              "amx_bf16 flag in /proc/cpuinfo): bf16 arithmetic is emulated here and runs "
+                              "several times slower than float32 (bench/README.md, bf16: 0.25x on an AVX2 CPU). "
+                              f"The setting is kept (it is part of the run's identity); {key}=float32 is the "
+                              "faster one here", stacklevel=3)
+        if cfg.train_precision == "bfloat16" and cfg.train_kernels == "fused":
+            raise ValueError("train_kernels='fused' computes in float32 only; train_precision='bfloat16' trains "
+                             "through PyTorch's kernels (train_kernels='aten')")
         #: the fused blocks' training gradient (`fedprism.kernels.fused.StemSplit`), or None
         self.stem = None
         if cfg.train_kernels == "fused":
@@ -369,6 +403,13 @@ class EngineBase:
         """The job's dropout seed (`dropout_seed`), None for a model without dropout layers."""
         return dropout_seed(self.seed, rnd, client, stream) if self.f.dropout else None
 
+    def objective(self, loss: str | Loss) -> Loss:
+        """The training objective `loss` at the run's training precision: itself for float32, under
+        bf16 autocast for bfloat16 (`autocast_objective`). Every local training step of both engines takes
+        its objective from here."""
+        obj = resolve_loss(loss)
+        return obj if self.cfg.train_precision == "float32" else autocast_objective(obj, self.device.type)
+
     def _local_sgd(self, w: torch.Tensor, rows: torch.Tensor, batches, loss_fn, cfg: LocalConfig, mask,
                    extras: dict, drop: int | None = None) -> tuple[torch.Tensor, float]:
         """One model's local training, a step per batch of positions into `rows` (global train indices):
@@ -409,7 +450,7 @@ class EngineBase:
         cfg = self.cfg
         idx = torch.cat([self._train_idx[int(c)] for c in clients])
         batches = iter_batches(len(idx), cfg.epochs, cfg.batch_size, stream_seed(self.seed, rnd, 0, stream))
-        w, loss = self._local_sgd(start.to(self.device, copy=True), idx, batches, resolve_loss("ce"), cfg, None, {},
+        w, loss = self._local_sgd(start.to(self.device, copy=True), idx, batches, self.objective("ce"), cfg, None, {},
                                   self._dropout_seed(rnd, 0, stream))
         return Trained(np.asarray(clients)[:1], w.unsqueeze(0).to(start.device),
                        torch.tensor([float(len(idx))], dtype=torch.float64),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fedprism.engine.base import EngineBase, resolve_loss
+from fedprism.engine.base import EngineBase
 from fedprism.protocol import Trained, TrainJob
 
 
@@ -12,7 +12,7 @@ class SequentialEngine(EngineBase):
     name = "sequential"
 
     def train(self, job: TrainJob, rnd: int) -> Trained:
-        loss_fn, cfg = resolve_loss(job.loss), self._config(job)
+        loss_fn, cfg = self.objective(job.loss), self._config(job)
         mask = None if job.mask is None else job.mask.to(self.device)
         out = torch.empty_like(job.start)
         losses = torch.zeros(len(job.clients), dtype=torch.float64)

@@ -46,7 +46,7 @@ from torch import nn
 from torch.func import grad_and_value, vmap
 
 from fedprism.engine.base import (SHARED_SPLITS, SPLITS, EngineBase, LocalConfig, dropout_keys, iter_epochs,
-                                  n_batches, optimizer_state, optimizer_step, resolve_loss, trained_mask)
+                                  n_batches, optimizer_state, optimizer_step, trained_mask)
 from fedprism.engine.cuda_graph import GraphedStep
 from fedprism.federation import Federation
 from fedprism.protocol import EvalResult, Trained, TrainJob
@@ -136,14 +136,18 @@ class _Blocks:
         return k, j + o, rows[o:o + c], sizes[o:o + c]
 
 
-def unvmappable(model: nn.Module) -> str | None:
+def unvmappable(model: nn.Module, train_precision: str = "float32") -> str | None:
     """Why `model` cannot run under `torch.func.vmap` (its recurrent layers: PyTorch has no batching rule
-    for the fused `aten::lstm` / `gru` / `rnn` kernels), or None when it can. `engine=auto` then chooses the
-    sequential engine; `engine=vectorized` is refused."""
+    for the fused `aten::lstm` / `gru` / `rnn` kernels; its BatchNorm layers under bf16 autocast, whose
+    vmapped backward mixes bf16 and float32 and fails in torch 2.13), or None when it can. `engine=auto`
+    then chooses the sequential engine; `engine=vectorized` is refused."""
     rnn = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.RNNBase)})
     if rnn:
         return (f"the model holds {', '.join(rnn)} layers, which torch.func.vmap cannot batch (no batching "
                 "rule for PyTorch's fused recurrent kernels)")
+    if train_precision == "bfloat16" and _has_batchnorm(model):
+        return ("train.precision=bfloat16 with BatchNorm layers: the vmapped backward of batch_norm under bf16 "
+                "autocast mixes bf16 and float32 tensors and fails (the sequential engine's loop runs it)")
     return None
 
 
@@ -260,7 +264,7 @@ class VectorizedEngine(EngineBase):
                  max_slots: int | None = None, eval_models: int | None = None, eval_samples: int | None = None,
                  eval_memory: int | None = None, fuse_jobs: bool | None = None,
                  cuda_graphs: bool | None = None):
-        why = unvmappable(model)
+        why = unvmappable(model, cfg.train_precision)
         if why:
             from fedprism.errors import ConfigError
             raise ConfigError("engine", "vectorized", f"auto or sequential for this model: {why}")
@@ -314,7 +318,7 @@ class VectorizedEngine(EngineBase):
     def _step_fn(self, loss, cfg: LocalConfig, per_client_mask: bool) -> _MaybeCompiled:
         key = (loss, cfg.optimizer, per_client_mask)
         if key not in self._steps:
-            obj, f = resolve_loss(loss), self.f
+            obj, f = self.objective(loss), self.f
             if f.running:
                 return self._steps.setdefault(key, self._running_step_fn(obj, cfg))
             if f.dropout:
@@ -558,7 +562,7 @@ class VectorizedEngine(EngineBase):
 
     def _single_step(self, loss, cfg, w, st, s, k, bi, extras, mask, dkey=None) -> torch.Tensor:
         """One unpadded step of slot s (BatchNorm models' partial batches), in place; `dkey` its dropout key."""
-        obj = resolve_loss(loss)
+        obj = self.objective(loss)
         ex = {n: v[k] for n, v in extras.items() if n != "__mask__"}
         x, y = self.fed.x_train[bi], self.fed.y_train[bi]
         ones = torch.ones(len(y), device=self.device)

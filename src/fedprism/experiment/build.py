@@ -43,6 +43,7 @@ def local_config(cfg: Config) -> LocalConfig:
     return LocalConfig(epochs=cfg["local_epochs"], batch_size=cfg["batch_size"], lr=cfg["lr"],
                        momentum=cfg["momentum"], weight_decay=cfg["weight_decay"], optimizer=cfg["optimizer"],
                        eval_precision=cfg.get("eval.precision", "float32"),
+                       train_precision=cfg.get("train.precision", "float32"),
                        eval_kernels=cfg.get("eval.kernels", "aten"),
                        train_kernels=cfg.get("train.kernels", "aten"))
 

@@ -144,8 +144,15 @@ KEYS: dict[str, Param] = {
                            "an integer >= 0 (0: off)", new=True, eval_only=True),
     "eval.precision": Param("float32", "precision of every evaluation forward pass: float32, or bfloat16 "
                             "(weights and inputs cast; faster on CPUs with native bf16 such as AVX512-BF16, "
-                            "numbers change slightly: bench/README.md). Training is always float32",
+                            "numbers change slightly: bench/README.md). Training: train.precision",
                             choices=("float32", "bfloat16"), new=True),
+    "train.precision": Param("float32", "precision of local training's forward and backward passes: float32 (the "
+                             "stored runs' numbers) or bfloat16 (mixed precision: the objective under "
+                             "torch.autocast(device, bfloat16), so convolutions and matrix products compute in "
+                             "bf16 while parameters, optimiser state and every vector the server sees stay "
+                             "float32; faster on CPUs with native bf16 such as AVX512-BF16 and on GPUs, numbers "
+                             "change: bench/README.md). Trains through PyTorch's kernels (train.kernels=aten)",
+                             choices=("float32", "bfloat16"), new=True),
     "eval.kernels": Param("auto", "kernels of every evaluation forward pass on a CPU: auto (fused where the "
                           "kernels are built for this machine and the run is on a CPU, else aten; "
                           "fedprism.kernels), aten (PyTorch's, the stored runs' numbers), fused (each conv -> "
@@ -526,6 +533,14 @@ def resolve(raw: dict[str, Any]) -> Config:
     auto = frozenset(k for k in KERNEL_KEYS if out[k] == "auto")
     if "train.kernels" in auto and not getattr(REGISTRY[method], "fused_training", True):
         out["train.kernels"] = "aten"      # an objective the fused training kernels cannot take (APFL, ...)
+    if out["train.precision"] == "bfloat16":
+        if out["train.kernels"] == "fused":
+            raise ConfigError("train.kernels", "fused", "aten or auto with train.precision=bfloat16 (the fused "
+                              "training kernels compute in float32; bf16 training runs PyTorch's kernels)")
+        out["train.kernels"] = "aten"      # auto: the fused kernels are float32 only
+        if out["dp.local"] != "none":
+            raise ConfigError("train.precision", "bfloat16", f"float32 with dp.local={out['dp.local']} (Opacus' "
+                              "per-sample gradients are computed in float32; bf16 training is not applied there)")
     if auto and not _has_conv_blocks(out["model"], DATASETS.get(out["dataset"]).input_shape):
         out.update({k: "aten" for k in auto})   # nothing to fuse (an MLP): the kernels that run are PyTorch's
     for k in KERNEL_KEYS:                  # what runs, not what was asked: it is part of the run id
