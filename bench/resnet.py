@@ -12,7 +12,10 @@ local test split (what PFLlib's `evaluate` does each round).
     over `state_dict()` entries in Python, evaluation with a DataLoader per client in eval mode;
 (b) fedprism's sequential engine (`engine=auto` on a CPU for a model of 1 M parameters or more:
     `fedprism.engine.AUTO_SEQUENTIAL_PARAMS_CPU`), FedAvg on flat vectors;
-(v) fedprism's vectorized engine (eager vmap; `engine=vectorized`), the same numbers.
+(v) fedprism's vectorized engine (eager vmap; `engine=vectorized`), the same numbers;
+(m) with `--bf16`: fedprism's sequential engine with `train.precision=bfloat16 eval.precision=bfloat16`
+    (opt-in mixed precision: the forward and backward passes under bf16 autocast, bf16 evaluation; the
+    parameters, optimiser state and averaged vectors stay float32), against the same float32 loop (a).
 
 The three run interleaved round by round, rotating which goes first (this machine drifts). Every round is
 timed; the ratios use every round (no compilation: the engines run eager here). The workload is cut to fit
@@ -20,6 +23,7 @@ a few minutes on a loaded 2-core CPU (`--train-per-client`, `--test-per-client`,
 ~1.1 GFLOP per 32x32 image forward, so the time is the convolutions', whoever loops. Usage:
 
     .venv/bin/python bench/resnet.py                      # 2 rounds, 5 of 100 clients, CPU
+    .venv/bin/python bench/resnet.py --bf16 --no-vectorized --threads 1   # (a), (b) and (m) in one run
     .venv/bin/python bench/resnet.py --device cuda --train-per-client 500 --test-per-client 100 --rounds 5
 """
 
@@ -147,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vectorized-eval", action="store_true",
                     help="also time (v)'s evaluation (on the CPU it pads every client's split to 64 samples, its "
                          "row length: 64x the work at one test sample a client)")
+    ap.add_argument("--bf16", action="store_true",
+                    help="add (m): the sequential engine with train.precision=bfloat16 eval.precision=bfloat16")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.threads:
@@ -172,6 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_vectorized:
         systems["v"] = FedprismFedAvg(make_engine("vectorized", fed, copy.deepcopy(model), cfg, args.seed,
                                                   str(device), compile="false"), init, fed)
+    if args.bf16:
+        from dataclasses import replace
+
+        m_cfg = replace(cfg, train_precision="bfloat16", eval_precision="bfloat16")
+        systems["m"] = FedprismFedAvg(make_engine("sequential", fed, copy.deepcopy(model), m_cfg, args.seed,
+                                                  str(device)), init, fed)
     rng = np.random.default_rng(args.seed)
     times = {k: [] for k in systems}
     names = list(systems)
