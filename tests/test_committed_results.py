@@ -1070,3 +1070,34 @@ def test_fedprox_against_fedavg_as_results_readme_states(db_copy):
     assert f"{fedavg[-1]:.2f}" == "10.00"
     assert (f"FedProx climbs from {fedprox[0]:.2f} to {fedprox[-1]:.2f}, still rising at round 39 "
             f"({fedprox[-2]:.2f} at round 34)") in text and fedprox[-1] > fedprox[-2]
+
+
+def test_table1_marks_the_test_chosen_temperature_and_quotes_the_validation_routing(db_copy):
+    """results/fedprism_paper.md, Table 1: the T = 5 row says its T was chosen on seed 0's test split, and the
+    row beside it is the routing chosen on validation data, with the store's numbers (routed Glob and Loc
+    of the choice, the shared model G) and the seeds' means."""
+    from fedprism.report.routing import choose_routing
+
+    text = (RESULTS / "fedprism_paper.md").read_text()
+    table = text.split("## Ours next to the paper (Table 1", 1)[1].split("\n## ", 1)[0]
+    rows = [l for l in table.splitlines() if l.startswith("| FedPrism")]
+    assert "T chosen on seed 0's test split" in rows[0]
+    val = [l for l in rows if "routing chosen on validation data" in l]
+    assert len(val) == 1
+    cells = [c.strip() for c in val[0].strip("|").split("|")]
+    store = Store(db_copy)
+    runs = {json.loads(r["config"])["seed"]: r for r in store.runs(sweep="fedprism_validation")}
+    got = {}
+    for seed in (0, 1):
+        last = store.round_metrics(runs[seed]["run_id"])[-1]
+        ch = choose_routing(last)
+        row = ch.row(ch.name)
+        got[seed] = (ch.name, round(100 * row["glob"], 2), round(100 * row["loc"], 2),
+                     round(100 * json.loads(runs[seed]["final"])["global_model_acc"], 2))
+    assert f"{got[0][0].replace('=', ' = ')} / {got[1][0].replace('=', ' = ')}" in cells[0]
+
+    def pair(i: int) -> str:
+        a, b = got[0][i], got[1][i]
+        return f"{a:.2f} / {b:.2f} ({round((a + b) / 2, 2):.2f})"
+    assert cells[1] == pair(1) and cells[3] == pair(2)
+    assert cells[5] == f"{got[0][3]:.2f} / {got[1][3]:.2f}"

@@ -129,3 +129,20 @@ def test_extends_updates_key_by_key_and_refuses_loops_and_missing_files(tmp_path
         load_sweep(_sweep(tmp_path, "e", 'extends = "missing.toml"\n'))
     with pytest.raises(ConfigError, match="extends"):
         load_sweep(_sweep(tmp_path, "f", 'extends = 3\n'))
+
+
+@pytest.mark.parametrize("table", ["paper_fmnist_dir03", "paper_fmnist_dir05"])
+def test_seed1_files_are_the_tables_rows_with_seed_1(table, tmp_path):
+    """Tables 6 and 7's second seed: the extended file's rows, seed 1 only, under a sweep name of their own
+    (the committed seed-0 rows keep theirs); the quick form runs."""
+    name = f"{table}_seed1"
+    got_name, mine = load_sweep(SWEEPS / f"{name}.toml")
+    _, theirs = load_sweep(SWEEPS / f"{table}.toml")
+    assert got_name == name and {c["seed"] for c in mine} == {1} and {c["seed"] for c in theirs} == {0}
+    drop = lambda cs: sorted(repr(sorted((k, v) for k, v in c.values.items() if k != "seed")) for c in cs)  # noqa: E731
+    assert drop(mine) == drop(theirs)
+    assert not {c.run_id for c in mine} & {c.run_id for c in theirs}
+    db = tmp_path / "s.db"
+    assert run_sweep(str(SWEEPS / f"{name}.toml"), str(db), only="Local", quick=True, progress=False) == 0
+    with Store(db) as st:
+        assert [r["status"] for r in st.runs()] == ["finished"]
