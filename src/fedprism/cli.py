@@ -70,7 +70,7 @@ def _stored_run_item(args) -> str | None:
 
 def cmd_run(args) -> int:
     from fedprism.experiment import lookup
-    from fedprism.experiment.result import divergence_note
+    from fedprism.experiment.result import divergence_note, summary_extras
 
     stored_id = _stored_run_item(args)
     raw = None if stored_id else _raw(args)
@@ -94,6 +94,7 @@ def cmd_run(args) -> int:
         rows = [[k, f[k], f.get(f"best_{k}")] for k in keys]
         if "rejected" in f:
             rows.append(["rejected updates", f["rejected"], None])
+        rows += [[k, f[k], None] for k in summary_extras(f)]     # simulated time, totals, epsilon spent
         print(_table(rows, ["metric", "final", "best"]))
     failed = _client_failures(args.db, res.run_id) if f.get("rejected") else []
     if failed and not args.json:
@@ -102,6 +103,7 @@ def cmd_run(args) -> int:
         for k in failed:
             print(f"  {k.line()}")
     out = {k: f.get(k) for k in ("global_acc", "local_acc", "ad", "sdad", "seconds", "rejected")}
+    out.update({k: f[k] for k in summary_extras(f)})
     out["diverged"] = bool(f.get("diverged", False))
     if f.get("diverged"):
         out["diverged_round"] = f.get("diverged_round")
@@ -211,7 +213,7 @@ def cmd_tune(args) -> int:
 def cmd_report(args) -> int:
     from fedprism.report import write_report
 
-    if args.leaderboard:                         # the leaderboard of the named sweeps only
+    if args.leaderboard and not args.html:       # the leaderboard of the named sweeps only
         from fedprism.report.leaderboard import write_leaderboard
 
         for p in write_leaderboard(args.db, args.out, args.sweep or [], metric=args.metric):
@@ -225,8 +227,9 @@ def cmd_report(args) -> int:
                                          plots=not args.no_plots):
             print(p)
         return 0
+    # with --html --leaderboard: the report of the sweeps and their leaderboard, both on report.html's page
     paths = write_report(args.db, args.out, sweep=args.sweep, plots=not args.no_plots, reference=args.reference,
-                         html=args.html)
+                         html=args.html, leaderboard=args.metric if args.leaderboard else None)
     for p in paths:
         print(p)
     from fedprism.experiment.store import Store
@@ -284,6 +287,8 @@ def _runs(args, store) -> int:
                         "differs": differs, "seed": cfg.get("seed"), "status": r["status"],
                         "rounds_done": r["rounds_done"], "rounds": cfg.get("rounds"),
                         "local_acc": f.get("local_acc"), "global_acc": f.get("global_acc")})
+        if "sim_clock" in f:                          # simulated seconds of a run with `system.speeds`
+            records[-1]["sim_clock"] = f["sim_clock"]
         if r["status"] == "running" and holder_gone(store.lock_path(r["run_id"])):
             records[-1]["process_gone"] = True        # killed: the store says so at its next write-open
     hidden = store.hidden()
@@ -297,11 +302,13 @@ def _runs(args, store) -> int:
         print(json_text(records))
     elif records:
         differs = any(d["differs"] for d in records)     # the column only where rows of one label differ
+        clock = any("sim_clock" in d for d in records)   # the column only where a listed run has a clock
         head = ["id", "method", "label", *(["differs"] if differs else []), "seed", "status", "rounds", "local %",
-                "global %"]
+                "global %", *(["sim s"] if clock else [])]
         print(_table([[d["run_id"], d["method"], d["label"], *([d["differs"]] if differs else []), d["seed"],
                        "interrupted*" if d.get("process_gone") else d["status"],
-                       f"{d['rounds_done']}/{d['rounds']}", _acc(d, "local_acc"), _acc(d, "global_acc")]
+                       f"{d['rounds_done']}/{d['rounds']}", _acc(d, "local_acc"), _acc(d, "global_acc"),
+                       *([d.get("sim_clock")] if clock else [])]
                       for d in records], head))
         if gone:
             print("* stored as running, but no process runs it (killed); the same command resumes it, and "
@@ -319,6 +326,8 @@ def cmd_show(args) -> int:
 
 
 def _show(args, store) -> int:
+    from fedprism.experiment.result import PRIVACY_PREFIXES, round_columns, summary_extras
+
     row = store.find(args.run)
     run_id = row["run_id"]
     cfg = json.loads(row["config"])
@@ -359,15 +368,19 @@ def _show(args, store) -> int:
     if hist:
         keys = [k for k in ("global_acc", "local_acc", "sdad", "global_model_acc", "train_loss", "accepted",
                             "rejected", "eval_clients", "train_s", "eval_s") if any(k in h for h in hist)]
-        keys += [k for k in ("dpfedavg_epsilon",) if any(k in h for h in hist)]      # docs/privacy.md
-        if cfg.get("compress", "none") != "none":
-            keys.append("bytes_up")                      # counted from the encoded uploads (fedprism.compression)
+        # the clock, who missed the round, staleness, bytes and epsilon: the columns a run's rounds store
+        keys += round_columns(hist)
         print("\nRounds:")
         print(_table([[h["round"] + 1] + [h.get(k) for k in keys] for h in hist], ["round"] + keys))
     final = json.loads(row["final"] or "{}")
-    dp = [[k, _fmt(final[k])] for k in sorted(final) if k.startswith("dpfedavg_")]
+    summary = [k for k in ("global_acc", "local_acc", "sdad", "global_model_acc", "rejected") if k in final]
+    summary += summary_extras(final)
+    if summary:
+        print("\nFinal:")
+        print(_table([[k, final[k]] for k in summary], ["metric", "value"]))
+    dp = [[k, _fmt(final[k])] for k in sorted(final) if k.startswith(PRIVACY_PREFIXES)]
     if dp:
-        print("\nDifferential privacy of model updates (docs/privacy.md):")
+        print("\nDifferential privacy (docs/privacy.md):")
         print(_table(dp, ["key", "value"]))
     return 0
 
@@ -946,7 +959,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--leaderboard", action="store_true",
                     help="instead of the tables: leaderboard.md, .csv and .html of the --sweep(s): methods by settings, "
                     "mean and 95%% interval over seeds, rank, a paired test against each column's best, and the "
-                    "tuned configuration of each cell (docs/tuning.md)")
+                    "tuned configuration of each cell (docs/tuning.md); with --html: the tables and the "
+                    "leaderboard, which is also a section of report.html")
     rp.add_argument("--metric", default="local_acc", choices=("local_acc", "global_acc", "local_f1"),
                     help="the leaderboard's metric (default local_acc)")
     rp.set_defaults(fn=cmd_report)

@@ -44,13 +44,22 @@ COLUMNS = [("global_acc", "Glob Final"), ("best_global_acc", "Glob Best"), ("loc
 #: the held-out clients' column (`data.unseen_clients`), shown where a run of the report has it
 UNSEEN_COLUMNS = [("unseen_local_acc", "Loc Unseen")]
 
+#: the simulated time of a run (`sim_clock`, seconds; `system.speeds`, docs/systems.md), shown where a run of
+#: the report has a clock
+SIM_COLUMNS = [("sim_clock", "Sim s")]
+
+#: columns that are not fractions shown in %: key -> (scale, format) for `mean_pm`
+_NOT_PERCENT = {"sim_clock": (1.0, ".1f")}
+
 
 def columns(groups) -> list[tuple[str, str]]:
-    """The per-setting tables' (and the CSV's) columns: `COLUMNS`, and `UNSEEN_COLUMNS` when a run of the
-    report scored held-out clients (`data.unseen_clients`), so that a report without them is unchanged."""
-    unseen = any("unseen_local_acc" in r["final"] for labels in groups.values() for runs in labels.values()
-                 for r in runs)
-    return COLUMNS + (UNSEEN_COLUMNS if unseen else [])
+    """The per-setting tables' (and the CSV's) columns: `COLUMNS`, `UNSEEN_COLUMNS` when a run of the
+    report scored held-out clients (`data.unseen_clients`) and `SIM_COLUMNS` when a run has a simulated
+    clock, so that a report without them is unchanged."""
+    def some(key):
+        return any(key in r["final"] for labels in groups.values() for runs in labels.values() for r in runs)
+
+    return COLUMNS + (UNSEEN_COLUMNS if some("unseen_local_acc") else []) + (SIM_COLUMNS if some("sim_clock") else [])
 
 
 def prediction_labels(cfg: dict) -> dict[str, str]:
@@ -514,7 +523,7 @@ def tables(groups, reference: str | None = None,
                "|---|---|" + "---|" * len(shown)]
         for label in sorted(groups[setting]):
             runs = sorted(groups[setting][label], key=lambda x: x["config"]["seed"])
-            cells = [_pm([_column(r, k) for r in runs]) for k, _ in shown]
+            cells = [_pm([_column(r, k) for r in runs], *_NOT_PERCENT.get(k, ())) for k, _ in shown]
             md.append(f"| {_cell(label)} | {len(runs)} | " + " | ".join(cells) + " |")
             for r in runs:
                 rows.append([setting, label, r["config"]["seed"], r["run_id"]]
@@ -537,10 +546,13 @@ def tables(groups, reference: str | None = None,
               "on the global test set, where it has one. A row pools runs that differ only in their seed "
               "(and execution-only keys); rows that share a name are told apart by the keys in which they "
               "differ.")
-    if len(shown) > len(COLUMNS):
+    if UNSEEN_COLUMNS[0] in shown:
         md.append("Loc Unseen: the clients held out of every cohort (`data.unseen_clients`), each scored with "
                   "what its method gives a newcomer, on its own test split, mean over those clients; Glob, Loc, "
                   "SDAD and their Best values of such a run average its seen clients only.")
+    if SIM_COLUMNS[0] in shown:
+        md.append("Sim s: the run's simulated time in seconds (`sim_clock` after its last round, from "
+                  "`system.speeds`, docs/systems.md), mean ± std over seeds; - for a run without a clock.")
     return "\n".join(md) + "\n", rows
 
 
@@ -917,13 +929,25 @@ def write_partition_studies(dataset: str, out: str | Path, seeds=(0, 1, 2), plot
 
 
 def write_report(db: str, out: str, sweep: str | list[str] | None = None, plots: bool = True,
-                 reference: str | None = None, html: bool = False) -> list[Path]:
+                 reference: str | None = None, html: bool = False, leaderboard: str | None = None) -> list[Path]:
     """results.md (paper layout, optional published reference, per-setting detail), results.csv (one row
-    per run), plots/ (each linked from results.md with a caption) and, with `html`, report.html."""
+    per run), plots/ (each linked from results.md with a caption) and, with `html`, report.html.
+    `leaderboard` (a metric, with `html` and `sweep`) also ranks the sweeps (`report.leaderboard`):
+    leaderboard.md, .csv and .html, and the same table and tuned configurations as a section of
+    report.html."""
     from fedprism.report.reference import REFERENCES
 
     if reference is not None and reference not in REFERENCES:
         raise UnknownReference(f"unknown reference {reference!r}; known: {', '.join(sorted(REFERENCES))}")
+    board = None
+    if leaderboard is not None:                  # ranked (and refused) before anything is written
+        from fedprism.report import leaderboard as lb
+
+        if not html:
+            raise FedPrismError("write_report: leaderboard= needs html=True (without the page, "
+                                "`write_leaderboard` writes the leaderboard alone)")
+        sweeps = [sweep] if isinstance(sweep, str) else list(sweep or [])
+        board = lb.board_of(db, sweeps, leaderboard)
     store = Store(db, readonly=True)
     try:
         groups = collect(store, sweep)
@@ -964,8 +988,14 @@ def write_report(db: str, out: str, sweep: str | list[str] | None = None, plots:
 
             methods = sorted({r["config"]["method"] for labs in groups.values() for runs in labs.values()
                               for r in runs})
+            extra = ""
+            if board is not None:
+                title = lb.title_of(sweeps)
+                written, lb_md = lb.write_board(board, outdir, title)
+                paths += written
+                extra = lb.html_section(board, lb_md, title, level=2)
             paths.append(outdir / "report.html")
-            paths[-1].write_text(render_html(md, outdir, methods))
+            paths[-1].write_text(render_html(md, outdir, methods, extra))
         return paths
     finally:
         store.close()

@@ -124,8 +124,10 @@ def method_notes(methods: list[str]) -> str:
     return "<h2>Methods in this report</h2>\n<dl>\n" + "\n".join(items) + "\n</dl>"
 
 
-def render_html(md: str, base: Path, methods: list[str]) -> str:
-    body = md_to_html(md, base)
+def render_html(md: str, base: Path, methods: list[str], extra: str = "") -> str:
+    """The page: the report's markdown, then `extra` (HTML: the leaderboard's section with `fedprism report
+    --html --leaderboard`), then the notes on the methods."""
+    body = md_to_html(md, base) + ("\n" + extra if extra else "")
     notes = method_notes(methods)
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"

@@ -27,7 +27,8 @@ per seed.
   (trials, how many completed or were pruned, rounds trained).
 
 Output: leaderboard.md, leaderboard.csv (one row per cell) and leaderboard.html (one self-contained page
-in the HTML report's style, with the cells' links).
+in the HTML report's style, with the cells' links); with `fedprism report --html --leaderboard` the same
+table and tuned configurations are also a section of the report's one page, report.html (`html_section`).
 """
 
 from __future__ import annotations
@@ -273,7 +274,7 @@ def choice_items(c: Cell) -> list[str]:
                 f"{params}",
                 f"the tuned configuration of this method (sweep `{ch['study']}`) had a budget of {budget}"]
     else:
-        head = [f"chosen: trial #{ch['trial']} of study `{ch['study']}` (run `{ch['trial_run']}`), {ch['objective']} "
+        head = [f"chosen: trial #{ch['trial'] + 1} of study `{ch['study']}` (run `{ch['trial_run']}`), {ch['objective']} "
                 f"{_pct(ch['value'])} on the validation splits", f"parameters: {params}", f"budget: {budget}"]
     return head + ["search space: " + (", ".join(f"`{k}` {v}" for k, v in sorted(ch.get("space", {}).items()))
                                        or "empty"),
@@ -299,15 +300,18 @@ def csv_rows(board: Board) -> list[list]:
             hi = c.mean + c.half if c.half is not None else ""
             out.append([col, row, " ".join(map(str, c.seeds)), len(c.runs), c.mean, lo, hi, c.rank,
                         board.best[col], "" if c.diff is None else c.diff, c.pairs, "" if c.p is None else c.p,
-                        ch.get("trial", ""), ch.get("trial_run", ""),
+                        ch["trial"] + 1 if ch.get("trial") is not None else "", ch.get("trial_run", ""),
                         json.dumps(ch["params"], sort_keys=True) if ch else "", ch.get("value", ""),
                         ch.get("budget", ""), ch.get("complete", ""), ch.get("pruned", ""),
                         " ".join(x["run_id"] for x in c.runs)])
     return out
 
 
-def html_page(board: Board, title: str, md: str) -> str:
-    from fedprism.report.html import CSS, _inline
+def html_section(board: Board, md: str, title: str, level: int = 1) -> str:
+    """The leaderboard as HTML: its heading (`<h{level}>`), the legend, the table (each tuned cell a link) and
+    the tuned configurations the links lead to (`<h{level + 1}>`, one `<h{level + 2}>` per cell). Its own
+    page (`html_page`) or a section of the HTML report (`fedprism report --html --leaderboard`)."""
+    from fedprism.report.html import _inline
 
     e = lambda s: html.escape(str(s), quote=True)  # noqa: E731
     head = "".join(f"<th>{e(c)}</th>" for c in board.columns)
@@ -325,27 +329,38 @@ def html_page(board: Board, title: str, md: str) -> str:
             tds.append(f'<td><a href="#{e(c.anchor)}">{text}</a></td>' if c.choice else f"<td>{text}</td>")
         body.append(f'<tr><td class="t">{e(row)}</td>{"".join(tds)}</tr>')
     intro = md.split("\n\n")[1]
-    parts = [f"<h1>{e(title)}</h1>", f"<p>{e(intro)}</p>",
+    parts = [f'<h{level} id="leaderboard">{e(title)}</h{level}>', f"<p>{_inline(intro)}</p>",
              f"<table><thead><tr><th>method</th>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"]
     tuned = [c for c in board.cells.values() if c.choice]
     if tuned:
-        parts.append("<h2>Tuned configurations</h2>")
+        parts.append(f"<h{level + 1}>Tuned configurations</h{level + 1}>")
         for c in sorted(tuned, key=lambda c: c.anchor):
             items = "".join(f"<li>{_inline(item)}</li>" for item in choice_items(c))
-            parts.append(f'<h3 id="{e(c.anchor)}">{e(c.label)}, {e(c.column)}</h3><ul>{items}</ul>')
+            parts.append(f'<h{level + 2} id="{e(c.anchor)}">{e(c.label)}, {e(c.column)}</h{level + 2}><ul>{items}</ul>')
+    return "\n".join(parts)
+
+
+def html_page(board: Board, title: str, md: str) -> str:
+    from fedprism.report.html import CSS
+
+    e = lambda s: html.escape(str(s), quote=True)  # noqa: E731
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>{e(title)}</title><style>{CSS}</style></head>\n<body>\n" + "\n".join(parts)
+            f"<title>{e(title)}</title><style>{CSS}</style></head>\n<body>\n" + html_section(board, md, title)
             + "\n</body></html>\n")
 
 
-def write_leaderboard(db: str, out: str, sweeps: list[str], metric: str = "local_acc",
-                      title: str | None = None) -> list[Path]:
-    """leaderboard.md, leaderboard.csv and leaderboard.html of `sweeps` into the folder `out`."""
+def board_of(db: str, sweeps: list[str], metric: str = "local_acc") -> Board:
+    """The leaderboard of `sweeps` in the store at `db`; an error when no finished run can be ranked."""
     with Store(db, readonly=True) as store:
         board = build(store, sweeps, metric)
     if not board.columns:
         raise FedPrismError(f"no finished run of {', '.join(sweeps)} stores {metric}: nothing to rank")
-    title = title or f"Leaderboard: {', '.join(sweeps)}"
+    return board
+
+
+def write_board(board: Board, out: str | Path, title: str) -> tuple[list[Path], str]:
+    """leaderboard.md, leaderboard.csv and leaderboard.html of `board` into the folder `out`; returns the
+    paths and the markdown."""
     outdir = Path(out)
     outdir.mkdir(parents=True, exist_ok=True)
     md = markdown(board, title)
@@ -354,4 +369,14 @@ def write_leaderboard(db: str, out: str, sweeps: list[str], metric: str = "local
     with open(paths[1], "w", newline="") as f:
         csv.writer(f, lineterminator="\n").writerows(csv_rows(board))
     paths[2].write_text(html_page(board, title, md))
-    return paths
+    return paths, md
+
+
+def title_of(sweeps: list[str]) -> str:
+    return f"Leaderboard: {', '.join(sweeps)}"
+
+
+def write_leaderboard(db: str, out: str, sweeps: list[str], metric: str = "local_acc",
+                      title: str | None = None) -> list[Path]:
+    """leaderboard.md, leaderboard.csv and leaderboard.html of `sweeps` into the folder `out`."""
+    return write_board(board_of(db, sweeps, metric), out, title or title_of(sweeps))[0]
