@@ -20,7 +20,7 @@ def _message(param: Param, key: str, value) -> str:
     return str(e.value)
 
 
-def test_the_weighting_typo_of_the_brief():
+def test_a_weighting_typo_gets_the_nearest_choice():
     with pytest.raises(ConfigError) as e:
         resolve({"method": "fedavg", "fedavg.weighting": "sample"})
     assert str(e.value) == ("config key 'fedavg.weighting' = 'sample' is not valid: one of samples, uniform "
