@@ -100,7 +100,7 @@ def test_leaderboard_command_writes_markdown_csv_html_with_links(tmp_path, capsy
     (row_a,) = [line for line in md.splitlines() if line.startswith("| A |")]
     anchor = row_a.split("](#")[1].split(")")[0]
     assert "**80.00 ± 0.00** (1)" in row_a and f'<a id="{anchor}"></a>' in md
-    assert "trial #4 of study `lb`" in md and "`lr=0.05`" in md and "12 trials (tpe sampler, median pruner): 9 " \
+    assert "trial #5 of study `lb`" in md and "`lr=0.05`" in md and "12 trials (tpe sampler, median pruner): 9 " \
         "complete, 3 pruned, 300 rounds trained" in md
     (row_b,) = [line for line in md.splitlines() if line.startswith("| B |")]
     assert "66.67 ± " in row_b and "(2) p=0.125" in row_b and "](#" not in row_b and "▼" not in row_b
@@ -108,6 +108,7 @@ def test_leaderboard_command_writes_markdown_csv_html_with_links(tmp_path, capsy
     assert [(r["method"], r["rank"], r["best"]) for r in rows] == [("A", "1.0", "A"), ("B", "2.0", "A")]
     assert float(rows[1]["p_vs_best"]) == pytest.approx(0.125) and rows[1]["pairs"] == "6"
     assert json.loads(rows[0]["tuned_params"]) == {"lr": 0.05} and rows[0]["budget"] == "12"
+    assert rows[0]["tuned_trial"] == "5" and rows[1]["tuned_trial"] == ""    # the stored trial 4, counted from 1
     page = (out / "leaderboard.html").read_text()
     assert f'<a href="#{anchor}">' in page and f'<h3 id="{anchor}">' in page and "<script" not in page
 

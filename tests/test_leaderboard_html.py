@@ -58,7 +58,7 @@ def test_the_report_page_holds_the_leaderboard_beside_the_tables(tmp_path, capsy
     # the link leads to the cell's chosen trial and budget, on this page
     section = page[page.index(f'<h4 id="{anchor}">'):i_notes]
     assert section.startswith(f'<h4 id="{anchor}">A, ')
-    assert "trial #4 of study <code>lb</code> (run <code>0000000000000000</code>)" in section
+    assert "trial #5 of study <code>lb</code> (run <code>0000000000000000</code>)" in section
     assert "<code>lr=0.05</code>" in section
     assert "12 trials (tpe sampler, median pruner): 9 complete, 3 pruned, 300 rounds trained" in section
     assert page.index("<h3>Tuned configurations</h3>") < page.index(f'<h4 id="{anchor}">')

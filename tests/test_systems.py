@@ -158,8 +158,14 @@ def test_lognormal_speeds_are_seeded():
 
 
 def test_deadline_without_speeds_is_refused_in_process(tmp_path):
-    with pytest.raises(ConfigError, match="system.deadline"):
+    with pytest.raises(ConfigError, match="system.deadline") as e:
         run(tmp_path, **{"system.deadline": 5.0})
+    assert "system.speeds=equal, lognormal or a .csv / .json file" in str(e.value)     # what to set
+
+
+def test_fedbuff_without_speeds_says_which_speeds_to_set():
+    with pytest.raises(ConfigError, match=r"system\.async.*system\.speeds=equal, lognormal or a \.csv / \.json file"):
+        resolve({**BASE, "system.async": "fedbuff"})
 
 
 @pytest.mark.parametrize("kw, key", [

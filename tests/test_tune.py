@@ -163,7 +163,7 @@ def test_tiny_study_stores_trials_chooses_the_best_and_runs_the_seeds(tmp_path):
                 assert t["value"] == rounds[-1]["val_acc"]            # the last evaluated round's val_acc
                 assert store.run(t["run_id"])["status"] == ("finished" if t["state"] == "complete" else "interrupted")
             labels = {r["label"] for r in store.runs(sweep="tiny/trials") if r["method"] == e.method}
-            assert labels == {f"{e.label} #{n}" for n in range(3)}
+            assert labels == {f"{e.label} #{n}" for n in (1, 2, 3)}       # named from 1, stored from 0
             best = tune.choose(trials)
             finals = [r for r in store.runs(sweep="tiny") if r["label"] == e.label]
             assert sorted(json.loads(r["config"])["seed"] for r in finals) == [0, 1]
@@ -189,7 +189,12 @@ def test_tiny_study_stores_trials_chooses_the_best_and_runs_the_seeds(tmp_path):
     assert "untuned configuration of study `tiny`" in md and "`lr=0.01`" in md and "`fedprox.mu=0.01`" in md
     with Store(db, readonly=True) as store:
         best = tune.choose(tune.stored_trials(store, "tiny", "FedProx"))
-    assert f"chosen: trial #{best['trial']} of study `tiny` (run `{best['run_id']}`)" in md
+    assert f"chosen: trial #{best['trial'] + 1} of study `tiny` (run `{best['run_id']}`)" in md
+    # the summary's number is the run's name and the leaderboard's: one trial, one number, from 1
+    with Store(db, readonly=True) as store:
+        (line,) = [x for x in tune.summary(store, study) if x.startswith("  FedProx:")]
+        named = {r["run_id"]: r["label"] for r in store.runs(sweep="tiny/trials")}
+    assert f"chose #{best['trial'] + 1} " in line and named[best["run_id"]] == f"FedProx #{best['trial'] + 1}"
     # the study travels with a store dump (what git holds) and is rebuilt from it as it was
     from fedprism.experiment.archive import dump, load
 
@@ -369,3 +374,59 @@ def test_methods_tuned_in_worker_processes_give_the_sequential_study(tmp_path):
         for label in ("FedAvg", "FedProx"):
             assert [{k: t[k] for k in keys} for t in tune.stored_trials(a, "tiny", label)] == \
                 [{k: t[k] for k in keys} for t in tune.stored_trials(b, "tiny", label)]
+
+
+def test_the_progress_line_counts_trials_from_one_as_names_and_records_do(tmp_path, monkeypatch, capsys):
+    """Stored trial 2 (the third) prints as `trial 3/3`, the number of its run `FedAvg #3`."""
+    import fedprism.experiment.store as store_module
+
+    stored = []
+
+    class Recording:                                 # the store's side of `_record`: what it annotates
+        def __init__(self, db):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def annotate(self, run_id, kind, data, slot):
+            stored.append(data)
+
+    study = tune.load_study(tiny(tmp_path))
+    monkeypatch.setattr(store_module, "Store", Recording)
+    out = tune.TrialOutcome("r" * 16, "complete", 0.5, {0: 0.4, 2: 0.5}, 3)
+    tune._record(tmp_path / "s.db", study, study.entry("FedAvg"), 2, {"lr": 0.1}, out, 0.0, progress=True)
+    assert "FedAvg trial 3/3: complete" in capsys.readouterr().err
+    assert stored[0]["trial"] == 2 and tune.trial_name("FedAvg", 2) == "FedAvg #3"
+
+
+@pytest.mark.parametrize("edit, overrides, match", [
+    # the file is fine; the command line's override made it invalid: the override is blamed, not [base]
+    (None, {"data.val_fraction": 0.0}, r"^command line: data\.val_fraction 0\.0 is not valid: > 0 \(set by the "
+     r"command line override data\.val_fraction=0\.0: change it there\)"),
+    ('"data.val_fraction" = 0.0', {}, r"^s\.toml: data\.val_fraction 0\.0 is not valid: > 0 \(set by s\.toml's \[base\]"),
+    ("", {}, r"^s\.toml: data\.val_fraction 0\.0 is not valid: > 0 \(set by the default: set it > 0 in s\.toml's "
+     r"\[base\]\)"),
+    (None, {"lr": -1.0}, r"^command line: FedAvg: lr -1\.0 is not valid: .*\(set by the command line override "
+     r"lr=-1\.0: change it there\)"),
+])
+def test_an_invalid_value_names_where_it_was_set(tmp_path, edit, overrides, match):
+    p = tiny(tmp_path)
+    if edit is not None:                     # None: the file as it is (data.val_fraction = 0.2 in [base])
+        p.write_text(p.read_text().replace('"data.val_fraction" = 0.2', edit))
+    with pytest.raises(ConfigError, match=match):
+        tune.load_study(p, overrides=overrides)
+
+
+def test_study_source_follows_the_layering_of_config(tmp_path):
+    p = tiny(tmp_path, methods_extra='"fedprox.mu" = 0.1\n"data.val_fraction" = 0.3')
+    study = tune.load_study(p, overrides={"rounds": 2})
+    fedavg, fedprox = study.methods
+    assert study.source(fedavg, "rounds") == "the command line override rounds=2"
+    assert study.source(fedprox, "data.val_fraction") == "s.toml's [[methods]] table 'FedProx'"
+    assert study.source(fedavg, "data.val_fraction") == "s.toml's [base]"
+    assert study.source(fedprox, "fedprox.mu", {"fedprox.mu": 0.5}) == "the search space"
+    assert study.source(fedavg, "local_epochs") == "s.toml's [base]" and study.source(fedavg, "seed") == "the default"

@@ -62,11 +62,11 @@ def test_the_executor_path_gives_the_local_study(tmp_path, local):
     # each method's trial n was shipped with the method's n trials before it: the pruner's whole state
     for j in trial_jobs:
         label, n = j.cfg["name"].split(" #")
-        assert [t["trial"] for t in j.trial.history] == list(range(int(n)))
+        assert [t["trial"] for t in j.trial.history] == list(range(int(n) - 1))    # names count from 1
         assert all(t["label"] == label for t in j.trial.history)
-    # the methods' trials were out at once: FedProx #0 was submitted before FedAvg #1
+    # the methods' trials were out at once: FedProx #1 was submitted before FedAvg #2
     order = [j.cfg["name"] for j in ex.jobs.values()]
-    assert order.index("FedProx #0") < order.index("FedAvg #1")
+    assert order.index("FedProx #1") < order.index("FedAvg #2")
     # again: nothing is asked or run, only the stored final runs come back as stored
     again = InlineExecutor()
     tune.run_study(tiny(tmp_path, tune_extra="defaults = true"), db, progress=False, executor=again)
@@ -157,7 +157,7 @@ def test_a_busy_trial_names_the_study_and_the_trial(tmp_path):
     def busy(job):
         return {"run_id": job.cfg.run_id, "busy": "held by pid 7"} if job.trial is not None else run_job(job)
 
-    with pytest.raises(Exception, match="tiny: FedAvg trial #0: held by pid 7; one `fedprism tune` process"):
+    with pytest.raises(Exception, match="tiny: FedAvg trial #1: held by pid 7; one `fedprism tune` process"):
         tune.run_study(tiny(tmp_path), tmp_path / "s.db", progress=False, executor=InlineExecutor(busy))
 
 

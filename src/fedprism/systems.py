@@ -160,8 +160,9 @@ def check_system(out: dict[str, Any]) -> None:
                               f"{' or '.join(ok)} ({needs}={out[needs]} does not read it)")
     if out["system.async"] == "fedbuff":
         if out["system.speeds"] == "none":
-            raise ConfigError("system.async", "fedbuff", "none unless system.speeds is set: FedBuff orders the "
-                              "updates by their simulated arrival times")
+            raise ConfigError("system.async", "fedbuff", "none unless system.speeds is set (system.speeds="
+                              "equal, lognormal or a .csv / .json file of per-client speeds; docs/systems.md): "
+                              "FedBuff orders the updates by their simulated arrival times")
         if out["system.deadline"] > 0:
             raise ConfigError("system.deadline", out["system.deadline"], "0 with system.async=fedbuff: the server "
                               "waits for K updates, not for a round deadline")

@@ -268,9 +268,10 @@ def system_run(cfg, ctx, algo, flower: bool = False) -> SystemRun | None:
                 raise ConfigError(key, cfg[key], f"{default} on Flower: the nodes train at their own speeds and "
                                   "answer in real time (system.deadline is a real timeout there)")
     elif model.deadline > 0 and not model.timed:
-        raise ConfigError("system.deadline", model.deadline, "0 unless system.speeds is set: in process a deadline "
-                          "is in simulated seconds, which come from the clients' speeds (on Flower it is a real "
-                          "timeout)")
+        raise ConfigError("system.deadline", model.deadline, "0 unless system.speeds is set (system.speeds=equal, "
+                          "lognormal or a .csv / .json file of per-client speeds; docs/systems.md): in process a "
+                          "deadline is in simulated seconds, which come from the clients' speeds (on Flower it is "
+                          "a real timeout)")
     if model.fedbuff:
         algo.sum_weighting(algo.hp, "system.async=fedbuff")
         if set(algo.upload()) != {"params"}:

@@ -24,8 +24,9 @@ Each method's search space is the experiment keys that declare one (`lr`), the m
 method table's `space`; a key set to `false` there is not searched.
 
 Trials are runs. Trial n of a method is the run of the study's base, the method's table and the n-th
-suggestion, stored in the sweep `<name>/trials` as `<label> #n`, with a `tune_trial` record (round -1,
-`Store.annotate`) holding the study, the label, n, the parameters, the state (complete or pruned), the
+suggestion, stored in the sweep `<name>/trials` as `<label> #<n + 1>` (what a person reads numbers trials
+from 1: progress, run names, summary, leaderboard; `trial_number`), with a `tune_trial` record (round -1,
+`Store.annotate`) holding the study, the label, n (from 0), the parameters, the state (complete or pruned), the
 objective's value and its value at every evaluated round. Nothing else is kept: the study is rebuilt
 from those records each time a trial is asked for, and the n-th suggestion is drawn by a sampler seeded
 by (study seed, label, n) alone. So a study killed at any point (`kill -9` included) and started again
@@ -134,6 +135,22 @@ class Study:
         raise ConfigError("--only", label, f"a method label of the study: {', '.join(m.label for m in self.methods)}"
                           f"{suggest(label, [m.label for m in self.methods], quote=True)}", kind="option")
 
+    def source(self, entry: MethodEntry, key: str, params: dict[str, Any] | None = None) -> str:
+        """Where the value of `key` in `entry`'s configuration comes from, in the order `config` lays them
+        over each other (last wins): a command-line override, the search space, [quick], the method's
+        [[methods]] table, [base], or else the key's default."""
+        if key in self.overrides:
+            return f"the command line override {key}={self.overrides[key]!r}"
+        if key in (params or {}):
+            return "the search space"
+        if key in self.quick:
+            return f"{self.path.name}'s [quick]"
+        if key in entry.raw:
+            return f"{self.path.name}'s [[methods]] table {entry.label!r}"
+        if key in self.base:
+            return f"{self.path.name}'s [base]"
+        return "the default"
+
     def config(self, entry: MethodEntry, params: dict[str, Any] | None, seed: int | None = None,
                name: str | None = None) -> Config:
         """The resolved configuration of `entry` with `params` (None: its untuned configuration)."""
@@ -148,10 +165,12 @@ class Study:
         try:
             return resolve(raw)
         except ConfigError as e:
-            where = "the search space" if e.key in (params or {}) else "its configuration"
-            raise ConfigError(f"{self.path.name}: {entry.label}: {e.key}", e.value,
-                              f"{e.allowed} (from {where}: narrow the method's space in the study file)",
-                              kind="") from None
+            where = self.source(entry, e.key, params)
+            hint = ("narrow the method's space in the study file" if where == "the search space" else
+                    "change it there" if e.key in self.overrides else "set it in the study file")
+            name = "command line" if e.key in self.overrides else self.path.name
+            raise ConfigError(f"{name}: {entry.label}: {e.key}", e.value,
+                              f"{e.allowed} (set by {where}: {hint})", kind="") from None
 
 
 def _applies(key: str, method: str) -> bool:
@@ -264,7 +283,7 @@ def load_study(path: str | Path, quick: bool = False, overrides: dict[str, Any] 
                   tune["prune_startup"], tune["prune_warmup"], tune["objective"], tune["seed"], list(tune["seeds"]),
                   tune["defaults"], flatten(quick_doc), dict(overrides or {}))
     for e in study.methods:                       # every method's configuration resolves at its corners
-        _check_objective(study, study.config(e, None))
+        _check_objective(study, e, study.config(e, None))
         for corner in _corners(e.space):
             study.config(e, corner)
     return study
@@ -315,10 +334,16 @@ def _tune_table(t: Any, file: str, where: str) -> dict[str, Any]:
     return out
 
 
-def _check_objective(study: Study, cfg: Config) -> None:
+def _check_objective(study: Study, entry: MethodEntry, cfg: Config) -> None:
+    """The objective is a validation metric: the configuration must make validation splits. The error
+    names where the offending value came from (`Study.source`): a command-line override, not the file's
+    [base], when the override set it."""
     need = "data.global_val" if study.objective.startswith("global_val") else "data.val_fraction"
     if not cfg[need]:
-        raise ConfigError(f"{study.path.name}: {need}", cfg[need], f"> 0 in [base]: the objective "
+        where = study.source(entry, need)
+        name = f"command line: {need}" if need in study.overrides else f"{study.path.name}: {need}"
+        fix = f"set it > 0 in {study.path.name}'s [base]" if where == "the default" else "change it there"
+        raise ConfigError(name, cfg[need], f"> 0 (set by {where}: {fix}): the objective "
                           f"{study.objective} is scored on the validation splits, which {need} makes", kind="")
 
 
@@ -508,6 +533,18 @@ def _ask(db: str | Path, study: Study, entry: MethodEntry) -> tuple[int, dict, l
     return n, dict(trial.params), trials, trial
 
 
+def trial_number(n: int) -> int:
+    """The number a person reads for the record's trial `n`: trials count from 1 wherever they are printed
+    or named (the progress line `trial 1/3`, the run name `<label> #1`, the summary's `chose #1`, the
+    leaderboard's `trial #1`); the `trial` field of the stored records, and the sampler's seed, count from 0."""
+    return n + 1
+
+
+def trial_name(label: str, n: int) -> str:
+    """The name of trial `n` (0-based, as stored) of the method `label`: `<label> #<n + 1>`."""
+    return f"{label} #{trial_number(n)}"
+
+
 def _record(db: str | Path, study: Study, entry: MethodEntry, n: int, params: dict, out: TrialOutcome,
             t0: float, progress: bool) -> None:
     """Store trial n's `tune_trial` record (what the next trial is asked from) and print its line."""
@@ -520,7 +557,7 @@ def _record(db: str | Path, study: Study, entry: MethodEntry, n: int, params: di
     with Store(db) as store:
         store.annotate(out.run_id, TRIAL_RECORD, data, _slot(study.name, entry.label, n))
     if progress:
-        print(f"[{printable(study.name)}] {printable(entry.label)} trial {n + 1}/{study.trials}: {out.state}, "
+        print(f"[{printable(study.name)}] {printable(entry.label)} trial {trial_number(n)}/{study.trials}: {out.state}, "
               f"{study.objective} {out.value:.4f} at round {max(out.intermediate) + 1} ({_fmt_params(params)}; "
               f"{time.time() - t0:.0f}s)", file=sys.stderr)
 
@@ -528,7 +565,7 @@ def _record(db: str | Path, study: Study, entry: MethodEntry, n: int, params: di
 def _busy(study: Study, label: str, n: int, e: Exception):
     from fedprism.experiment.runlock import RunBusyError
 
-    return RunBusyError(f"{study.name}: {label} trial #{n}: {e}; one `fedprism tune` process per study "
+    return RunBusyError(f"{study.name}: {label} trial #{trial_number(n)}: {e}; one `fedprism tune` process per study "
                         "(or per method, with --only): the trials of a method are asked one after another")
 
 
@@ -544,7 +581,7 @@ def tune_method(db: str | Path, study: Study, label: str, progress: bool = True)
             with Store(db) as store:
                 return stored_trials(store, study.name, label)
         n, params, _, trial = asked
-        cfg = study.config(entry, params, name=f"{label} #{n}")
+        cfg = study.config(entry, params, name=trial_name(label, n))
         t0 = time.time()
 
         def report(rnd: int, value: float) -> bool:
@@ -552,7 +589,7 @@ def tune_method(db: str | Path, study: Study, label: str, progress: bool = True)
             return trial.should_prune()
 
         try:
-            out = run_trial(db, cfg, study.objective, report, sweep=study.trials_sweep, label=f"{label} #{n}")
+            out = run_trial(db, cfg, study.objective, report, sweep=study.trials_sweep, label=trial_name(label, n))
         except RunBusyError as e:           # a second `fedprism tune` of this study asked the same trial
             raise _busy(study, label, n, e) from None
         _record(db, study, entry, n, params, out, t0, progress)
@@ -616,10 +653,10 @@ def tune_on(executor, db: str | Path, study: Study, labels: list[str], store_mod
         if asked is None:
             return
         n, params, history, _ = asked
-        cfg = study.config(entry, params, name=f"{entry.label} #{n}")
+        cfg = study.config(entry, params, name=trial_name(entry.label, n))
         task = TrialTask(study.objective, study.pruner, study.prune_startup, study.prune_warmup, entry.space,
                          history)
-        job = Job(cfg, db, study.trials_sweep, store_mode, scratch, threads, f"{entry.label} #{n}", trial=task)
+        job = Job(cfg, db, study.trials_sweep, store_mode, scratch, threads, trial_name(entry.label, n), trial=task)
         out[executor.submit(job)] = (entry, n, params, cfg, time.time())
 
     try:
@@ -632,7 +669,7 @@ def tune_on(executor, db: str | Path, study: Study, labels: list[str], store_mod
                 if "busy" in res:
                     raise _busy(study, entry.label, n, res["busy"])
                 if res.get("run_id") != cfg.run_id:
-                    raise FedPrismError(f"{entry.label} #{n}: the task returned run {res.get('run_id')!r} for run "
+                    raise FedPrismError(f"{trial_name(entry.label, n)}: the task returned run {res.get('run_id')!r} for run "
                                         f"{cfg.run_id}")
                 if "part" in res:
                     merge_part(db, res["part"], cfg, study.trials_sweep)
@@ -821,7 +858,7 @@ def summary(store, study: Study, labels: list[str] | None = None) -> list[str]:
         trials = stored_trials(store, study.name, e.label)
         best = choose(trials)
         done = f"{len(trials)}/{study.trials} trials ({sum(t['state'] == 'pruned' for t in trials)} pruned)"
-        chosen = (f"chose #{best['trial']} {study.objective} {best['value']:.4f} "
+        chosen = (f"chose #{trial_number(best['trial'])} {study.objective} {best['value']:.4f} "
                   + json.dumps(best["params"], sort_keys=True)) if best else "nothing chosen yet"
         out.append(f"  {printable(e.label)}: {done}; {chosen}")
     return out
