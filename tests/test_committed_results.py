@@ -1101,3 +1101,18 @@ def test_table1_marks_the_test_chosen_temperature_and_quotes_the_validation_rout
         return f"{a:.2f} / {b:.2f} ({round((a + b) / 2, 2):.2f})"
     assert cells[1] == pair(1) and cells[3] == pair(2)
     assert cells[5] == f"{got[0][3]:.2f} / {got[1][3]:.2f}"
+
+
+def test_pfpl_choices_as_results_state(db_copy):
+    """results/pfpl_paper.md: the committed PFPL rows use the mean scale of l_R (the key at its default, left
+    out of the run id) on LeNet-5's d = 84 features, and every client holds exactly n classes."""
+    from fedprism.models import build_model
+
+    assert build_model("lenet5", (1, 32, 32), 10, seed=0).head[0].in_features == 84
+    store = Store(db_copy)
+    cfgs = [json.loads(r["config"]) for r in store.runs(sweep="pfpl_mixed")]
+    pfpl = [c for c in cfgs if c["method"] == "pfpl"]
+    assert pfpl and all(c.get("pfpl.align_scale", "mean") == "mean" for c in pfpl)
+    assert all(c["partition.min_classes"] == c["partition.max_classes"] and c.get("partition.min_keep", 1.0) == 1.0
+               for c in cfgs)
+    assert {c["partition.min_classes"] for c in pfpl} == {3, 4, 5}
