@@ -99,24 +99,3 @@ def test_table3_quick_form_runs_the_selection_rules_and_cl(tmp_path):
         runs = _quick(tmp_path / str(i), "clust_psi_pfl_lenet5_table3", only)
         assert len(runs) == 1 and runs[0]["status"] == "finished"
 
-
-@pytest.mark.slow
-def test_the_guard_decides_tau_on_the_committed_partitions_as_results_state():
-    """results/clust_psi_pfl_paper.md (moderate Dirichlet skew): re-clustering the seed-0 LeNet-5 partitions
-    (Dir 0.3, 0.2, 0.09; the same partition function and arguments as the runs) with additive 1e-6 gives the
-    committed tau and singletons, Laplace 0.5 and 1 give few clusters and no singleton."""
-    import numpy as np
-
-    from fedprism.algorithms.clust_psi_pfl import psi_clusters
-    from fedprism.data.datasets import load_dataset
-    from fedprism.data.partition import label_histograms, make_partition
-
-    ds = load_dataset("fmnist")
-    y = ds.y_train.numpy()
-    want = {0.3: ((37, 12), (3, 0), (5, 0)), 0.2: ((53, 21), (11, 0), (11, 0)), 0.09: ((52, 22), (10, 0), (11, 0))}
-    for a, rows in want.items():
-        h = label_histograms(make_partition("dirichlet_per_class", y, ds.y_test.numpy(), 100, 0, alpha=a).train,
-                             y, 10)
-        for (smoothing, eps), (tau, single) in zip((("additive", 1e-6), ("laplace", 0.5), ("laplace", 1.0)), rows):
-            cl = psi_clusters(h, eps, smoothing, seed=0)
-            assert (cl.tau, int((np.bincount(cl.labels) == 1).sum())) == (tau, single), (a, smoothing, eps)

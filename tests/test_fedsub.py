@@ -161,9 +161,12 @@ def test_naive_subnetwork_masks_by_hand_on_a_tiny_network():
     net = MLP(2, 3, 2)
     with torch.no_grad():
         l1, l2, l3 = net.body[1], net.body[3], net.head[0]
-        l1.weight.copy_(torch.eye(2)); l1.bias.zero_()
-        l2.weight.copy_(torch.tensor([[1.0, 1.0], [-1.0, 0.0]])); l2.bias.copy_(torch.tensor([0.0, -0.5]))
-        l3.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]])); l3.bias.copy_(torch.tensor([0.0, 0.0, -1.0]))
+        l1.weight.copy_(torch.eye(2))
+        l1.bias.zero_()
+        l2.weight.copy_(torch.tensor([[1.0, 1.0], [-1.0, 0.0]]))
+        l2.bias.copy_(torch.tensor([0.0, -0.5]))
+        l3.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]]))
+        l3.bias.copy_(torch.tensor([0.0, 0.0, -1.0]))
     layout = mlp_layout(ParamSpec.of(net), 3)
     assert layout.units == 2 + 2 + 3 and layout.unit_offsets[-2] == 4
     x = torch.tensor([[1.0, -1.0], [2.0, -3.0], [-1.0, 1.0], [-2.0, 0.0]])

@@ -44,8 +44,9 @@ Decisions where the paper is silent (docs/clust_psi_pfl.md):
   (about qN clients) replaces the runner's cohort; every cluster trains every round.
   `min_per_cluster=2` (with `per_cluster`) is the authors' reference code: one federation per cluster
   with fraction q and at least two fit clients, i.e. min(|c|, max(floor(q |c|), 2)) members. Their code
-  replicates a cluster of one client so that two fit; here that member trains once and its model is the
-  cluster's (the average of two copies trained with one seed from one model is that model). Default 1: the rule above, and the committed run ids.
+  replicates a cluster of one client so that two fit; here that member trains once and its model is
+  the cluster's (two copies trained with one seed from one model average to that model). Default 1:
+  the rule above, and the committed run ids.
 * A client whose counts were not known at clustering (a Flower node that joins later; no client in a
   simulation) joins the cluster of the nearest centroid in the standardised space, with the column
   means and deviations of the initial clients; it is fixed when it is first sampled (record `joined`).

@@ -169,7 +169,8 @@ def _importance_model(name: str, seed: int):
 
     return {"gradient boosting": lambda: GradientBoostingRegressor(random_state=seed),
             "SVM": lambda: make_pipeline(StandardScaler(), SVR(kernel="rbf")),
-            "MLP": lambda: make_pipeline(StandardScaler(), MLPRegressor(hidden_layer_sizes=(32,), max_iter=5000, random_state=seed)),
+            "MLP": lambda: make_pipeline(StandardScaler(), MLPRegressor(hidden_layer_sizes=(32,), max_iter=5000,
+                                                                        random_state=seed)),
             "regression tree": lambda: DecisionTreeRegressor(random_state=seed)}[name]()
 
 
