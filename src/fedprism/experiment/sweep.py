@@ -62,6 +62,9 @@ def load_sweep(path: str | Path, quick: bool = False, overrides: dict[str, Any] 
     p = Path(path)
     doc = _read(p)
     sections = ["name", "description", "db", "base", "grid", "runs", "quick"]
+    if isinstance(doc.get("tune"), dict) and "methods" in doc:     # a tuning study (docs/tuning.md)
+        raise ConfigError("sweep file", str(path), "a sweep file; this one is a tuning study ([tune] and "
+                          f"[[methods]] tables): run it with `fedprism tune {path}`", kind="")
     unknown = set(doc) - set(sections)
     misspelt = any(_form(k, doc[k]).startswith("[") and suggest(k, ["base", "grid", "runs"])
                    for k in unknown)                             # a table [bse], [[run]]: not a run's keys
