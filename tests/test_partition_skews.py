@@ -188,3 +188,20 @@ def test_listed_by_fedprism_partitions():
     for word in ("quantity", "feature_noise", "partition.sigma", "partition.exponent", "partition.column"):
         assert word in out, word
     assert "quantity" in PARTITIONS and "feature_noise" in PARTITIONS
+
+
+def test_fedprism_partition_lists_each_clients_noise_std(capsys):
+    """`fedprism partition ... partition=feature_noise` prints sigma * i / N beside each client's label
+    statistics (which alone cannot show a feature skew); a label partition gets no such column."""
+    from fedprism.cli import main
+
+    assert main(["partition", "dataset=digits", "clients=5", "partition=feature_noise", "partition.sigma=0.5"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    head = lines[0].split()
+    assert head[-1] == "noise_std"
+    assert [float(x.split()[-1]) for x in lines[2:7]] == [0.5 * i / 5 for i in range(5)]
+    assert "Feature skew (feature_noise)" in out and "0 to 0.4)" in out
+    assert main(["partition", "dataset=digits", "clients=5", "partition=dirichlet"]) == 0
+    out = capsys.readouterr().out
+    assert "noise_std" not in out and "Feature skew" not in out

@@ -621,6 +621,9 @@ def cmd_partition(args) -> int:
     domains = fed.meta.get("client_domains")
     rows = summarize(Partition(fed.train_idx, fed.test_idx, domains=None if domains is None else np.asarray(domains)),
                      fed.y_train.numpy(), fed.num_classes)
+    noise = _input_noise(cfg, fed.meta)
+    for r in rows if noise else []:               # a partition that perturbs the inputs: each client's level
+        r["noise_std"] = noise[int(r["client"])]
     show = rows if args.all else rows[:20]
     print(_table([[r.get(k) for k in show[0]] for r in show], list(show[0])))
     if len(rows) > len(show):
@@ -628,6 +631,10 @@ def cmd_partition(args) -> int:
     rep = heterogeneity.report(hist)
     print("\nHeterogeneity of the train label distributions:")
     print(_table([[k, v] for k, v in rep.items() if np.isscalar(v)], ["metric", "value"]))
+    if noise:
+        print(f"\nFeature skew ({cfg['partition']}): each client's inputs carry Gaussian noise of std noise_std "
+              f"(in normalised units; {min(noise):.4g} to {max(noise):.4g}), its local test rows too, the global "
+              "test set none; the label statistics above do not see it")
     n = fed.n_train
     print(f"\n{fed.num_clients} clients, train samples per client min {n.min()} / median {int(np.median(n))} / "
           f"max {n.max()}; local test per client min {fed.n_test.min()} / max {fed.n_test.max()}")
@@ -638,6 +645,16 @@ def cmd_partition(args) -> int:
                             title=f"{cfg['dataset']} {cfg['partition']} {cfg.partition_params}")
     print(f"class distribution of the first 20 clients: {png}")
     return 0
+
+
+def _input_noise(cfg, meta: dict) -> list[float] | None:
+    """Each client's noise std when the partition perturbs the inputs (`PartitionSpec.perturb`, such as
+    `feature_noise`'s sigma*i/N) and records the levels in its metadata (`noise_std`); None otherwise."""
+    from fedprism.data.partitions import PARTITIONS
+
+    if PARTITIONS.get(cfg["partition"], "partition").perturb is None or "noise_std" not in meta:
+        return None
+    return [float(v) for v in meta["noise_std"]]
 
 
 def _figure_path(value: str) -> Path:
