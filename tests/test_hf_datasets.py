@@ -194,3 +194,24 @@ def test_a_tabular_run_with_a_flower_partitioner(saved, tmp_path):
         res = Experiment(cfg, store).run()
         assert res.status == "finished" and 0.0 <= res.final["global_acc"] <= 1.0
         assert [len(r) for r in store.round_metrics(cfg.run_id)] and store.run(cfg.run_id)["status"] == "finished"
+
+
+@pytest.mark.parametrize("feature, rows", [
+    (datasets.Array2D((8, 8), "uint8"), lambda p: p),
+    (datasets.Sequence(datasets.Sequence(datasets.Value("uint8"))), lambda p: p.tolist()),
+])
+def test_array_images_are_named_by_the_no_image_error_and_read_with_data_hf_image(saved, tmp_path, feature, rows):
+    """Images stored as arrays (no ``Image`` feature): the error names the column and the key that reads it;
+    data.hf.image=<column> then reads the same pixels as the Image column of the same data."""
+    _, raw, _ = saved
+    feats = datasets.Features({"pix": feature, "vec": datasets.Sequence(datasets.Value("float32")),
+                               "label": datasets.Value("int64")})
+    datasets.DatasetDict({split: datasets.Dataset.from_dict(
+        {"pix": rows(raw[split]), "vec": [[0.5, 1.0]] * len(raw[split]), "label": (np.arange(len(raw[split])) % 3).tolist()},
+        features=feats) for split in ("train", "test")}).save_to_disk(str(tmp_path / "arr"))
+    with pytest.raises(ConfigError, match=r"no Image column.*its array column\(s\) pix can hold images: "
+                                          r"data\.hf\.image=pix reads one"):
+        load_dataset("hf:arr", root=str(tmp_path))
+    got = load_dataset("hf:arr", root=str(tmp_path), image="pix")
+    ref = load_dataset("hf:imgs", root=str(saved[0]))
+    assert torch.equal(got.x_train, ref.x_train) and torch.equal(got.x_test, ref.x_test)

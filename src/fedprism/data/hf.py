@@ -174,6 +174,23 @@ def _kind(feature) -> str:
     return "other"
 
 
+def _array_images(feature) -> bool:
+    """A column that can hold images without being an ``Image`` feature: an ``Array2D`` / ``Array3D``, or
+    lists of lists (of lists) of numbers ([H, W] or [H, W, C] per row). Named by the no-Image-column error
+    as what `data.hf.image=<column>` would read; a flat list of numbers is a feature vector, not an image."""
+    datasets = _datasets()
+    arrays = tuple(getattr(datasets, n) for n in ("Array2D", "Array3D") if isinstance(getattr(datasets, n, None), type))
+    if arrays and isinstance(feature, arrays):
+        return True
+    lists = tuple(getattr(datasets, n) for n in ("List", "LargeList", "Sequence")
+                  if isinstance(getattr(datasets, n, None), type))
+    depth = 0
+    while (lists and isinstance(feature, lists)) or isinstance(feature, list):
+        feature = feature[0] if isinstance(feature, list) else feature.feature
+        depth += 1
+    return depth in (2, 3) and _kind(feature) in ("int", "float")
+
+
 def _images(ds, col: str, source: str, split: str) -> np.ndarray:
     """[n, C, H, W] float32 in [0, 1] (integer pixels divided by 255)."""
     values = _values(ds, col)
@@ -251,9 +268,12 @@ def load(source: str, pad32: bool = False, root: str | None = None, download: bo
     if not image and not cols:
         found = [c for c in train.column_names if _kind(train.features[c]) == "image"]
         if len(found) != 1:
+            arrays = [c for c in train.column_names if not found and _array_images(train.features[c])]
+            hint = (f"; its array column(s) {', '.join(arrays)} can hold images: data.hf.image={arrays[0]} reads "
+                    "one (docs/huggingface.md)" if arrays else "")
             raise ConfigError("data.hf.image", image, f"the image column, or data.hf.features for tabular data; "
                               f"hf:{source} has {len(found) or 'no'} Image column(s) "
-                              f"({', '.join(found) or 'columns: ' + ', '.join(train.column_names)})")
+                              f"({', '.join(found) or 'columns: ' + ', '.join(train.column_names)}){hint}")
         image = found[0]
     if test is None:                                # carved from the train split, stratified by label
         y_all = _labels(train, train, label, source)[0]
