@@ -283,6 +283,15 @@ def test_mixed_protocol_varies_n_and_k_per_client_around_the_average():
         assert lo <= hi and 0.5 <= hi and lo <= 1
         ratios.append(cb.sum() / ca.sum())
     assert max(ratios) - min(ratios) > 0.2                             # k differs between clients
+    # a class share of one sample is kept whatever u_i (at least one sample of a class the client holds)
+    y_small = np.repeat(np.arange(10), 3)
+    one = make_partition("domain_mix", y_small, y_small, 10, seed=0, num_domains=2, min_classes=3, max_classes=3,
+                         min_train=1)
+    few = make_partition("domain_mix", y_small, y_small, 10, seed=0, num_domains=2, min_classes=3, max_classes=3,
+                         min_train=1, min_keep=0.1)
+    assert all(np.bincount(y_small[t], minlength=10).max() == 1 for t in one.train)
+    assert [np.bincount(y_small[t], minlength=10).tolist() for t in few.train] == \
+        [np.bincount(y_small[t], minlength=10).tolist() for t in one.train]
     with pytest.raises(ConfigError, match=r"partition\.min_keep"):
         cfg(method="pfpl", partition="domain_mix", partition__min_keep=0.0)
     base = cfg(method="pfpl", partition="domain_mix")

@@ -25,6 +25,9 @@ def test_warp_by_hand():
     assert torch.equal(down[..., 2:, :], x[..., :-2, :]) and torch.equal(down[..., 0, :], x[..., 0, :])
     assert torch.allclose(warp(x, 90.0, 0.0, 0.0), torch.rot90(x, -1, (2, 3)), atol=1e-4)
     assert torch.allclose(warp(x, -90.0, 0.0, 0.0), torch.rot90(x, 1, (2, 3)), atol=1e-4)
+    turned = torch.rot90(x, -1, (2, 3))                  # rotate first, then move (out(p) = in(R^-1 (p - t)))
+    assert torch.allclose(warp(x, 90.0, 1.0, 0.0)[..., 1:], turned[..., :-1], atol=1e-4)
+    assert torch.allclose(warp(x, 90.0, 0.0, 1.0)[..., 1:, :], turned[..., :-1, :], atol=1e-4)
     assert warp(x, 0.0, 0.0, 0.0) is x
 
 
