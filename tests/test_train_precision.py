@@ -108,6 +108,10 @@ def test_default_float32_keeps_run_ids_and_numbers_bit_for_bit(tmp_path):
     base_id = resolve_config(common).run_id
     assert resolve_config({**common, "train.precision": "float32"}).run_id == base_id
     assert resolve_config({**common, "train.precision": "bfloat16"}).run_id != base_id
+    from fedprism.experiment.build import local_config
+
+    assert local_config(resolve_config(common)).train_precision == "float32"
+    assert local_config(resolve_config({**common, "train.precision": "bfloat16"})).train_precision == "bfloat16"
     s, seq, vec = _trained("lenet5", (1, 32, 32), "float32")
     fed, model = make_fed((1, 32, 32)), build_model("lenet5", (1, 32, 32), 10, seed=0)
     seq0, vec0 = engines(fed, model, CFG)                               # no train_precision given
@@ -124,14 +128,19 @@ def test_default_float32_keeps_run_ids_and_numbers_bit_for_bit(tmp_path):
     assert len(runs) == 2 and all(r["status"] == "finished" for r in runs)
 
 
-def test_bad_values_and_combinations_are_refused(capsys):
+def test_bad_values_and_combinations_are_refused(capsys, monkeypatch):
     assert main(["run", "--db", "/nonexistent/x.db", "train.precision=float16"]) == 2
     err = capsys.readouterr().err
     assert "train.precision" in err and "bfloat16" in err and "float16" in err
     with pytest.raises(ConfigError, match="train.kernels.*float32"):
         resolve_config({"dataset": "digits", "model": "lenet5", "train.precision": "bfloat16",
                         "train.kernels": "fused"})
-    cfg = resolve_config({"dataset": "digits", "model": "lenet5", "train.precision": "bfloat16"})
+    from fedprism.kernels import PIN, built
+
+    monkeypatch.delenv(PIN, raising=False)          # (tests pin auto to aten: tests/conftest.py)
+    if built("fused"):                  # where auto means the fused kernels at float32, bf16 resolves to aten
+        assert resolve_config({"dataset": "fmnist", "model": "lenet5"})["train.kernels"] == "fused"
+    cfg = resolve_config({"dataset": "fmnist", "model": "lenet5", "train.precision": "bfloat16"})
     assert cfg["train.kernels"] == "aten"                              # auto: the float32 fused kernels not used
     with pytest.raises(ConfigError, match="train.precision.*dp.local"):
         resolve_config({"dataset": "digits", "model": "mlp", "method": "fedavg", "train.precision": "bfloat16",
