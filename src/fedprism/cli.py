@@ -1035,7 +1035,8 @@ def build_parser() -> argparse.ArgumentParser:
             "(`fedprism methods fedprism ifca`).")
     listing("models", cmd_models, "model", "list the registered models and what each declares",
             "Every registered model (built in or plugin), or the named ones: the inputs it takes, whether "
-            "data.pad32=auto pads 28x28 images for it, its parameter count and its body/head split.")
+            "data.pad32=auto pads 28x28 images for it, its parameter count, its forward multiply-adds (MACs) "
+            "per sample and its body/head split.")
     listing("partitions", cmd_partitions, "partition", "list the registered partitions and their partition.* keys",
             "Every registered partition (built in or plugin), or the named ones, with its partition.* keys, "
             "their defaults and meaning (`fedprism partition` splits a dataset and shows the result).")

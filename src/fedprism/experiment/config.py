@@ -73,7 +73,7 @@ KEYS: dict[str, Param] = {
                                     "about 286 000)", lambda v: 1 <= v <= 100_000, "an integer in [1, 100000]",
                                     new=True),
     "data.hf.image": Param("", "dataset=hf:NAME: the image column (an Image feature or arrays of one shape); "
-                           "'' = the one Image column when there is one (docs/datasets.md, Hugging Face)",
+                           "'' = the one Image column when there is one (docs/huggingface.md)",
                            lambda v: "\0" not in v, "a column name, or '' (auto)", new=True),
     "data.hf.features": Param("", "dataset=hf:NAME: the numeric feature columns of tabular data, comma-separated "
                               "('' = use data.hf.image)", lambda v: "\0" not in v,
