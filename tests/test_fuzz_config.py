@@ -149,6 +149,9 @@ def test_every_valid_configuration_resolves(data, method, partition):
             assert raw["eval.gate"] != "none" and (
                 method != "fedprism_dual" or not raw.get("data.val_fraction") or not raw.get("data.global_val")
                 or raw.get("fedprism_dual.inference_weight") in (0, 1)), e
+        elif e.key in ("train.kernels", "train.precision") and raw.get("train.precision") == "bfloat16":
+            # bf16 training with the float32-only fused kernels, or with Opacus' float32 DP-SGD
+            assert raw.get("train.kernels") == "fused" or raw.get("dp.local", "none") != "none", e
         elif e.key.startswith("system.") or (e.key == "selection" and raw.get("system.async") == "fedbuff"):
             assert any(k.startswith("system.") for k in raw), e     # a system.* key the others make meaningless
         else:
