@@ -171,7 +171,8 @@ def test_padding_is_what_the_model_declares(registered):
         return _pad32(resolve({"dataset": "fmnist", "model": model}), "fmnist")
 
     assert {m: pads(m) for m in MODELS.names()} == {m: MODELS[m].pad32 for m in MODELS.names()}
-    assert [m for m in MODELS.names() if MODELS[m].pad32] == ["clustpsi_cifar_cnn", "cnn", "lenet5", "lenet5_bn"]
+    assert [m for m in MODELS.names() if MODELS[m].pad32] == ["clustpsi_cifar_cnn", "cnn", "lenet5", "lenet5_bn",
+                                                                  "vgg11"]
     assert pads("auto") and not pads("lenet300")
     fedprism.register_model("lenet300", replace(lenet300.SPEC, pad32=True))
     assert pads("lenet300")

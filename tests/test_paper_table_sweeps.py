@@ -1,7 +1,9 @@
 """The sweep files of the FedPrism paper's SVHN / CIFAR-10 / CIFAR-100 tables and of Clust-PSI-PFL's CIFAR-10
 rows: each extends the committed FMNIST file of its table (`extends`), so the full form must be that file's
 rows on the paper's data, and its `--quick` form runs on files of the real formats generated in a
-temporary folder (`data.root`). The fast tests run the first runs of each quick form; the slow ones more."""
+temporary folder (`data.root`). The fast tests run the first runs of three quick forms; the slow ones the
+first row of every file on each of its datasets and seeds (the other rows are the extended file's, whose
+quick forms the other sweep tests run)."""
 
 from __future__ import annotations
 
@@ -24,19 +26,19 @@ IGNORED = {"name", "dataset", "model", "partition", "partition.alpha", "partitio
 #: sweep -> (the file it extends, its datasets, its model, its partition, runs in the slow test)
 CASES = {
     "paper_svhn_cifar_dir01": ("paper_fmnist_dir01", ("svhn", "cifar10", "cifar100"), "lenet5",
-                               ("dirichlet", 0.1), None),
+                               ("dirichlet", 0.1), 6),
     "paper_svhn_cifar_dir03": ("paper_fmnist_dir03", ("svhn", "cifar10", "cifar100"), "lenet5",
-                               ("dirichlet", 0.3), None),
+                               ("dirichlet", 0.3), 6),
     "paper_svhn_cifar_dir05": ("paper_fmnist_dir05", ("svhn", "cifar10", "cifar100"), "lenet5",
-                               ("dirichlet", 0.5), None),
+                               ("dirichlet", 0.5), 6),
     "paper_pathological": ("paper_fmnist_dir01", ("svhn", "cifar100", "cifar10"), "lenet5",
-                           ("pathological", 2), None),
+                           ("pathological", 2), 6),
     "paper_cifar10_ablation_components": ("ablation_components", ("cifar10",), "lenet5", ("pathological", 2),
                                           None),
     "paper_cifar10_ablation_inference_weight": ("ablation_inference_weight", ("cifar10",), "lenet5",
-                                                ("pathological", 2), None),
+                                                ("pathological", 2), 6),
     "paper_cifar10_ablation_alpha": ("ablation_alpha", ("cifar10",), "lenet5", ("pathological", 2), None),
-    "clust_psi_pfl_cifar10": ("clust_psi_pfl_fmnist", ("cifar10",), "clustpsi_cifar_cnn", None, 24),
+    "clust_psi_pfl_cifar10": ("clust_psi_pfl_fmnist", ("cifar10",), "clustpsi_cifar_cnn", None, 8),
 }
 
 
