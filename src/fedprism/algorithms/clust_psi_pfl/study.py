@@ -232,7 +232,7 @@ def markdown(div: list[dict], sil: list[dict], dataset: str, skipped: Skipped = 
              imp: list[dict] | None = None, imp_notes=()) -> str:
     seeds = sorted({r["seed"] for r in div} | {r["seed"] for r in sil})
     md = [f"# Partition study: {dataset}", "",
-          "Clust-PSI-PFL (arXiv:2512.20363) Figs. 3, 5 and 6 from the partitions alone (no training); mean ± std "
+          "Clust-PSI-PFL (arXiv:2512.20363) Figs. 3 to 6 from the partitions alone (no training); mean ± std "
           f"over seeds {', '.join(map(str, seeds))}. HD, JSD and EMD as FedArtML computes them.", "",
           f"## WPSI^L and the divergences against the non-IID level (Fig. 3; K = {div[0]['clients'] if div else '-'})",
           "", "| protocol | value | WPSI^L | HD | JSD | EMD |", "|---|---|---|---|---|---|"]
