@@ -152,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also time (v)'s evaluation (on the CPU it pads every client's split to 64 samples, its "
                          "row length: 64x the work at one test sample a client)")
     ap.add_argument("--bf16", action="store_true",
-                    help="add (m): the sequential engine with train.precision=bfloat16 eval.precision=bfloat16")
+                    help="add (m): the sequential engine with train.precision=bfloat16 "
+                         "eval.precision=bfloat16")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.threads:

@@ -24,10 +24,10 @@ from test_engine_equivalence import engines, make_fed, starts
 #: one epoch of plain SGD: few steps, so float32 and bf16 stay comparable step by step
 CFG = LocalConfig(epochs=1, batch_size=8, lr=0.01, momentum=0.0)
 CLIENTS = np.arange(6)
-#: a bf16 run's update differs from float32's by bf16 rounding (8 significant bits, ~0.4% a value) compounded
-#: over up to 12 steps: measured at most 0.30 of the update's norm for LeNet-5 on this noisy data (0.04-0.14 for
-#: most clients) and 0.04 for the MLP, losses within 0.0012; 0.35 is the bound, and more than 1e-3 shows that
-#: bf16 was really used (float32 reorderings differ by ~1e-6)
+#: a bf16 run's update differs from float32's by bf16 rounding (8 significant bits, ~0.4% a value)
+#: compounded over up to 12 steps: measured at most 0.30 of the update's norm for LeNet-5 on this noisy data
+#: (0.04-0.14 for most clients) and 0.04 for the MLP, losses within 0.0012; 0.35 is the bound, and more than
+#: 1e-3 shows that bf16 was really used (float32 reorderings differ by ~1e-6)
 REL_TOL, REL_MIN = 0.35, 1e-3
 
 
@@ -111,7 +111,8 @@ def test_default_float32_keeps_run_ids_and_numbers_bit_for_bit(tmp_path):
     from fedprism.experiment.build import local_config
 
     assert local_config(resolve_config(common)).train_precision == "float32"
-    assert local_config(resolve_config({**common, "train.precision": "bfloat16"})).train_precision == "bfloat16"
+    bf16 = resolve_config({**common, "train.precision": "bfloat16"})
+    assert local_config(bf16).train_precision == "bfloat16"
     s, seq, vec = _trained("lenet5", (1, 32, 32), "float32")
     fed, model = make_fed((1, 32, 32)), build_model("lenet5", (1, 32, 32), 10, seed=0)
     seq0, vec0 = engines(fed, model, CFG)                               # no train_precision given
@@ -141,9 +142,10 @@ def test_bad_values_and_combinations_are_refused(capsys, monkeypatch):
     if built("fused"):                  # where auto means the fused kernels at float32, bf16 resolves to aten
         assert resolve_config({"dataset": "fmnist", "model": "lenet5"})["train.kernels"] == "fused"
     cfg = resolve_config({"dataset": "fmnist", "model": "lenet5", "train.precision": "bfloat16"})
-    assert cfg["train.kernels"] == "aten"                              # auto: the float32 fused kernels not used
+    assert cfg["train.kernels"] == "aten"                  # auto: the float32 fused kernels not used
     with pytest.raises(ConfigError, match="train.precision.*dp.local"):
-        resolve_config({"dataset": "digits", "model": "mlp", "method": "fedavg", "train.precision": "bfloat16",
+        resolve_config({"dataset": "digits", "model": "mlp", "method": "fedavg",
+                        "train.precision": "bfloat16",
                         "dp.local": "dpsgd"})
     fed, model = make_fed((64,)), build_model("mlp", (64,), 10, seed=0)
     with pytest.raises(ValueError, match="train_precision.*bfloat16.*'half'"):

@@ -290,12 +290,13 @@ class EngineBase:
             if getattr(cfg, name) == "bfloat16" and self.device.type == "cpu" and native_bf16() is False:
                 warnings.warn(f"{key}=bfloat16 on a CPU without native bf16 (no avx512_bf16 or "
                               "amx_bf16 flag in /proc/cpuinfo): bf16 arithmetic is emulated here and runs "
-                              "several times slower than float32 (bench/README.md, bf16: 0.25x on an AVX2 CPU). "
+                              "several times slower than float32 (bench/README.md, bf16: 0.25x on an AVX2 "
+                              "CPU). "
                               f"The setting is kept (it is part of the run's identity); {key}=float32 is the "
                               "faster one here", stacklevel=3)
         if cfg.train_precision == "bfloat16" and cfg.train_kernels == "fused":
-            raise ValueError("train_kernels='fused' computes in float32 only; train_precision='bfloat16' trains "
-                             "through PyTorch's kernels (train_kernels='aten')")
+            raise ValueError("train_kernels='fused' computes in float32 only; train_precision='bfloat16' "
+                             "trains through PyTorch's kernels (train_kernels='aten')")
         #: the fused blocks' training gradient (`fedprism.kernels.fused.StemSplit`), or None
         self.stem = None
         if cfg.train_kernels == "fused":
@@ -450,8 +451,8 @@ class EngineBase:
         cfg = self.cfg
         idx = torch.cat([self._train_idx[int(c)] for c in clients])
         batches = iter_batches(len(idx), cfg.epochs, cfg.batch_size, stream_seed(self.seed, rnd, 0, stream))
-        w, loss = self._local_sgd(start.to(self.device, copy=True), idx, batches, self.objective("ce"), cfg, None, {},
-                                  self._dropout_seed(rnd, 0, stream))
+        w, loss = self._local_sgd(start.to(self.device, copy=True), idx, batches, self.objective("ce"), cfg, None,
+                                  {}, self._dropout_seed(rnd, 0, stream))
         return Trained(np.asarray(clients)[:1], w.unsqueeze(0).to(start.device),
                        torch.tensor([float(len(idx))], dtype=torch.float64),
                        torch.tensor([loss], dtype=torch.float64),
