@@ -66,6 +66,11 @@ class BatchNorm1d(nn.BatchNorm1d):
         return F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
 
 
+def _batched(x: torch.Tensor) -> bool:
+    """True inside torch.func.vmap (the vectorized engine), where a kernel cannot write a shared buffer."""
+    return torch._C._functorch.is_functorch_wrapped_tensor(x)
+
+
 class _RunningStats:
     """BatchNorm that keeps running statistics in the model's flat vector (`fedprism.params`: the buffer
     section), for models that behave as in other libraries and in deployment: batch statistics in
@@ -111,8 +116,15 @@ class _RunningStats:
         if x.numel() == x.shape[1]:           # one value per channel: no variance (see the class docstring)
             shape = (1, -1) + (1,) * (x.dim() - 2)
             return x * 0 + self.bias.view(shape)
+        if mode.on and not _batched(x):        # one pass: the kernel's own batch mean and unbiased variance
+            c = x.shape[1]                     # (momentum 1: the buffers become them), as PyTorch records them
+            mean = torch.zeros(c, dtype=torch.float32, device=x.device)
+            var = torch.ones(c, dtype=torch.float32, device=x.device)
+            y = F.batch_norm(x, mean, var, self.weight, self.bias, True, 1.0, self.eps)
+            mode.records[self.stats_index].append((mean, var))
+            return y
         y = F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
-        if mode.on:
+        if mode.on:                            # under vmap: no in-place buffers, the statistics apart
             dims = [0, *range(2, x.dim())]
             var, mean = torch.var_mean(x.detach(), dim=dims, correction=1)
             mode.records[self.stats_index].append((mean, var))
