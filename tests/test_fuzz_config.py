@@ -152,6 +152,12 @@ def test_every_valid_configuration_resolves(data, method, partition):
         elif e.key in ("train.kernels", "train.precision") and raw.get("train.precision") == "bfloat16":
             # bf16 training with the float32-only fused kernels, or with Opacus' float32 DP-SGD
             assert raw.get("train.kernels") == "fused" or raw.get("dp.local", "none") != "none", e
+        elif "only with dataset=" in str(e):         # a dataset's own key (data.acs.*, data.domains, ...) elsewhere
+            want = str(e).split("only with dataset=")[1].split(" ")[0].rstrip(",;)")
+            assert raw.get("dataset", KEYS["dataset"].default) != want, e
+        elif e.key.startswith(("dp.", "compress")):   # DP or compression with a method (or engine) that refuses it
+            assert raw.get(e.key, KEYS[e.key].default if e.key in KEYS else None) != KEYS[e.key].default \
+                if e.key in KEYS else True, e
         elif e.key.startswith("system.") or (e.key == "selection" and raw.get("system.async") == "fedbuff"):
             assert any(k.startswith("system.") for k in raw), e     # a system.* key the others make meaningless
         else:
@@ -234,8 +240,9 @@ def test_inputs_that_are_not_config_keys_are_named_as_what_they_are(tmp_path, ca
               f"sweep file '{tmp_path / 'no.toml'}' is not valid"),
              (["run", "--db", db, "roundz"], "config file 'roundz' is not valid: an existing TOML file"),
              (["data", "download", "fmnis", "--dest", str(tmp_path)],
-              "dataset 'fmnis' is not valid: downloadable datasets are cifar10, cifar100, fmnist, mnist, "
-              "svhn, usps, wisdm (did you mean fmnist?)"),
+              "dataset 'fmnis' is not valid: downloadable datasets are acsincome, cifar10, cifar100, emnist, "
+              "femnist, fmnist, mnist, mnistm, office_caltech10, sent140, shakespeare, svhn, synthdigits, "
+              "tinyimagenet, uci_har, usps, wisdm (did you mean fmnist?)"),
              (["demo", "--workers", "0", "--db", db], "option '--workers' = 0 is not valid: an integer >= 1")]
     for argv, want in cases:
         assert main(argv) == 2
@@ -329,7 +336,7 @@ def test_nul_characters_in_paths_are_config_errors(tmp_path, capsys, monkeypatch
     ({"partition": "dirichet"}, "(did you mean dirichlet?)"),
     ({"clients": "abc"}, "is not valid: an integer >= 1"),
     ({"rounds": 2.5}, "is not valid: an integer >= 1"),
-    ({"partition": "iid", "partition.alpha": 0.5}, "(a key of partition=dirichlet / dirichlet_per_class)"),
+    ({"partition": "iid", "partition.alpha": 0.5}, "(a key of partition=dirichlet / dirichlet_per_class / user_shift)"),
     ({"partition": "dirichlet", "partition.alpah": 0.5}, "(did you mean partition.alpha?)"),
 ])
 def test_misspelt_names_get_the_nearest_and_each_phrase_once(raw, want):

@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                     "fedprism.systems", "fedprism.compression")),
     ("components", ("fedprism.models", "fedprism.data", "fedprism.clustering", "fedprism.explain",
                     "fedprism.kernels")),
-    ("methods and engines", ("fedprism.algorithms", "fedprism.engine")),
+    ("methods and engines", ("fedprism.algorithms", "fedprism.engine", "fedprism.local_dp")),
     ("runs", ("fedprism.experiment", "fedprism.plugins")),
     ("transport and reports", ("fedprism.flower", "fedprism.report")),
     ("entry points", ("fedprism.cli", "fedprism.api", "fedprism.__main__", "fedprism.flower.__main__")),

@@ -47,10 +47,47 @@ OTHER_MEANING: dict[tuple[str, str], str] = {
     ("iid", "fedprism.data.sets.synthetic"): "the synthetic dataset's own `iid` parameter",
     ("digits", "fedprism.data.sets.emnist"): "the name of one of EMNIST's splits",
     ("mnist", "fedprism.data.sets.emnist"): "the name of one of EMNIST's splits",
+    ("local", "fedprism.experiment.executor"): "Ray's address `local` (a cluster started in this process)",
+    ("dirichlet", "fedprism.data.partitions.quantity"): "a client-size distribution (shares from Dir(beta))",
 }
 
 #: literals that other work is removing, by area: (name, module)
-PENDING: dict[str, set[tuple[str, str]]] = {}
+PENDING: dict[str, set[tuple[str, str]]] = {
+    # each method's search space and its local DP-SGD eligibility, kept in tables beside the registry so that
+    # the methods' files (and with them their stored runs' code fingerprints) stay as they are; each moves
+    # into its method's module (a `space` on its Param, a class attribute) when that method's runs are next
+    # re-run
+    "method declarations kept in tables": {
+    ("apfl", "fedprism.algorithms.spaces"), ("apfl", "fedprism.local_dp"),
+    ("clust_psi_pfl", "fedprism.algorithms.spaces"), ("ditto", "fedprism.algorithms.spaces"),
+    ("ditto", "fedprism.local_dp"), ("fedala", "fedprism.algorithms.spaces"),
+    ("fedamp", "fedprism.algorithms.spaces"), ("fedavg", "fedprism.local_dp"),
+    ("fedbabu", "fedprism.algorithms.spaces"), ("fedbabu", "fedprism.local_dp"),
+    ("fedbn", "fedprism.local_dp"), ("fedclust", "fedprism.algorithms.spaces"),
+    ("feddyn", "fedprism.algorithms.spaces"), ("feddyn", "fedprism.local_dp"),
+    ("fedem", "fedprism.algorithms.spaces"), ("fedfomo", "fedprism.algorithms.spaces"),
+    ("fednova", "fedprism.local_dp"), ("fedpac", "fedprism.algorithms.spaces"),
+    ("fedper", "fedprism.local_dp"), ("fedprism", "fedprism.algorithms.spaces"),
+    ("fedprism_dual", "fedprism.algorithms.spaces"), ("fedproto", "fedprism.algorithms.spaces"),
+    ("fedproto", "fedprism.local_dp"), ("fedprox", "fedprism.algorithms.spaces"),
+    ("fedprox", "fedprism.local_dp"), ("fedrep", "fedprism.algorithms.spaces"),
+    ("fedrep", "fedprism.local_dp"), ("fedsoft", "fedprism.algorithms.spaces"),
+    ("gpfl", "fedprism.algorithms.spaces"), ("ifca", "fedprism.algorithms.spaces"),
+    ("lg_fedavg", "fedprism.local_dp"), ("local", "fedprism.local_dp"), ("moon", "fedprism.algorithms.spaces"),
+    ("moon", "fedprism.local_dp"), ("perfedavg", "fedprism.algorithms.spaces"),
+    ("perfedavg", "fedprism.local_dp"), ("pfedme", "fedprism.algorithms.spaces"),
+    ("pfedme", "fedprism.local_dp"), ("pfpl", "fedprism.algorithms.spaces"),
+    ("protohar", "fedprism.algorithms.spaces"), ("protohar", "fedprism.local_dp"),
+    ("qffl", "fedprism.algorithms.spaces"), ("qffl", "fedprism.local_dp"),
+    ("scaffold", "fedprism.algorithms.spaces"), ("scaffold", "fedprism.local_dp"),
+    },
+    # the real-domain form of domain_mix (Digits domains, Office-Caltech10) dispatched by name where the
+    # federation is built, and the partition study's log-scale targets: to move into the PartitionSpecs
+    "partition dispatch by name": {
+    ("dirichlet", "fedprism.algorithms.clust_psi_pfl.study"), ("domain_mix", "fedprism.data.domains"),
+    ("domain_mix", "fedprism.experiment.federation"),
+    },
+}
 
 
 def owners(registries=REGISTRIES) -> dict[str, list[str]]:
