@@ -82,5 +82,5 @@ def test_the_registry_error_and_the_listing_commands_carry_the_hint(capsys):
         DATASETS.get("wine")
     assert "a dataset from a plugin must be installed or on PYTHONPATH" in str(e.value)
     assert main(["datasets", "wine"]) == 2
-    assert ("no dataset 'wine'; the datasets: cifar10, " in (err := capsys.readouterr().err)
+    assert ("no dataset 'wine'; the datasets: acsincome, cifar10, " in (err := capsys.readouterr().err)
             and "a dataset from a plugin must be installed or on PYTHONPATH as an entry point" in err)

@@ -58,9 +58,10 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 from fedprism.errors import ConfigError
 from fedprism.hparams import Param
@@ -195,6 +196,7 @@ def _read(path: str, key: str) -> str:
 
 def load_availability(path: str, clients: int) -> np.ndarray:
     """[clients, R] bool from an availability file (module docstring); ConfigError naming the line and value."""
+    import numpy as np
     key = "system.availability"
     text = _read(path, key)
     if path.lower().endswith(".json"):
@@ -230,6 +232,7 @@ def load_availability(path: str, clients: int) -> np.ndarray:
 
 def load_speeds(path: str, clients: int) -> tuple[np.ndarray, np.ndarray]:
     """(compute [N] samples/s, bandwidth [N] bytes/s) from a speeds file; ConfigError naming what is wrong."""
+    import numpy as np
     key = "system.speeds"
     text = _read(path, key)
     if path.lower().endswith(".json"):
@@ -279,6 +282,7 @@ def load_speeds(path: str, clients: int) -> tuple[np.ndarray, np.ndarray]:
 # -- the seeded draws -------------------------------------------------------------------------------
 def availability_trace(kind: str, p: float, corr: float, seed: int, clients: int, rounds: int) -> np.ndarray:
     """[rounds, clients] bool: who is online in each round (module docstring), a pure function of its inputs."""
+    import numpy as np
     if kind == "always":
         return np.ones((rounds, clients), dtype=bool)
     if kind not in AVAILABILITY:
@@ -299,6 +303,7 @@ def availability_trace(kind: str, p: float, corr: float, seed: int, clients: int
 def client_speeds(kind: str, compute: float, bandwidth: float, sigma: float, seed: int,
                   clients: int) -> tuple[np.ndarray, np.ndarray]:
     """(compute [N], bandwidth [N]) of every client (module docstring), seeded by the run seed only."""
+    import numpy as np
     if kind == "equal":
         return np.full(clients, float(compute)), np.full(clients, float(bandwidth))
     if kind == "lognormal":
@@ -341,6 +346,7 @@ class SystemModel:
 
     def online(self, rnd: int, clients: np.ndarray) -> np.ndarray:
         """bool [len(clients)]: which of `clients` are online in round `rnd`."""
+        import numpy as np
         return self.available[rnd, np.asarray(clients, dtype=np.int64)]
 
     def duration(self, client: int, down: int, up: int) -> float:
@@ -361,6 +367,7 @@ class SystemModel:
 
 def system_model(cfg: Any, n_train: np.ndarray) -> SystemModel | None:
     """The run's `SystemModel` from its configuration (None when no `system.*` key is set)."""
+    import numpy as np
     if not active(cfg):
         return None
     n = cfg["clients"]
