@@ -114,3 +114,21 @@ def read_cache(path: Path, check: Callable[[Raw, object], None]) -> Raw | None:
 def write_cache(path: Path, raw: Raw) -> None:
     save_npz(path, x_train=raw.x_train, y_train=raw.y_train, x_test=raw.x_test, y_test=raw.y_test,
              classes=np.array(raw.classes, dtype=str), digest=np.array(digest(raw)))
+
+
+def arrays_digest(tag: str, keys: tuple[str, ...]):
+    """``digest(arrays)``: the SHA-256 of ``tag`` and, for each of ``keys`` in order, the array's dtype,
+    shape and bytes: the content digest a decoded-array cache file is saved with and checked against
+    (``save_npz`` / ``load_npz``)."""
+    import hashlib
+
+    import numpy as np
+
+    def digest(arrays) -> str:
+        h = hashlib.sha256(tag.encode())
+        for key in keys:
+            a = np.ascontiguousarray(arrays[key])
+            h.update(f"{key}{a.dtype.str}{a.shape}".encode())
+            h.update(a.tobytes())
+        return h.hexdigest()
+    return digest

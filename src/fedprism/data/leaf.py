@@ -27,7 +27,6 @@ modification times, with a digest of their own content, as the image datasets' a
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import tarfile
@@ -39,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from fedprism.data.cache import cache_file, load_npz, save_npz
+from fedprism.data.cache import arrays_digest, cache_file, load_npz, save_npz
 from fedprism.errors import DataError
 
 __all__ = ["find_json", "read_json_split", "group_ids", "h5_clients", "extract_members", "cached",
@@ -50,6 +49,20 @@ MAX_JSON_BYTES = 4 << 30
 
 
 # ----------------------------------------------------------------------------------- LEAF JSON
+
+
+def find_tff(d: Path, archive: str, h5: tuple[str, str]) -> dict[str, Path] | str:
+    """A LEAF dataset's files in folder ``d``: TensorFlow Federated's ``archive``, else its two ``h5`` files
+    (in ``d`` or ``d/datasets``), else LEAF's JSON output (`find_json`); or what is missing."""
+    if (d / archive).is_file():
+        return {"archive": d / archive}
+    for base in (d, d / "datasets"):
+        if all((base / n).is_file() for n in h5):
+            return {"train_h5": base / h5[0], "test_h5": base / h5[1]}
+    found = find_json(d)
+    if isinstance(found, dict):
+        return found
+    return f"no {archive}, no {h5[0]} + {h5[1]}, {found}"
 
 
 def find_json(d: Path) -> dict[str, Path] | str:
@@ -195,24 +208,13 @@ def extract_members(archive: Path, names: tuple[str, ...], into: Path) -> dict[s
 # ------------------------------------------------------------------------------- decoded cache
 
 
-def _digest(tag: str, keys: tuple[str, ...]) -> Callable[[dict[str, np.ndarray]], str]:
-    def digest(arrays: dict[str, np.ndarray]) -> str:
-        h = hashlib.sha256(tag.encode())
-        for key in keys:
-            a = np.ascontiguousarray(arrays[key])
-            h.update(f"{key}{a.dtype.str}{a.shape}".encode())
-            h.update(a.tobytes())
-        return h.hexdigest()
-    return digest
-
-
 def cached(name: str, files: dict[str, Path], cache: Path | None, keys: tuple[str, ...],
            build: Callable[[], dict[str, np.ndarray]], check: Callable[[dict[str, np.ndarray], Any], None]
            ) -> dict[str, np.ndarray]:
     """The arrays ``keys`` that ``build()`` decodes from ``files``, read from the decoded-array cache of
     ``cache`` when present and intact (``check`` passes, the content digest matches), else built,
     checked and saved."""
-    digest = _digest(f"fedprism-{name}-arrays", keys)
+    digest = arrays_digest(f"fedprism-{name}-arrays", keys)
     cfile = cache_file(name, files, cache) if cache is not None else None
     arrays = load_npz(cfile, keys, digest, check) if cfile is not None else None
     if arrays is not None:

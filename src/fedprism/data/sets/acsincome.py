@@ -31,7 +31,6 @@ scales them). The Census Bureau publishes no checksum: downloads are trusted on 
 from __future__ import annotations
 
 import csv
-import hashlib
 import io
 import re
 import zipfile
@@ -43,7 +42,7 @@ import numpy as np
 from fedprism.data import download as _download
 from fedprism.data import integrity as _integrity
 from fedprism.data.base import DATASETS, Dataset, DatasetSpec, FileSet, float_option, int_option
-from fedprism.data.cache import cache_file, load_npz, save_npz
+from fedprism.data.cache import arrays_digest, cache_file, load_npz, save_npz
 from fedprism.data.download import RemoteFile
 from fedprism.data.files import locate, missing_error
 from fedprism.data.grouped import split_within_groups
@@ -157,13 +156,7 @@ def read_state(path: Path, year: int) -> tuple[np.ndarray, np.ndarray, int]:
 _KEYS = ("features", "labels", "persons")
 
 
-def _digest(arrays: dict[str, np.ndarray]) -> str:
-    h = hashlib.sha256(b"acsincome")
-    for key in _KEYS:
-        a = np.ascontiguousarray(arrays[key])
-        h.update(f"{key}{a.dtype.str}{a.shape}".encode())
-        h.update(a.data)
-    return h.hexdigest()
+_digest = arrays_digest("acsincome", _KEYS)
 
 
 def _check(arrays: dict[str, np.ndarray], where: object) -> None:

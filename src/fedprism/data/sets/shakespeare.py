@@ -152,15 +152,7 @@ def _check(arrays: dict[str, np.ndarray], where: object) -> None:
 
 
 def find(d: Path) -> dict[str, Path] | str:
-    if (d / ARCHIVE).is_file():
-        return {"archive": d / ARCHIVE}
-    for base in (d, d / "datasets"):
-        if all((base / n).is_file() for n in H5):
-            return {"train_h5": base / H5[0], "test_h5": base / H5[1]}
-    found = leaf.find_json(d)
-    if isinstance(found, dict):
-        return found
-    return f"no {ARCHIVE}, no {H5[0]} + {H5[1]}, {found}"
+    return leaf.find_tff(d, ARCHIVE, H5)
 
 
 def load(pad32: bool = False, root: str | Path | None = None, *, download: bool = False,

@@ -25,13 +25,12 @@ The archive has no published checksum: its download is trusted on first use (doc
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import numpy as np
 
 from fedprism.data.base import DATASETS, Dataset, DatasetSpec, FileSet, float_option, int_option
-from fedprism.data.cache import cache_file, load_npz, save_npz
+from fedprism.data.cache import arrays_digest, cache_file, load_npz, save_npz
 from fedprism.data.download import RemoteFile
 from fedprism.data.files import read_files
 from fedprism.data.grouped import read_zip_member, split_within_groups
@@ -102,13 +101,7 @@ def _texts(files: dict[str, Path]) -> dict[str, tuple[str, str]]:
 _KEYS = ("x_train", "y_train", "s_train", "x_test", "y_test", "s_test")
 
 
-def _digest(arrays: dict[str, np.ndarray]) -> str:
-    h = hashlib.sha256(b"uci-har")
-    for key in _KEYS:
-        a = np.ascontiguousarray(arrays[key])
-        h.update(f"{key}{a.dtype.str}{a.shape}".encode())
-        h.update(a.data)
-    return h.hexdigest()
+_digest = arrays_digest("uci-har", _KEYS)
 
 
 def _check(arrays: dict[str, np.ndarray], where: object) -> None:
