@@ -311,3 +311,9 @@ def test_defaults_and_run_ids():
     assert (a.method_params["alpha"], a.method_params["weighting"]) == (0.01, "uniform")
     assert (b.method_params["mu"], b.method_params["tau"], b.method_params["weighting"]) == (1.0, 0.5, "samples")
     assert resolve({"method": "feddyn", "feddyn.alpha": 0.1}).run_id != a.run_id
+
+
+def test_moon_trains_on_pytorchs_kernels_on_a_conv_model():
+    """MOON's objective evaluates the global and previous models on the batch: `train.kernels = auto` is aten
+    for it on LeNet-5 (the fused kernels would refuse the objective at its first step: every client raised)."""
+    assert resolve({"method": "moon", "dataset": "fmnist", "model": "lenet5"})["train.kernels"] == "aten"

@@ -79,6 +79,10 @@ class Moon(FedAvg):
     name = "moon"
     paper = "Li, He, Song 2021, arXiv:2103.16257"
     personalized = False
+    #: its local objective evaluates the global and the previous model's features on the batch (other
+    #: parameters than its own): the fused training kernels cannot take it, so `train.kernels = auto` is
+    #: aten here and `fused` is refused
+    fused_training = False
     client_state = {"prev": ClientState(("P",), init="model")}
     params = {
         "mu": Param(1.0, "mu: local loss CE + mu x the model-contrastive loss (0: FedAvg)", lambda v: v >= 0,
