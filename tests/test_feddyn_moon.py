@@ -313,7 +313,11 @@ def test_defaults_and_run_ids():
     assert resolve({"method": "feddyn", "feddyn.alpha": 0.1}).run_id != a.run_id
 
 
-def test_moon_trains_on_pytorchs_kernels_on_a_conv_model():
+def test_moon_trains_on_pytorchs_kernels_on_a_conv_model(monkeypatch):
     """MOON's objective evaluates the global and previous models on the batch: `train.kernels = auto` is aten
     for it on LeNet-5 (the fused kernels would refuse the objective at its first step: every client raised)."""
+    from fedprism import kernels
+
+    monkeypatch.setattr(kernels, "resolve", lambda key, value, device: "fused" if value == "auto" else value)
+    assert resolve({"method": "fedavg", "dataset": "fmnist", "model": "lenet5"})["train.kernels"] == "fused"
     assert resolve({"method": "moon", "dataset": "fmnist", "model": "lenet5"})["train.kernels"] == "aten"
