@@ -276,6 +276,11 @@ def test_rows_of_weight_zero_take_no_part():
      "an integer in [1, 6], or 0 for n - f"),
     ("ditto.aggregation=bulyan ditto.aggregation.f=2 clients=20 fraction=0.5", "ditto.aggregation.f", 2,
      "an integer in [0, 1] here: bulyan"),
+    # cohorts are drawn from the clients that train: 14 of 20 with 30 % held out, 0.5 x 14 = 7 would do, 0.35 x 14
+    # = 4 does not (clients x fraction = 7 would have passed)
+    ("fedavg.aggregation=bulyan clients=20 fraction=0.35 data.unseen_clients=0.3", "fedavg.aggregation.f", 1,
+     "(fraction=0.35 x the 14 clients that train (data.unseen_clients=0.3 holds out 6 of clients=20) gives 4 "
+     "client(s) a round); to tolerate f = 1, raise fraction or clients to 7 or more a round"),
 ])
 def test_a_cohort_too_small_for_f_is_a_config_error(extra, key, value, allowed):
     method = key.split(".")[0]
@@ -289,7 +294,8 @@ def test_a_cohort_that_allows_f_passes():
     for extra in ({"fedavg.aggregation": "krum", "fedavg.aggregation.f": 1, "clients": 5},
                   {"fedavg.aggregation": "bulyan", "fedavg.aggregation.f": 1, "clients": 7},
                   {"fedavg.aggregation": "multi_krum", "fedavg.aggregation.m": 5, "clients": 5},
-                  {"fedavg.aggregation": "median", "fedavg.aggregation.f": 9, "clients": 2}):
+                  {"fedavg.aggregation": "median", "fedavg.aggregation.f": 9, "clients": 2},
+                  {"fedavg.aggregation": "bulyan", "clients": 10, "data.unseen_clients": 0.3}):
         check_cohort(resolve({"method": "fedavg", "fraction": 1.0, **extra}))
     check_rule_cohort("fedavg", {"aggregation": "mean"}, 1)
 

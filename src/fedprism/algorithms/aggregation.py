@@ -147,7 +147,7 @@ ROBUST_PARAMS = {
                               new=True),
     "aggregation.f": Param(1, "krum, multi_krum, bulyan: f, the Byzantine clients tolerated; krum and multi_krum "
                            "need a round's n > 2f + 2 clients, bulyan n >= 4f + 3 (a smaller set of rows, e.g. "
-                           "one cluster's, uses the largest f it allows)", lambda v: v >= 0, "an integer >= 0",
+                           "one cluster's, or a round thinned by dropouts or availability, uses the largest f it allows)", lambda v: v >= 0, "an integer >= 0",
                            new=True),
     "aggregation.m": Param(0, "multi_krum: the m rows of lowest Krum score that are averaged (0: n - f)",
                            lambda v: v >= 0, "an integer >= 0 (0: n - f)", new=True),
@@ -395,8 +395,10 @@ def check_rule_cohort(method: str, hp: Mapping[str, Any], cohort: int, where: st
                           f"of n >= 3 clients{given}; raise fraction or clients, or use median, "
                           "trimmed_mean or clipped_mean")
     if most < f:
+        n_f = 4 * f + 3 if rule == "bulyan" else 2 * f + 3
         raise ConfigError(f"{method}.aggregation.f", f, f"an integer in [0, {most}] here: {rule} needs a round's "
-                          f"n clients to satisfy {need}{given}")
+                          f"n clients to satisfy {need}{given}; to tolerate f = {f}, raise fraction or clients "
+                          f"to {n_f} or more a round (f = 0 tolerates no Byzantine client)")
     if rule == "multi_krum" and m > cohort:
         raise ConfigError(f"{method}.aggregation.m", m, f"an integer in [1, {cohort}], or 0 for n - f: the rows "
                           f"of lowest Krum score among a round's n clients{given}")

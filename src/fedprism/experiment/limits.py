@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from fedprism.errors import ConfigError
+from fedprism.experiment.config import held_out_count
 from fedprism.protocol import ClientState
 from fedprism.textable import size_text as _gb
 
@@ -80,7 +81,14 @@ def check_cohort(cfg, N: int | None = None) -> None:
     clients (default `cfg["clients"]`)."""
     N = cfg["clients"] if N is None else int(N)
     method, cls, hp = cfg["method"], _method(cfg), _hp(cfg)
-    cohort = _cohort(cfg, N)
+    values = cfg if isinstance(cfg, dict) else cfg.values
+    unseen = values.get("data.unseen_clients", 0.0)
+    held = held_out_count(N, unseen) if unseen else 0      # cohorts are drawn from the clients that train
+    cohort = _cohort(cfg, N - held)
+    where = f"clients={N} x fraction={cfg['fraction']:g}"
+    if held:
+        where = (f"fraction={cfg['fraction']:g} x the {N - held} clients that train "
+                 f"(data.unseen_clients={unseen:g} holds out {held} of clients={N})")
     K = cls.clusters(hp)
     if K is not None:
         if K > N:
@@ -88,15 +96,15 @@ def check_cohort(cfg, N: int | None = None) -> None:
                               "is never trained)")
         if cohort < K and cls.clusters_cohort(hp):
             alt = "".join(f", or {method}.{k}={v}" for k, v in _cohort_free(cls, hp))
-            raise ConfigError(f"{method}.k", K, f"at most {cohort} here: clients={N} x fraction="
-                              f"{cfg['fraction']:g} gives {cohort} client(s) a round, and a "
+            raise ConfigError(f"{method}.k", K, f"at most {cohort} here: {where} gives {cohort} client(s) a "
+                              "round, and a "
                               "re-clustering of fewer clients than clusters is skipped, every time, so "
                               "the cluster models would never separate (the run would be FedAvg-like); "
                               f"raise fraction, lower {method}.k{alt}")
     cls.check_cohort(hp, N, cohort, cfg["fraction"])
     if cls.averages:                 # the robust rule's own bound (krum, multi_krum, bulyan: f against the cohort)
         from fedprism.algorithms.aggregation import check_rule_cohort
-        check_rule_cohort(method, hp, cohort, f"clients={N} x fraction={cfg['fraction']:g}")
+        check_rule_cohort(method, hp, cohort, where)
 
 
 def _cohort_free(cls, hp: dict) -> list[tuple[str, object]]:
