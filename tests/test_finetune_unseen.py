@@ -242,10 +242,16 @@ def test_the_report_shows_ft_as_an_alternative_and_unseen_as_a_column(tmp_path):
     md = (tmp_path / "out" / "results.md").read_text()
     f = res.final
     assert f"| fine-tuned, 2 local epochs (eval.finetune) | {100 * f['global_acc@ft']:.2f} | " \
-           f"{100 * f['local_acc@ft']:.2f} |" in md
+           f"{100 * f['local_acc@ft']:.2f} | {100 * f['unseen_local_acc@ft']:.2f} |" in md
+    assert "Fine-tuned: each client's model" in md and "dual-stream" not in md   # says what the rows are
     assert "| Loc Unseen |" in md and f"{100 * f['unseen_local_acc']:.2f}" in md
+    # the +FT numbers are columns of the per-setting table too, beside the method's own
+    row = [line for line in md.splitlines() if line.startswith("| fedavg (data.unseen_clients=0.25")][-1]
+    assert row.endswith(f"| {100 * f['unseen_local_acc']:.2f} | {100 * f['local_acc@ft']:.2f} | "
+                        f"{100 * f['unseen_local_acc@ft']:.2f} |"), row
+    assert "| Loc Unseen | Loc +FT | Loc Unseen +FT |" in md
     header = (tmp_path / "out" / "results.csv").read_text().splitlines()[0]
-    assert header.endswith(",unseen_local_acc")
+    assert header.endswith(",unseen_local_acc,local_acc@ft,unseen_local_acc@ft")
     alone = Store(tmp_path / "plain.db")                   # a report without held-out clients: no such column
     Experiment(cfg(method="fedavg"), alone).run()
     write_report(str(tmp_path / "plain.db"), str(tmp_path / "plain"), plots=False)

@@ -90,7 +90,7 @@ def cmd_run(args) -> int:
                  if f.get("rescored_from") and not res.reused else "")
               + (" (stored: not run again; --fresh runs it again)" if res.reused else ""))
         keys = [k for k in ("global_acc", "local_acc", "local_acc_weighted", "ad", "sdad", "local_f1",
-                            "global_model_acc", "seconds") if k in f]
+                            "global_model_acc", *_EXTRA_ACCURACIES, "seconds") if k in f]
         rows = [[k, f[k], f.get(f"best_{k}")] for k in keys]
         if "rejected" in f:
             rows.append(["rejected updates", f["rejected"], None])
@@ -103,6 +103,7 @@ def cmd_run(args) -> int:
         for k in failed:
             print(f"  {k.line()}")
     out = {k: f.get(k) for k in ("global_acc", "local_acc", "ad", "sdad", "seconds", "rejected")}
+    out.update({k: f[k] for k in _EXTRA_ACCURACIES if k in f})
     out.update({k: f[k] for k in summary_extras(f)})
     out["diverged"] = bool(f.get("diverged", False))
     if f.get("diverged"):
@@ -117,6 +118,11 @@ def cmd_run(args) -> int:
     if args.json:
         print(json_text(out))
     return 0
+
+
+#: accuracies `fedprism run` prints and puts in --json where the run has them: the held-out clients'
+#: (`data.unseen_clients`) and the fine-tuned prediction's (`eval.finetune`, `<metric>@ft`)
+_EXTRA_ACCURACIES = ("unseen_local_acc", "global_acc@ft", "local_acc@ft", "unseen_local_acc@ft")
 
 
 def _run_built(args, stored_id: str | None, raw: dict | None, pristine: bool):
@@ -373,7 +379,8 @@ def _show(args, store) -> int:
         print("\nRounds:")
         print(_table([[h["round"] + 1] + [h.get(k) for k in keys] for h in hist], ["round"] + keys))
     final = json.loads(row["final"] or "{}")
-    summary = [k for k in ("global_acc", "local_acc", "sdad", "global_model_acc", "rejected") if k in final]
+    summary = [k for k in ("global_acc", "local_acc", "sdad", "global_model_acc", *_EXTRA_ACCURACIES, "rejected")
+               if k in final]
     summary += summary_extras(final)
     if summary:
         print("\nFinal:")

@@ -44,6 +44,11 @@ COLUMNS = [("global_acc", "Glob Final"), ("best_global_acc", "Glob Best"), ("loc
 #: the held-out clients' column (`data.unseen_clients`), shown where a run of the report has it
 UNSEEN_COLUMNS = [("unseen_local_acc", "Loc Unseen")]
 
+#: the fine-tuned prediction's columns (`eval.finetune`, the "+FT" rows of PFL benchmarks), shown where a run of
+#: the report has them
+FT_COLUMNS = [("local_acc@ft", "Loc +FT")]
+FT_UNSEEN_COLUMNS = [("unseen_local_acc@ft", "Loc Unseen +FT")]
+
 #: the simulated time of a run (`sim_clock`, seconds; `system.speeds`, docs/systems.md), shown where a run of
 #: the report has a clock
 SIM_COLUMNS = [("sim_clock", "Sim s")]
@@ -54,12 +59,14 @@ _NOT_PERCENT = {"sim_clock": (1.0, ".1f")}
 
 def columns(groups) -> list[tuple[str, str]]:
     """The per-setting tables' (and the CSV's) columns: `COLUMNS`, `UNSEEN_COLUMNS` when a run of the
-    report scored held-out clients (`data.unseen_clients`) and `SIM_COLUMNS` when a run has a simulated
-    clock, so that a report without them is unchanged."""
+    report scored held-out clients (`data.unseen_clients`), `FT_COLUMNS` (and `FT_UNSEEN_COLUMNS`) when a run
+    scored fine-tuned models (`eval.finetune`) and `SIM_COLUMNS` when a run has a simulated clock, so that a
+    report without them is unchanged."""
     def some(key):
         return any(key in r["final"] for labels in groups.values() for runs in labels.values() for r in runs)
 
-    return COLUMNS + (UNSEEN_COLUMNS if some("unseen_local_acc") else []) + (SIM_COLUMNS if some("sim_clock") else [])
+    return (COLUMNS + (UNSEEN_COLUMNS if some("unseen_local_acc") else []) + (FT_COLUMNS if some("local_acc@ft") else [])
+            + (FT_UNSEEN_COLUMNS if some("unseen_local_acc@ft") else []) + (SIM_COLUMNS if some("sim_clock") else []))
 
 
 def prediction_labels(cfg: dict) -> dict[str, str]:
@@ -280,20 +287,38 @@ def alternatives_table(groups) -> list[str]:
                 if not names:
                     continue
                 if not md:
-                    md = ["## Alternative predictions (final round, %)", "",
-                          "Each stream of the dual-stream model alone, and the routed prediction (Eq. 2-3) at other "
-                          "temperatures T, from the same evaluation as the headline numbers.", ""]
+                    md = ["## Alternative predictions (final round, %)", "", _alternatives_intro(groups), ""]
                 cfg = r["config"]
                 head = method.headline(cfg) if method else "prediction"
                 label_of = {**prediction_labels(cfg), **(method.predictions if method else {})}
+                keys = ["global_acc", "local_acc"] + (["unseen_local_acc"] if "unseen_local_acc" in f else [])
+                heads = {"global_acc": "Glob", "local_acc": "Loc", "unseen_local_acc": "Loc Unseen"}
                 md += [f"**{label}**, {setting}, seed {cfg['seed']} (`{r['run_id']}`)", "",
-                       "| prediction | Glob | Loc |", "|---|---|---|",
-                       f"| {_cell(head)} (headline) | {_pm([f.get('global_acc')])} | "
-                       f"{_pm([f.get('local_acc')])} |"]
-                md += [f"| {_cell(label_of.get(n, n))} | {_pm([f.get('global_acc@' + n)])} | "
-                       f"{_pm([f.get('local_acc@' + n)])} |" for n in names]
+                       "| prediction | " + " | ".join(heads[k] for k in keys) + " |", "|---|" + "---|" * len(keys),
+                       f"| {_cell(head)} (headline) | " + " | ".join(_pm([f.get(k)]) for k in keys) + " |"]
+                md += [f"| {_cell(label_of.get(n, n))} | " + " | ".join(_pm([f.get(f'{k}@{n}')]) for k in keys) + " |"
+                       for n in names]
                 md.append("")
     return md
+
+
+def _alternatives_intro(groups) -> str:
+    """What the alternative predictions of the report's runs are: the dual-stream model's streams and
+    temperatures (fedprism_dual), the fine-tuned models (`eval.finetune`), each said where a run has them."""
+    from fedprism.experiment.evaluate import FINETUNED
+
+    finals = [r["final"] for labels in groups.values() for runs in labels.values() for r in runs]
+    names = {k.split("@", 1)[1] for f in finals for k in f if "@" in k}
+    said = []
+    if names - {FINETUNED}:
+        said.append("Each stream of the dual-stream model alone, and the routed prediction (Eq. 2-3) at other "
+                    "temperatures T, from the same evaluation as the headline numbers.")
+    if FINETUNED in names:
+        said.append("Fine-tuned: each client's model (what the method predicts with) after `eval.finetune` local "
+                    "epochs on the client's own training rows, scored beside the method's own prediction in the "
+                    "same evaluation (the \"+FT\" rows of PFL benchmarks; Loc Unseen: the held-out clients, "
+                    "fine-tuned from what the method gives a newcomer).")
+    return " ".join(said)
 
 
 def dispersion_table(groups) -> list[str]:
@@ -550,6 +575,11 @@ def tables(groups, reference: str | None = None,
         md.append("Loc Unseen: the clients held out of every cohort (`data.unseen_clients`), each scored with "
                   "what its method gives a newcomer, on its own test split, mean over those clients; Glob, Loc, "
                   "SDAD and their Best values of such a run average its seen clients only.")
+    if FT_COLUMNS[0] in shown:
+        md.append("Loc +FT: each client's model after `eval.finetune` local epochs of fine-tuning on its own training "
+                  "rows (the \"+FT\" rows of PFL benchmarks), on its own test split, mean over clients, from the same "
+                  "evaluation as Loc; Loc Unseen +FT: the same for the held-out clients; - for a run without "
+                  "fine-tuning.")
     if SIM_COLUMNS[0] in shown:
         md.append("Sim s: the run's simulated time in seconds (`sim_clock` after its last round, from "
                   "`system.speeds`, docs/systems.md), mean ± std over seeds; - for a run without a clock.")
