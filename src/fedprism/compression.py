@@ -273,17 +273,21 @@ def _unpack(packed: np.ndarray, bits: int, n: int) -> np.ndarray:
 
 def client_work(algo, plan, trainer, rnd: int, cstate: Rows) -> Update:
     """A client's work as it leaves the client: the method's `client_update` on its own client state (the
-    error-feedback residuals held back), then, under `compress`, the encoding of its upload
-    (`Compressor.encode_update`). The in-process runner and a Flower node both call this."""
-    comp = getattr(algo.ctx, "compress", None)
-    if comp is None:
-        return algo.client_update(plan, trainer, rnd, cstate)
-    own = {k: v for k, v in cstate.items() if not k.startswith(RESIDUAL)}
+    error-feedback residuals held back), then, under `attack.*`, a Byzantine client's crafted upload
+    (`fedprism.attacks`), then, under `compress`, the encoding of its upload (`Compressor.encode_update`). The in-process runner and a Flower node both call this."""
+    comp, attack = getattr(algo.ctx, "compress", None), getattr(algo.ctx, "attack", None)
+    own = cstate if comp is None else {k: v for k, v in cstate.items() if not k.startswith(RESIDUAL)}
     up = algo.client_update(plan, trainer, rnd, own)
+    if comp is None and attack is None:
+        return up
+    whole = len(up.clients) == len(plan.clients)
+    sent = plan.payload if whole else plan.subset(_rows_of(plan, up)).payload
+    if attack is not None:            # `attack.*`: the Byzantine clients' uploads crafted (fedprism.attacks)
+        up = attack.poison(up, sent, rnd)
+    if comp is None:
+        return up
     upload = {k: s.resolve(algo.ctx) for k, s in algo.upload().items()}
-    return comp.encode_update(up, plan.payload if len(up.clients) == len(plan.clients) else
-                              plan.subset(_rows_of(plan, up)).payload, upload, rnd, cstate if len(up.clients)
-                              == len(plan.clients) else _take_rows(cstate, _rows_of(plan, up)))
+    return comp.encode_update(up, sent, upload, rnd, cstate if whole else _take_rows(cstate, _rows_of(plan, up)))
 
 
 def _rows_of(plan, up: Update) -> np.ndarray:

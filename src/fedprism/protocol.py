@@ -105,6 +105,7 @@ class Context:
     train: TrainSettings | None = None  # the local-training settings (lr, momentum, batch size, epochs, ...)
     dp: Any = None                     # fedprism.privacy.UpdateDP when `dp.clip` > 0 (DP-FedAvg), else None
     compress: Any = None               # fedprism.compression.Compressor when `compress` is set, else None
+    attack: Any = None                 # fedprism.attacks.Attack when `attack.fraction` > 0 (Byzantine clients)
 
 
 # -- declarations ------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from fedprism.experiment.limits import check_limits
 from fedprism.federation import Federation
 from fedprism.models import build_model
 from fedprism.params import flatten
+from fedprism.attacks import Attack
 from fedprism.compression import Compressor
 from fedprism.local_dp import LocalDPSGD, check_model
 from fedprism.privacy import Privacy, UpdateDP
@@ -133,7 +134,7 @@ def make_context(cfg: Config, model: torch.nn.Module, n_train: np.ndarray, label
                    n_train=n_train, label_hist=label_hist, seed=cfg["seed"], rounds=cfg["rounds"],
                    fraction=cfg["fraction"], feature_dim=feature_dim(model), privacy=privacy,
                    train=TrainSettings.of(local_config(cfg)),     # what the engine's LocalConfig says
-                   dp=update_dp(cfg, len(n_train)), compress=Compressor.of(cfg))
+                   dp=update_dp(cfg, len(n_train)), compress=Compressor.of(cfg), attack=Attack.of(cfg, len(n_train)))
 
 
 def update_dp(cfg: Config, num_clients: int) -> UpdateDP | None:

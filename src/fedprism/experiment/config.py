@@ -251,6 +251,15 @@ KEYS: dict[str, Param] = {
     "compress.feedback": Param("auto", "error feedback (the client keeps what compression dropped and adds it to "
                                "its next update): auto (on for topk only), true or false",
                                choices=("auto", "true", "false", True, False), new=True),
+    "attack.fraction": Param(0.0, "Byzantine clients (fedprism.attacks): the fraction of the clients, drawn once "
+                             "from the run seed, whose model upload is replaced by a crafted one every time they "
+                             "are sampled, for studying the robust rules (<method>.aggregation); 0 = off",
+                             lambda v: 0 <= v < 1, "a number in [0, 1)", new=True),
+    "attack.kind": Param("sign_flip", "attack.fraction > 0: what a Byzantine client uploads: sign_flip (its update "
+                         "reversed, x scale) or gaussian (the model it was sent + scale x N(0, I) noise)",
+                         choices=("sign_flip", "gaussian"), new=True),
+    "attack.scale": Param(1.0, "attack.fraction > 0: lambda, the reversed update's scale (sign_flip) or the noise's "
+                          "standard deviation (gaussian)", lambda v: v > 0, "a number > 0", new=True),
     "drift.fraction": Param(0.0, "dynamic data: fraction of the clients whose classes leave and come back "
                             "(fedprism.data.drift; 0 = static data)", lambda v: 0 <= v <= 1, "a number in [0, 1]",
                             new=True),

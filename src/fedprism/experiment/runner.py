@@ -44,6 +44,7 @@ from fedprism.experiment.systems_run import final_system_metrics, system_run
 from fedprism.federation import Federation
 from fedprism.hparams import plain
 from fedprism.privacy import LABEL_RELEASES, Privacy
+from fedprism.attacks import check_attack
 from fedprism.compression import client_work
 from fedprism.protocol import Plan, TensorSpec, Update
 from fedprism.selection import Selector, cohort_size, sample_clients  # noqa: F401 (sample_clients: public here)
@@ -375,6 +376,8 @@ class Experiment:
         self.system = system_run(cfg, self.ctx, self.algo)
         if cfg.get("eval.finetune", 0):          # a method that cannot say what it fine-tunes: refused now
             check_finetune(self.algo, self.engine, self.initial_layout(), cfg["eval.finetune"])
+        if self.ctx.attack is not None:          # a method whose upload holds no model to poison: refused now
+            check_attack(self.algo, self.initial_layout(), cfg["attack.fraction"])
 
     def client_store(self) -> ClientStore:
         """The simulator's store of the clients' own state (`state.storage`; methods without client
@@ -770,6 +773,10 @@ class Experiment:
         r.records += self.extra_records(rnd) + (self.partition_records() if rnd == 0 else [])
         if rnd == 0 and getattr(self, "unseen", None) is not None:
             r.records.append(("unseen_clients", None, {"clients": np.flatnonzero(self.unseen).tolist()}))
+        attack = getattr(getattr(self, "ctx", None), "attack", None)
+        if rnd == 0 and attack is not None:               # `attack.*`: who the Byzantine clients are
+            r.records.append(("byzantine_clients", None, {"clients": attack.clients.tolist(), "kind": attack.kind,
+                                                          "scale": attack.scale}))
         for cb in callbacks:
             cb.on_round_end(self, r)
         r.wall = time.time() - t0

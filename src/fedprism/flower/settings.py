@@ -195,6 +195,10 @@ def check_flower_config(cfg: Config) -> None:
         raise ConfigError("dp.local", cfg["dp.local"], "none on Flower: local DP-SGD (Opacus) runs in the "
                           "in-process simulator only, whose runner accounts each client's steps (a node's "
                           "steps do not reach the ServerApp); client-level DP (dp.clip) runs on Flower")
+    if cfg.get("attack.fraction", 0.0):
+        raise ConfigError("attack.fraction", cfg["attack.fraction"], "0 on Flower: simulated Byzantine clients "
+                          "run in the in-process simulator; on Flower the Byzantine clients are the deployment's "
+                          "own nodes")
     if cfg.get("data.unseen_clients", 0.0):
         raise ConfigError("data.unseen_clients", cfg["data.unseen_clients"], "0 on Flower: every connected "
                           "node is a client of the federation, and a held-out node would need the newcomer "
