@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                     "fedprism.plotting", "fedprism.machine", "fedprism._alloc", "fedprism.layers",
                     "fedprism.selection", "fedprism.hparams", "fedprism.objectives", "fedprism.params",
                     "fedprism.protocol", "fedprism.federation", "fedprism.privacy",
-                    "fedprism.systems", "fedprism.compression")),
+                    "fedprism.systems", "fedprism.compression", "fedprism.attacks")),
     ("components", ("fedprism.models", "fedprism.data", "fedprism.clustering", "fedprism.explain",
                     "fedprism.kernels")),
     ("methods and engines", ("fedprism.algorithms", "fedprism.engine", "fedprism.local_dp")),
