@@ -274,7 +274,8 @@ def _unpack(packed: np.ndarray, bits: int, n: int) -> np.ndarray:
 def client_work(algo, plan, trainer, rnd: int, cstate: Rows) -> Update:
     """A client's work as it leaves the client: the method's `client_update` on its own client state (the
     error-feedback residuals held back), then, under `attack.*`, a Byzantine client's crafted upload
-    (`fedprism.attacks`), then, under `compress`, the encoding of its upload (`Compressor.encode_update`). The in-process runner and a Flower node both call this."""
+    (`fedprism.attacks`), then, under `compress`, the encoding of its upload (`Compressor.encode_update`).
+    The in-process runner and a Flower node both call this."""
     comp, attack = getattr(algo.ctx, "compress", None), getattr(algo.ctx, "attack", None)
     own = cstate if comp is None else {k: v for k, v in cstate.items() if not k.startswith(RESIDUAL)}
     up = algo.client_update(plan, trainer, rnd, own)
