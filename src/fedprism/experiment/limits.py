@@ -81,8 +81,7 @@ def check_cohort(cfg, N: int | None = None) -> None:
     clients (default `cfg["clients"]`)."""
     N = cfg["clients"] if N is None else int(N)
     method, cls, hp = cfg["method"], _method(cfg), _hp(cfg)
-    values = cfg if isinstance(cfg, dict) else cfg.values
-    unseen = values.get("data.unseen_clients", 0.0)
+    unseen = cfg.get("data.unseen_clients", 0.0)
     held = held_out_count(N, unseen) if unseen else 0      # cohorts are drawn from the clients that train
     cohort = _cohort(cfg, N - held)
     where = f"clients={N} x fraction={cfg['fraction']:g}"
