@@ -517,6 +517,8 @@ def resolve(raw: dict[str, Any]) -> Config:
         if other in REGISTRY:
             article = "an" if other[:1] in "aeiou" else "a"
             raise ConfigError(k, raw[k], f"{article} {other} parameter, but method={method}")
+        if hint:                            # the nearest key is the answer; the whole list would bury it
+            raise ConfigError(k, raw[k], f"unknown key{hint}; `fedprism methods` lists every key")
         raise ConfigError(k, raw[k], f"unknown key{hint}; known keys: {', '.join(KEYS)} and {method}.*, "
                                      "partition.*")
     if out["eval.clients"] > out["clients"]:

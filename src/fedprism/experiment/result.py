@@ -23,7 +23,8 @@ def divergence_note(run_id: str, final: dict) -> str:
     since = "of all rounds" if r == 0 else f"from round {r + 1} on"
     return (f"run {run_id} DIVERGED: every update {since} was rejected (non-finite values; "
             f"{final.get('rejected')} rejected in all); its metrics are those of the "
-            + ("initial model" if r == 0 else f"model after round {r}") + " (lower lr?)")
+            + ("initial model" if r == 0 else f"model after round {r}") + " (lower lr, or the method's own "
+            f"strength parameters: `fedprism show {run_id}` lists its configuration)")
 
 
 #: round metrics of the optional parts of a run, in the order `fedprism show` prints them after the

@@ -192,7 +192,8 @@ def _in_table(file: str, table: str, e: ConfigError, method: str) -> ConfigError
     import difflib
 
     allowed = e.allowed
-    if allowed.startswith("unknown key;") or (allowed.startswith("unknown key (") and "; known keys:" in allowed):
+    if allowed.startswith(("unknown key;", "unknown key (did you mean")) or (allowed.startswith("unknown key (")
+                                                                            and "; known keys:" in allowed):
         near = difflib.get_close_matches(e.key, _valid_keys(method), n=3, cutoff=0.6)
         allowed = ("unknown key " + (f"(did you mean {' or '.join(near)}?)" if near else
                                      "(no key is near it; `fedprism methods` lists every key)"))
