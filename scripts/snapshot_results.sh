@@ -35,10 +35,16 @@ rm -rf results/clust_psi_pfl_fmnist_lenet5
     --out results/clust_psi_pfl_fmnist_lenet5 > /dev/null
 rm -rf results/fedprism_gate
 .venv/bin/fedprism report --db "$tmp/render.db" --sweep fedprism_gate --out results/fedprism_gate > /dev/null
+rm -rf results/baselines_fmnist
+.venv/bin/fedprism report --db "$tmp/render.db" --sweep paper_fmnist_dir01 --sweep paper_fmnist_dir01_pfl \
+    --sweep paper_fmnist_dir01_pfl_more --sweep baselines_fmnist_dir01 --out results/baselines_fmnist > /dev/null
+rm -rf results/participation_gap
+.venv/bin/fedprism report --db "$tmp/render.db" --sweep participation_gap --out results/participation_gap > /dev/null
 # the dump's own paths only (a removed run's file is staged as removed too); the store itself is not in git
 git add -A -- results/store.json results/runs results/sweeps
 git add results/paper_fmnist results/fedsub results/pfpl_mixed results/fedprism_ablations results/clust_psi_pfl_fmnist \
-    results/clust_psi_pfl_fmnist_lenet5 results/fedprism_gate
+    results/clust_psi_pfl_fmnist_lenet5 results/fedprism_gate results/baselines_fmnist results/participation_gap
 echo "staged the dump (results/store.json, results/runs/, results/sweeps/) and results/paper_fmnist/, results/fedsub/,"
 echo "results/pfpl_mixed/, results/fedprism_ablations/, results/clust_psi_pfl_fmnist/, results/clust_psi_pfl_fmnist_lenet5/"
-echo "and results/fedprism_gate/; \`git diff --cached --stat\` shows what the commit adds"
+echo "results/fedprism_gate/, results/baselines_fmnist/ and results/participation_gap/; \`git diff --cached --stat\`"
+echo "shows what the commit adds"

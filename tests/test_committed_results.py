@@ -8,6 +8,7 @@ import re
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from fedprism.experiment.store import Store
@@ -17,7 +18,7 @@ RESULTS = Path(__file__).resolve().parents[1] / "results"
 DUMP = RESULTS / "store.json"           # the committed store, as a dump (tests/_committed.py builds it)
 #: results/README.md (the summary) and the evidence files it links, one per paper
 EVIDENCE = ("README.md", "fedprism_paper.md", "clust_psi_pfl_paper.md", "pfpl_paper.md", "fedsub_paper.md",
-            "reproducibility.md")
+            "reproducibility.md", "baselines_paper.md")
 
 
 def _evidence() -> str:
@@ -38,6 +39,9 @@ REPORTS = {
     "clust_psi_pfl_fmnist": dict(sweep=["clust_psi_pfl_fmnist"]),
     "clust_psi_pfl_fmnist_lenet5": dict(sweep=["clust_psi_pfl_fmnist_lenet5"]),
     "fedprism_gate": dict(sweep=["fedprism_gate"]),
+    "baselines_fmnist": dict(sweep=["paper_fmnist_dir01", "paper_fmnist_dir01_pfl", "paper_fmnist_dir01_pfl_more",
+                                    "baselines_fmnist_dir01"]),
+    "participation_gap": dict(sweep=["participation_gap"]),
 }
 
 pytestmark = pytest.mark.skipif(not DUMP.exists(), reason="no committed results dump")
@@ -1172,3 +1176,84 @@ def test_committed_partition_study_is_regenerated_byte_for_byte(tmp_path):
     write_partition_study("fmnist", tmp_path, plots=False)
     for name in ("partition_study.md", "partition_study.csv", "partition_importance.csv"):
         assert (tmp_path / name).read_bytes() == (RESULTS / "clust_psi_pfl_partitions" / name).read_bytes(), name
+
+
+# -- the newer baselines (results/baselines_paper.md) ------------------------------------------------------------
+BASELINES_VALIDATION = "## Each method's own value, chosen on validation data"
+BASELINES_PROTOCOL = "## The protocol runs"
+PARTICIPATION_GAP = "## The participation gap"
+
+
+def _last_val(store: Store, run_id: str) -> float:
+    return [m for m in store.round_metrics(run_id) if "val_acc" in m][-1]["val_acc"]
+
+
+def test_baselines_validation_choices_are_the_store_s(db_copy):
+    """results/baselines_paper.md, validation table: each cell is the run's last `val_acc`, the row marked
+    chosen is the highest of its method's rows, every finished validation run has its row, and the protocol
+    sweep runs each method at its chosen values only (the method's own keys of the chosen run)."""
+    from fedprism.textable import mean_pm
+
+    store = Store(db_copy, readonly=True)
+    val = {r["label"]: (r, _last_val(store, r["run_id"])) for r in store.runs(sweep="baselines_validation")
+           if r["status"] == "finished"}
+    table = _readme_tables(BASELINES_VALIDATION)[0]
+    assert table[0][:3] == ["method", "value", "val_acc, round 30"]
+    rows = {f"{m} {v}": (cell, mark) for m, v, cell, mark in table[1:]}
+    assert set(rows) == set(val), sorted(set(rows) ^ set(val))
+    best: dict[str, str] = {}
+    for label, (r, v) in val.items():
+        assert rows[label][0] == mean_pm([v]), label
+        group = label.split(" ")[0]
+        if group not in best or v > val[best[group]][1]:
+            best[group] = label
+    assert {lab for lab, (_, mark) in rows.items() if mark == "chosen"} == set(best.values())
+    protocol = [r for r in store.runs(sweep="baselines_fmnist_dir01")]
+    for label in best.values():
+        cfg = json.loads(val[label][0]["config"])
+        method = cfg["method"]
+        own = {k: v for k, v in cfg.items() if k.startswith(method + ".")}
+        runs = [json.loads(r["config"]) for r in protocol if json.loads(r["config"])["method"] == method]
+        assert runs, f"no protocol run of {method}"
+        for c in runs:
+            assert {k: v for k, v in c.items() if k.startswith(method + ".")} == own, (label, c["seed"])
+
+
+def test_baselines_protocol_table_is_the_store_s(db_copy):
+    """results/baselines_paper.md, protocol table: Glob and Loc (mean ± std over the seeds) of every finished
+    row of the protocol sweep and FedAvg's committed rows, and each row's difference to FedAvg's Loc."""
+    from fedprism.textable import mean_pm
+
+    store = Store(db_copy, readonly=True)
+    finals: dict[str, list[dict]] = {}
+    for sweep in ("paper_fmnist_dir01", "baselines_fmnist_dir01"):
+        for r in store.runs(sweep=sweep):
+            if r["status"] == "finished" and (sweep != "paper_fmnist_dir01" or r["label"] == "FedAvg"):
+                finals.setdefault(r["label"], []).append(json.loads(r["final"]))
+    table = _readme_tables(BASELINES_PROTOCOL)[0]
+    assert table[0] == ["method", "seeds", "Glob", "Loc", "Loc - FedAvg"]
+    fedavg = float(np.mean([f["local_acc"] for f in finals["FedAvg"]]))
+    assert {row[0] for row in table[1:]} == set(finals), sorted({row[0] for row in table[1:]} ^ set(finals))
+    for label, seeds, glob, loc, diff in table[1:]:
+        fs = finals[label]
+        assert seeds == str(len(fs)) and glob == mean_pm([f["global_acc"] for f in fs]), label
+        want = mean_pm([f["local_acc"] for f in fs])
+        if "local_acc@ft" in fs[0]:
+            want += f" (+FT {mean_pm([f['local_acc@ft'] for f in fs])})"
+        assert loc == want, label
+        assert diff == f"{100 * (np.mean([f['local_acc'] for f in fs]) - fedavg):+.2f}", label
+
+
+def test_participation_gap_table_is_the_store_s(db_copy):
+    """results/baselines_paper.md, participation gap: each method's final Loc on the clients that trained,
+    Loc Unseen on the held-out ones and their difference, for every finished run of the sweep."""
+    store = Store(db_copy, readonly=True)
+    finals = {r["label"]: json.loads(r["final"]) for r in store.runs(sweep="participation_gap")
+              if r["status"] == "finished"}
+    table = _readme_tables(PARTICIPATION_GAP)[0]
+    assert table[0] == ["method", "Loc", "Loc Unseen", "Loc - Loc Unseen"]
+    assert {row[0].strip("`") for row in table[1:]} == set(finals)
+    for method, loc, unseen, gap in table[1:]:
+        f = finals[method.strip("`")]
+        assert (loc, unseen) == (f"{100 * f['local_acc']:.2f}", f"{100 * f['unseen_local_acc']:.2f}"), method
+        assert gap == f"{100 * (f['local_acc'] - f['unseen_local_acc']):+.2f}", method
