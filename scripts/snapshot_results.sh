@@ -37,9 +37,9 @@ rm -rf results/fedprism_gate
 .venv/bin/fedprism report --db "$tmp/render.db" --sweep fedprism_gate --out results/fedprism_gate > /dev/null
 rm -rf results/baselines_fmnist
 .venv/bin/fedprism report --db "$tmp/render.db" --sweep paper_fmnist_dir01 --sweep paper_fmnist_dir01_pfl \
-    --sweep paper_fmnist_dir01_pfl_more --sweep baselines_fmnist_dir01 --out results/baselines_fmnist > /dev/null
+    --sweep paper_fmnist_dir01_pfl_more --sweep baselines_fmnist_dir01 --no-plots --out results/baselines_fmnist > /dev/null
 rm -rf results/participation_gap
-.venv/bin/fedprism report --db "$tmp/render.db" --sweep participation_gap --out results/participation_gap > /dev/null
+.venv/bin/fedprism report --db "$tmp/render.db" --sweep participation_gap --no-plots --out results/participation_gap > /dev/null
 # the dump's own paths only (a removed run's file is staged as removed too); the store itself is not in git
 git add -A -- results/store.json results/runs results/sweeps
 git add results/paper_fmnist results/fedsub results/pfpl_mixed results/fedprism_ablations results/clust_psi_pfl_fmnist \
