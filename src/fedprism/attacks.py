@@ -73,8 +73,10 @@ def check_attack(algo, state: dict, fraction: float) -> None:
 
     c = np.zeros(1, dtype=np.int64)
     plan = algo.plan(copy.deepcopy(state), 0, c)
-    upload = {k: torch.zeros((1, *s.resolve(algo.ctx).shape), dtype=s.dtype) for k, s in algo.upload().items()}
-    if not poisoned_names(upload, plan.payload):
+    upload = algo.upload()
+    sent = plan.payload
+    if not any(s.dtype.is_floating_point and isinstance(sent.get(k), torch.Tensor)
+               and tuple(sent[k].shape[1:]) == tuple(s.resolve(algo.ctx).shape) for k, s in upload.items()):
         raise ConfigError("attack.fraction", fraction, f"0 for method={algo.name}: its upload "
                           f"({', '.join(sorted(upload))}) holds no model measured against one the client was "
                           "sent (a tensor of the same name and shape in its plan), so a Byzantine client has "
@@ -96,19 +98,17 @@ class Attack:
     """The run's Byzantine clients (`attack.fraction` > 0) and what they send."""
 
     clients: np.ndarray          # sorted ids
-    fraction: float
     kind: str
     scale: float
     seed: int
-    method: str
 
     @classmethod
     def of(cls, cfg, num_clients: int) -> "Attack | None":
         fraction = float(cfg.get("attack.fraction", 0.0) or 0.0)
         if fraction <= 0:
             return None
-        return cls(byzantine_clients(cfg["seed"], num_clients, fraction), fraction, cfg["attack.kind"],
-                   float(cfg["attack.scale"]), int(cfg["seed"]), cfg["method"])
+        return cls(byzantine_clients(cfg["seed"], num_clients, fraction), cfg["attack.kind"],
+                   float(cfg["attack.scale"]), int(cfg["seed"]))
 
     def poison(self, up: Update, sent: Rows, rnd: int) -> Update:
         """`up` with the Byzantine clients' rows of every model-shaped upload tensor replaced; `sent`: the
