@@ -142,20 +142,37 @@ class StreamScorer:
         if self.N * len(x) * cache["width"] * 4 > STREAM_CACHE_BYTES:
             return None
         self.caches[key] = cache
-        hashes = row_hashes(rows if host_rows is None else host_rows)
+        host = rows if host_rows is None else host_rows
+        head = getattr(getattr(self.engine, "spec", None), "head", None) if features else None
+        if head is not None and head.stop > head.start:
+            # penultimate features never read the head: rows that differ only there (a shared body under
+            # personal heads: GPFL) are one model here, hashed and run once with the head zeroed
+            host, rows = host.clone(), rows.clone()
+            host[:, head], rows[:, head] = 0, 0
+        hashes = row_hashes(host)
         stale = [i for i, c in enumerate(clients) if cache["hash"][int(c)] != hashes[i]]
+        # equal rows are run once (the components every client shares: FedEM), the others copy the result
+        first: dict[bytes, int] = {}
+        for i in stale:
+            first.setdefault(hashes[i], i)
+        uniq = list(first.values())
         per = max(1, self.budget // self.chunk)
         # the row and destination indices go to the device once: an index tensor on the host would be one
         # copy (and one wait for the device) per chunk
-        src = torch.as_tensor(stale, dtype=torch.long).to(rows.device)
-        dst = torch.as_tensor(clients[stale], dtype=torch.long).to(self.device)
-        for g0 in range(0, len(stale), per):
+        src = torch.as_tensor(uniq, dtype=torch.long).to(rows.device)
+        dst = torch.as_tensor(clients[uniq], dtype=torch.long).to(self.device)
+        for g0 in range(0, len(uniq), per):
             params = rows[src[g0:g0 + per]]
             for s0 in range(0, len(x), self.chunk):
                 z = self._run(params, x[s0:s0 + self.chunk], features)
                 if cache["logits"] is None:
                     cache["logits"] = torch.zeros(self.N, len(x), z.shape[-1], device=z.device, dtype=z.dtype)
                 cache["logits"][dst[g0:g0 + per], s0:s0 + self.chunk] = z
+        copies = [i for i in stale if first[hashes[i]] != i]
+        if copies:
+            to = torch.as_tensor(clients[copies], dtype=torch.long).to(self.device)
+            frm = torch.as_tensor(clients[[first[hashes[i]] for i in copies]], dtype=torch.long).to(self.device)
+            cache["logits"][to] = cache["logits"][frm]
         for i in stale:
             cache["hash"][int(clients[i])] = hashes[i]
         return cache["logits"]
