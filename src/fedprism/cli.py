@@ -79,6 +79,7 @@ def cmd_run(args) -> int:
     found = None if stored_id or args.fresh else lookup.stored_result(raw, args.db)
     cfg, res = found if found is not None else _run_built(args, stored_id, raw, pristine)
     f = res.final
+    val = last_validation(res.history)
     if f.get("diverged"):
         print(f"fedprism: warning: {divergence_note(res.run_id, f)}", file=sys.stderr)
     if not args.json:
@@ -92,6 +93,7 @@ def cmd_run(args) -> int:
         keys = [k for k in ("global_acc", "local_acc", "local_acc_weighted", "ad", "sdad", "local_f1",
                             "global_model_acc", *_EXTRA_ACCURACIES, "seconds") if k in f]
         rows = [[k, f[k], f.get(f"best_{k}")] for k in keys]
+        rows += [[f"{k} (last evaluation)", v, None] for k, v in val.items()]
         if "rejected" in f:
             rows.append(["rejected updates", f["rejected"], None])
         rows += [[k, f[k], None] for k in summary_extras(f)]     # simulated time, totals, epsilon spent
@@ -104,6 +106,7 @@ def cmd_run(args) -> int:
             print(f"  {k.line()}")
     out = {k: f.get(k) for k in ("global_acc", "local_acc", "ad", "sdad", "seconds", "rejected")}
     out.update({k: f[k] for k in _EXTRA_ACCURACIES if k in f})
+    out.update(val)
     out.update({k: f[k] for k in summary_extras(f)})
     out["diverged"] = bool(f.get("diverged", False))
     if f.get("diverged"):
@@ -118,6 +121,20 @@ def cmd_run(args) -> int:
     if args.json:
         print(json_text(out))
     return 0
+
+
+def last_validation(history: list[dict]) -> dict:
+    """The validation scores (`data.val_fraction`: `val_acc`, ...) of a run's last evaluation that has them,
+    {} without: what a value is chosen on, printed beside the test scores (never in the stored final)."""
+    for h in reversed(history):
+        val = {k: h[k] for k in VALIDATION_KEYS if k in h}
+        if val:
+            return val
+    return {}
+
+
+#: the validation scores a round stores where the run holds out validation rows (`data.val_fraction`)
+VALIDATION_KEYS = ("val_acc", "val_loss", "val_f1")
 
 
 #: accuracies `fedprism run` prints and puts in --json where the run has them: the held-out clients'
@@ -293,6 +310,10 @@ def _runs(args, store) -> int:
                         "differs": differs, "seed": cfg.get("seed"), "status": r["status"],
                         "rounds_done": r["rounds_done"], "rounds": cfg.get("rounds"),
                         "local_acc": f.get("local_acc"), "global_acc": f.get("global_acc")})
+        if (cfg.get("data.val_fraction") or 0) > 0:     # the score a value is chosen on, last evaluation
+            val = last_validation(store.round_metrics(r["run_id"]))
+            if "val_acc" in val:
+                records[-1]["val_acc"] = val["val_acc"]
         if "sim_clock" in f:                          # simulated seconds of a run with `system.speeds`
             records[-1]["sim_clock"] = f["sim_clock"]
         if r["status"] == "running" and holder_gone(store.lock_path(r["run_id"])):
@@ -309,12 +330,13 @@ def _runs(args, store) -> int:
     elif records:
         differs = any(d["differs"] for d in records)     # the column only where rows of one label differ
         clock = any("sim_clock" in d for d in records)   # the column only where a listed run has a clock
-        head = ["id", "method", "label", *(["differs"] if differs else []), "seed", "status", "rounds", "local %",
-                "global %", *(["sim s"] if clock else [])]
+        val = any("val_acc" in d for d in records)        # only where a listed run holds out validation rows
+        head = ["id", "method", "label", *(["differs"] if differs else []), "seed", "status", "rounds",
+                *(["val %"] if val else []), "local %", "global %", *(["sim s"] if clock else [])]
         print(_table([[d["run_id"], d["method"], d["label"], *([d["differs"]] if differs else []), d["seed"],
                        "interrupted*" if d.get("process_gone") else d["status"],
-                       f"{d['rounds_done']}/{d['rounds']}", _acc(d, "local_acc"), _acc(d, "global_acc"),
-                       *([d.get("sim_clock")] if clock else [])]
+                       f"{d['rounds_done']}/{d['rounds']}", *([_acc(d, "val_acc")] if val else []),
+                       _acc(d, "local_acc"), _acc(d, "global_acc"), *([d.get("sim_clock")] if clock else [])]
                       for d in records], head))
         if gone:
             print("* stored as running, but no process runs it (killed); the same command resumes it, and "
@@ -372,8 +394,8 @@ def _show(args, store) -> int:
     if failures:
         _show_failures(failures, run_id, args.db)
     if hist:
-        keys = [k for k in ("global_acc", "local_acc", "sdad", "global_model_acc", "train_loss", "accepted",
-                            "rejected", "eval_clients", "train_s", "eval_s") if any(k in h for h in hist)]
+        keys = [k for k in ("global_acc", "local_acc", "val_acc", "sdad", "global_model_acc", "train_loss",
+                            "accepted", "rejected", "eval_clients", "train_s", "eval_s") if any(k in h for h in hist)]
         # the clock, who missed the round, staleness, bytes and epsilon: the columns a run's rounds store
         keys += round_columns(hist)
         print("\nRounds:")
@@ -382,9 +404,11 @@ def _show(args, store) -> int:
     summary = [k for k in ("global_acc", "local_acc", "sdad", "global_model_acc", *_EXTRA_ACCURACIES, "rejected")
                if k in final]
     summary += summary_extras(final)
+    val = last_validation(hist) if final else {}
     if summary:
         print("\nFinal:")
-        print(_table([[k, final[k]] for k in summary], ["metric", "value"]))
+        print(_table([[k, final[k]] for k in summary] + [[f"{k} (last evaluation)", v] for k, v in val.items()],
+                     ["metric", "value"]))
     dp = [[k, _fmt(final[k])] for k in sorted(final) if k.startswith(PRIVACY_PREFIXES)]
     if dp:
         print("\nDifferential privacy (docs/privacy.md):")
