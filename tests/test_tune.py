@@ -117,7 +117,7 @@ def test_study_file_spaces_are_overridden_and_removed(tmp_path):
 @pytest.mark.parametrize("tune_extra, base_extra, methods_extra, match", [
     ('objective = "local_acc"', "", "", "validation metric"),
     ('trails = 3', "", "", "did you mean 'trials'"),
-    ('sampler = "grid"', "", "", "tpe, random"),
+    ('sampler = "sobol"', "", "", "tpe, random, grid"),
     ('seeds = [0, 0]', "", "", "distinct"),
     ("", '"data.val_fraction" = 0.0', "", "data.val_fraction"),
     ("", "", 'space = { "fedprox.muu" = { low = 0.1, high = 1.0 } }', "did you mean 'fedprox.mu'"),
@@ -430,3 +430,26 @@ def test_study_source_follows_the_layering_of_config(tmp_path):
     assert study.source(fedavg, "data.val_fraction") == "s.toml's [base]"
     assert study.source(fedprox, "fedprox.mu", {"fedprox.mu": 0.5}) == "the search space"
     assert study.source(fedavg, "local_epochs") == "s.toml's [base]" and study.source(fedavg, "seed") == "the default"
+
+
+def test_the_grid_sampler_asks_every_point_once_in_order(tmp_path):
+    """sampler = "grid": trial n is the n-th point of the choices' product (keys sorted), no point twice,
+    and a method's trials stop at its grid's size when that is below the budget."""
+    p = tiny(tmp_path, trials=5, sampler="grid", rounds=1, tune_extra="pruner = \"none\"",
+             methods_extra='space = { "fedprox.mu" = { choices = [0.01, 1.0] } }')
+    p.write_text(p.read_text().replace("[base]", "[space]\nlr = { choices = [0.05, 0.1] }\n[base]"))
+    db = tmp_path / "s.db"
+    study = tune.run_study(p, db, progress=False)
+    with Store(db, readonly=True) as store:
+        fedavg = [t["params"] for t in tune.stored_trials(store, "tiny", "FedAvg")]
+        fedprox = [t["params"] for t in tune.stored_trials(store, "tiny", "FedProx")]
+    assert fedavg == [{"lr": 0.05}, {"lr": 0.1}]                                   # 2 points < 5 trials
+    assert fedprox == [{"fedprox.mu": 0.01, "lr": 0.05}, {"fedprox.mu": 0.01, "lr": 0.1},
+                       {"fedprox.mu": 1.0, "lr": 0.05}, {"fedprox.mu": 1.0, "lr": 0.1}]
+    assert [e.label for e in study.methods] == ["FedAvg", "FedProx"]
+
+
+def test_the_grid_sampler_refuses_a_continuous_range(tmp_path):
+    p = tiny(tmp_path, sampler="grid")                    # lr's declared space is a log range
+    with pytest.raises(ConfigError, match="lists of choices only: FedAvg's lr is the range"):
+        tune.load_study(p)

@@ -5,7 +5,7 @@ A study file names the methods, the search budget every one of them gets and the
     name = "tune_fmnist_dir01"
     [tune]
     trials = 12                  # the budget: trials per method, the same for every method
-    sampler = "tpe"              # tpe or random (Optuna's samplers, below)
+    sampler = "tpe"              # tpe or random (Optuna's samplers, below), or grid (every point in order)
     pruner = "median"            # median (stop a trial below the median of earlier trials) or none
     objective = "val_acc"        # a validation metric: val_acc or global_val_acc
     seeds = [0, 1, 2]            # the final stage: the chosen configuration over these seeds
@@ -32,6 +32,11 @@ from those records each time a trial is asked for, and the n-th suggestion is dr
 by (study seed, label, n) alone. So a study killed at any point (`kill -9` included) and started again
 asks the same trials with the same parameters as one that was never stopped: the trial that was
 running is asked again, its run id is the same, and it resumes from its last checkpoint.
+
+`sampler = "grid"` asks the points of the spaces' Cartesian product one by one, in order (keys sorted,
+each key's values in the order given), so no point repeats and none is skipped; every searched key must be a
+list of `choices` or an integer range, and a method's trials stop at `trials` or at its grid's size,
+whichever is smaller.
 
 Pruning reports the objective at every evaluated round (`eval_every`) and stops a trial that the pruner
 judges hopeless; its run is left `interrupted` with its checkpoint (asked again, it would resume).
@@ -75,7 +80,7 @@ from fedprism.hparams import Space
 TUNE_DEFAULTS: dict[str, Any] = {"trials": 12, "sampler": "tpe", "startup": 5, "pruner": "median",
                                  "prune_startup": 4, "prune_warmup": 0, "objective": "val_acc", "seed": 0,
                                  "seeds": [0, 1, 2], "defaults": False}
-SAMPLERS = ("tpe", "random")
+SAMPLERS = ("tpe", "random", "grid")
 PRUNERS = ("median", "none")
 #: the validation metrics an objective may be (and their `@` alternatives, `val_acc@backbone`)
 OBJECTIVES = ("val_acc", "global_val_acc")
@@ -282,6 +287,14 @@ def load_study(path: str | Path, quick: bool = False, overrides: dict[str, Any] 
     study = Study(name.strip(), p, base, entries, tune["trials"], tune["sampler"], tune["startup"], tune["pruner"],
                   tune["prune_startup"], tune["prune_warmup"], tune["objective"], tune["seed"], list(tune["seeds"]),
                   tune["defaults"], flatten(quick_doc), dict(overrides or {}))
+    if study.sampler == "grid":
+        for e in study.methods:
+            for key, sp in e.space.items():
+                if grid_values(sp) is None:
+                    raise ConfigError(f"{p.name}: [tune] sampler", "grid",
+                                      f"lists of choices only: {printable(e.label)}'s {key} is the range "
+                                      f"{sp.describe()} (give it {{ choices = [...] }} in [space] or the method's "
+                                      "space, or choose sampler tpe or random)", kind="")
     for e in study.methods:                       # every method's configuration resolves at its corners
         _check_objective(study, e, study.config(e, None))
         for corner in _corners(e.space):
@@ -473,10 +486,32 @@ def distributions(space: dict[str, Space]) -> dict[str, Any]:
     return out
 
 
+#: most values an integer range may give a grid
+GRID_MAX_RANGE = 100
+
+
+def grid_values(sp: Space) -> list | None:
+    """The values `sampler = "grid"` takes for one key: its choices in order, or every whole number of a small
+    integer range; None for a continuous range (no grid)."""
+    if sp.choices is not None:
+        return list(sp.choices)
+    if sp.integer and sp.high - sp.low < GRID_MAX_RANGE:
+        return list(range(int(sp.low), int(sp.high) + 1))
+    return None
+
+
+def grid_points(space: dict[str, Space]) -> list[dict]:
+    """The grid of `space` (keys sorted), in order: the first key varies slowest."""
+    import itertools
+
+    keys = sorted(space)
+    return [dict(zip(keys, values)) for values in itertools.product(*(grid_values(space[k]) for k in keys))]
+
+
 def _sampler(study: Study, seed: int):
     import optuna
 
-    if study.sampler == "random":
+    if study.sampler in ("random", "grid"):      # grid: the trial's point is enqueued (`_ask`)
         return optuna.samplers.RandomSampler(seed=seed)
     return optuna.samplers.TPESampler(seed=seed, n_startup_trials=study.startup)
 
@@ -528,6 +563,11 @@ def _ask(db: str | Path, study: Study, entry: MethodEntry) -> tuple[int, dict, l
         return None
     n = max((t["trial"] for t in trials), default=-1) + 1
     ostudy = rebuild(study, entry, trials)
+    if study.sampler == "grid":
+        points = grid_points(entry.space)
+        if n >= len(points):
+            return None                           # every point asked: the grid is the budget
+        ostudy.enqueue_trial(points[n])           # trial n is the grid's n-th point
     ostudy.sampler = _sampler(study, _trial_seed(study, entry.label, n))
     trial = ostudy.ask(distributions(entry.space))
     return n, dict(trial.params), trials, trial
