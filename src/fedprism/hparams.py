@@ -149,7 +149,9 @@ class Param:
             self._precheck(key, value)              # 1e300 is an integer-valued float
         elif t is float:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ConfigError(key, value, f"a number{'; ' + self.allowed if self.allowed else ''}")
+                allowed = self.allowed if self.allowed.startswith("a number") else \
+                    "a number" + (f"; {self.allowed}" if self.allowed else "")
+                raise ConfigError(key, value, allowed)
             value = float(value)
         elif self.default is not None and not isinstance(value, t):
             raise ConfigError(key, value, f"a {t.__name__}")
