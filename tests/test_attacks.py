@@ -104,3 +104,18 @@ def test_refused_on_flower():
 
     with pytest.raises(ConfigError, match="attack.fraction"):
         check_flower_config(resolve({**BASE, "method": "fedavg", "attack.fraction": 0.2}))
+
+
+def test_a_warning_when_attackers_outnumber_the_rule_s_f():
+    """Allowed (a rule's breakdown is worth measuring), but said: about fraction x cohort attackers a round
+    against aggregation.f."""
+    from fedprism.experiment.config import resolve
+    from fedprism.experiment.limits import attack_warning
+
+    base = {"method": "fedavg", "dataset": "digits", "model": "mlp", "clients": 10, "fraction": 1.0,
+            "fedavg.aggregation": "krum"}
+    note = attack_warning(resolve({**base, "attack.fraction": 0.4}))
+    assert note is not None and "about 4.0 Byzantine clients in a round of 10" in note and "f=1" in note
+    assert attack_warning(resolve({**base, "attack.fraction": 0.1})) is None            # 1 <= f
+    assert attack_warning(resolve({**base, "attack.fraction": 0.3, "fedavg.aggregation.f": 3})) is None
+    assert attack_warning(resolve({**base, "attack.fraction": 0.4, "fedavg.aggregation": "mean"})) is None

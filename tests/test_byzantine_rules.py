@@ -271,7 +271,7 @@ def test_rows_of_weight_zero_take_no_part():
     ("fedavg.aggregation=bulyan clients=6 fraction=1.0", "fedavg.aggregation.f", 1,
      "an integer in [0, 0] here: bulyan needs a round's n clients to satisfy n >= 4f + 3"),
     ("fedavg.aggregation=krum clients=2", "fedavg.aggregation", "krum",
-     "a rule other than krum here: krum needs a round of n >= 3 clients"),
+     "a rule other than krum here: krum needs a round of n > 2f + 2 clients, 3 at least"),
     ("fedavg.aggregation=multi_krum fedavg.aggregation.m=7 clients=6 fraction=1.0", "fedavg.aggregation.m", 7,
      "an integer in [1, 6], or 0 for n - f"),
     ("ditto.aggregation=bulyan ditto.aggregation.f=2 clients=20 fraction=0.5", "ditto.aggregation.f", 2,
@@ -280,7 +280,7 @@ def test_rows_of_weight_zero_take_no_part():
     # = 4 does not (clients x fraction = 7 would have passed)
     ("fedavg.aggregation=bulyan clients=20 fraction=0.35 data.unseen_clients=0.3", "fedavg.aggregation.f", 1,
      "(fraction=0.35 x the 14 clients that train (data.unseen_clients=0.3 holds out 6 of clients=20) gives 4 "
-     "client(s) a round); to tolerate f = 1, raise fraction or clients to 7 or more a round"),
+     "client(s) a round); to tolerate f = 1, raise fraction or clients until a round has 7 clients or more"),
 ])
 def test_a_cohort_too_small_for_f_is_a_config_error(extra, key, value, allowed):
     method = key.split(".")[0]

@@ -175,7 +175,8 @@ def test_every_averaging_method_runs_each_rule(method, extra, rule, tmp_path):
     from fedprism.experiment.store import Store
     from fedprism.flower.settings import parse_experiment
 
-    exp = (f"method={method} dataset=digits clients=5 rounds=2 fraction=1.0 local_epochs=1 lr=0.05 model=mlp "
+    model = "" if "model=" in extra else "model=mlp "
+    exp = (f"method={method} dataset=digits clients=5 rounds=2 fraction=1.0 local_epochs=1 lr=0.05 {model}"
            f"device=cpu engine=sequential partition.alpha=0.5 seed=3 {extra}")
     runs, replays = {}, []                                 # (state after the rule, after the mean) per round
     for r in ("mean", rule):

@@ -152,6 +152,12 @@ def _run_built(args, stored_id: str | None, raw: dict | None, pristine: bool):
     from fedprism.experiment.store import Store, drop_if_new_and_empty
 
     cfg = None if stored_id else resolve(raw)
+    if cfg is not None:
+        from fedprism.experiment.limits import attack_warning
+
+        note = attack_warning(cfg)
+        if note:
+            print(f"fedprism: warning: {note}", file=sys.stderr)
     memo = Recorder(raw, cfg, active=pristine and cfg is not None)
     created = not Path(args.db).exists()
     store = Store(args.db)

@@ -392,13 +392,13 @@ def check_rule_cohort(method: str, hp: Mapping[str, Any], cohort: int, where: st
     need, most = (("n >= 4f + 3", bulyan_f(cohort, f)) if rule == "bulyan" else ("n > 2f + 2", krum_f(cohort, f)))
     if most < 0:
         raise ConfigError(f"{method}.aggregation", rule, f"a rule other than {rule} here: {rule} needs a round "
-                          f"of n >= 3 clients{given}; raise fraction or clients, or use median, "
+                          f"of n > 2f + 2 clients, 3 at least{given}; raise fraction or clients, or use median, "
                           "trimmed_mean or clipped_mean")
     if most < f:
         n_f = 4 * f + 3 if rule == "bulyan" else 2 * f + 3
         raise ConfigError(f"{method}.aggregation.f", f, f"an integer in [0, {most}] here: {rule} needs a round's "
                           f"n clients to satisfy {need}{given}; to tolerate f = {f}, raise fraction or clients "
-                          f"to {n_f} or more a round (f = 0 tolerates no Byzantine client)")
+                          f"until a round has {n_f} clients or more (f = 0 tolerates no Byzantine client)")
     if rule == "multi_krum" and m > cohort:
         raise ConfigError(f"{method}.aggregation.m", m, f"an integer in [1, {cohort}], or 0 for n - f: the rows "
                           f"of lowest Krum score among a round's n clients{given}")

@@ -106,6 +106,27 @@ def check_cohort(cfg, N: int | None = None) -> None:
         check_rule_cohort(method, hp, cohort, where)
 
 
+def attack_warning(cfg) -> str | None:
+    """A note when Byzantine clients (`attack.fraction`) are expected to outnumber what the method's robust
+    rule tolerates (`aggregation.f`) in a round: allowed (a rule's breakdown is worth measuring), but said."""
+    fraction = float(cfg.get("attack.fraction", 0.0) or 0.0)
+    hp = _hp(cfg)
+    rule = hp.get("aggregation", "mean")
+    from fedprism.algorithms.aggregation import BYZANTINE_RULES
+
+    if fraction <= 0 or rule not in BYZANTINE_RULES or not _method(cfg).averages:
+        return None
+    N = cfg["clients"]
+    unseen = cfg.get("data.unseen_clients", 0.0)
+    cohort = _cohort(cfg, N - (held_out_count(N, unseen) if unseen else 0))
+    f, expected = int(hp.get("aggregation.f", 1)), fraction * cohort
+    if expected <= f:
+        return None
+    return (f"attack.fraction={fraction:g} puts about {expected:.1f} Byzantine clients in a round of {cohort}, "
+            f"more than the {cfg['method']}.aggregation.f={f} that {rule} tolerates: this run measures {rule} "
+            "past its bound (raise aggregation.f, and fraction or clients if the rule then asks for it)")
+
+
 def _cohort_free(cls, hp: dict) -> list[tuple[str, object]]:
     """Values of one choice parameter of the method under which it no longer clusters a round's clients
     only (Fed-PRISM dual's `cluster_on=seen`), to name in the message."""
