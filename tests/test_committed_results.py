@@ -1258,3 +1258,23 @@ def test_participation_gap_table_is_the_store_s(db_copy):
         f = finals[method.strip("`")]
         assert (loc, unseen) == (f"{100 * f['local_acc']:.2f}", f"{100 * f['unseen_local_acc']:.2f}"), method
         assert gap == f"{100 * (f['local_acc'] - f['unseen_local_acc']):+.2f}", method
+
+
+def test_newer_personalized_methods_as_results_readme_states(db_copy):
+    """results/README.md, baselines row: the five newer personalized methods' Loc and their difference to the
+    committed FedAvg pair, and FedEM's Glob the highest of the five."""
+    store = Store(db_copy, readonly=True)
+    fin = {r["label"]: json.loads(r["final"]) for r in store.runs(sweep="baselines_fmnist_dir01")
+           if r["status"] == "finished"}
+    fedavg = float(np.mean([json.loads(r["final"])["local_acc"] for r in store.runs(sweep="paper_fmnist_dir01")
+                            if r["label"] == "FedAvg" and r["status"] == "finished"]))
+    row = next(line for line in (RESULTS / "README.md").read_text().splitlines()
+               if line.startswith("| the newer personalized methods?"))
+    loc = {m: 100 * fin[m]["local_acc"] for m in ("FedPAC", "FedRoD", "GPFL", "FedFomo", "FedEM")}
+    for m in ("FedPAC", "FedRoD", "GPFL", "FedFomo", "FedEM"):
+        assert f"{m} {loc[m]:.2f}" in row, m
+    diffs = {m: v - 100 * fedavg for m, v in loc.items()}
+    four = [diffs[m] for m in ("FedPAC", "FedRoD", "GPFL", "FedFomo")]
+    assert f"(+{min(four):.2f} to +{max(four):.2f})" in row and f"(+{diffs['FedEM']:.2f})" in row
+    glob = {m: 100 * fin[m]["global_acc"] for m in loc}
+    assert max(glob, key=glob.get) == "FedEM" and f"Glob of them ({glob['FedEM']:.2f})" in row
