@@ -21,7 +21,7 @@ from fedprism.textable import table as _table
 
 DEFAULT_DB = "fedprism-results.db"
 
-KV_HELP = "key=value overrides, e.g. dataset=fmnist method=fedprism fedprism.k=5 rounds=50 (see `fedprism methods`)"
+KV_HELP = "key=value overrides, e.g. dataset=fmnist method=fedprism fedprism.k=5 rounds=50 (see `fedprism methods`); a key given twice: the last value wins"
 
 
 def _finite(x):

@@ -363,11 +363,7 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
         if "=" not in a:
             raise ConfigError("argument", a, "key=value (e.g. rounds=20 fedprism.k=5)", kind="")
         k, v = a.split("=", 1)
-        k, v = k.strip(), parse_value(v.strip())
-        if k in out and out[k] != v:               # `clients=5 ... clients=20`: which one was meant?
-            raise ConfigError("argument", a, f"one value per key: {k} is already given as {out[k]!r} on this "
-                              "command line", kind="")
-        out[k] = v
+        out[k.strip()] = parse_value(v.strip())     # a key given again overrides (`BASE... rounds=1`)
     return out
 
 
