@@ -146,9 +146,9 @@ class StreamScorer:
         head = getattr(getattr(self.engine, "spec", None), "head", None) if features else None
         if head is not None and head.stop > head.start:
             # penultimate features never read the head: rows that differ only there (a shared body under
-            # personal heads: GPFL) are one model here, hashed and run once with the head zeroed
-            host, rows = host.clone(), rows.clone()
-            host[:, head], rows[:, head] = 0, 0
+            # personal heads: GPFL) are one model here, hashed with the head zeroed and run once
+            host = host.clone()
+            host[:, head] = 0
         hashes = row_hashes(host)
         stale = [i for i, c in enumerate(clients) if cache["hash"][int(c)] != hashes[i]]
         # equal rows are run once (the components every client shares: FedEM), the others copy the result

@@ -74,6 +74,14 @@ def _cohort(cfg, N: int) -> int:
     return min(N, _method(cfg).cohort(_hp(cfg), N, cfg["fraction"]))
 
 
+def _training_cohort(cfg, N: int) -> tuple[int, int]:
+    """(clients a round trains, clients held out by `data.unseen_clients`): cohorts are drawn from the
+    clients that train."""
+    unseen = cfg.get("data.unseen_clients", 0.0)
+    held = held_out_count(N, unseen) if unseen else 0
+    return _cohort(cfg, N - held), held
+
+
 def check_cohort(cfg, N: int | None = None) -> None:
     """The limits that need only the configuration (`check_limits` runs them too; a Flower simulation runs
     them before it starts anything): K above the clients, K above a round's cohort for the methods that
@@ -82,8 +90,7 @@ def check_cohort(cfg, N: int | None = None) -> None:
     N = cfg["clients"] if N is None else int(N)
     method, cls, hp = cfg["method"], _method(cfg), _hp(cfg)
     unseen = cfg.get("data.unseen_clients", 0.0)
-    held = held_out_count(N, unseen) if unseen else 0      # cohorts are drawn from the clients that train
-    cohort = _cohort(cfg, N - held)
+    cohort, held = _training_cohort(cfg, N)
     where = f"clients={N} x fraction={cfg['fraction']:g}"
     if held:
         where = (f"fraction={cfg['fraction']:g} x the {N - held} clients that train "
@@ -116,9 +123,7 @@ def attack_warning(cfg) -> str | None:
 
     if fraction <= 0 or rule not in BYZANTINE_RULES or not _method(cfg).averages:
         return None
-    N = cfg["clients"]
-    unseen = cfg.get("data.unseen_clients", 0.0)
-    cohort = _cohort(cfg, N - (held_out_count(N, unseen) if unseen else 0))
+    cohort, _ = _training_cohort(cfg, cfg["clients"])
     f, expected = int(hp.get("aggregation.f", 1)), fraction * cohort
     if expected <= f:
         return None

@@ -63,6 +63,7 @@ objective and a pruning callback in, the trial's outcome out, so another executo
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import math
 import sys
@@ -502,8 +503,6 @@ def grid_values(sp: Space) -> list | None:
 
 def grid_points(space: dict[str, Space]) -> list[dict]:
     """The grid of `space` (keys sorted), in order: the first key varies slowest."""
-    import itertools
-
     keys = sorted(space)
     return [dict(zip(keys, values)) for values in itertools.product(*(grid_values(space[k]) for k in keys))]
 
